@@ -1,0 +1,39 @@
+# The two commands of the README. Both create (or refresh, when setup.py or the pins change)
+# a virtualenv at .venv and install everything into it from scratch on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.stapo-installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-fast bench venv clean
+
+$(STAMP): setup.py requirements/cpu-constraints.txt Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# CPU machines: pin torch to the CPU wheel before anything can pull a CUDA build.
+	if ! command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(PY) -m pip install -q -c requirements/cpu-constraints.txt torch; fi
+	$(PY) -m pip install -q -c requirements/cpu-constraints.txt -e ".[test]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# Until the RL loop lands: a few real STAPO steps of a tiny Megatron GPTModel on synthetic rollouts.
+demo: $(STAMP)
+	$(VENV)/bin/torchrun --nproc-per-node 2 examples/demo_synthetic.py
+
+test: $(STAMP)
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# The fast tier (a minute or two): everything not marked slow.
+test-fast: $(STAMP)
+	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 \
+	MALLOC_CONF="retain:true,dirty_decay_ms:-1,muzzy_decay_ms:-1" \
+	$(PY) benchmarks/bench_logprob_entropy.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,38 @@
+"""stapo-megatron: STAPO (arXiv 2602.15620) on Megatron-Core."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="stapo-megatron",
+    version="0.1.0",
+    description="Spurious-Token-Aware Policy Optimization (STAPO) on Megatron-Core",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["stapo_megatron", "stapo_megatron.*", "conversion", "conversion.*"]),
+    install_requires=[
+        # Written against megatron-core 0.16 .. 0.19 (CPU installs get 0.16.1, see
+        # requirements/cpu-constraints.txt). torch is left unpinned here so that a GPU
+        # cluster keeps its own CUDA build; CPU installs pin it through the constraints file.
+        "megatron-core>=0.16.1,<0.20",
+        "torch>=2.6",
+        "numpy",
+        "transformers>=4.56",
+        "safetensors",
+        # dist_checkpointing imports psutil without declaring it (save hangs without it).
+        "psutil",
+    ],
+    extras_require={
+        # GPU-only: the transformer-engine layer spec. apex is optional and installed from
+        # source on clusters (NGC containers ship it); it cannot work without CUDA.
+        "gpu": ["transformer-engine[pytorch]"],
+        "rollout": ["vllm"],
+        "launch": ["nemo-run", "leptonai<0.47"],
+        "test": ["pytest>=8"],
+    },
+    entry_points={
+        "console_scripts": [
+            "stapo-convert=conversion.cli:main",
+        ],
+    },
+)

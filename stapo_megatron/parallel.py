@@ -1,0 +1,89 @@
+"""Process-group setup for Megatron-Core (torchrun/srun on GPU, gloo on CPU).
+
+The rest of the package takes process groups as arguments; this module is the one place
+that initialises ``torch.distributed`` and Megatron's ``parallel_state`` and resolves the
+groups a training step needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from stapo_megatron import cpu_compat
+
+
+@dataclasses.dataclass
+class Groups:
+    """The process groups one rank needs for a STAPO step."""
+
+    tp: Optional[dist.ProcessGroup]
+    """Tensor-parallel group (vocabulary shards of the output layer)."""
+    dp: Optional[dist.ProcessGroup]
+    """Data-parallel group (the mini-batch is split over it; tau_H is reduced over it)."""
+    pp: Optional[dist.ProcessGroup]
+    """Pipeline-parallel group (metrics are broadcast from the last stage over it)."""
+    is_last_stage: bool
+    """Whether this rank holds the output layer (and so computes the loss)."""
+
+
+def init_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    seed: int = 1234,
+    backend: Optional[str] = None,
+) -> Groups:
+    """Initialise torch.distributed (from the torchrun environment) and Megatron parallel state.
+
+    Args:
+        tensor_model_parallel_size: TP size.
+        pipeline_model_parallel_size: PP size; DP is world_size / (TP * PP).
+        seed: model-parallel RNG seed (Megatron's ``model_parallel_cuda_manual_seed``).
+        backend: "nccl" or "gloo"; default nccl when CUDA is available, else gloo.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    cpu_compat.apply()
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend)
+    world = dist.get_world_size()
+    if world % (tensor_model_parallel_size * pipeline_model_parallel_size):
+        raise ValueError(
+            f"world size {world} is not divisible by tensor_model_parallel_size "
+            f"{tensor_model_parallel_size} x pipeline_model_parallel_size {pipeline_model_parallel_size}"
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return current_groups()
+
+
+def current_groups() -> Groups:
+    """The groups of the already-initialised Megatron parallel state."""
+    from megatron.core import parallel_state as ps
+
+    return Groups(
+        tp=ps.get_tensor_model_parallel_group(),
+        dp=ps.get_data_parallel_group(),
+        pp=ps.get_pipeline_model_parallel_group(),
+        is_last_stage=ps.is_pipeline_last_stage(),
+    )
+
+
+def destroy_parallel() -> None:
+    """Tear down Megatron parallel state and the default process group."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

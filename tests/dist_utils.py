@@ -1,0 +1,71 @@
+"""Run a function on N gloo processes (tier-b tests) and collect each rank's return value."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, queue):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        queue.put((rank, "ok", fn(*args)))
+    except BaseException:  # report the child's traceback to the test
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(world_size: int, fn, *args, timeout: float = 600.0) -> list:
+    """Spawn ``world_size`` processes running ``fn(*args)``; return results ordered by rank.
+
+    ``fn`` must be importable (module level) and return picklable values. It initialises
+    torch.distributed itself (from the RANK/WORLD_SIZE/MASTER_* environment, as torchrun sets).
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    try:
+        for _ in range(world_size):
+            rank, status, value = queue.get(timeout=timeout)
+            if status == "error":
+                errors.append(f"rank {rank}:\n{value}")
+                break
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 60)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("distributed worker failed\n" + "\n".join(errors))
+    return [results[r] for r in range(world_size)]
