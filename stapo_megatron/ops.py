@@ -1,0 +1,176 @@
+"""Fused log-probability and entropy on tensor-parallel vocabulary-sharded logits.
+
+STAPO needs, for every response token, log p(y_t) (differentiable: the policy-gradient term)
+and the full-vocabulary entropy H_t (a constant: it only selects the S2T mask). With the output
+layer column-parallel, rank r of the TP group holds logits for vocabulary ids
+[r * V_local, (r + 1) * V_local). This module computes both without gathering logits:
+
+    step 1  local pass (one read of the shard, in cache-sized row chunks): per row the local
+            max m_r, s_r = sum exp(z - m_r), w_r = sum exp(z - m_r) (z - m_r), target logit z_y
+    step 2  all-reduce MAX of m_r                                  -> global max M
+    step 3  rescale to M and all-reduce SUM of the packed (s, w, z_y):
+                S = sum_r exp(m_r - M) s_r
+                W = sum_r exp(m_r - M) (w_r + (m_r - M) s_r)
+    step 4  normalise: log Z = M + log S, log p = z_y - log Z, H = log S - W / S
+
+with z = logits / temperature. Backward needs no collective: d log p / d z = onehot(y) - p,
+recomputed chunk by chunk from the saved per-row log Z. The input is never modified in place
+(Megatron's vocab_parallel_cross_entropy overwrites fp32 logits, the cause of verl #1672/#2484)
+and no full fp32 copy of the shard is held beyond the returned gradient.
+
+Legend: N = flattened tokens, V = local vocabulary shard size, C = rows in one chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+# Rows per chunk are chosen so that one fp32 chunk stays around this size (cache-resident on
+# current CPUs and far below GPU shared-memory pressure); see benchmarks/bench_logprob_entropy.py.
+_CHUNK_BYTES = 5 << 19  # 2.5 MiB: 4 rows of a 151936 vocabulary
+
+
+def _rows_per_chunk(vocab_local: int) -> int:
+    return max(1, _CHUNK_BYTES // (4 * vocab_local))
+
+
+def _local_stats(logits_NV, target_N, vocab_start, inv_temp, exp_out_NV=None):
+    """Step 1: per-row local max, sum-exp, sum exp*(z-m) and the target logit (fp32).
+
+    If ``exp_out_NV`` is given, the numerators exp(z - m_r) are also written into it: that
+    buffer becomes the returned gradient, so backward is a single in-place rescale.
+    """
+    num_rows, vocab = logits_NV.shape
+    m_N = torch.empty(num_rows, dtype=torch.float32)
+    s_N = torch.empty(num_rows, dtype=torch.float32)
+    w_N = torch.empty(num_rows, dtype=torch.float32)
+    chunk = _rows_per_chunk(vocab)
+    d_CV = torch.empty(min(chunk, num_rows), vocab, dtype=torch.float32)
+    e_CV = torch.empty_like(d_CV)
+    write_e_in_place = exp_out_NV is not None and exp_out_NV.dtype == torch.float32
+    for start in range(0, num_rows, chunk):
+        x_CV = logits_NV[start : start + chunk]
+        rows = x_CV.shape[0]
+        end = start + rows
+        d = d_CV[:rows]
+        e = exp_out_NV[start:end] if write_e_in_place else e_CV[:rows]
+        m_C = x_CV.amax(dim=-1, keepdim=True)
+        if x_CV.dtype == torch.float32:
+            torch.sub(x_CV, m_C, out=d)
+        else:  # upcast before subtracting: x - m rounded in bf16 would lose the low bits
+            d.copy_(x_CV).sub_(m_C.float())
+        if inv_temp != 1.0:
+            d.mul_(inv_temp)
+        torch.exp(d, out=e)
+        if exp_out_NV is not None and not write_e_in_place:
+            exp_out_NV[start:end].copy_(e)
+        m_N[start:end] = m_C.squeeze(-1).float() * inv_temp
+        s_N[start:end] = e.sum(dim=-1)
+        w_N[start:end] = torch.linalg.vecdot(e, d)
+    local_ids_N = target_N - vocab_start
+    owned_N = (local_ids_N >= 0) & (local_ids_N < vocab)
+    picked_N = logits_NV.gather(-1, local_ids_N.clamp(0, vocab - 1).unsqueeze(-1)).squeeze(-1)
+    z_target_N = torch.where(owned_N, picked_N.float() * inv_temp, 0.0)
+    return m_N, s_N, w_N, z_target_N
+
+
+def _reduce_stats(m_N, s_N, w_N, z_target_N, tp_group):
+    """Steps 2-3: MAX then one packed SUM over the TP group; returns global (M, S, W, z_y)."""
+    global_m_N = m_N.clone()
+    if tp_group is not None:
+        dist.all_reduce(global_m_N, op=dist.ReduceOp.MAX, group=tp_group)
+    shift_N = m_N - global_m_N  # <= 0
+    scale_N = shift_N.exp()
+    packed_3N = torch.stack([s_N * scale_N, scale_N * (w_N + shift_N * s_N), z_target_N])
+    if tp_group is not None:
+        dist.all_reduce(packed_3N, op=dist.ReduceOp.SUM, group=tp_group)
+    return global_m_N, packed_3N[0], packed_3N[1], packed_3N[2]
+
+
+class _LogprobEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits_NV, target_N, vocab_start, inv_temp, tp_group):
+        # With a gradient to come, the softmax numerators exp(z - m_r) go straight into the
+        # buffer that backward returns (logits' dtype): no extra copy of the shard is held, and
+        # backward needs no second exp pass. Without grad, only cache-sized scratch is used.
+        grad_NV = torch.empty_like(logits_NV) if ctx.needs_input_grad[0] else None
+        m_N, s_N, w_N, z_target_N = _local_stats(logits_NV, target_N, vocab_start, inv_temp, grad_NV)
+        global_m_N, sum_exp_N, sum_w_N, z_y_N = _reduce_stats(m_N, s_N, w_N, z_target_N, tp_group)
+        log_sum_exp_N = sum_exp_N.log()  # step 4
+        log_z_N = global_m_N + log_sum_exp_N
+        logprob_N = z_y_N - log_z_N
+        entropy_N = log_sum_exp_N - sum_w_N / sum_exp_N
+        if grad_NV is not None:
+            # p = exp(z - m_r) * exp(m_r - log Z): the per-row factor applied in backward.
+            ctx.save_for_backward(grad_NV, target_N, (m_N - log_z_N).exp(), logprob_N)
+        ctx.vocab_start, ctx.inv_temp = vocab_start, inv_temp
+        ctx.mark_non_differentiable(entropy_N)
+        return logprob_N, entropy_N
+
+    @staticmethod
+    def backward(ctx, grad_logprob_N, grad_entropy_N):
+        # d logp / d x = (onehot(y) - p) / T on the local shard; no collective (the column-
+        # parallel output layer all-reduces its input gradient itself).
+        grad_NV, target_N, row_scale_N, logprob_N = ctx.saved_tensors
+        vocab = grad_NV.shape[-1]
+        g_N = grad_logprob_N.float() * ctx.inv_temp
+        grad_NV.mul_((-g_N * row_scale_N).to(grad_NV.dtype).unsqueeze(-1))
+        # The target entry g (1 - p_y) is computed in fp32 and written, not added: adding g to
+        # a rounded -p g would cancel catastrophically in bf16 where p_y -> 1.
+        local_ids_N = target_N - ctx.vocab_start
+        rows_N = ((local_ids_N >= 0) & (local_ids_N < vocab)).nonzero().squeeze(-1)
+        target_grad = g_N[rows_N] * (1.0 - logprob_N[rows_N].exp())
+        grad_NV[rows_N, local_ids_N[rows_N]] = target_grad.to(grad_NV.dtype)
+        return grad_NV, None, None, None, None
+
+
+def vocab_parallel_logprob_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    tp_group: Optional[dist.ProcessGroup] = None,
+    temperature: float = 1.0,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of ``target`` and full-vocabulary entropy from vocab-sharded logits.
+
+    Args:
+        logits: [..., V_local], fp32 or bf16. Rank r of ``tp_group`` holds vocabulary ids
+            [r * V_local, (r + 1) * V_local). Never modified.
+        target: [...] global token ids (int64/int32).
+        tp_group: tensor-parallel group over which the vocabulary is sharded; None = unsharded.
+        temperature: logits are divided by it, exactly as the rollout sampler does (vLLM
+            applies ``logits / temperature`` before softmax), so train and rollout log-probs
+            are comparable.
+
+    Returns:
+        (logprob, entropy): fp32 tensors of ``target``'s shape. ``logprob`` = log softmax(
+        logits / T)[target], differentiable w.r.t. ``logits``; ``entropy`` = -sum_v p log p of
+        softmax(logits / T), detached. Exactly 2 collectives over ``tp_group`` per call.
+    """
+    if logits.shape[:-1] != target.shape:
+        raise ValueError(
+            f"logits shape {tuple(logits.shape)} must be target shape {tuple(target.shape)} + [V_local]"
+        )
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"logits must be floating point (fp32/bf16/fp16), got {logits.dtype}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    vocab_local = logits.shape[-1]
+    tp_size, tp_rank = 1, 0
+    if tp_group is not None:
+        tp_size, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+        if tp_size == 1:
+            tp_group = None
+    if target.numel() and (int(target.min()) < 0 or int(target.max()) >= vocab_local * tp_size):
+        raise ValueError(
+            f"target ids must lie in [0, {vocab_local * tp_size}) (V_local {vocab_local} x TP "
+            f"{tp_size}); got range [{int(target.min())}, {int(target.max())}]"
+        )
+    logits_NV = logits.reshape(-1, vocab_local)
+    target_N = target.reshape(-1).long()
+    logprob_N, entropy_N = _LogprobEntropy.apply(
+        logits_NV, target_N, tp_rank * vocab_local, 1.0 / float(temperature), tp_group
+    )
+    return logprob_N.view(target.shape), entropy_N.view(target.shape)
