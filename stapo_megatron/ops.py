@@ -13,10 +13,15 @@ layer column-parallel, rank r of the TP group holds logits for vocabulary ids
                 W = sum_r exp(m_r - M) (w_r + (m_r - M) s_r)
     step 4  normalise: log Z = M + log S, log p = z_y - log Z, H = log S - W / S
 
-with z = logits / temperature. Backward needs no collective: d log p / d z = onehot(y) - p,
-recomputed chunk by chunk from the saved per-row log Z. The input is never modified in place
-(Megatron's vocab_parallel_cross_entropy overwrites fp32 logits, the cause of verl #1672/#2484)
-and no full fp32 copy of the shard is held beyond the returned gradient.
+with z = logits / temperature. When a gradient is needed, step 1 also writes the softmax
+numerators exp(z - m_r) into the buffer that backward will return, so backward is one in-place
+rescale by the per-row factor -g exp(m_r - log Z) / T plus the target entries g (1 - p_y) / T
+(computed in fp32 and written, never added to a rounded value): no second exp pass and no
+collective (the column-parallel output layer all-reduces its input gradient itself). Without a
+gradient only cache-sized fp32 scratch is used. The input is never modified in place (Megatron's
+vocab_parallel_cross_entropy overwrites fp32 logits, the cause of verl #1672/#2484) and no fp32
+copy of the shard is held beyond the returned gradient. Like Megatron's CE, backward runs once
+(no retain_graph double backward).
 
 Legend: N = flattened tokens, V = local vocabulary shard size, C = rows in one chunk.
 """
@@ -31,10 +36,13 @@ import torch.distributed as dist
 # Rows per chunk are chosen so that one fp32 chunk stays around this size (cache-resident on
 # current CPUs and far below GPU shared-memory pressure); see benchmarks/bench_logprob_entropy.py.
 _CHUNK_BYTES = 5 << 19  # 2.5 MiB: 4 rows of a 151936 vocabulary
+# On GPU the loop is bounded by kernel launches rather than cache: use large chunks.
+_CHUNK_BYTES_CUDA = 1 << 28
 
 
-def _rows_per_chunk(vocab_local: int) -> int:
-    return max(1, _CHUNK_BYTES // (4 * vocab_local))
+def _rows_per_chunk(vocab_local: int, device: torch.device) -> int:
+    budget = _CHUNK_BYTES_CUDA if device.type == "cuda" else _CHUNK_BYTES
+    return max(1, budget // (4 * vocab_local))
 
 
 def _local_stats(logits_NV, target_N, vocab_start, inv_temp, exp_out_NV=None):
@@ -44,11 +52,10 @@ def _local_stats(logits_NV, target_N, vocab_start, inv_temp, exp_out_NV=None):
     buffer becomes the returned gradient, so backward is a single in-place rescale.
     """
     num_rows, vocab = logits_NV.shape
-    m_N = torch.empty(num_rows, dtype=torch.float32)
-    s_N = torch.empty(num_rows, dtype=torch.float32)
-    w_N = torch.empty(num_rows, dtype=torch.float32)
-    chunk = _rows_per_chunk(vocab)
-    d_CV = torch.empty(min(chunk, num_rows), vocab, dtype=torch.float32)
+    fp32 = dict(dtype=torch.float32, device=logits_NV.device)
+    m_N, s_N, w_N = (torch.empty(num_rows, **fp32) for _ in range(3))
+    chunk = _rows_per_chunk(vocab, logits_NV.device)
+    d_CV = torch.empty(min(chunk, num_rows), vocab, **fp32)
     e_CV = torch.empty_like(d_CV)
     write_e_in_place = exp_out_NV is not None and exp_out_NV.dtype == torch.float32
     for start in range(0, num_rows, chunk):

@@ -29,6 +29,8 @@ class Groups:
     """Pipeline-parallel group (metrics are broadcast from the last stage over it)."""
     is_last_stage: bool
     """Whether this rank holds the output layer (and so computes the loss)."""
+    pp_last_rank: int
+    """Global rank of the last pipeline stage of this rank's pipeline (metrics source)."""
 
 
 def init_parallel(
@@ -77,6 +79,7 @@ def current_groups() -> Groups:
         dp=ps.get_data_parallel_group(),
         pp=ps.get_pipeline_model_parallel_group(),
         is_last_stage=ps.is_pipeline_last_stage(),
+        pp_last_rank=ps.get_pipeline_model_parallel_last_rank(),
     )
 
 

@@ -1,0 +1,141 @@
+"""Tier a: the STAPO loss, its gradient through the fused op, and the Megatron loss_func."""
+
+import math
+
+import pytest
+import torch
+
+from stapo_megatron import s2t
+from stapo_megatron.loss import LossConfig, loss_func, minibatch_threshold, stapo_loss
+from stapo_megatron.ops import vocab_parallel_logprob_entropy
+
+FP32_TOL = 1e-5  # fp32 op vs float64 reference over a 500-entry vocabulary
+
+
+def reference_objective(logprob, old, adv, keep, lo=0.2, hi=0.28):
+    """-J written directly from the paper's formula, in float64."""
+    r = torch.exp(logprob - old)
+    per_token = torch.minimum(r * adv, torch.clamp(r, 1 - lo, 1 + hi) * adv)
+    return -(per_token * keep).sum() / keep.sum()
+
+
+def test_loss_sum_and_count_by_hand():
+    logprob = torch.log(torch.tensor([0.5, 0.5, 0.5, 0.5]))
+    old = torch.log(torch.tensor([0.25, 0.5, 0.75, 0.5]))  # r = 2, 1, 2/3, 1
+    adv = torch.tensor([1.0, 1.0, -1.0, 3.0])
+    mask = torch.tensor([True, True, True, False])
+    silenced = torch.tensor([False, True, False, False])
+    loss_sum, num_kept = stapo_loss(logprob, old, adv, mask, silenced)
+    # token0: min(2*1, 1.28*1) = 1.28; token2: min(-2/3, -0.8) = -0.8 -> loss = -(1.28 - 0.8)
+    assert num_kept.item() == 2
+    assert loss_sum.item() == pytest.approx(-(1.28 - 0.8))
+
+
+def test_gradient_matches_float64_reference_through_the_op():
+    gen = torch.Generator().manual_seed(0)
+    B, S, V = 4, 6, 500
+    logits = (torch.randn(B, S, V, generator=gen) * 3).requires_grad_()
+    labels = torch.randint(0, V, (B, S), generator=gen)
+    old = (torch.log_softmax(logits.detach() + 0.3 * torch.randn(B, S, V, generator=gen), -1)
+           .gather(-1, labels[..., None]).squeeze(-1))
+    adv = torch.tensor([1.0, -0.5, 0.7, -1.2])[:, None].expand(B, S)
+    mask = torch.rand(B, S, generator=gen) > 0.2
+    silenced = torch.zeros(B, S, dtype=torch.bool)
+    silenced[0, 1] = True
+    logprob, _ = vocab_parallel_logprob_entropy(logits, labels)
+    loss_sum, num_kept = stapo_loss(logprob, old, adv, mask, silenced)
+    (loss_sum / num_kept).backward()
+
+    x = logits.detach().double().requires_grad_()
+    ref_lp = torch.log_softmax(x, -1).gather(-1, labels[..., None]).squeeze(-1)
+    ref = reference_objective(ref_lp, old.double(), adv.double(), (mask & ~silenced).double())
+    ref.backward()
+    assert (loss_sum / num_kept).item() == pytest.approx(ref.item(), abs=FP32_TOL)
+    torch.testing.assert_close(logits.grad.double(), x.grad, atol=FP32_TOL, rtol=0)
+    assert logits.grad[0, 1].abs().max() == 0, "a silenced token must get no gradient"
+
+
+def test_all_masked_micro_batch_is_zero_not_nan():
+    logits = torch.randn(2, 3, 50, requires_grad=True)
+    labels = torch.zeros(2, 3, dtype=torch.long)
+    logprob, _ = vocab_parallel_logprob_entropy(logits, labels)
+    mask = torch.zeros(2, 3, dtype=torch.bool)
+    loss_sum, num_kept = stapo_loss(logprob, logprob.detach() + 100.0, torch.ones(2, 3), mask, mask)
+    assert num_kept.item() == 0 and loss_sum.item() == 0.0
+    loss_sum.backward()
+    assert torch.equal(logits.grad, torch.zeros_like(logits))
+
+
+def test_dual_clip_bounds_negative_advantages():
+    logprob = torch.log(torch.tensor([0.9]))
+    old = torch.log(torch.tensor([0.1]))  # r = 9
+    adv = torch.tensor([-1.0])
+    keep = torch.tensor([True])
+    plain, _ = stapo_loss(logprob, old, adv, keep, ~keep)
+    dual, _ = stapo_loss(logprob, old, adv, keep, ~keep, clip_ratio_c=3.0)
+    assert plain.item() == pytest.approx(9.0) and dual.item() == pytest.approx(3.0)
+
+
+def test_kl_term():
+    logprob = torch.log(torch.tensor([0.5]))
+    ref = torch.log(torch.tensor([0.25]))
+    keep = torch.tensor([True])
+    base, _ = stapo_loss(logprob, logprob, torch.zeros(1), keep, ~keep)
+    with_kl, _ = stapo_loss(logprob, logprob, torch.zeros(1), keep, ~keep, ref_logprob=ref, kl_coef=0.1)
+    k3 = 0.5 - math.log(0.5) - 1.0  # exp(ref - lp) - (ref - lp) - 1
+    assert with_kl.item() - base.item() == pytest.approx(0.1 * k3)
+    with pytest.raises(ValueError, match="ref_logprob"):
+        stapo_loss(logprob, logprob, torch.zeros(1), keep, ~keep, kl_coef=0.1)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="method"):
+        LossConfig(method="ppo")
+    with pytest.raises(ValueError, match="tau_h_source"):
+        LossConfig(tau_h_source="new")
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        LossConfig(clip_ratio_c=0.5)
+
+
+def _spiky_batch(seed=0, B=8, S=12, V=64):
+    """Logits where some sampled tokens are rare (p < tau_p) under a confident distribution."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, S, V, generator=gen)
+    logits[..., 0] += torch.rand(B, S, generator=gen) * 12  # confident on token 0: low H
+    labels = torch.randint(1, V, (B, S), generator=gen)
+    logprob, entropy = vocab_parallel_logprob_entropy(logits, labels)
+    adv = torch.tensor([1.0, -1.0] * (B // 2))[:, None].expand(B, S).contiguous()
+    mask = torch.ones(B, S, dtype=torch.bool)
+    mask[:, :3] = False  # prompt
+    batch = dict(labels=labels, response_mask=mask, old_logprob=logprob.detach(), advantages=adv)
+    return logits, logprob, entropy, batch
+
+
+@pytest.mark.parametrize("method", ["stapo", "grpo", "entropy20", "random"])
+def test_loss_func_methods_and_metrics(method):
+    logits, logprob, entropy, batch = _spiky_batch()
+    config = LossConfig(method=method, tau_p=0.002)
+    mask, adv = batch["response_mask"], batch["advantages"]
+    threshold = minibatch_threshold(config, logprob, entropy, adv, mask)
+    loss_sum, num_kept, metrics = loss_func(config, dict(batch, seed=torch.tensor(3)), threshold, None, logits)
+    sums = dict(zip(
+        ["loss_sum", "num_kept", "num_response", "num_silenced", "num_candidates"],
+        metrics["stapo_sums"][:5].tolist(),
+    ))
+    s2t_silenced = s2t.s2t_mask(logprob, entropy, adv, mask, tau_p=0.002, q=0.75)
+    expected_silenced = {
+        "stapo": s2t_silenced,
+        "grpo": s2t.no_mask(mask),
+        "entropy20": s2t.entropy20_mask(entropy, mask),
+        # random silences as many tokens as S2T would, seeded by config.seed and the batch seed
+        "random": s2t.random_mask(mask, int(s2t_silenced.sum()), seed=3),
+    }[method]
+    assert expected_silenced.any() or method == "grpo"
+    assert sums["num_silenced"] == expected_silenced.sum().item()
+    assert sums["num_response"] == mask.sum().item()
+    assert sums["num_candidates"] == s2t.s2t_candidates(logprob, adv, mask).sum().item()
+    keep = mask & ~expected_silenced
+    assert num_kept.item() == keep.sum().item()
+    # on-policy (ratio 1, nothing clipped): every kept token contributes -A
+    assert loss_sum.item() == pytest.approx(-(adv * keep).sum().item(), abs=1e-5)
+    assert metrics["stapo_sums"][6].item() == 0  # clip count
