@@ -1,0 +1,200 @@
+"""Streaming writer and slice reader for Megatron ``torch_dist`` (dist_checkpointing) checkpoints.
+
+A ``torch_dist`` checkpoint is a PyTorch Distributed Checkpoint (DCP) directory plus
+``metadata.json`` (backend name) and ``common.pt`` (non-sharded state). Each Megatron
+ShardedTensor is one DCP tensor with its *global* shape, stored as any set of chunks; readers
+(megatron-core's loader at any TP/PP, or `read_slice` here) read the overlap they need.
+
+Megatron's own ``dist_checkpointing.save`` needs every tensor in memory at once. Here the DCP
+write plan is built from shapes alone and each chunk's data is produced on demand when the
+storage writer asks for it (``resolve_data``), so at most one chunk per writer thread is alive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import warnings
+from typing import Callable, Optional
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import save as dcp_save
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+# What megatron.core.dist_checkpointing.save writes for the torch_dist backend (0.16 - 0.19).
+BACKEND_METADATA = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
+
+
+@dataclasses.dataclass
+class Chunk:
+    """One stored piece of a global tensor and the function that produces its data."""
+
+    key: str
+    """DCP key (Megatron ShardedTensor key)."""
+    global_shape: tuple[int, ...]
+    """Shape of the whole tensor (with the layer axis for per-layer parameters)."""
+    offsets: tuple[int, ...]
+    """Position of this chunk in the global tensor."""
+    sizes: tuple[int, ...]
+    """Shape of this chunk."""
+    dtype: torch.dtype
+    """Stored dtype (produce() is cast to it)."""
+    produce: Callable[[], torch.Tensor]
+    """Returns the chunk's data (any shape with ``prod(sizes)`` elements)."""
+
+
+@dataclasses.dataclass
+class BytesObject:
+    """A Megatron ShardedObject (stored as torch.save bytes under its unique key)."""
+
+    key: str
+    """Unique key, e.g. ``decoder.layers.mlp.linear_fc1._extra_state/shard_3_28``."""
+    value: object
+    """The object."""
+
+
+class _StreamingSavePlanner(DefaultSavePlanner):
+    """Builds the DCP write plan from `Chunk` descriptions; data is resolved lazily."""
+
+    def __init__(self, chunks: list[Chunk], objects: list[BytesObject], on_chunk: Callable[[int], None]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._chunks = {(c.key, tuple(c.offsets)): c for c in chunks}
+        self._objects = {o.key: o for o in objects}
+        self._on_chunk = on_chunk
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for c in self._chunks.values():
+            properties = TensorProperties(dtype=c.dtype)
+            items.append(WriteItem(
+                index=MetadataIndex(c.key, torch.Size(c.offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)),
+                    properties=properties,
+                    size=torch.Size(c.global_shape),
+                ),
+            ))
+        items += [WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO) for key in self._objects]
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem):
+        if write_item.type == WriteItemType.BYTE_IO:
+            buf = io.BytesIO()
+            torch.save(self._objects[write_item.index.fqn].value, buf)
+            buf.seek(0)
+            return buf
+        chunk = self._chunks[(write_item.index.fqn, tuple(write_item.index.offset))]
+        data = chunk.produce().to(chunk.dtype).reshape(chunk.sizes)
+        self._on_chunk(data.nbytes)
+        return data
+
+
+def write_checkpoint(path: str, chunks: list[Chunk], objects: list[BytesObject] = (),
+                     common: Optional[dict] = None, thread_count: int = 2,
+                     on_chunk: Callable[[int], None] = lambda nbytes: None) -> None:
+    """Write a torch_dist checkpoint into the (empty) directory ``path``, chunk by chunk.
+
+    Args:
+        chunks: every stored chunk; together they must tile each global tensor exactly.
+        objects: ShardedObjects (e.g. the local spec's empty ``_extra_state``).
+        common: the common (non-sharded) state dict, ``{}`` for model weights.
+        thread_count: writer threads (each writes its own ``__0_<i>.distcp`` file).
+        on_chunk: progress callback, called with the byte size of each produced chunk.
+    """
+    writer = FileSystemWriter(path, single_file_per_rank=True, thread_count=thread_count)
+    with warnings.catch_warnings():
+        # DCP warns that torch.distributed is uninitialised: a single writer process is intended.
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        planner = _StreamingSavePlanner(chunks, list(objects), on_chunk)
+        dcp_save({}, storage_writer=writer, planner=planner, no_dist=True)
+    torch.save(common or {}, os.path.join(path, "common.pt"))
+    with open(os.path.join(path, "metadata.json"), "w", encoding="utf-8") as f:
+        json.dump(BACKEND_METADATA, f)
+
+
+def is_complete(path: str) -> bool:
+    """A torch_dist checkpoint is complete once DCP's ``.metadata`` (written last) exists."""
+    return all(os.path.isfile(os.path.join(path, n)) for n in (".metadata", "metadata.json"))
+
+
+class _SliceLoadPlanner(LoadPlanner):
+    """Reads requested regions of stored tensors into caller-provided tensors."""
+
+    def __init__(self, targets: dict[str, tuple[tuple[int, ...], torch.Tensor]]):
+        self._targets = targets  # key -> (offsets in the global tensor, destination)
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+        self.metadata = metadata
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for key, (offsets, dest) in self._targets.items():
+            md = self.metadata.state_dict_metadata[key]
+            items += create_read_items_for_chunk_list(key, md, [ChunkStorageMetadata(torch.Size(offsets), dest.shape)])
+        return LoadPlan(items)
+
+    def create_global_plan(self, global_plan):
+        return global_plan
+
+    def finish_plan(self, central_plan):
+        return central_plan
+
+    def load_bytes(self, read_item, value):
+        raise AssertionError("only tensors are read")
+
+    def resolve_tensor(self, read_item):
+        dest = self._targets[read_item.dest_index.fqn][1]
+        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            dest = dest.narrow(dim, start, length)
+        return dest
+
+    def commit_tensor(self, read_item, tensor):
+        pass
+
+
+class CheckpointReader:
+    """Reads regions of tensors from a torch_dist checkpoint without loading the rest."""
+
+    def __init__(self, path: str):
+        self._reader = FileSystemReader(path)
+        self.metadata = self._reader.read_metadata()
+        self._reader.set_up_storage_reader(self.metadata, is_coordinator=True)
+
+    def tensors(self) -> dict[str, TensorStorageMetadata]:
+        """Stored tensors by key (ShardedObjects and other byte items excluded)."""
+        return {k: v for k, v in self.metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+    def read(self, requests: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> dict[str, torch.Tensor]:
+        """Read ``{key: (offsets, sizes)}`` regions in one pass; returns ``{key: tensor}``."""
+        mds = self.tensors()
+        targets = {k: (off, torch.empty(sizes, dtype=mds[k].properties.dtype)) for k, (off, sizes) in requests.items()}
+        planner = _SliceLoadPlanner(targets)
+        planner.set_up_planner({}, self.metadata, True)
+        plan = self._reader.prepare_local_plan(planner.create_local_plan())
+        self._reader.read_data(plan, planner).wait()
+        return {k: t for k, (_, t) in targets.items()}

@@ -1,0 +1,34 @@
+"""HF Qwen <-> Megatron bridge: config mapping, model builder, mapping table, transforms.
+
+Used by the converter (`conversion/`), the trainer and the rollout weight sync. Importing it
+does not import megatron-core; the functions that need it import it when called.
+"""
+
+from stapo_megatron.bridge.config import (
+    DEFAULT_VOCAB_DIVISOR,
+    SUPPORTED_ARCHITECTURES,
+    QwenSpec,
+    check_parallel_sizes,
+    load_hf_config,
+    padded_vocab_size,
+    spec_from_hf_config,
+    transformer_config_from_spec,
+)
+from stapo_megatron.bridge.mapping import ParamMapping, hf_shapes, mappings_for, megatron_shape
+from stapo_megatron.bridge.model import build_gpt_model, layer_spec, load_checkpoint
+from stapo_megatron.bridge.transforms import (
+    merge_gate_up,
+    merge_qkv,
+    pad_vocab,
+    split_gate_up,
+    split_qkv,
+    tp_shard,
+    unpad_vocab,
+)
+
+__all__ = [
+    "DEFAULT_VOCAB_DIVISOR", "SUPPORTED_ARCHITECTURES", "QwenSpec", "check_parallel_sizes", "load_hf_config",
+    "padded_vocab_size", "spec_from_hf_config", "transformer_config_from_spec", "ParamMapping", "hf_shapes",
+    "mappings_for", "megatron_shape", "build_gpt_model", "layer_spec", "load_checkpoint", "merge_gate_up",
+    "merge_qkv", "pad_vocab", "split_gate_up", "split_qkv", "tp_shard", "unpad_vocab",
+]

@@ -1,0 +1,229 @@
+"""HF Qwen config -> architecture facts (`QwenSpec`) -> Megatron `TransformerConfig`.
+
+This module is the one place that reads an HF Qwen ``config.json``. Every field that changes
+the computation is mapped explicitly; Megatron's defaults are never relied on because several
+differ from Qwen (layernorm eps 1e-5 vs 1e-6, rotary base 10000 vs 1e6, dropout 0.1 vs 0).
+
+Supported: ``Qwen2ForCausalLM`` (Qwen2, Qwen2.5: qkv bias, no q/k norm) and
+``Qwen3ForCausalLM`` (dense Qwen3: q/k RMSNorm, no bias, head_dim may differ from
+hidden_size / num_attention_heads). Tied and untied embeddings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Mapping, Optional, Union
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+"""HF ``architectures`` entries this bridge converts (Qwen2.5 checkpoints use Qwen2ForCausalLM)."""
+
+DEFAULT_VOCAB_DIVISOR = 128
+"""Megatron's ``make_vocab_size_divisible_by`` default; the padded vocabulary is a multiple of
+this times the TP size so every TP shard of the embedding has the same number of rows."""
+
+
+@dataclasses.dataclass(frozen=True)
+class QwenSpec:
+    """Architecture facts of one HF Qwen checkpoint, in Megatron's spelling where one exists."""
+
+    architecture: str
+    """HF class name, one of SUPPORTED_ARCHITECTURES."""
+    num_layers: int
+    """HF ``num_hidden_layers``."""
+    hidden_size: int
+    """Model width (HF ``hidden_size``)."""
+    ffn_hidden_size: int
+    """HF ``intermediate_size``: width of each of gate_proj / up_proj."""
+    num_attention_heads: int
+    """Number of query heads."""
+    num_query_groups: int
+    """HF ``num_key_value_heads`` (GQA groups; equal to the head count for MHA)."""
+    kv_channels: int
+    """HF ``head_dim`` (Qwen3 sets it explicitly, e.g. 128 with hidden 1024 and 16 heads)."""
+    vocab_size: int
+    """Unpadded vocabulary size (rows of embed_tokens / lm_head in the HF checkpoint)."""
+    max_position_embeddings: int
+    """Longest sequence the rotary table is built for."""
+    rotary_base: float
+    """RoPE theta (HF ``rope_theta`` or transformers-5 ``rope_parameters['rope_theta']``)."""
+    layernorm_epsilon: float
+    """HF ``rms_norm_eps`` (all RMSNorms, including q/k norm)."""
+    add_qkv_bias: bool
+    """Bias on q/k/v projections (always on for Qwen2, ``attention_bias`` for Qwen3)."""
+    qk_layernorm: bool
+    """Per-head RMSNorm on queries and keys before RoPE (Qwen3)."""
+    tie_word_embeddings: bool
+    """lm_head shares the input embedding (no separate output weight in the checkpoint)."""
+    init_method_std: float
+    """HF ``initializer_range``; only affects freshly initialised weights."""
+
+    @property
+    def q_size(self) -> int:
+        """Rows of q_proj."""
+        return self.num_attention_heads * self.kv_channels
+
+    @property
+    def kv_size(self) -> int:
+        """Rows of each of k_proj / v_proj."""
+        return self.num_query_groups * self.kv_channels
+
+
+def load_hf_config(hf_dir: Union[str, os.PathLike]) -> dict:
+    """Read ``config.json`` of an HF folder as a plain dict."""
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config.json in {hf_dir}")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _as_dict(hf_config: Union[Mapping[str, Any], Any]) -> dict:
+    if isinstance(hf_config, Mapping):
+        return dict(hf_config)
+    return hf_config.to_dict()  # a transformers PretrainedConfig
+
+
+def _rope_theta(cfg: dict) -> float:
+    """RoPE base from either config generation; only plain (unscaled) RoPE is supported."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise ValueError(
+            f"rope type {rope_type!r} is not supported (only 'default' RoPE); "
+            f"rope_parameters={params or None}, rope_scaling={scaling or None}"
+        )
+    theta = params.get("rope_theta", cfg.get("rope_theta"))
+    if theta is None:
+        raise ValueError("config has neither rope_parameters['rope_theta'] nor rope_theta")
+    return float(theta)
+
+
+def _architecture(cfg: dict) -> str:
+    archs = cfg.get("architectures") or []
+    if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported architecture {archs or cfg.get('model_type')!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return archs[0]
+
+
+def spec_from_hf_config(hf_config: Union[Mapping[str, Any], Any]) -> QwenSpec:
+    """Map an HF Qwen2/Qwen3 config (dict or PretrainedConfig) to a `QwenSpec`.
+
+    Raises ValueError for architectures or features the Megatron GPTModel here does not
+    reproduce exactly (other models, MoE, scaled RoPE, sliding windows, non-SiLU MLPs,
+    Qwen3 output-projection bias).
+    """
+    cfg = _as_dict(hf_config)
+    arch = _architecture(cfg)
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (Qwen uses 'silu')")
+    if cfg.get("use_sliding_window"):
+        raise ValueError("use_sliding_window=True is not supported (full causal attention only)")
+    heads = int(cfg["num_attention_heads"])
+    if arch == "Qwen2ForCausalLM":
+        # Qwen2 hard-codes bias on q/k/v (not o_proj) and has no attention_bias field.
+        qkv_bias, qk_norm = True, False
+    else:
+        if cfg.get("attention_bias", False):
+            # Qwen3's attention_bias also adds an o_proj bias, which Megatron can only express
+            # with add_bias_linear (which would add MLP biases too).
+            raise ValueError("Qwen3 with attention_bias=True is not supported (o_proj bias)")
+        qkv_bias, qk_norm = False, True
+    return QwenSpec(
+        architecture=arch,
+        num_layers=int(cfg["num_hidden_layers"]),
+        hidden_size=int(cfg["hidden_size"]),
+        ffn_hidden_size=int(cfg["intermediate_size"]),
+        num_attention_heads=heads,
+        num_query_groups=int(cfg.get("num_key_value_heads") or heads),
+        # Same fallback as transformers' Qwen2Attention when head_dim is absent or null.
+        kv_channels=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+        vocab_size=int(cfg["vocab_size"]),
+        max_position_embeddings=int(cfg["max_position_embeddings"]),
+        rotary_base=_rope_theta(cfg),
+        layernorm_epsilon=float(cfg["rms_norm_eps"]),
+        add_qkv_bias=qkv_bias,
+        qk_layernorm=qk_norm,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        init_method_std=float(cfg.get("initializer_range", 0.02)),
+    )
+
+
+def check_parallel_sizes(spec: QwenSpec, tensor_model_parallel_size: int, pipeline_model_parallel_size: int = 1) -> None:
+    """Raise ValueError unless the model can be split at this TP/PP size."""
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    for name, value in (
+        ("num_attention_heads", spec.num_attention_heads),
+        ("num_query_groups (num_key_value_heads)", spec.num_query_groups),
+        ("ffn_hidden_size (intermediate_size)", spec.ffn_hidden_size),
+    ):
+        if value % tp:
+            raise ValueError(f"tensor_model_parallel_size {tp} does not divide {name} {value}")
+    if spec.num_layers % pp:
+        raise ValueError(f"pipeline_model_parallel_size {pp} does not divide num_layers {spec.num_layers}")
+
+
+def padded_vocab_size(vocab_size: int, tensor_model_parallel_size: int = 1,
+                      make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR) -> int:
+    """Megatron's padded vocabulary: the next multiple of divisor x TP."""
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def transformer_config_from_spec(
+    spec: QwenSpec,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    params_dtype: torch.dtype = torch.float32,
+    **overrides: Any,
+):
+    """The Megatron TransformerConfig that computes exactly what transformers computes.
+
+    ``overrides`` are passed to TransformerConfig last (e.g. recompute or sequence-parallel
+    settings of a training recipe); they must not change the architecture.
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    check_parallel_sizes(spec, tensor_model_parallel_size, pipeline_model_parallel_size)
+    on_gpu = torch.cuda.is_available()
+    kwargs = dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        kv_channels=spec.kv_channels,
+        layernorm_epsilon=spec.layernorm_epsilon,
+        add_qkv_bias=spec.add_qkv_bias,
+        qk_layernorm=spec.qk_layernorm,
+        init_method_std=spec.init_method_std,
+        normalization="RMSNorm",
+        gated_linear_unit=True,  # SwiGLU: linear_fc1 = [gate; up]
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=not on_gpu,
+        # The fused kernels below are CUDA-only; on GPU Megatron picks them itself.
+        bias_dropout_fusion=on_gpu,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=on_gpu,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=on_gpu,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)

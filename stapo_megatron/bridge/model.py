@@ -1,0 +1,127 @@
+"""Build a Megatron GPTModel for an HF Qwen config, and load a dist checkpoint into it.
+
+`build_gpt_model` is the single place that turns an HF Qwen config into a Megatron
+`TransformerConfig` + `GPTModel`; the trainer, the converter's verifier and the rollout weight
+sync all use it. Megatron's parallel state must be initialised first
+(`stapo_megatron.parallel.init_parallel`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional, Union
+
+import torch
+
+from stapo_megatron import cpu_compat
+from stapo_megatron.bridge.config import (
+    DEFAULT_VOCAB_DIVISOR,
+    QwenSpec,
+    padded_vocab_size,
+    spec_from_hf_config,
+    transformer_config_from_spec,
+)
+
+
+def _use_transformer_engine(requested: Optional[bool]) -> bool:
+    if requested is not None:
+        return requested
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def layer_spec(spec: QwenSpec, use_te: Optional[bool] = None):
+    """Megatron layer spec: transformer-engine when it imports and CUDA is present, else local.
+
+    Both spellings write the same dist-checkpoint keys (the local spec remaps its layernorm
+    names), so a checkpoint is interchangeable between them.
+    """
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if _use_transformer_engine(use_te):
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
+
+
+def build_gpt_model(
+    hf_config: Union[QwenSpec, dict, Any],
+    params_dtype: torch.dtype = torch.float32,
+    make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR,
+    parallel_output: bool = True,
+    use_te: Optional[bool] = None,
+    vp_stage: Optional[int] = None,
+    **config_overrides: Any,
+):
+    """A GPTModel for this rank's TP/PP position that computes what transformers computes.
+
+    Args:
+        hf_config: an HF config (dict from config.json, or PretrainedConfig) or a `QwenSpec`.
+        params_dtype: parameter dtype (fp32 for parity checks, bf16 for training).
+        make_vocab_size_divisible_by: vocabulary padding divisor (times TP).
+        parallel_output: keep logits vocab-sharded over TP (True for the STAPO loss);
+            False gathers them on every TP rank.
+        use_te: force (True) or forbid (False) the transformer-engine spec; None = auto.
+        vp_stage: virtual pipeline stage, for interleaved schedules.
+        config_overrides: extra TransformerConfig fields (training settings, not architecture).
+    Returns:
+        megatron.core.models.gpt.GPTModel; ``model.padded_vocab_size`` and ``model.qwen_spec``
+        are set for callers that cut logits back to the real vocabulary.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    cpu_compat.apply()
+    spec = hf_config if isinstance(hf_config, QwenSpec) else spec_from_hf_config(hf_config)
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    config = transformer_config_from_spec(spec, tp, pp, params_dtype, **config_overrides)
+    vocab = padded_vocab_size(spec.vocab_size, tp, make_vocab_size_divisible_by)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(spec, use_te),
+        vocab_size=vocab,
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+        parallel_output=parallel_output,
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=spec.rotary_base,
+        vp_stage=vp_stage,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    model.padded_vocab_size = vocab
+    model.qwen_spec = spec
+    return model
+
+
+def load_checkpoint(model, checkpoint_dir: str) -> None:
+    """Load a Megatron dist checkpoint (from `stapo-convert hf-to-mcore` or the trainer).
+
+    Works at any TP/PP: dist_checkpointing reads the overlap of each local shard. The
+    embedding/output rows are zero-filled first and only the stored vocabulary rows are read,
+    because the padded vocabulary depends on TP (allow_shape_mismatch in megatron-core).
+    Entries of the checkpoint that the model does not have (optimizer state) are ignored.
+    """
+    from megatron.core import dist_checkpointing
+
+    sharded = model.sharded_state_dict()
+    # Transformer-engine modules carry `_extra_state` (fp8 scaling metadata); a converted
+    # checkpoint has none, and a fresh bf16 model needs none.
+    dropped = [k for k in sharded if k.endswith("_extra_state")]
+    for key in dropped:
+        del sharded[key]
+    if dropped:
+        warnings.warn(f"not loading {len(dropped)} transformer-engine _extra_state entries")
+    state = dist_checkpointing.load(sharded, checkpoint_dir)
+    missing, _ = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing:
+        raise ValueError(f"checkpoint {checkpoint_dir} did not provide {missing}")
