@@ -33,6 +33,7 @@ _CUDA_ALLOCATING_MODULES = (
     "megatron.core.optimizer.grad_scaler",  # loss-scale tensors on "cuda"
     "megatron.core.distributed.param_and_grad_buffer",  # warm-up tensor on "cuda"
     "megatron.core.tensor_parallel.data",  # broadcast_data size tensor on "cuda"
+    "megatron.core.utils",  # local_multi_tensor_l2_norm (no TE/apex) returns a "cuda" tensor
 )
 
 _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_like")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 
@@ -28,7 +29,9 @@ def _worker(rank, world_size, port, fn, args, queue):
 
     torch.set_num_threads(1)
     try:
-        queue.put((rank, "ok", fn(*args)))
+        # plain pickle: tensors travel by value, not as shared-memory handles that die with
+        # the child process
+        queue.put((rank, "ok", pickle.dumps(fn(*args))))
     except BaseException:  # report the child's traceback to the test
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -60,7 +63,7 @@ def run_distributed(world_size: int, fn, *args, timeout: float = 600.0) -> list:
             if status == "error":
                 errors.append(f"rank {rank}:\n{value}")
                 break
-            results[rank] = value
+            results[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=5 if errors else 60)
