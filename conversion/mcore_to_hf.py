@@ -1,0 +1,191 @@
+"""mcore-to-hf: a Megatron torch_dist checkpoint -> an HF folder transformers and vLLM load.
+
+Accepts checkpoints written by `hf-to-mcore` (which carry the HF config and tokenizer in
+``hf/``) and training checkpoints (a ``latest_checkpointed_iteration.txt`` tracker and
+``iter_*`` directories, or a single iteration directory); for the latter pass ``hf_config_dir``
+with the model's config.json and tokenizer. Optimizer state in the checkpoint is ignored.
+
+Streaming: each HF tensor is read as one region of the stored tensor (one layer's slice, or
+row blocks of the embedding) and appended to a safetensors shard whose header was written up
+front, so memory stays at one layer's tensors whatever the model size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from typing import Iterator, Optional, TextIO
+
+import torch
+
+from conversion.dcp_io import CheckpointReader, is_complete
+from conversion.hf_to_mcore import BLOCK_BYTES, HF_SUBDIR, copy_hf_side_files
+from conversion.publish import Progress, check_output_dir, staged_output
+from conversion.safetensors_io import INDEX_NAME, SINGLE_NAME, ShardWriter
+from stapo_megatron.bridge.config import QwenSpec, load_hf_config, spec_from_hf_config
+from stapo_megatron.bridge.mapping import ParamMapping, hf_shapes, mappings_for, megatron_shape
+from stapo_megatron.bridge.transforms import split_gate_up, split_qkv
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+"""Largest safetensors shard written (transformers' historical default of 5 GB)."""
+
+
+def resolve_checkpoint_dir(path: str) -> str:
+    """The directory holding the dist checkpoint itself (follows a trainer's iteration tracker)."""
+    tracker = os.path.join(path, "latest_checkpointed_iteration.txt")
+    if os.path.isfile(tracker):
+        with open(tracker, encoding="utf-8") as f:
+            it = f.read().strip()
+        path = os.path.join(path, "release" if it == "release" else f"iter_{int(it):07d}")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+    if not is_complete(path):
+        raise ValueError(
+            f"{path} is not a complete torch_dist checkpoint (.metadata or metadata.json missing: "
+            "not a Megatron checkpoint, or its save was interrupted)"
+        )
+    return path
+
+
+def find_hf_side_dir(ckpt: str, ckpt_dir: str, hf_config_dir: Optional[str]) -> str:
+    """Where config.json and tokenizer files come from."""
+    candidates = [hf_config_dir] if hf_config_dir else [os.path.join(ckpt_dir, HF_SUBDIR), os.path.join(ckpt, HF_SUBDIR)]
+    for d in candidates:
+        if os.path.isfile(os.path.join(d, "config.json")):
+            return d
+    raise FileNotFoundError(
+        f"no HF config.json in {' or '.join(candidates)}; training checkpoints carry none: "
+        "pass --hf-config DIR (the HF folder the run started from)"
+    )
+
+
+def check_stored(spec: QwenSpec, stored: dict, padded_vocab_hint: int) -> None:
+    """Every Megatron tensor the config implies is stored, with a compatible global shape."""
+    for m in mappings_for(spec):
+        if m.checkpoint_key not in stored:
+            raise ValueError(f"checkpoint has no tensor {m.checkpoint_key} (needed for {spec.architecture})")
+        got = tuple(stored[m.checkpoint_key].size)
+        want = ((spec.num_layers,) if m.per_layer else ()) + megatron_shape(m, spec, padded_vocab_hint)
+        if m.transform == "vocab":
+            if got[1:] != want[1:] or got[0] < spec.vocab_size:
+                raise ValueError(
+                    f"checkpoint tensor {m.checkpoint_key} has shape {got} but the config implies "
+                    f"({spec.vocab_size} or more padded rows, {want[1]})"
+                )
+        elif got != want:
+            raise ValueError(f"checkpoint tensor {m.checkpoint_key} has shape {got} but the config implies {want}")
+
+
+def _read_layer(reader: CheckpointReader, m: ParamMapping, layer: int, shape: tuple) -> torch.Tensor:
+    return reader.read({m.checkpoint_key: ((layer,) + (0,) * len(shape), (1,) + shape)})[m.checkpoint_key][0]
+
+
+def _row_blocks(reader: CheckpointReader, key: str, rows: int, row_shape: tuple, itemsize: int) -> Iterator[torch.Tensor]:
+    step = max(1, BLOCK_BYTES // max(1, math.prod(row_shape) * itemsize))
+    for start in range(0, rows, step):
+        n = min(rows, start + step) - start
+        yield reader.read({key: ((start,) + (0,) * len(row_shape), (n,) + row_shape)})[key]
+
+
+def hf_tensors(reader: CheckpointReader, m: ParamMapping, layer: Optional[int], spec: QwenSpec,
+               itemsize: int) -> list[tuple[str, Iterator[torch.Tensor]]]:
+    """The HF tensors of one mapping row (one layer), each as an iterator of row blocks."""
+    names = m.hf_names(layer)
+    if m.per_layer:
+        shape = megatron_shape(m, spec, spec.vocab_size)
+        full = _read_layer(reader, m, layer, shape)
+        if m.transform == "qkv":
+            parts = split_qkv(full, spec.num_attention_heads, spec.num_query_groups, spec.kv_channels)
+        elif m.transform == "gate_up":
+            parts = split_gate_up(full)  # stored in the TP=1 layout [gate; up]
+        else:
+            parts = (full,)
+        return [(n, iter([p])) for n, p in zip(names, parts)]
+    shape = hf_shapes(spec)[names[0]]
+    # Vocabulary rows beyond vocab_size are Megatron's padding; they are simply not read.
+    return [(names[0], _row_blocks(reader, m.checkpoint_key, shape[0], shape[1:], itemsize))]
+
+
+def _shard_plan(entries: list[tuple[str, torch.dtype, tuple]], max_shard_bytes: int) -> list[list]:
+    shards, size = [[]], 0
+    for entry in entries:
+        nbytes = math.prod(entry[2]) * torch.empty((), dtype=entry[1]).element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    return shards
+
+
+def _write_config(side_dir: str, dest: str, dtype: torch.dtype) -> None:
+    cfg = load_hf_config(side_dir)
+    name = str(dtype).replace("torch.", "")
+    keys = [k for k in ("dtype", "torch_dtype") if k in cfg] or ["dtype"]
+    for k in keys:
+        cfg[k] = name
+    with open(os.path.join(dest, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+
+
+def convert_mcore_to_hf(
+    ckpt: str,
+    out: str,
+    dtype: Optional[torch.dtype] = None,
+    hf_config_dir: Optional[str] = None,
+    overwrite: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    stream: TextIO = sys.stderr,
+) -> list[str]:
+    """Convert; returns the names of the safetensors files written.
+
+    Args:
+        dtype: output dtype; default the stored dtype of the embedding.
+        hf_config_dir: HF folder providing config.json and tokenizer (default ``ckpt/hf``).
+        max_shard_bytes: largest safetensors shard.
+    """
+    ckpt_dir = resolve_checkpoint_dir(ckpt)
+    side_dir = find_hf_side_dir(ckpt, ckpt_dir, hf_config_dir)
+    spec = spec_from_hf_config(load_hf_config(side_dir))
+    check_output_dir(out, overwrite)
+    reader = CheckpointReader(ckpt_dir)
+    stored = reader.tensors()
+    check_stored(spec, stored, spec.vocab_size)
+    dtype = dtype or stored["embedding.word_embeddings.weight"].properties.dtype
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    shapes = hf_shapes(spec)
+    jobs = [(m, layer) for m in mappings_for(spec) for layer in (range(spec.num_layers) if m.per_layer else [None])]
+    order = [n for m, layer in jobs for n in m.hf_names(layer)]
+    shards = _shard_plan([(n, dtype, shapes[n]) for n in order], max_shard_bytes)
+    files = [SINGLE_NAME] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    file_of = {entry[0]: f for f, shard in zip(files, shards) for entry in shard}
+    progress = Progress("mcore-to-hf", len(order), sum(math.prod(shapes[n]) for n in order) * itemsize, stream)
+    with staged_output(out, overwrite) as tmp:
+        writers = iter([(f, shard) for f, shard in zip(files, shards)])
+        writer, remaining = None, 0
+        for m, layer in jobs:
+            for name, blocks in hf_tensors(reader, m, layer, spec, stored[m.checkpoint_key].properties.dtype.itemsize):
+                if remaining == 0:
+                    if writer is not None:
+                        writer.close()
+                    fname, shard = next(writers)
+                    writer, remaining = ShardWriter(os.path.join(tmp, fname), shard), len(shard)
+                nbytes = 0
+                for block in blocks:
+                    block = block.to(dtype)
+                    writer.write(block)
+                    nbytes += block.nbytes
+                remaining -= 1
+                progress.update(nbytes)
+        writer.close()
+        if len(files) > 1:
+            index = {"metadata": {"total_size": progress.bytes}, "weight_map": {n: file_of[n] for n in order}}
+            with open(os.path.join(tmp, INDEX_NAME), "w", encoding="utf-8") as f:
+                json.dump(index, f, indent=2)
+        copy_hf_side_files(side_dir, tmp)
+        _write_config(side_dir, tmp, dtype)
+    progress.close()
+    return files
