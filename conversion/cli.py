@@ -69,11 +69,10 @@ def _run(args: argparse.Namespace) -> int:
                                     overwrite=args.overwrite, max_shard_bytes=int(args.max_shard_gb * 2**30))
         print(f"wrote {len(files)} safetensors file(s) to {args.out}")
         return 0
-    from conversion.mcore_to_hf import resolve_checkpoint_dir
     from conversion.verify import FP32_LOGIT_ATOL, format_table, verify
 
     atol = FP32_LOGIT_ATOL if args.atol is None else args.atol
-    rows = verify(args.hf_dir, resolve_checkpoint_dir(args.ckpt), [(args.tp, args.pp)],
+    rows = verify(args.hf_dir, args.ckpt, [(args.tp, args.pp)],
                   num_prompts=args.num_prompts, seq_len=args.seq_len)
     print(format_table(rows, atol))
     return 0 if all(r.ok(atol, args.min_top1) for r in rows) else 1

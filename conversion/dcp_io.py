@@ -22,6 +22,7 @@ from typing import Callable, Optional
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint import save as dcp_save
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -84,6 +85,8 @@ class _StreamingSavePlanner(DefaultSavePlanner):
         self._chunks = {(c.key, tuple(c.offsets)): c for c in chunks}
         self._objects = {o.key: o for o in objects}
         self._on_chunk = on_chunk
+        self.errors: list[BaseException] = []
+        self.num_produced = 0
 
     def create_local_plan(self) -> SavePlan:
         items = []
@@ -109,7 +112,14 @@ class _StreamingSavePlanner(DefaultSavePlanner):
             buf.seek(0)
             return buf
         chunk = self._chunks[(write_item.index.fqn, tuple(write_item.index.offset))]
-        data = chunk.produce().to(chunk.dtype).reshape(chunk.sizes)
+        try:
+            data = chunk.produce().to(chunk.dtype).reshape(chunk.sizes)
+        except BaseException as e:
+            # torch 2.13 FileSystemWriter drops exceptions raised in its extra writer threads
+            # and would still write `.metadata`; keep them so write_checkpoint can re-raise.
+            self.errors.append(e)
+            raise
+        self.num_produced += 1
         self._on_chunk(data.nbytes)
         return data
 
@@ -131,7 +141,15 @@ def write_checkpoint(path: str, chunks: list[Chunk], objects: list[BytesObject] 
         # DCP warns that torch.distributed is uninitialised: a single writer process is intended.
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         planner = _StreamingSavePlanner(chunks, list(objects), on_chunk)
-        dcp_save({}, storage_writer=writer, planner=planner, no_dist=True)
+        try:
+            dcp_save({}, storage_writer=writer, planner=planner, no_dist=True)
+        except CheckpointException:
+            if planner.errors:  # the original error, not DCP's wrapper around its traceback
+                raise planner.errors[0] from None
+            raise
+    if planner.errors:
+        raise planner.errors[0]
+    assert planner.num_produced == len(chunks), (planner.num_produced, len(chunks))
     torch.save(common or {}, os.path.join(path, "common.pt"))
     with open(os.path.join(path, "metadata.json"), "w", encoding="utf-8") as f:
         json.dump(BACKEND_METADATA, f)

@@ -135,7 +135,7 @@ def convert_hf_to_mcore(
     make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR,
     overwrite: bool = False,
     thread_count: int = 2,
-    stream: TextIO = sys.stderr,
+    stream: Optional[TextIO] = None,
 ) -> dict:
     """Convert; returns the conversion record also written to ``out/stapo_conversion.json``.
 

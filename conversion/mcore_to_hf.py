@@ -137,7 +137,7 @@ def convert_mcore_to_hf(
     hf_config_dir: Optional[str] = None,
     overwrite: bool = False,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    stream: TextIO = sys.stderr,
+    stream: Optional[TextIO] = None,
 ) -> list[str]:
     """Convert; returns the names of the safetensors files written.
 

@@ -13,7 +13,7 @@ import shutil
 import sys
 import threading
 import time
-from typing import Iterator, TextIO
+from typing import Iterator, Optional, TextIO
 
 
 def check_output_dir(out: str, overwrite: bool) -> None:
@@ -65,12 +65,13 @@ def _fsync_dir(path: str) -> None:
 class Progress:
     """Progress (tensors and bytes) on stderr: a live line on a terminal, a line every 5 s in logs."""
 
-    def __init__(self, label: str, total_items: int, total_bytes: int, stream: TextIO = sys.stderr):
-        self.label, self.total_items, self.total_bytes, self.stream = label, total_items, total_bytes, stream
+    def __init__(self, label: str, total_items: int, total_bytes: int, stream: Optional[TextIO] = None):
+        self.label, self.total_items, self.total_bytes = label, total_items, total_bytes
+        self.stream = stream or sys.stderr
         self.items = self.bytes = 0
         self._start = self._last = time.monotonic()
         self._lock = threading.Lock()  # the DCP writer calls back from several threads
-        self._tty = stream.isatty()
+        self._tty = self.stream.isatty()
 
     def update(self, nbytes: int, items: int = 1) -> None:
         """Count finished work and redraw if due."""

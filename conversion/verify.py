@@ -191,12 +191,14 @@ def megatron_logits(ckpt_dir: str, hf_config: dict, layouts: Sequence[tuple[int,
 def verify(hf_dir: str, ckpt_dir: str, layouts: Sequence[tuple[int, int]], num_prompts: int = 4,
            seq_len: int = 32, seed: int = 0) -> list[ParityRow]:
     """Compare the checkpoint under each (TP, PP) layout with transformers on fixed prompts."""
+    from conversion.mcore_to_hf import resolve_checkpoint_dir
     from stapo_megatron.bridge.config import check_parallel_sizes, load_hf_config, spec_from_hf_config
 
     hf_config = load_hf_config(hf_dir)
     spec = spec_from_hf_config(hf_config)
     for tp, pp in layouts:
         check_parallel_sizes(spec, tp, pp)
+    ckpt_dir = resolve_checkpoint_dir(ckpt_dir)
     tokens_BS = fixed_prompts(spec.vocab_size, num_prompts, seq_len, seed)
     # The reference runs (and is freed) before the Megatron ranks start, to keep peak memory low.
     ref_BSV = hf_logits(hf_dir, tokens_BS)
