@@ -128,4 +128,5 @@ def policy_update(
     metrics = reduce_metrics(losses_reduced, threshold, groups.dp, groups.pp, groups.pp_last_rank)
     metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
     metrics["skipped"] = 0.0 if update_successful else 1.0
+    metrics["tau_h_source"] = loss_config.tau_h_source  # logged: which mini-batch semantics ran
     return metrics
