@@ -21,6 +21,12 @@ setup(
         "safetensors",
         # dist_checkpointing imports psutil without declaring it (save hangs without it).
         "psutil",
+        # Rewards: final-answer equivalence (its signal timeouts are disabled, see rewards.py).
+        "math-verify>=0.9",
+        # Offline problem generators for the embedded default (basic_arithmetic, ...).
+        "reasoning-gym>=0.1.25",
+        # Parquet prompt datasets (DAPO-Math-17k ships as parquet).
+        "pyarrow",
     ],
     extras_require={
         # GPU-only: the transformer-engine layer spec. apex is optional and installed from
