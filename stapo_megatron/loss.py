@@ -223,7 +223,12 @@ def loss_func(
             torch.where(response_mask, log_ratio.exp() - 1.0 - log_ratio, 0.0).sum(),
             torch.where(response_mask, log_ratio.abs(), 0.0).sum(),
         ])
-    return loss_sum, num_kept.to(torch.int), {"stapo_sums": sums}
+    # The spurious-token inspector's raw material: (label id, log p, H, A) of silenced tokens.
+    silenced_tokens = torch.stack(
+        [batch["labels"][silenced].float(), logprob.detach()[silenced], entropy[silenced], advantages[silenced]],
+        dim=-1,
+    )
+    return loss_sum, num_kept.to(torch.int), {"stapo_sums": sums, "silenced_tokens": silenced_tokens}
 
 
 def make_forward_step(

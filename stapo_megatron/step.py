@@ -8,6 +8,7 @@ multi-process tests all go through it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Dict, List, Optional
 
 import torch
@@ -38,16 +39,15 @@ class OptimConfig:
     would amplify fp32 reduction-order noise on near-zero gradients)."""
 
 
-def wrap_model_and_optimizer(model: torch.nn.Module, optim: OptimConfig):
-    """Wrap a Megatron GPTModel in Megatron DDP and build its Megatron optimizer.
+def wrap_ddp(model: torch.nn.Module, use_distributed_optimizer: bool = False):
+    """Wrap a Megatron GPTModel in Megatron DDP and install ``finalize_model_grads``.
 
-    Also installs Megatron's ``finalize_model_grads`` as the schedule's finalize function: with
-    ``calculate_per_token_loss`` it divides the gradients by the mini-batch's total token count
-    (here: kept tokens), all-reduced over DP and broadcast from the last PP stage.
+    With ``calculate_per_token_loss`` Megatron's ``finalize_model_grads`` divides the gradients
+    by the mini-batch's total token count (here: kept tokens), all-reduced over DP and
+    broadcast from the last PP stage: the STAPO renormalisation.
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed import finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config = model.config
     if not config.calculate_per_token_loss:
@@ -55,9 +55,17 @@ def wrap_model_and_optimizer(model: torch.nn.Module, optim: OptimConfig):
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
-        use_distributed_optimizer=optim.use_distributed_optimizer,
+        use_distributed_optimizer=use_distributed_optimizer,
     )
-    ddp_model = DistributedDataParallel(config, ddp_config, model)
+    config.finalize_model_grads_func = finalize_model_grads
+    return DistributedDataParallel(config, ddp_config, model)
+
+
+def build_optimizer(ddp_model, optim: OptimConfig):
+    """The Megatron optimizer (AdamW or SGD) over a DDP-wrapped model."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = ddp_model.config
     opt_config = OptimizerConfig(
         optimizer=optim.optimizer,
         sgd_momentum=0.0,
@@ -70,9 +78,13 @@ def wrap_model_and_optimizer(model: torch.nn.Module, optim: OptimConfig):
         params_dtype=config.params_dtype,
         use_distributed_optimizer=optim.use_distributed_optimizer,
     )
-    optimizer = get_megatron_optimizer(opt_config, [ddp_model])
-    config.finalize_model_grads_func = finalize_model_grads
-    return ddp_model, optimizer
+    return get_megatron_optimizer(opt_config, [ddp_model])
+
+
+def wrap_model_and_optimizer(model: torch.nn.Module, optim: OptimConfig):
+    """``wrap_ddp`` then ``build_optimizer``: (ddp_model, optimizer)."""
+    ddp_model = wrap_ddp(model, optim.use_distributed_optimizer)
+    return ddp_model, build_optimizer(ddp_model, optim)
 
 
 def policy_update(
@@ -124,9 +136,19 @@ def policy_update(
         micro_batch_size=microbatches[0]["tokens"].shape[0],
         forward_only=False,
     )
-    update_successful, grad_norm, _ = optimizer.step()
     metrics = reduce_metrics(losses_reduced, threshold, groups.dp, groups.pp, groups.pp_last_rank)
-    metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-    metrics["skipped"] = 0.0 if update_successful else 1.0
+    # The optimizer step by hand (what MegatronOptimizer.step does) so that a NaN/Inf loss or
+    # gradient skips the update on every rank alike instead of corrupting the weights.
+    found_inf = optimizer.prepare_grads()
+    grad_norm = float(optimizer.get_grad_norm())
+    finite = not found_inf and math.isfinite(grad_norm) and math.isfinite(metrics["loss"])
+    if finite:
+        if optimizer.config.clip_grad > 0:
+            optimizer.clip_grad_norm(optimizer.config.clip_grad)
+        optimizer.step_with_ready_grads()
+    metrics["grad_norm"] = grad_norm
+    metrics["skipped"] = 0.0 if finite else 1.0
     metrics["tau_h_source"] = loss_config.tau_h_source  # logged: which mini-batch semantics ran
+    # (label id, log p, H, A) rows of this rank's silenced tokens (last stage; empty elsewhere)
+    metrics["silenced_tokens"] = [row for item in losses_reduced for row in item["silenced_tokens"].tolist()]
     return metrics

@@ -12,18 +12,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-
-def group_advantages(rewards_PG: torch.Tensor, eps: float = 1e-6) -> Tuple[torch.Tensor, int]:
-    """Group-normalised advantages [P, G] and the number of all-equal-reward groups.
-
-    std is the unbiased sample std (GRPO's ``torch.std``); all-equal groups are exactly 0.
-    """
-    mean_P1 = rewards_PG.mean(dim=-1, keepdim=True)
-    std_P1 = rewards_PG.std(dim=-1, keepdim=True)
-    flat_P = (rewards_PG == rewards_PG[:, :1]).all(dim=-1)
-    adv_PG = (rewards_PG - mean_P1) / (std_P1 + eps)
-    adv_PG[flat_P] = 0.0
-    return adv_PG, int(flat_P.sum())
+from stapo_megatron.batching import group_advantages
 
 
 def tiny_gpt_config(

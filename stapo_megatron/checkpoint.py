@@ -1,0 +1,148 @@
+"""Training checkpoints: Megatron dist_checkpointing of model + optimizer, plus trainer state.
+
+Layout under ``<run_dir>/checkpoints``:
+
+    step_00000010/          a complete checkpoint (torch_dist format, loads at any TP/PP)
+        .metadata, *.distcp    model ("model." keys, the same keys `stapo-convert` writes) and
+                               optimizer state ("optimizer." keys)
+        trainer_state.pt       step, LR-scheduler state, data position, anything the trainer adds
+        rng_rank00000.pt ...   per-rank RNG states (python, numpy, torch, Megatron's tracker)
+    latest                     text file naming the newest complete checkpoint; written last
+
+A checkpoint is written to ``.tmp_step_...`` and renamed when every rank has finished; the
+``latest`` marker is replaced atomically afterwards. A run killed at any point therefore leaves
+either the previous complete checkpoint or the new one, never a half-written directory that looks
+complete; ``find_latest`` additionally checks the files a complete checkpoint has.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from typing import Any, Dict, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+LATEST = "latest"
+TRAINER_STATE = "trainer_state.pt"
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _rng_state() -> Dict[str, Any]:
+    from megatron.core import tensor_parallel
+
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state: Dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _sharded(model, optimizer, is_loading: bool) -> Dict[str, Any]:
+    model_sd = model.sharded_state_dict()
+    return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+
+
+def save_checkpoint(run_dir: str, step: int, model, optimizer, trainer_state: Dict[str, Any]) -> str:
+    """Collective: save model, optimizer, RNG and ``trainer_state`` as step ``step``; publish it.
+
+    Returns the published directory.
+    """
+    from megatron.core import dist_checkpointing
+
+    root = os.path.join(run_dir, "checkpoints")
+    name = f"step_{step:08d}"
+    tmp, final = os.path.join(root, f".tmp_{name}"), os.path.join(root, name)
+    if _rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # debris of a run killed while saving
+        os.makedirs(tmp)
+    _barrier()
+    dist_checkpointing.save(_sharded(model, optimizer, is_loading=False), tmp)
+    torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{_rank():05d}.pt"))
+    if _rank() == 0:
+        torch.save(dict(trainer_state, step=step), os.path.join(tmp, TRAINER_STATE))
+    _barrier()
+    if _rank() == 0:
+        if os.path.exists(final):  # re-saving the same step after a resume
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        marker_tmp = os.path.join(root, f".{LATEST}.tmp")
+        with open(marker_tmp, "w") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(marker_tmp, os.path.join(root, LATEST))
+    _barrier()
+    return final
+
+
+def _is_complete(path: str, world_size: int) -> bool:
+    files = set(os.listdir(path)) if os.path.isdir(path) else set()
+    ranks_ok = all(f"rng_rank{r:05d}.pt" in files for r in range(world_size))
+    return ".metadata" in files and TRAINER_STATE in files and ranks_ok
+
+
+def find_latest(run_dir: str, world_size: Optional[int] = None) -> Optional[str]:
+    """The newest complete checkpoint of a run, or None.
+
+    Follows the ``latest`` marker; if it is missing or names an incomplete directory, falls back
+    to the newest complete ``step_*`` directory (a marker is written after its directory).
+    """
+    world_size = world_size or (dist.get_world_size() if dist.is_initialized() else 1)
+    root = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(root):
+        return None
+    marker = os.path.join(root, LATEST)
+    if os.path.exists(marker):
+        with open(marker) as f:
+            path = os.path.join(root, f.read().strip())
+        if _is_complete(path, world_size):
+            return path
+    steps = sorted(d for d in os.listdir(root) if d.startswith("step_"))
+    for name in reversed(steps):
+        if _is_complete(os.path.join(root, name), world_size):
+            return os.path.join(root, name)
+    return None
+
+
+def load_checkpoint(path: str, model, optimizer) -> Dict[str, Any]:
+    """Collective: restore model, optimizer and this rank's RNG; return the trainer state."""
+    from megatron.core import dist_checkpointing
+
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if not _is_complete(path, world_size):
+        raise ValueError(
+            f"{path} is not a complete checkpoint for {world_size} ranks (needs .metadata, "
+            f"{TRAINER_STATE} and rng_rank*.pt for every rank)"
+        )
+    sharded = _sharded(model, optimizer, is_loading=True)
+    state = dist_checkpointing.load(sharded, path)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    _set_rng_state(torch.load(os.path.join(path, f"rng_rank{_rank():05d}.pt"), weights_only=False))
+    return torch.load(os.path.join(path, TRAINER_STATE), weights_only=False)

@@ -1,0 +1,114 @@
+"""The trainer's configuration tree (dataclasses; recipes are functions that return one).
+
+Defaults are the paper's recipe (JustRL hyperparameters + S2T) where it has one; the embedded
+CPU default lives in ``examples/recipes.py``. Command-line overrides use NeMo-Run's ``key=value``
+form in the launch scripts; the library never parses argv.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from stapo_megatron.loss import LossConfig
+from stapo_megatron.step import OptimConfig
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """Which model, at which parallel layout."""
+
+    hf_dir: str = ""
+    """HF model folder (config.json, tokenizer, safetensors): architecture, tokenizer, and the
+    folder vLLM starts from."""
+    megatron_ckpt: Optional[str] = None
+    """Initial weights as a Megatron dist checkpoint (`stapo-convert hf-to-mcore`); None keeps
+    the random init (tiny demo models only)."""
+    tensor_model_parallel_size: int = 1
+    """Training TP."""
+    pipeline_model_parallel_size: int = 1
+    """Training PP."""
+    bf16: bool = False
+    """Train in bf16 (GPU); fp32 on CPU."""
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """Prompts for training and the held-out set."""
+
+    train_path: Optional[str] = None
+    """JSONL/parquet with `prompt` and `answer` (or DAPO-Math-17k's layout); None = generate."""
+    eval_path: Optional[str] = None
+    """Held-out JSONL/parquet; None = generate."""
+    reasoning_gym_task: str = "basic_arithmetic"
+    """reasoning-gym task used when no paths are given (offline generator)."""
+    reasoning_gym_kwargs: dict = dataclasses.field(default_factory=dict)
+    """Extra arguments of the reasoning-gym task."""
+    num_train: int = 2000
+    """Generated training prompts."""
+    num_eval: int = 100
+    """Generated held-out prompts."""
+    max_prompt_len: int = 1024
+    """Longer prompts are dropped (counted, warned)."""
+    use_chat_template: bool = True
+    """Wrap questions in the tokenizer's chat template (plus the paper's suffix)."""
+
+
+@dataclasses.dataclass
+class RolloutSampling:
+    """How responses are sampled."""
+
+    group_size: int = 8
+    """G responses per prompt."""
+    temperature: float = 1.0
+    """Sampling temperature (the loss uses the same)."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+    max_response_len: int = 15360
+    """Maximum response tokens."""
+    tensor_parallel_size: int = 1
+    """vLLM's own TP."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM's share of GPU memory (colocated with training; freed by sleep mode)."""
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    """One STAPO training run."""
+
+    run_dir: str = "runs/stapo"
+    """Where metrics, plots, inspector output and checkpoints go."""
+    steps: int = 100
+    """Training steps (rollout batches)."""
+    prompts_per_step: int = 256
+    """Prompts per step over all DP ranks (the paper: 256)."""
+    minibatch_prompts: int = 64
+    """Prompts per PPO mini-batch (the paper: 64, so 4 optimizer steps per rollout batch)."""
+    micro_batch_size: int = 1
+    """Sequences per micro-batch."""
+    lr_warmup_steps: int = 10
+    """Optimizer steps of linear warm-up, then constant (the paper: 10)."""
+    seed: int = 1234
+    """Seeds data order, sampling and the random-control mask."""
+    eval_every: int = 10
+    """Held-out evaluation every this many steps (and at step 0 and the end); 0 = never."""
+    eval_temperature: float = 0.0
+    """Held-out decoding temperature (0 = greedy)."""
+    eval_samples: int = 1
+    """Samples per held-out prompt (avg@k with k = this)."""
+    save_every: int = 10
+    """Checkpoint every this many steps (and at the end); 0 = never."""
+    max_consecutive_skips: int = 3
+    """Stop with an error after this many consecutive steps with a NaN/Inf loss or gradient."""
+    reward_timeout_s: float = 5.0
+    """Time bound of one math-verify check."""
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    """Model and training parallelism."""
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    """Prompt data."""
+    rollout: RolloutSampling = dataclasses.field(default_factory=RolloutSampling)
+    """Sampling."""
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    """Policy loss (method stapo | grpo | entropy20 | random)."""
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    """AdamW (the paper: lr 1e-6, weight decay 0.1, grad clip 1.0)."""
