@@ -2,7 +2,7 @@
 
     stapo-convert hf-to-mcore --hf-dir HF --out CKPT [--dtype bfloat16] [--tp N --pp M]
     stapo-convert mcore-to-hf --ckpt CKPT --out HF [--dtype bfloat16] [--hf-config DIR]
-    stapo-convert verify --hf-dir HF --ckpt CKPT --tp N --pp M [--atol 1e-4]
+    stapo-convert verify --hf-dir HF --ckpt CKPT --tp N --pp M [--tol 1e-5]
 
 Exit codes: 0 success, 1 verify found a mismatch beyond tolerance, 2 bad input (the message
 names the problem; nothing that looks complete is left at the output path).
@@ -48,7 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     c.add_argument("--num-prompts", type=int, default=4, help="fixed random prompts")
     c.add_argument("--seq-len", type=int, default=32, help="tokens per prompt")
-    c.add_argument("--atol", type=float, default=None, help="max |logit difference| accepted (default FP32_LOGIT_ATOL)")
+    c.add_argument("--tol", type=float, default=None,
+                   help="max |logit difference| relative to max(1, max |logit|) (default FP32_LOGIT_TOL = 1e-5)")
     c.add_argument("--min-top1", type=float, default=1.0, help="minimal top-1 agreement")
     return p
 
@@ -69,13 +70,13 @@ def _run(args: argparse.Namespace) -> int:
                                     overwrite=args.overwrite, max_shard_bytes=int(args.max_shard_gb * 2**30))
         print(f"wrote {len(files)} safetensors file(s) to {args.out}")
         return 0
-    from conversion.verify import FP32_LOGIT_ATOL, format_table, verify
+    from conversion.verify import FP32_LOGIT_TOL, format_table, verify
 
-    atol = FP32_LOGIT_ATOL if args.atol is None else args.atol
+    tol = FP32_LOGIT_TOL if args.tol is None else args.tol
     rows = verify(args.hf_dir, args.ckpt, [(args.tp, args.pp)],
                   num_prompts=args.num_prompts, seq_len=args.seq_len)
-    print(format_table(rows, atol))
-    return 0 if all(r.ok(atol, args.min_top1) for r in rows) else 1
+    print(format_table(rows, tol))
+    return 0 if all(r.ok(tol, args.min_top1) for r in rows) else 1
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

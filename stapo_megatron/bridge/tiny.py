@@ -47,7 +47,8 @@ def save_tiny_hf_model(path: str, variant: str, dtype: torch.dtype = torch.bfloa
     """Build a tiny transformers model with O(1) logits and save it with ``save_pretrained``.
 
     HF's initializer_range=0.02 would make every logit ~0 and top-1 comparisons meaningless, so
-    weights are redrawn at unit scale: matrices N(0, 1/fan_in), norms 1 + N(0, 0.1^2).
+    weights are redrawn at unit scale: matrices N(0, 1/fan_in), norms 1 + N(0, 0.1^2), biases
+    N(0, 0.1^2).
     """
     import transformers
 
@@ -60,7 +61,7 @@ def save_tiny_hf_model(path: str, variant: str, dtype: torch.dtype = torch.bfloa
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim == 2:
-                p.normal_(0.0, 1.0 if "embed_tokens" in name else 1.0 / math.sqrt(p.shape[1]))
+                p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))  # embeddings too: tied logits stay O(1)
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.1)
             else:
