@@ -27,6 +27,9 @@ setup(
         "reasoning-gym>=0.1.25",
         # Parquet prompt datasets (DAPO-Math-17k ships as parquet).
         "pyarrow",
+        # Run outputs: end-of-run plots and TensorBoard scalars.
+        "matplotlib",
+        "tensorboard",
     ],
     extras_require={
         # GPU-only: the transformer-engine layer spec. apex is optional and installed from

@@ -1,0 +1,59 @@
+"""Supervised warm-start: token-level cross-entropy on (prompt, target response) pairs.
+
+Used by the embedded CPU demo so that a freshly initialised tiny model gets non-zero rewards
+before RL (DESIGN.md). Same Megatron machinery as the policy update: the loss function returns
+(sum of token NLL, number of target tokens), so Megatron normalises per token over the whole
+batch; log-probs come from the same fused vocab-parallel op.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from stapo_megatron.ops import vocab_parallel_logprob_entropy
+
+
+def _sft_loss_func(tp_group, batch, logits):
+    logprob, _ = vocab_parallel_logprob_entropy(logits, batch["labels"], tp_group=tp_group)
+    mask = batch["response_mask"]
+    nll_sum = -torch.where(mask, logprob, 0.0).sum()
+    num = mask.sum()
+    return nll_sum, num.to(torch.int), {"sft": torch.stack([nll_sum.detach(), num.float()])}
+
+
+def sft_step(model, optimizer, microbatches: List[Dict[str, torch.Tensor]], seq_length: int,
+             tp_group=None, dp_group=None) -> Optional[float]:
+    """One optimizer step of token-mean NLL over this DP rank's micro-batches.
+
+    Returns the mean NLL over the global batch on the last pipeline stage (None elsewhere).
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, model_chunk):
+        batch = next(data_iterator)
+        output = model_chunk(batch["tokens"], batch["position_ids"], attention_mask=None)
+        return output, partial(_sft_loss_func, tp_group, batch)
+
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    out = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(microbatches),
+        model=model,
+        num_microbatches=len(microbatches),
+        seq_length=seq_length,
+        micro_batch_size=microbatches[0]["tokens"].shape[0],
+        forward_only=False,
+    )
+    optimizer.step()
+    if not out:
+        return None
+    sums = torch.stack([o["sft"] for o in out]).sum(0)
+    if dp_group is not None:
+        dist.all_reduce(sums, group=dp_group)
+    return float(sums[0] / sums[1]) if sums[1] > 0 else math.nan

@@ -1,0 +1,391 @@
+"""The STAPO training loop (DESIGN.md, "One training step"), SPMD: one process per device.
+
+Per step: (1) this DP rank's prompts; (2) vLLM rollouts, G per prompt, in this process;
+(3) math rewards; (4) group advantages (groups stay whole on one DP rank); (5) pi_old log-probs
+and entropies with the Megatron model; (6) per PPO mini-batch the STAPO loss through Megatron's
+forward_backward and an optimizer step; (7) weight sync Megatron -> vLLM; (8) metrics, held-out
+evaluation, checkpoint. Started by torchrun (or srun through NeMo-Run): ``train(config)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from stapo_megatron import checkpoint as ckpt
+from stapo_megatron.batching import group_advantages, pack_sequences, split_microbatches
+from stapo_megatron.config import TrainerConfig
+from stapo_megatron.loss import compute_logprob_entropy
+from stapo_megatron.metrics import RunLogger, plot_run
+from stapo_megatron.parallel import Groups, destroy_parallel, init_parallel
+from stapo_megatron.sft import sft_step
+from stapo_megatron.step import build_optimizer, policy_update, wrap_ddp
+
+
+@dataclasses.dataclass
+class WarmStartConfig:
+    """Supervised warm-start before RL (the CPU demo: a fresh tiny model has zero reward)."""
+
+    steps: int = 0
+    """SFT optimizer steps (0 = none)."""
+    lr: float = 1e-3
+    """SFT learning rate (a separate AdamW; RL starts with fresh optimizer state)."""
+    prompts_per_step: int = 32
+    """Prompts per SFT step over all DP ranks."""
+    target_template: str = "\\boxed{{{answer}}}"
+    """Target response for an example; ``{answer}`` is replaced (end-of-sequence appended)."""
+
+
+def _pad_to(n: int, multiple: int = 8) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def _reduce_from_last_stage(values: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """Sum a last-stage tensor over DP, then broadcast it over PP: the same on every rank."""
+    if groups.is_last_stage and groups.dp is not None:
+        dist.all_reduce(values, group=groups.dp)
+    if groups.pp is not None and dist.get_world_size(groups.pp) > 1:
+        dist.broadcast(values, src=groups.pp_last_rank, group=groups.pp)
+    return values
+
+
+class _Timer:
+    def __init__(self):
+        self.seconds: Dict[str, float] = {}
+
+    def __call__(self, name):
+        timer = self
+
+        class _Ctx:
+            def __enter__(self):
+                self.t0 = time.perf_counter()
+
+            def __exit__(self, *exc):
+                timer.seconds[f"time_{name}"] = timer.seconds.get(f"time_{name}", 0.0) + time.perf_counter() - self.t0
+
+        return _Ctx()
+
+
+def _load_data(cfg: TrainerConfig, tokenizer):
+    from stapo_megatron import data
+
+    if cfg.data.train_path:
+        train = data.load_examples(cfg.data.train_path)
+        if not cfg.data.eval_path:
+            raise ValueError("data.train_path is set but data.eval_path is not: give a held-out file")
+        held_out = data.load_examples(cfg.data.eval_path)
+    else:
+        train, held_out = data.reasoning_gym_split(
+            cfg.data.reasoning_gym_task, cfg.data.num_train, cfg.data.num_eval, cfg.seed,
+            **cfg.data.reasoning_gym_kwargs,
+        )
+    out = []
+    for examples in (train, held_out):
+        ids, kept, _ = data.tokenize_prompts(
+            tokenizer, examples, cfg.data.max_prompt_len, cfg.data.use_chat_template
+        )
+        out.append((ids, kept))
+    return out
+
+
+class Trainer:
+    """Holds the model, optimizer, rollout engine and scorer of one run; ``run()`` trains."""
+
+    def __init__(self, cfg: TrainerConfig, warmstart: Optional[WarmStartConfig] = None):
+        from transformers import AutoTokenizer
+
+        from stapo_megatron.bridge.config import load_hf_config
+        from stapo_megatron.bridge.model import build_gpt_model, load_checkpoint
+
+        if cfg.prompts_per_step % cfg.minibatch_prompts:
+            raise ValueError(
+                f"prompts_per_step {cfg.prompts_per_step} must be a multiple of minibatch_prompts {cfg.minibatch_prompts}"
+            )
+        self.cfg, self.warmstart = cfg, warmstart
+        self.groups = init_parallel(
+            cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size, seed=cfg.seed
+        )
+        self.rank = dist.get_rank()
+        self.dp_size = dist.get_world_size(self.groups.dp)
+        self.dp_rank = dist.get_rank(self.groups.dp)
+        if cfg.minibatch_prompts % self.dp_size:
+            raise ValueError(f"minibatch_prompts {cfg.minibatch_prompts} must divide over DP size {self.dp_size}")
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
+        self.hf_config = load_hf_config(cfg.model.hf_dir)
+        (self.train_ids, self.train_ex), (self.eval_ids, self.eval_ex) = _load_data(cfg, self.tokenizer)
+        model = build_gpt_model(
+            self.hf_config,
+            params_dtype=torch.bfloat16 if cfg.model.bf16 else torch.float32,
+            calculate_per_token_loss=True,
+            bf16=cfg.model.bf16,
+        )
+        if cfg.model.megatron_ckpt:
+            load_checkpoint(model, cfg.model.megatron_ckpt)
+        self.model = wrap_ddp(model, cfg.optim.use_distributed_optimizer)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.logger = RunLogger(cfg.run_dir, enabled=self.rank == 0)
+        self.engine = None
+        self.scorer = None
+
+    # -- pieces ------------------------------------------------------------------------------
+
+    def _start_services(self):
+        from stapo_megatron.rewards import RewardScorer
+        from stapo_megatron.rollout.vllm_engine import RolloutConfig, VLLMEngine
+
+        r = self.cfg.rollout
+        max_len = _pad_to(self.cfg.data.max_prompt_len + r.max_response_len)
+        self.engine = VLLMEngine(
+            self.cfg.model.hf_dir,
+            RolloutConfig(
+                tensor_parallel_size=r.tensor_parallel_size,
+                gpu_memory_utilization=r.gpu_memory_utilization,
+                max_model_len=max_len,
+                seed=self.cfg.seed,
+            ),
+        )
+        self.scorer = RewardScorer(num_workers=1, timeout_s=self.cfg.reward_timeout_s)
+
+    def _sync_weights(self) -> Dict[str, float]:
+        from stapo_megatron.rollout.weight_sync import sync_weights
+
+        return sync_weights(self.model, self.hf_config, self.groups, self.engine)
+
+    def _step_prompts(self, step: int, count: int, seed: int) -> List[int]:
+        """Indices of this DP rank's prompts for a step: a seeded permutation per epoch."""
+        n = len(self.train_ids)
+        first = step * count
+        idx = []
+        for pos in range(first, first + count):
+            epoch, offset = divmod(pos, n)
+            perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+            idx.append(int(perm[offset]))
+        per_rank = count // self.dp_size
+        return idx[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
+
+    def _generate(self, prompt_ids, n, temperature, top_p, max_tokens, seed):
+        samples = self.engine.generate(prompt_ids, n, temperature, top_p, max_tokens, seed=seed)
+        # Every rank of a model-parallel group must train on identical data: take rank 0's.
+        from megatron.core import parallel_state as ps
+
+        mp_group = ps.get_model_parallel_group()
+        if dist.get_world_size(mp_group) > 1:
+            box = [samples]
+            dist.broadcast_object_list(box, src=dist.get_process_group_ranks(mp_group)[0], group=mp_group)
+            samples = box[0]
+        return samples
+
+    def evaluate(self, step: int) -> Dict[str, float]:
+        """Held-out accuracy (mean reward of ``eval_samples`` samples per prompt), split over DP."""
+        cfg = self.cfg
+        idx = list(range(self.dp_rank, len(self.eval_ids), self.dp_size))
+        t0 = time.perf_counter()
+        samples = self._generate(
+            [self.eval_ids[i] for i in idx], cfg.eval_samples, cfg.eval_temperature, 1.0,
+            cfg.rollout.max_response_len, seed=cfg.seed + 7,
+        )
+        texts = [s.text for group in samples for s in group]
+        answers = [self.eval_ex[i].answer for i in idx for _ in range(cfg.eval_samples)]
+        rewards, _ = self.scorer.score(texts, answers)
+        sums = torch.tensor([sum(rewards), float(len(rewards))])
+        dist.all_reduce(sums, group=self.groups.dp)
+        row = dict(kind="eval", step=step, eval_accuracy=float(sums[0] / sums[1]),
+                   eval_num=int(sums[1]), time_eval=time.perf_counter() - t0)
+        self.logger.log(row)
+        return row
+
+    def warm_start(self):
+        """Supervised warm-start on training prompts (fresh AdamW, discarded afterwards)."""
+        ws = self.warmstart
+        eos = self.tokenizer.eos_token_id
+        optim = dataclasses.replace(self.cfg.optim, lr=ws.lr, weight_decay=0.0)
+        optimizer = build_optimizer(self.model, optim)
+        for step in range(ws.steps):
+            idx = self._step_prompts(step, ws.prompts_per_step, self.cfg.seed + 99)
+            prompts = [self.train_ids[i] for i in idx]
+            targets = [
+                self.tokenizer.encode(ws.target_template.format(answer=self.train_ex[i].answer),
+                                      add_special_tokens=False) + [eos]
+                for i in idx
+            ]
+            seq = _pad_to(max(len(p) + len(t) for p, t in zip(prompts, targets)))
+            batch = pack_sequences(prompts, targets, [0.0] * len(idx), [[0.0] * len(t) for t in targets],
+                                   self.tokenizer.pad_token_id, seq)
+            mbs = split_microbatches(batch, self.cfg.micro_batch_size, seed=step)
+            nll = sft_step(self.model, optimizer, mbs, seq, self.groups.tp, self.groups.dp)
+            if self.rank == 0 and (step % 10 == 0 or step == ws.steps - 1):
+                print(f"[warm-start] step {step}/{ws.steps} nll {nll:.4f}", flush=True)
+
+    def train_step(self, step: int) -> Dict:
+        cfg, groups = self.cfg, self.groups
+        timer = _Timer()
+        G = cfg.rollout.group_size
+        self._set_lr(step)
+        idx = self._step_prompts(step, cfg.prompts_per_step, cfg.seed)
+        prompts = [self.train_ids[i] for i in idx]
+        with timer("rollout"):
+            samples = self._generate(prompts, G, cfg.rollout.temperature, cfg.rollout.top_p,
+                                     cfg.rollout.max_response_len, seed=cfg.seed * 1_000_003 + step)
+        with timer("reward"):
+            texts = [s.text for group in samples for s in group]
+            answers = [self.train_ex[i].answer for i in idx for _ in range(G)]
+            rewards, reward_info = self.scorer.score(texts, answers)
+        rewards_PG = torch.tensor(rewards, dtype=torch.float32).view(len(idx), G)
+        adv_PG, num_flat = group_advantages(rewards_PG)
+        flat = [s for group in samples for s in group]
+        seq = _pad_to(max(len(prompts[i // G]) + len(s.token_ids) for i, s in enumerate(flat)))
+        batch = pack_sequences(
+            [prompts[i // G] for i in range(len(flat))], [s.token_ids for s in flat],
+            adv_PG.reshape(-1).tolist(), [s.logprobs for s in flat], self.tokenizer.pad_token_id, seq,
+        )
+        per_mini = cfg.minibatch_prompts // self.dp_size * G
+        minis = [
+            split_microbatches({k: v[s : s + per_mini] for k, v in batch.items()}, cfg.micro_batch_size,
+                               seed=step * 100_003 + s + self.dp_rank * 10_007)
+            for s in range(0, len(flat), per_mini)
+        ]
+        with timer("old_logprob"):
+            old = [compute_logprob_entropy(self.model, m, seq, cfg.loss.temperature, groups.tp) for m in minis]
+        diff = torch.zeros(2)
+        for mini, stats in zip(minis, old):
+            for i, mb in enumerate(mini):
+                mb["old_logprob"] = stats[i][0] if groups.is_last_stage else torch.zeros_like(mb["advantages"])
+                if groups.is_last_stage:
+                    mask = mb["response_mask"]
+                    diff += torch.stack([(stats[i][0] - mb["rollout_logprob"]).abs()[mask].sum(), mask.sum().float()])
+        diff = _reduce_from_last_stage(diff, groups)
+        with timer("train"):
+            updates = [policy_update(self.model, self.optimizer, m, cfg.loss, groups, seq, s)
+                       for m, s in zip(minis, old)]
+        with timer("weight_sync"):
+            self._sync_weights()
+        row = self._step_row(step, updates, rewards_PG, num_flat, flat, diff, reward_info)
+        row.update(timer.seconds)
+        return row, [r for u in updates for r in u["silenced_tokens"]]
+
+    def _set_lr(self, step: int):
+        """Linear warm-up over ``lr_warmup_steps`` optimizer steps, then constant."""
+        num_minis = self.cfg.prompts_per_step // self.cfg.minibatch_prompts
+        done = step * num_minis
+        scale = min(1.0, (done + 1) / max(1, self.cfg.lr_warmup_steps))
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.cfg.optim.lr * scale
+
+    def _step_row(self, step, updates, rewards_PG, num_flat, flat, diff, reward_info):
+        sums = torch.tensor([
+            float(rewards_PG.sum()), float(rewards_PG.numel()), float(num_flat), float(rewards_PG.shape[0]),
+            float(sum(len(s.token_ids) for s in flat)), float(reward_info.get("num_timeouts", 0)),
+        ])
+        dist.all_reduce(sums, group=self.groups.dp)
+        mean = lambda key: sum(u[key] for u in updates) / len(updates)  # noqa: E731
+        silenced = sum(u["silenced_count"] for u in updates)
+        response_tokens = sum(u["num_response_tokens"] for u in updates)
+        return dict(
+            kind="train", step=step + 1,
+            reward_mean=float(sums[0] / sums[1]),
+            flat_groups=int(sums[2]), num_prompts=int(sums[3]),
+            response_len_mean=float(sums[4] / sums[1]),
+            reward_timeouts=int(sums[5]),
+            loss=mean("loss"), entropy_mean=mean("entropy_mean"),
+            silenced_count=silenced, silenced_fraction=silenced / max(response_tokens, 1),
+            tau_h=mean("tau_h"), tau_h_source=self.cfg.loss.tau_h_source,
+            candidate_count=sum(u["candidate_count"] for u in updates),
+            clip_fraction=mean("clip_fraction"), approx_kl=mean("approx_kl"),
+            grad_norm=mean("grad_norm"), skipped=sum(u["skipped"] for u in updates),
+            rollout_train_logprob_diff=float(diff[0] / diff[1]) if diff[1] > 0 else math.nan,
+            lr=self.optimizer.param_groups[0]["lr"],
+        )
+
+    def _gather_silenced(self, rows) -> List:
+        """Silenced-token rows of all DP ranks (from TP rank 0 of the last stage) on rank 0."""
+        from megatron.core import parallel_state as ps
+
+        mine = rows if (self.groups.is_last_stage and ps.get_tensor_model_parallel_rank() == 0) else []
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        return [r for part in gathered for r in part]
+
+    def _save(self, step: int):
+        ckpt.save_checkpoint(self.cfg.run_dir, step, self.model, self.optimizer,
+                             {"data_position": step * self.cfg.prompts_per_step})
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def run(self) -> List[Dict]:
+        cfg = self.cfg
+        start = 0
+        latest = ckpt.find_latest(cfg.run_dir)
+        self._start_services()
+        if latest:
+            state = ckpt.load_checkpoint(latest, self.model, self.optimizer)
+            start = state["step"]
+            if self.rank == 0:
+                print(f"resumed from {latest} (step {start})", flush=True)
+        elif self.warmstart and self.warmstart.steps:
+            self.warm_start()
+        self._sync_weights()
+        rows = []
+        if start == 0 and cfg.eval_every:
+            rows.append(self.evaluate(0))
+            self._print_eval(rows[-1])
+        consecutive_skips = 0
+        for step in range(start, cfg.steps):
+            row, silenced_rows = self.train_step(step)
+            rows.append(row)
+            self.logger.log(row)
+            silenced_rows = self._gather_silenced(silenced_rows)
+            self.logger.log_silenced(step + 1, silenced_rows, lambda t: self.tokenizer.decode([t]))
+            self._print_row(row)
+            consecutive_skips = consecutive_skips + 1 if row["skipped"] else 0
+            if consecutive_skips > cfg.max_consecutive_skips:
+                raise RuntimeError(
+                    f"{consecutive_skips} consecutive steps had a NaN/Inf loss or gradient (last at step "
+                    f"{step + 1}); stopping. Check the learning rate and the data; the last good "
+                    f"checkpoint is {ckpt.find_latest(cfg.run_dir)}"
+                )
+            done = step + 1
+            if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
+                rows.append(self.evaluate(done))
+                self._print_eval(rows[-1])
+            if cfg.save_every and (done % cfg.save_every == 0 or done == cfg.steps):
+                self._save(done)
+        if self.rank == 0 and os.path.exists(os.path.join(cfg.run_dir, "metrics.jsonl")):
+            plot_run(cfg.run_dir)
+        return rows
+
+    def _print_row(self, r):
+        if self.rank == 0:
+            print(
+                f"step {r['step']:>4} | reward {r['reward_mean']:.3f} | entropy {r['entropy_mean']:.3f} | "
+                f"silenced {r['silenced_count']} ({r['silenced_fraction']:.4%}) tau_H {r['tau_h']:.3f} | "
+                f"loss {r['loss']:+.4f} clip {r['clip_fraction']:.3f} | len {r['response_len_mean']:.1f} | "
+                f"rollout {r['time_rollout']:.1f}s reward {r['time_reward']:.1f}s old {r['time_old_logprob']:.1f}s "
+                f"train {r['time_train']:.1f}s sync {r['time_weight_sync']:.1f}s",
+                flush=True,
+            )
+
+    def _print_eval(self, r):
+        if self.rank == 0:
+            print(f"eval  {r['step']:>4} | held-out accuracy {r['eval_accuracy']:.3f} "
+                  f"({r['eval_num']} samples, {r['time_eval']:.1f}s)", flush=True)
+
+    def close(self):
+        if self.scorer is not None:
+            self.scorer.close()
+        self.logger.close()
+
+
+def train(cfg: TrainerConfig, warmstart: Optional[WarmStartConfig] = None) -> List[Dict]:
+    """Entry point (one call per process under torchrun): train, then tear down."""
+    trainer = Trainer(cfg, warmstart)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
+        destroy_parallel()
