@@ -9,7 +9,9 @@ peak RSS <= 0.5x the checkpoint size.
         .venv/bin/python benchmarks/bench_conversion.py [--workdir /tmp/bench_conversion] [--repeats 3]
 
 The page cache is warm for every run (the copy runs first and all commands read the same
-files), so the numbers compare the work done, not the disk.
+files), so the numbers compare the work done, not the disk. ``cp`` copies with
+copy_file_range (inside the kernel, no user-space pass over the bytes); ``dd bs=16M`` is the
+user-space floor any converter shares (read every byte into memory, write it out).
 """
 
 from __future__ import annotations
@@ -54,16 +56,35 @@ def make_checkpoint(hf_dir: str) -> int:
     return writer.total
 
 
-def timed(argv: list[str]) -> tuple[float, int]:
-    """Wall seconds and peak RSS (bytes) of one child process."""
+# Runs inside the child: separates interpreter + import time from the conversion itself.
+_CHILD = """
+import json, sys, time
+t0 = time.perf_counter()
+from conversion.cli import main
+t1 = time.perf_counter()
+code = main(sys.argv[1:])
+print(json.dumps({"import_s": t1 - t0, "convert_s": time.perf_counter() - t1}))
+sys.exit(code)
+"""
+
+
+def timed(argv: list[str]) -> dict:
+    """Wall seconds and peak RSS of one command, plus the child's own split for conversions.
+
+    GNU time forks a small process that execs the command, so its %M is the command's own peak
+    RSS (os.wait4 on a child forked from this big process would report at least our RSS).
+    """
     start = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
-    _, status, usage = os.wait4(proc.pid, 0)
-    elapsed = time.perf_counter() - start
-    proc.returncode = os.waitstatus_to_exitcode(status)
+    proc = subprocess.run(["/usr/bin/time", "-f", "maxrss_kb=%M", *argv], capture_output=True, text=True)
+    wall = time.perf_counter() - start
     if proc.returncode:
-        raise RuntimeError(f"{argv} exited with {proc.returncode}")
-    return elapsed, usage.ru_maxrss * 1024  # Linux reports KiB
+        raise RuntimeError(f"{argv} exited with {proc.returncode}: {proc.stderr[-2000:]}")
+    rss_kb = int(proc.stderr.rsplit("maxrss_kb=", 1)[1].split()[0])
+    result = {"wall_s": wall, "rss": rss_kb * 1024}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if lines:
+        result.update(json.loads(lines[-1]))
+    return result
 
 
 def main() -> None:
@@ -75,28 +96,35 @@ def main() -> None:
     hf, copy, ckpt, back = (os.path.join(args.workdir, n) for n in ("hf", "copy", "ckpt", "back"))
     shutil.rmtree(args.workdir, ignore_errors=True)
     size = make_checkpoint(hf)
-    cli = [sys.executable, "-m", "conversion.cli"]
+    cli = [sys.executable, "-c", _CHILD]
     os.chdir(root)
-    runs = {"cp -r": [], "cp -r + sync": [], "hf-to-mcore": [], "mcore-to-hf": []}
+    runs = {"cp -r": [], "cp -r + sync": [], "dd bs=16M": [], "hf-to-mcore": [], "mcore-to-hf": []}
+    src = os.path.join(hf, "model.safetensors")
     for _ in range(args.repeats):
         for name, argv, out in (
             ("cp -r", ["cp", "-r", hf, copy], copy),
             ("cp -r + sync", ["sh", "-c", f"cp -r {hf} {copy} && sync {copy}/model.safetensors"], copy),
+            # A user-space copy (what any converter must at least do: read into memory, write out).
+            ("dd bs=16M", ["sh", "-c", f"mkdir {copy} && dd if={src} of={copy}/m bs=16M status=none"], copy),
             ("hf-to-mcore", cli + ["hf-to-mcore", "--hf-dir", hf, "--out", ckpt], ckpt),
             ("mcore-to-hf", cli + ["mcore-to-hf", "--ckpt", ckpt, "--out", back], back),
         ):
             shutil.rmtree(out, ignore_errors=True)
             runs[name].append(timed(argv))
-    cp_time = statistics.median(t for t, _ in runs["cp -r"])
-    print(f"checkpoint: {size / 1e9:.3f} GB bf16 (Qwen3-0.6B shapes, tied), {args.repeats} runs, medians")
+    med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
+    cp, cps = med["cp -r"]["wall_s"], med["cp -r + sync"]["wall_s"]
+    print(f"checkpoint: {size / 1e9:.3f} GB bf16 (Qwen3-0.6B shapes, tied); medians of {args.repeats} runs")
     print(f"LD_PRELOAD={os.environ.get('LD_PRELOAD', '')} nproc={os.cpu_count()} torch={torch.__version__}\n")
-    print("| command | wall s | x cp -r | peak RSS MB | RSS / checkpoint |")
-    print("| --- | --- | --- | --- | --- |")
-    for name, vals in runs.items():
-        t = statistics.median(v[0] for v in vals)
-        rss = max(v[1] for v in vals)
-        print(f"| {name} | {t:.2f} | {t / cp_time:.2f} | {rss / 1e6:.0f} | {rss / size:.2f} |")
-    print("\nall runs (s):", {k: [round(v[0], 2) for v in vals] for k, vals in runs.items()})
+    print("| command | wall s | x cp -r | x cp -r + sync | of which import s | conversion s | conversion x cp -r "
+          "| peak RSS MB | RSS / checkpoint |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, m in med.items():
+        conv = m.get("convert_s")
+        print(f"| {name} | {m['wall_s']:.2f} | {m['wall_s'] / cp:.2f} | {m['wall_s'] / cps:.2f} | "
+              f"{m.get('import_s', 0):.2f} | {'' if conv is None else f'{conv:.2f}'} | "
+              f"{'' if conv is None else f'{conv / cp:.2f}'} | {max(r['rss'] for r in runs[name]) / 1e6:.0f} | "
+              f"{max(r['rss'] for r in runs[name]) / size:.2f} |")
+    print("\nall runs, wall s:", {k: [round(r["wall_s"], 2) for r in rs] for k, rs in runs.items()})
     shutil.rmtree(args.workdir, ignore_errors=True)
 
 

@@ -12,6 +12,7 @@ storage writer asks for it (``resolve_data``), so at most one chunk per writer t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -23,6 +24,9 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.checkpoint.api import CheckpointException
+# Private, but what FileSystemReader.read_data itself uses to torch.load one stored item in place
+# (present since torch 2.1).
+from torch.distributed.checkpoint.filesystem import _create_file_view
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -137,7 +141,13 @@ def write_checkpoint(path: str, chunks: list[Chunk], objects: list[BytesObject] 
         on_chunk: progress callback, called with the byte size of each produced chunk.
     """
     writer = FileSystemWriter(path, single_file_per_rank=True, thread_count=thread_count)
-    with warnings.catch_warnings():
+    # DCP stores each chunk with torch.save, whose per-record CRC32 took ~35% of hf-to-mcore
+    # (benchmarks/bench_conversion.py) and is never read: torch.load does not check zip CRCs
+    # (see torch.serialization.set_crc32_options, torch >= 2.6).
+    crc = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    with contextlib.ExitStack() as stack, warnings.catch_warnings():
+        stack.callback(torch.serialization.set_crc32_options, crc)
         # DCP warns that torch.distributed is uninitialised: a single writer process is intended.
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         planner = _StreamingSavePlanner(chunks, list(objects), on_chunk)
@@ -199,6 +209,7 @@ class CheckpointReader:
     """Reads regions of tensors from a torch_dist checkpoint without loading the rest."""
 
     def __init__(self, path: str):
+        self.path = path
         self._reader = FileSystemReader(path)
         self.metadata = self._reader.read_metadata()
         self._reader.set_up_storage_reader(self.metadata, is_coordinator=True)
@@ -207,8 +218,42 @@ class CheckpointReader:
         """Stored tensors by key (ShardedObjects and other byte items excluded)."""
         return {k: v for k, v in self.metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
+    def row_boundaries(self, key: str) -> list[int]:
+        """Dim-0 offsets where stored chunks of ``key`` start, plus the row count."""
+        md = self.tensors()[key]
+        return sorted({c.offsets[0] for c in md.chunks} | {md.size[0]})
+
     def read(self, requests: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> dict[str, torch.Tensor]:
-        """Read ``{key: (offsets, sizes)}`` regions in one pass; returns ``{key: tensor}``."""
+        """Read ``{key: (offsets, sizes)}`` regions; returns ``{key: tensor}`` (possibly views)."""
+        out, rest = {}, {}
+        for key, (offsets, sizes) in requests.items():
+            chunk = self._containing_chunk(key, offsets, sizes)
+            if chunk is None:
+                rest[key] = (offsets, sizes)
+                continue
+            # Fast path: the region lies in one stored chunk, which is loaded and narrowed
+            # instead of copied into a destination as DCP's read_data does (saves a full copy).
+            tensor = self._load_chunk(key, chunk)
+            for dim, (start, base, size) in enumerate(zip(offsets, chunk.offsets, sizes)):
+                tensor = tensor.narrow(dim, start - base, size)
+            out[key] = tensor
+        if rest:
+            out.update(self._read_via_dcp(rest))
+        return out
+
+    def _containing_chunk(self, key, offsets, sizes) -> Optional[ChunkStorageMetadata]:
+        for c in self.tensors()[key].chunks:
+            if all(co <= o and o + s <= co + cs for o, s, co, cs in zip(offsets, sizes, c.offsets, c.sizes)):
+                return c
+        return None
+
+    def _load_chunk(self, key: str, chunk: ChunkStorageMetadata) -> torch.Tensor:
+        info = self.metadata.storage_data[MetadataIndex(key, chunk.offsets)]
+        assert not info.transform_descriptors, "compressed/transformed DCP items are not supported"
+        with open(os.path.join(self.path, info.relative_path), "rb") as f:
+            return torch.load(_create_file_view(f, info.offset, info.length), map_location="cpu", weights_only=True)
+
+    def _read_via_dcp(self, requests: dict) -> dict[str, torch.Tensor]:
         mds = self.tensors()
         targets = {k: (off, torch.empty(sizes, dtype=mds[k].properties.dtype)) for k, (off, sizes) in requests.items()}
         planner = _SliceLoadPlanner(targets)

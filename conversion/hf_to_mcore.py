@@ -36,7 +36,7 @@ from stapo_megatron.bridge.config import (
 from stapo_megatron.bridge.mapping import LAYER_PREFIX, hf_shapes, mappings_for, megatron_shape
 from stapo_megatron.bridge.transforms import merge_qkv
 
-BLOCK_BYTES = 64 * 2**20
+BLOCK_BYTES = 16 * 2**20
 """Largest chunk read at once (embedding and lm_head are split into row blocks of this size)."""
 HF_SUBDIR = "hf"
 """Folder inside a converted checkpoint holding the HF config, tokenizer and generation files."""

@@ -26,7 +26,7 @@ from conversion.publish import Progress, check_output_dir, staged_output
 from conversion.safetensors_io import INDEX_NAME, SINGLE_NAME, ShardWriter
 from stapo_megatron.bridge.config import QwenSpec, load_hf_config, spec_from_hf_config
 from stapo_megatron.bridge.mapping import ParamMapping, hf_shapes, mappings_for, megatron_shape
-from stapo_megatron.bridge.transforms import split_gate_up, split_qkv
+from stapo_megatron.bridge.transforms import split_qkv_pieces
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 """Largest safetensors shard written (transformers' historical default of 5 GB)."""
@@ -78,34 +78,44 @@ def check_stored(spec: QwenSpec, stored: dict, padded_vocab_hint: int) -> None:
             raise ValueError(f"checkpoint tensor {m.checkpoint_key} has shape {got} but the config implies {want}")
 
 
-def _read_layer(reader: CheckpointReader, m: ParamMapping, layer: int, shape: tuple) -> torch.Tensor:
-    return reader.read({m.checkpoint_key: ((layer,) + (0,) * len(shape), (1,) + shape)})[m.checkpoint_key][0]
+def _read_layer(reader: CheckpointReader, m: ParamMapping, layer: int, shape: tuple, row0: int = 0,
+                rows: Optional[int] = None) -> torch.Tensor:
+    """Rows ``[row0, row0 + rows)`` of one layer's slice of a layer-stacked tensor."""
+    rows = shape[0] - row0 if rows is None else rows
+    offsets = (layer, row0) + (0,) * (len(shape) - 1)
+    return reader.read({m.checkpoint_key: (offsets, (1, rows) + shape[1:])})[m.checkpoint_key][0]
 
 
-def _row_blocks(reader: CheckpointReader, key: str, rows: int, row_shape: tuple, itemsize: int) -> Iterator[torch.Tensor]:
-    step = max(1, BLOCK_BYTES // max(1, math.prod(row_shape) * itemsize))
-    for start in range(0, rows, step):
-        n = min(rows, start + step) - start
-        yield reader.read({key: ((start,) + (0,) * len(row_shape), (n,) + row_shape)})[key]
+def _row_blocks(reader: CheckpointReader, key: str, rows: int, row_shape: tuple) -> Iterator[torch.Tensor]:
+    """Rows ``[0, rows)``, one stored chunk at a time: a read straddling or splitting stored
+    chunks would load a chunk more than once. Converted checkpoints store the vocabulary in
+    blocks of BLOCK_BYTES; a training checkpoint's chunk is its TP shard of the vocabulary."""
+    bounds = [b for b in reader.row_boundaries(key) if b < rows] + [rows]
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        yield reader.read({key: ((lo,) + (0,) * len(row_shape), (hi - lo,) + row_shape)})[key]
 
 
-def hf_tensors(reader: CheckpointReader, m: ParamMapping, layer: Optional[int], spec: QwenSpec,
-               itemsize: int) -> list[tuple[str, Iterator[torch.Tensor]]]:
-    """The HF tensors of one mapping row (one layer), each as an iterator of row blocks."""
+def hf_tensors(reader: CheckpointReader, m: ParamMapping, layer: Optional[int],
+               spec: QwenSpec) -> list[tuple[str, Iterator[torch.Tensor]]]:
+    """The HF tensors of one mapping row (one layer), each as an iterator of contiguous pieces
+    whose concatenation along dim 0 is the tensor (so no piece is copied to be written)."""
     names = m.hf_names(layer)
     if m.per_layer:
         shape = megatron_shape(m, spec, spec.vocab_size)
-        full = _read_layer(reader, m, layer, shape)
         if m.transform == "qkv":
-            parts = split_qkv(full, spec.num_attention_heads, spec.num_query_groups, spec.kv_channels)
+            full = _read_layer(reader, m, layer, shape)
+            parts = split_qkv_pieces(full, spec.num_attention_heads, spec.num_query_groups, spec.kv_channels)
         elif m.transform == "gate_up":
-            parts = split_gate_up(full)  # stored in the TP=1 layout [gate; up]
+            # Stored in the TP=1 layout [gate; up]; reading the halves separately matches the
+            # chunks hf-to-mcore writes (one read each instead of a read into a merged buffer).
+            ffn = shape[0] // 2
+            parts = [[_read_layer(reader, m, layer, shape, 0, ffn)], [_read_layer(reader, m, layer, shape, ffn, ffn)]]
         else:
-            parts = (full,)
-        return [(n, iter([p])) for n, p in zip(names, parts)]
+            parts = [[_read_layer(reader, m, layer, shape)]]
+        return [(n, iter(p)) for n, p in zip(names, parts)]
     shape = hf_shapes(spec)[names[0]]
     # Vocabulary rows beyond vocab_size are Megatron's padding; they are simply not read.
-    return [(names[0], _row_blocks(reader, m.checkpoint_key, shape[0], shape[1:], itemsize))]
+    return [(names[0], _row_blocks(reader, m.checkpoint_key, shape[0], shape[1:]))]
 
 
 def _shard_plan(entries: list[tuple[str, torch.dtype, tuple]], max_shard_bytes: int) -> list[list]:
@@ -167,7 +177,7 @@ def convert_mcore_to_hf(
         writers = iter([(f, shard) for f, shard in zip(files, shards)])
         writer, remaining = None, 0
         for m, layer in jobs:
-            for name, blocks in hf_tensors(reader, m, layer, spec, stored[m.checkpoint_key].properties.dtype.itemsize):
+            for name, blocks in hf_tensors(reader, m, layer, spec):
                 if remaining == 0:
                     if writer is not None:
                         writer.close()

@@ -11,6 +11,7 @@ from stapo_megatron.bridge import (
     spec_from_hf_config,
     split_gate_up,
     split_qkv,
+    split_qkv_pieces,
     tp_shard,
     unpad_vocab,
 )
@@ -39,6 +40,14 @@ def test_qkv_roundtrip_weight_and_bias(nh, ng, d):
     qb, kb, vb = torch.randn(nh * d), torch.randn(ng * d), torch.randn(ng * d)  # biases are 1-D
     for a, b in zip(split_qkv(merge_qkv(qb, kb, vb, ng, d), nh, ng, d), (qb, kb, vb)):
         assert torch.equal(a, b)
+
+
+def test_qkv_pieces_are_contiguous_views():
+    nh, ng, d = 8, 2, 4
+    merged = merge_qkv(torch.randn(nh * d, 3), torch.randn(ng * d, 3), torch.randn(ng * d, 3), ng, d)
+    for pieces, whole in zip(split_qkv_pieces(merged, nh, ng, d), split_qkv(merged, nh, ng, d)):
+        assert all(p.is_contiguous() and p.data_ptr() >= merged.data_ptr() for p in pieces)
+        assert torch.equal(torch.cat(pieces), whole)
 
 
 def test_qkv_tp_shard_holds_whole_groups():

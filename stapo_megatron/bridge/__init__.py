@@ -22,6 +22,7 @@ from stapo_megatron.bridge.transforms import (
     pad_vocab,
     split_gate_up,
     split_qkv,
+    split_qkv_pieces,
     tp_shard,
     unpad_vocab,
 )
@@ -30,5 +31,5 @@ __all__ = [
     "DEFAULT_VOCAB_DIVISOR", "SUPPORTED_ARCHITECTURES", "QwenSpec", "check_parallel_sizes", "load_hf_config",
     "padded_vocab_size", "spec_from_hf_config", "transformer_config_from_spec", "ParamMapping", "hf_shapes",
     "mappings_for", "megatron_shape", "build_gpt_model", "layer_spec", "load_checkpoint", "merge_gate_up",
-    "merge_qkv", "pad_vocab", "split_gate_up", "split_qkv", "tp_shard", "unpad_vocab",
+    "merge_qkv", "pad_vocab", "split_gate_up", "split_qkv", "split_qkv_pieces", "tp_shard", "unpad_vocab",
 ]

@@ -40,19 +40,34 @@ def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_query_group
     return torch.cat([q_g, k_g, v_g], dim=1).reshape(-1, *tail)
 
 
-def split_qkv(qkv: torch.Tensor, num_attention_heads: int, num_query_groups: int,
-              kv_channels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of `merge_qkv`: Megatron linear_qkv ``[(nh+2ng)*d, *]`` -> (q, k, v)."""
-    nh, ng, d = num_attention_heads, num_query_groups, kv_channels
+def _check_qkv_rows(qkv: torch.Tensor, nh: int, ng: int, d: int) -> None:
     if qkv.shape[0] != (nh + 2 * ng) * d:
         raise ValueError(
             f"linear_qkv has {qkv.shape[0]} rows, expected (num_attention_heads {nh} + "
             f"2 x num_query_groups {ng}) x kv_channels {d} = {(nh + 2 * ng) * d}"
         )
+
+
+def split_qkv(qkv: torch.Tensor, num_attention_heads: int, num_query_groups: int,
+              kv_channels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of `merge_qkv`: Megatron linear_qkv ``[(nh+2ng)*d, *]`` -> (q, k, v)."""
+    nh, ng, d = num_attention_heads, num_query_groups, kv_channels
+    _check_qkv_rows(qkv, nh, ng, d)
     tail = qkv.shape[1:]
     per_group = qkv.reshape(ng, (nh // ng + 2) * d, *tail)
     q, k, v = torch.split(per_group, [nh // ng * d, d, d], dim=1)
     return (q.reshape(nh * d, *tail), k.reshape(ng * d, *tail), v.reshape(ng * d, *tail))
+
+
+def split_qkv_pieces(qkv: torch.Tensor, num_attention_heads: int, num_query_groups: int,
+                     kv_channels: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """`split_qkv` without copies: per query group, contiguous row views of a contiguous
+    linear_qkv; concatenating each list gives q, k, v (streaming writers append the pieces)."""
+    nh, ng, d = num_attention_heads, num_query_groups, kv_channels
+    _check_qkv_rows(qkv, nh, ng, d)
+    per_group = qkv.reshape(ng, (nh // ng + 2) * d, *qkv.shape[1:])
+    qn = nh // ng * d
+    return ([g[:qn] for g in per_group], [g[qn:qn + d] for g in per_group], [g[qn + d:] for g in per_group])
 
 
 def merge_gate_up(gate: torch.Tensor, up: torch.Tensor, tensor_model_parallel_size: int = 1) -> torch.Tensor:
