@@ -35,7 +35,7 @@ def _parity_worker(jobs, tokens_BS, save_root):
     from stapo_megatron.bridge import build_gpt_model, load_checkpoint
     from stapo_megatron.parallel import init_parallel
 
-    out = {"logits": {}, "keys": {}, "inv_freq": {}}
+    out = {"logits": {}, "keys": {}, "inv_freq": {}, "plain_load_equal": {}}
     for tp, pp in LAYOUTS:
         init_parallel(tp, pp)
         for variant, ckpt in jobs:
@@ -48,6 +48,12 @@ def _parity_worker(jobs, tokens_BS, save_root):
                 logits = _megatron_forward(model, tokens_BS[ids])
             if logits is not None and ps.get_tensor_model_parallel_rank() == 0:
                 out["logits"][(variant, tp, pp)] = (ids, logits[..., : model.qwen_spec.vocab_size])
+            if (tp, pp) == (2, 1):
+                # Megatron's own loader (no bridge helper, strict) reads the same weights.
+                plain = build_gpt_model(tiny_config(variant), params_dtype=torch.float32)
+                plain.load_state_dict(dist_checkpointing.load(plain.sharded_state_dict(), ckpt), strict=True)
+                out["plain_load_equal"][(variant, dist.get_rank())] = all(
+                    torch.equal(a, b) for a, b in zip(plain.parameters(), model.parameters()))
             if (tp, pp) == (1, 1) and dist.get_rank() == 0:
                 sharded = model.sharded_state_dict()
                 apply_factories(sharded)  # linear_fc1's SwiGLU factory -> its ShardedTensors
@@ -85,8 +91,9 @@ def megatron_run(converted):
     root, jobs = converted
     tokens_BS = fixed_prompts(300, num_prompts=4, seq_len=24)
     results = run_distributed(4, _parity_worker, [(v, c) for v, _, c in jobs], tokens_BS, str(root / "saved"))
-    merged = {"logits": {}, "keys": {}, "inv_freq": {}}
+    merged = {"logits": {}, "keys": {}, "inv_freq": {}, "plain_load_equal": {}}
     for r in results:
+        merged["plain_load_equal"].update(r["plain_load_equal"])
         merged["keys"].update(r["keys"])
         merged["inv_freq"].update(r["inv_freq"])
         for key, (ids, logits) in r["logits"].items():
@@ -122,6 +129,12 @@ def test_converter_writes_exactly_megatrons_keys_and_shapes(converted, megatron_
     ckpt = next(c for v, _, c in jobs if v == variant)
     stored = {k: tuple(md.size) for k, md in CheckpointReader(ckpt).tensors().items()}
     assert stored == megatron_run[1]["keys"][variant]
+
+
+@pytest.mark.slow
+def test_plain_megatron_load_matches_bridge_load(megatron_run):
+    equal = megatron_run[1]["plain_load_equal"]
+    assert len(equal) == len(VARIANTS) * 4 and all(equal.values())
 
 
 @pytest.mark.slow
