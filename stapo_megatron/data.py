@@ -1,0 +1,284 @@
+"""Prompt data: loading prompt/answer datasets, offline reasoning-gym splits, prompt formatting.
+
+Owns the path from a file (or an offline generator) to token ids of prompts the rollout engine
+samples from:
+
+- ``load_examples``: JSONL or parquet files in the plain layout (``prompt`` + ``answer``) or in
+  DAPO-Math-17k's layout (chat-message ``prompt``, answer in ``reward_model.ground_truth``);
+- ``reasoning_gym_split``: a fixed, disjoint train / held-out split of an offline reasoning-gym
+  task (the embedded default trains on ``basic_arithmetic``);
+- ``format_prompt`` / ``tokenize_prompts``: the tokenizer's chat template around the question plus
+  the paper's instruction ``SUFFIX`` (STAPO follows JustRL here), and the max-prompt-length filter.
+
+An ``Example`` always holds the raw question text, never a template: the template belongs to the
+tokenizer of the policy being trained, and evaluation formats the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+from typing import Any, Iterator, Sequence
+
+SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
+
+# DAPO-Math-17k wraps every problem in an "Answer: $Answer" instruction. It contradicts the boxed
+# SUFFIX above, so the wrapper is removed and only the problem text is kept.
+DAPO_PREFIX = (
+    "Solve the following math problem step by step. The last line of your response should be of "
+    "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
+)
+DAPO_POSTFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
+
+# reasoning_gym_split stops looking for new unique questions after this many generated items per
+# requested example: small task spaces (few distinct questions) then fail loudly instead of looping.
+_MAX_DRAWS_PER_EXAMPLE = 20
+
+
+@dataclasses.dataclass
+class Example:
+    """One prompt with its reference answer."""
+
+    prompt: str
+    """The raw question text, without chat template or instruction suffix."""
+
+    answer: str
+    """The reference final answer (compared with math-verify, see ``stapo_megatron.rewards``)."""
+
+    id: str
+    """A stable identifier: the row's own id when it has one, else ``<file stem>-<row number>``."""
+
+
+def _read_rows(path: str) -> Iterator[tuple[str, dict]]:
+    """Yield (location, row) for every row of a JSONL or parquet file; location is ``file:line``."""
+    if not os.path.isfile(path):
+        raise ValueError(f"dataset file {path!r} does not exist")
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq  # only parquet users need pyarrow loaded
+
+        for i, row in enumerate(pq.read_table(path).to_pylist(), start=1):
+            yield f"{path}:row {i}", row
+        return
+    if not path.endswith(".jsonl"):
+        raise ValueError(f"dataset file {path!r}: expected a .jsonl or .parquet file")
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i}: invalid JSON ({e})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")
+            yield f"{path}:{i}", row
+
+
+def _question_from_messages(messages: Sequence[Any], where: str) -> str:
+    """The problem text of a DAPO-style chat prompt: the last user message, wrapper removed."""
+    user = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+    if not user or not isinstance(user[-1].get("content"), str):
+        raise ValueError(f"{where}: chat-message `prompt` has no user message with string content")
+    text = user[-1]["content"]
+    if text.startswith(DAPO_PREFIX):
+        text = text[len(DAPO_PREFIX):]
+    if text.endswith(DAPO_POSTFIX):
+        text = text[: -len(DAPO_POSTFIX)]
+    return text
+
+
+def answer_to_str(value: Any, where: str, field: str) -> str:
+    """A reference answer as text: numbers (AIME answers are often ints) become strings.
+
+    Raises:
+        ValueError: if the value is missing, empty, or not a string/number.
+    """
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ValueError(f"{where}: `{field}` must be a string or number, got {type(value).__name__}")
+    text = str(value).strip()
+    if not text:
+        raise ValueError(f"{where}: `{field}` is empty")
+    return text
+
+
+def _example_from_row(row: dict, where: str, default_id: str) -> Example:
+    """Parse one row of the plain or the DAPO-Math-17k layout (see ``load_examples``)."""
+    if "prompt" not in row:
+        raise ValueError(f"{where}: missing field `prompt` (fields present: {sorted(row)})")
+    prompt = row["prompt"]
+    if isinstance(prompt, str):
+        question = prompt
+    elif isinstance(prompt, (list, tuple)):
+        question = _question_from_messages(prompt, where)
+    else:
+        raise ValueError(f"{where}: `prompt` must be a string or a list of chat messages, "
+                         f"got {type(prompt).__name__}")
+    if not question.strip():
+        raise ValueError(f"{where}: `prompt` is empty")
+
+    if "answer" in row:
+        answer = answer_to_str(row["answer"], where, "answer")
+    elif isinstance(row.get("reward_model"), dict) and "ground_truth" in row["reward_model"]:
+        answer = answer_to_str(row["reward_model"]["ground_truth"], where, "reward_model.ground_truth")
+    else:
+        raise ValueError(f"{where}: no answer: expected `answer` or `reward_model.ground_truth`")
+
+    extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
+    row_id = row.get("id", extra.get("index", default_id))
+    return Example(prompt=question, answer=answer, id=str(row_id))
+
+
+def load_examples(path: str, dedupe: bool = False) -> list[Example]:
+    """Load prompt/answer examples from a JSONL or parquet file.
+
+    Accepted row layouts (one object per JSONL line or parquet row):
+
+    - plain: ``{"prompt": "<question>", "answer": "<final answer>", "id": optional}``;
+    - DAPO-Math-17k: ``{"prompt": [{"role": "user", "content": ...}], "reward_model":
+      {"ground_truth": ...}, "extra_info": {"index": ...}}``. The question is the last user
+      message; DAPO's "Answer: $Answer" wrapper (``DAPO_PREFIX`` / ``DAPO_POSTFIX``) is removed
+      because the paper's boxed ``SUFFIX`` replaces it. ``extra_info.index`` becomes the id.
+
+    ``answer`` wins over ``reward_model.ground_truth`` when both exist; numeric answers become
+    strings. Note that the published DAPO-Math-17k parquet repeats every problem about 100 times;
+    pass ``dedupe=True`` to keep the first occurrence of each question.
+
+    Args:
+        path: a ``.jsonl`` or ``.parquet`` file.
+        dedupe: drop rows whose question text was already seen (counted in one warning).
+
+    Returns:
+        The examples in file order.
+
+    Raises:
+        ValueError: naming the file and line (or parquet row) of the first malformed row.
+    """
+    stem = os.path.splitext(os.path.basename(path))[0]
+    examples, seen, num_duplicates = [], set(), 0
+    for n, (where, row) in enumerate(_read_rows(path), start=1):
+        example = _example_from_row(row, where, default_id=f"{stem}-{n}")
+        if dedupe:
+            if example.prompt in seen:
+                num_duplicates += 1
+                continue
+            seen.add(example.prompt)
+        examples.append(example)
+    if num_duplicates:
+        warnings.warn(f"{path}: dropped {num_duplicates} rows whose question repeats an earlier row "
+                      f"(kept {len(examples)})")
+    if not examples:
+        raise ValueError(f"dataset file {path!r} has no rows")
+    return examples
+
+
+def reasoning_gym_split(task: str, num_train: int, num_eval: int, seed: int,
+                        **task_kwargs: Any) -> tuple[list[Example], list[Example]]:
+    """A fixed, disjoint train / held-out split of an offline reasoning-gym task.
+
+    reasoning-gym datasets are index-deterministic (item i depends only on seed and i), so the
+    items are read in index order and de-duplicated by question text; the first ``num_eval``
+    unique questions are the held-out set and the next ``num_train`` the training set. The
+    held-out set therefore does not change when ``num_train`` changes, and no question appears in
+    both sets.
+
+    Args:
+        task: a reasoning-gym dataset name, e.g. ``"basic_arithmetic"``.
+        num_train: number of training examples.
+        num_eval: number of held-out examples.
+        seed: the reasoning-gym dataset seed.
+        **task_kwargs: the task's config fields, e.g. ``min_terms=2, max_terms=2, max_digits=2``.
+
+    Returns:
+        (train, held_out) lists of ``Example`` with ids ``<task>-<seed>-<index>``.
+
+    Raises:
+        ValueError: for negative counts, or if the task cannot produce enough unique questions.
+    """
+    import reasoning_gym  # heavy import (many task modules); only generator users pay for it
+
+    if num_train < 0 or num_eval < 0:
+        raise ValueError(f"num_train and num_eval must be >= 0, got {num_train} and {num_eval}")
+    num_wanted = num_train + num_eval
+    max_draws = max(1, num_wanted) * _MAX_DRAWS_PER_EXAMPLE
+    dataset = reasoning_gym.create_dataset(task, size=max_draws, seed=seed, **task_kwargs)
+    unique: list[Example] = []
+    seen: set[str] = set()
+    for index in range(max_draws):
+        if len(unique) == num_wanted:
+            break
+        item = dataset[index]
+        if item["question"] in seen:
+            continue
+        seen.add(item["question"])
+        unique.append(Example(prompt=item["question"], answer=str(item["answer"]),
+                              id=f"{task}-{seed}-{index}"))
+    if len(unique) < num_wanted:
+        raise ValueError(
+            f"reasoning-gym task {task!r} ({task_kwargs}) gave only {len(unique)} unique questions "
+            f"in {max_draws} draws; asked for num_train + num_eval = {num_wanted}")
+    return unique[num_eval:], unique[:num_eval]
+
+
+def format_prompt(tokenizer: Any, question: str, use_chat_template: bool = True) -> str:
+    """The prompt text the policy sees: question + the paper's ``SUFFIX``, in the chat template.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (its ``chat_template`` is used).
+        question: the raw question text (``Example.prompt``).
+        use_chat_template: wrap as one user turn with ``add_generation_prompt=True``; if False,
+            return the plain ``question + " " + SUFFIX`` (for base models used without a template).
+
+    Returns:
+        The formatted prompt string (special tokens included as text when templated).
+
+    Raises:
+        ValueError: if ``use_chat_template`` is set and the tokenizer has no chat template.
+    """
+    content = f"{question.rstrip()} {SUFFIX}"
+    if not use_chat_template:
+        return content
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', tokenizer)!r} has no chat "
+                         "template; pass use_chat_template=False to use plain prompts")
+    return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def tokenize_prompts(tokenizer: Any, examples: Sequence[Example], max_prompt_len: int,
+                     use_chat_template: bool = True) -> tuple[list[list[int]], list[Example], int]:
+    """Format and tokenize prompts, dropping those longer than ``max_prompt_len`` tokens.
+
+    Special tokens are not added again: the chat template already contains them (Qwen has no BOS).
+
+    Args:
+        tokenizer: a Hugging Face tokenizer.
+        examples: the examples to tokenize.
+        max_prompt_len: the longest prompt kept, in tokens (the paper uses 1024).
+        use_chat_template: see ``format_prompt``.
+
+    Returns:
+        (token ids of kept prompts, the kept examples in the same order, number dropped). One
+        ``warnings.warn`` reports the number dropped, if any.
+
+    Raises:
+        ValueError: if ``max_prompt_len`` is not positive.
+    """
+    if max_prompt_len <= 0:
+        raise ValueError(f"max_prompt_len must be positive, got {max_prompt_len}")
+    if not examples:
+        return [], [], 0
+    texts = [format_prompt(tokenizer, e.prompt, use_chat_template) for e in examples]
+    all_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    kept_ids, kept, dropped_ids = [], [], []
+    for example, ids in zip(examples, all_ids):
+        if len(ids) > max_prompt_len:
+            dropped_ids.append(example.id)
+            continue
+        kept_ids.append(list(ids))
+        kept.append(example)
+    if dropped_ids:
+        warnings.warn(f"dropped {len(dropped_ids)} of {len(examples)} prompts longer than "
+                      f"max_prompt_len={max_prompt_len} tokens (first ids: {dropped_ids[:5]})")
+    return kept_ids, kept, len(dropped_ids)
