@@ -1,4 +1,4 @@
-"""`stapo-convert`: HF Qwen <-> Megatron torch_dist checkpoints, and a logit-parity check.
+"""stapo-convert: HF Qwen <-> Megatron torch_dist checkpoints, and a logit-parity check.
 
     stapo-convert hf-to-mcore --hf-dir HF --out CKPT [--dtype bfloat16] [--tp N --pp M]
     stapo-convert mcore-to-hf --ckpt CKPT --out HF [--dtype bfloat16] [--hf-config DIR]

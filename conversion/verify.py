@@ -15,6 +15,7 @@ import math
 import os
 import socket
 import traceback
+import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -151,6 +152,11 @@ def _spawned(rank: int, world: int, port: int, args: tuple, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)  # ranks share the machine's cores
+    # Every rank would repeat megatron-core's and DCP's deprecation and "Apex/TE not installed"
+    # warnings; the verify table is the output that matters.
+    for module in ("megatron", "torch"):
+        warnings.filterwarnings("ignore", category=UserWarning, module=module)
+        warnings.filterwarnings("ignore", category=FutureWarning, module=module)
     try:
         queue.put((rank, "ok", megatron_worker(*args)))
     except BaseException:

@@ -8,7 +8,6 @@ sync all use it. Megatron's parallel state must be initialised first
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Optional, Union
 
 import torch
@@ -113,13 +112,11 @@ def load_checkpoint(model, checkpoint_dir: str) -> None:
     from megatron.core import dist_checkpointing
 
     sharded = model.sharded_state_dict()
-    # Transformer-engine modules carry `_extra_state` (fp8 scaling metadata); a converted
-    # checkpoint has none, and a fresh bf16 model needs none.
-    dropped = [k for k in sharded if k.endswith("_extra_state")]
-    for key in dropped:
+    # Linear modules carry `_extra_state`: empty for the local spec, fp8 scaling metadata for
+    # transformer-engine. Neither holds weights, and a checkpoint written under one spec has
+    # the other's form, so they are not loaded (which lets either spec read any checkpoint).
+    for key in [k for k in sharded if k.endswith("_extra_state")]:
         del sharded[key]
-    if dropped:
-        warnings.warn(f"not loading {len(dropped)} transformer-engine _extra_state entries")
     state = dist_checkpointing.load(sharded, checkpoint_dir)
     missing, _ = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
