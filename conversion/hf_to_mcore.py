@@ -16,7 +16,6 @@ import functools
 import json
 import os
 import shutil
-import sys
 import warnings
 from typing import Optional, TextIO
 

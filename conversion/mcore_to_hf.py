@@ -15,13 +15,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from typing import Iterator, Optional, TextIO
 
 import torch
 
 from conversion.dcp_io import CheckpointReader, is_complete
-from conversion.hf_to_mcore import BLOCK_BYTES, HF_SUBDIR, copy_hf_side_files
+from conversion.hf_to_mcore import HF_SUBDIR, copy_hf_side_files
 from conversion.publish import Progress, check_output_dir, staged_output
 from conversion.safetensors_io import INDEX_NAME, SINGLE_NAME, ShardWriter
 from stapo_megatron.bridge.config import QwenSpec, load_hf_config, spec_from_hf_config

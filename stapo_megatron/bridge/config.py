@@ -15,7 +15,7 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Union
 
 import torch
 
