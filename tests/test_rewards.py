@@ -1,0 +1,147 @@
+"""Tier a: boxed-answer extraction, math-verify equivalences, and the time-bounded RewardScorer."""
+
+import threading
+import time
+
+import pytest
+
+from stapo_megatron.rewards import (STATUS_BAD_ANSWER, STATUS_OK, STATUS_UNPARSEABLE, RewardScorer,
+                                    extract_boxed, math_reward, score_response)
+
+# sympy never finishes comparing this with 1 (checked: > 20 s); a real hang, not a test hook.
+SLOW_RESPONSE = "so the answer is \\boxed{10^{10^{10^{10}}}}"
+
+
+def _sleepy_score(response, answer):
+    """Test hook run inside the workers: sleeps on "sleep", raises on "raise", else correct."""
+    if response == "sleep":
+        time.sleep(600)
+    if response == "raise":
+        raise RuntimeError("boom")
+    return 1.0, STATUS_OK
+
+
+@pytest.fixture(scope="module")
+def scorer():
+    with RewardScorer(num_workers=2, timeout_s=2.0) as s:
+        yield s
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("The answer is \\boxed{42}.", "42"),
+    ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),  # nested braces
+    ("first \\boxed{1}, then \\boxed{ 2 } wins", "2"),  # the last box, stripped
+    ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}"),  # escaped braces are not structure
+    ("\\boxed{a_{b_{c}}} and text {}", "a_{b_{c}}"),
+    ("$\\boxed 5$.", "5"),  # brace-less form
+    ("\\boxed 7.", "7"),
+    ("\\boxed{}", ""),
+    ("no box here", None),
+    ("\\boxed{3} then cut off \\boxed{\\frac{1}{", None),  # last box truncated
+    ("\\boxedx", None),
+])
+def test_extract_boxed(text, expected):
+    assert extract_boxed(text) == expected
+
+
+@pytest.mark.parametrize("response, answer", [
+    ("\\boxed{0.5}", "1/2"),
+    ("\\boxed{\\frac{1}{2}}", "0.5"),
+    ("\\boxed{\\frac12}", "\\frac{1}{2}"),
+    ("\\boxed{3.0}", "3"),
+    ("\\boxed{3}", "3.0"),
+    ("\\boxed{-4}", "-4"),
+    ("\\boxed{1+x}", "x+1"),
+    ("\\boxed{\\{2,1\\}}", "\\{1,2\\}"),
+    ("\\boxed{x=2}", "2"),
+    ("\\boxed{8}", "$8$"),  # reference in math mode
+    ("\\boxed{8}", "\\boxed{8}"),  # boxed reference
+    ("\\boxed{Yes}", "Yes"),  # exact text match needs no parsing
+])
+def test_math_reward_equivalent(response, answer):
+    assert math_reward("Reasoning...\n" + response, answer) == 1.0
+
+
+@pytest.mark.parametrize("response, answer", [
+    ("\\boxed{4}", "3"),
+    ("\\boxed{0.51}", "1/2"),
+    ("\\boxed{x+2}", "x+1"),
+    ("\\boxed{3} ... actually \\boxed{5}", "3"),  # only the last box counts
+    ("the answer is 3", "3"),  # no box
+    ("\\boxed{\\frac{}{}}", "3"),  # parses (to something), still wrong
+])
+def test_math_reward_wrong(response, answer):
+    assert math_reward(response, answer) == 0.0
+
+
+@pytest.mark.parametrize("response", ["", "}{", "\\boxed{", "\\boxed{}", "\\boxed{}{}}",
+                                      "\x00\x01", "\\boxed{" * 50])
+def test_garbage_scores_zero_unparseable(response):
+    assert score_response(response, "3") == (0.0, STATUS_UNPARSEABLE)
+
+
+def test_statuses():
+    assert score_response("\\boxed{3}", "3") == (1.0, STATUS_OK)
+    assert score_response("\\boxed{4}", "3") == (0.0, STATUS_OK)
+    assert score_response("\\boxed{4}", "}{") == (0.0, STATUS_BAD_ANSWER)
+
+
+def test_math_reward_off_main_thread():
+    # math-verify's own signal timeouts would raise here; ours are disabled.
+    out = []
+    t = threading.Thread(target=lambda: out.append(math_reward("\\boxed{\\frac{2}{4}}", "0.5")))
+    t.start()
+    t.join()
+    assert out == [1.0]
+
+
+def test_scorer_batch(scorer):
+    responses = ["\\boxed{1/2}", "no box", "\\boxed{3.0}", "\\boxed{4}", "\\boxed{7}"]
+    answers = ["0.5", "1", "3", "5", "}{"]
+    rewards, stats = scorer.score(responses, answers)
+    assert rewards == [1.0, 0.0, 1.0, 0.0, 0.0]
+    assert stats == {"num_timeouts": 0, "num_unparseable": 1, "num_bad_answers": 1, "num_errors": 0}
+    assert scorer.score([], []) == ([], stats | {"num_unparseable": 0, "num_bad_answers": 0})
+
+
+def test_scorer_from_thread_bounds_slow_expression(scorer):
+    out = {}
+
+    def run():
+        t0 = time.monotonic()
+        out["result"] = scorer.score(["\\boxed{2}", SLOW_RESPONSE, "\\boxed{6/3}"], ["2", "1", "2"])
+        out["seconds"] = time.monotonic() - t0
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(timeout=60)
+    rewards, stats = out["result"]
+    assert rewards == [1.0, 0.0, 1.0]
+    assert stats["num_timeouts"] == 1
+    # timeout_s = 2 plus a worker kill; generous for a loaded 2-core machine.
+    assert out["seconds"] < 15
+    # The killed worker was replaced: the pool still scores.
+    assert scorer.score(["\\boxed{5}"] * 3, ["5", "5", "6"])[0] == [1.0, 1.0, 0.0]
+
+
+def test_scorer_timeout_and_error_paths_with_hook():
+    with RewardScorer(num_workers=1, timeout_s=0.5, score_fn=_sleepy_score) as s:
+        t0 = time.monotonic()
+        rewards, stats = s.score(["a", "sleep", "raise", "b"], ["1"] * 4)
+        seconds = time.monotonic() - t0
+    assert rewards == [1.0, 0.0, 0.0, 1.0]
+    assert stats["num_timeouts"] == 1 and stats["num_errors"] == 1
+    # One worker: the items after "sleep" only ran because it was killed after 0.5 s and replaced
+    # (the replacement's startup counts too, hence the slack).
+    assert seconds < 30
+    with pytest.raises(RuntimeError, match="after close"):
+        s.score(["a"], ["1"])
+
+
+def test_scorer_bad_arguments(scorer):
+    with pytest.raises(ValueError, match="2 responses but 1 answers"):
+        scorer.score(["a", "b"], ["1"])
+    with pytest.raises(ValueError, match="num_workers"):
+        RewardScorer(num_workers=0)
+    with pytest.raises(ValueError, match="timeout_s"):
+        RewardScorer(timeout_s=0)
