@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
 
     b = sub.add_parser("mcore-to-hf", help="Megatron torch_dist checkpoint -> HF folder")
-    b.add_argument("--ckpt", required=True, help="checkpoint directory (converted, or a training run's save dir)")
+    b.add_argument("--ckpt", required=True, help="checkpoint directory (converted, a training run or one of its steps)")
     b.add_argument("--out", required=True, help="output HF folder")
     b.add_argument("--dtype", choices=DTYPES, help="output dtype (default: the stored dtype)")
     b.add_argument("--hf-config", help="HF folder with config.json/tokenizer (needed for training checkpoints)")

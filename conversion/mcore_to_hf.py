@@ -1,9 +1,9 @@
 """mcore-to-hf: a Megatron torch_dist checkpoint -> an HF folder transformers and vLLM load.
 
 Accepts checkpoints written by `hf-to-mcore` (which carry the HF config and tokenizer in
-``hf/``) and training checkpoints (a ``latest_checkpointed_iteration.txt`` tracker and
-``iter_*`` directories, or a single iteration directory); for the latter pass ``hf_config_dir``
-with the model's config.json and tokenizer. Optimizer state in the checkpoint is ignored.
+``hf/``) and training checkpoints (a run directory of `stapo_megatron.checkpoint` or Megatron-LM,
+or one of its step directories); for the latter pass ``hf_config_dir`` with the model's
+config.json and tokenizer. Optimizer state in the checkpoint is ignored.
 
 Streaming: each HF tensor is read as one region of the stored tensor (one layer's slice, or
 row blocks of the embedding) and appended to a safetensors shard whose header was written up
@@ -32,12 +32,22 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
 
 def resolve_checkpoint_dir(path: str) -> str:
-    """The directory holding the dist checkpoint itself (follows a trainer's iteration tracker)."""
-    tracker = os.path.join(path, "latest_checkpointed_iteration.txt")
-    if os.path.isfile(tracker):
-        with open(tracker, encoding="utf-8") as f:
-            it = f.read().strip()
-        path = os.path.join(path, "release" if it == "release" else f"iter_{int(it):07d}")
+    """The directory holding the dist checkpoint itself.
+
+    Follows a run's newest-checkpoint marker: ``latest`` (stapo_megatron.checkpoint, also under
+    ``<run>/checkpoints``) or Megatron-LM's ``latest_checkpointed_iteration.txt``.
+    """
+    for root in (path, os.path.join(path, "checkpoints")):
+        marker, tracker = os.path.join(root, "latest"), os.path.join(root, "latest_checkpointed_iteration.txt")
+        if os.path.isfile(marker):
+            with open(marker, encoding="utf-8") as f:
+                path = os.path.join(root, f.read().strip())
+            break
+        if os.path.isfile(tracker):
+            with open(tracker, encoding="utf-8") as f:
+                it = f.read().strip()
+            path = os.path.join(root, "release" if it == "release" else f"iter_{int(it):07d}")
+            break
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
     if not is_complete(path):

@@ -156,6 +156,15 @@ def test_training_checkpoint_without_hf_config(capsys, hf, tmp_path):
     assert main(["mcore-to-hf", "--ckpt", str(run), "--out", str(tmp_path / "back"), "--hf-config", hf]) == 0
 
 
+def test_stapo_trainer_run_layout(hf, tmp_path):
+    # stapo_megatron.checkpoint: <run>/checkpoints/step_*/ and a `latest` marker naming one.
+    steps = tmp_path / "run" / "checkpoints"
+    assert main(["hf-to-mcore", "--hf-dir", hf, "--out", str(steps / "step_00000010")]) == 0
+    (steps / "latest").write_text("step_00000010\n")
+    assert main(["mcore-to-hf", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "back"), "--hf-config", hf]) == 0
+    assert (tmp_path / "back" / "config.json").exists()
+
+
 def test_checkpoint_shape_disagrees_with_config(capsys, hf, tmp_path):
     ckpt = tmp_path / "ckpt"
     assert main(["hf-to-mcore", "--hf-dir", hf, "--out", str(ckpt)]) == 0
