@@ -53,7 +53,7 @@ def test_round_trip_one_token_per_char(tok, text):
 
 
 def test_unknown_char_and_specials_in_text(tok):
-    assert tok.encode("1é2") == [1, 99, 2]
+    assert tok.encode("1\u00e92") == [1, 99, 2]
     ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
     assert ids[0] == 97 and ids[-1] == 98 and len(ids) == 2 + len("user\nhi")
     assert tok.decode(ids, skip_special_tokens=True) == "user\nhi"
