@@ -198,7 +198,11 @@ class RewardScorer:
     is counted in ``num_timeouts``. Workers start lazily on the first ``score`` call and are kept
     for later calls. ``score`` calls from several threads are serialised.
 
-    Use as a context manager, or call ``close()``.
+    Workers use the ``spawn`` start method (fork would copy the trainer's threads in an undefined
+    state). As with any spawn pool, each worker imports the parent's main module without running
+    its ``if __name__ == "__main__":`` block, so the entry script must be import-safe, and its
+    top-level imports are paid once per worker start; call ``start()`` early to overlap that with
+    other set-up. Use as a context manager, or call ``close()``.
     """
 
     def __init__(self, num_workers: int = 2, timeout_s: float = 5.0,
@@ -223,6 +227,13 @@ class RewardScorer:
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
         self._closed = False
+
+    def start(self) -> None:
+        """Launch the workers now without waiting for them (``score`` would do it lazily)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("RewardScorer.start() called after close()")
+            self._fill_pool()
 
     def score(self, responses: list[str], answers: list[str]) -> tuple[list[float], dict]:
         """Score responses against reference answers.

@@ -126,6 +126,7 @@ def test_scorer_from_thread_bounds_slow_expression(scorer):
 
 def test_scorer_timeout_and_error_paths_with_hook():
     with RewardScorer(num_workers=1, timeout_s=0.5, score_fn=_sleepy_score) as s:
+        s.start()
         t0 = time.monotonic()
         rewards, stats = s.score(["a", "sleep", "raise", "b"], ["1"] * 4)
         seconds = time.monotonic() - t0
