@@ -221,8 +221,6 @@ class RewardScorer:
         self.num_workers = num_workers
         self.timeout_s = timeout_s
         self._score_fn = score_fn
-        # spawn, not fork: the trainer process holds threads (gloo, vLLM) that fork would copy
-        # in an undefined state.
         self._ctx = multiprocessing.get_context("spawn")
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
@@ -264,8 +262,8 @@ class RewardScorer:
         if not items:
             return rewards, stats
         todo = collections.deque(range(len(items)))
-        while self._workers or todo:
-            self._fill_pool()
+        while True:
+            self._fill_pool()  # replaces workers killed on timeout
             for worker in self._workers:
                 if worker.ready and worker.item is None and todo:
                     worker.item = todo.popleft()
