@@ -1,4 +1,5 @@
-"""Benchmark `stapo-convert` on a random Qwen3-0.6B-shaped bf16 checkpoint (~1.2 GB).
+"""Benchmark `stapo-convert` on a random Qwen3-0.6B-shaped bf16 checkpoint (~1.2 GB) or on
+Qwen3-14B-shaped tensors.
 
 Writes the HF checkpoint locally (random weights, streamed, no hub), then in the same run and
 on the same files times ``cp -r`` and the two conversions, each as a child process, and reads
@@ -7,6 +8,7 @@ peak RSS <= 0.5x the checkpoint size.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 \\
         .venv/bin/python benchmarks/bench_conversion.py [--workdir /tmp/bench_conversion] [--repeats 3]
+        [--model qwen3-14b --num-layers 4]
 
 The page cache is warm for every run (the copy runs first and all commands read the same
 files), so the numbers compare the work done, not the disk. ``cp`` copies with
@@ -39,12 +41,17 @@ QWEN3_0_6B = {
     "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "tie_word_embeddings": True, "vocab_size": 151936,
     "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}, "dtype": "bfloat16",
 }
+# Qwen3-14B(-Base) shapes: untied, 40 heads / 8 KV groups, ffn 17408 (use --num-layers to keep
+# the file small: memory depends on the largest tensors, not on the layer count).
+QWEN3_14B = dict(QWEN3_0_6B, hidden_size=5120, intermediate_size=17408, num_attention_heads=40,
+                 num_hidden_layers=40, num_key_value_heads=8, tie_word_embeddings=False)
+MODELS = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-14b": QWEN3_14B}
 
 
-def make_checkpoint(hf_dir: str) -> int:
-    """Random bf16 weights of the Qwen3-0.6B shapes, written tensor by tensor; returns bytes."""
+def make_checkpoint(hf_dir: str, config: dict = QWEN3_0_6B) -> int:
+    """Random bf16 weights of the model's shapes, written tensor by tensor; returns bytes."""
     os.makedirs(hf_dir, exist_ok=True)
-    shapes = hf_shapes(spec_from_hf_config(QWEN3_0_6B))
+    shapes = hf_shapes(spec_from_hf_config(config))
     writer = ShardWriter(os.path.join(hf_dir, "model.safetensors"),
                          [(n, torch.bfloat16, s) for n, s in shapes.items()])
     gen = torch.Generator().manual_seed(0)
@@ -52,7 +59,7 @@ def make_checkpoint(hf_dir: str) -> int:
         writer.write(torch.randn(shape, generator=gen).to(torch.bfloat16))
     writer.close()
     with open(os.path.join(hf_dir, "config.json"), "w") as f:
-        json.dump(QWEN3_0_6B, f, indent=2)
+        json.dump(config, f, indent=2)
     return writer.total
 
 
@@ -91,11 +98,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workdir", default="/tmp/bench_conversion")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--model", choices=MODELS, default="qwen3-0.6b")
+    p.add_argument("--num-layers", type=int, help="override the layer count (smaller file, same tensors)")
     args = p.parse_args()
+    config = dict(MODELS[args.model])
+    if args.num_layers:
+        config["num_hidden_layers"] = args.num_layers
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     hf, copy, ckpt, back = (os.path.join(args.workdir, n) for n in ("hf", "copy", "ckpt", "back"))
     shutil.rmtree(args.workdir, ignore_errors=True)
-    size = make_checkpoint(hf)
+    size = make_checkpoint(hf, config)
     cli = [sys.executable, "-c", _CHILD]
     os.chdir(root)
     runs = {"cp -r": [], "cp -r + sync": [], "dd bs=16M": [], "hf-to-mcore": [], "mcore-to-hf": []}
@@ -113,7 +125,8 @@ def main() -> None:
             runs[name].append(timed(argv))
     med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
     cp, cps = med["cp -r"]["wall_s"], med["cp -r + sync"]["wall_s"]
-    print(f"checkpoint: {size / 1e9:.3f} GB bf16 (Qwen3-0.6B shapes, tied); medians of {args.repeats} runs")
+    print(f"checkpoint: {size / 1e9:.3f} GB bf16 ({args.model} shapes, {config['num_hidden_layers']} layers, "
+          f"tied={config['tie_word_embeddings']}); medians of {args.repeats} runs")
     print(f"LD_PRELOAD={os.environ.get('LD_PRELOAD', '')} nproc={os.cpu_count()} torch={torch.__version__}\n")
     print("| command | wall s | x cp -r | x cp -r + sync | of which import s | conversion s | conversion x cp -r "
           "| peak RSS MB | RSS / checkpoint |")
