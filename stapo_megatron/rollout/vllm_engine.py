@@ -57,6 +57,10 @@ class RolloutConfig:
     dtype: str = "auto"
     """vLLM compute dtype ("auto" = the HF folder's ``dtype``/``torch_dtype``; "float32" for
     parity checks on CPU)."""
+    load_format: str = "auto"
+    """vLLM's ``load_format``: "auto" reads the folder's safetensors; "dummy" starts from random
+    weights without reading them (config.json suffices), for when `sync_weights` runs before
+    the first `generate` anyway."""
     kv_cache_memory_bytes: Optional[int] = None
     """Fixed KV cache size in bytes. None: ``gpu_memory_utilization`` decides on GPU, and CPU
     engines get CPU_DEFAULT_KV_CACHE_BYTES (vLLM's CPU default would reserve
@@ -118,6 +122,7 @@ class VLLMEngine:
             enforce_eager=config.enforce_eager,
             seed=config.seed,
             dtype=config.dtype,
+            load_format=config.load_format,
             # The sampler's own distribution (after temperature / top-p), not the raw logits.
             logprobs_mode="processed_logprobs",
             skip_tokenizer_init=not self.has_tokenizer,
