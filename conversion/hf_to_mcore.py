@@ -67,14 +67,14 @@ def _row_chunks(key: str, global_shape: tuple, lead: tuple, info: TensorInfo, dt
                 row0: int = 0) -> list[Chunk]:
     """Chunks copying ``info`` into rows ``row0..`` of a (layer-stacked) global tensor."""
     rows = info.shape[0]
-    row_bytes = max(1, info.nbytes // max(rows, 1))
-    step = max(1, BLOCK_BYTES // row_bytes)
+    step = max(1, BLOCK_BYTES // (info.nbytes // rows))  # rows per block
     ones, zeros = (1,) * len(lead), (0,) * (len(info.shape) - 1)
-    return [
-        Chunk(key, global_shape, lead + (row0 + start,) + zeros, ones + (min(rows, start + step) - start,) + info.shape[1:],
-              dtype, functools.partial(read_rows, info, start, min(rows, start + step)))
-        for start in range(0, rows, step)
-    ]
+    chunks = []
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        chunks.append(Chunk(key, global_shape, lead + (row0 + start,) + zeros, ones + (stop - start,) + info.shape[1:],
+                            dtype, functools.partial(read_rows, info, start, stop)))
+    return chunks
 
 
 def _merged_qkv(infos: list[TensorInfo], spec: QwenSpec) -> torch.Tensor:
