@@ -3,8 +3,8 @@
 A tiny Qwen3 HF folder (random weights A, the character tokenizer) starts vLLM; a Megatron GPTModel with different
 random weights B is synced into it; then vLLM's log-probs of fixed sequences and of its own
 samples (T = 0.7) must equal Megatron's, at Megatron TP=1 (this process, one engine shared by
-the module) and TP=2 (two gloo ranks, each with its own in-process engine through vLLM's
-external_launcher: the trainer's layout).
+the module) and TP=2 (two gloo ranks through vLLM's external_launcher: each rank with its own
+engine, the trainer's layout, or one vLLM TP=2 engine spanning both ranks).
 
 Tolerance LOGPROB_ATOL = 1e-4 (absolute, per token): both sides are fp32 with different
 kernels (vLLM's CPU attention / fused RMSNorm vs Megatron's local spec); measured differences
@@ -94,8 +94,9 @@ def recompute_samples(model, prompts, samples, tp_group, temperature):
     return out
 
 
-def _tp2_worker(hf_dir: str, tokens_BS: torch.Tensor, prompts: list) -> dict:
-    """One of two ranks: Megatron TP=2 with weights B, its own vLLM engine (external launcher)."""
+def _tp2_worker(hf_dir: str, tokens_BS: torch.Tensor, prompts: list, vllm_tp: int) -> dict:
+    """One of two ranks: Megatron TP=2 with weights B and an external-launcher engine: its own
+    (vllm_tp=1) or one vLLM TP=2 engine spanning both ranks."""
     from stapo_megatron.bridge import build_gpt_model
     from stapo_megatron.parallel import init_parallel
     from stapo_megatron.rollout import RolloutConfig, VLLMEngine, sync_weights
@@ -104,7 +105,7 @@ def _tp2_worker(hf_dir: str, tokens_BS: torch.Tensor, prompts: list) -> dict:
     model = build_gpt_model(tiny_config(VARIANT), params_dtype=torch.float32)
     randomize(model, seed=7)
     model.eval()
-    engine = VLLMEngine(hf_dir, RolloutConfig(**ENGINE_KW))
+    engine = VLLMEngine(hf_dir, RolloutConfig(tensor_parallel_size=vllm_tp, **ENGINE_KW))
     before = vllm_prompt_logprobs(engine, tokens_BS)
     stats = sync_weights(model, tiny_config(VARIANT), groups, engine)
     samples = engine.generate(prompts, n=2, temperature=TEMPERATURE, top_p=1.0, max_tokens=8, seed=11)
@@ -198,18 +199,20 @@ def test_generate_samples_match_megatron_recomputation(tp1):
 
 
 @pytest.mark.slow
-def test_tp2_megatron_external_launcher(hf_dir):
+@pytest.mark.parametrize("vllm_tp", [1, 2])
+def test_tp2_megatron_external_launcher(hf_dir, vllm_tp):
     tokens_BS = fixed_sequences(300, seed=1)
     prompts = [[9, 8, 7], [100, 200, 250, 10]]
-    r0, r1 = run_distributed(2, _tp2_worker, hf_dir, tokens_BS, prompts)
+    r0, r1 = run_distributed(2, _tp2_worker, hf_dir, tokens_BS, prompts, vllm_tp)
     for r in (r0, r1):
         diff = (r["after"] - r["megatron"]).abs().max().item()
-        print(f"\nTP=2 max |vLLM - Megatron| log-prob: {diff:.2e}")
+        print(f"\nMegatron TP=2, vLLM TP={vllm_tp}: max |vLLM - Megatron| log-prob: {diff:.2e}")
         assert (r["before"] - r["megatron"]).abs().max() > 0.1
         assert diff <= LOGPROB_ATOL
         got = [torch.tensor(lp) for g in r["samples"] for _, lp in g]
         assert max((a - b).abs().max().item() for a, b in zip(got, r["recomputed"])) <= LOGPROB_ATOL
-    # Same weights and seed on both ranks' engines: identical samples (what TP groups rely on).
+    # Same weights and seed on both ranks: identical samples (what a vLLM TP group relies on,
+    # and what lets the trainer keep one rank's samples per Megatron model-parallel group).
     assert r0["samples"] == r1["samples"]
     assert r0["stats"]["bytes"] == r1["stats"]["bytes"] > 0
 
