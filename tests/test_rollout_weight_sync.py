@@ -74,3 +74,26 @@ def test_iter_hf_weights_equals_converter_export(streamed, variant):
         assert names[0] == "model.embed_tokens.weight" and names[1].startswith("model.layers.0.")
         for name, tensor in pairs:
             assert torch.equal(tensor, exported[name]), f"rank {rank}: {name}"
+
+
+def test_job_order_and_gathered_layouts():
+    """Tier a: the stream order and the conversion of gathered TP=2 tensors, no processes."""
+    from stapo_megatron.bridge import mappings_for, merge_gate_up, merge_qkv
+    from stapo_megatron.rollout.weight_sync import _jobs, _to_hf
+
+    spec = spec_from_hf_config(tiny_config("qwen3"))
+    jobs = list(_jobs(spec, [[0, 1], [2, 3]]))
+    names = [n for m, layer, _ in jobs for n in m.hf_names(layer)]
+    assert names == list(dict.fromkeys(names)) and set(names) == set(hf_shapes(spec))
+    assert [stage for _, layer, stage in jobs if layer is None] == [0, 1, 1]  # embed; norm, lm_head
+    assert {layer: stage for _, layer, stage in jobs if layer is not None} == {0: 0, 1: 0, 2: 1, 3: 1}
+    rows = {m.transform: m for m in mappings_for(spec)}
+    gate, up = torch.randn(96, 64), torch.randn(96, 64)
+    # all-gathering two TP shards [gate_r; up_r] along rows gives merge_gate_up(..., 2)
+    got = _to_hf(merge_gate_up(gate, up, 2), rows["gate_up"], spec, tp_size=2)
+    assert torch.equal(got[0], gate) and torch.equal(got[1], up)
+    q, k, v = torch.randn(128, 64), torch.randn(64, 64), torch.randn(64, 64)
+    got = _to_hf(merge_qkv(q, k, v, 2, 32), rows["qkv"], spec, tp_size=2)
+    assert all(torch.equal(a, b) for a, b in zip(got, (q, k, v)))
+    padded = torch.randn(384, 64)
+    assert torch.equal(_to_hf(padded, rows["vocab"], spec, tp_size=2)[0], padded[:300])

@@ -173,6 +173,8 @@ class VLLMEngine:
         """
         from vllm import SamplingParams
 
+        if not prompt_token_ids:
+            return []
         if n < 1 or max_tokens < 1:
             raise ValueError(f"n ({n}) and max_tokens ({max_tokens}) must be >= 1")
         if temperature < 0 or not 0 < top_p <= 1:
