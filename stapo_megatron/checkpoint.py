@@ -142,7 +142,14 @@ def load_checkpoint(path: str, model, optimizer) -> Dict[str, Any]:
         )
     sharded = _sharded(model, optimizer, is_loading=True)
     state = dist_checkpointing.load(sharded, path)
-    model.load_state_dict(state["model"])
+    # Megatron DDP's load_state_dict returns nothing: load into the wrapped module, whose keys
+    # lack DDP's "module." prefix, to see what is missing.
+    inner, prefix = (model.module, "module.") if hasattr(model, "module") else (model, "")
+    model_state = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state["model"].items()}
+    missing, unexpected = inner.load_state_dict(model_state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]  # TE fp8 metadata only
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
     optimizer.load_state_dict(state["optimizer"])
     _set_rng_state(torch.load(os.path.join(path, f"rng_rank{_rank():05d}.pt"), weights_only=False))
     return torch.load(os.path.join(path, TRAINER_STATE), weights_only=False)

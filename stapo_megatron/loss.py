@@ -175,6 +175,7 @@ def loss_func(
     batch: Dict[str, torch.Tensor],
     threshold: torch.Tensor,
     tp_group: Optional[dist.ProcessGroup],
+    vocab_size: Optional[int],
     logits: torch.Tensor,
 ):
     """Megatron ``loss_func`` (last pipeline stage): returns (loss_sum, num_kept, metrics).
@@ -183,7 +184,7 @@ def loss_func(
     advantages (per token), optionally ref_logprob; and ``seed`` (int tensor) for the random mask.
     """
     logprob, entropy = vocab_parallel_logprob_entropy(
-        logits, batch["labels"], tp_group=tp_group, temperature=config.temperature
+        logits, batch["labels"], tp_group=tp_group, temperature=config.temperature, vocab_size=vocab_size
     )
     response_mask = batch["response_mask"].bool()
     advantages = batch["advantages"].float()
@@ -235,6 +236,7 @@ def make_forward_step(
     config: LossConfig,
     threshold: Optional[torch.Tensor] = None,
     tp_group: Optional[dist.ProcessGroup] = None,
+    vocab_size: Optional[int] = None,
 ) -> Callable:
     """A ``forward_step_func`` for ``get_forward_backward_func()`` with the STAPO loss.
 
@@ -250,6 +252,7 @@ def make_forward_step(
         threshold: the mini-batch threshold from ``minibatch_threshold`` (tau_H for stapo and
             random, the entropy cut for entropy20; ignored by grpo).
         tp_group: the tensor-parallel group the output vocabulary is sharded over.
+        vocab_size: the real vocabulary size if the output layer is padded (see ops).
     """
     if threshold is None:
         if config.method != "grpo":
@@ -259,14 +262,14 @@ def make_forward_step(
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         output = model(batch["tokens"], batch["position_ids"], attention_mask=None)
-        return output, partial(loss_func, config, batch, threshold, tp_group)
+        return output, partial(loss_func, config, batch, threshold, tp_group, vocab_size)
 
     return forward_step
 
 
-def _stats_loss_func(temperature, tp_group, batch, logits):
+def _stats_loss_func(temperature, tp_group, vocab_size, batch, logits):
     logprob, entropy = vocab_parallel_logprob_entropy(
-        logits, batch["labels"], tp_group=tp_group, temperature=temperature
+        logits, batch["labels"], tp_group=tp_group, temperature=temperature, vocab_size=vocab_size
     )
     zero = torch.zeros((), dtype=torch.float32)
     return zero, torch.zeros((), dtype=torch.int), {"logprob": logprob, "entropy": entropy}
@@ -278,6 +281,7 @@ def compute_logprob_entropy(
     seq_length: int,
     temperature: float = 1.0,
     tp_group: Optional[dist.ProcessGroup] = None,
+    vocab_size: Optional[int] = None,
 ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     """No-grad forward over micro-batches: per micro-batch (logprob, entropy), each [B, S].
 
@@ -289,7 +293,7 @@ def compute_logprob_entropy(
     def forward_step(data_iterator, model_chunk):
         batch = next(data_iterator)
         output = model_chunk(batch["tokens"], batch["position_ids"], attention_mask=None)
-        return output, partial(_stats_loss_func, temperature, tp_group, batch)
+        return output, partial(_stats_loss_func, temperature, tp_group, vocab_size, batch)
 
     with torch.no_grad():
         outputs = get_forward_backward_func()(

@@ -99,12 +99,20 @@ def _reduce_stats(m_N, s_N, w_N, z_target_N, tp_group):
 
 class _LogprobEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits_NV, target_N, vocab_start, inv_temp, tp_group):
+    def forward(ctx, logits_NV, target_N, vocab_start, num_real, inv_temp, tp_group):
         # With a gradient to come, the softmax numerators exp(z - m_r) go straight into the
         # buffer that backward returns (logits' dtype): no extra copy of the shard is held, and
         # backward needs no second exp pass. Without grad, only cache-sized scratch is used.
         grad_NV = torch.empty_like(logits_NV) if ctx.needs_input_grad[0] else None
-        m_N, s_N, w_N, z_target_N = _local_stats(logits_NV, target_N, vocab_start, inv_temp, grad_NV)
+        real_NV, exp_out_NV = logits_NV, grad_NV
+        if num_real < logits_NV.shape[-1]:
+            # Padded vocabulary rows of the output layer (Megatron pads to a multiple of 128 x TP)
+            # are not tokens: leave them out of the softmax; their gradient is zero.
+            real_NV = logits_NV[:, :num_real]
+            if grad_NV is not None:
+                grad_NV[:, num_real:] = 0
+                exp_out_NV = grad_NV[:, :num_real]
+        m_N, s_N, w_N, z_target_N = _local_stats(real_NV, target_N, vocab_start, inv_temp, exp_out_NV)
         global_m_N, sum_exp_N, sum_w_N, z_y_N = _reduce_stats(m_N, s_N, w_N, z_target_N, tp_group)
         log_sum_exp_N = sum_exp_N.log()  # step 4
         log_z_N = global_m_N + log_sum_exp_N
@@ -131,7 +139,7 @@ class _LogprobEntropy(torch.autograd.Function):
         rows_N = ((local_ids_N >= 0) & (local_ids_N < vocab)).nonzero().squeeze(-1)
         target_grad = g_N[rows_N] * (1.0 - logprob_N[rows_N].exp())
         grad_NV[rows_N, local_ids_N[rows_N]] = target_grad.to(grad_NV.dtype)
-        return grad_NV, None, None, None, None
+        return grad_NV, None, None, None, None, None
 
 
 def vocab_parallel_logprob_entropy(
@@ -139,6 +147,7 @@ def vocab_parallel_logprob_entropy(
     target: torch.Tensor,
     tp_group: Optional[dist.ProcessGroup] = None,
     temperature: float = 1.0,
+    vocab_size: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of ``target`` and full-vocabulary entropy from vocab-sharded logits.
 
@@ -150,6 +159,9 @@ def vocab_parallel_logprob_entropy(
         temperature: logits are divided by it, exactly as the rollout sampler does (vLLM
             applies ``logits / temperature`` before softmax), so train and rollout log-probs
             are comparable.
+        vocab_size: the real vocabulary size when the output layer is padded (Megatron pads to
+            a multiple of make_vocab_size_divisible_by x TP): ids >= vocab_size are excluded
+            from the softmax, as the tokenizer and vLLM never see them. None = no padding.
 
     Returns:
         (logprob, entropy): fp32 tensors of ``target``'s shape. ``logprob`` = log softmax(
@@ -170,14 +182,24 @@ def vocab_parallel_logprob_entropy(
         tp_size, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
         if tp_size == 1:
             tp_group = None
-    if target.numel() and (int(target.min()) < 0 or int(target.max()) >= vocab_local * tp_size):
+    total = vocab_local * tp_size
+    vocab_size = total if vocab_size is None else vocab_size
+    if not 0 < vocab_size <= total:
+        raise ValueError(f"vocab_size {vocab_size} must be in [1, {total}] (V_local {vocab_local} x TP {tp_size})")
+    num_real = min(vocab_local, vocab_size - tp_rank * vocab_local)
+    if num_real <= 0:
         raise ValueError(
-            f"target ids must lie in [0, {vocab_local * tp_size}) (V_local {vocab_local} x TP "
-            f"{tp_size}); got range [{int(target.min())}, {int(target.max())}]"
+            f"TP rank {tp_rank} holds only padding (vocab_size {vocab_size}, V_local {vocab_local}); "
+            "reduce make_vocab_size_divisible_by"
+        )
+    if target.numel() and (int(target.min()) < 0 or int(target.max()) >= vocab_size):
+        raise ValueError(
+            f"target ids must lie in [0, {vocab_size}) (V_local {vocab_local} x TP {tp_size}, "
+            f"vocab_size {vocab_size}); got range [{int(target.min())}, {int(target.max())}]"
         )
     logits_NV = logits.reshape(-1, vocab_local)
     target_N = target.reshape(-1).long()
     logprob_N, entropy_N = _LogprobEntropy.apply(
-        logits_NV, target_N, tp_rank * vocab_local, 1.0 / float(temperature), tp_group
+        logits_NV, target_N, tp_rank * vocab_local, num_real, 1.0 / float(temperature), tp_group
     )
     return logprob_N.view(target.shape), entropy_N.view(target.shape)

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from stapo_megatron.ops import vocab_parallel_logprob_entropy
 
 
-def _sft_loss_func(tp_group, batch, logits):
-    logprob, _ = vocab_parallel_logprob_entropy(logits, batch["labels"], tp_group=tp_group)
+def _sft_loss_func(tp_group, vocab_size, batch, logits):
+    logprob, _ = vocab_parallel_logprob_entropy(logits, batch["labels"], tp_group=tp_group, vocab_size=vocab_size)
     mask = batch["response_mask"]
     nll_sum = -torch.where(mask, logprob, 0.0).sum()
     num = mask.sum()
@@ -27,7 +27,7 @@ def _sft_loss_func(tp_group, batch, logits):
 
 
 def sft_step(model, optimizer, microbatches: List[Dict[str, torch.Tensor]], seq_length: int,
-             tp_group=None, dp_group=None) -> Optional[float]:
+             tp_group=None, dp_group=None, vocab_size: Optional[int] = None) -> Optional[float]:
     """One optimizer step of token-mean NLL over this DP rank's micro-batches.
 
     Returns the mean NLL over the global batch on the last pipeline stage (None elsewhere).
@@ -37,7 +37,7 @@ def sft_step(model, optimizer, microbatches: List[Dict[str, torch.Tensor]], seq_
     def forward_step(data_iterator, model_chunk):
         batch = next(data_iterator)
         output = model_chunk(batch["tokens"], batch["position_ids"], attention_mask=None)
-        return output, partial(_sft_loss_func, tp_group, batch)
+        return output, partial(_sft_loss_func, tp_group, vocab_size, batch)
 
     model.zero_grad_buffer()
     optimizer.zero_grad()

@@ -95,6 +95,7 @@ def policy_update(
     groups: Groups,
     seq_length: int,
     old_stats: Optional[List] = None,
+    vocab_size: Optional[int] = None,
 ) -> Dict[str, float]:
     """One mini-batch: threshold, forward/backward over its micro-batches, optimizer step.
 
@@ -104,6 +105,7 @@ def policy_update(
             for the fields).
         old_stats: per micro-batch (logprob, entropy) of the pi_old pass (last stage), used for
             the threshold when ``tau_h_source == "old"``; recomputed when None or "exact".
+        vocab_size: real vocabulary size if the output layer is padded (see ops).
     Returns:
         metrics (same on every rank): loss, silenced count/fraction, tau_h, ..., grad_norm,
         skipped (1.0 when the optimizer skipped the step on a NaN/Inf gradient).
@@ -112,7 +114,7 @@ def policy_update(
 
     if old_stats is None or loss_config.tau_h_source == "exact":
         old_stats = compute_logprob_entropy(
-            model, microbatches, seq_length, loss_config.temperature, groups.tp
+            model, microbatches, seq_length, loss_config.temperature, groups.tp, vocab_size
         )
     threshold = torch.tensor(float("nan"))
     if groups.is_last_stage and loss_config.method != "grpo":
@@ -128,7 +130,7 @@ def policy_update(
     model.zero_grad_buffer()
     optimizer.zero_grad()
     losses_reduced = get_forward_backward_func()(
-        forward_step_func=make_forward_step(loss_config, threshold, groups.tp),
+        forward_step_func=make_forward_step(loss_config, threshold, groups.tp, vocab_size),
         data_iterator=iter(microbatches),
         model=model,
         num_microbatches=len(microbatches),

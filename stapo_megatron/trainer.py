@@ -127,6 +127,8 @@ class Trainer:
         )
         if cfg.model.megatron_ckpt:
             load_checkpoint(model, cfg.model.megatron_ckpt)
+        # the output layer is padded to a multiple of 128 x TP; the softmax must not see it
+        self.vocab_size = model.qwen_spec.vocab_size
         self.model = wrap_ddp(model, cfg.optim.use_distributed_optimizer)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.logger = RunLogger(cfg.run_dir, enabled=self.rank == 0)
@@ -218,7 +220,7 @@ class Trainer:
             batch = pack_sequences(prompts, targets, [0.0] * len(idx), [[0.0] * len(t) for t in targets],
                                    self.tokenizer.pad_token_id, seq)
             mbs = split_microbatches(batch, self.cfg.micro_batch_size, seed=step)
-            nll = sft_step(self.model, optimizer, mbs, seq, self.groups.tp, self.groups.dp)
+            nll = sft_step(self.model, optimizer, mbs, seq, self.groups.tp, self.groups.dp, self.vocab_size)
             if self.rank == 0 and (step % 10 == 0 or step == ws.steps - 1):
                 print(f"[warm-start] step {step}/{ws.steps} nll {nll:.4f}", flush=True)
 
@@ -251,7 +253,8 @@ class Trainer:
             for s in range(0, len(flat), per_mini)
         ]
         with timer("old_logprob"):
-            old = [compute_logprob_entropy(self.model, m, seq, cfg.loss.temperature, groups.tp) for m in minis]
+            old = [compute_logprob_entropy(self.model, m, seq, cfg.loss.temperature, groups.tp, self.vocab_size)
+                   for m in minis]
         diff = torch.zeros(2)
         for mini, stats in zip(minis, old):
             for i, mb in enumerate(mini):
@@ -261,7 +264,7 @@ class Trainer:
                     diff += torch.stack([(stats[i][0] - mb["rollout_logprob"]).abs()[mask].sum(), mask.sum().float()])
         diff = _reduce_from_last_stage(diff, groups)
         with timer("train"):
-            updates = [policy_update(self.model, self.optimizer, m, cfg.loss, groups, seq, s)
+            updates = [policy_update(self.model, self.optimizer, m, cfg.loss, groups, seq, s, self.vocab_size)
                        for m, s in zip(minis, old)]
         with timer("weight_sync"):
             self._sync_weights()

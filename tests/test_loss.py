@@ -117,7 +117,7 @@ def test_loss_func_methods_and_metrics(method):
     config = LossConfig(method=method, tau_p=0.002)
     mask, adv = batch["response_mask"], batch["advantages"]
     threshold = minibatch_threshold(config, logprob, entropy, adv, mask)
-    loss_sum, num_kept, metrics = loss_func(config, dict(batch, seed=torch.tensor(3)), threshold, None, logits)
+    loss_sum, num_kept, metrics = loss_func(config, dict(batch, seed=torch.tensor(3)), threshold, None, None, logits)
     sums = dict(zip(
         ["loss_sum", "num_kept", "num_response", "num_silenced", "num_candidates"],
         metrics["stapo_sums"][:5].tolist(),

@@ -104,3 +104,20 @@ def test_bad_inputs_raise_clear_errors():
         vocab_parallel_logprob_entropy(logits, torch.zeros(2, 3, dtype=torch.long), temperature=0)
     with pytest.raises(TypeError, match="floating"):
         vocab_parallel_logprob_entropy(logits.long(), torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_padded_vocabulary_is_excluded():
+    """Megatron pads the output layer; padded ids are not tokens and get no probability."""
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 128, generator=gen).requires_grad_()
+    target = torch.randint(0, 100, (6,), generator=gen)
+    logprob, entropy = vocab_parallel_logprob_entropy(logits, target, vocab_size=100)
+    x, ref_lp, ref_h = reference(logits[:, :100], target)
+    torch.testing.assert_close(logprob.double(), ref_lp, atol=FP32_TOL, rtol=0)
+    torch.testing.assert_close(entropy.double(), ref_h, atol=FP32_TOL, rtol=0)
+    logprob.sum().backward()
+    ref_lp.sum().backward()
+    assert not logits.grad[:, 100:].any()
+    torch.testing.assert_close(logits.grad[:, :100].double(), x.grad, atol=FP32_TOL, rtol=0)
+    with pytest.raises(ValueError, match="vocab_size 100"):
+        vocab_parallel_logprob_entropy(logits, torch.full((6,), 100), vocab_size=100)
