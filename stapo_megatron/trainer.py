@@ -150,6 +150,8 @@ class Trainer:
                 gpu_memory_utilization=r.gpu_memory_utilization,
                 max_model_len=max_len,
                 seed=self.cfg.seed,
+                # vLLM must run the dtype the trainer trains in, whatever the folder was saved in
+                dtype="bfloat16" if self.cfg.model.bf16 else "float32",
             ),
         )
         self.scorer = RewardScorer(num_workers=1, timeout_s=self.cfg.reward_timeout_s)
@@ -381,6 +383,9 @@ class Trainer:
     def close(self):
         if self.scorer is not None:
             self.scorer.close()
+        if self.engine is not None:
+            # vLLM's own shutdown would destroy the default process group (Megatron's)
+            self.engine.shutdown()
         self.logger.close()
 
 

