@@ -25,6 +25,18 @@ def _launch(run_dir):
                             start_new_session=True)
 
 
+def _kill_tree(pid):
+    """SIGKILL torchrun and its workers (which torchrun starts in sessions of their own)."""
+    import psutil
+
+    parent = psutil.Process(pid)
+    for p in parent.children(recursive=True) + [parent]:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+
+
 def _rows(run_dir):
     path = os.path.join(run_dir, "losses.jsonl")
     if not os.path.exists(path):
@@ -56,7 +68,7 @@ def test_sigkill_and_resume_reproduces_uninterrupted_run(tmp_path):
             assert time.time() < deadline
             time.sleep(0.05)
         time.sleep(delay)
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_tree(proc.pid)
         proc.wait()
         latest = ckpt.find_latest(str(run_dir), world_size=2)
         assert latest is not None and ckpt._is_complete(latest, 2)
