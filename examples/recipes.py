@@ -11,7 +11,7 @@ from stapo_megatron.trainer import WarmStartConfig
 
 
 def tiny_demo(run_dir: str = "runs/demo", method: str = "stapo"):
-    """Two-digit addition from reasoning-gym, a tiny char-level Qwen3, SFT warm-start then RL.
+    """Sums of 2-3 one-digit numbers from reasoning-gym, a tiny char-level Qwen3, SFT warm-start then RL.
 
     Returns (TrainerConfig, WarmStartConfig).
     """
@@ -29,13 +29,13 @@ def tiny_demo(run_dir: str = "runs/demo", method: str = "stapo"):
         model=ModelConfig(hf_dir=f"{run_dir}/model"),
         data=DataConfig(
             reasoning_gym_task="basic_arithmetic",
-            reasoning_gym_kwargs=dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2, operators=("+",),
+            reasoning_gym_kwargs=dict(min_terms=2, max_terms=3, min_digits=1, max_digits=1, operators=("+",),
                                       allow_parentheses=False, allow_negation=False),
-            num_train=4000, num_eval=200, max_prompt_len=256, use_chat_template=False,
+            num_train=900, num_eval=100, max_prompt_len=256, use_chat_template=False,
         ),
         rollout=RolloutSampling(group_size=8, temperature=1.0, top_p=1.0, max_response_len=16),
         loss=LossConfig(method=method),
         optim=OptimConfig(lr=5e-5, weight_decay=0.0, clip_grad=1.0),
     )
-    warmstart = WarmStartConfig(steps=150, lr=2e-3, prompts_per_step=64)
+    warmstart = WarmStartConfig(steps=300, lr=2e-3, prompts_per_step=64)
     return cfg, warmstart

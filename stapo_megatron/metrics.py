@@ -40,8 +40,10 @@ class RunLogger:
     def log(self, row: Dict) -> None:
         if not self.enabled:
             return
+        # strict JSON: a NaN (e.g. tau_h with no S2T candidates) is written as null
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
         with open(os.path.join(self.run_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(clean) + "\n")
         if self._tb is not None:
             for key, value in row.items():
                 if isinstance(value, (int, float)) and key != "step" and math.isfinite(value):

@@ -1,0 +1,28 @@
+"""A 2-step run of the real trainer (vLLM rollouts, math rewards, Megatron, DP=2) for tests.
+
+    torchrun --nproc-per-node 2 tests/trainer_script.py RUN_DIR MODEL_DIR STEPS
+"""
+
+import dataclasses
+import os
+import sys
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+
+from recipes import tiny_demo  # noqa: E402
+
+from stapo_megatron.trainer import train  # noqa: E402
+
+if __name__ == "__main__":
+    run_dir, model_dir, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    cfg, warmstart = tiny_demo(run_dir=run_dir)
+    cfg = dataclasses.replace(
+        cfg, steps=steps, prompts_per_step=16, minibatch_prompts=8, micro_batch_size=16,
+        eval_every=steps, save_every=1,
+        model=dataclasses.replace(cfg.model, hf_dir=model_dir),
+        data=dataclasses.replace(cfg.data, num_train=200, num_eval=20),
+        # a loose tau_p so that S2T silences tokens of an almost untrained model
+        loss=dataclasses.replace(cfg.loss, tau_p=0.2),
+    )
+    train(cfg, dataclasses.replace(warmstart, steps=10))
