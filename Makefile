@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stapo-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo demo-rl test test-fast bench venv clean
+.PHONY: demo demo-synthetic test test-fast bench venv clean
 
 $(STAMP): setup.py requirements/cpu-constraints.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,14 +25,15 @@ $(STAMP): setup.py requirements/cpu-constraints.txt Makefile
 
 venv: $(STAMP)
 
-# Until the RL loop lands: a few real STAPO steps of a tiny Megatron GPTModel on synthetic rollouts.
+# The embedded default main job: STAPO RL of a tiny Qwen3 on this CPU (vLLM rollouts, math
+# rewards, Megatron training, DP=2 over gloo); about 9 minutes on 2 cores. Writes runs/demo/.
 demo: $(STAMP)
-	$(VENV)/bin/torchrun --nproc-per-node 2 examples/demo_synthetic.py
-
-# The full RL loop on this CPU (vLLM rollouts, math rewards, Megatron training, DP=2); see README.
-demo-rl: $(STAMP)
 	$(PY) examples/prepare_tiny_model.py runs/demo/model
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VENV)/bin/torchrun --nproc-per-node 2 examples/demo_rl.py
+
+# A few STAPO steps of a tiny TP=2 GPTModel on synthetic rollouts (the op/loss/mask demo, 15 s).
+demo-synthetic: $(STAMP)
+	$(VENV)/bin/torchrun --nproc-per-node 2 examples/demo_synthetic.py
 
 test: $(STAMP)
 	$(PY) -m pytest tests $(PYTEST_ARGS)

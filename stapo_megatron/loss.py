@@ -133,7 +133,7 @@ def stapo_loss(
         if ref_logprob is None:
             raise ValueError("kl_coef > 0 needs ref_logprob")
         log_ratio_ref = ref_logprob - logprob
-        loss = loss + kl_coef * (log_ratio_ref.exp() - log_ratio_ref - 1.0)
+        loss = loss + kl_coef * (torch.expm1(log_ratio_ref) - log_ratio_ref)
     # where() rather than a multiply: a silenced token's inf/NaN ratio must not leak into the sum.
     loss_sum = torch.where(keep, loss, 0.0).sum()
     return loss_sum, keep.sum()
@@ -221,7 +221,7 @@ def loss_func(
             torch.where(response_mask, entropy, 0.0).sum(),
             (is_clipped & keep).sum().float(),
             # k3 estimator of KL(pi_old || pi_theta) on response tokens
-            torch.where(response_mask, log_ratio.exp() - 1.0 - log_ratio, 0.0).sum(),
+            torch.where(response_mask, torch.expm1(log_ratio) - log_ratio, 0.0).sum(),  # expm1: exact for small ratios
             torch.where(response_mask, log_ratio.abs(), 0.0).sum(),
         ])
     # The spurious-token inspector's raw material: (label id, log p, H, A) of silenced tokens.

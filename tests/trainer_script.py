@@ -25,4 +25,5 @@ if __name__ == "__main__":
         # a loose tau_p so that S2T silences tokens of an almost untrained model
         loss=dataclasses.replace(cfg.loss, tau_p=0.2),
     )
-    train(cfg, dataclasses.replace(warmstart, steps=10))
+    # enough warm-start for some correct samples (non-zero advantages) at T=1
+    train(cfg, dataclasses.replace(warmstart, steps=100))
