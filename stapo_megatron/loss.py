@@ -259,12 +259,38 @@ def make_forward_step(
             raise ValueError(f"method {config.method!r} needs the mini-batch threshold")
         threshold = torch.tensor(float("nan"))
 
+    return _forward_step(lambda batch: partial(loss_func, config, batch, threshold, tp_group, vocab_size))
+
+
+def _forward_step(make_loss: Callable) -> Callable:
+    """A forward_step_func running the GPTModel on a micro-batch dict; ``make_loss(batch)`` gives
+    the loss function Megatron applies to the last stage's output."""
+
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         output = model(batch["tokens"], batch["position_ids"], attention_mask=None)
-        return output, partial(loss_func, config, batch, threshold, tp_group, vocab_size)
+        return output, make_loss(batch)
 
     return forward_step
+
+
+def run_microbatches(model, microbatches: List[Dict[str, torch.Tensor]], seq_length: int,
+                     make_loss: Callable, forward_only: bool = False) -> list:
+    """Megatron's ``forward_backward_func`` over micro-batch dicts (any PP schedule).
+
+    Returns the loss functions' metric dicts, one per micro-batch, on the last pipeline stage.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()(
+        forward_step_func=_forward_step(make_loss),
+        data_iterator=iter(microbatches),
+        model=model,
+        num_microbatches=len(microbatches),
+        seq_length=seq_length,
+        micro_batch_size=microbatches[0]["tokens"].shape[0],
+        forward_only=forward_only,
+    )
 
 
 def _stats_loss_func(temperature, tp_group, vocab_size, batch, logits):
@@ -288,21 +314,10 @@ def compute_logprob_entropy(
     The pi_old pass of a step and the "exact" tau_H pre-pass. Results exist on the last
     pipeline stage; other stages get an empty list.
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    def forward_step(data_iterator, model_chunk):
-        batch = next(data_iterator)
-        output = model_chunk(batch["tokens"], batch["position_ids"], attention_mask=None)
-        return output, partial(_stats_loss_func, temperature, tp_group, vocab_size, batch)
-
     with torch.no_grad():
-        outputs = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(microbatches),
-            model=model,
-            num_microbatches=len(microbatches),
-            seq_length=seq_length,
-            micro_batch_size=microbatches[0]["tokens"].shape[0],
+        outputs = run_microbatches(
+            model, microbatches, seq_length,
+            lambda batch: partial(_stats_loss_func, temperature, tp_group, vocab_size, batch),
             forward_only=True,
         )
     return [(out["logprob"], out["entropy"]) for out in outputs]

@@ -15,6 +15,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from stapo_megatron.loss import run_microbatches
 from stapo_megatron.ops import vocab_parallel_logprob_entropy
 
 
@@ -32,24 +33,10 @@ def sft_step(model, optimizer, microbatches: List[Dict[str, torch.Tensor]], seq_
 
     Returns the mean NLL over the global batch on the last pipeline stage (None elsewhere).
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    def forward_step(data_iterator, model_chunk):
-        batch = next(data_iterator)
-        output = model_chunk(batch["tokens"], batch["position_ids"], attention_mask=None)
-        return output, partial(_sft_loss_func, tp_group, vocab_size, batch)
-
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    out = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter(microbatches),
-        model=model,
-        num_microbatches=len(microbatches),
-        seq_length=seq_length,
-        micro_batch_size=microbatches[0]["tokens"].shape[0],
-        forward_only=False,
-    )
+    out = run_microbatches(model, microbatches, seq_length,
+                           lambda batch: partial(_sft_loss_func, tp_group, vocab_size, batch))
     optimizer.step()
     if not out:
         return None

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from functools import partial
 from typing import Dict, List, Optional
 
 import torch
 
-from stapo_megatron.loss import LossConfig, compute_logprob_entropy, make_forward_step
+from stapo_megatron.loss import LossConfig, compute_logprob_entropy, loss_func, run_microbatches
 from stapo_megatron.loss import minibatch_threshold, reduce_metrics
 from stapo_megatron.parallel import Groups
 
@@ -110,8 +111,6 @@ def policy_update(
         metrics (same on every rank): loss, silenced count/fraction, tau_h, ..., grad_norm,
         skipped (1.0 when the optimizer skipped the step on a NaN/Inf gradient).
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     if old_stats is None or loss_config.tau_h_source == "exact":
         old_stats = compute_logprob_entropy(
             model, microbatches, seq_length, loss_config.temperature, groups.tp, vocab_size
@@ -129,14 +128,9 @@ def policy_update(
         )
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    losses_reduced = get_forward_backward_func()(
-        forward_step_func=make_forward_step(loss_config, threshold, groups.tp, vocab_size),
-        data_iterator=iter(microbatches),
-        model=model,
-        num_microbatches=len(microbatches),
-        seq_length=seq_length,
-        micro_batch_size=microbatches[0]["tokens"].shape[0],
-        forward_only=False,
+    losses_reduced = run_microbatches(
+        model, microbatches, seq_length,
+        lambda batch: partial(loss_func, loss_config, batch, threshold, groups.tp, vocab_size),
     )
     metrics = reduce_metrics(losses_reduced, threshold, groups.dp, groups.pp, groups.pp_last_rank)
     # The optimizer step by hand (what MegatronOptimizer.step does) so that a NaN/Inf loss or

@@ -165,11 +165,12 @@ class Trainer:
         """Indices of this DP rank's prompts for a step: a seeded permutation per epoch."""
         n = len(self.train_ids)
         first = step * count
-        idx = []
+        idx, perms = [], {}
         for pos in range(first, first + count):
             epoch, offset = divmod(pos, n)
-            perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
-            idx.append(int(perm[offset]))
+            if epoch not in perms:
+                perms[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+            idx.append(int(perms[epoch][offset]))
         per_rank = count // self.dp_size
         return idx[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
 
