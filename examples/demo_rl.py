@@ -12,9 +12,7 @@ import sys
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from recipes import tiny_demo  # noqa: E402
+from stapo_megatron.recipes import tiny_demo  # noqa: E402
 
 from stapo_megatron.trainer import train  # noqa: E402
 

@@ -1,7 +1,7 @@
 """The trainer's configuration tree (dataclasses; recipes are functions that return one).
 
 Defaults are the paper's recipe (JustRL hyperparameters + S2T) where it has one; the embedded
-CPU default lives in ``examples/recipes.py``. Command-line overrides use NeMo-Run's ``key=value``
+CPU default lives in ``stapo_megatron/recipes/``. Command-line overrides use NeMo-Run's ``key=value``
 form in the launch scripts; the library never parses argv.
 """
 

@@ -8,9 +8,8 @@ import os
 import sys
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
-from recipes import tiny_demo  # noqa: E402
+from stapo_megatron.recipes import tiny_demo  # noqa: E402
 
 from stapo_megatron.trainer import train  # noqa: E402
 

@@ -1,8 +1,4 @@
-"""Recipes: functions that return a fully populated training configuration.
-
-``tiny_demo`` is the embedded default (a 2-core CPU, 2 processes, DP=2, under 20 minutes).
-The paper's Qwen3-1.7B/8B/14B recipes belong to the launch issue and will live here too.
-"""
+"""The embedded CPU recipes: ``tiny_demo`` (a 2-core CPU, 2 processes, DP=2, under 20 minutes)."""
 
 from stapo_megatron.config import DataConfig, ModelConfig, RolloutSampling, TrainerConfig
 from stapo_megatron.loss import LossConfig

@@ -1,0 +1,7 @@
+"""Recipes: functions that return a fully populated training configuration.
+
+- ``tiny``: the embedded CPU default (``tiny_demo``) and the CPU method comparison.
+- ``paper``: the paper's Qwen3-1.7B/8B/14B-Base setups (JustRL + S2T) with their parallel layouts.
+"""
+
+from stapo_megatron.recipes.tiny import tiny_demo  # noqa: F401
