@@ -30,6 +30,8 @@ setup(
         # Run outputs: end-of-run plots and TensorBoard scalars.
         "matplotlib",
         "tensorboard",
+        # Significance tests of the method comparison (stapo_megatron.compare).
+        "scipy",
     ],
     extras_require={
         # GPU-only: the transformer-engine layer spec. apex is optional and installed from

@@ -101,6 +101,32 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, trainer_state: Di
     return final
 
 
+def save_model_only(model, path: str) -> str:
+    """Collective: save the model weights alone (no optimizer, RNG or trainer state) to ``path``.
+
+    The result loads with ``stapo_megatron.bridge.model.load_checkpoint`` (``ModelConfig.megatron_ckpt``)
+    at any TP/PP; the method comparison uses it to share one warm-start between runs. Written to
+    a temporary sibling and renamed when every rank has finished.
+    """
+    from megatron.core import dist_checkpointing
+
+    path = path.rstrip("/")
+    tmp = os.path.join(os.path.dirname(path) or ".", f".tmp_{os.path.basename(path)}")
+    if _rank() == 0:
+        if os.path.exists(path):
+            raise FileExistsError(f"{path} exists; not overwriting a saved model")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    inner = model.module if hasattr(model, "module") else model
+    dist_checkpointing.save(inner.sharded_state_dict(), tmp)
+    _barrier()
+    if _rank() == 0:
+        os.replace(tmp, path)
+    _barrier()
+    return path
+
+
 def _is_complete(path: str, world_size: int) -> bool:
     files = set(os.listdir(path)) if os.path.isdir(path) else set()
     ranks_ok = all(f"rng_rank{r:05d}.pt" in files for r in range(world_size))

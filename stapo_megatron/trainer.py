@@ -40,6 +40,13 @@ class WarmStartConfig:
     """Prompts per SFT step over all DP ranks."""
     target_template: str = "\\boxed{{{answer}}}"
     """Target response for an example; ``{answer}`` is replaced (end-of-sequence appended)."""
+    label_smoothing: float = 0.0
+    """Label smoothing eps of the SFT loss: (1 - eps) NLL + eps CE(uniform over the vocabulary).
+    A pure-SFT tiny model puts ~1e-5 on every off-target token, so its samples never contain
+    the low-probability tokens S2T is about; eps leaves the tail a pretrained LLM has."""
+    save_to: str = ""
+    """If set, the warm-started weights are also saved there (model only) before RL starts, so
+    other runs can start from them with ``ModelConfig.megatron_ckpt`` and no warm-start."""
 
 
 def _pad_to(n: int, multiple: int = 8) -> int:
@@ -223,7 +230,8 @@ class Trainer:
             batch = pack_sequences(prompts, targets, [0.0] * len(idx), [[0.0] * len(t) for t in targets],
                                    self.tokenizer.pad_token_id, seq)
             mbs = split_microbatches(batch, self.cfg.micro_batch_size, seed=step)
-            nll = sft_step(self.model, optimizer, mbs, seq, self.groups.tp, self.groups.dp, self.vocab_size)
+            nll = sft_step(self.model, optimizer, mbs, seq, self.groups.tp, self.groups.dp, self.vocab_size,
+                           ws.label_smoothing)
             if self.rank == 0 and (step % 10 == 0 or step == ws.steps - 1):
                 print(f"[warm-start] step {step}/{ws.steps} nll {nll:.4f}", flush=True)
 
@@ -335,6 +343,8 @@ class Trainer:
                 print(f"resumed from {latest} (step {start})", flush=True)
         elif self.warmstart and self.warmstart.steps:
             self.warm_start()
+            if self.warmstart.save_to:
+                ckpt.save_model_only(self.model, self.warmstart.save_to)
         self._sync_weights()
         rows = []
         if start == 0 and cfg.eval_every:

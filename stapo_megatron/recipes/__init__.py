@@ -4,4 +4,4 @@
 - ``paper``: the paper's Qwen3-1.7B/8B/14B-Base setups (JustRL + S2T) with their parallel layouts.
 """
 
-from stapo_megatron.recipes.tiny import tiny_demo  # noqa: F401
+from stapo_megatron.recipes.tiny import prepare_tiny_model, tiny_compare, tiny_demo  # noqa: F401

@@ -1,0 +1,381 @@
+"""The paper's setups: Qwen3-1.7B/8B/14B-Base, JustRL hyperparameters + S2T, on 80 GB GPUs.
+
+``qwen3_1p7b``, ``qwen3_8b`` and ``qwen3_14b`` return the trainer's `TrainerConfig` for
+DAPO-Math-17k (paths are the user's: ``data.train_path`` / ``data.eval_path``), with the method
+as a one-word switch (``stapo`` | ``grpo`` | ``entropy20`` | ``random``, `method_loss`).
+
+Each size has a `Layout` (nodes, TP/PP/DP, vLLM TP and memory share, micro-batch, recompute,
+sequence parallelism) chosen with `memory_estimate`, the written per-GPU memory model kept next
+to it (its assumptions are in the function's docstring). Context parallelism stays 1: the STAPO
+loss path here (``ops.vocab_parallel_logprob_entropy``, the S2T mini-batch quantile and the
+packing in ``batching.py``) assumes every rank of a TP group holds whole sequences, so long
+sequences are handled with sequence parallelism + full activation recomputation instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional
+
+from stapo_megatron.bridge.config import QwenSpec, padded_vocab_size
+from stapo_megatron.config import DataConfig, ModelConfig, RolloutSampling, TrainerConfig
+from stapo_megatron.loss import LossConfig
+from stapo_megatron.step import OptimConfig
+
+GB = 1e9
+"""Decimal gigabyte: estimates are compared with 80e9 bytes, below an 80 GB card's 85.9e9."""
+
+GPU_MEMORY_BYTES = 80 * GB
+"""The budget every layout must fit (H100/A100 80 GB)."""
+
+MAX_PROMPT_LEN = 1024
+"""Paper: longer DAPO-Math prompts are dropped."""
+MAX_RESPONSE_LEN = 15360
+"""Paper: maximum response tokens."""
+SEQ_LEN = MAX_PROMPT_LEN + MAX_RESPONSE_LEN
+"""Longest training sequence (prompt + response): the activation and logits sizes use it."""
+
+METHODS = ("stapo", "grpo", "entropy20", "random")
+"""The one-word method overrides (`method_loss`)."""
+
+
+def _qwen3(num_layers, hidden, heads, ffn, tied) -> QwenSpec:
+    """A Qwen3 base model as in its HF config.json (8 KV heads, head_dim 128, 151936 tokens)."""
+    return QwenSpec(
+        architecture="Qwen3ForCausalLM", num_layers=num_layers, hidden_size=hidden,
+        ffn_hidden_size=ffn, num_attention_heads=heads, num_query_groups=8, kv_channels=128,
+        vocab_size=151936, max_position_embeddings=32768, rotary_base=1_000_000.0,
+        layernorm_epsilon=1e-6, add_qkv_bias=False, qk_layernorm=True, tie_word_embeddings=tied,
+        init_method_std=0.02,
+    )
+
+
+ARCHITECTURES: Dict[str, QwenSpec] = {
+    "qwen3_1p7b": _qwen3(28, 2048, 16, 6144, tied=True),
+    "qwen3_8b": _qwen3(36, 4096, 32, 12288, tied=False),
+    "qwen3_14b": _qwen3(40, 5120, 40, 17408, tied=False),
+}
+"""Qwen3-{1.7B,8B,14B}-Base architectures (the training memory model and consistency checks
+use them; the trainer itself reads the architecture from ``model.hf_dir``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where one run goes and the settings that decide its memory per GPU."""
+
+    num_nodes: int
+    """Slurm nodes."""
+    tensor_model_parallel_size: int
+    """Megatron TP (within a node: heads, KV heads and the vocabulary are split over it)."""
+    pipeline_model_parallel_size: int
+    """Megatron PP (layers are split over it)."""
+    vllm_tensor_parallel_size: int
+    """vLLM's own TP. It divides the Megatron TP so a vLLM engine never spans two DP ranks
+    (which get different prompts); equal to it, each model-parallel group runs one engine."""
+    vllm_gpu_memory_utilization: float
+    """vLLM's fraction of the GPU (weights + KV cache), held for the whole run: the trainer
+    does not put vLLM to sleep during the update."""
+    gpus_per_node: int = 8
+    """GPUs per node."""
+    micro_batch_size: int = 1
+    """Sequences per micro-batch (one 16k-token sequence)."""
+    sequence_parallel: bool = True
+    """Megatron sequence parallelism (needs TP > 1)."""
+    recompute_granularity: Optional[str] = "full"
+    """Activation recomputation ("full": only layer inputs are kept)."""
+    recompute_method: Optional[str] = "uniform"
+    """Full recompute of groups of `recompute_num_layers` layers."""
+    recompute_num_layers: Optional[int] = 1
+    """Layers per recompute group."""
+
+    @property
+    def world_size(self) -> int:
+        """GPUs of the run."""
+        return self.num_nodes * self.gpus_per_node
+
+    @property
+    def data_parallel_size(self) -> int:
+        """DP = world / (TP x PP x CP), with CP = 1."""
+        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+
+
+LAYOUTS: Dict[str, Layout] = {
+    # 2 nodes: TP=2 halves the 151936-wide fp32 logits; one vLLM TP=2 engine per TP pair.
+    "qwen3_1p7b": Layout(num_nodes=2, tensor_model_parallel_size=2, pipeline_model_parallel_size=1,
+                         vllm_tensor_parallel_size=2, vllm_gpu_memory_utilization=0.55),
+    # 4 nodes: TP=2 keeps 16 DP ranks / vLLM engines for throughput; 48 GB of training state.
+    "qwen3_8b": Layout(num_nodes=4, tensor_model_parallel_size=2, pipeline_model_parallel_size=1,
+                       vllm_tensor_parallel_size=2, vllm_gpu_memory_utilization=0.35),
+    # 8 nodes (the design's target): TP=4 within a node, PP=1, DP=16; vLLM TP=4 gives each
+    # engine room for ~40 full-length (16k-token) sequences of KV cache.
+    "qwen3_14b": Layout(num_nodes=8, tensor_model_parallel_size=4, pipeline_model_parallel_size=1,
+                        vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.45),
+}
+"""The parallel layout of each paper recipe (see `memory_estimate` and the README table)."""
+
+
+# -- the memory model -------------------------------------------------------------------------
+
+FRAMEWORK_OVERHEAD_BYTES = 4 * GB
+"""CUDA context, NCCL communicators of the Megatron and vLLM groups, allocator fragmentation
+(an allowance, not derived)."""
+VLLM_RUNTIME_BYTES = 2 * GB
+"""vLLM's own activations / sampler buffers inside its share (an allowance)."""
+LOSS_CHUNK_BYTES = 2 * (1 << 28)
+"""The two fp32 row-chunk buffers of ``ops._local_stats`` on CUDA (``_CHUNK_BYTES_CUDA``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes on the most loaded GPU (first/last pipeline stage) of one layout."""
+
+    weights: float
+    """bf16 parameters of this rank's shard (2 B/param)."""
+    grads: float
+    """Megatron DDP's fp32 gradient buffer (``grad_reduce_in_fp32=True``, 4 B/param)."""
+    optimizer: float
+    """Distributed optimizer: fp32 master weights + Adam m and v (12 B/param) / DP."""
+    activations: float
+    """Full recompute with sequence parallelism: every layer's bf16 input (kept), plus one
+    layer's full activations and their gradients while it is recomputed."""
+    logits: float
+    """The loss on TP-sharded logits: bf16 output, its fp32 copy and the fp32 gradient buffer
+    (10 B per token and local vocabulary entry) plus the loss op's chunk scratch."""
+    overhead: float
+    """`FRAMEWORK_OVERHEAD_BYTES`."""
+    vllm: float
+    """vLLM's colocated share: ``vllm_gpu_memory_utilization`` x the GPU."""
+    vllm_kv_tokens: int
+    """Tokens of KV cache one vLLM rank holds after its weights and runtime."""
+
+    @property
+    def training(self) -> float:
+        """Everything but vLLM."""
+        return self.weights + self.grads + self.optimizer + self.activations + self.logits + self.overhead
+
+    @property
+    def total(self) -> float:
+        """Peak bytes per GPU (vLLM's share is resident during training)."""
+        return self.training + self.vllm
+
+    def as_gb(self) -> Dict[str, float]:
+        """The table row: components, training, vLLM and total in GB."""
+        names = ("weights", "grads", "optimizer", "activations", "logits", "overhead", "training", "vllm", "total")
+        return {name: round(getattr(self, name) / GB, 1) for name in names}
+
+
+def _layer_params(spec: QwenSpec) -> int:
+    """Parameters of one decoder layer (q/k/v/o, gate/up/down, two RMSNorms, q/k norms)."""
+    h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
+    attention = h * (q + 2 * kv) + q * h
+    mlp = 3 * h * spec.ffn_hidden_size
+    norms = 2 * h + (2 * spec.kv_channels if spec.qk_layernorm else 0)
+    return attention + mlp + norms
+
+
+def num_params(spec: QwenSpec) -> int:
+    """Parameters of the HF model (unpadded vocabulary)."""
+    embeddings = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
+    return spec.num_layers * _layer_params(spec) + embeddings + spec.hidden_size
+
+
+def params_per_gpu(spec: QwenSpec, layout: Layout) -> int:
+    """Parameters on the most loaded rank: its layers / TP plus the padded embedding and (for
+    untied models, or any model with PP > 1) the output layer / TP on the stages holding them."""
+    tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
+    layers = spec.num_layers // pp * _layer_params(spec) // tp
+    vocab_rows = padded_vocab_size(spec.vocab_size, tp) // tp * spec.hidden_size
+    # PP = 1: the one stage holds the embedding and, untied, the output layer. PP > 1: the
+    # first stage holds the embedding, the last the output layer (a copy when tied).
+    tables = (1 if spec.tie_word_embeddings else 2) if pp == 1 else 1
+    return layers + tables * vocab_rows + spec.hidden_size
+
+
+def memory_estimate(spec: QwenSpec, layout: Layout, seq_len: int = SEQ_LEN,
+                    gpu_bytes: float = GPU_MEMORY_BYTES) -> MemoryEstimate:
+    """Per-GPU memory of colocated STAPO training (Megatron) and rollouts (vLLM).
+
+    Assumptions: bf16 weights, fp32 gradient buffer, Megatron's distributed optimizer (fp32
+    master + Adam states sharded over DP), micro-batches of ``micro_batch_size`` sequences of
+    ``seq_len`` tokens, full recomputation of every layer (uniform, 1 layer per group) with
+    sequence parallelism (activations split over TP), flash attention (no s x s scores), 1F1B
+    pipelining (the first stage keeps PP micro-batches in flight: L layer inputs in total),
+    the STAPO loss on vocabulary-sharded logits, and vLLM holding its whole share.
+
+    Returns the components of `MemoryEstimate`; `MemoryEstimate.total` must stay below
+    ``gpu_bytes``.
+    """
+    if layout.recompute_granularity != "full" or layout.recompute_num_layers != 1:
+        raise ValueError(
+            f"memory_estimate models full recomputation of single layers, got recompute_granularity "
+            f"{layout.recompute_granularity!r}, recompute_num_layers {layout.recompute_num_layers}"
+        )
+    tp, dp = layout.tensor_model_parallel_size, layout.data_parallel_size
+    h, q, kv, ffn = spec.hidden_size, spec.q_size, spec.kv_size, spec.ffn_hidden_size
+    tokens = seq_len * layout.micro_batch_size
+    sp = tp if layout.sequence_parallel else 1
+    params = params_per_gpu(spec, layout)
+    # bf16 bytes per token of one layer's activations: LN inputs/outputs and the two residual
+    # inputs (4h, split over TP only with sequence parallelism), q/k/v and the attention output
+    # (2q + 2kv), gate/up outputs and the SwiGLU output (3 ffn), all split over TP.
+    layer_bytes = 2 * (4 * h / sp + (2 * q + 2 * kv + 3 * ffn) / tp)
+    kept_inputs = 2 * h / sp * tokens * spec.num_layers
+    activations = kept_inputs + 2 * layer_bytes * tokens
+    logits = tokens * padded_vocab_size(spec.vocab_size, tp) / tp * (2 + 4 + 4) + LOSS_CHUNK_BYTES
+    vllm = layout.vllm_gpu_memory_utilization * gpu_bytes
+    vllm_weights = 2 * num_params(spec) / layout.vllm_tensor_parallel_size
+    kv_bytes_per_token = 2 * spec.num_layers * spec.kv_size * 2 / layout.vllm_tensor_parallel_size
+    return MemoryEstimate(
+        weights=2 * params, grads=4 * params, optimizer=12 * params / dp,
+        activations=activations, logits=logits, overhead=FRAMEWORK_OVERHEAD_BYTES, vllm=vllm,
+        vllm_kv_tokens=int(max(0.0, vllm - vllm_weights - VLLM_RUNTIME_BYTES) / kv_bytes_per_token),
+    )
+
+
+# -- recipes ----------------------------------------------------------------------------------
+
+
+def method_loss(method: str) -> LossConfig:
+    """The loss of each method, everything else equal (the paper's comparison).
+
+    stapo: S2T with tau_p 0.002 and q 0.75; grpo: the DAPO/JustRL objective without a mask;
+    entropy20: keep the 20% highest-entropy response tokens; random: silence as many random
+    response tokens as S2T would (same tau_p / q to count them).
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    return LossConfig(method=method, clip_ratio_low=0.2, clip_ratio_high=0.28, kl_coef=0.0,
+                      tau_p=0.002, entropy_quantile=0.75, entropy_top_fraction=0.2, temperature=1.0)
+
+
+def paper_recipe(size: str, method: str = "stapo", run_dir: Optional[str] = None) -> TrainerConfig:
+    """JustRL + S2T for one Qwen3 size ("qwen3_1p7b" | "qwen3_8b" | "qwen3_14b").
+
+    AdamW lr 1e-6 (constant after 10 warm-up optimizer steps), weight decay 0.1, grad clip 1.0;
+    256 prompts x 8 rollouts per step, PPO mini-batches of 64 prompts; prompts <= 1024 tokens,
+    responses <= 15360; sampling T=1.0, top-p 1.0; clip 0.2/0.28; no KL, no entropy bonus.
+    ``model.hf_dir``, ``model.megatron_ckpt`` and ``data.train_path`` / ``data.eval_path``
+    (DAPO-Math-17k and a held-out set) are left empty for the user (`check_paper_config`).
+    """
+    if size not in LAYOUTS:
+        raise ValueError(f"size must be one of {sorted(LAYOUTS)}, got {size!r}")
+    layout = LAYOUTS[size]
+    cfg = TrainerConfig(
+        run_dir=run_dir or f"runs/{size}_{method}",
+        steps=500,
+        prompts_per_step=256,
+        minibatch_prompts=64,
+        micro_batch_size=layout.micro_batch_size,
+        lr_warmup_steps=10,
+        eval_every=10,
+        eval_temperature=1.0,
+        eval_samples=4,
+        save_every=10,
+        reward_timeout_s=5.0,
+        model=ModelConfig(
+            tensor_model_parallel_size=layout.tensor_model_parallel_size,
+            pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+            bf16=True,
+            sequence_parallel=layout.sequence_parallel,
+            recompute_granularity=layout.recompute_granularity,
+            recompute_method=layout.recompute_method,
+            recompute_num_layers=layout.recompute_num_layers,
+        ),
+        data=DataConfig(max_prompt_len=MAX_PROMPT_LEN, use_chat_template=True),
+        rollout=RolloutSampling(
+            group_size=8, temperature=1.0, top_p=1.0, max_response_len=MAX_RESPONSE_LEN,
+            tensor_parallel_size=layout.vllm_tensor_parallel_size,
+            gpu_memory_utilization=layout.vllm_gpu_memory_utilization,
+        ),
+        loss=method_loss(method),
+        optim=OptimConfig(lr=1e-6, weight_decay=0.1, clip_grad=1.0, use_distributed_optimizer=True),
+    )
+    return cfg
+
+
+def qwen3_1p7b(method: str = "stapo", run_dir: Optional[str] = None) -> TrainerConfig:
+    """Qwen3-1.7B-Base: 2 nodes x 8 GPUs, TP=2, DP=8, vLLM TP=2."""
+    return paper_recipe("qwen3_1p7b", method, run_dir)
+
+
+def qwen3_8b(method: str = "stapo", run_dir: Optional[str] = None) -> TrainerConfig:
+    """Qwen3-8B-Base: 4 nodes x 8 GPUs, TP=2, DP=16, vLLM TP=2."""
+    return paper_recipe("qwen3_8b", method, run_dir)
+
+
+def qwen3_14b(method: str = "stapo", run_dir: Optional[str] = None) -> TrainerConfig:
+    """Qwen3-14B-Base: 8 nodes x 8 GPUs, TP=4, DP=16, vLLM TP=4."""
+    return paper_recipe("qwen3_14b", method, run_dir)
+
+
+def layout_problems(spec: QwenSpec, layout: Layout, cfg: TrainerConfig) -> List[str]:
+    """Why ``cfg`` cannot run on ``layout`` (empty when it can): divisibility of heads, layers,
+    GPUs and batches, vLLM groups, and the memory estimate."""
+    tp, pp = cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size
+    vtp = cfg.rollout.tensor_parallel_size
+    world = layout.world_size
+    problems = []
+    for name, count in (("num_attention_heads", spec.num_attention_heads),
+                        ("num_query_groups", spec.num_query_groups)):
+        if count % tp:
+            problems.append(f"{name} {count} is not divisible by tensor_model_parallel_size {tp}")
+    if spec.num_layers % pp:
+        problems.append(f"num_layers {spec.num_layers} is not divisible by pipeline_model_parallel_size {pp}")
+    if world % (tp * pp):
+        problems.append(f"{world} GPUs are not divisible by TP {tp} x PP {pp}")
+        return problems
+    dp = world // (tp * pp)
+    if tp > layout.gpus_per_node or layout.gpus_per_node % tp:
+        problems.append(f"TP {tp} must divide the {layout.gpus_per_node} GPUs of a node")
+    if cfg.prompts_per_step % cfg.minibatch_prompts:
+        problems.append(f"prompts_per_step {cfg.prompts_per_step} is not divisible by minibatch_prompts {cfg.minibatch_prompts}")
+    if cfg.minibatch_prompts % dp:
+        problems.append(f"minibatch_prompts {cfg.minibatch_prompts} is not divisible by DP {dp}")
+    mini_sequences = cfg.minibatch_prompts * cfg.rollout.group_size
+    if mini_sequences % (dp * cfg.micro_batch_size):
+        problems.append(f"{mini_sequences} sequences per mini-batch are not divisible by DP {dp} x micro_batch_size {cfg.micro_batch_size}")
+    if layout.gpus_per_node % vtp or world % vtp:
+        problems.append(f"vLLM TP {vtp} must divide the {layout.gpus_per_node} GPUs per node and the {world} GPUs")
+    if tp % vtp:
+        problems.append(f"vLLM TP {vtp} must divide Megatron TP {tp} (an engine must not span two DP ranks)")
+    if spec.num_query_groups % vtp:
+        problems.append(f"num_query_groups {spec.num_query_groups} is not divisible by vLLM TP {vtp}")
+    if cfg.model.sequence_parallel and tp == 1:
+        problems.append("sequence_parallel needs tensor_model_parallel_size > 1")
+    estimate = memory_estimate(spec, layout)
+    if estimate.total >= GPU_MEMORY_BYTES:
+        problems.append(f"estimated {estimate.total / GB:.1f} GB per GPU exceeds {GPU_MEMORY_BYTES / GB:.0f} GB: {estimate.as_gb()}")
+    return problems
+
+
+def layout_for(size: str, cfg: TrainerConfig) -> Layout:
+    """The size's `Layout` with the parallel settings of ``cfg`` (after overrides)."""
+    return dataclasses.replace(
+        LAYOUTS[size],
+        tensor_model_parallel_size=cfg.model.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.model.pipeline_model_parallel_size,
+        vllm_tensor_parallel_size=cfg.rollout.tensor_parallel_size,
+        vllm_gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+        micro_batch_size=cfg.micro_batch_size,
+        sequence_parallel=cfg.model.sequence_parallel,
+        recompute_granularity=cfg.model.recompute_granularity,
+        recompute_method=cfg.model.recompute_method,
+        recompute_num_layers=cfg.model.recompute_num_layers,
+    )
+
+
+def check_paper_config(size: str, cfg: TrainerConfig, num_nodes: Optional[int] = None) -> None:
+    """Raise ValueError naming every problem of a (possibly overridden) paper config: layout
+    consistency (`layout_problems`) and the paths the recipe leaves to the user."""
+    layout = layout_for(size, cfg)
+    if num_nodes is not None:
+        layout = dataclasses.replace(layout, num_nodes=num_nodes)
+    problems = layout_problems(ARCHITECTURES[size], layout, cfg)
+    for field, value, what in (("model.hf_dir", cfg.model.hf_dir, f"the HF folder of {size}-Base"),
+                               ("model.megatron_ckpt", cfg.model.megatron_ckpt, "its `stapo-convert hf-to-mcore` checkpoint"),
+                               ("data.train_path", cfg.data.train_path, "DAPO-Math-17k (parquet or JSONL)"),
+                               ("data.eval_path", cfg.data.eval_path, "a held-out JSONL/parquet")):
+        if not value:
+            problems.append(f"{field} is not set ({what})")
+    if problems:
+        raise ValueError(f"recipe {size} cannot run:\n  - " + "\n  - ".join(problems))
