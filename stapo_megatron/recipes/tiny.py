@@ -47,7 +47,7 @@ def tiny_demo(run_dir: str = "runs/demo", method: str = "stapo"):
     return cfg, warmstart
 
 
-def tiny_compare(run_dir: str = "runs/compare/run", method: str = "stapo", seed: int = 0, steps: int = 40):
+def tiny_compare(run_dir: str = "runs/compare/run", method: str = "stapo", seed: int = 0, steps: int = 30):
     """The method comparison's run: ``tiny_demo`` with a per-seed seed and fewer RL steps.
 
     Sized so that 3 seeds x 4 methods plus 3 warm-starts finish in under an hour on 2 cores
