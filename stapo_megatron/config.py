@@ -30,6 +30,17 @@ class ModelConfig:
     """Training PP."""
     bf16: bool = False
     """Train in bf16 (GPU); fp32 on CPU."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs TP > 1): the activations outside the TP-split
+    matmuls (norms, residuals) are split over the TP ranks along the sequence."""
+    recompute_granularity: Optional[str] = None
+    """Activation recomputation: None (off), "full" (keep only the inputs of recomputed layers
+    and rerun them in backward) or "selective" (recompute the attention core only)."""
+    recompute_method: Optional[str] = None
+    """With "full": "uniform" (layers in groups of ``recompute_num_layers``, each group's input
+    kept) or "block" (recompute only the first ``recompute_num_layers`` layers of a stage)."""
+    recompute_num_layers: Optional[int] = None
+    """With "full": layers per group ("uniform") or recomputed layers per stage ("block")."""
 
 
 @dataclasses.dataclass

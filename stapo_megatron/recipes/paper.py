@@ -57,6 +57,8 @@ ARCHITECTURES: Dict[str, QwenSpec] = {
 }
 """Qwen3-{1.7B,8B,14B}-Base architectures (the training memory model and consistency checks
 use them; the trainer itself reads the architecture from ``model.hf_dir``)."""
+DISPLAY_NAMES = {"qwen3_1p7b": "Qwen3-1.7B-Base", "qwen3_8b": "Qwen3-8B-Base", "qwen3_14b": "Qwen3-14B-Base"}
+"""The HF model each recipe starts from."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,16 +102,17 @@ class Layout:
 
 
 LAYOUTS: Dict[str, Layout] = {
-    # 2 nodes: TP=2 halves the 151936-wide fp32 logits; one vLLM TP=2 engine per TP pair.
+    # 2 nodes: TP=2 halves the 151936-wide fp32 logits (13 GB instead of 26 GB at TP=1).
     "qwen3_1p7b": Layout(num_nodes=2, tensor_model_parallel_size=2, pipeline_model_parallel_size=1,
                          vllm_tensor_parallel_size=2, vllm_gpu_memory_utilization=0.55),
-    # 4 nodes: TP=2 keeps 16 DP ranks / vLLM engines for throughput; 48 GB of training state.
-    "qwen3_8b": Layout(num_nodes=4, tensor_model_parallel_size=2, pipeline_model_parallel_size=1,
-                       vllm_tensor_parallel_size=2, vllm_gpu_memory_utilization=0.35),
-    # 8 nodes (the design's target): TP=4 within a node, PP=1, DP=16; vLLM TP=4 gives each
-    # engine room for ~40 full-length (16k-token) sequences of KV cache.
+    # 4 nodes: TP=4 (TP=2 needs 49 GB for training, leaving vLLM room for ~11 full-length
+    # sequences per engine); here 28 GB of training and ~56 sequences of KV cache per engine.
+    "qwen3_8b": Layout(num_nodes=4, tensor_model_parallel_size=4, pipeline_model_parallel_size=1,
+                       vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.5),
+    # 8 nodes (the design's target): TP=4 within a node, PP=1, DP=16; one vLLM TP=4 engine per
+    # TP group with KV cache for ~34 full-length (16k-token) sequences.
     "qwen3_14b": Layout(num_nodes=8, tensor_model_parallel_size=4, pipeline_model_parallel_size=1,
-                        vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.45),
+                        vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.4),
 }
 """The parallel layout of each paper recipe (see `memory_estimate` and the README table)."""
 
@@ -299,7 +302,7 @@ def qwen3_1p7b(method: str = "stapo", run_dir: Optional[str] = None) -> TrainerC
 
 
 def qwen3_8b(method: str = "stapo", run_dir: Optional[str] = None) -> TrainerConfig:
-    """Qwen3-8B-Base: 4 nodes x 8 GPUs, TP=2, DP=16, vLLM TP=2."""
+    """Qwen3-8B-Base: 4 nodes x 8 GPUs, TP=4, DP=8, vLLM TP=4."""
     return paper_recipe("qwen3_8b", method, run_dir)
 
 
@@ -364,18 +367,25 @@ def layout_for(size: str, cfg: TrainerConfig) -> Layout:
     )
 
 
-def check_paper_config(size: str, cfg: TrainerConfig, num_nodes: Optional[int] = None) -> None:
-    """Raise ValueError naming every problem of a (possibly overridden) paper config: layout
-    consistency (`layout_problems`) and the paths the recipe leaves to the user."""
+def check_paper_config(size: str, cfg: TrainerConfig, num_nodes: Optional[int] = None,
+                       gpus_per_node: Optional[int] = None, check_paths: bool = True) -> None:
+    """Raise ValueError naming every problem of a (possibly overridden) paper config.
+
+    Checks the layout (`layout_problems`) on ``num_nodes`` x ``gpus_per_node`` GPUs (default:
+    the size's `Layout`) and, with ``check_paths``, the paths the recipe leaves to the user.
+    """
     layout = layout_for(size, cfg)
-    if num_nodes is not None:
-        layout = dataclasses.replace(layout, num_nodes=num_nodes)
+    layout = dataclasses.replace(layout, num_nodes=num_nodes or layout.num_nodes,
+                                 gpus_per_node=gpus_per_node or layout.gpus_per_node)
     problems = layout_problems(ARCHITECTURES[size], layout, cfg)
-    for field, value, what in (("model.hf_dir", cfg.model.hf_dir, f"the HF folder of {size}-Base"),
-                               ("model.megatron_ckpt", cfg.model.megatron_ckpt, "its `stapo-convert hf-to-mcore` checkpoint"),
-                               ("data.train_path", cfg.data.train_path, "DAPO-Math-17k (parquet or JSONL)"),
-                               ("data.eval_path", cfg.data.eval_path, "a held-out JSONL/parquet")):
-        if not value:
-            problems.append(f"{field} is not set ({what})")
+    if check_paths:
+        for field, value, what in (
+            ("model.hf_dir", cfg.model.hf_dir, f"the HF folder of {DISPLAY_NAMES[size]}"),
+            ("model.megatron_ckpt", cfg.model.megatron_ckpt, "its `stapo-convert hf-to-mcore` checkpoint"),
+            ("data.train_path", cfg.data.train_path, "DAPO-Math-17k, parquet or JSONL"),
+            ("data.eval_path", cfg.data.eval_path, "a held-out JSONL/parquet"),
+        ):
+            if not value:
+                problems.append(f"{field} is not set ({what})")
     if problems:
         raise ValueError(f"recipe {size} cannot run:\n  - " + "\n  - ".join(problems))

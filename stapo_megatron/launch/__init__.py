@@ -1,0 +1,6 @@
+"""Launching with NeMo-Run: the ``nemo-run`` command (`cli`), executors and tasks for
+``launch/*.py`` (`executors`) and the function every worker runs (`entry`).
+
+`executors` and `cli` import nemo_run (installed by the Makefile, or ``pip install -e .[launch]``);
+`entry` does not. ``import stapo_megatron`` never imports this subpackage.
+"""

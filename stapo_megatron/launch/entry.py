@@ -1,0 +1,181 @@
+"""The function a launched task runs in every worker process: recipe name + method + overrides.
+
+NeMo-Run (``launch/*.py``) serialises a call of `run_recipe` and runs it under torchrun (local)
+or srun + torchrun (Slurm). On the worker, the recipe's `TrainerConfig` is built from its name,
+the method and the ``key=value`` overrides of the command line (`build_config`), and then
+`stapo_megatron.trainer.train` runs exactly as ``examples/demo_rl.py`` runs it. No nemo_run
+import here: the worker only needs the package. (No ``from __future__ import annotations``:
+NeMo-Run parses command-line values with these signatures' real annotations.)
+
+Overrides: top-level `TrainerConfig` fields as keywords (``steps=1``), nested ones through the
+section dicts (``rollout.max_response_len=8192`` arrives as ``rollout={"max_response_len": 8192}``),
+the tiny recipe's warm-start through ``warmstart``. Unknown fields and wrongly typed values
+raise ValueError naming the field.
+"""
+
+import dataclasses
+import os
+import time
+import typing
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
+
+from stapo_megatron.recipes import paper
+
+RECIPES = ("tiny", *paper.LAYOUTS)
+"""Recipe names: the CPU demo (``recipes/tiny.py``) and the paper's sizes (``recipes/paper.py``)."""
+
+SECTIONS = ("model", "data", "rollout", "loss", "optim", "warmstart")
+"""Config sections that take nested ``section.field=value`` overrides."""
+
+Value = Optional[Union[bool, int, float, str]]
+"""What one ``key=value`` override can be (NeMo-Run parses the text with this type)."""
+
+TINY_MODEL_WAIT_S = 600.0
+"""How long non-zero local ranks wait for local rank 0 to write the tiny model folder."""
+
+
+def section(**fields: Value) -> Dict[str, Value]:
+    """The ``section.field=value`` overrides of one config section, as a dict (a launch task
+    holds ``run.Config(section)`` per section for NeMo-Run to set attributes on)."""
+    return dict(fields)
+
+
+def _check_type(where: str, value: Any, annotation: Any) -> Any:
+    """``value`` for a simple field type (int/float/bool/str, Optional), else ValueError.
+
+    A number given for a str field becomes its text (the command line cannot tell them apart).
+    """
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Union:
+        if value is None and type(None) in args:
+            return value
+        inner = [a for a in args if a is not type(None)]
+        annotation = inner[0] if len(inner) == 1 else None
+    ok = {
+        bool: lambda v: isinstance(v, bool),
+        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        str: lambda v: isinstance(v, str),
+    }.get(annotation)
+    if annotation is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if ok is not None and not ok(value):
+        raise ValueError(f"override {where}={value!r}: expected {annotation.__name__}, got {type(value).__name__}")
+    return value
+
+
+def apply_overrides(obj: Any, overrides: Mapping[str, Any], prefix: str = "") -> Any:
+    """A copy of dataclass ``obj`` with ``overrides`` applied (dotted keys or nested dicts).
+
+    Raises ValueError for an unknown field (listing the valid ones) or a value of the wrong
+    type for an int/float/bool/str field; the dataclasses' own checks (``__post_init__``) run.
+    """
+    hints = typing.get_type_hints(type(obj))
+    names = [f.name for f in dataclasses.fields(obj)]
+    changes: Dict[str, Any] = {}
+    for key, value in overrides.items():
+        head, _, rest = key.partition(".")
+        if head not in names:
+            raise ValueError(
+                f"unknown override {prefix}{head}: {type(obj).__name__} has no field {head!r} "
+                f"(fields: {', '.join(names)})"
+            )
+        current = changes.get(head, getattr(obj, head))
+        if rest:
+            value = {rest: value}
+        if dataclasses.is_dataclass(current) and isinstance(value, Mapping):
+            value = apply_overrides(current, value, f"{prefix}{head}.")
+        else:
+            value = _check_type(f"{prefix}{head}", value, hints[head])
+        changes[head] = value
+    return dataclasses.replace(obj, **changes)
+
+
+def build_config(
+    recipe: str,
+    method: str = "stapo",
+    output_dir: Optional[str] = None,
+    check_paths: bool = True,
+    num_nodes: Optional[int] = None,
+    gpus_per_node: Optional[int] = None,
+    **overrides: Any,
+) -> Tuple[Any, Optional[Any]]:
+    """The (TrainerConfig, WarmStartConfig or None) of a recipe with overrides applied.
+
+    Args:
+        recipe: one of `RECIPES`.
+        method: stapo | grpo | entropy20 | random.
+        output_dir: the run directory (TrainerConfig.run_dir; ``run_dir=`` itself cannot be
+            given on NeMo-Run's command line, where every ``run*`` key belongs to NeMo-Run).
+        check_paths: paper recipes: require the model and data paths (False for a dry run).
+        num_nodes, gpus_per_node: paper recipes: the job's GPUs, to check the layout against
+            (default: the recipe's own `paper.Layout`).
+        overrides: TrainerConfig fields; the `SECTIONS` as dicts (None or {} = unchanged).
+    Raises:
+        ValueError: unknown recipe, method, field or value type; for paper recipes every
+            inconsistency of the parallel layout and (with ``check_paths``) missing paths.
+    """
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
+    if method not in paper.METHODS:
+        raise ValueError(f"method must be one of {paper.METHODS}, got {method!r}")
+    sections = {name: overrides.pop(name) or {} for name in SECTIONS if name in overrides}
+    warmstart_overrides = sections.pop("warmstart", {})
+    if recipe == "tiny":
+        from stapo_megatron.recipes.tiny import tiny_demo
+
+        cfg, warmstart = tiny_demo(run_dir=output_dir or "runs/demo", method=method)
+    else:
+        cfg, warmstart = paper.paper_recipe(recipe, method, run_dir=output_dir), None
+    cfg = apply_overrides(cfg, {**overrides, **sections})
+    if warmstart_overrides:
+        if warmstart is None:
+            raise ValueError(f"recipe {recipe} has no warm-start; drop the warmstart.* overrides")
+        warmstart = apply_overrides(warmstart, warmstart_overrides, "warmstart.")
+    if recipe != "tiny":
+        paper.check_paper_config(recipe, cfg, num_nodes, gpus_per_node, check_paths)
+    return cfg, warmstart
+
+
+def _prepare_tiny_model(model_dir: str) -> None:
+    """Local rank 0 writes the tiny model folder (atomically); the other ranks wait for it."""
+    from stapo_megatron.recipes.tiny import prepare_tiny_model
+
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        prepare_tiny_model(model_dir)
+        return
+    deadline = time.monotonic() + TINY_MODEL_WAIT_S
+    while not os.path.exists(os.path.join(model_dir, "config.json")):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"local rank 0 did not write {model_dir} within {TINY_MODEL_WAIT_S:.0f} s")
+        time.sleep(0.5)
+
+
+def run_recipe(
+    recipe: str = "tiny",
+    method: str = "stapo",
+    output_dir: Optional[str] = None,
+    model: Optional[Dict[str, Value]] = None,
+    data: Optional[Dict[str, Value]] = None,
+    rollout: Optional[Dict[str, Value]] = None,
+    loss: Optional[Dict[str, Value]] = None,
+    optim: Optional[Dict[str, Value]] = None,
+    warmstart: Optional[Dict[str, Value]] = None,
+    **overrides: Value,
+) -> None:
+    """Train one recipe in this worker process (one per GPU / CPU rank, under torchrun).
+
+    The tiny recipe first prepares its model folder (``<output_dir>/model``) on local rank 0.
+    Arguments as in `build_config`; ``model`` ... ``warmstart`` are the section overrides.
+    """
+    # torchrun's environment: the layout check uses the GPUs this job really has
+    world, per_node = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    cfg, warmstart_cfg = build_config(
+        recipe, method, output_dir, num_nodes=world // per_node, gpus_per_node=per_node, model=model, data=data, rollout=rollout,
+        loss=loss, optim=optim, warmstart=warmstart, **overrides,
+    )
+    if recipe == "tiny":
+        _prepare_tiny_model(cfg.model.hf_dir)
+    from stapo_megatron.trainer import train
+
+    train(cfg, warmstart_cfg)

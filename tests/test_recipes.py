@@ -1,0 +1,149 @@
+"""The paper recipes (stapo_megatron/recipes/paper.py) and the launch overrides (launch/entry.py).
+
+Tier a: pure configuration, no processes. Each recipe must be internally consistent on its
+layout, fit the 80 GB memory estimate, and a bad override must fail with a message naming it.
+"""
+
+import dataclasses
+
+import pytest
+
+from stapo_megatron.launch.entry import build_config
+from stapo_megatron.recipes import paper
+from stapo_megatron.recipes.tiny import tiny_demo
+
+SIZES = sorted(paper.LAYOUTS)
+PATHS = {"model": {"hf_dir": "/m/hf", "megatron_ckpt": "/m/ckpt"},
+         "data": {"train_path": "/d/dapo.parquet", "eval_path": "/d/eval.jsonl"}}
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_recipe_is_consistent_with_its_layout(size):
+    spec, layout, cfg = paper.ARCHITECTURES[size], paper.LAYOUTS[size], paper.paper_recipe(size)
+    tp, pp = cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size
+    cp = 1  # the STAPO loss path keeps whole sequences per rank (module docstring)
+    dp, vtp = layout.data_parallel_size, cfg.rollout.tensor_parallel_size
+    assert (tp, pp, vtp) == (layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
+                             layout.vllm_tensor_parallel_size)
+    assert spec.num_attention_heads % tp == 0 and spec.num_query_groups % tp == 0
+    assert spec.num_layers % pp == 0
+    assert layout.world_size == tp * pp * dp * cp
+    assert cfg.prompts_per_step % cfg.minibatch_prompts == 0
+    assert cfg.minibatch_prompts % dp == 0
+    assert (cfg.minibatch_prompts * cfg.rollout.group_size) % (dp * cfg.micro_batch_size) == 0
+    assert layout.gpus_per_node % vtp == 0 and layout.world_size % vtp == 0 and tp % vtp == 0
+    assert cfg.model.sequence_parallel == (tp > 1)
+    assert cfg.model.recompute_granularity == "full"
+    assert paper.memory_estimate(spec, layout).total < paper.GPU_MEMORY_BYTES
+    assert paper.layout_problems(spec, layout, cfg) == []
+
+
+def test_14b_targets_8_nodes():
+    layout = paper.LAYOUTS["qwen3_14b"]
+    assert (layout.num_nodes, layout.gpus_per_node) == (8, 8)
+    assert layout.tensor_model_parallel_size in (4, 8) and layout.pipeline_model_parallel_size in (1, 2)
+    assert 2 <= layout.vllm_tensor_parallel_size <= 4
+
+
+@pytest.mark.parametrize("size, total, non_embedding", [
+    ("qwen3_1p7b", 1.7, 1.4), ("qwen3_8b", 8.2, 6.9), ("qwen3_14b", 14.8, 13.2)])
+def test_parameter_counts_match_the_model_cards(size, total, non_embedding):
+    spec = paper.ARCHITECTURES[size]
+    embeddings = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
+    # the model cards give one decimal (8B: 6.95B non-embedding)
+    assert round(paper.num_params(spec) / 1e9, 1) == total
+    assert round((paper.num_params(spec) - embeddings) / 1e9, 1) == non_embedding
+
+
+def test_memory_estimate_of_14b_by_hand():
+    spec, layout = paper.ARCHITECTURES["qwen3_14b"], paper.LAYOUTS["qwen3_14b"]  # TP=4, DP=16
+    est = paper.memory_estimate(spec, layout)
+    layer = 5120 * (5120 + 2 * 1024) + 5120 * 5120 + 3 * 5120 * 17408 + 2 * 5120 + 2 * 128
+    vocab = 152064  # 151936 padded to a multiple of 128 x TP
+    params = 40 * layer // 4 + 2 * vocab // 4 * 5120 + 5120  # untied: embedding + output layer
+    assert est.weights == 2 * params and est.grads == 4 * params
+    assert est.optimizer == pytest.approx(12 * params / 16)
+    tokens = 16384
+    assert est.logits == pytest.approx(tokens * vocab / 4 * 10 + 2 * (1 << 28))
+    kept = 2 * 5120 / 4 * tokens * 40
+    one_layer = 2 * (4 * 5120 / 4 + (2 * 5120 + 2 * 1024 + 3 * 17408) / 4) * tokens
+    assert est.activations == pytest.approx(kept + 2 * one_layer)
+    assert est.vllm == 0.4 * 80e9
+    assert est.vllm_kv_tokens == int((0.4 * 80e9 - 2 * paper.num_params(spec) / 4 - 2e9) / (2 * 40 * 1024 * 2 / 4))
+
+
+def test_justrl_hyperparameters():
+    cfg = paper.qwen3_14b()
+    assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.clip_grad, cfg.lr_warmup_steps) == (1e-6, 0.1, 1.0, 10)
+    assert cfg.optim.use_distributed_optimizer and cfg.model.bf16
+    assert (cfg.prompts_per_step, cfg.rollout.group_size, cfg.minibatch_prompts) == (256, 8, 64)
+    assert (cfg.data.max_prompt_len, cfg.rollout.max_response_len) == (1024, 15360)
+    assert (cfg.rollout.temperature, cfg.rollout.top_p, cfg.loss.temperature) == (1.0, 1.0, 1.0)
+    assert (cfg.loss.clip_ratio_low, cfg.loss.clip_ratio_high, cfg.loss.kl_coef) == (0.2, 0.28, 0.0)
+    assert (cfg.loss.method, cfg.loss.tau_p, cfg.loss.entropy_quantile) == ("stapo", 0.002, 0.75)
+
+
+@pytest.mark.parametrize("method, expected", [
+    ("stapo", dict(method="stapo", tau_p=0.002, entropy_quantile=0.75)),
+    ("grpo", dict(method="grpo")),
+    ("entropy20", dict(method="entropy20", entropy_top_fraction=0.2)),
+    ("random", dict(method="random", tau_p=0.002, entropy_quantile=0.75)),
+])
+def test_method_override_sets_only_the_loss(method, expected):
+    cfg, _ = build_config("qwen3_8b", method=method, check_paths=False)
+    for key, value in expected.items():
+        assert getattr(cfg.loss, key) == value
+    assert (cfg.loss.clip_ratio_low, cfg.loss.clip_ratio_high, cfg.loss.kl_coef) == (0.2, 0.28, 0.0)
+    base = paper.qwen3_8b(run_dir=cfg.run_dir)
+    assert dataclasses.replace(cfg, loss=base.loss) == base
+
+
+def test_tiny_recipe_is_the_demo():
+    assert build_config("tiny") == tiny_demo(run_dir="runs/demo", method="stapo")
+
+
+def test_overrides_reach_nested_fields():
+    cfg, warmstart = build_config("tiny", "grpo", "runs/x", steps=1, rollout={"max_response_len": 8},
+                                  warmstart={"steps": 2}, **{"optim.lr": 1e-4})
+    assert (cfg.run_dir, cfg.model.hf_dir, cfg.loss.method) == ("runs/x", "runs/x/model", "grpo")
+    assert (cfg.steps, cfg.rollout.max_response_len, cfg.optim.lr, warmstart.steps) == (1, 8, 1e-4, 2)
+    cfg, _ = build_config("qwen3_14b", model={"tensor_model_parallel_size": 8, **PATHS["model"]}, data=PATHS["data"])
+    assert cfg.model.tensor_model_parallel_size == 8 and cfg.data.train_path == "/d/dapo.parquet"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(stepz=1), "unknown override stepz: TrainerConfig has no field 'stepz'"),
+    (dict(rollout={"max_len": 8}), "unknown override rollout.max_len: RolloutSampling has no field 'max_len'"),
+    (dict(steps="many"), "override steps='many': expected int, got str"),
+    (dict(model={"bf16": 1}), "override model.bf16=1: expected bool, got int"),
+    (dict(loss={"method": "ppo"}), "method must be one of"),
+    (dict(method="ppo"), "method must be one of"),
+    (dict(recipe="qwen3_70b"), "recipe must be one of"),
+    (dict(warmstart={"steps": 3}), "recipe qwen3_14b has no warm-start"),
+    (dict(model={"tensor_model_parallel_size": 3}), "num_attention_heads 40 is not divisible by tensor_model_parallel_size 3"),
+    (dict(rollout={"tensor_parallel_size": 8}), "vLLM TP 8 must divide Megatron TP 4"),
+    (dict(rollout={"gpu_memory_utilization": 0.6}), "exceeds 80 GB"),
+    (dict(minibatch_prompts=48), "prompts_per_step 256 is not divisible by minibatch_prompts 48"),
+])
+def test_bad_override_fails_clearly(overrides, message):
+    kwargs = dict(recipe="qwen3_14b", check_paths=False)
+    kwargs.update(overrides)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        build_config(**kwargs)
+
+
+def test_missing_paths_are_named():
+    with pytest.raises(ValueError) as info:
+        build_config("qwen3_1p7b")
+    for field in ("model.hf_dir", "model.megatron_ckpt", "data.train_path", "data.eval_path"):
+        assert f"{field} is not set" in str(info.value)
+    build_config("qwen3_1p7b", **PATHS)  # complete
+
+
+def test_layout_is_checked_on_the_gpus_of_the_job():
+    build_config("qwen3_14b", check_paths=False, num_nodes=16, gpus_per_node=8)  # DP=32 fits
+    # one node: DP=2 shards the Adam states only twice (22 GB of optimizer state per GPU)
+    with pytest.raises(ValueError, match="exceeds 80 GB"):
+        build_config("qwen3_14b", check_paths=False, num_nodes=1, gpus_per_node=8)
+    with pytest.raises(ValueError, match="TP 4 must divide the 3 GPUs of a node"):
+        build_config("qwen3_14b", check_paths=False, num_nodes=4, gpus_per_node=3)
