@@ -159,6 +159,7 @@ class Trainer:
                 seed=self.cfg.seed,
                 # vLLM must run the dtype the trainer trains in, whatever the folder was saved in
                 dtype="bfloat16" if self.cfg.model.bf16 else "float32",
+                enable_sleep_mode=r.sleep_during_training and torch.cuda.is_available(),
             ),
         )
         self.scorer = RewardScorer(num_workers=1, timeout_s=self.cfg.reward_timeout_s)
@@ -249,6 +250,7 @@ class Trainer:
             texts = [s.text for group in samples for s in group]
             answers = [self.train_ex[i].answer for i in idx for _ in range(G)]
             rewards, reward_info = self.scorer.score(texts, answers)
+        self.engine.sleep()  # GPU: vLLM's memory goes to training until the weight sync
         rewards_PG = torch.tensor(rewards, dtype=torch.float32).view(len(idx), G)
         adv_PG, num_flat = group_advantages(rewards_PG)
         flat = [s for group in samples for s in group]
@@ -278,6 +280,7 @@ class Trainer:
             updates = [policy_update(self.model, self.optimizer, m, cfg.loss, groups, seq, s, self.vocab_size)
                        for m, s in zip(minis, old)]
         with timer("weight_sync"):
+            self.engine.wake_up()
             self._sync_weights()
         row = self._step_row(step, updates, rewards_PG, num_flat, flat, diff, reward_info)
         row.update(timer.seconds)
