@@ -81,6 +81,9 @@ class RolloutSampling:
     """vLLM's own TP."""
     gpu_memory_utilization: float = 0.5
     """vLLM's share of GPU memory (colocated with training; freed by sleep mode)."""
+    sleep_during_training: bool = True
+    """GPU: put vLLM to sleep (level 1: weights to host memory, KV cache freed) after each
+    rollout and wake it before the weight sync, so training gets the memory. No-op on CPU."""
 
 
 @dataclasses.dataclass
