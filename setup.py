@@ -38,12 +38,17 @@ setup(
         # source on clusters (NGC containers ship it); it cannot work without CUDA.
         "gpu": ["transformer-engine[pytorch]"],
         "rollout": ["vllm"],
-        "launch": ["nemo-run", "leptonai<0.47"],
+        # The `nemo-run` command (stapo_megatron/launch/). nemo-run 0.11 needs leptonai<0.47,
+        # whose pins conflict with vLLM's: next to vLLM, install as the Makefile does
+        # (requirements/launch-nodeps.txt with --no-deps, then requirements/launch.txt).
+        "launch": ["nemo-run==0.11.1", "leptonai<0.47"],
         "test": ["pytest>=8"],
     },
     entry_points={
         "console_scripts": [
             "stapo-convert=conversion.cli:main",
+            # nemo-run ships only `nemo` / `nemorun`; this is the launch-file runner.
+            "nemo-run=stapo_megatron.launch.cli:main",
         ],
     },
 )

@@ -27,8 +27,9 @@ RECIPES = ("tiny", *paper.LAYOUTS)
 SECTIONS = ("model", "data", "rollout", "loss", "optim", "warmstart")
 """Config sections that take nested ``section.field=value`` overrides."""
 
-Value = Optional[Union[bool, int, float, str]]
-"""What one ``key=value`` override can be (NeMo-Run parses the text with this type)."""
+Value = Optional[Union[int, float, bool, str]]
+"""What one ``key=value`` override can be: NeMo-Run parses the text as the first type that fits
+(int before bool, so `steps=1` is 1 and `bf16=true` is True)."""
 
 TINY_MODEL_WAIT_S = 600.0
 """How long non-zero local ranks wait for local rank 0 to write the tiny model folder."""

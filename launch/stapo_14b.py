@@ -1,0 +1,22 @@
+"""STAPO on Qwen3-14B-Base (the paper's recipe, `recipes/paper.py::qwen3_14b`) on Slurm.
+
+    nemo-run launch/stapo_14b.py --dryrun            # render the sbatch script, submit nothing
+    nemo-run launch/stapo_14b.py method=grpo model.hf_dir=... model.megatron_ckpt=... \
+        data.train_path=... data.eval_path=... output_dir=... run.executor.account=... --yes
+
+Cluster settings: run.executor.<field>=... or STAPO_* variables (stapo_megatron/launch/executors.py).
+"""
+
+import nemo_run as run
+
+from stapo_megatron.launch import entry, executors
+from stapo_megatron.recipes.paper import LAYOUTS
+
+if __name__ == "__main__":
+    layout = LAYOUTS["qwen3_14b"]
+    run.cli.main(
+        entry.run_recipe,
+        name="stapo_14b",
+        default_factory=lambda: executors.recipe_task("qwen3_14b"),
+        default_executor=executors.slurm_executor(layout.num_nodes, layout.gpus_per_node),
+    )

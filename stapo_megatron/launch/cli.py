@@ -1,0 +1,224 @@
+"""``nemo-run LAUNCH_FILE [key=value ...] [run.executor=NAME] [--dryrun] [--yes] ...``
+
+Runs a launch file (one that ends in ``run.cli.main(fn, ...)``) with NeMo-Run's own command
+line: the same ``key=value`` parsing, ``run.executor=NAME`` / ``run.executor.<field>=value``,
+``--dryrun``, ``--yes``, ``--detach``, ``--name``. (nemo-run itself installs only the ``nemo``
+and ``nemorun`` commands; this package provides ``nemo-run``.) What it adds:
+
+- the exit code: NeMo-Run 0.11.1 returns 0 when a job fails, and also when its CLI catches an
+  error; here a failed job (its state after the run) or an error exits non-zero, naming the
+  failed task and where its log is;
+- ``--dryrun`` also renders the scheduler request (the sbatch script, the torchrun command)
+  through ``Experiment.dryrun``, which writes files locally and never connects to a cluster;
+- ``run.executor.<field>=value`` also applies to the launch file's default executor (NeMo-Run
+  0.11.1 applies executor fields only together with ``run.executor=NAME``);
+- before a real submission, the task's recipe is built and checked (``entry.build_config``)
+  and a Slurm executor must have its account, image and job dir (``executors.check_submission``).
+"""
+
+import os
+import runpy
+import shutil
+import sys
+import time
+import warnings
+from typing import List, Optional
+
+# leptonai 0.27 (imported by nemo_run) imports fastapi's WSGI middleware, which starlette >= 1.0
+# deprecates with a warning on every start
+warnings.filterwarnings("ignore", message=".*starlette.middleware.wsgi is deprecated")
+
+import fiddle as fdl  # noqa: E402
+import typer  # noqa: E402
+
+import nemo_run as run  # noqa: E402
+from nemo_run.cli import api as cli_api  # noqa: E402
+from nemo_run.cli.cli_parser import parse_cli_args  # noqa: E402
+from nemo_run.config import get_nemorun_home  # noqa: E402
+from torchx.specs import AppState  # noqa: E402
+
+from stapo_megatron.launch import entry, executors  # noqa: E402
+
+FAILED_STATES = (AppState.FAILED, AppState.CANCELLED, AppState.UNKNOWN)
+"""Job states after a run that make the exit code non-zero (UNKNOWN: the state was lost)."""
+
+USAGE = __doc__.split("\n\n")[0]
+
+
+def load_entrypoint(path: str) -> "cli_api.Entrypoint":
+    """The entrypoint a launch file registers, without running it.
+
+    The file runs as ``__main__`` with ``LAZY_CLI=true``: NeMo-Run's ``run.cli.main`` then only
+    records its entrypoint (with the default executor / factory / plugins it was given) in
+    ``nemo_run.cli.api.MAIN_ENTRYPOINT``; NeMo-Run's own script loader works the same way.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"launch file {path} does not exist")
+    previous = os.environ.get("LAZY_CLI")
+    os.environ["LAZY_CLI"] = "true"
+    cli_api.MAIN_ENTRYPOINT = None
+    try:
+        runpy.run_path(path, run_name="__main__")
+    finally:
+        if previous is None:
+            os.environ.pop("LAZY_CLI")
+        else:
+            os.environ["LAZY_CLI"] = previous
+    if cli_api.MAIN_ENTRYPOINT is None:
+        raise ValueError(f"{path} does not call nemo_run.cli.main(fn, ...) under `if __name__ == '__main__':`")
+    return cli_api.MAIN_ENTRYPOINT
+
+
+def _split_executor_args(args: List[str]):
+    """(executor name or None, ``executor.*`` arguments without the prefix, the others)."""
+    name, fields, others = None, [], []
+    for arg in args:
+        if arg.startswith("executor="):
+            name = arg.split("=", 1)[1]
+        elif arg.startswith("executor."):
+            fields.append(arg[len("executor."):])
+        else:
+            others.append(arg)
+    return name, fields, others
+
+
+class CheckedRunContext(cli_api.RunContext):
+    """NeMo-Run's RunContext with the additions listed in the module docstring."""
+
+    def parse_args(self, args: List[str], lazy: bool = False):
+        name, fields, others = _split_executor_args(args)
+        default = getattr(self, "executor", None)
+        if name is None and fields and default is not None:
+            config = default.to_config() if isinstance(default, run.Executor) else default
+            self.executor = parse_cli_args(config, fields)
+            args = others
+        return super().parse_args(args, lazy)
+
+    def parse_fn(self, fn, args: List[str], **default_kwargs):
+        task = super().parse_fn(fn, args, **default_kwargs)
+        self.task = task
+        if not self.dryrun:
+            self._preflight(task)
+        return task
+
+    def _preflight(self, task) -> None:
+        """Fail before submitting: the recipe must build, a Slurm executor must be complete."""
+        problems = []
+        if self.executor is not None:
+            problems += executors.unset_settings(self.executor)
+        if getattr(task, "__fn_or_cls__", None) is entry.run_recipe:
+            kwargs = dict(fdl.build(task).keywords)
+            executor = self.executor
+            if isinstance(executor, run.SlurmExecutor):
+                kwargs.update(num_nodes=executor.nodes, gpus_per_node=executor.gpus_per_node)
+            elif isinstance(executor, run.LocalExecutor):
+                kwargs.update(num_nodes=executor.nodes, gpus_per_node=executor.ntasks_per_node)
+            try:
+                entry.build_config(**kwargs)
+            except ValueError as e:
+                problems.append(str(e))
+        if problems:
+            raise cli_api.RunContextError("not launched:\n- " + "\n- ".join(problems))
+
+    def cli_execute(self, fn, args: List[str], entrypoint_type: str = "task"):
+        started_ns = time.time_ns()
+        super().cli_execute(fn, args, entrypoint_type)
+        if self.dryrun:
+            if entrypoint_type == "task" and self.executor is not None:
+                render_dryrun(self.task, self.executor, self.name)
+            return
+        failures = failed_jobs(started_ns)
+        if failures:
+            raise cli_api.RunContextError("\n".join(failures))
+
+
+def render_dryrun(task, executor, name: str) -> None:
+    """Print what a launch would submit: NeMo-Run's dry-run log (the torchrun command of a
+    local job) or, for Slurm, the sbatch script itself, unwrapped. Nothing is contacted: the
+    experiment folder is prepared locally and removed again."""
+    is_slurm = isinstance(executor, run.SlurmExecutor)
+    with run.Experiment(title=name, executor=executor, enable_goodbye_message=False) as experiment:
+        experiment.add(task, name=name)
+        experiment.dryrun(log=not is_slurm, delete_exp_dir=False)
+        folders = set()
+        for job in experiment.jobs:
+            folders.add(job.executor.experiment_dir)
+            if isinstance(job.executor, run.SlurmExecutor):
+                path = os.path.join(job.executor.experiment_dir, f"{job.executor.job_name}_sbatch.sh")
+                with open(path) as f:
+                    print(f"# ---- sbatch script of task {job.id} (dry run; submitted with "
+                          f"sbatch --requeue --parsable) ----\n{f.read()}", flush=True)
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _new_experiment_ids(started_ns: int) -> List[str]:
+    """Experiments created under NEMORUN_HOME since ``started_ns`` (ids end in time_ns())."""
+    root = os.path.join(get_nemorun_home(), "experiments")
+    ids = []
+    for title in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        for exp_id in sorted(os.listdir(os.path.join(root, title))):
+            stamp = exp_id.rpartition("_")[2]
+            if stamp.isdigit() and int(stamp) >= started_ns:
+                ids.append(exp_id)
+    return ids
+
+
+def _log_files(directory: str) -> List[str]:
+    """A local job's logs: torchx's combined stdout+stderr per role replica if present."""
+    found = []
+    for dirpath, _, files in os.walk(directory):
+        found += [os.path.join(dirpath, f) for f in files if f.endswith((".log", ".out"))]
+    combined = [f for f in found if os.path.basename(f) == "combined.log"]
+    return sorted(combined or found)
+
+
+def failed_jobs(started_ns: int) -> List[str]:
+    """One message per job of the experiments this command started that did not succeed."""
+    failures = []
+    for exp_id in _new_experiment_ids(started_ns):
+        experiment = run.Experiment.from_id(exp_id)
+        for name, job in (experiment.status(return_dict=True) or {}).items():
+            if job["status"] in FAILED_STATES:
+                where = job.get("remote_dir") or job["local_dir"]
+                logs = _log_files(job["local_dir"]) if not job.get("remote_dir") else []
+                failures.append(
+                    f"task {name} of experiment {exp_id} ended {job['status'].name}; "
+                    f"logs: {', '.join(logs) or where}"
+                )
+    return failures
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Console entry point; returns the exit code (0 only if every job succeeded)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    path, args = argv[0], argv[1:]
+    # local jobs start `torchrun` / `python` through PATH: use this environment's (.venv/bin),
+    # also when the venv is not activated (`make demo` calls .venv/bin/nemo-run)
+    os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    try:
+        ep = load_entrypoint(path)
+    except (OSError, ValueError) as e:
+        print(f"nemo-run: {e}", file=sys.stderr)
+        return 2
+    app = typer.Typer(pretty_exceptions_enable=False)
+    CheckedRunContext.cli_command(
+        app, ep.name, ep.fn, default_factory=ep.default_factory, default_executor=ep.default_executor,
+        default_plugins=ep.default_plugins, type=ep.type, is_main=True,
+    )
+    try:
+        code = app(args=args, prog_name=f"nemo-run {path}", standalone_mode=False)
+    except (typer.Abort, KeyboardInterrupt):
+        print("nemo-run: aborted", file=sys.stderr)
+        return 130
+    except Exception as e:  # click's usage errors, which standalone mode would print
+        print(f"nemo-run: {e}", file=sys.stderr)
+        return 2
+    return code if isinstance(code, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
