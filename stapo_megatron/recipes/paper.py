@@ -75,8 +75,10 @@ class Layout:
     """vLLM's own TP. It divides the Megatron TP so a vLLM engine never spans two DP ranks
     (which get different prompts); equal to it, each model-parallel group runs one engine."""
     vllm_gpu_memory_utilization: float
-    """vLLM's fraction of the GPU (weights + KV cache), held for the whole run: the trainer
-    does not put vLLM to sleep during the update."""
+    """vLLM's fraction of the GPU (weights + KV cache). Counted on top of all training memory:
+    vLLM sleeps during the update (``RolloutSampling.sleep_during_training``), but when it wakes
+    for the weight sync and the next rollout, PyTorch's caching allocator still holds the freed
+    activations and logits (nothing empties the cache), so the peak is the sum."""
     gpus_per_node: int = 8
     """GPUs per node."""
     micro_batch_size: int = 1
@@ -147,7 +149,7 @@ class MemoryEstimate:
     overhead: float
     """`FRAMEWORK_OVERHEAD_BYTES`."""
     vllm: float
-    """vLLM's colocated share: ``vllm_gpu_memory_utilization`` x the GPU."""
+    """vLLM's colocated share: ``vllm_gpu_memory_utilization`` x the GPU (see `Layout`)."""
     vllm_kv_tokens: int
     """Tokens of KV cache one vLLM rank holds after its weights and runtime."""
 
@@ -158,7 +160,7 @@ class MemoryEstimate:
 
     @property
     def total(self) -> float:
-        """Peak bytes per GPU (vLLM's share is resident during training)."""
+        """Peak bytes per GPU: training plus vLLM's share (`Layout.vllm_gpu_memory_utilization`)."""
         return self.training + self.vllm
 
     def as_gb(self) -> Dict[str, float]:
@@ -203,7 +205,8 @@ def memory_estimate(spec: QwenSpec, layout: Layout, seq_len: int = SEQ_LEN,
     ``seq_len`` tokens, full recomputation of every layer (uniform, 1 layer per group) with
     sequence parallelism (activations split over TP), flash attention (no s x s scores), 1F1B
     pipelining (the first stage keeps PP micro-batches in flight: L layer inputs in total),
-    the STAPO loss on vocabulary-sharded logits, and vLLM holding its whole share.
+    the STAPO loss on vocabulary-sharded logits, and vLLM's whole share on top (it sleeps during
+    the update, but wakes while PyTorch's cache still holds the training memory).
 
     Returns the components of `MemoryEstimate`; `MemoryEstimate.total` must stay below
     ``gpu_bytes``.
