@@ -51,6 +51,9 @@ class DataConfig:
     """JSONL/parquet with `prompt` and `answer` (or DAPO-Math-17k's layout); None = generate."""
     eval_path: Optional[str] = None
     """Held-out JSONL/parquet; None = generate."""
+    dedupe: bool = False
+    """Keep one copy of repeated training problems (the published DAPO-Math-17k parquet repeats
+    each problem about 100 times)."""
     reasoning_gym_task: str = "basic_arithmetic"
     """reasoning-gym task used when no paths are given (offline generator)."""
     reasoning_gym_kwargs: dict = dataclasses.field(default_factory=dict)

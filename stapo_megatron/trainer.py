@@ -53,6 +53,22 @@ def _pad_to(n: int, multiple: int = 8) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
+def _memory_settings(cfg: TrainerConfig) -> Dict:
+    """ModelConfig's sequence parallelism / recomputation as Megatron TransformerConfig fields."""
+    m = cfg.model
+    out = {}
+    if m.sequence_parallel:
+        if m.tensor_model_parallel_size < 2:
+            raise ValueError("model.sequence_parallel needs tensor_model_parallel_size > 1")
+        out["sequence_parallel"] = True
+    if m.recompute_granularity:
+        out["recompute_granularity"] = m.recompute_granularity
+        if m.recompute_granularity == "full":
+            out["recompute_method"] = m.recompute_method or "uniform"
+            out["recompute_num_layers"] = m.recompute_num_layers or 1
+    return out
+
+
 def _reduce_from_last_stage(values: torch.Tensor, groups: Groups) -> torch.Tensor:
     """Sum a last-stage tensor over DP, then broadcast it over PP: the same on every rank."""
     if groups.is_last_stage and groups.dp is not None:
@@ -83,7 +99,7 @@ def _load_data(cfg: TrainerConfig, tokenizer):
     from stapo_megatron import data
 
     if cfg.data.train_path:
-        train = data.load_examples(cfg.data.train_path)
+        train = data.load_examples(cfg.data.train_path, dedupe=cfg.data.dedupe)
         if not cfg.data.eval_path:
             raise ValueError("data.train_path is set but data.eval_path is not: give a held-out file")
         held_out = data.load_examples(cfg.data.eval_path)
@@ -131,7 +147,10 @@ class Trainer:
             params_dtype=torch.bfloat16 if cfg.model.bf16 else torch.float32,
             calculate_per_token_loss=True,
             bf16=cfg.model.bf16,
+            **_memory_settings(cfg),
         )
+        # sequence parallelism splits the sequence over TP: pad lengths to a multiple of it
+        self.seq_multiple = math.lcm(8, cfg.model.tensor_model_parallel_size if cfg.model.sequence_parallel else 1)
         if cfg.model.megatron_ckpt:
             load_checkpoint(model, cfg.model.megatron_ckpt)
         # the output layer is padded to a multiple of 128 x TP; the softmax must not see it
@@ -227,7 +246,7 @@ class Trainer:
                                       add_special_tokens=False) + [eos]
                 for i in idx
             ]
-            seq = _pad_to(max(len(p) + len(t) for p, t in zip(prompts, targets)))
+            seq = _pad_to(max(len(p) + len(t) for p, t in zip(prompts, targets)), self.seq_multiple)
             batch = pack_sequences(prompts, targets, [0.0] * len(idx), [[0.0] * len(t) for t in targets],
                                    self.tokenizer.pad_token_id, seq)
             mbs = split_microbatches(batch, self.cfg.micro_batch_size, seed=step)
@@ -254,7 +273,7 @@ class Trainer:
         rewards_PG = torch.tensor(rewards, dtype=torch.float32).view(len(idx), G)
         adv_PG, num_flat = group_advantages(rewards_PG)
         flat = [s for group in samples for s in group]
-        seq = _pad_to(max(len(prompts[i // G]) + len(s.token_ids) for i, s in enumerate(flat)))
+        seq = _pad_to(max(len(prompts[i // G]) + len(s.token_ids) for i, s in enumerate(flat)), self.seq_multiple)
         batch = pack_sequences(
             [prompts[i // G] for i in range(len(flat))], [s.token_ids for s in flat],
             adv_PG.reshape(-1).tolist(), [s.logprobs for s in flat], self.tokenizer.pad_token_id, seq,
@@ -280,6 +299,8 @@ class Trainer:
             updates = [policy_update(self.model, self.optimizer, m, cfg.loss, groups, seq, s, self.vocab_size)
                        for m, s in zip(minis, old)]
         with timer("weight_sync"):
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # hand PyTorch's cached training memory back for vLLM
             self.engine.wake_up()
             self._sync_weights()
         row = self._step_row(step, updates, rewards_PG, num_flat, flat, diff, reward_info)

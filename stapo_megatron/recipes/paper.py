@@ -75,10 +75,10 @@ class Layout:
     """vLLM's own TP. It divides the Megatron TP so a vLLM engine never spans two DP ranks
     (which get different prompts); equal to it, each model-parallel group runs one engine."""
     vllm_gpu_memory_utilization: float
-    """vLLM's fraction of the GPU (weights + KV cache). Counted on top of all training memory:
-    vLLM sleeps during the update (``RolloutSampling.sleep_during_training``), but when it wakes
-    for the weight sync and the next rollout, PyTorch's caching allocator still holds the freed
-    activations and logits (nothing empties the cache), so the peak is the sum."""
+    """vLLM's fraction of the GPU (weights + KV cache). Counted on top of all training memory, an
+    upper bound: vLLM sleeps during the update (``RolloutSampling.sleep_during_training``) and
+    the trainer empties PyTorch's cache before waking it, so the real peak is nearer
+    max(training, persistent state + vLLM); the sum is the margin for fragmentation."""
     gpus_per_node: int = 8
     """GPUs per node."""
     micro_batch_size: int = 1
@@ -287,7 +287,7 @@ def paper_recipe(size: str, method: str = "stapo", run_dir: Optional[str] = None
             recompute_method=layout.recompute_method,
             recompute_num_layers=layout.recompute_num_layers,
         ),
-        data=DataConfig(max_prompt_len=MAX_PROMPT_LEN, use_chat_template=True),
+        data=DataConfig(max_prompt_len=MAX_PROMPT_LEN, use_chat_template=True, dedupe=True),
         rollout=RolloutSampling(
             group_size=8, temperature=1.0, top_p=1.0, max_response_len=MAX_RESPONSE_LEN,
             tensor_parallel_size=layout.vllm_tensor_parallel_size,
