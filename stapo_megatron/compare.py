@@ -1,6 +1,7 @@
 """Method comparison at CPU scale: stapo vs grpo, entropy20 and random, several seeds each.
 
-    .venv/bin/python -m stapo_megatron.compare --out runs/compare            # the whole comparison
+    nemo-run launch/compare_tiny.py --yes                                    # = make compare
+    .venv/bin/python -m stapo_megatron.compare --out runs/compare            # the same, without NeMo-Run
     .venv/bin/python -m stapo_megatron.compare --out runs/compare --summarize-only
 
 For every seed, one supervised warm-start (``tiny_compare``'s WarmStartConfig) is trained once and
@@ -16,7 +17,6 @@ t-tests of stapo against each baseline) and ``<out>/curves.png`` (held-out accur
 per step, mean over seeds with a min-max band per method).
 """
 
-from __future__ import annotations
 
 import argparse
 import dataclasses
@@ -231,6 +231,25 @@ def _plot(out: str, runs, methods, seeds) -> None:
     fig.tight_layout()
     fig.savefig(os.path.join(out, "curves.png"), dpi=110)
     plt.close(fig)
+
+
+def compare_tiny(output_dir: str = "runs/compare", seeds: List[int] = [0, 1, 2],  # noqa: B006
+                 methods: List[str] = list(METHODS), steps: int = 0, nproc: int = 2) -> str:  # noqa: B006
+    """The whole comparison (runs, then summary); the NeMo-Run task of ``launch/compare_tiny.py``.
+
+    ``steps`` = 0 takes the recipe's (``tiny_compare``). Plain types only: NeMo-Run's CLI
+    parses ``key=value`` by annotation and does not take Optional/Sequence.
+    """
+    from stapo_megatron.recipes.tiny import tiny_compare
+
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise ValueError(f"unknown methods {bad}; choose from {METHODS}")
+    steps = steps or tiny_compare()[0].steps
+    run_comparison(output_dir, list(seeds), list(methods), steps, nproc)
+    text = summarize(output_dir, list(seeds), list(methods))
+    print(text, flush=True)
+    return text
 
 
 def main(argv=None) -> None:

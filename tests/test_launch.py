@@ -134,6 +134,15 @@ def test_tiny_dryrun_shows_the_torchrun_command(tmp_path):
     assert re.search(r"│ recipe\s+│ 'tiny'\s+│", out) and re.search(r"│ steps\s+│ 1\s+│", out)
 
 
+def test_compare_dryrun_resolves_its_arguments(tmp_path):
+    code, out = nemo_run(tmp_path, "launch/compare_tiny.py", "--dryrun", "steps=5", "seeds=[0,1]")
+    assert code == 0, out
+    assert re.search(r"│ steps\s+│ 5\s+│", out) and re.search(r"│ seeds\s+│ \[0, 1\]\s+│", out), out
+    # one driver process (it starts each run's torchrun itself), output next to the checkout
+    assert "launcher=None" in out and "ntasks_per_node=1" in out
+    assert re.search(rf"│ output_dir\s+│ '{re.escape(REPO)}/runs/compare'", out), out
+
+
 LAUNCH_MAKEDIRS = """
 import os
 

@@ -1,0 +1,25 @@
+"""The method comparison at CPU scale: stapo, grpo, entropy20 and random, 3 seeds each.
+
+    nemo-run launch/compare_tiny.py --yes                        # = make compare; writes runs/compare
+    nemo-run launch/compare_tiny.py seeds=[0,1] steps=10 output_dir=runs/compare-small --yes
+    nemo-run launch/compare_tiny.py --dryrun
+
+One local process drives the comparison (`stapo_megatron.compare.compare_tiny`); it starts each
+run as its own 2-process torchrun job and writes summary.md and curves.png at the end.
+"""
+
+import os
+
+import nemo_run as run
+
+from stapo_megatron import compare
+from stapo_megatron.launch import executors
+
+if __name__ == "__main__":
+    run.cli.main(
+        compare.compare_tiny,
+        name="compare_tiny",
+        # relative to where nemo-run is started, whatever directory the job runs in
+        default_factory=lambda: run.Partial(compare.compare_tiny, output_dir=os.path.abspath("runs/compare")),
+        default_executor=run.Config(run.LocalExecutor, env_vars=dict(executors.LOCAL_ENV)),
+    )
