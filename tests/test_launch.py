@@ -18,6 +18,8 @@ NEMO_RUN = os.path.join(os.path.dirname(sys.executable), "nemo-run")
 ID = r"\d+"  # NeMo-Run experiment ids end in time.time_ns()
 
 pytest.importorskip("nemo_run")
+# every test starts the `nemo-run` command (10-30 s of imports each): the slow tier
+pytestmark = pytest.mark.slow
 
 
 def nemo_run(tmp_path, *args, env=None, timeout=300):
@@ -153,7 +155,6 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.slow
 def test_exit_code_follows_the_local_job(tmp_path):
     """A real local job (os.makedirs in a worker process): 0 when it succeeds, 1 with the
     failed task and its log named when it raises."""
