@@ -13,8 +13,9 @@ already reach the last step is skipped, so an interrupted comparison continues w
 
 ``summarize`` writes ``<out>/summary.md`` (mean +- std over seeds of the final held-out accuracy,
 the accuracy gain over the warm-start, the final entropy, the silenced fraction; Welch and paired
-t-tests of stapo against each baseline) and ``<out>/curves.png`` (held-out accuracy and entropy
-per step, mean over seeds with a min-max band per method).
+t-tests of stapo against each baseline) and ``<out>/curves.png`` (held-out accuracy gain over
+each seed's warm-start, entropy and train reward per step, mean over seeds with a min-max band
+per method).
 """
 
 
@@ -211,10 +212,13 @@ def _plot(out: str, runs, methods, seeds) -> None:
     import numpy as np
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    panels = (("eval", "eval_accuracy", "held-out accuracy"), ("train", "entropy_mean", "token entropy"),
-              ("train", "reward_mean", "train reward"))
+    # accuracy as the gain over each seed's own warm-start: the warm-starts differ more between
+    # seeds than the methods do, and a band of raw accuracies would only show that
+    panels = (("eval", "eval_accuracy", "held-out acc. gain over step 0"),
+              ("train", "entropy_mean", "token entropy"), ("train", "reward_mean", "train reward"))
+    styles = ("-", "--", "-.", ":")
     for ax, (kind, key, title) in zip(axes, panels):
-        for m in methods:
+        for style, m in zip(styles * len(methods), methods):
             curves = [[(r["step"], r[key]) for r in runs[m, s] if r.get("kind") == kind]
                       for s in seeds if (m, s) in runs]
             if not curves:
@@ -222,9 +226,11 @@ def _plot(out: str, runs, methods, seeds) -> None:
             n = min(len(c) for c in curves)
             steps = np.array([p[0] for p in curves[0][:n]])
             ys = np.array([[p[1] for p in c[:n]] for c in curves], dtype=float)
-            line, = ax.plot(steps, ys.mean(0), label=f"{m} (n={len(curves)})")
+            if kind == "eval":
+                ys = ys - ys[:, :1]
+            line, = ax.plot(steps, ys.mean(0), style, lw=1.8, label=f"{m} (n={len(curves)})")
             ax.fill_between(steps, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.2)
-        ax.set_title(f"{title} (mean over seeds, band = min-max)")
+        ax.set_title(f"{title}\n(mean over seeds, band = min-max)", fontsize=10)
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)
         ax.legend()
