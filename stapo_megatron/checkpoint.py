@@ -112,9 +112,9 @@ def save_model_only(model, path: str) -> str:
 
     path = path.rstrip("/")
     tmp = os.path.join(os.path.dirname(path) or ".", f".tmp_{os.path.basename(path)}")
+    if os.path.exists(path):  # checked on every rank (before any collective), so none is left waiting
+        raise FileExistsError(f"{path} exists; not overwriting a saved model")
     if _rank() == 0:
-        if os.path.exists(path):
-            raise FileExistsError(f"{path} exists; not overwriting a saved model")
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier()

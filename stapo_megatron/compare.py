@@ -24,6 +24,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -102,6 +103,11 @@ def run_comparison(out: str, seeds: Sequence[int], methods: Sequence[str], steps
         if _finished(run_dir, steps):
             print(f"[compare] {method} seed {seed}: finished earlier, skipped", flush=True)
             continue
+        if os.path.exists(run_dir):
+            # an interrupted run (no checkpoints) restarts from scratch: its metrics.jsonl would
+            # otherwise collect the rows of both attempts
+            print(f"[compare] {method} seed {seed}: unfinished run from earlier, restarting", flush=True)
+            shutil.rmtree(run_dir)
         t0 = time.time()
         print(f"[compare] run {k + 1}/{len(jobs)}: {method} seed {seed}", flush=True)
         _torchrun(nproc, ["--method", method, "--seed", str(seed), "--init", os.path.join(out, f"warmstart_seed{seed}"),

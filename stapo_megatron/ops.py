@@ -142,6 +142,30 @@ class _LogprobEntropy(torch.autograd.Function):
         return grad_NV, None, None, None, None, None
 
 
+def vocab_shard(vocab_local: int, tp_group: Optional[dist.ProcessGroup], vocab_size: Optional[int]):
+    """This TP rank's place in a vocabulary-sharded output layer.
+
+    Returns (tp_group or None when TP = 1, tp_size, tp_rank, real vocabulary size, number of
+    real (non-padding) entries in this rank's shard). Raises if the shard holds only padding.
+    """
+    tp_size, tp_rank = 1, 0
+    if tp_group is not None:
+        tp_size, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+        if tp_size == 1:
+            tp_group = None
+    total = vocab_local * tp_size
+    vocab_size = total if vocab_size is None else vocab_size
+    if not 0 < vocab_size <= total:
+        raise ValueError(f"vocab_size {vocab_size} must be in [1, {total}] (V_local {vocab_local} x TP {tp_size})")
+    num_real = min(vocab_local, vocab_size - tp_rank * vocab_local)
+    if num_real <= 0:
+        raise ValueError(
+            f"TP rank {tp_rank} holds only padding (vocab_size {vocab_size}, V_local {vocab_local}); "
+            "reduce make_vocab_size_divisible_by"
+        )
+    return tp_group, tp_size, tp_rank, vocab_size, num_real
+
+
 def vocab_parallel_logprob_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -177,21 +201,7 @@ def vocab_parallel_logprob_entropy(
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     vocab_local = logits.shape[-1]
-    tp_size, tp_rank = 1, 0
-    if tp_group is not None:
-        tp_size, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
-        if tp_size == 1:
-            tp_group = None
-    total = vocab_local * tp_size
-    vocab_size = total if vocab_size is None else vocab_size
-    if not 0 < vocab_size <= total:
-        raise ValueError(f"vocab_size {vocab_size} must be in [1, {total}] (V_local {vocab_local} x TP {tp_size})")
-    num_real = min(vocab_local, vocab_size - tp_rank * vocab_local)
-    if num_real <= 0:
-        raise ValueError(
-            f"TP rank {tp_rank} holds only padding (vocab_size {vocab_size}, V_local {vocab_local}); "
-            "reduce make_vocab_size_divisible_by"
-        )
+    tp_group, tp_size, tp_rank, vocab_size, num_real = vocab_shard(vocab_local, tp_group, vocab_size)
     if target.numel() and (int(target.min()) < 0 or int(target.max()) >= vocab_size):
         raise ValueError(
             f"target ids must lie in [0, {vocab_size}) (V_local {vocab_local} x TP {tp_size}, "

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from stapo_megatron.loss import run_microbatches
-from stapo_megatron.ops import vocab_parallel_logprob_entropy
+from stapo_megatron.ops import vocab_parallel_logprob_entropy, vocab_shard
 
 
 def uniform_cross_entropy(logits: torch.Tensor, tp_group=None, vocab_size: Optional[int] = None) -> torch.Tensor:
@@ -28,11 +28,7 @@ def uniform_cross_entropy(logits: torch.Tensor, tp_group=None, vocab_size: Optio
     """
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-    vocab_local = logits.shape[-1]
-    tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
-    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
-    vocab_size = vocab_local * tp_size if vocab_size is None else vocab_size
-    num_real = max(0, min(vocab_local, vocab_size - tp_rank * vocab_local))
+    tp_group, tp_size, _, vocab_size, num_real = vocab_shard(logits.shape[-1], tp_group, vocab_size)
     z = logits[..., :num_real].float()
     m = z.detach().amax(-1, keepdim=True)
     if tp_size > 1:

@@ -164,3 +164,13 @@ def test_memory_settings_reach_megatron_transformer_config():
     bad = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, tensor_model_parallel_size=1))
     with pytest.raises(ValueError, match="sequence_parallel needs tensor_model_parallel_size > 1"):
         _memory_settings(bad)
+
+
+def test_prepare_tiny_model_refuses_a_foreign_folder(tmp_path):
+    from stapo_megatron.recipes.tiny import prepare_tiny_model
+
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="no config.json"):
+        prepare_tiny_model(str(tmp_path))
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+    assert not list(tmp_path.parent.glob(f"{tmp_path.name}.tmp-*")), "no temporary folder left behind"

@@ -86,6 +86,9 @@ def prepare_tiny_model(out_dir: str) -> None:
     if os.path.exists(os.path.join(out_dir, "config.json")):
         print(f"{out_dir} exists; keeping it")
         return
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise FileExistsError(f"{out_dir} is not empty but has no config.json: not a model folder; "
+                              "remove it or choose another path")
     # written to a temporary sibling and renamed: a half-written folder never looks complete
     tmp = f"{out_dir.rstrip('/')}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
