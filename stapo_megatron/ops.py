@@ -23,11 +23,26 @@ vocab_parallel_cross_entropy overwrites fp32 logits, the cause of verl #1672/#24
 copy of the shard is held beyond the returned gradient. Like Megatron's CE, backward runs once
 (no retain_graph double backward).
 
+Two implementations compute the same partials and share steps 2-4: this module's torch path
+(CPU, and the reference) and the Triton kernels of ``stapo_megatron.kernels.logprob_entropy``
+(chosen on CUDA tensors), whose forward reads each shard once and writes only [N] outputs and
+whose backward reads the logits once and writes the gradient once. Both take two options that
+change the backward: ``entropy_grad`` (a gradient also flows into H, dH/dz = -p (log p + H)) and
+``inplace_backward`` (the gradient is written over the logits); with either, the torch path
+recomputes p from the logits in backward instead of keeping the numerators.
+
+Masked vocabulary entries (logits = -inf) have p = 0 and contribute 0 log 0 = 0 to H; a shard
+whose entries are all -inf contributes nothing. A row with no finite logit on any rank has no
+distribution and gives NaN.
+
 Legend: N = flattened tokens, V = local vocabulary shard size, C = rows in one chunk.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -38,6 +53,8 @@ import torch.distributed as dist
 _CHUNK_BYTES = 5 << 19  # 2.5 MiB: 4 rows of a 151936 vocabulary
 # On GPU the loop is bounded by kernel launches rather than cache: use large chunks.
 _CHUNK_BYTES_CUDA = 1 << 28
+_NEG_MAX = torch.finfo(torch.float32).min  # 0 * it is 0 where 0 * -inf would be NaN
+_IMPLS = ("auto", "torch", "triton")
 
 
 def _rows_per_chunk(vocab_local: int, device: torch.device) -> int:
@@ -65,12 +82,15 @@ def _local_stats(logits_NV, target_N, vocab_start, inv_temp, exp_out_NV=None):
         d = d_CV[:rows]
         e = exp_out_NV[start:end] if write_e_in_place else e_CV[:rows]
         m_C = x_CV.amax(dim=-1, keepdim=True)
+        # A row whose shard is all -inf (masked) is measured from 0, so its sums stay 0.
+        ref_C = m_C.float().nan_to_num(neginf=0.0)
         if x_CV.dtype == torch.float32:
-            torch.sub(x_CV, m_C, out=d)
+            torch.sub(x_CV, ref_C, out=d)
         else:  # upcast before subtracting: x - m rounded in bf16 would lose the low bits
-            d.copy_(x_CV).sub_(m_C.float())
+            d.copy_(x_CV).sub_(ref_C)
         if inv_temp != 1.0:
             d.mul_(inv_temp)
+        d.clamp_(min=_NEG_MAX)  # masked (-inf) entries: e = 0 and e * d = 0, not NaN
         torch.exp(d, out=e)
         if exp_out_NV is not None and not write_e_in_place:
             exp_out_NV[start:end].copy_(e)
@@ -89,7 +109,7 @@ def _reduce_stats(m_N, s_N, w_N, z_target_N, tp_group):
     global_m_N = m_N.clone()
     if tp_group is not None:
         dist.all_reduce(global_m_N, op=dist.ReduceOp.MAX, group=tp_group)
-    shift_N = m_N - global_m_N  # <= 0
+    shift_N = (m_N - global_m_N).clamp(min=_NEG_MAX)  # <= 0; finite when this shard is all -inf
     scale_N = shift_N.exp()
     packed_3N = torch.stack([s_N * scale_N, scale_N * (w_N + shift_N * s_N), z_target_N])
     if tp_group is not None:
@@ -97,13 +117,52 @@ def _reduce_stats(m_N, s_N, w_N, z_target_N, tp_group):
     return global_m_N, packed_3N[0], packed_3N[1], packed_3N[2]
 
 
+def _normalise(global_m_N, sum_exp_N, sum_w_N, z_y_N):
+    """Step 4: (log Z, log p, H) from the global statistics."""
+    log_sum_exp_N = sum_exp_N.log()
+    log_z_N = global_m_N + log_sum_exp_N
+    return log_z_N, z_y_N - log_z_N, log_sum_exp_N - sum_w_N / sum_exp_N
+
+
+def _grad_from_logits(logits_NV, out_NV, target_N, vocab_start, num_real, inv_temp, log_z_N, g_N, entropy_N, h_N):
+    """Backward by recomputing p from the logits and the global log Z, one row chunk at a time.
+
+    Writes [g (onehot(y) - p) - h p (log p + H)] / T into ``out_NV`` (which may be
+    ``logits_NV``: each chunk is read before it is written); ``h_N`` None = no entropy gradient.
+    """
+    num_rows = logits_NV.shape[0]
+    out_NV[:, num_real:] = 0
+    chunk = _rows_per_chunk(num_real, logits_NV.device)
+    g_N = g_N.float() * inv_temp
+    h_N = None if h_N is None else h_N.float() * inv_temp
+    local_ids_N = target_N - vocab_start
+    owned_N = (local_ids_N >= 0) & (local_ids_N < num_real)
+    for start in range(0, num_rows, chunk):
+        end = min(start + chunk, num_rows)
+        logp_CV = logits_NV[start:end, :num_real].float().mul_(inv_temp)
+        logp_CV.sub_(log_z_N[start:end, None]).clamp_(min=_NEG_MAX)
+        p_CV = logp_CV.exp()
+        grad_CV = p_CV * -g_N[start:end, None]
+        if h_N is not None:
+            grad_CV -= h_N[start:end, None] * p_CV * logp_CV.add_(entropy_N[start:end, None])
+        rows_C = owned_N[start:end].nonzero().squeeze(-1)
+        grad_CV[rows_C, local_ids_N[start:end][rows_C]] += g_N[start:end][rows_C]  # fp32: no cancellation
+        out_NV[start:end, :num_real] = grad_CV
+    return out_NV
+
+
 class _LogprobEntropy(torch.autograd.Function):
+    """The torch path: CPU, and the reference for the Triton kernels."""
+
     @staticmethod
-    def forward(ctx, logits_NV, target_N, vocab_start, num_real, inv_temp, tp_group):
-        # With a gradient to come, the softmax numerators exp(z - m_r) go straight into the
-        # buffer that backward returns (logits' dtype): no extra copy of the shard is held, and
-        # backward needs no second exp pass. Without grad, only cache-sized scratch is used.
-        grad_NV = torch.empty_like(logits_NV) if ctx.needs_input_grad[0] else None
+    def forward(ctx, logits_NV, target_N, vocab_start, num_real, inv_temp, tp_group, needs_grad, entropy_grad, inplace):
+        # With a log-prob-only gradient to come, the softmax numerators exp(z - m_r) go straight
+        # into the buffer that backward returns (logits' dtype): no extra copy of the shard is
+        # held, and backward needs no second exp pass. An entropy gradient needs log p, and an
+        # in-place backward needs the logits' storage, so both recompute p in backward instead.
+        # Without grad, only cache-sized scratch is used.
+        recompute = entropy_grad or inplace
+        grad_NV = torch.empty_like(logits_NV) if needs_grad and not recompute else None
         real_NV, exp_out_NV = logits_NV, grad_NV
         if num_real < logits_NV.shape[-1]:
             # Padded vocabulary rows of the output layer (Megatron pads to a multiple of 128 x TP)
@@ -113,22 +172,31 @@ class _LogprobEntropy(torch.autograd.Function):
                 grad_NV[:, num_real:] = 0
                 exp_out_NV = grad_NV[:, :num_real]
         m_N, s_N, w_N, z_target_N = _local_stats(real_NV, target_N, vocab_start, inv_temp, exp_out_NV)
-        global_m_N, sum_exp_N, sum_w_N, z_y_N = _reduce_stats(m_N, s_N, w_N, z_target_N, tp_group)
-        log_sum_exp_N = sum_exp_N.log()  # step 4
-        log_z_N = global_m_N + log_sum_exp_N
-        logprob_N = z_y_N - log_z_N
-        entropy_N = log_sum_exp_N - sum_w_N / sum_exp_N
+        log_z_N, logprob_N, entropy_N = _normalise(*_reduce_stats(m_N, s_N, w_N, z_target_N, tp_group))
         if grad_NV is not None:
             # p = exp(z - m_r) * exp(m_r - log Z): the per-row factor applied in backward.
             ctx.save_for_backward(grad_NV, target_N, (m_N - log_z_N).exp(), logprob_N)
-        ctx.vocab_start, ctx.inv_temp = vocab_start, inv_temp
-        ctx.mark_non_differentiable(entropy_N)
+        elif needs_grad:
+            ctx.save_for_backward(logits_NV, target_N, log_z_N, entropy_N)
+        ctx.vocab_start, ctx.num_real, ctx.inv_temp = vocab_start, num_real, inv_temp
+        ctx.recompute, ctx.entropy_grad, ctx.inplace = recompute, entropy_grad, inplace
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy_N)
         return logprob_N, entropy_N
 
     @staticmethod
     def backward(ctx, grad_logprob_N, grad_entropy_N):
         # d logp / d x = (onehot(y) - p) / T on the local shard; no collective (the column-
         # parallel output layer all-reduces its input gradient itself).
+        if ctx.recompute:
+            logits_NV, target_N, log_z_N, entropy_N = ctx.saved_tensors
+            out_NV = logits_NV.detach() if ctx.inplace else torch.empty_like(logits_NV)
+            h_N = grad_entropy_N if ctx.entropy_grad else None
+            grad_NV = _grad_from_logits(
+                logits_NV, out_NV, target_N, ctx.vocab_start, ctx.num_real, ctx.inv_temp,
+                log_z_N, grad_logprob_N, entropy_N, h_N,
+            )
+            return grad_NV, None, None, None, None, None, None, None, None
         grad_NV, target_N, row_scale_N, logprob_N = ctx.saved_tensors
         vocab = grad_NV.shape[-1]
         g_N = grad_logprob_N.float() * ctx.inv_temp
@@ -139,7 +207,46 @@ class _LogprobEntropy(torch.autograd.Function):
         rows_N = ((local_ids_N >= 0) & (local_ids_N < vocab)).nonzero().squeeze(-1)
         target_grad = g_N[rows_N] * (1.0 - logprob_N[rows_N].exp())
         grad_NV[rows_N, local_ids_N[rows_N]] = target_grad.to(grad_NV.dtype)
-        return grad_NV, None, None, None, None, None
+        return grad_NV, None, None, None, None, None, None, None, None
+
+
+class _LogprobEntropyTriton(torch.autograd.Function):
+    """The Triton path: forward reads the shard once, backward reads it once and writes once.
+
+    Only [N] statistics are kept for backward besides a reference to the logits (no copy).
+    """
+
+    @staticmethod
+    def forward(ctx, logits_NV, target_N, vocab_start, num_real, inv_temp, tp_group, needs_grad, entropy_grad, inplace):
+        from stapo_megatron.kernels import logprob_entropy as kernels
+
+        if tp_group is None:  # the kernel finishes the rows itself: no partials, no extra launches
+            logprob_N, entropy_N, log_z_N = kernels.shard_stats(
+                logits_NV, target_N, vocab_start, num_real, inv_temp, finalize=True
+            )
+        else:
+            partials = kernels.shard_stats(logits_NV, target_N, vocab_start, num_real, inv_temp, finalize=False)
+            log_z_N, logprob_N, entropy_N = _normalise(*_reduce_stats(*partials, tp_group))
+        if needs_grad:
+            ctx.save_for_backward(logits_NV, target_N, log_z_N, entropy_N)
+        ctx.vocab_start, ctx.num_real, ctx.inv_temp = vocab_start, num_real, inv_temp
+        ctx.entropy_grad, ctx.inplace = entropy_grad, inplace
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy_N)
+        return logprob_N, entropy_N
+
+    @staticmethod
+    def backward(ctx, grad_logprob_N, grad_entropy_N):
+        from stapo_megatron.kernels import logprob_entropy as kernels
+
+        logits_NV, target_N, log_z_N, entropy_N = ctx.saved_tensors
+        grad_NV = kernels.logits_grad(
+            logits_NV, target_N, ctx.vocab_start, ctx.num_real, ctx.inv_temp, log_z_N, grad_logprob_N,
+            entropy_N if ctx.entropy_grad else None,
+            grad_entropy_N if ctx.entropy_grad else None,
+            out_NV=logits_NV.detach() if ctx.inplace else None,
+        )
+        return grad_NV, None, None, None, None, None, None, None, None
 
 
 def vocab_shard(vocab_local: int, tp_group: Optional[dist.ProcessGroup], vocab_size: Optional[int]):
@@ -172,25 +279,39 @@ def vocab_parallel_logprob_entropy(
     tp_group: Optional[dist.ProcessGroup] = None,
     temperature: float = 1.0,
     vocab_size: Optional[int] = None,
+    *,
+    entropy_grad: bool = False,
+    inplace_backward: bool = False,
+    impl: str = "auto",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of ``target`` and full-vocabulary entropy from vocab-sharded logits.
 
     Args:
-        logits: [..., V_local], fp32 or bf16. Rank r of ``tp_group`` holds vocabulary ids
-            [r * V_local, (r + 1) * V_local). Never modified.
-        target: [...] global token ids (int64/int32).
+        logits: [..., V_local], fp32, bf16 or fp16. Rank r of ``tp_group`` holds vocabulary ids
+            [r * V_local, (r + 1) * V_local). Never modified, unless ``inplace_backward``.
+            Masked entries may be -inf (they get probability 0).
+        target: [...] global token ids (an integer dtype).
         tp_group: tensor-parallel group over which the vocabulary is sharded; None = unsharded.
         temperature: logits are divided by it, exactly as the rollout sampler does (vLLM
             applies ``logits / temperature`` before softmax), so train and rollout log-probs
-            are comparable.
+            are comparable. Finite and > 0.
         vocab_size: the real vocabulary size when the output layer is padded (Megatron pads to
             a multiple of make_vocab_size_divisible_by x TP): ids >= vocab_size are excluded
             from the softmax, as the tokenizer and vLLM never see them. None = no padding.
+        entropy_grad: let a gradient flow into the entropy too (dH/dz = -p (log p + H) / T);
+            by default it is a constant, as the S2T mask needs.
+        inplace_backward: backward may write the gradient over ``logits``' storage (as Megatron's
+            cross entropy does), so no second logits-sized buffer exists. Only when nothing else
+            reads those logits after this op's backward.
+        impl: "triton" (the kernels of ``stapo_megatron.kernels.logprob_entropy``: CUDA tensors,
+            or Triton's interpreter), "torch" (any device; the reference), or "auto" = Triton on
+            CUDA tensors when Triton is installed, torch otherwise.
 
     Returns:
         (logprob, entropy): fp32 tensors of ``target``'s shape. ``logprob`` = log softmax(
         logits / T)[target], differentiable w.r.t. ``logits``; ``entropy`` = -sum_v p log p of
-        softmax(logits / T), detached. Exactly 2 collectives over ``tp_group`` per call.
+        softmax(logits / T), detached unless ``entropy_grad``. Exactly 2 collectives over
+        ``tp_group`` per call, none in backward.
     """
     if logits.shape[:-1] != target.shape:
         raise ValueError(
@@ -198,8 +319,12 @@ def vocab_parallel_logprob_entropy(
         )
     if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"logits must be floating point (fp32/bf16/fp16), got {logits.dtype}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
+        raise TypeError(f"target must hold integer token ids, got dtype {target.dtype}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+    if impl not in _IMPLS:
+        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
     vocab_local = logits.shape[-1]
     tp_group, tp_size, tp_rank, vocab_size, num_real = vocab_shard(vocab_local, tp_group, vocab_size)
     if target.numel() and (int(target.min()) < 0 or int(target.max()) >= vocab_size):
@@ -207,9 +332,21 @@ def vocab_parallel_logprob_entropy(
             f"target ids must lie in [0, {vocab_size}) (V_local {vocab_local} x TP {tp_size}, "
             f"vocab_size {vocab_size}); got range [{int(target.min())}, {int(target.max())}]"
         )
+    use_triton = impl == "triton" or (impl == "auto" and logits.is_cuda and _triton_installed())
     logits_NV = logits.reshape(-1, vocab_local)
     target_N = target.reshape(-1).long()
-    logprob_N, entropy_N = _LogprobEntropy.apply(
-        logits_NV, target_N, tp_rank * vocab_local, num_real, 1.0 / float(temperature), tp_group
+    if use_triton:  # the kernels index rows by stride and columns contiguously
+        logits_NV = logits_NV if logits_NV.stride(-1) == 1 else logits_NV.contiguous()
+        target_N = target_N.contiguous()
+    function = _LogprobEntropyTriton if use_triton else _LogprobEntropy
+    needs_grad = torch.is_grad_enabled() and logits.requires_grad
+    logprob_N, entropy_N = function.apply(
+        logits_NV, target_N, tp_rank * vocab_local, num_real, 1.0 / float(temperature), tp_group,
+        needs_grad, entropy_grad, inplace_backward,
     )
     return logprob_N.view(target.shape), entropy_N.view(target.shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None

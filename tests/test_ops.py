@@ -121,3 +121,89 @@ def test_padded_vocabulary_is_excluded():
     torch.testing.assert_close(logits.grad[:, :100].double(), x.grad, atol=FP32_TOL, rtol=0)
     with pytest.raises(ValueError, match="vocab_size 100"):
         vocab_parallel_logprob_entropy(logits, torch.full((6,), 100), vocab_size=100)
+
+
+def masked_reference(logits, target, temperature=1.0):
+    """Float64 reference that treats -inf logits as masked: 0 log 0 = 0 (and no NaN gradient)."""
+    x = logits.detach().double().requires_grad_()
+    logp_all = torch.log_softmax(x / temperature, dim=-1)
+    finite_logp = torch.where(torch.isfinite(logp_all), logp_all, 0.0)
+    logprob = logp_all.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    entropy = -(finite_logp.exp() * finite_logp * torch.isfinite(logp_all)).sum(-1)
+    return x, logprob, entropy
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_entropy_gradient_and_inplace_backward(inplace):
+    """entropy_grad: d(g logp + h H)/dx = [g (onehot - p) - h p (log p + H)] / T; in place reuses the logits."""
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(7, 300, generator=gen) * 3).requires_grad_()
+    target = torch.randint(0, 300, (7,), generator=gen)
+    x, ref_lp, ref_h = reference(logits, target, 0.8)
+    source = logits.detach().clone().requires_grad_()
+    lp, h = vocab_parallel_logprob_entropy(source, target, temperature=0.8, entropy_grad=True, inplace_backward=inplace)
+    assert h.requires_grad
+    torch.testing.assert_close(h.double(), ref_h, atol=FP32_TOL, rtol=0)
+    g, w = torch.randn(7, generator=gen), torch.randn(7, generator=gen)
+    (lp * g + h * w).sum().backward()
+    (ref_lp * g.double() + ref_h * w.double()).sum().backward()
+    torch.testing.assert_close(source.grad.double(), x.grad, atol=FP32_TOL, rtol=0)
+    assert (source.grad.data_ptr() == source.data_ptr()) == inplace
+
+
+def test_inplace_backward_logprob_only_matches_default():
+    gen = torch.Generator().manual_seed(6)
+    logits = (torch.randn(5, 200, generator=gen) * 3).to(torch.bfloat16)
+    target = torch.randint(0, 150, (5,), generator=gen)
+    grads = []
+    for inplace in (False, True):
+        x = logits.clone().requires_grad_()
+        lp, _ = vocab_parallel_logprob_entropy(x, target, vocab_size=150, inplace_backward=inplace)
+        lp.sum().backward()
+        grads.append(x.grad.float())
+    # same fp32 math, only where the bf16 rounding happens differs: one bf16 ulp of |grad| <= 1
+    torch.testing.assert_close(grads[1], grads[0], atol=2 ** -8, rtol=0)
+    assert not grads[1][:, 150:].any()
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_masked_minus_inf_logits_give_finite_entropy(entropy_grad):
+    """Masked vocabulary (-inf logits) is 0 log 0 = 0 (issue 16), including a wholly masked block."""
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(4, 64, generator=gen) * 2
+    logits[0, 10:40] = float("-inf")
+    logits[1, ::2] = float("-inf")
+    logits[2, :63] = float("-inf")  # one token left: H = 0, log p = 0
+    target = torch.tensor([3, 1, 63, 5])
+    logits = logits.requires_grad_()
+    lp, h = vocab_parallel_logprob_entropy(logits, target, temperature=0.9, entropy_grad=entropy_grad)
+    x, ref_lp, ref_h = masked_reference(logits, target, 0.9)
+    assert torch.isfinite(h).all() and torch.isfinite(lp).all()
+    torch.testing.assert_close(h.double(), ref_h, atol=FP32_TOL, rtol=0)
+    torch.testing.assert_close(lp.double(), ref_lp, atol=FP32_TOL, rtol=0)
+    assert h[2].item() == pytest.approx(0.0, abs=1e-6) and lp[2].item() == pytest.approx(0.0, abs=1e-6)
+    loss = lp.sum() + (h.sum() if entropy_grad else 0)
+    loss.backward()
+    (ref_lp.sum() + (ref_h.sum() if entropy_grad else 0)).backward()
+    assert torch.isfinite(logits.grad).all()
+    torch.testing.assert_close(logits.grad.double(), x.grad, atol=FP32_TOL, rtol=0)
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -1.0])
+def test_non_finite_temperature_is_refused(temperature):
+    with pytest.raises(ValueError, match="temperature must be finite and > 0"):
+        vocab_parallel_logprob_entropy(torch.randn(2, 8), torch.zeros(2, dtype=torch.long), temperature=temperature)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.bool])
+def test_non_integer_target_is_refused(dtype):
+    with pytest.raises(TypeError, match=f"integer token ids, got dtype {dtype}"):
+        vocab_parallel_logprob_entropy(torch.randn(2, 8), torch.zeros(2, dtype=dtype))
+
+
+def test_int32_target_and_unknown_impl():
+    logits, target = torch.randn(3, 8), torch.tensor([1, 2, 3], dtype=torch.int32)
+    lp, _ = vocab_parallel_logprob_entropy(logits, target)
+    torch.testing.assert_close(lp, torch.log_softmax(logits, -1)[torch.arange(3), target.long()])
+    with pytest.raises(ValueError, match="impl must be one of"):
+        vocab_parallel_logprob_entropy(logits, target, impl="cuda")
