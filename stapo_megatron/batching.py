@@ -12,7 +12,7 @@ token when prompt_len - 1 <= t < prompt_len + response_len - 1.
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -39,11 +39,14 @@ def pack_sequences(
     rollout_logprobs: Sequence[Sequence[float]],
     pad_id: int,
     seq_length: int,
+    device: Optional[torch.device] = None,
 ) -> Dict[str, torch.Tensor]:
     """Right-padded [N, S] tensors for N (prompt, response) pairs.
 
     Returns tokens, position_ids, labels, response_mask, advantages (per token) and
-    rollout_logprob (the sampler's log-probs, for the train/rollout mismatch metric).
+    rollout_logprob (the sampler's log-probs, for the train/rollout mismatch metric), on
+    ``device`` (the model's; default CPU). They are assembled on the CPU, row by row, and moved
+    in one copy per field.
     """
     n = len(prompts)
     tokens = torch.full((n, seq_length), pad_id, dtype=torch.long)
@@ -65,7 +68,7 @@ def pack_sequences(
         response_mask[i, start : length - 1] = True
         rollout_lp[i, start : length - 1] = torch.tensor(rollout_logprobs[i], dtype=torch.float32)
     adv = torch.tensor(advantages, dtype=torch.float32)[:, None].expand(n, seq_length).contiguous()
-    return dict(
+    batch = dict(
         tokens=tokens,
         position_ids=torch.arange(seq_length).expand(n, seq_length).contiguous(),
         labels=labels,
@@ -73,10 +76,14 @@ def pack_sequences(
         advantages=adv,
         rollout_logprob=rollout_lp,
     )
+    return batch if device is None else {k: v.to(device) for k, v in batch.items()}
 
 
 def split_microbatches(batch: Dict[str, torch.Tensor], micro_batch_size: int, seed: int) -> List[Dict[str, torch.Tensor]]:
-    """Cut [N, S] tensors into micro-batches of ``micro_batch_size`` rows (N must divide)."""
+    """Cut [N, S] tensors into micro-batches of ``micro_batch_size`` rows (N must divide).
+
+    Each micro-batch also gets ``seed`` (a CPU int tensor: host-side metadata read with int(),
+    never part of the computation)."""
     n = batch["tokens"].shape[0]
     if n % micro_batch_size:
         raise ValueError(f"{n} sequences do not split into micro-batches of {micro_batch_size}")

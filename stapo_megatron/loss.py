@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from stapo_megatron import s2t
 from stapo_megatron.ops import vocab_parallel_logprob_entropy
+from stapo_megatron.parallel import collective_device
 
 
 @dataclasses.dataclass
@@ -267,7 +268,11 @@ def _forward_step(make_loss: Callable) -> Callable:
     the loss function Megatron applies to the last stage's output."""
 
     def forward_step(data_iterator, model):
-        batch = next(data_iterator)
+        # Micro-batches may be built on the CPU (tests, library users); the model's device is
+        # where they are used. A no-op for tensors already there (the trainer's).
+        device = next(model.parameters()).device
+        batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v
+                 for k, v in next(data_iterator).items()}
         output = model(batch["tokens"], batch["position_ids"], attention_mask=None)
         return output, make_loss(batch)
 
@@ -297,8 +302,8 @@ def _stats_loss_func(temperature, tp_group, vocab_size, batch, logits):
     logprob, entropy = vocab_parallel_logprob_entropy(
         logits, batch["labels"], tp_group=tp_group, temperature=temperature, vocab_size=vocab_size
     )
-    zero = torch.zeros((), dtype=torch.float32)
-    return zero, torch.zeros((), dtype=torch.int), {"logprob": logprob, "entropy": entropy}
+    zero = torch.zeros((), dtype=torch.float32, device=logits.device)
+    return zero, torch.zeros((), dtype=torch.int, device=logits.device), {"logprob": logprob, "entropy": entropy}
 
 
 def compute_logprob_entropy(
@@ -334,9 +339,11 @@ def reduce_metrics(
     then broadcast from the last pipeline stage (global rank ``pp_last_rank``) over
     ``pp_group`` so every rank can log them. Collective over both groups.
     """
-    sums = torch.zeros(len(METRIC_SUMS) + 1)
+    # Collectives run on the backend's device (CUDA for NCCL, CPU for gloo); the per-micro-batch
+    # sums live on the model's device and are moved there.
+    sums = torch.zeros(len(METRIC_SUMS) + 1, device=collective_device(dp_group if dp_group is not None else pp_group))
     for item in losses_reduced:
-        sums[:-1] += item["stapo_sums"]
+        sums[:-1] += item["stapo_sums"].to(sums.device)
     sums[-1] = float(threshold)
     if dp_group is not None:
         tau = sums[-1].clone()

@@ -44,7 +44,12 @@ def init_parallel(
     Args:
         tensor_model_parallel_size: TP size.
         pipeline_model_parallel_size: PP size; DP is world_size / (TP * PP).
-        seed: model-parallel RNG seed (Megatron's ``model_parallel_cuda_manual_seed``).
+        seed: RNG seed. Every data-parallel replica must start from the same weights, and
+            Megatron draws them from torch's global generators (the CPU one under
+            ``use_cpu_initialization``, the CUDA one and the model-parallel tracker on GPU), so
+            both are seeded with ``seed + 100 * pp_rank`` (Megatron's own ``_set_random_seed``:
+            equal on all DP and TP ranks, distinct per pipeline stage), then the TP-dependent
+            streams by ``model_parallel_cuda_manual_seed``.
         backend: "nccl" or "gloo"; default nccl when CUDA is available, else gloo.
     """
     from megatron.core import parallel_state, tensor_parallel
@@ -66,8 +71,18 @@ def init_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
     )
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    torch.manual_seed(stage_seed)  # also seeds every CUDA device
+    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
     return current_groups()
+
+
+def collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """The device of tensors passed to collectives over ``group``: the current CUDA device for
+    NCCL, the CPU for gloo (or when torch.distributed is not initialised)."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def current_groups() -> Groups:

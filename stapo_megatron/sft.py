@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from stapo_megatron.loss import run_microbatches
 from stapo_megatron.ops import vocab_parallel_logprob_entropy, vocab_shard
+from stapo_megatron.parallel import collective_device
 
 
 def uniform_cross_entropy(logits: torch.Tensor, tp_group=None, vocab_size: Optional[int] = None) -> torch.Tensor:
@@ -67,7 +68,7 @@ def sft_step(model, optimizer, microbatches: List[Dict[str, torch.Tensor]], seq_
     optimizer.step()
     if not out:
         return None
-    sums = torch.stack([o["sft"] for o in out]).sum(0)
+    sums = torch.stack([o["sft"] for o in out]).sum(0).to(collective_device(dp_group))
     if dp_group is not None:
         dist.all_reduce(sums, group=dp_group)
     return float(sums[0] / sums[1]) if sums[1] > 0 else math.nan

@@ -41,7 +41,8 @@ class OptimConfig:
 
 
 def wrap_ddp(model: torch.nn.Module, use_distributed_optimizer: bool = False):
-    """Wrap a Megatron GPTModel in Megatron DDP and install ``finalize_model_grads``.
+    """Wrap a Megatron GPTModel in Megatron DDP (parameters broadcast from DP rank 0) and
+    install ``finalize_model_grads``.
 
     With ``calculate_per_token_loss`` Megatron's ``finalize_model_grads`` divides the gradients
     by the mini-batch's total token count (here: kept tokens), all-reduced over DP and
@@ -59,7 +60,12 @@ def wrap_ddp(model: torch.nn.Module, use_distributed_optimizer: bool = False):
         use_distributed_optimizer=use_distributed_optimizer,
     )
     config.finalize_model_grads_func = finalize_model_grads
-    return DistributedDataParallel(config, ddp_config, model)
+    ddp_model = DistributedDataParallel(config, ddp_config, model)
+    # Megatron DDP does not synchronise the replicas' initial weights. init_parallel seeds
+    # every DP rank alike, so they already agree; the broadcast from DP rank 0 keeps that true
+    # for models built or loaded any other way (one broadcast per parameter, once per run).
+    ddp_model.broadcast_params()
+    return ddp_model
 
 
 def build_optimizer(ddp_model, optim: OptimConfig):

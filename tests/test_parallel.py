@@ -219,3 +219,56 @@ def test_denominator_is_total_kept_tokens_over_microbatches_and_dp(reference_run
         assert history[0]["num_kept"] == sum(kept_per_mb)
         assert history[0]["grad_norm"] == pytest.approx(norm, rel=1e-5)
     assert reference_run[0]["grad_norm"] == pytest.approx(norm, rel=1e-5)
+
+
+# --- data-parallel replicas start and stay identical (issue 12's seeding bug) -----------------
+
+
+def _replica_worker(tp, pp, steps):
+    """Build the trainer's model with no checkpoint (random init, fresh seeding), wrap it,
+    train a few SGD steps; return this rank's (dp rank, TP/PP coordinates, params per stage)."""
+    from megatron.core import parallel_state as ps
+
+    from stapo_megatron.bridge import build_gpt_model
+    from stapo_megatron.bridge.tiny import tiny_config
+    from stapo_megatron.loss import LossConfig, compute_logprob_entropy
+    from stapo_megatron.parallel import init_parallel
+    from stapo_megatron.step import OptimConfig, policy_update, wrap_model_and_optimizer
+    from stapo_megatron.synthetic import synthetic_rollouts
+
+    groups = init_parallel(tp, pp)
+    model = build_gpt_model(tiny_config("qwen3"), calculate_per_token_loss=True)
+    built = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model, optimizer = wrap_model_and_optimizer(
+        model, OptimConfig(optimizer="adam", lr=1e-2, weight_decay=0.0, clip_grad=1.0))
+    dp_size, dp_rank = torch.distributed.get_world_size(groups.dp), torch.distributed.get_rank(groups.dp)
+    seq = PROMPT + RESPONSE
+    for step in range(steps):
+        # each DP rank trains on different data: only the gradient all-reduce keeps them equal
+        mbs, _ = synthetic_rollouts(2, 4, PROMPT, RESPONSE, 300, seed=10 * step + dp_rank, micro_batch_size=MBS)
+        stats = compute_logprob_entropy(model, mbs, seq, tp_group=groups.tp, vocab_size=300)
+        for i, mb in enumerate(mbs):
+            mb["old_logprob"] = stats[i][0] if groups.is_last_stage else torch.zeros(MBS, seq)
+        policy_update(model, optimizer, mbs, LossConfig(method="grpo"), groups, seq, stats, vocab_size=300)
+    trained = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+    coords = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
+    return dp_rank, dp_size, coords, built, trained
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
+def test_data_parallel_replicas_hold_identical_parameters(tp, pp):
+    """World 4 = TP x PP x DP: every DP replica of each (TP, PP) shard has bit-identical
+    parameters right after building (seeded init, no checkpoint) and after 3 Adam steps."""
+    results = run_distributed(4, _replica_worker, tp, pp, 3)
+    by_shard = {}
+    for dp_rank, dp_size, coords, built, trained in results:
+        assert dp_size == 4 // (tp * pp)
+        by_shard.setdefault(coords, []).append((dp_rank, built, trained))
+    assert len(by_shard) == tp * pp
+    for coords, replicas in by_shard.items():
+        (_, built0, trained0), *others = sorted(replicas, key=lambda r: r[0])
+        assert any(not torch.equal(built0[n], trained0[n]) for n in built0), "the steps must change weights"
+        for dp_rank, built, trained in others:
+            for name in built0:
+                assert torch.equal(built[name], built0[name]), f"{coords} DP rank {dp_rank}: {name} at build"
+                assert torch.equal(trained[name], trained0[name]), f"{coords} DP rank {dp_rank}: {name} trained"

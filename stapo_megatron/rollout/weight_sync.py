@@ -24,6 +24,7 @@ import torch.distributed as dist
 from stapo_megatron.bridge.config import QwenSpec, spec_from_hf_config
 from stapo_megatron.bridge.mapping import ParamMapping, hf_shapes, mappings_for
 from stapo_megatron.bridge.transforms import split_gate_up, split_qkv, unpad_vocab
+from stapo_megatron.parallel import collective_device
 
 
 def _unwrap(model) -> torch.nn.Module:
@@ -52,7 +53,7 @@ def _stage_layers(gpt, pp_group) -> list[list[int]]:
         raise ValueError(f"pipeline stage layers are not contiguous: {local}")
     if _group_size(pp_group) == 1:
         return [local]
-    span = torch.tensor([local[0] if local else 0, len(local)], dtype=torch.int64)
+    span = torch.tensor([local[0] if local else 0, len(local)], dtype=torch.int64, device=collective_device(pp_group))
     spans = [torch.empty_like(span) for _ in range(_group_size(pp_group))]
     dist.all_gather(spans, span, group=pp_group)
     return [list(range(int(s[0]), int(s[0]) + int(s[1]))) for s in spans]
