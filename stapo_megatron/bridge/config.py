@@ -12,10 +12,11 @@ hidden_size / num_attention_heads). Tied and untied embeddings.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import math
 import os
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, Optional, Union
 
 import torch
 
@@ -178,15 +179,64 @@ def padded_vocab_size(vocab_size: int, tensor_model_parallel_size: int = 1,
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
+def _imports(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+def use_transformer_engine(requested: Optional[bool] = None) -> bool:
+    """Whether the transformer-engine layer spec is used: ``requested`` if given, else when
+    CUDA is present and transformer_engine imports."""
+    if requested is not None:
+        return requested
+    return torch.cuda.is_available() and _imports("transformer_engine")
+
+
+def fused_kernel_settings(use_te: bool) -> dict:
+    """TransformerConfig's fusion switches, each on only where its kernel exists.
+
+    A plain pip install on a GPU has neither transformer-engine nor apex; megatron-core then
+    fails at the first forward if a fusion is requested whose kernel is missing
+    (megatron-core 0.16-0.19: ``persist_layer_norm`` asserts in the local spec's torch norm,
+    ``masked_softmax_fusion`` imports apex's ``scaled_masked_softmax_cuda``).
+    """
+    if not torch.cuda.is_available():
+        # The CPU path: every fused kernel is CUDA-only.
+        return dict(bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
+                    gradient_accumulation_fusion=False, persist_layer_norm=False)
+    from megatron.core.models.common.embeddings import rope_utils
+
+    return dict(
+        # a torch.compile'd (jit_fuser) function: needs Triton, not apex or TE
+        bias_dropout_fusion=_imports("triton"),
+        # TE's fused RoPE (rope_utils imports it when TE is present)
+        apply_rope_fusion=use_te and rope_utils.fused_apply_rotary_pos_emb is not None,
+        # apex / Megatron's compiled softmax kernels (unused by TE's and the SDPA core attention)
+        masked_softmax_fusion=_imports("scaled_masked_softmax_cuda")
+        and _imports("scaled_upper_triang_masked_softmax_cuda"),
+        # Needs apex's fused_weight_gradient_mlp_cuda and a param.main_grad on every backward
+        # (Megatron DDP); build_gpt_model also serves forward/backward without DDP, so it stays off.
+        gradient_accumulation_fusion=False,
+        # The TE spec ignores it; the local spec's RMSNorm (torch) asserts it is off.
+        persist_layer_norm=use_te,
+    )
+
+
 def transformer_config_from_spec(
     spec: QwenSpec,
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     params_dtype: torch.dtype = torch.float32,
+    use_te: Optional[bool] = None,
     **overrides: Any,
 ):
     """The Megatron TransformerConfig that computes exactly what transformers computes.
 
+    ``use_te``: whether the model uses the transformer-engine layer spec (None = auto, see
+    `use_transformer_engine`); it decides which fused kernels are switched on.
     ``overrides`` are passed to TransformerConfig last (e.g. recompute or sequence-parallel
     settings of a training recipe); they must not change the architecture.
     """
@@ -218,12 +268,7 @@ def transformer_config_from_spec(
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=not on_gpu,
-        # The fused kernels below are CUDA-only; on GPU Megatron picks them itself.
-        bias_dropout_fusion=on_gpu,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=on_gpu,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=on_gpu,
+        **fused_kernel_settings(use_transformer_engine(use_te)),
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)

@@ -19,32 +19,41 @@ from stapo_megatron.bridge.config import (
     padded_vocab_size,
     spec_from_hf_config,
     transformer_config_from_spec,
+    use_transformer_engine,
 )
 
 
-def _use_transformer_engine(requested: Optional[bool]) -> bool:
-    if requested is not None:
-        return requested
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
+CORE_ATTENTIONS = ("local", "sdpa")
+"""Core-attention modules of the local spec: Megatron's DotProductAttention ("local", which
+materialises the s x s scores) or `stapo_megatron.bridge.attention.SDPAttention` ("sdpa")."""
 
 
-def layer_spec(spec: QwenSpec, use_te: Optional[bool] = None):
+def default_core_attention() -> str:
+    """"sdpa" on CUDA (flash / cuDNN kernels), "local" on CPU (the reference path)."""
+    return "sdpa" if torch.cuda.is_available() else "local"
+
+
+def layer_spec(spec: QwenSpec, use_te: Optional[bool] = None, core_attention: Optional[str] = None):
     """Megatron layer spec: transformer-engine when it imports and CUDA is present, else local.
 
     Both spellings write the same dist-checkpoint keys (the local spec remaps its layernorm
-    names), so a checkpoint is interchangeable between them.
+    names), so a checkpoint is interchangeable between them. ``core_attention`` picks the
+    local spec's attention kernel (CORE_ATTENTIONS; None = `default_core_attention`); the TE
+    spec always uses TE's own.
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if _use_transformer_engine(use_te):
+    if use_transformer_engine(use_te):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
+    layer = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
+    core_attention = core_attention or default_core_attention()
+    if core_attention not in CORE_ATTENTIONS:
+        raise ValueError(f"core_attention must be one of {CORE_ATTENTIONS}, got {core_attention!r}")
+    if core_attention == "sdpa":
+        from stapo_megatron.bridge.attention import SDPAttention
+
+        layer.submodules.self_attention.submodules.core_attention = SDPAttention
+    return layer
 
 
 def build_gpt_model(
@@ -54,6 +63,7 @@ def build_gpt_model(
     parallel_output: bool = True,
     use_te: Optional[bool] = None,
     vp_stage: Optional[int] = None,
+    core_attention: Optional[str] = None,
     **config_overrides: Any,
 ):
     """A GPTModel for this rank's TP/PP position that computes what transformers computes.
@@ -66,6 +76,8 @@ def build_gpt_model(
             False gathers them on every TP rank.
         use_te: force (True) or forbid (False) the transformer-engine spec; None = auto.
         vp_stage: virtual pipeline stage, for interleaved schedules.
+        core_attention: the local spec's core attention, "local" or "sdpa" (None: "sdpa" on
+            CUDA, "local" on CPU); ignored by the transformer-engine spec.
         config_overrides: extra TransformerConfig fields (training settings, not architecture).
     Returns:
         megatron.core.models.gpt.GPTModel; ``model.padded_vocab_size`` and ``model.qwen_spec``
@@ -78,11 +90,12 @@ def build_gpt_model(
     spec = hf_config if isinstance(hf_config, QwenSpec) else spec_from_hf_config(hf_config)
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
-    config = transformer_config_from_spec(spec, tp, pp, params_dtype, **config_overrides)
+    use_te = use_transformer_engine(use_te)
+    config = transformer_config_from_spec(spec, tp, pp, params_dtype, use_te=use_te, **config_overrides)
     vocab = padded_vocab_size(spec.vocab_size, tp, make_vocab_size_divisible_by)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(spec, use_te),
+        transformer_layer_spec=layer_spec(spec, use_te, core_attention),
         vocab_size=vocab,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),

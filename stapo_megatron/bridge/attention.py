@@ -1,0 +1,111 @@
+"""Core attention through ``torch.nn.functional.scaled_dot_product_attention`` for the local spec.
+
+Megatron's local ``DotProductAttention`` materialises the [b, heads, s, s] score matrix (a 16k
+token micro-batch of a 16-head layer would need 16 GiB for the scores alone in bf16); PyTorch's
+SDPA dispatches to flash / cuDNN / memory-efficient kernels on GPU that never do. `SDPAttention`
+is a drop-in for ``DotProductAttention`` in the local layer spec: same constructor arguments,
+same forward contract, no parameters or buffers of its own (checkpoint keys are unchanged).
+It is the default on CUDA without transformer-engine (`stapo_megatron.bridge.model.layer_spec`)
+and selectable on CPU, where a test shows it equals the local attention on the same weights.
+
+Layouts (Megatron's): query [sq, b, np, hn], key/value [sk, b, ng, hn] with np heads and ng
+query groups on this TP rank; output [sq, b, np * hn]. SDPA's layout is [b, heads, s, hn].
+
+Supported: causal self-attention (``attention_mask`` None, as the trainer passes; the mask
+type is causal) or an explicit boolean mask (True = masked out, Megatron's convention), GQA,
+dropout. Not supported (ValueError): packed sequences (THD), attention bias, sliding windows,
+non-vanilla softmax, context parallelism -- none of which the Qwen dense models here use.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+
+class SDPAttention(MegatronModule):
+    """``DotProductAttention``'s contract on ``scaled_dot_product_attention`` (see module doc).
+
+    The constructor signature is that of megatron.core.transformer.dot_product_attention
+    .DotProductAttention (unchanged from megatron-core 0.16 to 0.19), which is how
+    ``SelfAttention`` builds its ``core_attention``.
+    """
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+    ):
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.core.utils import divide
+
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError(f"SDPAttention does not support context_parallel_size {config.context_parallel_size}")
+        if getattr(config, "window_size", None) is not None:
+            raise ValueError(f"SDPAttention does not support sliding-window attention (window_size {config.window_size})")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError(f"SDPAttention supports softmax_type 'vanilla' only, got {config.softmax_type!r}")
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        tp_size = pg_collection.tp.size()
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.num_heads_per_partition = divide(config.num_attention_heads, tp_size)
+        self.num_groups_per_partition = divide(config.num_query_groups, tp_size)
+        # apply_query_key_layer_scaling divides the scale by the layer number and multiplies the
+        # scores back inside the fp32 softmax: the product is the plain 1/sqrt(hn).
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        """Attention of [sq, b, np, hn] queries over [sk, b, ng, hn] keys/values -> [sq, b, np*hn]."""
+        if packed_seq_params is not None:
+            raise ValueError("SDPAttention does not support packed sequences (packed_seq_params)")
+        if attention_bias is not None:
+            raise ValueError("SDPAttention does not support attention_bias")
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        # [s, b, h, d] -> [b, h, s, d]: a strided view; SDPA kernels need only the last dim dense.
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        attn_mask, is_causal = None, False
+        if attention_mask is not None:
+            attn_mask = ~attention_mask.bool()  # SDPA: True = attend; Megatron: True = masked out
+        elif mask_type == AttnMaskType.causal:
+            is_causal = True
+        elif mask_type != AttnMaskType.no_mask:
+            raise ValueError(f"SDPAttention needs an attention_mask for mask type {mask_type}")
+        dropout_p = self.dropout_p if self.training else 0.0
+        gqa = self.num_heads_per_partition != self.num_groups_per_partition
+        if dropout_p > 0 and not self.config.sequence_parallel:
+            from megatron.core import tensor_parallel
+
+            # as DotProductAttention: model-parallel-region dropout draws from the TP tracker
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal,
+                                                     scale=self.softmax_scale, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal,
+                                                 scale=self.softmax_scale, enable_gqa=gqa)
+        # [b, np, sq, hn] -> [sq, b, np * hn]
+        return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
