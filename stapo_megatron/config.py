@@ -80,6 +80,9 @@ class RolloutSampling:
     """Nucleus sampling."""
     max_response_len: int = 15360
     """Maximum response tokens."""
+    engine: str = "auto"
+    """Rollout engine: "vllm" (`VLLMEngine`), "hf" (`HFEngine`: transformers ``generate``, no
+    vLLM needed, no rollout TP) or "auto" (vLLM where it is installed, else hf)."""
     tensor_parallel_size: int = 1
     """vLLM's own TP."""
     gpu_memory_utilization: float = 0.5

@@ -1,6 +1,7 @@
 """The STAPO training loop (DESIGN.md, "One training step"), SPMD: one process per device.
 
-Per step: (1) this DP rank's prompts; (2) vLLM rollouts, G per prompt, in this process;
+Per step: (1) this DP rank's prompts; (2) rollouts (vLLM, or transformers where vLLM is not
+installed: ``RolloutSampling.engine``), G per prompt, in this process;
 (3) math rewards; (4) group advantages (groups stay whole on one DP rank); (5) pi_old log-probs
 and entropies with the Megatron model; (6) per PPO mini-batch the STAPO loss through Megatron's
 forward_backward and an optimizer step; (7) weight sync Megatron -> vLLM; (8) metrics, held-out
@@ -23,7 +24,7 @@ from stapo_megatron.batching import group_advantages, pack_sequences, split_micr
 from stapo_megatron.config import TrainerConfig
 from stapo_megatron.loss import compute_logprob_entropy
 from stapo_megatron.metrics import RunLogger, plot_run
-from stapo_megatron.parallel import Groups, destroy_parallel, init_parallel
+from stapo_megatron.parallel import Groups, collective_device, destroy_parallel, init_parallel
 from stapo_megatron.sft import sft_step
 from stapo_megatron.step import build_optimizer, policy_update, wrap_ddp
 
@@ -155,6 +156,10 @@ class Trainer:
             load_checkpoint(model, cfg.model.megatron_ckpt)
         # the output layer is padded to a multiple of 128 x TP; the softmax must not see it
         self.vocab_size = model.qwen_spec.vocab_size
+        # Device rule: batches live on the model's device; what goes through a DP collective is
+        # created on the backend's device (the same CUDA device under NCCL, the CPU under gloo).
+        self.device = next(model.parameters()).device
+        self.dp_device = collective_device(self.groups.dp)
         self.model = wrap_ddp(model, cfg.optim.use_distributed_optimizer)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.logger = RunLogger(cfg.run_dir, enabled=self.rank == 0)
@@ -165,11 +170,13 @@ class Trainer:
 
     def _start_services(self):
         from stapo_megatron.rewards import RewardScorer
-        from stapo_megatron.rollout.vllm_engine import RolloutConfig, VLLMEngine
+        from stapo_megatron.rollout.engines import build_engine
+        from stapo_megatron.rollout.vllm_engine import RolloutConfig
 
         r = self.cfg.rollout
         max_len = _pad_to(self.cfg.data.max_prompt_len + r.max_response_len)
-        self.engine = VLLMEngine(
+        self.engine = build_engine(
+            r.engine,
             self.cfg.model.hf_dir,
             RolloutConfig(
                 tensor_parallel_size=r.tensor_parallel_size,
@@ -225,7 +232,7 @@ class Trainer:
         texts = [s.text for group in samples for s in group]
         answers = [self.eval_ex[i].answer for i in idx for _ in range(cfg.eval_samples)]
         rewards, _ = self.scorer.score(texts, answers)
-        sums = torch.tensor([sum(rewards), float(len(rewards))])
+        sums = torch.tensor([sum(rewards), float(len(rewards))], device=self.dp_device)
         dist.all_reduce(sums, group=self.groups.dp)
         row = dict(kind="eval", step=step, eval_accuracy=float(sums[0] / sums[1]),
                    eval_num=int(sums[1]), time_eval=time.perf_counter() - t0)
@@ -248,7 +255,7 @@ class Trainer:
             ]
             seq = _pad_to(max(len(p) + len(t) for p, t in zip(prompts, targets)), self.seq_multiple)
             batch = pack_sequences(prompts, targets, [0.0] * len(idx), [[0.0] * len(t) for t in targets],
-                                   self.tokenizer.pad_token_id, seq)
+                                   self.tokenizer.pad_token_id, seq, device=self.device)
             mbs = split_microbatches(batch, self.cfg.micro_batch_size, seed=step)
             nll = sft_step(self.model, optimizer, mbs, seq, self.groups.tp, self.groups.dp, self.vocab_size,
                            ws.label_smoothing)
@@ -277,6 +284,7 @@ class Trainer:
         batch = pack_sequences(
             [prompts[i // G] for i in range(len(flat))], [s.token_ids for s in flat],
             adv_PG.reshape(-1).tolist(), [s.logprobs for s in flat], self.tokenizer.pad_token_id, seq,
+            device=self.device,
         )
         per_mini = cfg.minibatch_prompts // self.dp_size * G
         minis = [
@@ -287,14 +295,14 @@ class Trainer:
         with timer("old_logprob"):
             old = [compute_logprob_entropy(self.model, m, seq, cfg.loss.temperature, groups.tp, self.vocab_size)
                    for m in minis]
-        diff = torch.zeros(2)
+        diff = torch.zeros(2, device=self.device)
         for mini, stats in zip(minis, old):
             for i, mb in enumerate(mini):
                 mb["old_logprob"] = stats[i][0] if groups.is_last_stage else torch.zeros_like(mb["advantages"])
                 if groups.is_last_stage:
                     mask = mb["response_mask"]
                     diff += torch.stack([(stats[i][0] - mb["rollout_logprob"]).abs()[mask].sum(), mask.sum().float()])
-        diff = _reduce_from_last_stage(diff, groups)
+        diff = _reduce_from_last_stage(diff.to(self.dp_device), groups)
         with timer("train"):
             updates = [policy_update(self.model, self.optimizer, m, cfg.loss, groups, seq, s, self.vocab_size)
                        for m, s in zip(minis, old)]
@@ -319,7 +327,7 @@ class Trainer:
         sums = torch.tensor([
             float(rewards_PG.sum()), float(rewards_PG.numel()), float(num_flat), float(rewards_PG.shape[0]),
             float(sum(len(s.token_ids) for s in flat)), float(reward_info.get("num_timeouts", 0)),
-        ])
+        ], device=self.dp_device)
         dist.all_reduce(sums, group=self.groups.dp)
         mean = lambda key: sum(u[key] for u in updates) / len(updates)  # noqa: E731
         silenced = sum(u["silenced_count"] for u in updates)

@@ -69,6 +69,9 @@ class RolloutConfig:
     """Fixed KV cache size in bytes. None: ``gpu_memory_utilization`` decides on GPU, and CPU
     engines get CPU_DEFAULT_KV_CACHE_BYTES (vLLM's CPU default would reserve
     gpu_memory_utilization x RAM per engine, several GB on a shared box)."""
+    hf_max_batch_size: int = 64
+    """`HFEngine` only: sequences (prompt x sample rows) generated together; the vLLM engine
+    schedules its own batches."""
 
 
 @dataclasses.dataclass
