@@ -9,11 +9,14 @@ resumes from RUN_DIR's latest checkpoint.
 import dataclasses
 import sys
 
+import torch
+
 from stapo_megatron.recipes import tiny_demo
 from stapo_megatron.trainer import train
 
 if __name__ == "__main__":
     run_dir, model_dir, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    print(f"device {'cuda' if torch.cuda.is_available() else 'cpu'}", flush=True)
     cfg, warmstart = tiny_demo(run_dir=run_dir)
     cfg = dataclasses.replace(
         cfg, steps=steps, prompts_per_step=8, minibatch_prompts=4, micro_batch_size=16,

@@ -27,3 +27,161 @@ def test_cuda_op_matches_cpu(dtype):
     torch.testing.assert_close(h_gpu.cpu(), h_cpu, atol=1e-4, rtol=0)
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(gpu.grad.cpu().float(), cpu.grad.float(), atol=tol, rtol=0)
+
+
+# --- the GPU path without transformer-engine, apex or vLLM (issue 10) -------------------------
+
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from tests.dist_utils import _free_port, run_distributed  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROMPT, RESPONSE, MBS, VOCAB = 4, 12, 2, 300
+
+
+@contextlib.contextmanager
+def _cpu_only():
+    """Processes spawned inside see no GPU: cpu_compat applies and Megatron runs on the CPU."""
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        os.environ.pop("CUDA_VISIBLE_DEVICES") if saved is None else os.environ.__setitem__("CUDA_VISIBLE_DEVICES", saved)
+
+
+def _policy_update_worker(steps):
+    """Two mini-batches per step of the STAPO update on the tiny Qwen3 (fp32), from fixed weights."""
+    from stapo_megatron.bridge import build_gpt_model
+    from stapo_megatron.bridge.tiny import tiny_config
+    from stapo_megatron.loss import LossConfig, compute_logprob_entropy
+    from stapo_megatron.parallel import init_parallel
+    from stapo_megatron.step import OptimConfig, policy_update, wrap_model_and_optimizer
+    from stapo_megatron.synthetic import synthetic_rollouts
+    from tests.test_rollout_engine import randomize
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 (the default; stated for the tolerance)
+    groups = init_parallel(1, 1)
+    model = build_gpt_model(tiny_config("qwen3"), calculate_per_token_loss=True)
+    randomize(model, seed=5)  # CPU generators: the same weights on either device
+    model, optimizer = wrap_model_and_optimizer(model, OptimConfig(optimizer="sgd", lr=0.05, weight_decay=0.0,
+                                                                    clip_grad=0.0))
+    seq, history = PROMPT + RESPONSE, []
+    for step in range(steps):
+        mbs, _ = synthetic_rollouts(4, 4, PROMPT, RESPONSE, VOCAB, seed=step, micro_batch_size=MBS)
+        minis = [mbs[:4], mbs[4:]]
+        stats = [compute_logprob_entropy(model, m, seq, tp_group=groups.tp, vocab_size=VOCAB) for m in minis]
+        for mini, st in zip(minis, stats):
+            for i, mb in enumerate(mini):
+                mb["old_logprob"] = st[i][0]
+            m = policy_update(model, optimizer, mini, LossConfig(tau_p=0.02), groups, seq, st, vocab_size=VOCAB)
+            history.append({k: v for k, v in m.items() if k != "silenced_tokens"})
+    device = str(next(model.parameters()).device)
+    return device, history, {n: p.detach().cpu() for n, p in model.module.named_parameters()}
+
+
+def test_policy_update_on_cuda_equals_cpu():
+    """fp32: the same two-step STAPO update (SDPA core attention on CUDA, the local one on CPU).
+    Tolerance: 1e-4 relative on metrics and 1e-5 absolute on O(0.1-1) weights -- cuBLAS and
+    MKL sum in different orders (~1e-6 per op); counts (kept, silenced, candidates) are exact."""
+    (gpu_device, gpu_hist, gpu_params), = run_distributed(1, _policy_update_worker, 2)
+    with _cpu_only():
+        (cpu_device, cpu_hist, cpu_params), = run_distributed(1, _policy_update_worker, 2)
+    assert gpu_device.startswith("cuda") and cpu_device == "cpu"
+    assert sum(m["silenced_count"] for m in cpu_hist) > 0, "the S2T mask must be exercised"
+    for got, want in zip(gpu_hist, cpu_hist):
+        for key in ("num_kept", "num_response_tokens", "silenced_count", "candidate_count", "skipped"):
+            assert got[key] == want[key], key
+        for key in ("loss", "tau_h", "entropy_mean", "approx_kl", "grad_norm", "clip_fraction"):
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    for name, want in cpu_params.items():
+        torch.testing.assert_close(gpu_params[name], want, atol=1e-5, rtol=0, msg=name)
+
+
+def _attention_worker(dtype):
+    from stapo_megatron.bridge import build_gpt_model
+    from stapo_megatron.bridge.tiny import tiny_config
+    from stapo_megatron.parallel import init_parallel
+    from tests.test_rollout_engine import randomize
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    init_parallel(1, 1)
+    out = {}
+    for variant in ("qwen3", "qwen2.5"):
+        local = build_gpt_model(tiny_config(variant), params_dtype=dtype, bf16=dtype == torch.bfloat16,
+                                core_attention="local")
+        sdpa = build_gpt_model(tiny_config(variant), params_dtype=dtype, bf16=dtype == torch.bfloat16,
+                               core_attention="sdpa")
+        randomize(local, seed=3)
+        sdpa.load_state_dict(local.state_dict())
+        tokens = torch.randint(0, tiny_config(variant)["vocab_size"], (2, 256), generator=torch.Generator().manual_seed(0))
+        tokens, pos = tokens.cuda(), torch.arange(256, device="cuda").expand(2, 256)
+        logits = [m(tokens, pos, attention_mask=None) for m in (local, sdpa)]
+        upstream = torch.randn(logits[0].shape, generator=torch.Generator().manual_seed(1)).to(logits[0])
+        for lg in logits:
+            lg.backward(upstream)
+        grad_err = max(float((q.grad.float() - p.grad.float()).abs().max() / p.grad.float().abs().max())
+                       for p, q in zip(local.parameters(), sdpa.parameters()))
+        scale = float(logits[0].float().abs().max())
+        out[variant] = (float((logits[1].float() - logits[0].float()).abs().max()) / scale, grad_err, scale)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sdpa_attention_equals_local_on_cuda(dtype):
+    """fp32: 1e-5 of the largest logit and of each largest gradient (efficient-attention vs
+    baddbmm+softmax, fp32 sums in different orders). bf16: 2e-2 -- flash attention keeps the
+    probabilities in bf16 for P @ V where the local path rounds them the same way, but the two
+    accumulate 256-term sums in different orders (a few bf16 ulps, 2^-8 each)."""
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    (result,) = run_distributed(1, _attention_worker, dtype)
+    for variant, (logit_err, grad_err, scale) in result.items():
+        print(f"\n{variant} {dtype}: max|dlogit|/max|logit| {logit_err:.2e} (max {scale:.2f}), grad {grad_err:.2e}")
+        assert scale > 1.0
+        assert logit_err <= tol and grad_err <= 5 * tol, variant
+
+
+def test_stapo_convert_verify_on_cuda(tmp_path):
+    """HF -> Megatron conversion, then `stapo-convert verify` (Megatron on CUDA, SDPA attention)."""
+    from conversion.cli import main
+    from stapo_megatron.bridge.tiny import save_tiny_hf_model
+
+    hf_dir, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
+    save_tiny_hf_model(hf_dir, "qwen3", dtype=torch.float32, seed=0)
+    assert main(["hf-to-mcore", "--hf-dir", hf_dir, "--out", ckpt]) == 0
+    assert main(["verify", "--hf-dir", hf_dir, "--ckpt", ckpt, "--tp", "1", "--pp", "1"]) == 0
+
+
+def _trainer(run_dir, model_dir, steps):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", f"--master-port={_free_port()}",
+           os.path.join(HERE, "hf_engine_trainer_script.py"), str(run_dir), str(model_dir), str(steps)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_two_trainer_steps_checkpoint_and_resume_on_cuda(tmp_path):
+    """The tiny recipe on CUDA with the HF rollout engine (no vLLM): 2 steps with a checkpoint
+    each, then a resume that runs step 3."""
+    from stapo_megatron import checkpoint as ckpt
+
+    model_dir, run_dir = tmp_path / "model", tmp_path / "run"
+    subprocess.run([sys.executable, os.path.join(HERE, "..", "examples", "prepare_tiny_model.py"), str(model_dir)],
+                   check=True, capture_output=True)
+    out = _trainer(run_dir, model_dir, 2)
+    assert "device cuda" in out
+    assert ckpt.find_latest(str(run_dir), world_size=1).endswith("step_00000002")
+    out = _trainer(run_dir, model_dir, 3)
+    assert "resumed from" in out and "(step 2)" in out
+    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    for r in train:
+        assert r["skipped"] == 0 and r["response_len_mean"] > 0
+        # the HF engine samples with the weights Megatron trains (fp32 on both sides)
+        assert r["rollout_train_logprob_diff"] < 1e-4
+    assert ckpt.find_latest(str(run_dir), world_size=1).endswith("step_00000003")
