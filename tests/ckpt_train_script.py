@@ -4,11 +4,18 @@ Trains a tiny GPTModel with the STAPO loss on synthetic rollouts, saving a check
 step and resuming from the newest complete one on start. Appends ``{"step", "loss", "resumed"}``
 rows to ``<run_dir>/losses.jsonl`` (rank 0).
 
-    torchrun --nproc-per-node 2 tests/ckpt_train_script.py RUN_DIR STEPS
+    torchrun --nproc-per-node 2 tests/ckpt_train_script.py RUN_DIR STEPS [KILL_AT]
+
+KILL_AT makes every rank SIGKILL itself at a point of the run it names, so a test crashes the
+job at exactly that point whatever the machine's speed: ``update:K`` in the policy update of
+step K (step K-1's checkpoint is complete, step K's not begun), ``save:K`` inside step K's
+checkpoint save (the model and optimizer shards are written to the temporary directory, the
+RNG and trainer state are not).
 """
 
 import json
 import os
+import signal
 import sys
 
 import torch
@@ -22,7 +29,24 @@ from stapo_megatron.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gp
 VOCAB, PROMPT, RESPONSE = 384, 4, 12
 
 
-def main(run_dir: str, steps: int) -> None:
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _kill_inside_save() -> None:
+    """Wrap the RNG-state capture, which runs after the shards are written and before publishing."""
+    take_rng_state = ckpt._rng_state
+
+    def rng_state_then_die():
+        take_rng_state()
+        _die()
+
+    ckpt._rng_state = rng_state_then_die
+
+
+def main(run_dir: str, steps: int, kill_at: str = "") -> None:
+    kill_phase, _, kill_step = kill_at.partition(":")
+    kill_step = int(kill_step) if kill_step else -1
     groups = init_parallel(1, 1)
     rank = torch.distributed.get_rank()
     dp, dp_rank = torch.distributed.get_world_size(groups.dp), torch.distributed.get_rank(groups.dp)
@@ -41,7 +65,11 @@ def main(run_dir: str, steps: int) -> None:
             mb["old_logprob"] = logprob
         # a random number drawn each step: resumed RNG state must reproduce it
         noise = torch.rand(1).item()
+        if kill_phase == "update" and step + 1 == kill_step:
+            _die()
         metrics = policy_update(model, optimizer, mine, LossConfig(tau_p=0.003), groups, PROMPT + RESPONSE, stats)
+        if kill_phase == "save" and step + 1 == kill_step:
+            _kill_inside_save()
         ckpt.save_checkpoint(run_dir, step + 1, model, optimizer, {"note": "test"})
         if rank == 0:
             with open(os.path.join(run_dir, "losses.jsonl"), "a") as f:
@@ -51,4 +79,4 @@ def main(run_dir: str, steps: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), *sys.argv[3:4])

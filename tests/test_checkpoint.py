@@ -2,10 +2,10 @@
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
+import tempfile
+import uuid
 
 import pytest
 
@@ -15,26 +15,31 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "ckpt_train_script.py")
 STEPS = 6
 
 
-def _launch(run_dir):
+def _run(run_dir, kill_at=""):
+    """torchrun the script to its end, or until its ranks kill themselves at ``kill_at``.
+
+    A rank killed inside a checkpoint save orphans the helper process it had spawned there (it
+    keeps the rank's stderr open and never exits): every process of the launch carries a marker
+    in its environment, and whatever is left of it afterwards is killed.
+    """
+    import psutil
+
     from tests.dist_utils import _free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
-           SCRIPT, str(run_dir), str(STEPS)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
-                            start_new_session=True)
-
-
-def _kill_tree(pid):
-    """SIGKILL torchrun and its workers (which torchrun starts in sessions of their own)."""
-    import psutil
-
-    parent = psutil.Process(pid)
-    for p in parent.children(recursive=True) + [parent]:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
+           SCRIPT, str(run_dir), str(STEPS)] + ([kill_at] if kill_at else [])
+    marker = f"{os.getpid()}-{uuid.uuid4().hex}"
+    env = dict(os.environ, OMP_NUM_THREADS="1", STAPO_TEST_LAUNCH=marker)
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, timeout=600)
+        for p in psutil.process_iter():
+            try:
+                if p.environ().get("STAPO_TEST_LAUNCH") == marker:
+                    p.kill()
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                pass
+        err.seek(0)
+        return proc.returncode, err.read().decode(errors="replace")[-3000:]
 
 
 def _rows(run_dir):
@@ -46,9 +51,8 @@ def _rows(run_dir):
 
 
 def _run_to_end(run_dir):
-    proc = _launch(run_dir)
-    _, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err.decode()[-3000:]
+    returncode, err = _run(run_dir)
+    assert returncode == 0, err
 
 
 @pytest.mark.slow
@@ -58,25 +62,21 @@ def test_sigkill_and_resume_reproduces_uninterrupted_run(tmp_path):
     reference = {r["step"]: r for r in _rows(ref_dir)}
     assert sorted(reference) == list(range(1, STEPS + 1))
 
-    # Kill at several points: right after step 1 is logged (the step-2 rollout/update is
-    # running), and a little after step 3 (often inside the step-4 save).
-    for after_step, delay in ((1, 0.0), (3, 0.4)):
-        proc = _launch(run_dir)
-        deadline = time.time() + 300
-        while not any(r["step"] >= after_step for r in _rows(run_dir)):
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-            assert time.time() < deadline
-            time.sleep(0.05)
-        time.sleep(delay)
-        _kill_tree(proc.pid)
-        proc.wait()
+    # The job crashes where the run itself says (every rank SIGKILLs itself there), never at a
+    # wall-clock moment: inside step 2's policy update, then (resumed from step 1) inside step
+    # 4's checkpoint save, after the shards are written and before the checkpoint is published.
+    for kill_at, expect_latest in (("update:2", "step_00000001"), ("save:4", "step_00000003")):
+        returncode, err = _run(run_dir, kill_at)
+        assert returncode != 0, f"the job killed at {kill_at} exited 0"
         latest = ckpt.find_latest(str(run_dir), world_size=2)
-        assert latest is not None and ckpt._is_complete(latest, 2)
+        assert latest is not None and ckpt._is_complete(latest, 2), err
+        assert os.path.basename(latest) == expect_latest, (kill_at, latest)
+    assert os.path.isdir(run_dir / "checkpoints" / ".tmp_step_00000004")  # the save really was cut
     _run_to_end(run_dir)
 
     rows = _rows(run_dir)
     resumes = [r["resumed"] for r in rows if r["resumed"]]
-    assert len(set(resumes)) >= 2, f"expected two resumes, saw {set(resumes)}"
+    assert set(resumes) == {"step_00000001", "step_00000003"}, f"expected two resumes, saw {set(resumes)}"
     final = {}
     for r in rows:  # a step re-run after a kill overwrites the earlier row
         final[r["step"]] = r
