@@ -167,6 +167,10 @@ class _CpuTorchCudaSeed(_CpuTorch):
                 current_device=torch.cuda.current_device,
                 device_count=lambda: 0,
                 get_rng_state=torch.get_rng_state,
+                # _get_all_rng_states (activation recomputation's CheckpointFunction) saves
+                # the "CUDA" state through torch.cuda.random; on CPU that is a placeholder (the
+                # matching _set_cuda_rng_state is deferred by torch.cuda._lazy_call, never run).
+                random=types.SimpleNamespace(get_rng_state=lambda device=None: torch.get_rng_state()),
                 CUDAGraph=torch.cuda.CUDAGraph,
             )
         return super().__getattr__(name)
