@@ -18,10 +18,10 @@ numerators exp(z - m_r) into the buffer that backward will return, so backward i
 rescale by the per-row factor -g exp(m_r - log Z) / T plus the target entries g (1 - p_y) / T
 (computed in fp32 and written, never added to a rounded value): no second exp pass and no
 collective (the column-parallel output layer all-reduces its input gradient itself). Without a
-gradient only cache-sized fp32 scratch is used. The input is never modified in place (Megatron's
-vocab_parallel_cross_entropy overwrites fp32 logits, the cause of verl #1672/#2484) and no fp32
-copy of the shard is held beyond the returned gradient. Like Megatron's CE, backward runs once
-(no retain_graph double backward).
+gradient only cache-sized fp32 scratch is used. The input is not modified unless the caller asks
+for it (``inplace_backward``; Megatron's vocab_parallel_cross_entropy always overwrites fp32
+logits, the cause of verl #1672/#2484) and no fp32 copy of the shard is held beyond the
+returned gradient. Like Megatron's CE, backward runs once (no retain_graph double backward).
 
 Two implementations compute the same partials and share steps 2-4: this module's torch path
 (CPU, and the reference) and the Triton kernels of ``stapo_megatron.kernels.logprob_entropy``
@@ -90,13 +90,17 @@ def _local_stats(logits_NV, target_N, vocab_start, inv_temp, exp_out_NV=None):
             d.copy_(x_CV).sub_(ref_C)
         if inv_temp != 1.0:
             d.mul_(inv_temp)
-        d.clamp_(min=_NEG_MAX)  # masked (-inf) entries: e = 0 and e * d = 0, not NaN
         torch.exp(d, out=e)
         if exp_out_NV is not None and not write_e_in_place:
             exp_out_NV[start:end].copy_(e)
         m_N[start:end] = m_C.squeeze(-1).float() * inv_temp
         s_N[start:end] = e.sum(dim=-1)
-        w_N[start:end] = torch.linalg.vecdot(e, d)
+        w_C = torch.linalg.vecdot(e, d)
+        if w_C.isnan().any():
+            # Masked (-inf) entries: e = 0 but e * d = 0 * -inf. Clamped, they add 0 log 0 = 0;
+            # done only for chunks that have them, so unmasked rows pay no extra pass.
+            w_C = torch.linalg.vecdot(e, d.clamp_(min=_NEG_MAX))
+        w_N[start:end] = w_C
     local_ids_N = target_N - vocab_start
     owned_N = (local_ids_N >= 0) & (local_ids_N < vocab)
     picked_N = logits_NV.gather(-1, local_ids_N.clamp(0, vocab - 1).unsqueeze(-1)).squeeze(-1)
@@ -139,7 +143,7 @@ def _grad_from_logits(logits_NV, out_NV, target_N, vocab_start, num_real, inv_te
     owned_N = (local_ids_N >= 0) & (local_ids_N < num_real)
     for start in range(0, num_rows, chunk):
         end = min(start + chunk, num_rows)
-        logp_CV = logits_NV[start:end, :num_real].float().mul_(inv_temp)
+        logp_CV = logits_NV[start:end, :num_real].to(torch.float32, copy=True).mul_(inv_temp)
         logp_CV.sub_(log_z_N[start:end, None]).clamp_(min=_NEG_MAX)
         p_CV = logp_CV.exp()
         grad_CV = p_CV * -g_N[start:end, None]

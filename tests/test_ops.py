@@ -149,6 +149,8 @@ def test_entropy_gradient_and_inplace_backward(inplace):
     (ref_lp * g.double() + ref_h * w.double()).sum().backward()
     torch.testing.assert_close(source.grad.double(), x.grad, atol=FP32_TOL, rtol=0)
     assert (source.grad.data_ptr() == source.data_ptr()) == inplace
+    if not inplace:
+        assert torch.equal(source.detach(), logits.detach()), "the op must not modify its input"
 
 
 def test_inplace_backward_logprob_only_matches_default():

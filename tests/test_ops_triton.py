@@ -99,6 +99,8 @@ def _fwd_bwd(logits, target, upstream, impl, entropy_grad, inplace, **kw):
     lp, h = vocab_parallel_logprob_entropy_(x, target, impl=impl, entropy_grad=entropy_grad, inplace_backward=inplace, **kw)
     loss = (lp * upstream[0]).sum() + ((h * upstream[1]).sum() if entropy_grad else 0)
     loss.backward()
+    if not inplace:
+        assert torch.equal(x.detach(), logits), f"{impl}: the input must be left intact"
     return lp.detach(), h.detach(), x.grad, x.grad.data_ptr() == x.data_ptr()
 
 
