@@ -27,6 +27,7 @@ import threading
 import time
 from typing import Callable, Optional
 
+import psutil
 from math_verify import LatexExtractionConfig, parse, verify
 
 # What a scoring function reports besides the reward (RewardScorer counts these).
@@ -38,7 +39,14 @@ _BOXED = "\\boxed"
 # Only the boxed LaTeX extractor (see the module docstring for why no plain-expression extractor).
 _EXTRACTION = (LatexExtractionConfig(boxed_match_priority=0),)
 # Time a spawned worker may take to import math-verify/sympy and warm up on a busy machine.
-_STARTUP_TIMEOUT_S = 120.0
+# Limits are counted in the worker's CPU seconds, not wall-clock: on a loaded machine a worker
+# waits for a core, and a wall-clock limit would then score correct answers 0 (and make a run's
+# rewards depend on machine load). A pathological parse burns CPU and is still cut at the limit.
+# Importing math-verify/sympy takes a few CPU seconds; the wall-clock backstops only catch a
+# worker that is blocked without using CPU at all.
+_STARTUP_CPU_S = 120.0
+_STARTUP_WALL_S = 1800.0
+_ITEM_WALL_FACTOR = 60.0
 
 
 class _DropDisabledTimeoutWarning(logging.Filter):
@@ -182,7 +190,22 @@ class _Worker:
         child_conn.close()
         self.ready = False
         self.item: Optional[int] = None
-        self.since = time.monotonic()
+        self.start_clock()
+
+    def cpu_seconds(self) -> float:
+        """CPU time the worker process has used so far (0 once it has exited)."""
+        try:
+            times = psutil.Process(self.process.pid).cpu_times()
+        except psutil.Error:
+            return 0.0
+        return times.user + times.system
+
+    def start_clock(self) -> None:
+        self.since, self.cpu_since = time.monotonic(), self.cpu_seconds()
+
+    def overran(self, cpu_limit: float, wall_limit: float) -> bool:
+        return (self.cpu_seconds() - self.cpu_since >= cpu_limit
+                or time.monotonic() - self.since >= wall_limit)
 
     def kill(self) -> None:
         self.process.kill()
@@ -193,8 +216,9 @@ class _Worker:
 class RewardScorer:
     """Time-bounded batch scoring in a pool of spawned processes; usable from any thread.
 
-    Each item is sent to an idle worker on its own and gets ``timeout_s`` seconds from the moment
-    it is sent; a worker that overruns is killed (SIGKILL) and replaced, and the item scores 0 and
+    Each item is sent to an idle worker on its own and gets ``timeout_s`` seconds of the worker's
+    CPU time from the moment it is sent (so machine load does not change rewards), with a
+    wall-clock backstop of 60 x ``timeout_s`` for a worker blocked without using CPU; a worker that overruns is killed (SIGKILL) and replaced, and the item scores 0 and
     is counted in ``num_timeouts``. Workers start lazily on the first ``score`` call and are kept
     for later calls. ``score`` calls from several threads are serialised.
 
@@ -267,7 +291,7 @@ class RewardScorer:
             for worker in self._workers:
                 if worker.ready and worker.item is None and todo:
                     worker.item = todo.popleft()
-                    worker.since = time.monotonic()
+                    worker.start_clock()
                     worker.conn.send(items[worker.item])
             if not todo and all(w.item is None for w in self._workers):
                 break
@@ -279,20 +303,23 @@ class RewardScorer:
             self._workers.append(_Worker(self._ctx, self._score_fn))
 
     def _wait_and_collect(self, rewards: list[float], stats: dict) -> None:
-        """Wait for the next message or deadline; record results, kill and drop overrunning workers."""
-        def deadline(w: _Worker) -> float:
-            return w.since + (self.timeout_s if w.ready else _STARTUP_TIMEOUT_S)
+        """Wait for the next message or a poll tick; record results, kill and drop overrunning workers.
 
+        Overrun is checked every ``min(timeout_s, 1 s) / 4`` of wall time against the worker's
+        CPU time (see ``_STARTUP_CPU_S``).
+        """
         waiting = [w for w in self._workers if not w.ready or w.item is not None]
-        timeout = max(0.0, min(deadline(w) for w in waiting) - time.monotonic())
-        ready_conns = multiprocessing.connection.wait([w.conn for w in waiting], timeout=timeout)
+        poll = min(self.timeout_s, 1.0) / 4
+        ready_conns = multiprocessing.connection.wait([w.conn for w in waiting], timeout=poll)
         for worker in waiting:
             if worker.conn in ready_conns:
                 self._receive(worker, rewards, stats)
-            elif time.monotonic() >= deadline(worker):
-                if not worker.ready:
+            elif not worker.ready:
+                if worker.overran(_STARTUP_CPU_S, _STARTUP_WALL_S):
                     self._drop(worker)
-                    raise RuntimeError(f"reward worker did not start within {_STARTUP_TIMEOUT_S} s")
+                    raise RuntimeError(f"reward worker did not start within {_STARTUP_CPU_S:.0f} CPU seconds "
+                                       f"({_STARTUP_WALL_S:.0f} s wall-clock backstop)")
+            elif worker.overran(self.timeout_s, self.timeout_s * _ITEM_WALL_FACTOR):
                 stats["num_timeouts"] += 1
                 self._drop(worker)
 
