@@ -17,6 +17,8 @@ import dataclasses
 import io
 import json
 import os
+import signal
+import threading
 import warnings
 from typing import Callable, Optional
 
@@ -43,6 +45,8 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from conversion.safetensors_io import cast_checked
 
 # What megatron.core.dist_checkpointing.save writes for the torch_dist backend (0.16 - 0.19).
 BACKEND_METADATA = {
@@ -91,6 +95,8 @@ class _StreamingSavePlanner(DefaultSavePlanner):
         self._on_chunk = on_chunk
         self.errors: list[BaseException] = []
         self.num_produced = 0
+        self.interrupted = False
+        """Set by write_checkpoint's SIGINT handler: every writer thread stops at its next chunk."""
 
     def create_local_plan(self) -> SavePlan:
         items = []
@@ -117,7 +123,10 @@ class _StreamingSavePlanner(DefaultSavePlanner):
             return buf
         chunk = self._chunks[(write_item.index.fqn, tuple(write_item.index.offset))]
         try:
-            data = chunk.produce().to(chunk.dtype).reshape(chunk.sizes)
+            if self.interrupted:
+                raise KeyboardInterrupt
+            name = f"{chunk.key} (chunk at {tuple(chunk.offsets)})"
+            data = cast_checked(chunk.produce(), chunk.dtype, name).reshape(chunk.sizes)
         except BaseException as e:
             # torch 2.13 FileSystemWriter drops exceptions raised in its extra writer threads
             # and would still write `.metadata`; keep them so write_checkpoint can re-raise.
@@ -141,6 +150,7 @@ def write_checkpoint(path: str, chunks: list[Chunk], objects: list[BytesObject] 
         on_chunk: progress callback, called with the byte size of each produced chunk.
     """
     writer = FileSystemWriter(path, single_file_per_rank=True, thread_count=thread_count)
+    planner = _StreamingSavePlanner(chunks, list(objects), on_chunk)
     # DCP stores each chunk with torch.save, whose per-record CRC32 took ~35% of hf-to-mcore
     # (benchmarks/bench_conversion.py) and is never read: torch.load does not check zip CRCs
     # (see torch.serialization.set_crc32_options, torch >= 2.6).
@@ -148,9 +158,9 @@ def write_checkpoint(path: str, chunks: list[Chunk], objects: list[BytesObject] 
     torch.serialization.set_crc32_options(False)
     with contextlib.ExitStack() as stack, warnings.catch_warnings():
         stack.callback(torch.serialization.set_crc32_options, crc)
+        stack.enter_context(_stoppable_writer_threads(planner))
         # DCP warns that torch.distributed is uninitialised: a single writer process is intended.
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        planner = _StreamingSavePlanner(chunks, list(objects), on_chunk)
         try:
             dcp_save({}, storage_writer=writer, planner=planner, no_dist=True)
         except CheckpointException:
@@ -163,6 +173,45 @@ def write_checkpoint(path: str, chunks: list[Chunk], objects: list[BytesObject] 
     torch.save(common or {}, os.path.join(path, "common.pt"))
     with open(os.path.join(path, "metadata.json"), "w", encoding="utf-8") as f:
         json.dump(BACKEND_METADATA, f)
+
+
+@contextlib.contextmanager
+def _stoppable_writer_threads(planner: _StreamingSavePlanner):
+    """Make Ctrl-C stop every DCP writer thread before the caller cleans up.
+
+    Python delivers SIGINT to the main thread only; torch 2.13's FileSystemWriter does not join
+    its extra writer threads when the main thread raises, so they would go on writing into a
+    directory being deleted. Here SIGINT only sets ``planner.interrupted`` (each thread then
+    raises KeyboardInterrupt at its next chunk), the threads are joined on the way out, and
+    their exceptions are kept in ``planner.errors`` instead of printed as thread tracebacks.
+    """
+    before = set(threading.enumerate())
+    in_main = threading.current_thread() is threading.main_thread()
+    previous_handler = signal.getsignal(signal.SIGINT) if in_main else None
+    previous_hook = threading.excepthook
+
+    def on_sigint(signum, frame):
+        planner.interrupted = True
+
+    def keep_thread_error(args):
+        if args.thread in before:
+            previous_hook(args)
+        else:
+            planner.errors.append(args.exc_value)
+
+    if in_main:
+        signal.signal(signal.SIGINT, on_sigint)
+    threading.excepthook = keep_thread_error
+    try:
+        yield
+    finally:
+        for t in set(threading.enumerate()) - before:
+            t.join()
+        threading.excepthook = previous_hook
+        if in_main:
+            signal.signal(signal.SIGINT, previous_handler)
+    if planner.interrupted:
+        raise KeyboardInterrupt
 
 
 def is_complete(path: str) -> bool:
@@ -205,18 +254,43 @@ class _SliceLoadPlanner(LoadPlanner):
         pass
 
 
+DDP_PREFIX = "module."
+"""Key prefix of a model saved through Megatron's DistributedDataParallel wrapper (what
+`stapo_megatron.checkpoint.save_checkpoint` writes); converted and Megatron-LM checkpoints have none."""
+
+
+def model_key_prefix(keys, probe: str = "embedding.word_embeddings.weight") -> str:
+    """``""`` or `DDP_PREFIX`: the prefix under which the model tensor ``probe`` is stored."""
+    for prefix in ("", DDP_PREFIX):
+        if prefix + probe in keys:
+            return prefix
+    raise ValueError(f"checkpoint has no tensor {probe} (nor {DDP_PREFIX}{probe}): not a GPT model checkpoint")
+
+
 class CheckpointReader:
-    """Reads regions of tensors from a torch_dist checkpoint without loading the rest."""
+    """Reads regions of tensors from a torch_dist checkpoint without loading the rest.
+
+    Model tensors are addressed by their Megatron keys (``decoder.layers...``) whether the
+    checkpoint stores them so or under Megatron DDP's ``module.`` prefix (a trainer checkpoint).
+    """
 
     def __init__(self, path: str):
         self.path = path
         self._reader = FileSystemReader(path)
-        self.metadata = self._reader.read_metadata()
+        try:
+            self.metadata = self._reader.read_metadata()
+        except Exception as e:  # a truncated or foreign .metadata: unpickling fails in many ways
+            raise ValueError(f"{path}: cannot read the checkpoint's .metadata ({type(e).__name__}: {e})") from None
         self._reader.set_up_storage_reader(self.metadata, is_coordinator=True)
+        stored = [k for k, v in self.metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)]
+        self.key_prefix = model_key_prefix(stored)
 
     def tensors(self) -> dict[str, TensorStorageMetadata]:
-        """Stored tensors by key (ShardedObjects and other byte items excluded)."""
-        return {k: v for k, v in self.metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+        """Stored tensors by Megatron model key (ShardedObjects and byte items excluded; in a
+        DDP-prefixed checkpoint also the optimizer state, whose keys lack the prefix)."""
+        p = self.key_prefix
+        return {k[len(p):]: v for k, v in self.metadata.state_dict_metadata.items()
+                if isinstance(v, TensorStorageMetadata) and k.startswith(p)}
 
     def row_boundaries(self, key: str) -> list[int]:
         """Dim-0 offsets where stored chunks of ``key`` start, plus the row count."""
@@ -248,16 +322,27 @@ class CheckpointReader:
         return None
 
     def _load_chunk(self, key: str, chunk: ChunkStorageMetadata) -> torch.Tensor:
-        info = self.metadata.storage_data[MetadataIndex(key, chunk.offsets)]
+        info = self.metadata.storage_data[MetadataIndex(self.key_prefix + key, chunk.offsets)]
         assert not info.transform_descriptors, "compressed/transformed DCP items are not supported"
-        with open(os.path.join(self.path, info.relative_path), "rb") as f:
-            return torch.load(_create_file_view(f, info.offset, info.length), map_location="cpu", weights_only=True)
+        path = os.path.join(self.path, info.relative_path)
+        with open(path, "rb") as f:
+            try:
+                return torch.load(_create_file_view(f, info.offset, info.length), map_location="cpu",
+                                  weights_only=True)
+            except Exception as e:  # a truncated or damaged .distcp file
+                raise ValueError(f"{path}: cannot read tensor {key} ({type(e).__name__}: {e}); "
+                                 "the file is truncated or damaged") from None
 
     def _read_via_dcp(self, requests: dict) -> dict[str, torch.Tensor]:
-        mds = self.tensors()
-        targets = {k: (off, torch.empty(sizes, dtype=mds[k].properties.dtype)) for k, (off, sizes) in requests.items()}
+        mds, p = self.tensors(), self.key_prefix
+        targets = {p + k: (off, torch.empty(sizes, dtype=mds[k].properties.dtype))
+                   for k, (off, sizes) in requests.items()}
         planner = _SliceLoadPlanner(targets)
         planner.set_up_planner({}, self.metadata, True)
         plan = self._reader.prepare_local_plan(planner.create_local_plan())
-        self._reader.read_data(plan, planner).wait()
-        return {k: t for k, (_, t) in targets.items()}
+        try:
+            self._reader.read_data(plan, planner).wait()
+        except Exception as e:  # a truncated or damaged .distcp file
+            raise ValueError(f"{self.path}: cannot read {sorted(requests)} ({type(e).__name__}: {e}); "
+                             "a .distcp file is truncated or damaged") from None
+        return {k[len(p):]: t for k, (_, t) in targets.items()}

@@ -46,13 +46,51 @@ _LINEAR_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "m
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 
 
+# config.json fields spec_from_hf_config reads as integers: required, and optional (null allowed).
+_INT_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size",
+               "max_position_embeddings")
+_OPTIONAL_INT_FIELDS = ("num_key_value_heads", "head_dim")
+
+
+def load_spec(hf_dir: str) -> tuple[dict, QwenSpec]:
+    """``hf_dir/config.json`` and its QwenSpec; a missing or malformed field is a ValueError
+    naming the file and the field."""
+    path = os.path.join(hf_dir, "config.json")
+    try:
+        cfg = load_hf_config(hf_dir)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    for field in _INT_FIELDS + _OPTIONAL_INT_FIELDS:
+        value = cfg.get(field)
+        if value is None and field in _OPTIONAL_INT_FIELDS:
+            continue
+        if field not in cfg:
+            raise ValueError(f"{path}: required field {field!r} is missing")
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{path}: field {field!r} must be a positive integer, got {value!r}")
+    eps = cfg.get("rms_norm_eps")
+    if "rms_norm_eps" not in cfg:
+        raise ValueError(f"{path}: required field 'rms_norm_eps' is missing")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+        raise ValueError(f"{path}: field 'rms_norm_eps' must be a number in (0, 1), got {eps!r}")
+    try:
+        return cfg, spec_from_hf_config(cfg)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
 def check_tensors(spec: QwenSpec, infos: dict[str, TensorInfo]) -> None:
-    """Every tensor the config implies exists with the implied shape; extras are reported."""
+    """Every tensor the config implies exists with the implied shape and a floating-point dtype;
+    extras are reported."""
     expected = hf_shapes(spec)
     missing = [n for n in expected if n not in infos]
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors the config implies, e.g. {missing[:5]}")
     for name, shape in expected.items():
+        if not infos[name].dtype.is_floating_point:
+            raise ValueError(f"tensor {name} has dtype {infos[name].dtype}; weights must be floating-point")
         if infos[name].shape != shape:
             raise ValueError(
                 f"tensor {name} has shape {infos[name].shape} in the checkpoint but the config implies {shape}"
@@ -144,9 +182,9 @@ def convert_hf_to_mcore(
             meant for; checked against the head and layer counts, and the stored vocabulary is
             padded for this TP (other TP/PP sizes load it too).
     """
-    spec = spec_from_hf_config(load_hf_config(hf_dir))
+    _, spec = load_spec(hf_dir)
     check_parallel_sizes(spec, tensor_model_parallel_size, pipeline_model_parallel_size)
-    check_output_dir(out, overwrite)
+    check_output_dir(out, overwrite, inputs=[hf_dir])
     infos = index_checkpoint(hf_dir)
     check_tensors(spec, infos)
     dtype = dtype or infos["model.embed_tokens.weight"].dtype
@@ -161,7 +199,7 @@ def convert_hf_to_mcore(
         "tensor_model_parallel_size": tensor_model_parallel_size,
         "pipeline_model_parallel_size": pipeline_model_parallel_size,
     }
-    with staged_output(out, overwrite) as tmp:
+    with staged_output(out, overwrite, inputs=[hf_dir]) as tmp:
         write_checkpoint(tmp, chunks, extra_state_objects(spec), thread_count=thread_count,
                          on_chunk=progress.update)
         copy_hf_side_files(hf_dir, os.path.join(tmp, HF_SUBDIR))

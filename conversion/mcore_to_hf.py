@@ -20,10 +20,10 @@ from typing import Iterator, Optional, TextIO
 import torch
 
 from conversion.dcp_io import CheckpointReader, is_complete
-from conversion.hf_to_mcore import HF_SUBDIR, copy_hf_side_files
+from conversion.hf_to_mcore import HF_SUBDIR, copy_hf_side_files, load_spec
 from conversion.publish import Progress, check_output_dir, staged_output
-from conversion.safetensors_io import INDEX_NAME, SINGLE_NAME, ShardWriter
-from stapo_megatron.bridge.config import QwenSpec, load_hf_config, spec_from_hf_config
+from conversion.safetensors_io import INDEX_NAME, SINGLE_NAME, ShardWriter, cast_checked
+from stapo_megatron.bridge.config import QwenSpec, load_hf_config
 from stapo_megatron.bridge.mapping import ParamMapping, hf_shapes, mappings_for, megatron_shape
 from stapo_megatron.bridge.transforms import split_qkv_pieces
 
@@ -75,6 +75,11 @@ def check_stored(spec: QwenSpec, stored: dict, padded_vocab_hint: int) -> None:
     for m in mappings_for(spec):
         if m.checkpoint_key not in stored:
             raise ValueError(f"checkpoint has no tensor {m.checkpoint_key} (needed for {spec.architecture})")
+        stored_dtype = stored[m.checkpoint_key].properties.dtype
+        if not stored_dtype.is_floating_point:
+            raise ValueError(
+                f"checkpoint tensor {m.checkpoint_key} has dtype {stored_dtype}; weights must be floating-point"
+            )
         got = tuple(stored[m.checkpoint_key].size)
         want = ((spec.num_layers,) if m.per_layer else ()) + megatron_shape(m, spec, padded_vocab_hint)
         if m.transform == "vocab":
@@ -167,8 +172,9 @@ def convert_mcore_to_hf(
     """
     ckpt_dir = resolve_checkpoint_dir(ckpt)
     side_dir = find_hf_side_dir(ckpt, ckpt_dir, hf_config_dir)
-    spec = spec_from_hf_config(load_hf_config(side_dir))
-    check_output_dir(out, overwrite)
+    _, spec = load_spec(side_dir)
+    inputs = [ckpt, ckpt_dir, side_dir]
+    check_output_dir(out, overwrite, inputs)
     reader = CheckpointReader(ckpt_dir)
     stored = reader.tensors()
     check_stored(spec, stored, spec.vocab_size)
@@ -182,7 +188,7 @@ def convert_mcore_to_hf(
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     file_of = {entry[0]: f for f, shard in zip(files, shards) for entry in shard}
     progress = Progress("mcore-to-hf", len(order), sum(math.prod(shapes[n]) for n in order) * itemsize, stream)
-    with staged_output(out, overwrite) as tmp:
+    with staged_output(out, overwrite, inputs) as tmp:
         writers = iter([(f, shard) for f, shard in zip(files, shards)])
         writer, remaining = None, 0
         for m, layer in jobs:
@@ -194,7 +200,7 @@ def convert_mcore_to_hf(
                     writer, remaining = ShardWriter(os.path.join(tmp, fname), shard), len(shard)
                 nbytes = 0
                 for block in blocks:
-                    block = block.to(dtype)
+                    block = cast_checked(block, dtype, name)
                     writer.write(block)
                     nbytes += block.nbytes
                 remaining -= 1

@@ -13,11 +13,32 @@ import shutil
 import sys
 import threading
 import time
-from typing import Iterator, Optional, TextIO
+from typing import Iterator, Optional, Sequence, TextIO
 
 
-def check_output_dir(out: str, overwrite: bool) -> None:
-    """Refuse an existing non-empty output directory unless ``overwrite`` is set."""
+def _within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def check_output_dir(out: str, overwrite: bool, inputs: Sequence[str] = ()) -> None:
+    """Refuse an existing non-empty output directory unless ``overwrite`` is set, and an output
+    that is, contains or lies inside one of ``inputs`` (replacing it would delete the input).
+
+    Paths are compared after resolving symlinks, so a link to the input is the input.
+    """
+    real_out = os.path.realpath(out)
+    overlaps = []
+    for inp in inputs:
+        real_in = os.path.realpath(inp)
+        if real_out == real_in:
+            overlaps.insert(0, (inp, "is"))  # the most specific report first
+        elif _within(real_out, real_in):
+            overlaps.append((inp, "lies inside"))
+        elif _within(real_in, real_out):
+            overlaps.append((inp, "contains"))
+    if overlaps:
+        inp, how = overlaps[0]
+        raise ValueError(f"output {out} {how} the input {inp}; choose an output directory outside the input")
     if os.path.exists(out) and not os.path.isdir(out):
         raise FileExistsError(f"output path {out} exists and is not a directory")
     if os.path.isdir(out) and os.listdir(out) and not overwrite:
@@ -25,12 +46,12 @@ def check_output_dir(out: str, overwrite: bool) -> None:
 
 
 @contextlib.contextmanager
-def staged_output(out: str, overwrite: bool = False) -> Iterator[str]:
+def staged_output(out: str, overwrite: bool = False, inputs: Sequence[str] = ()) -> Iterator[str]:
     """Yield a temporary directory next to ``out``; on success rename it to ``out``.
 
     On any exception the temporary directory is removed and ``out`` is left untouched.
     """
-    check_output_dir(out, overwrite)
+    check_output_dir(out, overwrite, inputs)
     out = os.path.abspath(out)
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)

@@ -90,8 +90,14 @@ def index_checkpoint(hf_dir: str) -> dict[str, TensorInfo]:
     """All tensors of an HF folder (sharded with an index, or a single model.safetensors)."""
     index_path = os.path.join(hf_dir, INDEX_NAME)
     if os.path.isfile(index_path):
-        with open(index_path, encoding="utf-8") as f:
-            weight_map = json.load(f)["weight_map"]
+        try:
+            with open(index_path, encoding="utf-8") as f:
+                index = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{index_path}: not valid JSON ({e})") from None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{index_path}: no 'weight_map' object (tensor name -> shard file)")
         files = sorted(set(weight_map.values()))
     elif os.path.isfile(os.path.join(hf_dir, SINGLE_NAME)):
         weight_map, files = None, [SINGLE_NAME]
@@ -121,6 +127,20 @@ def read_rows(info: TensorInfo, start: int = 0, stop: Optional[int] = None) -> t
         got = f.readinto(memoryview(out.view(-1).view(torch.uint8).numpy()))
     if got != out.nbytes:
         raise ValueError(f"{info.path}: truncated while reading ({got} of {out.nbytes} bytes)")
+    return out
+
+
+def cast_checked(tensor: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """``tensor.to(dtype)``; raise ValueError naming ``name`` if finite values overflow to inf
+    (float16's range ends at 65504, bfloat16's and float32's at ~3.4e38)."""
+    out = tensor.to(dtype)
+    if dtype == torch.float16 and tensor.dtype != torch.float16:
+        overflow = out.isinf() & ~tensor.isinf()
+        if overflow.any():
+            raise ValueError(
+                f"tensor {name}: {int(overflow.sum())} values (largest |x| = {tensor.abs().max().item():.4g}) "
+                f"overflow float16 (max 65504); choose --dtype bfloat16 or float32"
+            )
     return out
 
 

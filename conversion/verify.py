@@ -114,10 +114,23 @@ def _megatron_forward(model, tokens_BS: torch.Tensor) -> Optional[torch.Tensor]:
     return store[0] if store else None
 
 
+def _with_ddp_keys(model):
+    """``model`` as the ``module`` child of a bare MegatronModule, so that its sharded state dict
+    and state dict carry the ``module.`` prefix a checkpoint saved through Megatron DDP has."""
+    from megatron.core.transformer.module import MegatronModule
+
+    wrapper = MegatronModule(config=model.config)
+    wrapper.module = model
+    return wrapper
+
+
 def megatron_worker(ckpt_dir: str, hf_config: dict, layouts: Sequence[tuple[int, int]],
-                    tokens_BS: torch.Tensor) -> dict:
+                    tokens_BS: torch.Tensor, key_prefix: str = "") -> dict:
     """One rank: for each layout build, load, run; returns ``{(tp, pp): (prompt_ids, logits)}``
-    from the ranks that hold full logits (last stage, TP rank 0)."""
+    from the ranks that hold full logits (last stage, TP rank 0).
+
+    ``key_prefix`` is ``"module."`` for a checkpoint written by the trainer (see
+    `conversion.dcp_io.model_key_prefix`)."""
     from megatron.core import parallel_state as ps
 
     from stapo_megatron.bridge import build_gpt_model, load_checkpoint
@@ -127,7 +140,7 @@ def megatron_worker(ckpt_dir: str, hf_config: dict, layouts: Sequence[tuple[int,
     for tp, pp in layouts:
         init_parallel(tp, pp)
         model = build_gpt_model(hf_config, params_dtype=torch.float32, parallel_output=False)
-        load_checkpoint(model, ckpt_dir)
+        load_checkpoint(_with_ddp_keys(model) if key_prefix else model, ckpt_dir)
         model.eval()
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         ids = list(range(dp_rank, tokens_BS.shape[0], dp))
@@ -169,15 +182,15 @@ def _spawned(rank: int, world: int, port: int, args: tuple, queue) -> None:
 
 
 def megatron_logits(ckpt_dir: str, hf_config: dict, layouts: Sequence[tuple[int, int]],
-                    tokens_BS: torch.Tensor, timeout: float = 1800.0) -> dict:
+                    tokens_BS: torch.Tensor, timeout: float = 1800.0, key_prefix: str = "") -> dict:
     """Spawn the ranks; return ``{(tp, pp): logits [B, S, V]}`` reassembled over DP replicas."""
     import torch.multiprocessing as mp
 
     world = math.lcm(*(tp * pp for tp, pp in layouts))
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_spawned, args=(r, world, port, (ckpt_dir, hf_config, list(layouts), tokens_BS), queue))
-             for r in range(world)]
+    worker_args = (ckpt_dir, hf_config, list(layouts), tokens_BS, key_prefix)
+    procs = [ctx.Process(target=_spawned, args=(r, world, port, worker_args, queue)) for r in range(world)]
     for p in procs:
         p.start()
     gathered, error = {}, None
@@ -202,16 +215,18 @@ def megatron_logits(ckpt_dir: str, hf_config: dict, layouts: Sequence[tuple[int,
 def verify(hf_dir: str, ckpt_dir: str, layouts: Sequence[tuple[int, int]], num_prompts: int = 4,
            seq_len: int = 32, seed: int = 0) -> list[ParityRow]:
     """Compare the checkpoint under each (TP, PP) layout with transformers on fixed prompts."""
+    from conversion.dcp_io import CheckpointReader
+    from conversion.hf_to_mcore import load_spec
     from conversion.mcore_to_hf import resolve_checkpoint_dir
-    from stapo_megatron.bridge.config import check_parallel_sizes, load_hf_config, spec_from_hf_config
+    from stapo_megatron.bridge.config import check_parallel_sizes
 
-    hf_config = load_hf_config(hf_dir)
-    spec = spec_from_hf_config(hf_config)
+    hf_config, spec = load_spec(hf_dir)
     for tp, pp in layouts:
         check_parallel_sizes(spec, tp, pp)
     ckpt_dir = resolve_checkpoint_dir(ckpt_dir)
+    key_prefix = CheckpointReader(ckpt_dir).key_prefix
     tokens_BS = fixed_prompts(spec.vocab_size, num_prompts, seq_len, seed)
     # The reference runs (and is freed) before the Megatron ranks start, to keep peak memory low.
     ref_BSV = hf_logits(hf_dir, tokens_BS)
-    got = megatron_logits(ckpt_dir, hf_config, layouts, tokens_BS)
+    got = megatron_logits(ckpt_dir, hf_config, layouts, tokens_BS, key_prefix=key_prefix)
     return [compare(ref_BSV, got[(tp, pp)], tp, pp) for tp, pp in layouts]

@@ -129,8 +129,7 @@ def test_interrupted_conversion_leaves_nothing(monkeypatch, hf, tmp_path, direct
     out = str(tmp_path / "out")
     argv = (["hf-to-mcore", "--hf-dir", hf, "--out", out] if direction == "hf-to-mcore"
             else ["mcore-to-hf", "--ckpt", ckpt, "--out", out])
-    with pytest.raises(KeyboardInterrupt):
-        main(argv)
+    assert main(argv) == 130
     assert calls["n"] >= 10
     assert not os.path.exists(out)
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".out.partial")]
@@ -188,3 +187,194 @@ def test_hf_to_mcore_reads_lazily(monkeypatch, hf, tmp_path):
     monkeypatch.setattr(hf_to_mcore, "read_rows", lambda *a: sizes.append(real(*a).nbytes) or real(*a))
     assert main(["hf-to-mcore", "--hf-dir", hf, "--out", str(tmp_path / "ckpt")]) == 0
     assert len(sizes) > 100 and max(sizes) == 128 * 64 * 2
+
+
+def _snapshot(path):
+    """{relative path: bytes} of every file under ``path``."""
+    out = {}
+    for root, _, files in os.walk(path):
+        for name in files:
+            full = os.path.join(root, name)
+            with open(full, "rb") as f:
+                out[os.path.relpath(full, path)] = f.read()
+    return out
+
+
+@pytest.mark.parametrize("where, needle", [("same", "is the input"), ("parent", "contains the input"),
+                                           ("inside", "lies inside the input"), ("link", "is the input")])
+def test_hf_to_mcore_output_overlapping_input_is_refused(capsys, hf, tmp_path, where, needle):
+    # --overwrite would replace the output: with the input at or under it, the model is deleted.
+    before = _snapshot(hf)
+    (tmp_path / "neighbour").mkdir()
+    (tmp_path / "neighbour" / "model.bin").write_text("another model")
+    if where == "link":
+        os.symlink(hf, tmp_path / "link")
+    out = {"same": hf, "parent": str(tmp_path), "inside": os.path.join(hf, "mcore"),
+           "link": str(tmp_path / "link")}[where]
+    _fails(capsys, ["hf-to-mcore", "--hf-dir", hf, "--out", out, "--overwrite"], needle, out, hf)
+    assert _snapshot(hf) == before
+    assert (tmp_path / "neighbour" / "model.bin").read_text() == "another model"
+    assert not os.path.exists(os.path.join(hf, "mcore"))
+
+
+@pytest.mark.parametrize("where, needle", [("ckpt", "is the input"), ("step", "is the input"),
+                                           ("run_parent", "contains the input"), ("hf_config", "is the input"),
+                                           ("inside_step", "lies inside the input")])
+def test_mcore_to_hf_output_overlapping_input_is_refused(capsys, hf, tmp_path, where, needle):
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step_00000002"
+    assert main(["hf-to-mcore", "--hf-dir", hf, "--out", str(step)]) == 0
+    (run / "checkpoints" / "latest").write_text("step_00000002\n")
+    before = _snapshot(str(run))
+    out = {"ckpt": run, "step": step, "run_parent": tmp_path, "hf_config": hf, "inside_step": step / "hf"}[where]
+    _fails(capsys, ["mcore-to-hf", "--ckpt", str(run), "--out", str(out), "--hf-config", hf, "--overwrite"],
+           needle, str(out))
+    assert _snapshot(str(run)) == before
+    assert os.path.isfile(os.path.join(hf, "config.json"))
+
+
+_SIGINT_SCRIPT = """
+import sys, time
+import conversion.hf_to_mcore as h
+from conversion.cli import main
+real = h.read_rows
+def slow(*a):
+    time.sleep(0.05)  # so that SIGINT lands while the writer threads are busy
+    return real(*a)
+h.read_rows = slow
+sys.exit(main(["hf-to-mcore", "--hf-dir", sys.argv[1], "--out", sys.argv[2], "--threads", "3"]))
+"""
+
+
+def test_sigint_during_hf_to_mcore_is_clean(hf, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-c", _SIGINT_SCRIPT, hf, str(out)], stderr=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    deadline = time.monotonic() + 120
+    # wait until the writer threads have written into the hidden temporary directory
+    while not any(n.startswith(".out.partial") and os.listdir(tmp_path / n) for n in os.listdir(tmp_path)):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, err
+    assert f"stapo-convert hf-to-mcore: interrupted; {out} is left as it was" in err
+    assert "Traceback" not in err and "Exception in thread" not in err, err
+    assert os.listdir(tmp_path) == ["hf"]  # neither the output nor the temporary directory
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["hf-to-mcore", "--hf-dir", "H", "--out", "O", "--tp", "0"], "argument --tp: must be > 0, got 0"),
+    (["hf-to-mcore", "--hf-dir", "H", "--out", "O", "--pp", "-1"], "argument --pp: must be > 0, got -1"),
+    (["hf-to-mcore", "--hf-dir", "H", "--out", "O", "--threads", "0"], "argument --threads: must be > 0, got 0"),
+    (["mcore-to-hf", "--ckpt", "C", "--out", "O", "--max-shard-gb", "nan"], "argument --max-shard-gb: must be > 0"),
+    (["verify", "--hf-dir", "H", "--ckpt", "C", "--num-prompts", "0"], "argument --num-prompts: must be > 0, got 0"),
+    (["verify", "--hf-dir", "H", "--ckpt", "C", "--tp", "two"], "argument --tp: invalid int value: 'two'"),
+])
+def test_non_positive_sizes_are_refused(capsys, argv, needle):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"num_hidden_layers": None}, "required field 'num_hidden_layers' is missing"),
+    ({"hidden_size": "64"}, "field 'hidden_size' must be a positive integer, got '64'"),
+    ({"num_key_value_heads": 0}, "field 'num_key_value_heads' must be a positive integer, got 0"),
+    ({"rms_norm_eps": None}, "required field 'rms_norm_eps' is missing"),
+])
+def test_config_field_missing_or_malformed(capsys, hf, tmp_path, change, needle):
+    path = os.path.join(hf, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    for key, value in change.items():
+        if value is None:
+            del cfg[key]
+        else:
+            cfg[key] = value
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    _fails(capsys, ["hf-to-mcore", "--hf-dir", hf, "--out", str(tmp_path / "out")], path, needle)
+    _fails(capsys, ["verify", "--hf-dir", hf, "--ckpt", str(tmp_path / "none")], path, needle)
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_config_not_json(capsys, hf, tmp_path):
+    with open(os.path.join(hf, "config.json"), "w") as f:
+        f.write("{not json")
+    _fails(capsys, ["hf-to-mcore", "--hf-dir", hf, "--out", str(tmp_path / "out")], "config.json: not valid JSON")
+
+
+@pytest.mark.parametrize("index", [{"metadata": {}}, {"weight_map": ["a"]}, "[1, 2]", "\xff"])
+def test_index_without_weight_map(capsys, hf, tmp_path, index):
+    path = os.path.join(hf, "model.safetensors.index.json")
+    with open(path, "w", encoding="latin-1") as f:
+        f.write(index if isinstance(index, str) else json.dumps(index))
+    needle = "not valid JSON" if index == "\xff" else "no 'weight_map' object"
+    _fails(capsys, ["hf-to-mcore", "--hf-dir", hf, "--out", str(tmp_path / "out")], path, needle)
+
+
+def _rewrite_safetensors(hf_dir, fn):
+    """Apply ``fn(name, tensor) -> tensor`` to every tensor of every shard (safetensors.torch)."""
+    from safetensors.torch import load_file, save_file
+
+    for shard in _shards(hf_dir):
+        path = os.path.join(hf_dir, shard)
+        save_file({k: fn(k, v).contiguous() for k, v in load_file(path).items()}, path, metadata={"format": "pt"})
+
+
+def test_integer_weights_are_refused(capsys, hf, tmp_path):
+    name = "model.layers.1.mlp.down_proj.weight"
+    _rewrite_safetensors(hf, lambda k, v: v.to(torch.int8) if k == name else v)
+    _fails(capsys, ["hf-to-mcore", "--hf-dir", hf, "--out", str(tmp_path / "out")],
+           f"tensor {name} has dtype torch.int8; weights must be floating-point")
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_fp16_overflow_is_refused(capsys, hf, tmp_path):
+    name = "model.layers.2.self_attn.o_proj.weight"
+    _rewrite_safetensors(hf, lambda k, v: v * 1e6 if k == name else v)
+    _fails(capsys, ["hf-to-mcore", "--hf-dir", hf, "--out", str(tmp_path / "out"), "--dtype", "float16"],
+           "decoder.layers.self_attention.linear_proj.weight (chunk at (2, 0, 0))", "overflow float16 (max 65504)")
+    assert os.listdir(tmp_path) == ["hf"]
+    # bf16 holds the values: the same weights convert, then refuse to export to fp16
+    ckpt = str(tmp_path / "ckpt")
+    assert main(["hf-to-mcore", "--hf-dir", hf, "--out", ckpt]) == 0
+    _fails(capsys, ["mcore-to-hf", "--ckpt", ckpt, "--out", str(tmp_path / "back"), "--dtype", "float16"],
+           f"tensor {name}:", "overflow float16 (max 65504)")
+    assert not os.path.exists(tmp_path / "back")
+
+
+def test_integer_checkpoint_tensor_is_refused(capsys, hf, tmp_path, monkeypatch):
+    ckpt = str(tmp_path / "ckpt")
+    real = hf_to_mcore.plan_chunks
+
+    def int_fc2(spec, infos, padded, dtype):
+        chunks = real(spec, infos, padded, dtype)
+        for c in chunks:
+            if c.key == "decoder.layers.mlp.linear_fc2.weight":
+                c.dtype = torch.int32
+        return chunks
+
+    monkeypatch.setattr(hf_to_mcore, "plan_chunks", int_fc2)
+    assert main(["hf-to-mcore", "--hf-dir", hf, "--out", ckpt]) == 0
+    _fails(capsys, ["mcore-to-hf", "--ckpt", ckpt, "--out", str(tmp_path / "back")],
+           "checkpoint tensor decoder.layers.mlp.linear_fc2.weight has dtype torch.int32; weights must be floating-point")
+
+
+@pytest.mark.parametrize("damage", ["distcp", "metadata"])
+def test_truncated_checkpoint_files(capsys, hf, tmp_path, damage):
+    ckpt = tmp_path / "ckpt"
+    assert main(["hf-to-mcore", "--hf-dir", hf, "--out", str(ckpt)]) == 0
+    name = ".metadata" if damage == "metadata" else sorted(n for n in os.listdir(ckpt) if n.endswith(".distcp"))[0]
+    os.truncate(ckpt / name, os.path.getsize(ckpt / name) // 2)
+    needle = "cannot read the checkpoint's .metadata" if damage == "metadata" else "is truncated or damaged"
+    _fails(capsys, ["mcore-to-hf", "--ckpt", str(ckpt), "--out", str(tmp_path / "back")], str(ckpt), needle)
+    assert not os.path.exists(tmp_path / "back")
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".back")]
