@@ -48,14 +48,14 @@ from triton.runtime.interpreter import InterpretedFunction
 FWD_BLOCK_V, FWD_NUM_WARPS = 4096, 8
 BWD_BLOCK_V, BWD_NUM_WARPS = 4096, 8
 
-_NEG_MAX = -3.4028234663852886e38  # most negative finite fp32: 0 * it is 0, 0 * -inf is NaN
+_NEG_MAX = tl.constexpr(-3.4028234663852886e38)  # most negative finite fp32: 0 * it is 0, 0 * -inf is NaN
 
 
 @triton.jit
 def _shard_stats_kernel(
     logits_ptr, row_stride, target_ptr,
     out0_ptr, out1_ptr, out2_ptr, out3_ptr,
-    num_real, vocab_start, inv_temp,
+    vocab_local, num_real, vocab_start, inv_temp,
     FINALIZE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # row * row_stride overflows int32 past 2^31 elements
@@ -66,8 +66,10 @@ def _shard_stats_kernel(
     w_B = tl.zeros([BLOCK_V], dtype=tl.float32)
     for start in range(0, num_real, BLOCK_V):
         cols_B = start + offs_B
-        x_B = tl.load(row_ptr + cols_B, mask=cols_B < num_real, other=float("-inf"))
-        z_B = x_B.to(tl.float32) * inv_temp
+        # Loads are masked by the row length (a multiple of 16 when Megatron pads the vocabulary,
+        # which keeps them vectorised), padding is then set to -inf.
+        x_B = tl.load(row_ptr + cols_B, mask=cols_B < vocab_local, other=float("-inf"))
+        z_B = tl.where(cols_B < num_real, x_B.to(tl.float32) * inv_temp, float("-inf"))
         m_new = tl.maximum(m, tl.max(z_B, axis=0))
         # While every entry so far is -inf, measure from 0 so the sums stay 0 (not NaN).
         ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -116,8 +118,9 @@ def _logits_grad_kernel(
         entropy = tl.load(entropy_ptr + row)
     for start in range(0, vocab_local, BLOCK_V):
         cols_B = start + offs_B
-        x_B = tl.load(x_row_ptr + cols_B, mask=cols_B < num_real, other=float("-inf"))
-        logp_B = tl.maximum(x_B.to(tl.float32) * inv_temp - log_z, _NEG_MAX)
+        x_B = tl.load(x_row_ptr + cols_B, mask=cols_B < vocab_local, other=float("-inf"))
+        z_B = tl.where(cols_B < num_real, x_B.to(tl.float32) * inv_temp, float("-inf"))
+        logp_B = tl.maximum(z_B - log_z, _NEG_MAX)
         p_B = tl.exp(logp_B)
         grad_B = tl.where(cols_B == local_id, g, 0.0) - g * p_B
         if ENTROPY_GRAD:
@@ -157,7 +160,7 @@ def shard_stats(logits_NV, target_N, vocab_start: int, num_real: int, inv_temp: 
     if num_rows:
         with torch.cuda.device(logits_NV.device) if logits_NV.is_cuda else contextlib.nullcontext():
             _shard_stats_kernel[(num_rows,)](
-                logits_NV, logits_NV.stride(0), target_N, *outs, num_real, vocab_start, inv_temp,
+                logits_NV, logits_NV.stride(0), target_N, *outs, logits_NV.shape[1], num_real, vocab_start, inv_temp,
                 FINALIZE=finalize, BLOCK_V=_block(num_real, FWD_BLOCK_V), num_warps=FWD_NUM_WARPS,
             )
     return tuple(outs[:3]) if finalize else tuple(outs)
