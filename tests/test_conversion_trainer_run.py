@@ -1,0 +1,66 @@
+"""A run written by the trainer's checkpointing (Megatron DDP: ``module.``-prefixed keys, a
+``latest`` marker over ``step_*`` directories) exports to HF and verifies (README: run folders
+are accepted by `stapo-convert mcore-to-hf` and `verify`)."""
+
+import os
+
+import pytest
+import torch
+
+from conversion.cli import main
+from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
+from tests.dist_utils import run_distributed
+from tests.test_conversion_roundtrip import _assert_bit_exact
+
+VARIANT = "qwen3"
+
+
+def _train_and_save(hf_dir, converted, run_dir, plain_dir):
+    """One rank: load the converted model, take a real STAPO-loss step on synthetic rollouts,
+    save it as the trainer does (step 1), and also as a plain model-only checkpoint."""
+    from stapo_megatron import checkpoint as ckpt
+    from stapo_megatron.bridge import build_gpt_model, load_checkpoint
+    from stapo_megatron.loss import LossConfig, compute_logprob_entropy
+    from stapo_megatron.parallel import destroy_parallel, init_parallel
+    from stapo_megatron.step import OptimConfig, policy_update, wrap_model_and_optimizer
+    from stapo_megatron.synthetic import synthetic_rollouts
+
+    prompt, response = 4, 8
+    groups = init_parallel(1, 1)
+    model = build_gpt_model(tiny_config(VARIANT), params_dtype=torch.float32, calculate_per_token_loss=True)
+    load_checkpoint(model, converted)
+    before = [p.detach().clone() for p in model.parameters()]
+    model, optimizer = wrap_model_and_optimizer(model, OptimConfig(lr=1e-2))
+    mbs, _ = synthetic_rollouts(4, 4, prompt, response, model.module.qwen_spec.vocab_size, seed=0,
+                                micro_batch_size=2)
+    stats = compute_logprob_entropy(model, mbs, prompt + response)
+    for mb, (logprob, _) in zip(mbs, stats):
+        mb["old_logprob"] = logprob
+    policy_update(model, optimizer, mbs, LossConfig(tau_p=0.003), groups, prompt + response, stats)
+    changed = any(not torch.equal(a, b) for a, b in zip(before, model.module.parameters()))
+    ckpt.save_checkpoint(run_dir, 1, model, optimizer, {"note": "test"})
+    ckpt.save_model_only(model, plain_dir)
+    destroy_parallel()
+    return changed
+
+
+@pytest.mark.slow
+def test_trainer_run_exports_to_hf_and_verifies(tmp_path, capsys):
+    hf, converted = str(tmp_path / "hf"), str(tmp_path / "converted")
+    run, plain = str(tmp_path / "run"), str(tmp_path / "plain")
+    save_tiny_hf_model(hf, VARIANT, dtype=torch.float32)
+    assert main(["hf-to-mcore", "--hf-dir", hf, "--out", converted]) == 0
+    [changed] = run_distributed(1, _train_and_save, hf, converted, run, plain)
+    assert changed  # the step moved the weights: the export below is not the starting model
+    assert os.path.isfile(os.path.join(run, "checkpoints", "latest"))
+
+    exported = str(tmp_path / "exported")
+    assert main(["mcore-to-hf", "--ckpt", run, "--out", exported, "--hf-config", hf]) == 0
+    # The same weights saved without DDP's prefix export to the same bytes.
+    assert main(["mcore-to-hf", "--ckpt", plain, "--out", str(tmp_path / "plain_hf"), "--hf-config", hf]) == 0
+    _assert_bit_exact(exported, str(tmp_path / "plain_hf"))
+
+    capsys.readouterr()
+    assert main(["verify", "--hf-dir", exported, "--ckpt", run, "--num-prompts", "2", "--seq-len", "8"]) == 0
+    table = capsys.readouterr().out
+    assert table.splitlines()[1].split()[-1] == "yes", table
