@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import warnings
 from typing import Any, Iterator, Sequence
@@ -63,8 +64,12 @@ def _read_rows(path: str) -> Iterator[tuple[str, dict]]:
         return
     if not path.endswith(".jsonl"):
         raise ValueError(f"dataset file {path!r}: expected a .jsonl or .parquet file")
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{i}: invalid UTF-8 ({e.reason} at byte {e.start} of the line)") from None
             if not line.strip():
                 continue
             try:
@@ -93,10 +98,13 @@ def answer_to_str(value: Any, where: str, field: str) -> str:
     """A reference answer as text: numbers (AIME answers are often ints) become strings.
 
     Raises:
-        ValueError: if the value is missing, empty, or not a string/number.
+        ValueError: if the value is missing, empty, NaN/infinite (parquet's and pandas' missing
+            value, which would otherwise become the answer "nan"), or not a string/number.
     """
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise ValueError(f"{where}: `{field}` must be a string or number, got {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where}: `{field}` is {value} (a missing value), not an answer")
     text = str(value).strip()
     if not text:
         raise ValueError(f"{where}: `{field}` is empty")
@@ -263,7 +271,8 @@ def tokenize_prompts(tokenizer: Any, examples: Sequence[Example], max_prompt_len
         ``warnings.warn`` reports the number dropped, if any.
 
     Raises:
-        ValueError: if ``max_prompt_len`` is not positive.
+        ValueError: if ``max_prompt_len`` is not positive, or if every prompt is longer (an empty
+            training or held-out set would only show up later as no data or a NaN accuracy).
     """
     if max_prompt_len <= 0:
         raise ValueError(f"max_prompt_len must be positive, got {max_prompt_len}")
@@ -278,6 +287,11 @@ def tokenize_prompts(tokenizer: Any, examples: Sequence[Example], max_prompt_len
             continue
         kept_ids.append(list(ids))
         kept.append(example)
+    if not kept:
+        lengths = [len(ids) for ids in all_ids]
+        raise ValueError(f"all {len(examples)} prompts are longer than max_prompt_len={max_prompt_len} tokens "
+                         f"(shortest {min(lengths)}, longest {max(lengths)}; first ids {dropped_ids[:3]}); "
+                         "raise data.max_prompt_len")
     if dropped_ids:
         warnings.warn(f"dropped {len(dropped_ids)} of {len(examples)} prompts longer than "
                       f"max_prompt_len={max_prompt_len} tokens (first ids: {dropped_ids[:5]})")

@@ -171,3 +171,36 @@ def test_tokenize_prompts_drops_long_with_one_warning(tok):
     assert tokenize_prompts(tok, examples[:1], max_prompt_len=overhead + 4)[2] == 0
     with pytest.raises(ValueError, match="max_prompt_len must be positive"):
         tokenize_prompts(tok, examples, max_prompt_len=0)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nan_answer_is_refused_naming_file_and_row(tmp_path, value):
+    # parquet/pandas store a missing answer as NaN; str() would make it the answer "nan"
+    # (and a response \boxed{nan} would score 1).
+    path = str(tmp_path / "nan.parquet")
+    pq.write_table(pa.Table.from_pylist([{"prompt": "q", "answer": 1.5}, {"prompt": "q2", "answer": value}]), path)
+    with pytest.raises(ValueError, match=rf"nan.parquet:row 2: `answer` is {value} \(a missing value\)"):
+        load_examples(path)
+    dapo = dict(DAPO_ROWS[0], reward_model={"ground_truth": value})
+    path = str(tmp_path / "dapo.parquet")
+    pq.write_table(pa.Table.from_pylist([dapo]), path)
+    with pytest.raises(ValueError, match=r"dapo.parquet:row 1: `reward_model.ground_truth` is"):
+        load_examples(path)
+
+
+def test_invalid_utf8_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b'{"prompt": "q", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "2"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: invalid UTF-8 \(invalid continuation byte at byte 15"):
+        load_examples(str(path))
+
+
+def test_every_prompt_too_long_is_an_error(tok):
+    # An empty training or held-out set must stop the run at setup, not log eval_accuracy = nan.
+    examples = [Example("x" * 200, "1", "long1"), Example("y" * 300, "1", "long2")]
+    overhead = 19 + 1 + len(SUFFIX)  # see test_tokenize_prompts_drops_long_with_one_warning
+    message = (rf"all 2 prompts are longer than max_prompt_len=50 tokens \(shortest {200 + overhead}, "
+               rf"longest {300 + overhead}; first ids \['long1', 'long2'\]\)")
+    with pytest.raises(ValueError, match=message):
+        tokenize_prompts(tok, examples, max_prompt_len=50)
+    assert tokenize_prompts(tok, [], max_prompt_len=50) == ([], [], 0)  # no held-out set asked for
