@@ -228,8 +228,8 @@ def test_triton_impl_refuses_cpu_tensors_outside_the_interpreter():
         vocab_parallel_logprob_entropy_(torch.randn(2, 8), torch.zeros(2, dtype=torch.long), impl="triton")
 
 
-@pytest.mark.parametrize("finalize_or_entropy_grad", [False, True])
-def test_kernels_compile_for_h100_with_vector_loads(finalize_or_entropy_grad):
+@pytest.mark.parametrize("flags", [False, True])
+def test_kernels_compile_for_h100_with_vector_loads(flags):
     """Compile for sm_90 here (no GPU needed): catches what the interpreter accepts and a GPU would not
     (e.g. non-constexpr globals), and checks 16-byte loads when only the real vocabulary is ragged."""
     triton = pytest.importorskip("triton")
@@ -244,17 +244,19 @@ def test_kernels_compile_for_h100_with_vector_loads(finalize_or_entropy_grad):
     from stapo_megatron.kernels import logprob_entropy as kernels
 
     # What Triton infers at launch for aligned pointers and row lengths that are multiples of 16;
-    # num_real (argument "num_real") is left ragged, as on the last TP rank of a padded vocabulary.
+    # num_real is left ragged, as on the last TP rank of a padded vocabulary. ``flags`` sets every
+    # constexpr switch (FINALIZE / ENTROPY_GRAD and HAS_PADDING) at once.
     common = dict(logits_ptr="*bf16", row_stride="i32", target_ptr="*i64")
     stats_sig = dict(common, out0_ptr="*fp32", out1_ptr="*fp32", out2_ptr="*fp32", out3_ptr="*fp32",
                      vocab_local="i32", num_real="i32", vocab_start="i32", inv_temp="fp32",
-                     FINALIZE="constexpr", BLOCK_V="constexpr")
+                     FINALIZE="constexpr", HAS_PADDING="constexpr", BLOCK_V="constexpr")
     grad_sig = dict(logits_ptr="*bf16", row_stride="i32", grad_ptr="*bf16", grad_row_stride="i32",
                     target_ptr="*i64", log_z_ptr="*fp32", g_logprob_ptr="*fp32", entropy_ptr="*fp32",
                     g_entropy_ptr="*fp32", vocab_local="i32", num_real="i32", vocab_start="i32", inv_temp="fp32",
-                    ENTROPY_GRAD="constexpr", BLOCK_V="constexpr")
+                    ENTROPY_GRAD="constexpr", HAS_PADDING="constexpr", BLOCK_V="constexpr")
     for fn, sig, flag in [(kernels._shard_stats_kernel, stats_sig, "FINALIZE"), (kernels._logits_grad_kernel, grad_sig, "ENTROPY_GRAD")]:
         aligned = [i for i, (name, ty) in enumerate(sig.items()) if ty.startswith("*") or name in ("row_stride", "grad_row_stride", "vocab_local")]
-        src = ASTSource(fn, sig, {flag: finalize_or_entropy_grad, "BLOCK_V": 4096}, {(i,): [["tt.divisibility", 16]] for i in aligned})
+        constexprs = {flag: flags, "HAS_PADDING": flags, "BLOCK_V": 4096}
+        src = ASTSource(fn, sig, constexprs, {(i,): [["tt.divisibility", 16]] for i in aligned})
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
         assert "ld.global.v4.b32" in ptx, f"{fn.__name__}: logits are not read 16 bytes at a time"

@@ -11,8 +11,9 @@ This module owns the two passes over the logits that the op makes on a GPU; the 
                   z_y = z_target if this shard owns the target, else 0
               exactly the partials of ``ops._local_stats``. When the running max moves from m to
               m', the sums already taken are rescaled: s <- a s, w <- a (w + (m - m') s) with
-              a = exp(m - m'). Sums are kept per lane and reduced once at the end of the row, so
-              a block costs one max-reduction and one exp per element. Unsharded (TP = 1), the
+              a = exp(m - m'), which is rare after the first blocks and done only then. Sums are
+              kept per lane and reduced once at the end of the row, so a block costs one
+              max-reduction and one exp per element. Unsharded (TP = 1), the
               kernel finishes the row itself (log Z = m + log s, log p = z_y - log Z,
               H = log s - w / s) and writes only log p, H and log Z: no logits-sized buffer, and
               no extra launches.
@@ -56,7 +57,7 @@ def _shard_stats_kernel(
     logits_ptr, row_stride, target_ptr,
     out0_ptr, out1_ptr, out2_ptr, out3_ptr,
     vocab_local, num_real, vocab_start, inv_temp,
-    FINALIZE: tl.constexpr, BLOCK_V: tl.constexpr,
+    FINALIZE: tl.constexpr, HAS_PADDING: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # row * row_stride overflows int32 past 2^31 elements
     row_ptr = logits_ptr + row * row_stride
@@ -67,19 +68,24 @@ def _shard_stats_kernel(
     for start in range(0, num_real, BLOCK_V):
         cols_B = start + offs_B
         # Loads are masked by the row length (a multiple of 16 when Megatron pads the vocabulary,
-        # which keeps them vectorised), padding is then set to -inf.
+        # which keeps them vectorised); padding is then set to -inf.
         x_B = tl.load(row_ptr + cols_B, mask=cols_B < vocab_local, other=float("-inf"))
-        z_B = tl.where(cols_B < num_real, x_B.to(tl.float32) * inv_temp, float("-inf"))
+        z_B = x_B.to(tl.float32) * inv_temp
+        if HAS_PADDING:
+            z_B = tl.where(cols_B < num_real, z_B, float("-inf"))
         m_new = tl.maximum(m, tl.max(z_B, axis=0))
+        if m_new > m:  # rare after the first blocks: rescale the lanes' sums to the new max
+            shift = tl.maximum(m - m_new, _NEG_MAX)  # finite when m was -inf (the sums are 0 then)
+            scale = tl.exp(shift)
+            w_B = scale * (w_B + shift * s_B)
+            s_B = scale * s_B
+            m = m_new
         # While every entry so far is -inf, measure from 0 so the sums stay 0 (not NaN).
-        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        shift = tl.maximum(m - ref, _NEG_MAX)
-        scale = tl.exp(shift)
+        ref = tl.where(m == float("-inf"), 0.0, m)
         d_B = tl.maximum(z_B - ref, _NEG_MAX)
         e_B = tl.exp(d_B)
-        w_B = scale * (w_B + shift * s_B) + e_B * d_B
-        s_B = scale * s_B + e_B
-        m = m_new
+        w_B += e_B * d_B
+        s_B += e_B
     s = tl.sum(s_B, axis=0)
     w = tl.sum(w_B, axis=0)
     local_id = tl.load(target_ptr + row) - vocab_start
@@ -104,7 +110,7 @@ def _logits_grad_kernel(
     logits_ptr, row_stride, grad_ptr, grad_row_stride, target_ptr,
     log_z_ptr, g_logprob_ptr, entropy_ptr, g_entropy_ptr,
     vocab_local, num_real, vocab_start, inv_temp,
-    ENTROPY_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+    ENTROPY_GRAD: tl.constexpr, HAS_PADDING: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row_ptr = logits_ptr + row * row_stride
@@ -119,7 +125,9 @@ def _logits_grad_kernel(
     for start in range(0, vocab_local, BLOCK_V):
         cols_B = start + offs_B
         x_B = tl.load(x_row_ptr + cols_B, mask=cols_B < vocab_local, other=float("-inf"))
-        z_B = tl.where(cols_B < num_real, x_B.to(tl.float32) * inv_temp, float("-inf"))
+        z_B = x_B.to(tl.float32) * inv_temp
+        if HAS_PADDING:
+            z_B = tl.where(cols_B < num_real, z_B, float("-inf"))
         logp_B = tl.maximum(z_B - log_z, _NEG_MAX)
         p_B = tl.exp(logp_B)
         grad_B = tl.where(cols_B == local_id, g, 0.0) - g * p_B
@@ -161,7 +169,8 @@ def shard_stats(logits_NV, target_N, vocab_start: int, num_real: int, inv_temp: 
         with torch.cuda.device(logits_NV.device) if logits_NV.is_cuda else contextlib.nullcontext():
             _shard_stats_kernel[(num_rows,)](
                 logits_NV, logits_NV.stride(0), target_N, *outs, logits_NV.shape[1], num_real, vocab_start, inv_temp,
-                FINALIZE=finalize, BLOCK_V=_block(num_real, FWD_BLOCK_V), num_warps=FWD_NUM_WARPS,
+                FINALIZE=finalize, HAS_PADDING=num_real < logits_NV.shape[1],
+                BLOCK_V=_block(num_real, FWD_BLOCK_V), num_warps=FWD_NUM_WARPS,
             )
     return tuple(outs[:3]) if finalize else tuple(outs)
 
@@ -197,6 +206,7 @@ def logits_grad(
                 logits_NV, logits_NV.stride(0), out_NV, out_NV.stride(0), target_N,
                 log_z_N, g_logprob_N, entropy_N, g_entropy_N,
                 vocab_local, num_real, vocab_start, inv_temp,
-                ENTROPY_GRAD=entropy_grad, BLOCK_V=_block(vocab_local, BWD_BLOCK_V), num_warps=BWD_NUM_WARPS,
+                ENTROPY_GRAD=entropy_grad, HAS_PADDING=num_real < vocab_local,
+                BLOCK_V=_block(vocab_local, BWD_BLOCK_V), num_warps=BWD_NUM_WARPS,
             )
     return out_NV
