@@ -29,6 +29,7 @@ predicted at each position).
 from __future__ import annotations
 
 import dataclasses
+import math
 from functools import partial
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -80,8 +81,19 @@ class LossConfig:
                 f"need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, got "
                 f"{self.clip_ratio_low}, {self.clip_ratio_high}"
             )
-        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
             raise ValueError(f"clip_ratio_c must be > 1, got {self.clip_ratio_c}")
+        # `not (a < x <= b)` also refuses NaN, which every comparison fails.
+        if not 0 < self.tau_p <= 1:
+            raise ValueError(f"tau_p must be in (0, 1] (a probability threshold), got {self.tau_p}")
+        if not 0 < self.entropy_quantile < 1:
+            raise ValueError(f"entropy_quantile must be in (0, 1), got {self.entropy_quantile}")
+        if not 0 < self.entropy_top_fraction <= 1:
+            raise ValueError(f"entropy_top_fraction must be in (0, 1], got {self.entropy_top_fraction}")
+        if not (0 < self.temperature and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be finite and > 0, got {self.temperature}")
+        if not (0 <= self.kl_coef and math.isfinite(self.kl_coef)):
+            raise ValueError(f"kl_coef must be finite and >= 0, got {self.kl_coef}")
 
 
 def token_objective(
@@ -123,10 +135,38 @@ def stapo_loss(
     1+eps_high) A) (+ kl_coef * k3 KL to ``ref_logprob`` per kept token if kl_coef > 0).
     Dividing by the kept count of the whole mini-batch (not by this call's) gives -J.
 
+    Args:
+        logprob, old_logprob, ref_logprob: [B, S] log-probs of the labels (any float dtype;
+            the loss is computed in fp32, so fp16 inputs do not overflow the sum).
+        advantages: [B, S] per-token advantages (a sequence's advantage broadcast over its
+            tokens, ``adv_B[:, None].expand(B, S)``).
+        response_mask, silenced: [B, S] bool.
+
     Returns:
         (loss_sum: 0-dim fp32, differentiable; num_kept: 0-dim int64).
+
+    Raises:
+        ValueError: if a tensor's shape differs from ``logprob``'s (a [B] advantage would
+            broadcast along the token axis when B == S; a [B, S, 1] mask would multiply the
+            kept count), or a mask is not bool.
     """
-    keep = response_mask.bool() & ~silenced.bool()
+    tensors = {"old_logprob": old_logprob, "advantages": advantages, "response_mask": response_mask,
+               "silenced": silenced}
+    if ref_logprob is not None:
+        tensors["ref_logprob"] = ref_logprob
+    for name, t in tensors.items():
+        if t.shape != logprob.shape:
+            hint = ""
+            if name == "advantages":
+                hint = (" (advantages are per token: expand a per-sequence [B] advantage with "
+                        "adv[:, None].expand_as(logprob))")
+            raise ValueError(f"{name} has shape {list(t.shape)} but logprob has {list(logprob.shape)}{hint}")
+    for name in ("response_mask", "silenced"):
+        if tensors[name].dtype != torch.bool:
+            raise ValueError(f"{name} must be a bool tensor, got {tensors[name].dtype}")
+    logprob, old_logprob, advantages = logprob.float(), old_logprob.float(), advantages.float()
+    ref_logprob = None if ref_logprob is None else ref_logprob.float()
+    keep = response_mask & ~silenced
     loss, _ = token_objective(
         logprob, old_logprob, advantages, clip_ratio_low, clip_ratio_high, clip_ratio_c
     )

@@ -139,3 +139,64 @@ def test_loss_func_methods_and_metrics(method):
     # on-policy (ratio 1, nothing clipped): every kept token contributes -A
     assert loss_sum.item() == pytest.approx(-(adv * keep).sum().item(), abs=1e-5)
     assert metrics["stapo_sums"][6].item() == 0  # clip count
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("tau_p", 0.0, r"tau_p must be in \(0, 1\]"), ("tau_p", 1.5, r"tau_p must be in \(0, 1\]"),
+    ("tau_p", float("nan"), r"tau_p must be in \(0, 1\] \(a probability threshold\), got nan"),
+    ("entropy_quantile", 1.0, r"entropy_quantile must be in \(0, 1\), got 1.0"),
+    ("entropy_quantile", float("nan"), r"entropy_quantile must be in \(0, 1\), got nan"),
+    ("entropy_top_fraction", 0.0, r"entropy_top_fraction must be in \(0, 1\]"),
+    ("temperature", 0.0, "temperature must be finite and > 0, got 0.0"),
+    ("temperature", float("inf"), "temperature must be finite and > 0, got inf"),
+    ("temperature", float("nan"), "temperature must be finite and > 0, got nan"),
+    ("kl_coef", -0.1, "kl_coef must be finite and >= 0"), ("kl_coef", float("nan"), "kl_coef must be finite"),
+    ("clip_ratio_c", float("nan"), "clip_ratio_c must be > 1, got nan"),
+])
+def test_config_values_out_of_range(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        LossConfig(**{field: value})
+    assert LossConfig(tau_p=1.0).tau_p == 1.0  # the interval's closed end is allowed
+
+
+def _loss_inputs(B=3, S=3):
+    gen = torch.Generator().manual_seed(0)
+    logprob = -torch.rand(B, S, generator=gen)
+    return logprob, logprob - 0.1, torch.randn(B, S, generator=gen), torch.ones(B, S, dtype=torch.bool)
+
+
+def test_per_sequence_advantages_are_refused_not_broadcast_along_tokens():
+    # B == S: a [B] advantage would silently broadcast as a per-position (column) advantage.
+    logprob, old, _, mask = _loss_inputs()
+    adv_B = torch.tensor([1.0, -1.0, 0.5])
+    with pytest.raises(ValueError, match=r"advantages has shape \[3\] but logprob has \[3, 3\] \(advantages are "
+                                         r"per token: expand a per-sequence \[B\] advantage"):
+        stapo_loss(logprob, old, adv_B, mask, ~mask)
+    loss_sum, _ = stapo_loss(logprob, old, adv_B[:, None].expand_as(logprob), mask, ~mask)
+    ratio = torch.exp(logprob - old)  # exp(0.1) lies inside the clip range: the loss is -r A
+    assert loss_sum.item() == pytest.approx(-(ratio * adv_B[:, None]).sum().item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("name, bad, message", [
+    ("response_mask", lambda m: m[..., None], r"response_mask has shape \[3, 3, 1\] but logprob has \[3, 3\]"),
+    ("response_mask", lambda m: m.long(), "response_mask must be a bool tensor, got torch.int64"),
+    ("silenced", lambda m: ~m[:, :2], r"silenced has shape \[3, 2\]"),
+    ("old_logprob", lambda m: torch.zeros(3, 3, 1), r"old_logprob has shape \[3, 3, 1\]"),
+    ("ref_logprob", lambda m: torch.zeros(3), r"ref_logprob has shape \[3\]"),
+])
+def test_misshapen_inputs_are_refused(name, bad, message):
+    logprob, old, adv, mask = _loss_inputs()
+    args = dict(old_logprob=old, advantages=adv, response_mask=mask, silenced=~mask, ref_logprob=old, kl_coef=0.1)
+    args[name] = bad(mask)
+    with pytest.raises(ValueError, match=message):
+        stapo_loss(logprob, **args)
+
+
+def test_fp16_logprobs_do_not_overflow_the_sum():
+    # 4096 tokens of loss ~ 20 each: the sum 8.2e4 exceeds float16's 65504.
+    logprob = torch.full((4, 1024), -1.0, dtype=torch.float16)
+    adv = torch.full((4, 1024), -20.0, dtype=torch.float16)
+    mask = torch.ones(4, 1024, dtype=torch.bool)
+    loss_sum, num_kept = stapo_loss(logprob, logprob, adv, mask, ~mask)
+    assert loss_sum.dtype == torch.float32 and num_kept.item() == 4096
+    assert loss_sum.item() == pytest.approx(20.0 * 4096)
