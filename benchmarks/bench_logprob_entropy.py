@@ -365,7 +365,10 @@ def _tune(logits, target, w, reps, method, copy_ms):
         kernels.BWD_BLOCK_V, kernels.BWD_NUM_WARPS = block, warps
         t0 = _measure(method, logits, target, w, False, reps)[0]
         t = _measure(method, logits, target, w, True, reps)[0]
-        print(f"| {block} | {warps} | {t0:.2f} | {t0 / (0.5 * copy_ms):.2f} | {t:.2f} | {t / (1.5 * copy_ms):.2f} |", flush=True)
+        print(
+            f"| {block} | {warps} | {t0:.2f} | {t0 / (0.5 * copy_ms):.2f} | {t:.2f} | {t / (1.5 * copy_ms):.2f} |",
+            flush=True,
+        )
     kernels.FWD_BLOCK_V, kernels.FWD_NUM_WARPS, kernels.BWD_BLOCK_V, kernels.BWD_NUM_WARPS = default
 
 

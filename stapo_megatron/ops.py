@@ -159,7 +159,9 @@ class _LogprobEntropy(torch.autograd.Function):
     """The torch path: CPU, and the reference for the Triton kernels."""
 
     @staticmethod
-    def forward(ctx, logits_NV, target_N, vocab_start, num_real, inv_temp, tp_group, needs_grad, entropy_grad, inplace):
+    def forward(
+        ctx, logits_NV, target_N, vocab_start, num_real, inv_temp, tp_group, needs_grad, entropy_grad, inplace
+    ):
         # With a log-prob-only gradient to come, the softmax numerators exp(z - m_r) go straight
         # into the buffer that backward returns (logits' dtype): no extra copy of the shard is
         # held, and backward needs no second exp pass. An entropy gradient needs log p, and an
@@ -221,7 +223,9 @@ class _LogprobEntropyTriton(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits_NV, target_N, vocab_start, num_real, inv_temp, tp_group, needs_grad, entropy_grad, inplace):
+    def forward(
+        ctx, logits_NV, target_N, vocab_start, num_real, inv_temp, tp_group, needs_grad, entropy_grad, inplace
+    ):
         from stapo_megatron.kernels import logprob_entropy as kernels
 
         if tp_group is None:  # the kernel finishes the rows itself: no partials, no extra launches

@@ -16,6 +16,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 import torch
 
+from stapo_megatron.ops import vocab_parallel_logprob_entropy  # imports no triton: the workers choose the mode
 from tests.dist_utils import run_distributed
 
 DEVICES = [
@@ -96,18 +97,14 @@ def _inputs(dtype, vocab_local, vocab_size, num_rows=6, seed=0):
 
 def _fwd_bwd(logits, target, upstream, impl, entropy_grad, inplace, **kw):
     x = logits.clone().requires_grad_()
-    lp, h = vocab_parallel_logprob_entropy_(x, target, impl=impl, entropy_grad=entropy_grad, inplace_backward=inplace, **kw)
+    lp, h = vocab_parallel_logprob_entropy(
+        x, target, impl=impl, entropy_grad=entropy_grad, inplace_backward=inplace, **kw
+    )
     loss = (lp * upstream[0]).sum() + ((h * upstream[1]).sum() if entropy_grad else 0)
     loss.backward()
     if not inplace:
         assert torch.equal(x.detach(), logits), f"{impl}: the input must be left intact"
     return lp.detach(), h.detach(), x.grad, x.grad.data_ptr() == x.data_ptr()
-
-
-def vocab_parallel_logprob_entropy_(*args, **kw):
-    from stapo_megatron.ops import vocab_parallel_logprob_entropy
-
-    return vocab_parallel_logprob_entropy(*args, **kw)
 
 
 def check_matches_torch_path(device, dtype, temperature, vocab_size, entropy_grad, inplace):
@@ -125,10 +122,13 @@ def check_matches_torch_path(device, dtype, temperature, vocab_size, entropy_gra
     x, ref_lp, ref_h = _reference(logits, target, temperature, vocab_size)
     torch.testing.assert_close(lp.cpu().double(), ref_lp, atol=VALUE_TOL, rtol=0)
     torch.testing.assert_close(h.cpu().double(), ref_h, atol=VALUE_TOL, rtol=0)
-    ((ref_lp * upstream[0].cpu().double()).sum() + (ref_h * upstream[1].cpu().double()).sum() * entropy_grad).backward()
+    upstream = upstream.cpu().double()
+    ((ref_lp * upstream[0]).sum() + (ref_h * upstream[1]).sum() * entropy_grad).backward()
     assert not grad[:, vocab_size:].any(), "padded entries get no gradient"
     assert torch.isfinite(grad).all()
-    torch.testing.assert_close(grad.cpu().double()[:, :vocab_size], x.grad[:, :vocab_size], atol=GRAD_ATOL, rtol=GRAD_RTOL[dtype])
+    torch.testing.assert_close(
+        grad.cpu().double()[:, :vocab_size], x.grad[:, :vocab_size], atol=GRAD_ATOL, rtol=GRAD_RTOL[dtype]
+    )
 
 
 CASES = [  # temperature, vocab_size (of a 300-entry shard), entropy_grad, inplace
@@ -151,8 +151,8 @@ def check_no_grad_and_edge_shapes(device):
     logits, target, _ = _inputs(torch.bfloat16, 300, 300, num_rows=5)
     logits, target = logits.to(device), target.to(device)
     with torch.no_grad():
-        lp, h = vocab_parallel_logprob_entropy_(logits.requires_grad_(), target, impl="triton")
-        lp_t, h_t = vocab_parallel_logprob_entropy_(logits, target, impl="torch")
+        lp, h = vocab_parallel_logprob_entropy(logits.requires_grad_(), target, impl="triton")
+        lp_t, h_t = vocab_parallel_logprob_entropy(logits, target, impl="torch")
     torch.testing.assert_close(lp, lp_t, atol=VALUE_TOL, rtol=0)
     torch.testing.assert_close(h, h_t, atol=VALUE_TOL, rtol=0)
     # leading dims, a single row, no rows, a vocabulary smaller than one block, non-contiguous rows
@@ -163,8 +163,8 @@ def check_no_grad_and_edge_shapes(device):
         (logits[:, :10], target % 10),
         (logits.t().contiguous().t(), target),
     ]:
-        out = vocab_parallel_logprob_entropy_(x.detach(), t, impl="triton")
-        ref = vocab_parallel_logprob_entropy_(x.detach(), t, impl="torch")
+        out = vocab_parallel_logprob_entropy(x.detach(), t, impl="triton")
+        ref = vocab_parallel_logprob_entropy(x.detach(), t, impl="torch")
         for a, b in zip(out, ref):
             assert a.shape == t.shape
             torch.testing.assert_close(a, b, atol=VALUE_TOL, rtol=0)
@@ -193,7 +193,10 @@ def _tp_worker(device, dtype, entropy_grad):
     out = {}
     for impl in ("triton", "torch"):
         calls.clear()
-        lp, h, grad, _ = _fwd_bwd(shard, target.to(device), upstream.to(device), impl, entropy_grad, False, tp_group=dist.group.WORLD, vocab_size=vocab_size)
+        lp, h, grad, _ = _fwd_bwd(
+            shard, target.to(device), upstream.to(device), impl, entropy_grad, False,
+            tp_group=dist.group.WORLD, vocab_size=vocab_size,
+        )
         out[impl] = (lp.cpu(), h.cpu(), grad.cpu(), len(calls))
     dist.all_reduce = all_reduce
     return out, logits, target, upstream
@@ -225,7 +228,7 @@ def test_triton_impl_refuses_cpu_tensors_outside_the_interpreter():
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("this session runs Triton interpreted")
     with pytest.raises(ValueError, match="needs CUDA tensors"):
-        vocab_parallel_logprob_entropy_(torch.randn(2, 8), torch.zeros(2, dtype=torch.long), impl="triton")
+        vocab_parallel_logprob_entropy(torch.randn(2, 8), torch.zeros(2, dtype=torch.long), impl="triton")
 
 
 @pytest.mark.parametrize("flags", [False, True])
@@ -254,8 +257,12 @@ def test_kernels_compile_for_h100_with_vector_loads(flags):
                     target_ptr="*i64", log_z_ptr="*fp32", g_logprob_ptr="*fp32", entropy_ptr="*fp32",
                     g_entropy_ptr="*fp32", vocab_local="i32", num_real="i32", vocab_start="i32", inv_temp="fp32",
                     ENTROPY_GRAD="constexpr", HAS_PADDING="constexpr", BLOCK_V="constexpr")
-    for fn, sig, flag in [(kernels._shard_stats_kernel, stats_sig, "FINALIZE"), (kernels._logits_grad_kernel, grad_sig, "ENTROPY_GRAD")]:
-        aligned = [i for i, (name, ty) in enumerate(sig.items()) if ty.startswith("*") or name in ("row_stride", "grad_row_stride", "vocab_local")]
+    divisible = ("row_stride", "grad_row_stride", "vocab_local")
+    for fn, sig, flag in [
+        (kernels._shard_stats_kernel, stats_sig, "FINALIZE"),
+        (kernels._logits_grad_kernel, grad_sig, "ENTROPY_GRAD"),
+    ]:
+        aligned = [i for i, (name, ty) in enumerate(sig.items()) if ty.startswith("*") or name in divisible]
         constexprs = {flag: flags, "HAS_PADDING": flags, "BLOCK_V": 4096}
         src = ASTSource(fn, sig, constexprs, {(i,): [["tt.divisibility", 16]] for i in aligned})
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
