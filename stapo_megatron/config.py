@@ -8,10 +8,19 @@ form in the launch scripts; the library never parses argv.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 from stapo_megatron.loss import LossConfig
 from stapo_megatron.step import OptimConfig
+
+
+def _check_at_least(obj, minimum: int, *names: str) -> None:
+    """ValueError unless each integer field ``names`` of ``obj`` is >= ``minimum``."""
+    for name in names:
+        value = getattr(obj, name)
+        if value < minimum:
+            raise ValueError(f"{type(obj).__name__}.{name} must be >= {minimum}, got {value}")
 
 
 @dataclasses.dataclass
@@ -42,6 +51,9 @@ class ModelConfig:
     recompute_num_layers: Optional[int] = None
     """With "full": layers per group ("uniform") or recomputed layers per stage ("block")."""
 
+    def __post_init__(self):
+        _check_at_least(self, 1, "tensor_model_parallel_size", "pipeline_model_parallel_size")
+
 
 @dataclasses.dataclass
 class DataConfig:
@@ -67,6 +79,10 @@ class DataConfig:
     use_chat_template: bool = True
     """Wrap questions in the tokenizer's chat template (plus the paper's suffix)."""
 
+    def __post_init__(self):
+        _check_at_least(self, 0, "num_train", "num_eval")
+        _check_at_least(self, 1, "max_prompt_len")
+
 
 @dataclasses.dataclass
 class RolloutSampling:
@@ -90,6 +106,20 @@ class RolloutSampling:
     sleep_during_training: bool = True
     """GPU: put vLLM to sleep (level 1: weights to host memory, KV cache freed) after each
     rollout and wake it before the weight sync, so training gets the memory. No-op on CPU."""
+
+    def __post_init__(self):
+        # group advantages (r - mean) / std need two responses per prompt
+        _check_at_least(self, 2, "group_size")
+        _check_at_least(self, 1, "max_response_len", "tensor_parallel_size")
+        # `not (a < x ...)` also refuses NaN, which every comparison fails
+        if not (0 < self.temperature and math.isfinite(self.temperature)):
+            raise ValueError(f"RolloutSampling.temperature must be finite and > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"RolloutSampling.top_p must be in (0, 1], got {self.top_p}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"RolloutSampling.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
 
 
 @dataclasses.dataclass
@@ -132,3 +162,25 @@ class TrainerConfig:
     """Policy loss (method stapo | grpo | entropy20 | random)."""
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     """AdamW (the paper: lr 1e-6, weight decay 0.1, grad clip 1.0)."""
+
+    def __post_init__(self):
+        _check_at_least(self, 0, "steps", "lr_warmup_steps", "eval_every", "save_every", "max_consecutive_skips")
+        _check_at_least(self, 1, "prompts_per_step", "minibatch_prompts", "micro_batch_size", "eval_samples")
+        if not (0 <= self.eval_temperature and math.isfinite(self.eval_temperature)):
+            raise ValueError(f"eval_temperature must be finite and >= 0 (0 = greedy), got {self.eval_temperature}")
+        if not (0 < self.reward_timeout_s and math.isfinite(self.reward_timeout_s)):
+            raise ValueError(f"reward_timeout_s must be finite and > 0, got {self.reward_timeout_s}")
+        # The loss recomputes pi_old and pi_theta at loss.temperature; sampling at another
+        # temperature would make every ratio, entropy and S2T decision refer to a distribution
+        # the responses were not drawn from.
+        if self.rollout.temperature != self.loss.temperature:
+            raise ValueError(
+                f"rollout.temperature={self.rollout.temperature} but loss.temperature={self.loss.temperature}: "
+                f"the loss must see the distribution the responses were sampled from; set both "
+                f"(rollout.temperature={self.rollout.temperature} loss.temperature={self.rollout.temperature})"
+            )
+        if self.loss.kl_coef > 0:
+            raise ValueError(
+                f"loss.kl_coef={self.loss.kl_coef} needs a reference model's log-probs, which this trainer "
+                "does not compute (the paper uses no KL term); set loss.kl_coef=0"
+            )

@@ -1,0 +1,69 @@
+"""Tier a: the trainer's configuration refuses bad values when it is built (before any model is
+loaded or rollout sampled), naming the field; NeMo-Run overrides go through the same checks."""
+
+import dataclasses
+
+import pytest
+
+from stapo_megatron.config import DataConfig, ModelConfig, RolloutSampling, TrainerConfig
+from stapo_megatron.loss import LossConfig
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("cls, field, value, message", [
+    (ModelConfig, "tensor_model_parallel_size", 0, "ModelConfig.tensor_model_parallel_size must be >= 1, got 0"),
+    (ModelConfig, "pipeline_model_parallel_size", -1, "ModelConfig.pipeline_model_parallel_size must be >= 1"),
+    (DataConfig, "max_prompt_len", 0, "DataConfig.max_prompt_len must be >= 1, got 0"),
+    (DataConfig, "num_eval", -5, "DataConfig.num_eval must be >= 0, got -5"),
+    (RolloutSampling, "group_size", 1, "RolloutSampling.group_size must be >= 2, got 1"),
+    (RolloutSampling, "temperature", 0.0, "RolloutSampling.temperature must be finite and > 0, got 0.0"),
+    (RolloutSampling, "temperature", NAN, "RolloutSampling.temperature must be finite and > 0, got nan"),
+    (RolloutSampling, "temperature", INF, "RolloutSampling.temperature must be finite and > 0, got inf"),
+    (RolloutSampling, "top_p", 0.0, r"RolloutSampling.top_p must be in \(0, 1\], got 0.0"),
+    (RolloutSampling, "top_p", NAN, r"RolloutSampling.top_p must be in \(0, 1\], got nan"),
+    (RolloutSampling, "max_response_len", 0, "RolloutSampling.max_response_len must be >= 1"),
+    (RolloutSampling, "gpu_memory_utilization", 1.5, r"gpu_memory_utilization must be in \(0, 1\]"),
+    (TrainerConfig, "minibatch_prompts", 0, "TrainerConfig.minibatch_prompts must be >= 1, got 0"),
+    (TrainerConfig, "prompts_per_step", 0, "TrainerConfig.prompts_per_step must be >= 1, got 0"),
+    (TrainerConfig, "micro_batch_size", 0, "TrainerConfig.micro_batch_size must be >= 1"),
+    (TrainerConfig, "eval_samples", 0, "TrainerConfig.eval_samples must be >= 1"),
+    (TrainerConfig, "save_every", -1, "TrainerConfig.save_every must be >= 0"),
+    (TrainerConfig, "eval_temperature", -0.5, r"eval_temperature must be finite and >= 0 \(0 = greedy\), got -0.5"),
+    (TrainerConfig, "eval_temperature", NAN, "eval_temperature must be finite and >= 0"),
+    (TrainerConfig, "reward_timeout_s", 0.0, "reward_timeout_s must be finite and > 0, got 0.0"),
+])
+def test_bad_value_is_refused_naming_the_field(cls, field, value, message):
+    with pytest.raises(ValueError, match=message):
+        cls(**{field: value})
+    # dataclasses.replace (how overrides are applied) runs the same checks
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(cls(), **{field: value})
+
+
+def test_rollout_and_loss_temperature_must_agree():
+    # Sampling at 0.7 while ratios, entropies and S2T use T = 1 would be silently wrong.
+    with pytest.raises(ValueError, match=r"rollout.temperature=0.7 but loss.temperature=1.0: .* set both "
+                                         r"\(rollout.temperature=0.7 loss.temperature=0.7\)"):
+        TrainerConfig(rollout=RolloutSampling(temperature=0.7))
+    cfg = TrainerConfig(rollout=RolloutSampling(temperature=0.7), loss=LossConfig(temperature=0.7))
+    assert cfg.rollout.temperature == cfg.loss.temperature == 0.7
+
+
+def test_kl_coef_without_a_reference_model_is_refused():
+    with pytest.raises(ValueError, match=r"loss.kl_coef=0.1 needs a reference model's log-probs, which this "
+                                         r"trainer does not compute"):
+        TrainerConfig(loss=LossConfig(kl_coef=0.1))
+
+
+def test_overrides_are_checked_when_the_config_is_built():
+    from stapo_megatron.launch.entry import build_config
+
+    with pytest.raises(ValueError, match="rollout.temperature=0.7 but loss.temperature=1.0"):
+        build_config("tiny", rollout={"temperature": 0.7})
+    with pytest.raises(ValueError, match="RolloutSampling.group_size must be >= 2, got 1"):
+        build_config("tiny", rollout={"group_size": 1})
+    with pytest.raises(ValueError, match=r"tau_p must be in \(0, 1\]"):
+        build_config("tiny", loss={"tau_p": 2.0})
+    cfg, _ = build_config("tiny", rollout={"temperature": 0.7}, loss={"temperature": 0.7})
+    assert cfg.rollout.temperature == cfg.loss.temperature == 0.7
