@@ -13,10 +13,9 @@ This module owns the two passes over the logits that the op makes on a GPU; the 
               m', the sums already taken are rescaled: s <- a s, w <- a (w + (m - m') s) with
               a = exp(m - m'), which is rare after the first blocks and done only then. Sums are
               kept per lane and reduced once at the end of the row, so a block costs one
-              max-reduction and one exp per element. Unsharded (TP = 1), the
-              kernel finishes the row itself (log Z = m + log s, log p = z_y - log Z,
-              H = log s - w / s) and writes only log p, H and log Z: no logits-sized buffer, and
-              no extra launches.
+              max-reduction and one exp per element. Unsharded (TP = 1), the kernel finishes the
+              row itself (log Z = m + log s, log p = z_y - log Z, H = log s - w / s) and writes
+              only log p, H and log Z: no logits-sized buffer, and no extra launches.
     backward  one read of the logits and one write of the gradient per element, for the
               upstream gradients g (of log p) and h (of H):
                   d/dx_v = [ g (1[v = y] - p_v) - h p_v (log p_v + H) ] / T,
@@ -49,7 +48,9 @@ from triton.runtime.interpreter import InterpretedFunction
 FWD_BLOCK_V, FWD_NUM_WARPS = 4096, 8
 BWD_BLOCK_V, BWD_NUM_WARPS = 4096, 8
 
-_NEG_MAX = tl.constexpr(-3.4028234663852886e38)  # most negative finite fp32: 0 * it is 0, 0 * -inf is NaN
+# The most negative finite fp32 (0 * it is 0, 0 * -inf is NaN); a constexpr because kernels may
+# read no other kind of global.
+_NEG_MAX = tl.constexpr(-3.4028234663852886e38)
 
 
 @triton.jit
