@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from conversion.safetensors_io import cast_checked
+from stapo_megatron.checkpoint import read_dcp_metadata
 
 # What megatron.core.dist_checkpointing.save writes for the torch_dist backend (0.16 - 0.19).
 BACKEND_METADATA = {
@@ -277,10 +278,8 @@ class CheckpointReader:
     def __init__(self, path: str):
         self.path = path
         self._reader = FileSystemReader(path)
-        try:
-            self.metadata = self._reader.read_metadata()
-        except Exception as e:  # a truncated or foreign .metadata: unpickling fails in many ways
-            raise ValueError(f"{path}: cannot read the checkpoint's .metadata ({type(e).__name__}: {e})") from None
+        self.metadata = read_dcp_metadata(path)
+        self.metadata.storage_meta.load_id = self._reader.load_id
         self._reader.set_up_storage_reader(self.metadata, is_coordinator=True)
         stored = [k for k, v in self.metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)]
         self.key_prefix = model_key_prefix(stored)

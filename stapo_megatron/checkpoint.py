@@ -17,7 +17,9 @@ complete; ``find_latest`` additionally checks the files a complete checkpoint ha
 
 from __future__ import annotations
 
+import importlib
 import os
+import pickle
 import random
 import shutil
 from typing import Any, Dict, Optional
@@ -28,6 +30,70 @@ import torch.distributed as dist
 
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.pt"
+
+# What a DCP `.metadata` pickle may name (torch 2.1 - 2.13): DCP's own classes, and a few torch
+# and standard-library values. DCP itself reads it with plain pickle.load, which runs whatever
+# a crafted file names (os.system, ...); here anything else is refused.
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
+                "torch.distributed.checkpoint.filesystem")
+_ALLOWED_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+                    ("pathlib", "PureWindowsPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        obj = None
+        if module in _DCP_MODULES and "." not in name:
+            candidate = getattr(importlib.import_module(module), name, None)
+            # a class DCP defines there (dataclasses and enums), never a function or a module
+            if isinstance(candidate, type) and candidate.__module__ == module:
+                obj = candidate
+        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            obj = getattr(torch, name)
+        elif (module, name) in _ALLOWED_GLOBALS:
+            obj = super().find_class(module, name)
+        if obj is None:
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name} (not part of a checkpoint's metadata)")
+        return obj
+
+
+def read_dcp_metadata(path: str):
+    """DCP's `Metadata` of the checkpoint directory ``path``, unpickled without running code.
+
+    Raises:
+        ValueError: the file is missing, truncated, or names anything but DCP metadata classes.
+    """
+    try:
+        with open(os.path.join(path, ".metadata"), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except Exception as e:  # truncated or crafted: unpickling fails in many ways
+        raise ValueError(f"{path}: cannot read the checkpoint's .metadata ({type(e).__name__}: {e})") from None
+    if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        metadata.storage_meta = StorageMeta()
+    return metadata
+
+
+def _numpy_pickle_globals() -> list:
+    """What a pickled numpy array names (np.random.get_state() holds one), whichever numpy."""
+    reconstruct = np.zeros(1).__reduce__()[0]
+    return [reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def _torch_load_weights_only(path: str) -> Any:
+    """torch.load without executing code: tensors, containers, numbers and numpy arrays only."""
+    try:
+        with torch.serialization.safe_globals(_numpy_pickle_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"{path}: refused to load ({str(e).splitlines()[0]})") from None
+
+
+def read_trainer_state(path: str) -> Dict[str, Any]:
+    """The trainer state (step, data position, ...) of the checkpoint directory ``path``."""
+    return _torch_load_weights_only(os.path.join(path, TRAINER_STATE))
 
 
 def _barrier():
@@ -166,6 +232,12 @@ def load_checkpoint(path: str, model, optimizer) -> Dict[str, Any]:
             f"{path} is not a complete checkpoint for {world_size} ranks (needs .metadata, "
             f"{TRAINER_STATE} and rng_rank*.pt for every rank)"
         )
+    # Every small file is read first, without executing code: megatron-core's loader unpickles
+    # `.metadata` with plain pickle (DCP's FileSystemReader, torch 2.13), so a crafted one is
+    # refused here before it runs.
+    read_dcp_metadata(path)
+    rng_state = _torch_load_weights_only(os.path.join(path, f"rng_rank{_rank():05d}.pt"))
+    trainer_state = read_trainer_state(path)
     sharded = _sharded(model, optimizer, is_loading=True)
     state = dist_checkpointing.load(sharded, path)
     # Megatron DDP's load_state_dict returns nothing: load into the wrapped module, whose keys
@@ -177,5 +249,5 @@ def load_checkpoint(path: str, model, optimizer) -> Dict[str, Any]:
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
     optimizer.load_state_dict(state["optimizer"])
-    _set_rng_state(torch.load(os.path.join(path, f"rng_rank{_rank():05d}.pt"), weights_only=False))
-    return torch.load(os.path.join(path, TRAINER_STATE), weights_only=False)
+    _set_rng_state(rng_state)
+    return trainer_state

@@ -40,8 +40,10 @@ def _train_and_save(hf_dir, converted, run_dir, plain_dir):
     changed = any(not torch.equal(a, b) for a, b in zip(before, model.module.parameters()))
     ckpt.save_checkpoint(run_dir, 1, model, optimizer, {"note": "test"})
     ckpt.save_model_only(model, plain_dir)
+    # resuming reads the same files (each small one without executing code, see test_checkpoint_safety)
+    state = ckpt.load_checkpoint(ckpt.find_latest(run_dir), model, optimizer)
     destroy_parallel()
-    return changed
+    return changed, state
 
 
 @pytest.mark.slow
@@ -50,8 +52,9 @@ def test_trainer_run_exports_to_hf_and_verifies(tmp_path, capsys):
     run, plain = str(tmp_path / "run"), str(tmp_path / "plain")
     save_tiny_hf_model(hf, VARIANT, dtype=torch.float32)
     assert main(["hf-to-mcore", "--hf-dir", hf, "--out", converted]) == 0
-    [changed] = run_distributed(1, _train_and_save, hf, converted, run, plain)
+    [(changed, state)] = run_distributed(1, _train_and_save, hf, converted, run, plain)
     assert changed  # the step moved the weights: the export below is not the starting model
+    assert state == {"note": "test", "step": 1}
     assert os.path.isfile(os.path.join(run, "checkpoints", "latest"))
 
     exported = str(tmp_path / "exported")
