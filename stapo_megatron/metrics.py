@@ -37,6 +37,23 @@ class RunLogger:
             except ImportError:
                 warnings.warn("tensorboard is not installed: metrics go to metrics.jsonl only")
 
+    def resume_from(self, step: int) -> None:
+        """Drop what a killed run logged after the checkpoint it resumes from (``step``).
+
+        Rows of ``metrics.jsonl`` and ``silenced_tokens.jsonl`` with a step > ``step`` are
+        removed (the resumed run logs those steps again), as is a last line cut off by the kill;
+        TensorBoard purges its events after ``step`` too. Each file is rewritten atomically.
+        """
+        if not self.enabled:
+            return
+        for name in ("metrics.jsonl", "silenced_tokens.jsonl"):
+            truncate_jsonl(os.path.join(self.run_dir, name), step)
+        if self._tb is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb.close()
+            self._tb = SummaryWriter(os.path.join(self.run_dir, "tensorboard"), purge_step=step + 1)
+
     def log(self, row: Dict) -> None:
         if not self.enabled:
             return
@@ -61,6 +78,34 @@ class RunLogger:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+
+
+def truncate_jsonl(path: str, step: int) -> int:
+    """Keep the rows of a JSONL log whose ``step`` is <= ``step``; returns the number removed.
+
+    A line that does not parse can only be the last one, cut off when the run was killed; it is
+    removed too. A missing file is left missing.
+    """
+    if not os.path.isfile(path):
+        return 0
+    with open(path, encoding="utf-8") as f:
+        lines = f.readlines()
+    kept = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row.get("step", 0) <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    if len(kept) < len(lines):
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+        warnings.warn(f"{path}: removed {len(lines) - len(kept)} rows logged after step {step} by the run "
+                      "this one resumes (they are logged again)")
+    return len(lines) - len(kept)
 
 
 def summarize_silenced(rows: Iterable[Sequence[float]], decode) -> List[Dict]:
