@@ -178,3 +178,31 @@ def test_usage_and_missing_file(tmp_path):
     assert cli.main([]) == 2
     code, out = nemo_run(tmp_path, "launch/nope.py")
     assert code == 2 and "launch file launch/nope.py does not exist" in out
+
+
+@pytest.mark.parametrize("body", [
+    # a plain script: its __main__ block must not run (a dry run would otherwise execute it)
+    "if __name__ == '__main__':\n    open(MARKER, 'w').write('ran')\n",
+    # mentions cli.main only in a comment and a string: still not a launch file
+    "# run.cli.main(fn)\ntext = 'run.cli.main'\nif __name__ == '__main__':\n    open(MARKER, 'w').write('ran')\n",
+])
+def test_plain_script_is_refused_without_running_it(tmp_path, capsys, body):
+    from stapo_megatron.launch import cli
+
+    marker = tmp_path / "marker"
+    script = tmp_path / "plain.py"
+    script.write_text(f"MARKER = {str(marker)!r}\n" + body)
+    assert cli.main([str(script), "--dryrun"]) == 2
+    assert (f"nemo-run: {script} is not a launch file: it never calls nemo_run.cli.main(fn, ...) (not run"
+            in capsys.readouterr().err)
+    assert not marker.exists()
+    script.write_text("if __name__ == '__main__':\n    print(\n")
+    assert cli.main([str(script)]) == 2
+    assert "is not valid Python" in capsys.readouterr().err
+
+
+def test_launch_files_are_recognised():
+    from stapo_megatron.launch.cli import _calls_nemo_run_main
+
+    for name in sorted(os.listdir(os.path.join(REPO, "launch"))):
+        assert _calls_nemo_run_main(os.path.join(REPO, "launch", name)), name

@@ -16,6 +16,7 @@ and ``nemorun`` commands; this package provides ``nemo-run``.) What it adds:
   and a Slurm executor must have its account, image and job dir (``executors.check_submission``).
 """
 
+import ast
 import os
 import runpy
 import shutil
@@ -45,6 +46,35 @@ FAILED_STATES = (AppState.FAILED, AppState.CANCELLED, AppState.UNKNOWN)
 USAGE = __doc__.split("\n\n")[0]
 
 
+def _calls_nemo_run_main(path: str) -> bool:
+    """Whether the file's source calls NeMo-Run's CLI entry (``run.cli.main(...)``,
+    ``nemo_run.cli.main(...)``, ``cli.main(...)`` or ``main(...)`` imported from ``nemo_run.cli``).
+
+    Checked on the syntax tree, before anything runs: a plain script would otherwise have its
+    ``__main__`` block executed by ``load_entrypoint`` (even under ``--dryrun``).
+    """
+    with open(path, encoding="utf-8") as f:
+        try:
+            tree = ast.parse(f.read(), filename=path)
+        except SyntaxError as e:
+            raise ValueError(f"launch file {path} is not valid Python: {e}") from None
+    main_names = {alias.asname or alias.name for node in ast.walk(tree)
+                  if isinstance(node, ast.ImportFrom) and node.module == "nemo_run.cli"
+                  for alias in node.names if alias.name == "main"}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr == "main":
+            owner = func.value
+            if (isinstance(owner, ast.Attribute) and owner.attr == "cli") or (
+                    isinstance(owner, ast.Name) and owner.id == "cli"):
+                return True
+        if isinstance(func, ast.Name) and func.id in main_names:
+            return True
+    return False
+
+
 def load_entrypoint(path: str) -> "cli_api.Entrypoint":
     """The entrypoint a launch file registers, without running it.
 
@@ -54,6 +84,9 @@ def load_entrypoint(path: str) -> "cli_api.Entrypoint":
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"launch file {path} does not exist")
+    if not _calls_nemo_run_main(path):
+        raise ValueError(f"{path} is not a launch file: it never calls nemo_run.cli.main(fn, ...) "
+                         "(not run; a plain script runs with python, not nemo-run)")
     previous = os.environ.get("LAZY_CLI")
     os.environ["LAZY_CLI"] = "true"
     cli_api.MAIN_ENTRYPOINT = None
