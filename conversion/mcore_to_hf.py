@@ -46,6 +46,8 @@ def resolve_checkpoint_dir(path: str) -> str:
         if os.path.isfile(tracker):
             with open(tracker, encoding="utf-8") as f:
                 it = f.read().strip()
+            if it != "release" and not it.isdigit():
+                raise ValueError(f"{tracker}: expected an iteration number or 'release', got {it!r}")
             path = os.path.join(root, "release" if it == "release" else f"iter_{int(it):07d}")
             break
     if not os.path.isdir(path):

@@ -378,3 +378,10 @@ def test_truncated_checkpoint_files(capsys, hf, tmp_path, damage):
     _fails(capsys, ["mcore-to-hf", "--ckpt", str(ckpt), "--out", str(tmp_path / "back")], str(ckpt), needle)
     assert not os.path.exists(tmp_path / "back")
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".back")]
+
+
+def test_malformed_iteration_tracker(capsys, tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "latest_checkpointed_iteration.txt").write_text("seven\n")
+    _fails(capsys, ["mcore-to-hf", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "back")],
+           "latest_checkpointed_iteration.txt: expected an iteration number or 'release', got 'seven'")
