@@ -104,7 +104,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             # megatron-core warns about absent transformer-engine/apex on every CPU import.
             warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
             return _run(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
+    except (ValueError, OSError) as e:  # OSError: missing files, and a read-only or full disk
         print(f"stapo-convert {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -385,3 +385,20 @@ def test_malformed_iteration_tracker(capsys, tmp_path):
     (tmp_path / "run" / "latest_checkpointed_iteration.txt").write_text("seven\n")
     _fails(capsys, ["mcore-to-hf", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "back")],
            "latest_checkpointed_iteration.txt: expected an iteration number or 'release', got 'seven'")
+
+
+def test_full_disk_is_a_message_and_leaves_nothing(capsys, monkeypatch, hf, tmp_path):
+    import errno
+
+    import conversion.mcore_to_hf as mcore_to_hf
+
+    ckpt = str(tmp_path / "ckpt")
+    assert main(["hf-to-mcore", "--hf-dir", hf, "--out", ckpt]) == 0
+
+    def full(self, piece):
+        raise OSError(errno.ENOSPC, "No space left on device", self.path)
+
+    monkeypatch.setattr(mcore_to_hf.ShardWriter, "write", full)
+    _fails(capsys, ["mcore-to-hf", "--ckpt", ckpt, "--out", str(tmp_path / "back")],
+           "error: [Errno 28] No space left on device:", "model.safetensors")
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "hf"]
