@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from conversion.safetensors_io import cast_checked
+from stapo_megatron.bridge.model import DDP_PREFIX
 from stapo_megatron.checkpoint import read_dcp_metadata
 
 # What megatron.core.dist_checkpointing.save writes for the torch_dist backend (0.16 - 0.19).
@@ -255,9 +256,6 @@ class _SliceLoadPlanner(LoadPlanner):
         pass
 
 
-DDP_PREFIX = "module."
-"""Key prefix of a model saved through Megatron's DistributedDataParallel wrapper (what
-`stapo_megatron.checkpoint.save_checkpoint` writes); converted and Megatron-LM checkpoints have none."""
 
 
 def model_key_prefix(keys, probe: str = "embedding.word_embeddings.weight") -> str:

@@ -114,23 +114,10 @@ def _megatron_forward(model, tokens_BS: torch.Tensor) -> Optional[torch.Tensor]:
     return store[0] if store else None
 
 
-def _with_ddp_keys(model):
-    """``model`` as the ``module`` child of a bare MegatronModule, so that its sharded state dict
-    and state dict carry the ``module.`` prefix a checkpoint saved through Megatron DDP has."""
-    from megatron.core.transformer.module import MegatronModule
-
-    wrapper = MegatronModule(config=model.config)
-    wrapper.module = model
-    return wrapper
-
-
 def megatron_worker(ckpt_dir: str, hf_config: dict, layouts: Sequence[tuple[int, int]],
-                    tokens_BS: torch.Tensor, key_prefix: str = "") -> dict:
+                    tokens_BS: torch.Tensor) -> dict:
     """One rank: for each layout build, load, run; returns ``{(tp, pp): (prompt_ids, logits)}``
-    from the ranks that hold full logits (last stage, TP rank 0).
-
-    ``key_prefix`` is ``"module."`` for a checkpoint written by the trainer (see
-    `conversion.dcp_io.model_key_prefix`)."""
+    from the ranks that hold full logits (last stage, TP rank 0)."""
     from megatron.core import parallel_state as ps
 
     from stapo_megatron.bridge import build_gpt_model, load_checkpoint
@@ -140,7 +127,7 @@ def megatron_worker(ckpt_dir: str, hf_config: dict, layouts: Sequence[tuple[int,
     for tp, pp in layouts:
         init_parallel(tp, pp)
         model = build_gpt_model(hf_config, params_dtype=torch.float32, parallel_output=False)
-        load_checkpoint(_with_ddp_keys(model) if key_prefix else model, ckpt_dir)
+        load_checkpoint(model, ckpt_dir)  # reads a trainer checkpoint's ``module.`` keys too
         model.eval()
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         ids = list(range(dp_rank, tokens_BS.shape[0], dp))
@@ -182,14 +169,14 @@ def _spawned(rank: int, world: int, port: int, args: tuple, queue) -> None:
 
 
 def megatron_logits(ckpt_dir: str, hf_config: dict, layouts: Sequence[tuple[int, int]],
-                    tokens_BS: torch.Tensor, timeout: float = 1800.0, key_prefix: str = "") -> dict:
+                    tokens_BS: torch.Tensor, timeout: float = 1800.0) -> dict:
     """Spawn the ranks; return ``{(tp, pp): logits [B, S, V]}`` reassembled over DP replicas."""
     import torch.multiprocessing as mp
 
     world = math.lcm(*(tp * pp for tp, pp in layouts))
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), _free_port()
-    worker_args = (ckpt_dir, hf_config, list(layouts), tokens_BS, key_prefix)
+    worker_args = (ckpt_dir, hf_config, list(layouts), tokens_BS)
     procs = [ctx.Process(target=_spawned, args=(r, world, port, worker_args, queue)) for r in range(world)]
     for p in procs:
         p.start()
@@ -224,9 +211,9 @@ def verify(hf_dir: str, ckpt_dir: str, layouts: Sequence[tuple[int, int]], num_p
     for tp, pp in layouts:
         check_parallel_sizes(spec, tp, pp)
     ckpt_dir = resolve_checkpoint_dir(ckpt_dir)
-    key_prefix = CheckpointReader(ckpt_dir).key_prefix
+    CheckpointReader(ckpt_dir)  # a clear error for a damaged or non-GPT checkpoint before any rank starts
     tokens_BS = fixed_prompts(spec.vocab_size, num_prompts, seq_len, seed)
     # The reference runs (and is freed) before the Megatron ranks start, to keep peak memory low.
     ref_BSV = hf_logits(hf_dir, tokens_BS)
-    got = megatron_logits(ckpt_dir, hf_config, layouts, tokens_BS, key_prefix=key_prefix)
+    got = megatron_logits(ckpt_dir, hf_config, layouts, tokens_BS)
     return [compare(ref_BSV, got[(tp, pp)], tp, pp) for tp, pp in layouts]

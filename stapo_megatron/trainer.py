@@ -11,6 +11,7 @@ evaluation, checkpoint. Started by torchrun (or srun through NeMo-Run): ``train(
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import os
 import time
@@ -41,6 +42,9 @@ class WarmStartConfig:
     """Prompts per SFT step over all DP ranks."""
     target_template: str = "\\boxed{{{answer}}}"
     """Target response for an example; ``{answer}`` is replaced (end-of-sequence appended)."""
+    target_fn: str = ""
+    """Dotted path of a function ``(Example) -> str`` giving the target response instead of
+    ``target_template`` (end-of-sequence appended), e.g. a worked solution; empty = the template."""
     label_smoothing: float = 0.0
     """Label smoothing eps of the SFT loss: (1 - eps) NLL + eps CE(uniform over the vocabulary).
     A pure-SFT tiny model puts ~1e-5 on every off-target token, so its samples never contain
@@ -48,6 +52,15 @@ class WarmStartConfig:
     save_to: str = ""
     """If set, the warm-started weights are also saved there (model only) before RL starts, so
     other runs can start from them with ``ModelConfig.megatron_ckpt`` and no warm-start."""
+
+
+def _import_dotted(path: str, field: str):
+    """The object a dotted path ``package.module.name`` names; a ValueError naming ``field`` if none."""
+    module_name, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"{field} = {path!r} does not name an importable object: {e}") from None
 
 
 def _pad_to(n: int, multiple: int = 8) -> int:
@@ -245,14 +258,13 @@ class Trainer:
         eos = self.tokenizer.eos_token_id
         optim = dataclasses.replace(self.cfg.optim, lr=ws.lr, weight_decay=0.0)
         optimizer = build_optimizer(self.model, optim)
+        target = (_import_dotted(ws.target_fn, "warmstart.target_fn") if ws.target_fn
+                  else lambda ex: ws.target_template.format(answer=ex.answer))
         for step in range(ws.steps):
             idx = self._step_prompts(step, ws.prompts_per_step, self.cfg.seed + 99)
             prompts = [self.train_ids[i] for i in idx]
-            targets = [
-                self.tokenizer.encode(ws.target_template.format(answer=self.train_ex[i].answer),
-                                      add_special_tokens=False) + [eos]
-                for i in idx
-            ]
+            targets = [self.tokenizer.encode(target(self.train_ex[i]), add_special_tokens=False) + [eos]
+                       for i in idx]
             seq = _pad_to(max(len(p) + len(t) for p, t in zip(prompts, targets)), self.seq_multiple)
             batch = pack_sequences(prompts, targets, [0.0] * len(idx), [[0.0] * len(t) for t in targets],
                                    self.tokenizer.pad_token_id, seq, device=self.device)
@@ -371,6 +383,7 @@ class Trainer:
         if latest:
             state = ckpt.load_checkpoint(latest, self.model, self.optimizer)
             start = state["step"]
+            self.logger.resume_from(start)  # drop what the killed run logged past the checkpoint
             if self.rank == 0:
                 print(f"resumed from {latest} (step {start})", flush=True)
         elif self.warmstart and self.warmstart.steps:

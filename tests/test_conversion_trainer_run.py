@@ -42,8 +42,13 @@ def _train_and_save(hf_dir, converted, run_dir, plain_dir):
     ckpt.save_model_only(model, plain_dir)
     # resuming reads the same files (each small one without executing code, see test_checkpoint_safety)
     state = ckpt.load_checkpoint(ckpt.find_latest(run_dir), model, optimizer)
+    # a trainer checkpoint as a warm start (ModelConfig.megatron_ckpt): a bare model reads the
+    # ``module.``-prefixed keys
+    fresh = build_gpt_model(tiny_config(VARIANT), params_dtype=torch.float32, calculate_per_token_loss=True)
+    load_checkpoint(fresh, ckpt.find_latest(run_dir))
+    same = all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.module.parameters()))
     destroy_parallel()
-    return changed, state
+    return changed, state, same
 
 
 @pytest.mark.slow
@@ -52,7 +57,8 @@ def test_trainer_run_exports_to_hf_and_verifies(tmp_path, capsys):
     run, plain = str(tmp_path / "run"), str(tmp_path / "plain")
     save_tiny_hf_model(hf, VARIANT, dtype=torch.float32)
     assert main(["hf-to-mcore", "--hf-dir", hf, "--out", converted]) == 0
-    [(changed, state)] = run_distributed(1, _train_and_save, hf, converted, run, plain)
+    [(changed, state, warm_start_equal)] = run_distributed(1, _train_and_save, hf, converted, run, plain)
+    assert warm_start_equal
     assert changed  # the step moved the weights: the export below is not the starting model
     assert state == {"note": "test", "step": 1}
     assert os.path.isfile(os.path.join(run, "checkpoints", "latest"))

@@ -114,6 +114,21 @@ def build_gpt_model(
     return model
 
 
+DDP_PREFIX = "module."
+"""Key prefix of a model saved through Megatron's DistributedDataParallel wrapper (what
+`stapo_megatron.checkpoint.save_checkpoint` writes); converted and Megatron-LM checkpoints have none."""
+
+
+def _with_ddp_keys(model):
+    """``model`` as the ``module`` child of a bare MegatronModule, so that its sharded state dict
+    and state dict carry the ``module.`` prefix a checkpoint saved through Megatron DDP has."""
+    from megatron.core.transformer.module import MegatronModule
+
+    wrapper = MegatronModule(config=model.config)
+    wrapper.module = model
+    return wrapper
+
+
 def load_checkpoint(model, checkpoint_dir: str) -> None:
     """Load a Megatron dist checkpoint (from `stapo-convert hf-to-mcore` or the trainer).
 
@@ -121,9 +136,18 @@ def load_checkpoint(model, checkpoint_dir: str) -> None:
     embedding/output rows are zero-filled first and only the stored vocabulary rows are read,
     because the padded vocabulary depends on TP (allow_shape_mismatch in megatron-core).
     Entries of the checkpoint that the model does not have (optimizer state) are ignored.
+    A trainer checkpoint stores the model under Megatron DDP's ``module.`` prefix; it is read
+    into the bare model all the same. The checkpoint's ``.metadata`` is read without running
+    code first (`stapo_megatron.checkpoint.read_dcp_metadata`), so a crafted file is refused.
     """
     from megatron.core import dist_checkpointing
 
+    from stapo_megatron.checkpoint import read_dcp_metadata
+
+    stored = read_dcp_metadata(checkpoint_dir).state_dict_metadata
+    probe = "embedding.word_embeddings.weight"
+    if DDP_PREFIX + probe in stored and not any(k.startswith(DDP_PREFIX) for k in model.state_dict()):
+        model = _with_ddp_keys(model)
     sharded = model.sharded_state_dict()
     # Linear modules carry `_extra_state`: empty for the local spec, fp8 scaling metadata for
     # transformer-engine. Neither holds weights, and a checkpoint written under one spec has
