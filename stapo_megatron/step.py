@@ -39,6 +39,22 @@ class OptimConfig:
     """"adam" (AdamW) or "sgd" (plain SGD, momentum 0: used by the parity tests, where Adam
     would amplify fp32 reduction-order noise on near-zero gradients)."""
 
+    def __post_init__(self):
+        def finite(name, low, high=math.inf, low_open=False):
+            value = getattr(self, name)
+            ok = math.isfinite(value) and (value > low if low_open else value >= low) and value <= high
+            if not ok:
+                interval = f"{'(' if low_open else '['}{low}, {high}{']' if math.isfinite(high) else ')'}"
+                raise ValueError(f"OptimConfig.{name} must be finite and in {interval}, got {value}")
+
+        finite("lr", 0.0, low_open=True)
+        finite("weight_decay", 0.0)
+        finite("clip_grad", 0.0)  # 0 = no clipping (Megatron's convention)
+        finite("adam_beta1", 0.0, 1.0)
+        finite("adam_beta2", 0.0, 1.0)
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f'OptimConfig.optimizer must be "adam" or "sgd", got {self.optimizer!r}')
+
 
 def wrap_ddp(model: torch.nn.Module, use_distributed_optimizer: bool = False):
     """Wrap a Megatron GPTModel in Megatron DDP (parameters broadcast from DP rank 0) and

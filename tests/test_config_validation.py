@@ -7,6 +7,7 @@ import pytest
 
 from stapo_megatron.config import DataConfig, ModelConfig, RolloutSampling, TrainerConfig
 from stapo_megatron.loss import LossConfig
+from stapo_megatron.step import OptimConfig
 
 NAN, INF = float("nan"), float("inf")
 
@@ -32,6 +33,11 @@ NAN, INF = float("nan"), float("inf")
     (TrainerConfig, "eval_temperature", -0.5, r"eval_temperature must be finite and >= 0 \(0 = greedy\), got -0.5"),
     (TrainerConfig, "eval_temperature", NAN, "eval_temperature must be finite and >= 0"),
     (TrainerConfig, "reward_timeout_s", 0.0, "reward_timeout_s must be finite and > 0, got 0.0"),
+    (OptimConfig, "lr", 0.0, r"OptimConfig.lr must be finite and in \(0.0, inf\), got 0.0"),
+    (OptimConfig, "lr", NAN, "OptimConfig.lr must be finite"),
+    (OptimConfig, "clip_grad", -1.0, r"OptimConfig.clip_grad must be finite and in \[0.0, inf\), got -1.0"),
+    (OptimConfig, "adam_beta2", 1.5, r"OptimConfig.adam_beta2 must be finite and in \[0.0, 1.0\], got 1.5"),
+    (OptimConfig, "optimizer", "lion", 'OptimConfig.optimizer must be "adam" or "sgd"'),
 ])
 def test_bad_value_is_refused_naming_the_field(cls, field, value, message):
     with pytest.raises(ValueError, match=message):
