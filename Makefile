@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stapo-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo demo-synthetic compare test test-fast bench venv clean
+.PHONY: demo demo-seeds demo-synthetic compare test test-fast bench venv clean
 
 $(STAMP): setup.py requirements/cpu-constraints.txt requirements/launch.txt requirements/launch-nodeps.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ venv: $(STAMP)
 # `nemo-run` exits non-zero when the job fails, so make does too.
 demo: $(STAMP)
 	$(VENV)/bin/nemo-run launch/stapo_tiny.py --yes
+
+# `make demo` for 5 seeds, one after another (about 45 minutes on 2 cores): the README's demo
+# table and docs/figures/demo_seeds.png come from here. Finished seeds are not run again.
+demo-seeds: $(STAMP)
+	$(PY) examples/demo_seeds.py
 
 # The method comparison (stapo / grpo / entropy20 / random x 3 seeds on the tiny task, under an
 # hour on 2 cores): runs/compare/summary.md and curves.png. Finished runs are skipped on a rerun.

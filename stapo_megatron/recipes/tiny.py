@@ -11,7 +11,8 @@ from stapo_megatron.trainer import WarmStartConfig
 
 
 def tiny_demo(run_dir: str = "runs/demo", method: str = "stapo"):
-    """Sums of 2-3 one-digit numbers from reasoning-gym, a tiny char-level Qwen3, SFT warm-start then RL.
+    """Sums of 2-3 one-digit numbers from reasoning-gym, a tiny char-level Qwen3, SFT warm-start
+    on worked answers ("3+3=6, 6+2=8. \\boxed{8}"), then RL.
 
     Returns (TrainerConfig, WarmStartConfig).
     """
@@ -24,7 +25,10 @@ def tiny_demo(run_dir: str = "runs/demo", method: str = "stapo"):
         lr_warmup_steps=1,
         seed=1234,
         eval_every=10,
-        eval_temperature=0.0,
+        # held-out avg@4 at T = 1.0, the paper's evaluation (and its rollout temperature): greedy
+        # decoding hides the stray low-probability tokens whose removal is what RL learns here
+        eval_temperature=1.0,
+        eval_samples=4,
         save_every=20,
         model=ModelConfig(hf_dir=f"{run_dir}/model"),
         data=DataConfig(
@@ -33,7 +37,8 @@ def tiny_demo(run_dir: str = "runs/demo", method: str = "stapo"):
                                       allow_parentheses=False, allow_negation=False),
             num_train=900, num_eval=100, max_prompt_len=256, use_chat_template=False,
         ),
-        rollout=RolloutSampling(group_size=8, temperature=1.0, top_p=1.0, max_response_len=16),
+        # worked answers ("3+3=6, 6+2=8. \\boxed{8}") are at most 28 tokens with end-of-sequence
+        rollout=RolloutSampling(group_size=8, temperature=1.0, top_p=1.0, max_response_len=32),
         # the paper's S2T constants (tau_p 0.002, q 0.75); the warm-start's label smoothing gives
         # the policy the low-probability tail in which S2T's candidates live (see below)
         loss=LossConfig(method=method),
@@ -43,8 +48,32 @@ def tiny_demo(run_dir: str = "runs/demo", method: str = "stapo"):
     # probabilities are either > 0.1 (digits) or ~1 (forced), and S2T found one candidate in ten
     # steps (it silences nothing with fewer than two per mini-batch). eps = 0.02 spreads 2% over
     # the 99 other tokens (p ~ 2e-4 < tau_p), as a pretrained LLM's tail would be.
-    warmstart = WarmStartConfig(steps=300, lr=2e-3, prompts_per_step=64, label_smoothing=0.02)
+    # Worked targets (`worked_sum`): the direct "\\boxed{8}" target plateaued at NLL ~0.3 and a
+    # seed-dependent 5-39% greedy accuracy; written-out running sums reach ~0.8 greedy in 200-300
+    # steps, and what is left for RL is mostly the stray tokens sampled at T = 1.
+    warmstart = WarmStartConfig(steps=300, lr=2e-3, prompts_per_step=64, label_smoothing=0.02,
+                                target_fn="stapo_megatron.recipes.tiny.worked_sum")
     return cfg, warmstart
+
+
+def worked_sum(example) -> str:
+    """The warm-start target for "Calculate 3 + 3 + 2.": "3+3=6, 6+2=8. \\boxed{8}".
+
+    Writing the running sums out turns one hard step (add three digits at once, which the tiny
+    model only half learns from 900 problems) into single additions it learns reliably, and gives
+    the responses enough tokens for S2T to find spurious ones. ``WarmStartConfig.target_fn``.
+    """
+    expression = example.prompt.strip().removeprefix("Calculate").strip().rstrip(".")
+    terms = [t.strip() for t in expression.split("+")]
+    if len(terms) < 2 or not all(t.isdigit() for t in terms):
+        raise ValueError(f"worked_sum expects 'Calculate a + b [+ c ...].', got {example.prompt!r}")
+    total, steps = int(terms[0]), []
+    for term in terms[1:]:
+        steps.append(f"{total}+{term}={total + int(term)}")
+        total += int(term)
+    if str(total) != example.answer.strip():
+        raise ValueError(f"worked_sum: {example.prompt!r} sums to {total}, but its answer is {example.answer!r}")
+    return f"{', '.join(steps)}. \\boxed{{{total}}}"
 
 
 def tiny_compare(run_dir: str = "runs/compare/run", method: str = "stapo", seed: int = 0, steps: int = 30):

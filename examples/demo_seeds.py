@@ -1,0 +1,145 @@
+"""The embedded default over several seeds: the README's demo table and curve come from here.
+
+    .venv/bin/python examples/demo_seeds.py                      # = make demo-seeds: 5 seeds
+    .venv/bin/python examples/demo_seeds.py --seeds 1234 1 --out runs/demo-seeds --figures docs/figures
+
+Each seed runs exactly what ``make demo`` runs (``nemo-run launch/stapo_tiny.py seed=S
+output_dir=OUT/seed_S --yes``: NeMo-Run, torchrun, 2 processes), one after another; a seed whose
+run finished (its last evaluation logged) is not run again. Then it writes, from the runs'
+``metrics.jsonl``:
+
+    FIGURES/demo_seeds.png   held-out accuracy per evaluation step, one line per seed
+    FIGURES/demo_seeds.md    per seed: accuracy at RL step 0 (after the warm-start) and at the
+                             end, the gain, tokens S2T silenced, wall time; machine and date
+
+and puts the table into README.md between the ``demo-seeds`` markers.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+
+DEFAULT_SEEDS = (1234, 1, 2, 3, 4)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BEGIN, END = "<!-- demo-seeds:begin -->", "<!-- demo-seeds:end -->"
+
+
+def _rows(run_dir):
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _finished(run_dir, steps):
+    return any(r.get("kind") == "eval" and r["step"] == steps for r in _rows(run_dir))
+
+
+def run_seed(seed, run_dir, steps):
+    """``make demo`` with this seed and output folder; returns the wall time in seconds."""
+    nemo_run = os.path.join(os.path.dirname(sys.executable), "nemo-run")
+    cmd = [nemo_run, "launch/stapo_tiny.py", f"seed={seed}", f"output_dir={run_dir}", "--yes"]
+    print(f"[demo-seeds] seed {seed}: {' '.join(cmd)}", flush=True)
+    t0 = time.time()
+    subprocess.run(cmd, cwd=ROOT, check=True)
+    if not _finished(run_dir, steps):
+        raise RuntimeError(f"seed {seed}: {run_dir}/metrics.jsonl has no evaluation at step {steps}")
+    return time.time() - t0
+
+
+def summarise(seed, run_dir, seconds):
+    rows = _rows(run_dir)
+    evals = {r["step"]: r["eval_accuracy"] for r in rows if r.get("kind") == "eval"}
+    train = [r for r in rows if r.get("kind") == "train"]
+    first, last = min(evals), max(evals)
+    return dict(seed=seed, start=evals[first], end=evals[last], gain=evals[last] - evals[first],
+                silenced=sum(r["silenced_count"] for r in train),
+                steps_with_silenced=sum(r["silenced_count"] > 0 for r in train),
+                seconds=seconds, curve=sorted(evals.items()))
+
+
+def table(results, eval_desc):
+    lines = [
+        f"| seed | held-out {eval_desc}, RL step 0 | at the end | gain | tokens silenced by S2T "
+        "(steps with any) | wall time |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        wall = f"{r['seconds'] / 60:.1f} min" if r["seconds"] else "(earlier run)"
+        lines.append(f"| {r['seed']} | {r['start']:.3f} | {r['end']:.3f} | {r['gain']:+.3f} | "
+                     f"{r['silenced']} ({r['steps_with_silenced']}) | {wall} |")
+    gains = [r["gain"] for r in results]
+    lines.append(f"| mean | {sum(r['start'] for r in results) / len(results):.3f} | "
+                 f"{sum(r['end'] for r in results) / len(results):.3f} | {sum(gains) / len(gains):+.3f} | "
+                 f"{sum(r['silenced'] for r in results) / len(results):.1f} | |")
+    return "\n".join(lines)
+
+
+def plot(results, path, eval_desc):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for r in results:
+        steps, acc = zip(*r["curve"])
+        ax.plot(steps, acc, marker="o", markersize=3, label=f"seed {r['seed']}")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel(f"held-out {eval_desc}")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("make demo (tiny Qwen3, STAPO, 2 CPU processes), per seed", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main():
+    from stapo_megatron.recipes.tiny import tiny_demo
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS))
+    parser.add_argument("--out", default="runs/demo-seeds")
+    parser.add_argument("--figures", default="docs/figures")
+    parser.add_argument("--no-readme", action="store_true", help="do not update README.md")
+    args = parser.parse_args()
+    cfg, _ = tiny_demo()
+    eval_desc = ("greedy accuracy" if cfg.eval_temperature == 0
+                 else f"avg@{cfg.eval_samples} at T={cfg.eval_temperature:g}")
+    results = []
+    for seed in args.seeds:
+        run_dir = os.path.join(args.out, f"seed_{seed}")
+        seconds = 0.0 if _finished(os.path.join(ROOT, run_dir), cfg.steps) else run_seed(seed, run_dir, cfg.steps)
+        results.append(summarise(seed, os.path.join(ROOT, run_dir), seconds))
+        print(f"[demo-seeds] seed {seed}: {results[-1]['start']:.3f} -> {results[-1]['end']:.3f}", flush=True)
+    figures = os.path.join(ROOT, args.figures)
+    os.makedirs(figures, exist_ok=True)
+    plot(results, os.path.join(figures, "demo_seeds.png"), eval_desc)
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}"
+    text = (f"Measured {datetime.date.today().isoformat()} on {machine} by `examples/demo_seeds.py` "
+            f"(`make demo` per seed, {cfg.steps} RL steps):\n\n{table(results, eval_desc)}\n")
+    with open(os.path.join(figures, "demo_seeds.md"), "w") as f:
+        f.write(text)
+    print(text)
+    if not args.no_readme:
+        readme = os.path.join(ROOT, "README.md")
+        with open(readme) as f:
+            content = f.read()
+        if BEGIN not in content or END not in content:
+            raise ValueError(f"README.md has no {BEGIN} ... {END} block to fill")
+        block = f"{BEGIN}\n{text}{END}"
+        with open(readme, "w") as f:
+            f.write(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, content, flags=re.S))
+
+
+if __name__ == "__main__":
+    main()
