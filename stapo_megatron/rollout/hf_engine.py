@@ -28,7 +28,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from stapo_megatron.rollout.vllm_engine import RolloutConfig, Sample, _has_tokenizer
+from stapo_megatron.rollout.vllm_engine import RolloutConfig, Sample, _has_tokenizer, check_generate_args
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -112,13 +112,7 @@ class HFEngine:
         """Sample ``n`` responses for each prompt (arguments and seeds as `VLLMEngine.generate`)."""
         if not prompt_token_ids:
             return []
-        if n < 1 or max_tokens < 1:
-            raise ValueError(f"n ({n}) and max_tokens ({max_tokens}) must be >= 1")
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
-        for i, ids in enumerate(prompt_token_ids):
-            if len(ids) == 0:
-                raise ValueError(f"prompt {i} is empty")
+        check_generate_args(prompt_token_ids, n, temperature, top_p, max_tokens)
         if seed is None:
             seed = int(torch.randint(0, 2**62, (), generator=self._rng))
         rows = [(i, j) for i in range(len(prompt_token_ids)) for j in range(n)]

@@ -92,6 +92,17 @@ def _has_tokenizer(hf_dir: str) -> bool:
     return any(os.path.isfile(os.path.join(hf_dir, f)) for f in _TOKENIZER_FILES)
 
 
+def check_generate_args(prompt_token_ids, n: int, temperature: float, top_p: float, max_tokens: int) -> None:
+    """ValueError for arguments of ``generate`` that no engine can sample with."""
+    if n < 1 or max_tokens < 1:
+        raise ValueError(f"n ({n}) and max_tokens ({max_tokens}) must be >= 1")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+    for i, ids in enumerate(prompt_token_ids):
+        if len(ids) == 0:
+            raise ValueError(f"prompt {i} is empty")
+
+
 class VLLMEngine:
     """A vllm.LLM in this process; see the module docstring."""
 
@@ -183,13 +194,7 @@ class VLLMEngine:
 
         if not prompt_token_ids:
             return []
-        if n < 1 or max_tokens < 1:
-            raise ValueError(f"n ({n}) and max_tokens ({max_tokens}) must be >= 1")
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
-        for i, ids in enumerate(prompt_token_ids):
-            if len(ids) == 0:
-                raise ValueError(f"prompt {i} is empty")
+        check_generate_args(prompt_token_ids, n, temperature, top_p, max_tokens)
         params = [
             SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                            logprobs=0,  # only the sampled token's log-prob
