@@ -139,16 +139,21 @@ def build_config(
 
 
 def _prepare_tiny_model(model_dir: str) -> None:
-    """Local rank 0 writes the tiny model folder (atomically); the other ranks wait for it."""
+    """Global rank 0 writes the tiny model folder (atomically); the other ranks wait for it.
+
+    Global, not local: with several nodes sharing the output folder, one writer per node would
+    race to rename its copy into place.
+    """
     from stapo_megatron.recipes.tiny import prepare_tiny_model
 
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+    if int(os.environ.get("RANK", "0")) == 0:
         prepare_tiny_model(model_dir)
         return
     deadline = time.monotonic() + TINY_MODEL_WAIT_S
     while not os.path.exists(os.path.join(model_dir, "config.json")):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"local rank 0 did not write {model_dir} within {TINY_MODEL_WAIT_S:.0f} s")
+            raise TimeoutError(f"rank 0 did not write {model_dir} within {TINY_MODEL_WAIT_S:.0f} s "
+                               "(on several nodes the output folder must be on a shared file system)")
         time.sleep(0.5)
 
 
@@ -166,7 +171,7 @@ def run_recipe(
 ) -> None:
     """Train one recipe in this worker process (one per GPU / CPU rank, under torchrun).
 
-    The tiny recipe first prepares its model folder (``<output_dir>/model``) on local rank 0.
+    The tiny recipe first prepares its model folder (``<output_dir>/model``) on global rank 0.
     Arguments as in `build_config`; ``model`` ... ``warmstart`` are the section overrides.
     """
     # torchrun's environment: the layout check uses the GPUs this job really has
