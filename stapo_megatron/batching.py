@@ -1,6 +1,6 @@
 """From rollouts to Megatron micro-batches: group advantages, packing, label alignment.
 
-Group advantage (DESIGN.md): A_i = (R_i - mean_j R_j) / (std_j R_j + eps) over the G responses of
+Group advantage (docs/design.md): A_i = (R_i - mean_j R_j) / (std_j R_j + eps) over the G responses of
 one prompt; a group with all-equal rewards has A = 0 for every response (it contributes no
 gradient; the trainer logs how many there are).
 

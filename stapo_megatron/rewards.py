@@ -1,6 +1,6 @@
 """Verifiable math rewards: final boxed answer, math-verify equivalence, time-bounded batch scoring.
 
-Owns step 2 of a training step (DESIGN.md, "One training step"): the binary reward R_i of a
+Owns step 2 of a training step (docs/design.md, "One training step"): the binary reward R_i of a
 response, 1.0 when its last ``\\boxed{...}`` is mathematically equivalent to the reference answer
 and 0.0 otherwise (no box, unparseable, wrong, or too slow to check).
 

@@ -1,7 +1,7 @@
 """Supervised warm-start: token-level cross-entropy on (prompt, target response) pairs.
 
 Used by the embedded CPU demo so that a freshly initialised tiny model gets non-zero rewards
-before RL (DESIGN.md). Same Megatron machinery as the policy update: the loss function returns
+before RL (docs/design.md). Same Megatron machinery as the policy update: the loss function returns
 (sum of token NLL, number of target tokens), so Megatron normalises per token over the whole
 batch; log-probs come from the same fused vocab-parallel op.
 """

@@ -1,6 +1,6 @@
 """One STAPO policy update with Megatron-Core: DDP, optimizer, forward_backward, metrics.
 
-This is steps 4-5 of DESIGN.md's training step (old log-probs, then per mini-batch the loss and
+This is steps 4-5 of docs/design.md's training step (old log-probs, then per mini-batch the loss and
 an optimizer step), independent of where rollouts come from. The trainer, the demo and the
 multi-process tests all go through it.
 """

@@ -1,6 +1,6 @@
 """Synthetic rollouts and a tiny Qwen3-shaped GPTModel: the demo and tests need no checkpoint.
 
-Rollouts are G responses per prompt with binary rewards and group advantages (DESIGN.md):
+Rollouts are G responses per prompt with binary rewards and group advantages (docs/design.md):
 A_i = (R_i - mean_j R_j) / (std_j R_j + eps); groups with all-equal rewards get A = 0.
 Token ids are random; what matters for exercising STAPO is that the model's probabilities of
 the sampled tokens span the S2T thresholds.

@@ -1,4 +1,4 @@
-"""The STAPO training loop (DESIGN.md, "One training step"), SPMD: one process per device.
+"""The STAPO training loop (docs/design.md, "One training step"), SPMD: one process per device.
 
 Per step: (1) this DP rank's prompts; (2) rollouts (vLLM, or transformers where vLLM is not
 installed: ``RolloutSampling.engine``), G per prompt, in this process;
