@@ -1,11 +1,11 @@
-"""Method comparison at CPU scale: stapo vs grpo, entropy20 and random, several seeds each.
+"""Method comparison at CPU scale: stapo vs the other methods of `methods.METHODS`, several seeds each.
 
     nemo-run launch/compare_tiny.py --yes                                    # = make compare
     .venv/bin/python -m stapo_megatron.compare --out runs/compare            # the same, without NeMo-Run
     .venv/bin/python -m stapo_megatron.compare --out runs/compare --summarize-only
 
 For every seed, one supervised warm-start (``tiny_compare``'s WarmStartConfig) is trained once and
-saved; the four methods then start RL from the same warm-started weights with the same seed, so a
+saved; the methods then start RL from the same warm-started weights with the same seed, so a
 seed pairs the methods (same initial policy, same prompt order, same sampler seeds until the
 policies diverge). Every run is its own ``torchrun`` job (2 processes, DP=2) and leaves a run
 directory ``<out>/<method>_seed<k>/`` with the trainer's usual outputs; a run whose metrics
@@ -30,8 +30,7 @@ import sys
 import time
 from typing import Dict, List, Sequence
 
-METHODS = ("stapo", "grpo", "entropy20", "random")
-BASELINES = ("grpo", "entropy20", "random")
+from stapo_megatron.methods import METHODS
 
 
 # -- the worker (one torchrun job) --------------------------------------------------------------
@@ -155,7 +154,7 @@ def _run_summary(rows: List[Dict]) -> Dict[str, float]:
     )
 
 
-def summarize(out: str, seeds: Sequence[int], methods: Sequence[str] = METHODS) -> str:
+def summarize(out: str, seeds: Sequence[int], methods: Sequence[str] = tuple(METHODS)) -> str:
     """Write ``summary.md`` and ``curves.png`` from the finished runs; returns the markdown."""
     runs = {}
     for m in methods:
@@ -256,7 +255,7 @@ def compare_tiny(output_dir: str = "runs/compare", seeds: List[int] = [0, 1, 2],
 
     bad = [m for m in methods if m not in METHODS]
     if bad:
-        raise ValueError(f"unknown methods {bad}; choose from {METHODS}")
+        raise ValueError(f"unknown methods {bad}; choose from {tuple(METHODS)}")
     steps = steps or tiny_compare()[0].steps
     run_comparison(output_dir, list(seeds), list(methods), steps, nproc)
     text = summarize(output_dir, list(seeds), list(methods))
@@ -268,7 +267,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/compare", help="output folder (runs, summary.md, curves.png)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     p.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the recipe's)")
     p.add_argument("--nproc", type=int, default=2, help="processes per run (DP)")
     p.add_argument("--summarize-only", action="store_true")

@@ -159,7 +159,7 @@ class TrainerConfig:
     rollout: RolloutSampling = dataclasses.field(default_factory=RolloutSampling)
     """Sampling."""
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
-    """Policy loss (method stapo | grpo | entropy20 | random)."""
+    """Policy loss (``method``: a name of `stapo_megatron.methods.METHODS`)."""
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     """AdamW (the paper: lr 1e-6, weight decay 0.1, grad clip 1.0)."""
 

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from stapo_megatron import s2t
+from stapo_megatron.methods import get_method
 from stapo_megatron.ops import vocab_parallel_logprob_entropy
 from stapo_megatron.parallel import collective_device
 
@@ -46,9 +47,9 @@ class LossConfig:
     """Policy-loss method and constants (defaults: the paper's STAPO recipe)."""
 
     method: str = "stapo"
-    """One of "stapo" (S2T mask), "grpo" (DAPO/JustRL objective, no mask), "entropy20"
-    (keep only the top-20% entropy tokens), "random" (silence as many random response tokens as
-    S2T would)."""
+    """A name of `stapo_megatron.methods.METHODS`: "stapo" (S2T mask), "grpo" (DAPO/JustRL
+    objective, no mask), "entropy20" (keep only the top-20% entropy tokens), "random" (silence as
+    many random response tokens as S2T would)."""
     clip_ratio_low: float = 0.2
     """eps_low of the clipped ratio (PPO/DAPO)."""
     clip_ratio_high: float = 0.28
@@ -72,8 +73,7 @@ class LossConfig:
     """Base seed of the random-control mask (combined with a per-micro-batch seed)."""
 
     def __post_init__(self):
-        if self.method not in s2t.METHODS:
-            raise ValueError(f"method must be one of {s2t.METHODS}, got {self.method!r}")
+        get_method(self.method)  # ValueError naming the methods
         if self.tau_h_source not in ("old", "exact"):
             raise ValueError(f"tau_h_source must be 'old' or 'exact', got {self.tau_h_source!r}")
         if not (0 <= self.clip_ratio_low < 1 and self.clip_ratio_high >= 0):
@@ -191,17 +191,14 @@ def minibatch_threshold(
     """The method's mini-batch threshold from this rank's whole mini-batch statistics.
 
     stapo and random: tau_H (q-quantile of S2T candidate entropies over ``dp_group``);
-    entropy20: the (1 - rho)-quantile of response-token entropies; grpo: NaN (unused).
-    Tensors may be flattened and concatenated over micro-batches. Collective over ``dp_group``
-    (every DP rank must call it).
+    entropy20: the (1 - rho)-quantile of response-token entropies; grpo: NaN (unused); in
+    general ``Method.threshold`` (`stapo_megatron.methods`). Tensors may be flattened and
+    concatenated over micro-batches. Collective over ``dp_group`` (every DP rank must call it).
     """
-    if config.method in ("stapo", "random"):
-        candidates = s2t.s2t_candidates(logprob, advantages, response_mask, config.tau_p)
-        tau_h, _ = s2t.s2t_threshold(entropy, candidates, config.entropy_quantile, dp_group)
-        return tau_h
-    if config.method == "entropy20":
-        return s2t.entropy20_threshold(entropy, response_mask, config.entropy_top_fraction, dp_group)
-    return torch.tensor(float("nan"))
+    method = get_method(config.method)
+    if method.threshold is None:
+        return torch.tensor(float("nan"))
+    return method.threshold(config, logprob, entropy, advantages, response_mask, dp_group)
 
 
 # Per-micro-batch sums reported by the loss function, reduced over micro-batches and DP ranks.
@@ -231,17 +228,9 @@ def loss_func(
     advantages = batch["advantages"].float()
     old_logprob = batch["old_logprob"].float()
     candidates = s2t.s2t_candidates(logprob.detach(), advantages, response_mask, config.tau_p)
-    if config.method == "grpo":
-        silenced = s2t.no_mask(response_mask)
-    elif config.method == "entropy20":
-        silenced = s2t.entropy20_mask(entropy, response_mask, threshold=threshold)
-    else:
-        silenced = s2t.s2t_mask(
-            logprob.detach(), entropy, advantages, response_mask, config.tau_p, tau_h=threshold
-        )
-        if config.method == "random":
-            seed = config.seed * 1_000_003 + int(batch.get("seed", torch.tensor(0)))
-            silenced = s2t.random_mask(response_mask, int(silenced.sum()), seed)
+    silenced = get_method(config.method).mask(
+        config, logprob.detach(), entropy, advantages, response_mask, threshold, batch.get("seed")
+    )
     loss_sum, num_kept = stapo_loss(
         logprob, old_logprob, advantages, response_mask, silenced,
         config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio_c,
@@ -291,12 +280,12 @@ def make_forward_step(
 
     Args:
         threshold: the mini-batch threshold from ``minibatch_threshold`` (tau_H for stapo and
-            random, the entropy cut for entropy20; ignored by grpo).
+            random, the entropy cut for entropy20; ignored by methods without one).
         tp_group: the tensor-parallel group the output vocabulary is sharded over.
         vocab_size: the real vocabulary size if the output layer is padded (see ops).
     """
     if threshold is None:
-        if config.method != "grpo":
+        if get_method(config.method).needs_entropy:
             raise ValueError(f"method {config.method!r} needs the mini-batch threshold")
         threshold = torch.tensor(float("nan"))
 

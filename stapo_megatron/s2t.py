@@ -33,9 +33,6 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
-METHODS = ("stapo", "grpo", "entropy20", "random")
-
-
 def quantile_linear(values: torch.Tensor, q: float) -> torch.Tensor:
     """q-quantile with linear interpolation, as ``torch.quantile`` (no 16M-element limit).
 

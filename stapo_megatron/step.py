@@ -16,6 +16,7 @@ import torch
 
 from stapo_megatron.loss import LossConfig, compute_logprob_entropy, loss_func, run_microbatches
 from stapo_megatron.loss import minibatch_threshold, reduce_metrics
+from stapo_megatron.methods import get_method
 from stapo_megatron.parallel import Groups
 
 
@@ -138,7 +139,7 @@ def policy_update(
             model, microbatches, seq_length, loss_config.temperature, groups.tp, vocab_size
         )
     threshold = torch.tensor(float("nan"))
-    if groups.is_last_stage and loss_config.method != "grpo":
+    if groups.is_last_stage and get_method(loss_config.method).needs_entropy:
         cat = lambda key: torch.cat([mb[key].reshape(-1) for mb in microbatches])  # noqa: E731
         threshold = minibatch_threshold(
             loss_config,

@@ -19,6 +19,7 @@ import time
 import typing
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
+from stapo_megatron.methods import get_method
 from stapo_megatron.recipes import paper
 
 RECIPES = ("tiny", *paper.LAYOUTS)
@@ -105,7 +106,7 @@ def build_config(
 
     Args:
         recipe: one of `RECIPES`.
-        method: stapo | grpo | entropy20 | random.
+        method: a name of `stapo_megatron.methods.METHODS`.
         output_dir: the run directory (TrainerConfig.run_dir; ``run_dir=`` itself cannot be
             given on NeMo-Run's command line, where every ``run*`` key belongs to NeMo-Run).
         check_paths: paper recipes: require the model and data paths (False for a dry run).
@@ -118,8 +119,7 @@ def build_config(
     """
     if recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
-    if method not in paper.METHODS:
-        raise ValueError(f"method must be one of {paper.METHODS}, got {method!r}")
+    get_method(method)  # before building anything: a ValueError naming the methods
     sections = {name: overrides.pop(name) or {} for name in SECTIONS if name in overrides}
     warmstart_overrides = sections.pop("warmstart", {})
     if recipe == "tiny":

@@ -2,7 +2,7 @@
 
 ``qwen3_1p7b``, ``qwen3_8b`` and ``qwen3_14b`` return the trainer's `TrainerConfig` for
 DAPO-Math-17k (paths are the user's: ``data.train_path`` / ``data.eval_path``), with the method
-as a one-word switch (``stapo`` | ``grpo`` | ``entropy20`` | ``random``, `method_loss`).
+as a one-word switch (a name of `stapo_megatron.methods.METHODS`, `method_loss`).
 
 Each size has a `Layout` (nodes, TP/PP/DP, vLLM TP and memory share, micro-batch, recompute,
 sequence parallelism) chosen with `memory_estimate`, the written per-GPU memory model kept next
@@ -20,6 +20,7 @@ from typing import Dict, List, Optional
 from stapo_megatron.bridge.config import QwenSpec, padded_vocab_size
 from stapo_megatron.config import DataConfig, ModelConfig, RolloutSampling, TrainerConfig
 from stapo_megatron.loss import LossConfig
+from stapo_megatron.methods import get_method
 from stapo_megatron.step import OptimConfig
 
 GB = 1e9
@@ -34,10 +35,6 @@ MAX_RESPONSE_LEN = 15360
 """Paper: maximum response tokens."""
 SEQ_LEN = MAX_PROMPT_LEN + MAX_RESPONSE_LEN
 """Longest training sequence (prompt + response): the activation and logits sizes use it."""
-
-METHODS = ("stapo", "grpo", "entropy20", "random")
-"""The one-word method overrides (`method_loss`)."""
-
 
 def _qwen3(num_layers, hidden, heads, ffn, tied) -> QwenSpec:
     """A Qwen3 base model as in its HF config.json (8 KV heads, head_dim 128, 151936 tokens)."""
@@ -244,14 +241,16 @@ def memory_estimate(spec: QwenSpec, layout: Layout, seq_len: int = SEQ_LEN,
 def method_loss(method: str) -> LossConfig:
     """The loss of each method, everything else equal (the paper's comparison).
 
-    stapo: S2T with tau_p 0.002 and q 0.75; grpo: the DAPO/JustRL objective without a mask;
-    entropy20: keep the 20% highest-entropy response tokens; random: silence as many random
-    response tokens as S2T would (same tau_p / q to count them).
+    The shared constants (clip 0.2/0.28, no KL, tau_p 0.002, q 0.75, rho 0.2, T 1.0), then the
+    method's own ``Method.loss_options`` (`stapo_megatron.methods`). stapo: S2T with tau_p 0.002
+    and q 0.75; grpo: the DAPO/JustRL objective without a mask; entropy20: keep the 20%
+    highest-entropy response tokens; random: silence as many random response tokens as S2T would
+    (same tau_p / q to count them).
     """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    return LossConfig(method=method, clip_ratio_low=0.2, clip_ratio_high=0.28, kl_coef=0.0,
-                      tau_p=0.002, entropy_quantile=0.75, entropy_top_fraction=0.2, temperature=1.0)
+    options = get_method(method).loss_options
+    shared = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, kl_coef=0.0, tau_p=0.002, entropy_quantile=0.75,
+                  entropy_top_fraction=0.2, temperature=1.0)
+    return LossConfig(method=method, **{**shared, **options})
 
 
 def paper_recipe(size: str, method: str = "stapo", run_dir: Optional[str] = None) -> TrainerConfig:
