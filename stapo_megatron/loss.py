@@ -1,4 +1,11 @@
-"""The STAPO policy loss and its Megatron-Core ``forward_step_func`` / ``loss_func``.
+"""The STAPO policy loss in Megatron-Core's schedule: `LossConfig`, the mini-batch threshold,
+``loss_func`` and ``make_forward_step``.
+
+The package's loss is split by job; this module is the entry point and re-exports the others:
+the objective on plain tensors (``objective.py``: `stapo_loss`, `token_objective`), the
+micro-batch runner shared with the SFT warm-start (``schedule.py``: `run_microbatches`,
+`compute_logprob_entropy`), the metrics (``loss_metrics.py``: `METRIC_SUMS`, `reduce_metrics`),
+and which tokens each method silences (``methods.py``).
 
 STAPO objective (arXiv 2602.15620, Eq. for J_STAPO; the DAPO/JustRL token-level objective with
 clip-higher, no KL, no entropy bonus, plus the S2T mask of ``stapo_megatron.s2t``):
@@ -31,15 +38,28 @@ from __future__ import annotations
 import dataclasses
 import math
 from functools import partial
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.distributed as dist
 
 from stapo_megatron import s2t
+from stapo_megatron.loss_metrics import METRIC_SUMS, metric_sums, reduce_metrics
 from stapo_megatron.methods import get_method
+from stapo_megatron.objective import stapo_loss, token_objective
 from stapo_megatron.ops import vocab_parallel_logprob_entropy
-from stapo_megatron.parallel import collective_device
+from stapo_megatron.schedule import compute_logprob_entropy, forward_step_func, run_microbatches
+
+__all__ = [
+    # the objective (objective.py)
+    "stapo_loss", "token_objective",
+    # the method's threshold and the STAPO loss function in Megatron's schedule (here)
+    "LossConfig", "loss_func", "make_forward_step", "minibatch_threshold",
+    # the micro-batch runner shared with SFT (schedule.py)
+    "compute_logprob_entropy", "forward_step_func", "run_microbatches",
+    # metrics (loss_metrics.py)
+    "METRIC_SUMS", "metric_sums", "reduce_metrics",
+]
 
 
 @dataclasses.dataclass
@@ -96,90 +116,6 @@ class LossConfig:
             raise ValueError(f"kl_coef must be finite and >= 0, got {self.kl_coef}")
 
 
-def token_objective(
-    logprob: torch.Tensor,
-    old_logprob: torch.Tensor,
-    advantages: torch.Tensor,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.28,
-    clip_ratio_c: Optional[float] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Per-token clipped surrogate loss -min(r A, clip(r) A) and whether clipping was active."""
-    ratio = torch.exp(logprob - old_logprob)
-    unclipped = -ratio * advantages
-    clipped = -ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high) * advantages
-    loss = torch.maximum(unclipped, clipped)
-    is_clipped = clipped > unclipped
-    if clip_ratio_c is not None:
-        # Dual clip (Ye et al. 2020): for A < 0 bound the loss by -c A.
-        dual = torch.minimum(loss, -clip_ratio_c * advantages)
-        loss = torch.where(advantages < 0, dual, loss)
-    return loss, is_clipped
-
-
-def stapo_loss(
-    logprob: torch.Tensor,
-    old_logprob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    silenced: torch.Tensor,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.28,
-    clip_ratio_c: Optional[float] = None,
-    ref_logprob: Optional[torch.Tensor] = None,
-    kl_coef: float = 0.0,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Sum of STAPO token losses over kept tokens, and the number of kept tokens.
-
-    keep = response_mask & ~silenced; loss_sum = -sum keep * min(r A, clip(r, 1-eps_low,
-    1+eps_high) A) (+ kl_coef * k3 KL to ``ref_logprob`` per kept token if kl_coef > 0).
-    Dividing by the kept count of the whole mini-batch (not by this call's) gives -J.
-
-    Args:
-        logprob, old_logprob, ref_logprob: [B, S] log-probs of the labels (any float dtype;
-            the loss is computed in fp32, so fp16 inputs do not overflow the sum).
-        advantages: [B, S] per-token advantages (a sequence's advantage broadcast over its
-            tokens, ``adv_B[:, None].expand(B, S)``).
-        response_mask, silenced: [B, S] bool.
-
-    Returns:
-        (loss_sum: 0-dim fp32, differentiable; num_kept: 0-dim int64).
-
-    Raises:
-        ValueError: if a tensor's shape differs from ``logprob``'s (a [B] advantage would
-            broadcast along the token axis when B == S; a [B, S, 1] mask would multiply the
-            kept count), or a mask is not bool.
-    """
-    tensors = {"old_logprob": old_logprob, "advantages": advantages, "response_mask": response_mask,
-               "silenced": silenced}
-    if ref_logprob is not None:
-        tensors["ref_logprob"] = ref_logprob
-    for name, t in tensors.items():
-        if t.shape != logprob.shape:
-            hint = ""
-            if name == "advantages":
-                hint = (" (advantages are per token: expand a per-sequence [B] advantage with "
-                        "adv[:, None].expand_as(logprob))")
-            raise ValueError(f"{name} has shape {list(t.shape)} but logprob has {list(logprob.shape)}{hint}")
-    for name in ("response_mask", "silenced"):
-        if tensors[name].dtype != torch.bool:
-            raise ValueError(f"{name} must be a bool tensor, got {tensors[name].dtype}")
-    logprob, old_logprob, advantages = logprob.float(), old_logprob.float(), advantages.float()
-    ref_logprob = None if ref_logprob is None else ref_logprob.float()
-    keep = response_mask & ~silenced
-    loss, _ = token_objective(
-        logprob, old_logprob, advantages, clip_ratio_low, clip_ratio_high, clip_ratio_c
-    )
-    if kl_coef:
-        if ref_logprob is None:
-            raise ValueError("kl_coef > 0 needs ref_logprob")
-        log_ratio_ref = ref_logprob - logprob
-        loss = loss + kl_coef * (torch.expm1(log_ratio_ref) - log_ratio_ref)
-    # where() rather than a multiply: a silenced token's inf/NaN ratio must not leak into the sum.
-    loss_sum = torch.where(keep, loss, 0.0).sum()
-    return loss_sum, keep.sum()
-
-
 def minibatch_threshold(
     config: LossConfig,
     logprob: torch.Tensor,
@@ -199,13 +135,6 @@ def minibatch_threshold(
     if method.threshold is None:
         return torch.tensor(float("nan"))
     return method.threshold(config, logprob, entropy, advantages, response_mask, dp_group)
-
-
-# Per-micro-batch sums reported by the loss function, reduced over micro-batches and DP ranks.
-METRIC_SUMS = (
-    "loss_sum", "num_kept", "num_response", "num_silenced", "num_candidates",
-    "entropy_sum", "num_clipped", "kl_sum", "abs_logprob_diff_sum",
-)
 
 
 def loss_func(
@@ -240,20 +169,8 @@ def loss_func(
         _, is_clipped = token_objective(
             logprob, old_logprob, advantages, config.clip_ratio_low, config.clip_ratio_high
         )
-        keep = response_mask & ~silenced
-        log_ratio = logprob - old_logprob
-        sums = torch.stack([
-            loss_sum.detach(),
-            num_kept.float(),
-            response_mask.sum().float(),
-            silenced.sum().float(),
-            candidates.sum().float(),
-            torch.where(response_mask, entropy, 0.0).sum(),
-            (is_clipped & keep).sum().float(),
-            # k3 estimator of KL(pi_old || pi_theta) on response tokens
-            torch.where(response_mask, torch.expm1(log_ratio) - log_ratio, 0.0).sum(),  # expm1: exact for small ratios
-            torch.where(response_mask, log_ratio.abs(), 0.0).sum(),
-        ])
+    sums = metric_sums(loss_sum, num_kept, logprob, old_logprob, entropy, response_mask, silenced, candidates,
+                       is_clipped)
     # The spurious-token inspector's raw material: (label id, log p, H, A) of silenced tokens.
     silenced_tokens = torch.stack(
         [batch["labels"][silenced].float(), logprob.detach()[silenced], entropy[silenced], advantages[silenced]],
@@ -289,109 +206,4 @@ def make_forward_step(
             raise ValueError(f"method {config.method!r} needs the mini-batch threshold")
         threshold = torch.tensor(float("nan"))
 
-    return _forward_step(lambda batch: partial(loss_func, config, batch, threshold, tp_group, vocab_size))
-
-
-def _forward_step(make_loss: Callable) -> Callable:
-    """A forward_step_func running the GPTModel on a micro-batch dict; ``make_loss(batch)`` gives
-    the loss function Megatron applies to the last stage's output."""
-
-    def forward_step(data_iterator, model):
-        # Micro-batches may be built on the CPU (tests, library users); the model's device is
-        # where they are used. A no-op for tensors already there (the trainer's).
-        device = next(model.parameters()).device
-        batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v
-                 for k, v in next(data_iterator).items()}
-        output = model(batch["tokens"], batch["position_ids"], attention_mask=None)
-        return output, make_loss(batch)
-
-    return forward_step
-
-
-def run_microbatches(model, microbatches: List[Dict[str, torch.Tensor]], seq_length: int,
-                     make_loss: Callable, forward_only: bool = False) -> list:
-    """Megatron's ``forward_backward_func`` over micro-batch dicts (any PP schedule).
-
-    Returns the loss functions' metric dicts, one per micro-batch, on the last pipeline stage.
-    """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    return get_forward_backward_func()(
-        forward_step_func=_forward_step(make_loss),
-        data_iterator=iter(microbatches),
-        model=model,
-        num_microbatches=len(microbatches),
-        seq_length=seq_length,
-        micro_batch_size=microbatches[0]["tokens"].shape[0],
-        forward_only=forward_only,
-    )
-
-
-def _stats_loss_func(temperature, tp_group, vocab_size, batch, logits):
-    logprob, entropy = vocab_parallel_logprob_entropy(
-        logits, batch["labels"], tp_group=tp_group, temperature=temperature, vocab_size=vocab_size
-    )
-    zero = torch.zeros((), dtype=torch.float32, device=logits.device)
-    return zero, torch.zeros((), dtype=torch.int, device=logits.device), {"logprob": logprob, "entropy": entropy}
-
-
-def compute_logprob_entropy(
-    model,
-    microbatches: List[Dict[str, torch.Tensor]],
-    seq_length: int,
-    temperature: float = 1.0,
-    tp_group: Optional[dist.ProcessGroup] = None,
-    vocab_size: Optional[int] = None,
-) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-    """No-grad forward over micro-batches: per micro-batch (logprob, entropy), each [B, S].
-
-    The pi_old pass of a step and the "exact" tau_H pre-pass. Results exist on the last
-    pipeline stage; other stages get an empty list.
-    """
-    with torch.no_grad():
-        outputs = run_microbatches(
-            model, microbatches, seq_length,
-            lambda batch: partial(_stats_loss_func, temperature, tp_group, vocab_size, batch),
-            forward_only=True,
-        )
-    return [(out["logprob"], out["entropy"]) for out in outputs]
-
-
-def reduce_metrics(
-    losses_reduced: Iterable[Dict[str, torch.Tensor]],
-    threshold: torch.Tensor,
-    dp_group: Optional[dist.ProcessGroup] = None,
-    pp_group: Optional[dist.ProcessGroup] = None,
-    pp_last_rank: Optional[int] = None,
-) -> Dict[str, float]:
-    """Step metrics from the per-micro-batch sums: summed over micro-batches and DP ranks,
-    then broadcast from the last pipeline stage (global rank ``pp_last_rank``) over
-    ``pp_group`` so every rank can log them. Collective over both groups.
-    """
-    # Collectives run on the backend's device (CUDA for NCCL, CPU for gloo); the per-micro-batch
-    # sums live on the model's device and are moved there.
-    sums = torch.zeros(len(METRIC_SUMS) + 1, device=collective_device(dp_group if dp_group is not None else pp_group))
-    for item in losses_reduced:
-        sums[:-1] += item["stapo_sums"].to(sums.device)
-    sums[-1] = float(threshold)
-    if dp_group is not None:
-        tau = sums[-1].clone()
-        dist.all_reduce(sums, group=dp_group)
-        sums[-1] = tau  # identical on all DP ranks
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.broadcast(sums, src=pp_last_rank, group=pp_group)
-    total = dict(zip(METRIC_SUMS, sums[:-1].tolist()))
-    num_resp = max(total["num_response"], 1.0)
-    return {
-        "loss": total["loss_sum"] / max(total["num_kept"], 1.0),
-        "num_kept": int(total["num_kept"]),
-        "num_response_tokens": int(total["num_response"]),
-        "silenced_count": int(total["num_silenced"]),
-        "silenced_fraction": total["num_silenced"] / num_resp,
-        "candidate_count": int(total["num_candidates"]),
-        "tau_h": float(sums[-1]),
-        "entropy_mean": total["entropy_sum"] / num_resp,
-        "clip_fraction": total["num_clipped"] / max(total["num_kept"], 1.0),
-        "approx_kl": total["kl_sum"] / num_resp,
-        "logprob_diff_mean": total["abs_logprob_diff_sum"] / num_resp,
-    }
+    return forward_step_func(lambda batch: partial(loss_func, config, batch, threshold, tp_group, vocab_size))

@@ -1,7 +1,7 @@
 """The policy-optimisation methods: one small object per method, in one registry (`METHODS`).
 
 A method is what differs between STAPO and its baselines inside the shared objective of
-``stapo_megatron.loss`` (docs/design.md, "The method"):
+``stapo_megatron.objective`` (docs/design.md, "The method"):
 
 - ``mask``: which response tokens it silences in one micro-batch (True = silenced);
 - ``threshold``: the mini-batch statistic the mask needs (tau_H for S2T, the entropy cut for

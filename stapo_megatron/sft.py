@@ -15,9 +15,9 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from stapo_megatron.loss import run_microbatches
 from stapo_megatron.ops import vocab_parallel_logprob_entropy, vocab_shard
 from stapo_megatron.parallel import collective_device
+from stapo_megatron.schedule import run_microbatches
 
 
 def uniform_cross_entropy(logits: torch.Tensor, tp_group=None, vocab_size: Optional[int] = None) -> torch.Tensor:

@@ -14,10 +14,11 @@ from typing import Dict, List, Optional
 
 import torch
 
-from stapo_megatron.loss import LossConfig, compute_logprob_entropy, loss_func, run_microbatches
-from stapo_megatron.loss import minibatch_threshold, reduce_metrics
+from stapo_megatron.loss import LossConfig, loss_func, minibatch_threshold
+from stapo_megatron.loss_metrics import reduce_metrics
 from stapo_megatron.methods import get_method
 from stapo_megatron.parallel import Groups
+from stapo_megatron.schedule import compute_logprob_entropy, run_microbatches
 
 
 @dataclasses.dataclass

@@ -23,9 +23,9 @@ import torch.distributed as dist
 from stapo_megatron import checkpoint as ckpt
 from stapo_megatron.batching import group_advantages, pack_sequences, split_microbatches
 from stapo_megatron.config import TrainerConfig
-from stapo_megatron.loss import compute_logprob_entropy
 from stapo_megatron.metrics import RunLogger, plot_run
 from stapo_megatron.parallel import Groups, collective_device, destroy_parallel, init_parallel
+from stapo_megatron.schedule import compute_logprob_entropy
 from stapo_megatron.sft import sft_step
 from stapo_megatron.step import build_optimizer, policy_update, wrap_ddp
 
