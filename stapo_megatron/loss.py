@@ -1,5 +1,5 @@
-"""The STAPO policy loss in Megatron-Core's schedule: `LossConfig`, the mini-batch threshold,
-``loss_func`` and ``make_forward_step``.
+"""The STAPO policy loss in Megatron-Core's schedule: the mini-batch threshold, ``loss_func`` and
+``make_forward_step`` (configured by `LossConfig`, ``stapo_megatron.config``, re-exported here).
 
 The package's loss is split by job; this module is the entry point and re-exports the others:
 the objective on plain tensors (``objective.py``: `stapo_loss`, `token_objective`), the
@@ -35,8 +35,6 @@ predicted at each position).
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from functools import partial
 from typing import Callable, Dict, Optional
 
@@ -44,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from stapo_megatron import s2t
+from stapo_megatron.config import LossConfig
 from stapo_megatron.loss_metrics import METRIC_SUMS, metric_sums, reduce_metrics
 from stapo_megatron.methods import get_method
 from stapo_megatron.objective import stapo_loss, token_objective
@@ -53,67 +52,13 @@ from stapo_megatron.schedule import compute_logprob_entropy, forward_step_func, 
 __all__ = [
     # the objective (objective.py)
     "stapo_loss", "token_objective",
-    # the method's threshold and the STAPO loss function in Megatron's schedule (here)
+    # the configuration (config.py); the method's threshold and the loss function (here)
     "LossConfig", "loss_func", "make_forward_step", "minibatch_threshold",
     # the micro-batch runner shared with SFT (schedule.py)
     "compute_logprob_entropy", "forward_step_func", "run_microbatches",
     # metrics (loss_metrics.py)
     "METRIC_SUMS", "metric_sums", "reduce_metrics",
 ]
-
-
-@dataclasses.dataclass
-class LossConfig:
-    """Policy-loss method and constants (defaults: the paper's STAPO recipe)."""
-
-    method: str = "stapo"
-    """A name of `stapo_megatron.methods.METHODS`: "stapo" (S2T mask), "grpo" (DAPO/JustRL
-    objective, no mask), "entropy20" (keep only the top-20% entropy tokens), "random" (silence as
-    many random response tokens as S2T would)."""
-    clip_ratio_low: float = 0.2
-    """eps_low of the clipped ratio (PPO/DAPO)."""
-    clip_ratio_high: float = 0.28
-    """eps_high of the clipped ratio (DAPO clip-higher)."""
-    clip_ratio_c: Optional[float] = None
-    """Dual-clip constant c > 1 for negative advantages (off by default, as in the paper)."""
-    kl_coef: float = 0.0
-    """Coefficient of a k3 KL(pi_theta || pi_ref) penalty per kept token (off in the paper);
-    needs ``ref_logprob`` in the batch."""
-    tau_p: float = 0.002
-    """S2T probability threshold: candidates have p < tau_p."""
-    entropy_quantile: float = 0.75
-    """S2T q: tau_H is this quantile of candidate entropies over the mini-batch."""
-    entropy_top_fraction: float = 0.2
-    """20-Entropy rho: fraction of highest-entropy response tokens kept."""
-    tau_h_source: str = "old"
-    """Where the mini-batch threshold comes from: "old" (pi_old pass) or "exact" (pre-pass)."""
-    temperature: float = 1.0
-    """Rollout sampling temperature; logits are divided by it exactly as the sampler does."""
-    seed: int = 0
-    """Base seed of the random-control mask (combined with a per-micro-batch seed)."""
-
-    def __post_init__(self):
-        get_method(self.method)  # ValueError naming the methods
-        if self.tau_h_source not in ("old", "exact"):
-            raise ValueError(f"tau_h_source must be 'old' or 'exact', got {self.tau_h_source!r}")
-        if not (0 <= self.clip_ratio_low < 1 and self.clip_ratio_high >= 0):
-            raise ValueError(
-                f"need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, got "
-                f"{self.clip_ratio_low}, {self.clip_ratio_high}"
-            )
-        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
-            raise ValueError(f"clip_ratio_c must be > 1, got {self.clip_ratio_c}")
-        # `not (a < x <= b)` also refuses NaN, which every comparison fails.
-        if not 0 < self.tau_p <= 1:
-            raise ValueError(f"tau_p must be in (0, 1] (a probability threshold), got {self.tau_p}")
-        if not 0 < self.entropy_quantile < 1:
-            raise ValueError(f"entropy_quantile must be in (0, 1), got {self.entropy_quantile}")
-        if not 0 < self.entropy_top_fraction <= 1:
-            raise ValueError(f"entropy_top_fraction must be in (0, 1], got {self.entropy_top_fraction}")
-        if not (0 < self.temperature and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be finite and > 0, got {self.temperature}")
-        if not (0 <= self.kl_coef and math.isfinite(self.kl_coef)):
-            raise ValueError(f"kl_coef must be finite and >= 0, got {self.kl_coef}")
 
 
 def minibatch_threshold(

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from stapo_megatron import s2t
 
 if TYPE_CHECKING:
-    from stapo_megatron.loss import LossConfig
+    from stapo_megatron.config import LossConfig
 
 ThresholdFn = Callable[..., torch.Tensor]
 """``(config, logprob, entropy, advantages, response_mask, dp_group) -> 0-dim tensor``;

@@ -7,55 +7,18 @@ multi-process tests all go through it.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from functools import partial
 from typing import Dict, List, Optional
 
 import torch
 
-from stapo_megatron.loss import LossConfig, loss_func, minibatch_threshold
+from stapo_megatron.config import LossConfig, OptimConfig
+from stapo_megatron.loss import loss_func, minibatch_threshold
 from stapo_megatron.loss_metrics import reduce_metrics
 from stapo_megatron.methods import get_method
 from stapo_megatron.parallel import Groups
 from stapo_megatron.schedule import compute_logprob_entropy, run_microbatches
-
-
-@dataclasses.dataclass
-class OptimConfig:
-    """AdamW settings (defaults: the JustRL recipe the paper uses)."""
-
-    lr: float = 1e-6
-    """Peak learning rate (constant after warm-up in the paper)."""
-    weight_decay: float = 0.1
-    """Decoupled weight decay."""
-    clip_grad: float = 1.0
-    """Global gradient-norm clip."""
-    adam_beta1: float = 0.9
-    """Adam beta1."""
-    adam_beta2: float = 0.999
-    """Adam beta2."""
-    use_distributed_optimizer: bool = False
-    """Shard optimizer state over DP (Megatron DistributedOptimizer)."""
-    optimizer: str = "adam"
-    """"adam" (AdamW) or "sgd" (plain SGD, momentum 0: used by the parity tests, where Adam
-    would amplify fp32 reduction-order noise on near-zero gradients)."""
-
-    def __post_init__(self):
-        def finite(name, low, high=math.inf, low_open=False):
-            value = getattr(self, name)
-            ok = math.isfinite(value) and (value > low if low_open else value >= low) and value <= high
-            if not ok:
-                interval = f"{'(' if low_open else '['}{low}, {high}{']' if math.isfinite(high) else ')'}"
-                raise ValueError(f"OptimConfig.{name} must be finite and in {interval}, got {value}")
-
-        finite("lr", 0.0, low_open=True)
-        finite("weight_decay", 0.0)
-        finite("clip_grad", 0.0)  # 0 = no clipping (Megatron's convention)
-        finite("adam_beta1", 0.0, 1.0)
-        finite("adam_beta2", 0.0, 1.0)
-        if self.optimizer not in ("adam", "sgd"):
-            raise ValueError(f'OptimConfig.optimizer must be "adam" or "sgd", got {self.optimizer!r}')
 
 
 def wrap_ddp(model: torch.nn.Module, use_distributed_optimizer: bool = False):

@@ -22,36 +22,12 @@ import torch.distributed as dist
 
 from stapo_megatron import checkpoint as ckpt
 from stapo_megatron.batching import group_advantages, pack_sequences, split_microbatches
-from stapo_megatron.config import TrainerConfig
+from stapo_megatron.config import TrainerConfig, WarmStartConfig
 from stapo_megatron.metrics import RunLogger, plot_run
 from stapo_megatron.parallel import Groups, collective_device, destroy_parallel, init_parallel
 from stapo_megatron.schedule import compute_logprob_entropy
 from stapo_megatron.sft import sft_step
 from stapo_megatron.step import build_optimizer, policy_update, wrap_ddp
-
-
-@dataclasses.dataclass
-class WarmStartConfig:
-    """Supervised warm-start before RL (the CPU demo: a fresh tiny model has zero reward)."""
-
-    steps: int = 0
-    """SFT optimizer steps (0 = none)."""
-    lr: float = 1e-3
-    """SFT learning rate (a separate AdamW; RL starts with fresh optimizer state)."""
-    prompts_per_step: int = 32
-    """Prompts per SFT step over all DP ranks."""
-    target_template: str = "\\boxed{{{answer}}}"
-    """Target response for an example; ``{answer}`` is replaced (end-of-sequence appended)."""
-    target_fn: str = ""
-    """Dotted path of a function ``(Example) -> str`` giving the target response instead of
-    ``target_template`` (end-of-sequence appended), e.g. a worked solution; empty = the template."""
-    label_smoothing: float = 0.0
-    """Label smoothing eps of the SFT loss: (1 - eps) NLL + eps CE(uniform over the vocabulary).
-    A pure-SFT tiny model puts ~1e-5 on every off-target token, so its samples never contain
-    the low-probability tokens S2T is about; eps leaves the tail a pretrained LLM has."""
-    save_to: str = ""
-    """If set, the warm-started weights are also saved there (model only) before RL starts, so
-    other runs can start from them with ``ModelConfig.megatron_ckpt`` and no warm-start."""
 
 
 def _import_dotted(path: str, field: str):
@@ -184,17 +160,13 @@ class Trainer:
     def _start_services(self):
         from stapo_megatron.rewards import RewardScorer
         from stapo_megatron.rollout.engines import build_engine
-        from stapo_megatron.rollout.vllm_engine import RolloutConfig
 
         r = self.cfg.rollout
-        max_len = _pad_to(self.cfg.data.max_prompt_len + r.max_response_len)
         self.engine = build_engine(
             r.engine,
             self.cfg.model.hf_dir,
-            RolloutConfig(
-                tensor_parallel_size=r.tensor_parallel_size,
-                gpu_memory_utilization=r.gpu_memory_utilization,
-                max_model_len=max_len,
+            r.engine_config(
+                max_model_len=_pad_to(self.cfg.data.max_prompt_len + r.max_response_len),
                 seed=self.cfg.seed,
                 # vLLM must run the dtype the trainer trains in, whatever the folder was saved in
                 dtype="bfloat16" if self.cfg.model.bf16 else "float32",

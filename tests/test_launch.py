@@ -123,6 +123,12 @@ def test_bad_override_is_refused_before_launch(tmp_path):
     assert not (tmp_path / "nemo_run_home" / "experiments").exists()
 
 
+def test_dryrun_validates_overrides_with_the_same_parser(tmp_path):
+    code, out = nemo_run(tmp_path, "launch/stapo_tiny.py", "--dryrun", "loss.tau_pp=0.1")
+    assert code == 1, out
+    assert "unknown override loss.tau_pp: LossConfig has no field 'tau_pp' (did you mean 'tau_p'?)" in out
+
+
 def test_tiny_dryrun_shows_the_torchrun_command(tmp_path):
     code, out = nemo_run(tmp_path, "launch/stapo_tiny.py", "--dryrun", "steps=1")
     assert code == 0, out

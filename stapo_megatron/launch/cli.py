@@ -12,8 +12,10 @@ and ``nemorun`` commands; this package provides ``nemo-run``.) What it adds:
   through ``Experiment.dryrun``, which writes files locally and never connects to a cluster;
 - ``run.executor.<field>=value`` also applies to the launch file's default executor (NeMo-Run
   0.11.1 applies executor fields only together with ``run.executor=NAME``);
-- before a real submission, the task's recipe is built and checked (``entry.build_config``)
-  and a Slurm executor must have its account, image and job dir (``executors.check_submission``).
+- before a real submission and before a dry run, the task's recipe is built with its overrides
+  and checked (``entry.build_config``, the one override parser: an unknown field names the
+  closest ones); a real submission also needs a Slurm executor with its account, image and job
+  dir (``executors.check_submission``).
 """
 
 import ast
@@ -130,14 +132,16 @@ class CheckedRunContext(cli_api.RunContext):
     def parse_fn(self, fn, args: List[str], **default_kwargs):
         task = super().parse_fn(fn, args, **default_kwargs)
         self.task = task
-        if not self.dryrun:
-            self._preflight(task)
+        self._preflight(task)
         return task
 
     def _preflight(self, task) -> None:
-        """Fail before submitting: the recipe must build, a Slurm executor must be complete."""
+        """Fail before submitting or rendering: the task's recipe must build with its overrides
+        (``entry.build_config``, the one override parser; a dry run does not require the paths a
+        user fills in later), and a real submission needs a complete Slurm executor (a dry run
+        shows the missing settings as ``<unset:...>`` instead)."""
         problems = []
-        if self.executor is not None:
+        if self.executor is not None and not self.dryrun:
             problems += executors.unset_settings(self.executor)
         if getattr(task, "__fn_or_cls__", None) is entry.run_recipe:
             kwargs = dict(fdl.build(task).keywords)
@@ -147,7 +151,7 @@ class CheckedRunContext(cli_api.RunContext):
             elif isinstance(executor, run.LocalExecutor):
                 kwargs.update(num_nodes=executor.nodes, gpus_per_node=executor.ntasks_per_node)
             try:
-                entry.build_config(**kwargs)
+                entry.build_config(check_paths=not self.dryrun, **kwargs)
             except ValueError as e:
                 problems.append(str(e))
         if problems:

@@ -9,24 +9,30 @@ NeMo-Run parses command-line values with these signatures' real annotations.)
 
 Overrides: top-level `TrainerConfig` fields as keywords (``steps=1``), nested ones through the
 section dicts (``rollout.max_response_len=8192`` arrives as ``rollout={"max_response_len": 8192}``),
-the tiny recipe's warm-start through ``warmstart``. Unknown fields and wrongly typed values
-raise ValueError naming the field.
+the tiny recipe's warm-start through ``warmstart``. They are applied by the one override parser,
+``stapo_megatron.overrides.apply_overrides``: unknown fields (with the closest names) and wrongly
+typed values raise ValueError naming the field.
 """
 
 import dataclasses
+import inspect
 import os
 import time
-import typing
-from typing import Any, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
+from stapo_megatron.config import TrainerConfig
 from stapo_megatron.methods import get_method
+from stapo_megatron.overrides import apply_overrides
 from stapo_megatron.recipes import paper
 
 RECIPES = ("tiny", *paper.LAYOUTS)
 """Recipe names: the CPU demo (``recipes/tiny.py``) and the paper's sizes (``recipes/paper.py``)."""
 
-SECTIONS = ("model", "data", "rollout", "loss", "optim", "warmstart")
-"""Config sections that take nested ``section.field=value`` overrides."""
+SECTIONS = tuple(f.name for f in dataclasses.fields(TrainerConfig)
+                 if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)
+                 ) + ("warmstart",)
+"""Config sections that take nested ``section.field=value`` overrides: the dataclass-valued
+fields of `TrainerConfig`, and the warm-start (`run_recipe` names each as a parameter)."""
 
 Value = Optional[Union[int, float, bool, str]]
 """What one ``key=value`` override can be: NeMo-Run parses the text as the first type that fits
@@ -40,57 +46,6 @@ def section(**fields: Value) -> Dict[str, Value]:
     """The ``section.field=value`` overrides of one config section, as a dict (a launch task
     holds ``run.Config(section)`` per section for NeMo-Run to set attributes on)."""
     return dict(fields)
-
-
-def _check_type(where: str, value: Any, annotation: Any) -> Any:
-    """``value`` for a simple field type (int/float/bool/str, Optional), else ValueError.
-
-    A number given for a str field becomes its text (the command line cannot tell them apart).
-    """
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is typing.Union:
-        if value is None and type(None) in args:
-            return value
-        inner = [a for a in args if a is not type(None)]
-        annotation = inner[0] if len(inner) == 1 else None
-    ok = {
-        bool: lambda v: isinstance(v, bool),
-        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-        str: lambda v: isinstance(v, str),
-    }.get(annotation)
-    if annotation is str and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)
-    if ok is not None and not ok(value):
-        raise ValueError(f"override {where}={value!r}: expected {annotation.__name__}, got {type(value).__name__}")
-    return value
-
-
-def apply_overrides(obj: Any, overrides: Mapping[str, Any], prefix: str = "") -> Any:
-    """A copy of dataclass ``obj`` with ``overrides`` applied (dotted keys or nested dicts).
-
-    Raises ValueError for an unknown field (listing the valid ones) or a value of the wrong
-    type for an int/float/bool/str field; the dataclasses' own checks (``__post_init__``) run.
-    """
-    hints = typing.get_type_hints(type(obj))
-    names = [f.name for f in dataclasses.fields(obj)]
-    changes: Dict[str, Any] = {}
-    for key, value in overrides.items():
-        head, _, rest = key.partition(".")
-        if head not in names:
-            raise ValueError(
-                f"unknown override {prefix}{head}: {type(obj).__name__} has no field {head!r} "
-                f"(fields: {', '.join(names)})"
-            )
-        current = changes.get(head, getattr(obj, head))
-        if rest:
-            value = {rest: value}
-        if dataclasses.is_dataclass(current) and isinstance(value, Mapping):
-            value = apply_overrides(current, value, f"{prefix}{head}.")
-        else:
-            value = _check_type(f"{prefix}{head}", value, hints[head])
-        changes[head] = value
-    return dataclasses.replace(obj, **changes)
 
 
 def build_config(
@@ -185,3 +140,7 @@ def run_recipe(
     from stapo_megatron.trainer import train
 
     train(cfg, warmstart_cfg)
+
+
+# NeMo-Run builds `run_recipe`'s command line from its signature: every section needs a parameter.
+assert set(SECTIONS) <= set(inspect.signature(run_recipe).parameters), SECTIONS

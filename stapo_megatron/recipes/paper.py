@@ -18,10 +18,8 @@ import dataclasses
 from typing import Dict, List, Optional
 
 from stapo_megatron.bridge.config import QwenSpec, padded_vocab_size
-from stapo_megatron.config import DataConfig, ModelConfig, RolloutSampling, TrainerConfig
-from stapo_megatron.loss import LossConfig
+from stapo_megatron.config import DataConfig, LossConfig, ModelConfig, OptimConfig, RolloutSampling, TrainerConfig
 from stapo_megatron.methods import get_method
-from stapo_megatron.step import OptimConfig
 
 GB = 1e9
 """Decimal gigabyte: estimates are compared with 80e9 bytes, below an 80 GB card's 85.9e9."""

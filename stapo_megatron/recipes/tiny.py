@@ -4,10 +4,8 @@ import dataclasses
 import os
 import shutil
 
-from stapo_megatron.config import DataConfig, ModelConfig, RolloutSampling, TrainerConfig
-from stapo_megatron.loss import LossConfig
-from stapo_megatron.step import OptimConfig
-from stapo_megatron.trainer import WarmStartConfig
+from stapo_megatron.config import (DataConfig, LossConfig, ModelConfig, OptimConfig, RolloutSampling, TrainerConfig,
+                                   WarmStartConfig)
 
 
 def tiny_demo(run_dir: str = "runs/demo", method: str = "stapo"):

