@@ -31,6 +31,9 @@ class Groups:
     """Whether this rank holds the output layer (and so computes the loss)."""
     pp_last_rank: int
     """Global rank of the last pipeline stage of this rank's pipeline (metrics source)."""
+    mp: Optional[dist.ProcessGroup] = None
+    """Model-parallel group (TP x PP): its ranks train on the same samples (the trainer
+    broadcasts its first rank's rollouts over it)."""
 
 
 def init_parallel(
@@ -95,6 +98,7 @@ def current_groups() -> Groups:
         pp=ps.get_pipeline_model_parallel_group(),
         is_last_stage=ps.is_pipeline_last_stage(),
         pp_last_rank=ps.get_pipeline_model_parallel_last_rank(),
+        mp=ps.get_model_parallel_group(),
     )
 
 

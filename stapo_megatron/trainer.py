@@ -15,7 +15,7 @@ import importlib
 import math
 import os
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ from stapo_megatron.config import TrainerConfig, WarmStartConfig
 from stapo_megatron.metrics import RunLogger, plot_run
 from stapo_megatron.parallel import Groups, collective_device, destroy_parallel, init_parallel
 from stapo_megatron.schedule import compute_logprob_entropy
+from stapo_megatron.seeds import Seeds
 from stapo_megatron.sft import sft_step
 from stapo_megatron.step import build_optimizer, policy_update, wrap_ddp
 
@@ -95,7 +96,7 @@ def _load_data(cfg: TrainerConfig, tokenizer):
         held_out = data.load_examples(cfg.data.eval_path)
     else:
         train, held_out = data.reasoning_gym_split(
-            cfg.data.reasoning_gym_task, cfg.data.num_train, cfg.data.num_eval, cfg.seed,
+            cfg.data.reasoning_gym_task, cfg.data.num_train, cfg.data.num_eval, Seeds(cfg.seed).data_split,
             **cfg.data.reasoning_gym_kwargs,
         )
     out = []
@@ -121,8 +122,9 @@ class Trainer:
                 f"prompts_per_step {cfg.prompts_per_step} must be a multiple of minibatch_prompts {cfg.minibatch_prompts}"
             )
         self.cfg, self.warmstart = cfg, warmstart
+        self.seeds = Seeds(cfg.seed)
         self.groups = init_parallel(
-            cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size, seed=cfg.seed
+            cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size, seed=self.seeds.model_init
         )
         self.rank = dist.get_rank()
         self.dp_size = dist.get_world_size(self.groups.dp)
@@ -167,7 +169,7 @@ class Trainer:
             self.cfg.model.hf_dir,
             r.engine_config(
                 max_model_len=_pad_to(self.cfg.data.max_prompt_len + r.max_response_len),
-                seed=self.cfg.seed,
+                seed=self.seeds.engine,
                 # vLLM must run the dtype the trainer trains in, whatever the folder was saved in
                 dtype="bfloat16" if self.cfg.model.bf16 else "float32",
                 enable_sleep_mode=r.sleep_during_training and torch.cuda.is_available(),
@@ -196,9 +198,7 @@ class Trainer:
     def _generate(self, prompt_ids, n, temperature, top_p, max_tokens, seed):
         samples = self.engine.generate(prompt_ids, n, temperature, top_p, max_tokens, seed=seed)
         # Every rank of a model-parallel group must train on identical data: take rank 0's.
-        from megatron.core import parallel_state as ps
-
-        mp_group = ps.get_model_parallel_group()
+        mp_group = self.groups.mp
         if dist.get_world_size(mp_group) > 1:
             box = [samples]
             dist.broadcast_object_list(box, src=dist.get_process_group_ranks(mp_group)[0], group=mp_group)
@@ -212,7 +212,7 @@ class Trainer:
         t0 = time.perf_counter()
         samples = self._generate(
             [self.eval_ids[i] for i in idx], cfg.eval_samples, cfg.eval_temperature, 1.0,
-            cfg.rollout.max_response_len, seed=cfg.seed + 7,
+            cfg.rollout.max_response_len, seed=self.seeds.evaluation,
         )
         texts = [s.text for group in samples for s in group]
         answers = [self.eval_ex[i].answer for i in idx for _ in range(cfg.eval_samples)]
@@ -233,35 +233,72 @@ class Trainer:
         target = (_import_dotted(ws.target_fn, "warmstart.target_fn") if ws.target_fn
                   else lambda ex: ws.target_template.format(answer=ex.answer))
         for step in range(ws.steps):
-            idx = self._step_prompts(step, ws.prompts_per_step, self.cfg.seed + 99)
+            idx = self._step_prompts(step, ws.prompts_per_step, self.seeds.warmstart_order)
             prompts = [self.train_ids[i] for i in idx]
             targets = [self.tokenizer.encode(target(self.train_ex[i]), add_special_tokens=False) + [eos]
                        for i in idx]
             seq = _pad_to(max(len(p) + len(t) for p, t in zip(prompts, targets)), self.seq_multiple)
             batch = pack_sequences(prompts, targets, [0.0] * len(idx), [[0.0] * len(t) for t in targets],
                                    self.tokenizer.pad_token_id, seq, device=self.device)
-            mbs = split_microbatches(batch, self.cfg.micro_batch_size, seed=step)
+            mbs = split_microbatches(batch, self.cfg.micro_batch_size, seed=self.seeds.warmstart_microbatches(step))
             nll = sft_step(self.model, optimizer, mbs, seq, self.groups.tp, self.groups.dp, self.vocab_size,
                            ws.label_smoothing)
             if self.rank == 0 and (step % 10 == 0 or step == ws.steps - 1):
                 print(f"[warm-start] step {step}/{ws.steps} nll {nll:.4f}", flush=True)
 
-    def train_step(self, step: int) -> Dict:
-        cfg, groups = self.cfg, self.groups
+    def train_step(self, step: int) -> Tuple[Dict, List]:
+        """One training step, one line per phase (docs/design.md, "One training step").
+
+        Returns the metrics row and this rank's silenced-token rows (label id, log p, H, A).
+        """
         timer = _Timer()
-        G = cfg.rollout.group_size
         self._set_lr(step)
-        idx = self._step_prompts(step, cfg.prompts_per_step, cfg.seed)
-        prompts = [self.train_ids[i] for i in idx]
+        prompts, answers = self._prompts(step)
         with timer("rollout"):
-            samples = self._generate(prompts, G, cfg.rollout.temperature, cfg.rollout.top_p,
-                                     cfg.rollout.max_response_len, seed=cfg.seed * 1_000_003 + step)
+            samples = self._rollout(prompts, step)
         with timer("reward"):
-            texts = [s.text for group in samples for s in group]
-            answers = [self.train_ex[i].answer for i in idx for _ in range(G)]
-            rewards, reward_info = self.scorer.score(texts, answers)
+            rewards_PG, reward_info = self._score(samples, answers)
         self.engine.sleep()  # GPU: vLLM's memory goes to training until the weight sync
-        rewards_PG = torch.tensor(rewards, dtype=torch.float32).view(len(idx), G)
+        minis, seq, num_flat = self._advantages_and_minibatches(step, prompts, samples, rewards_PG)
+        with timer("old_logprob"):
+            old_stats, logprob_diff = self._old_policy_pass(minis, seq)
+        with timer("train"):
+            updates = [policy_update(self.model, self.optimizer, m, self.cfg.loss, self.groups, seq, s, self.vocab_size)
+                       for m, s in zip(minis, old_stats)]
+        with timer("weight_sync"):
+            self._weight_sync()
+        row = self._step_row(step, updates, rewards_PG, num_flat, samples, logprob_diff, reward_info)
+        row.update(timer.seconds)
+        return row, [r for u in updates for r in u["silenced_tokens"]]
+
+    # -- the phases of a step ----------------------------------------------------------------
+
+    def _prompts(self, step: int) -> Tuple[List[List[int]], List[str]]:
+        """This DP rank's prompts of ``step`` (token ids) and their reference answers."""
+        idx = self._step_prompts(step, self.cfg.prompts_per_step, self.seeds.data_order)
+        return [self.train_ids[i] for i in idx], [self.train_ex[i].answer for i in idx]
+
+    def _rollout(self, prompts: List[List[int]], step: int) -> List[List]:
+        """G samples per prompt (``Sample`` lists), the same on every rank of a model-parallel group."""
+        r = self.cfg.rollout
+        return self._generate(prompts, r.group_size, r.temperature, r.top_p, r.max_response_len,
+                              seed=self.seeds.rollout(step))
+
+    def _score(self, samples: List[List], answers: List[str]) -> Tuple[torch.Tensor, Dict]:
+        """Rewards [P, G] of the samples against their prompts' answers, and the scorer's info."""
+        G = self.cfg.rollout.group_size
+        texts = [s.text for group in samples for s in group]
+        rewards, info = self.scorer.score(texts, [answer for answer in answers for _ in range(G)])
+        return torch.tensor(rewards, dtype=torch.float32).view(len(answers), G), info
+
+    def _advantages_and_minibatches(self, step: int, prompts: List[List[int]], samples: List[List],
+                                    rewards_PG: torch.Tensor) -> Tuple[List[List[Dict]], int, int]:
+        """Group advantages, packed into label-aligned micro-batches per PPO mini-batch.
+
+        Returns (per mini-batch its micro-batch dicts, the padded sequence length, the number
+        of flat groups: all-equal rewards, zero advantage).
+        """
+        G = self.cfg.rollout.group_size
         adv_PG, num_flat = group_advantages(rewards_PG)
         flat = [s for group in samples for s in group]
         seq = _pad_to(max(len(prompts[i // G]) + len(s.token_ids) for i, s in enumerate(flat)), self.seq_multiple)
@@ -270,34 +307,39 @@ class Trainer:
             adv_PG.reshape(-1).tolist(), [s.logprobs for s in flat], self.tokenizer.pad_token_id, seq,
             device=self.device,
         )
-        per_mini = cfg.minibatch_prompts // self.dp_size * G
+        per_mini = self.cfg.minibatch_prompts // self.dp_size * G
         minis = [
-            split_microbatches({k: v[s : s + per_mini] for k, v in batch.items()}, cfg.micro_batch_size,
-                               seed=step * 100_003 + s + self.dp_rank * 10_007)
+            split_microbatches({k: v[s : s + per_mini] for k, v in batch.items()}, self.cfg.micro_batch_size,
+                               seed=self.seeds.microbatches(step, s, self.dp_rank))
             for s in range(0, len(flat), per_mini)
         ]
-        with timer("old_logprob"):
-            old = [compute_logprob_entropy(self.model, m, seq, cfg.loss.temperature, groups.tp, self.vocab_size)
-                   for m in minis]
+        return minis, seq, num_flat
+
+    def _old_policy_pass(self, minis: List[List[Dict]], seq: int) -> Tuple[List[List], torch.Tensor]:
+        """pi_old log-probs and entropies (no grad), written into each micro-batch as ``old_logprob``.
+
+        Returns per mini-batch its per micro-batch (logprob, entropy) (the "old" tau_H source;
+        last stage only) and [sum |log pi_old - log pi_rollout|, response tokens] over the step,
+        the same on every rank.
+        """
+        groups = self.groups
+        old_stats = [compute_logprob_entropy(self.model, m, seq, self.cfg.loss.temperature, groups.tp,
+                                             self.vocab_size) for m in minis]
         diff = torch.zeros(2, device=self.device)
-        for mini, stats in zip(minis, old):
+        for mini, stats in zip(minis, old_stats):
             for i, mb in enumerate(mini):
                 mb["old_logprob"] = stats[i][0] if groups.is_last_stage else torch.zeros_like(mb["advantages"])
                 if groups.is_last_stage:
                     mask = mb["response_mask"]
                     diff += torch.stack([(stats[i][0] - mb["rollout_logprob"]).abs()[mask].sum(), mask.sum().float()])
-        diff = _reduce_from_last_stage(diff.to(self.dp_device), groups)
-        with timer("train"):
-            updates = [policy_update(self.model, self.optimizer, m, cfg.loss, groups, seq, s, self.vocab_size)
-                       for m, s in zip(minis, old)]
-        with timer("weight_sync"):
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()  # hand PyTorch's cached training memory back for vLLM
-            self.engine.wake_up()
-            self._sync_weights()
-        row = self._step_row(step, updates, rewards_PG, num_flat, flat, diff, reward_info)
-        row.update(timer.seconds)
-        return row, [r for u in updates for r in u["silenced_tokens"]]
+        return old_stats, _reduce_from_last_stage(diff.to(self.dp_device), groups)
+
+    def _weight_sync(self) -> None:
+        """The updated weights into the rollout engine (woken first)."""
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # hand PyTorch's cached training memory back for vLLM
+        self.engine.wake_up()
+        self._sync_weights()
 
     def _set_lr(self, step: int):
         """Linear warm-up over ``lr_warmup_steps`` optimizer steps, then constant."""
@@ -307,10 +349,11 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = self.cfg.optim.lr * scale
 
-    def _step_row(self, step, updates, rewards_PG, num_flat, flat, diff, reward_info):
+    def _step_row(self, step, updates, rewards_PG, num_flat, samples, diff, reward_info) -> Dict:
+        """The step's metrics row: rollout sums over DP, the mini-batch updates' metrics."""
         sums = torch.tensor([
             float(rewards_PG.sum()), float(rewards_PG.numel()), float(num_flat), float(rewards_PG.shape[0]),
-            float(sum(len(s.token_ids) for s in flat)), float(reward_info.get("num_timeouts", 0)),
+            float(sum(len(s.token_ids) for group in samples for s in group)), float(reward_info.get("num_timeouts", 0)),
         ], device=self.dp_device)
         dist.all_reduce(sums, group=self.groups.dp)
         mean = lambda key: sum(u[key] for u in updates) / len(updates)  # noqa: E731
@@ -334,9 +377,7 @@ class Trainer:
 
     def _gather_silenced(self, rows) -> List:
         """Silenced-token rows of all DP ranks (from TP rank 0 of the last stage) on rank 0."""
-        from megatron.core import parallel_state as ps
-
-        mine = rows if (self.groups.is_last_stage and ps.get_tensor_model_parallel_rank() == 0) else []
+        mine = rows if (self.groups.is_last_stage and dist.get_rank(self.groups.tp) == 0) else []
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         return [r for part in gathered for r in part]

@@ -1,0 +1,87 @@
+"""Every seed of a training run, derived from ``TrainerConfig.seed`` in one place.
+
+Which stream seeds what (``seed`` = ``TrainerConfig.seed``, k = the training step, counted from 0):
+
+    stream                      value                                          seeds
+    model_init                  seed (+ 100 x pp_rank in parallel.init_parallel) torch (CPU, CUDA) and
+                                                                               Megatron's RNG tracker:
+                                                                               identical DP replicas
+    data_split                  seed                                           the generated (reasoning-gym)
+                                                                               train / held-out problems
+    data_order                  seed (+ epoch)                                 the prompt permutation of
+                                                                               each epoch
+    warmstart_order             seed + 99 (+ epoch)                            the warm-start's permutation
+    engine                      seed                                           the sampler's global RNG
+                                                                               (used only without a per-call
+                                                                               seed)
+    rollout(k)                  seed x 1_000_003 + k                           step k's samples; prompt i,
+                                                                               sample j: that + i n + j
+                                                                               (rollout engines)
+    evaluation                  seed + 7                                       every held-out evaluation
+    microbatches(k, s, dp)      k x 100_003 + s + dp x 10_007 (+ position)     the micro-batch seeds of the
+                                                                               mini-batch starting at
+                                                                               sequence s of DP rank dp
+    warmstart_microbatches(k)   k (+ position)                                 the same for warm-start step k
+    random control (loss)       loss.seed x 1_000_003 + micro-batch seed       ``methods._random_mask``
+
+The multipliers keep the streams of different steps and ranks apart. The micro-batch seeds do not
+depend on ``seed`` (only the random control reads them, combined with ``LossConfig.seed``); the
+values are those the runs so far used, so fixed-seed results stay reproducible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Seeds:
+    """The seeds of one run (see the module's table)."""
+
+    seed: int
+    """``TrainerConfig.seed``."""
+
+    @property
+    def model_init(self) -> int:
+        """Weights (``parallel.init_parallel`` adds 100 x pp_rank)."""
+        return self.seed
+
+    @property
+    def data_split(self) -> int:
+        """The generated train / held-out problems."""
+        return self.seed
+
+    @property
+    def data_order(self) -> int:
+        """The training prompts' permutation of epoch e is seeded with this + e."""
+        return self.seed
+
+    @property
+    def warmstart_order(self) -> int:
+        """The warm-start prompts' permutation of epoch e is seeded with this + e."""
+        return self.seed + 99
+
+    @property
+    def engine(self) -> int:
+        """The rollout engine's own seed."""
+        return self.seed
+
+    def rollout(self, step: int) -> int:
+        """The samples of training step ``step`` (0-based)."""
+        return self.seed * 1_000_003 + step
+
+    @property
+    def evaluation(self) -> int:
+        """Every held-out evaluation (the same samples' seeds at every evaluation)."""
+        return self.seed + 7
+
+    @staticmethod
+    def microbatches(step: int, first_sequence: int, dp_rank: int) -> int:
+        """The first micro-batch seed of the mini-batch that starts at ``first_sequence`` of
+        this DP rank's step ``step`` (``split_microbatches`` adds each micro-batch's offset)."""
+        return step * 100_003 + first_sequence + dp_rank * 10_007
+
+    @staticmethod
+    def warmstart_microbatches(step: int) -> int:
+        """The first micro-batch seed of warm-start step ``step``."""
+        return step
