@@ -51,7 +51,15 @@ def run_seed(seed, run_dir, steps):
     subprocess.run(cmd, cwd=ROOT, check=True)
     if not _finished(run_dir, steps):
         raise RuntimeError(f"seed {seed}: {run_dir}/metrics.jsonl has no evaluation at step {steps}")
-    return time.time() - t0
+    seconds = time.time() - t0
+    with open(os.path.join(ROOT, run_dir, "demo_seconds.txt"), "w") as f:  # kept for later summaries
+        f.write(f"{seconds:.1f}\n")
+    return seconds
+
+
+def _recorded_seconds(run_dir):
+    path = os.path.join(run_dir, "demo_seconds.txt")
+    return float(open(path).read()) if os.path.exists(path) else 0.0
 
 
 def summarise(seed, run_dir, seconds):
@@ -72,7 +80,7 @@ def table(results, eval_desc):
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
-        wall = f"{r['seconds'] / 60:.1f} min" if r["seconds"] else "(earlier run)"
+        wall = f"{r['seconds'] / 60:.1f} min" if r["seconds"] else "not recorded"
         lines.append(f"| {r['seed']} | {r['start']:.3f} | {r['end']:.3f} | {r['gain']:+.3f} | "
                      f"{r['silenced']} ({r['steps_with_silenced']}) | {wall} |")
     gains = [r["gain"] for r in results]
@@ -118,7 +126,8 @@ def main():
     results = []
     for seed in args.seeds:
         run_dir = os.path.join(args.out, f"seed_{seed}")
-        seconds = 0.0 if _finished(os.path.join(ROOT, run_dir), cfg.steps) else run_seed(seed, run_dir, cfg.steps)
+        done = _finished(os.path.join(ROOT, run_dir), cfg.steps)
+        seconds = _recorded_seconds(os.path.join(ROOT, run_dir)) if done else run_seed(seed, run_dir, cfg.steps)
         results.append(summarise(seed, os.path.join(ROOT, run_dir), seconds))
         print(f"[demo-seeds] seed {seed}: {results[-1]['start']:.3f} -> {results[-1]['end']:.3f}", flush=True)
     figures = os.path.join(ROOT, args.figures)
