@@ -35,12 +35,12 @@ venv: $(STAMP)
 
 # The embedded default main job: STAPO RL of a tiny Qwen3 on this CPU (vLLM rollouts, math
 # rewards, Megatron training, DP=2 over gloo), launched through NeMo-Run (launch/stapo_tiny.py:
-# LocalExecutor + torchrun, 2 processes); about 11 minutes on 2 cores. Writes runs/demo/.
+# LocalExecutor + torchrun, 2 processes); 15-25 minutes measured on 2 cores shared with a test suite (not yet timed on a quiet machine). Writes runs/demo/.
 # `nemo-run` exits non-zero when the job fails, so make does too.
 demo: $(STAMP)
 	$(VENV)/bin/nemo-run launch/stapo_tiny.py --yes
 
-# `make demo` for 5 seeds, one after another (about 45 minutes on 2 cores): the README's demo
+# `make demo` for 5 seeds, one after another (about an hour on 2 cores): the README's demo
 # table and docs/figures/demo_seeds.png come from here. Finished seeds are not run again.
 demo-seeds: $(STAMP)
 	$(PY) examples/demo_seeds.py
