@@ -5,13 +5,12 @@ relative to each gradient's largest entry -- both kernels compute the same softm
 in fp32 and differ only in summation order (measured ~4e-6 and ~2e-6).
 """
 
-import os
 
 import pytest
 import torch
 
 from stapo_megatron.bridge.tiny import tiny_config
-from tests.dist_utils import _free_port
+from tests.dist_utils import single_process_env
 from tests.test_rollout_engine import randomize
 
 LOGIT_ATOL = 2e-5
@@ -22,13 +21,9 @@ GRAD_RTOL = 2e-5
 def parallel():
     from stapo_megatron.parallel import destroy_parallel, init_parallel
 
-    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    yield init_parallel(1, 1)
-    destroy_parallel()
-    for k, v in saved.items():
-        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    with single_process_env():
+        yield init_parallel(1, 1)
+        destroy_parallel()
 
 
 def _pair(variant):

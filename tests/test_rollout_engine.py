@@ -13,13 +13,12 @@ O(0.1 - 1) (weights A vs B differ by ~1.5).
 """
 
 import math
-import os
 
 import pytest
 import torch
 
 from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
-from tests.dist_utils import _free_port, run_distributed
+from tests.dist_utils import single_process_env, run_distributed
 
 LOGPROB_ATOL = 1e-4
 """See the module docstring."""
@@ -138,22 +137,18 @@ def tp1(hf_dir):
     from stapo_megatron.parallel import destroy_parallel, init_parallel
     from stapo_megatron.rollout import RolloutConfig, VLLMEngine, sync_weights
 
-    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    groups = init_parallel(1, 1)
-    engine = VLLMEngine(hf_dir, RolloutConfig(**ENGINE_KW))
-    model = build_gpt_model(tiny_config(VARIANT), params_dtype=torch.float32)
-    randomize(model, seed=3)
-    model.eval()
-    tokens_BS = fixed_sequences(300)
-    before = vllm_prompt_logprobs(engine, tokens_BS)
-    stats = sync_weights(model, tiny_config(VARIANT), groups, engine)
-    yield dict(engine=engine, model=model, groups=groups, tokens=tokens_BS, before=before, stats=stats)
-    engine.shutdown()
-    destroy_parallel()
-    for k, v in saved.items():
-        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    with single_process_env():
+        groups = init_parallel(1, 1)
+        engine = VLLMEngine(hf_dir, RolloutConfig(**ENGINE_KW))
+        model = build_gpt_model(tiny_config(VARIANT), params_dtype=torch.float32)
+        randomize(model, seed=3)
+        model.eval()
+        tokens_BS = fixed_sequences(300)
+        before = vllm_prompt_logprobs(engine, tokens_BS)
+        stats = sync_weights(model, tiny_config(VARIANT), groups, engine)
+        yield dict(engine=engine, model=model, groups=groups, tokens=tokens_BS, before=before, stats=stats)
+        engine.shutdown()
+        destroy_parallel()
 
 
 @pytest.mark.slow

@@ -10,13 +10,12 @@ different kernels (HF's SDPA attention and RMSNorm vs Megatron's local spec); on
 or swapped gate/up moves log-probs by O(0.1 - 1).
 """
 
-import os
 
 import pytest
 import torch
 
 from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
-from tests.dist_utils import _free_port
+from tests.dist_utils import single_process_env
 from tests.test_rollout_engine import fixed_sequences, megatron_logprobs, randomize, recompute_samples
 
 LOGPROB_ATOL = 1e-4
@@ -45,22 +44,18 @@ def synced(tmp_path_factory):
     hf_dir = str(tmp_path_factory.mktemp("hf_engine") / "hf_a")
     save_tiny_hf_model(hf_dir, VARIANT, dtype=torch.float32, seed=0)
     build_char_tokenizer(hf_dir)
-    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    groups = init_parallel(1, 1)
-    engine = HFEngine(hf_dir, RolloutConfig(dtype="float32", seed=0))
-    model = build_gpt_model(tiny_config(VARIANT), params_dtype=torch.float32)
-    randomize(model, seed=3)
-    model.eval()
-    tokens_BS = fixed_sequences(300)
-    before = hf_logprobs(engine, tokens_BS)
-    stats = sync_weights(model, tiny_config(VARIANT), groups, engine)
-    yield dict(engine=engine, model=model, groups=groups, tokens=tokens_BS, before=before, stats=stats)
-    engine.shutdown()
-    destroy_parallel()
-    for k, v in saved.items():
-        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    with single_process_env():
+        groups = init_parallel(1, 1)
+        engine = HFEngine(hf_dir, RolloutConfig(dtype="float32", seed=0))
+        model = build_gpt_model(tiny_config(VARIANT), params_dtype=torch.float32)
+        randomize(model, seed=3)
+        model.eval()
+        tokens_BS = fixed_sequences(300)
+        before = hf_logprobs(engine, tokens_BS)
+        stats = sync_weights(model, tiny_config(VARIANT), groups, engine)
+        yield dict(engine=engine, model=model, groups=groups, tokens=tokens_BS, before=before, stats=stats)
+        engine.shutdown()
+        destroy_parallel()
 
 
 def test_logprobs_equal_megatron_after_sync(synced):
