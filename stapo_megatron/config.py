@@ -359,6 +359,13 @@ class TrainerConfig:
     """Stop with an error after this many consecutive steps with a NaN/Inf loss or gradient."""
     reward_timeout_s: float = 5.0
     """Time bound of one math-verify check."""
+    init_timeout_s: float = 180.0
+    """How long a rank waits for every other rank to join the process group (the ``timeout`` of
+    ``torch.distributed.init_process_group``, default 30 min on gloo): a rank or node that fails
+    before it (bad input, import error, lost node) ends the whole job after at most this long."""
+    distributed_timeout_s: float = 600.0
+    """How long a collective waits for a rank that stopped answering once the group has formed
+    (Megatron's ``--distributed-timeout-minutes``, 10); a rank that dies is noticed at once."""
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     """Model and training parallelism."""
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -375,8 +382,9 @@ class TrainerConfig:
         _check_at_least(self, 1, "prompts_per_step", "minibatch_prompts", "micro_batch_size", "eval_samples")
         if not (0 <= self.eval_temperature and math.isfinite(self.eval_temperature)):
             raise ValueError(f"eval_temperature must be finite and >= 0 (0 = greedy), got {self.eval_temperature}")
-        if not (0 < self.reward_timeout_s and math.isfinite(self.reward_timeout_s)):
-            raise ValueError(f"reward_timeout_s must be finite and > 0, got {self.reward_timeout_s}")
+        for name in ("reward_timeout_s", "init_timeout_s", "distributed_timeout_s"):
+            if not (0 < getattr(self, name) and math.isfinite(getattr(self, name))):
+                raise ValueError(f"{name} must be finite and > 0, got {getattr(self, name)}")
         # The loss recomputes pi_old and pi_theta at loss.temperature; sampling at another
         # temperature would make every ratio, entropy and S2T decision refer to a distribution
         # the responses were not drawn from.

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from stapo_megatron import checkpoint as ckpt
+from stapo_megatron import faults
 from stapo_megatron.batching import group_advantages, pack_sequences, split_microbatches
 from stapo_megatron.config import TrainerConfig, WarmStartConfig
 from stapo_megatron.metrics import RunLogger, plot_run
@@ -124,7 +125,8 @@ class Trainer:
         self.cfg, self.warmstart = cfg, warmstart
         self.seeds = Seeds(cfg.seed)
         self.groups = init_parallel(
-            cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size, seed=self.seeds.model_init
+            cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size, seed=self.seeds.model_init,
+            init_timeout_s=cfg.init_timeout_s, timeout_s=cfg.distributed_timeout_s,
         )
         self.rank = dist.get_rank()
         self.dp_size = dist.get_world_size(self.groups.dp)
@@ -459,10 +461,19 @@ class Trainer:
 
 
 def train(cfg: TrainerConfig, warmstart: Optional[WarmStartConfig] = None) -> List[Dict]:
-    """Entry point (one call per process under torchrun): train, then tear down."""
-    trainer = Trainer(cfg, warmstart)
+    """Entry point (one call per process under torchrun): train, then tear down.
+
+    A failure is recorded for `stapo_megatron.faults` before the teardown (which is when the
+    other ranks notice it); a rank that only lost its peers raises a `faults.PeerFailure`
+    naming the rank that failed first.
+    """
+    trainer = None
     try:
+        trainer = Trainer(cfg, warmstart)
         return trainer.run()
+    except Exception as error:
+        raise faults.failed(cfg.run_dir, error)
     finally:
-        trainer.close()
+        if trainer is not None:
+            trainer.close()
         destroy_parallel()
