@@ -91,7 +91,7 @@ def test_rank_failing_before_the_group_forms_ends_the_job_naming_it(tmp_path):
     assert not _record(tmp_path / "run", 1)["peer_failure"]
 
 
-@pytest.mark.slow  # three two-node launches of the real trainer (rollouts, rewards, checkpoints)
+@pytest.mark.slow  # two two-node launches of the real trainer (rollouts, rewards, checkpoints)
 def test_killed_rank_ends_the_job_and_the_next_launch_resumes(tmp_path):
     run_dir = tmp_path / "run"  # fresh: the tiny model folder is written once, by global rank 0
     # rank 1 is SIGKILLed as it begins to save step 2 (step 2 is logged, step 1 is saved)
