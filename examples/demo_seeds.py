@@ -22,14 +22,12 @@ import datetime
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import time
 
 DEFAULT_SEEDS = (1234, 1, 2, 3, 4)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BEGIN, END = "<!-- demo-seeds:begin -->", "<!-- demo-seeds:end -->"
 
 
 def _rows(run_dir):
@@ -124,6 +122,7 @@ def plot(results, path, eval_desc):
 
 def main():
     from stapo_megatron.recipes.tiny import tiny_demo
+    from stapo_megatron.report import fill_block
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS))
@@ -151,15 +150,7 @@ def main():
         f.write(text)
     print(text)
     if not args.no_readme:
-        readme = os.path.join(ROOT, "README.md")
-        with open(readme) as f:
-            content = f.read()
-        if BEGIN not in content or END not in content:
-            raise ValueError(f"README.md has no {BEGIN} ... {END} block to fill")
-        block = f"{BEGIN}\n{text}{END}"
-        with open(readme, "w") as f:
-            f.write(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, content, flags=re.S))
-
+        fill_block(os.path.join(ROOT, "README.md"), "demo-seeds", text)
 
 if __name__ == "__main__":
     main()

@@ -67,6 +67,15 @@ def launch_command(method: str, seed: int, run_dir: str, steps: Optional[int] = 
             f"output_dir={os.path.abspath(run_dir)}", *overrides, "--yes"]
 
 
+def _record_seconds(out: str, run: str, seconds: float) -> None:
+    """Each run's wall time, kept in ``<out>/run_seconds.json`` for the summary."""
+    path = os.path.join(out, "run_seconds.json")
+    times = json.load(open(path)) if os.path.exists(path) else {}
+    times[run] = round(seconds, 1)
+    with open(path, "w") as f:
+        json.dump(times, f, indent=1)
+
+
 def run_comparison(out: str, seeds: Sequence[int], methods: Sequence[str], steps: Optional[int] = None) -> None:
     """Every (method, seed) run, one after another; finished runs are skipped."""
     if not os.path.isfile(LAUNCH_FILE):
@@ -92,6 +101,7 @@ def run_comparison(out: str, seeds: Sequence[int], methods: Sequence[str], steps
             proc = subprocess.run(launch_command(method, seed, run_dir, steps), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         if proc.returncode != 0 or not _finished(run_dir, steps):
             raise RuntimeError(f"{method} seed {seed} failed (exit {proc.returncode}); log: {run_dir}.log")
+        _record_seconds(out, f"{method}_seed{seed}", time.time() - t0)
         evals = [r["eval_accuracy"] for r in _read_rows(run_dir) if r.get("kind") == "eval"]
         print(f"[compare] {method} seed {seed}: held-out accuracy {evals[0]:.3f} -> {evals[-1]:.3f} "
               f"({time.time() - t0:.0f}s; {time.time() - t_start:.0f}s so far)", flush=True)
@@ -209,6 +219,12 @@ def summarize(out: str, seeds: Sequence[int], methods: Sequence[str] = tuple(MET
                        else f"stapo {'higher' if st['mean_diff'] > 0 else 'lower'}")
             lines.append(f"| {b} | {name} | {_mean_std(a_vals)[0]:.3f} | {_mean_std(b_vals)[0]:.3f} | "
                          f"{st['mean_diff']:+.3f} | {st['p']:.3f} | {st['d_z']:+.2f} | {st['detectable']:.3f} | {reading} |")
+    times_path = os.path.join(out, "run_seconds.json")
+    times = json.load(open(times_path)) if os.path.exists(times_path) else {}
+    timed = [times[f"{m}_seed{s}"] for (m, s) in per if f"{m}_seed{s}" in times]
+    if timed:
+        lines += ["", f"Wall time: {sum(timed) / 60:.1f} min for {len(timed)} runs "
+                      f"({min(timed) / 60:.1f} to {max(timed) / 60:.1f} min each, the first including the warm-start)."]
     lines += ["", "Per run:", "", "| method | seed | start acc. | final acc. | final entropy | silenced tokens | steps with silencing |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
     for (m, s), v in sorted(per.items()):
@@ -257,21 +273,40 @@ def _plot(out: str, runs, methods, seeds) -> None:
 
 
 def compare_tiny(output_dir: str = "runs/compare", seeds: List[int] = list(DEFAULT_SEEDS),  # noqa: B006
-                 methods: List[str] = list(DEFAULT_METHODS), steps: int = 0) -> str:  # noqa: B006
+                 methods: List[str] = list(DEFAULT_METHODS), steps: int = 0, readme: bool = False) -> str:  # noqa: B006
     """The whole comparison (runs, then summary); the NeMo-Run task of ``launch/compare_tiny.py``.
 
-    ``steps`` = 0 takes the comparison's (``recipes.tiny.COMPARE_OVERRIDES``). Plain types only:
-    NeMo-Run's CLI parses ``key=value`` by annotation and does not take Optional/Sequence.
+    ``steps`` = 0 takes the comparison's (``recipes.tiny.COMPARE_OVERRIDES``); ``readme`` puts the
+    summary into README.md's ``compare`` block. Plain types only: NeMo-Run's CLI parses
+    ``key=value`` by annotation and does not take Optional/Sequence.
     """
     bad = [m for m in methods if m not in METHODS]
     if bad:
         raise ValueError(f"unknown methods {bad}; choose from {tuple(METHODS)}")
     if len(set(seeds)) != len(seeds) or len(set(methods)) != len(methods):
         raise ValueError(f"seeds {seeds} and methods {methods} must not repeat")
+    t0 = time.time()
     run_comparison(output_dir, list(seeds), list(methods), steps or None)
     text = summarize(output_dir, list(seeds), list(methods))
     print(text, flush=True)
+    print(f"[compare] {time.time() - t0:.0f}s in all (finished runs skipped)", flush=True)
+    if readme:
+        _to_readme(output_dir, text)
     return text
+
+
+def _to_readme(out: str, text: str) -> None:
+    """The summary, with the machine and date, into README.md's ``compare`` block."""
+    import datetime
+    import platform
+
+    from stapo_megatron.report import fill_block
+
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    body = text.split("\n", 2)[2]  # without the summary's own title
+    fill_block(os.path.join(ROOT, "README.md"), "compare",
+               f"Measured {datetime.date.today().isoformat()} on {machine} by `make compare` "
+               f"({os.path.relpath(out, ROOT)}/summary.md):\n\n{body}")
 
 
 def main(argv=None) -> None:
@@ -281,10 +316,14 @@ def main(argv=None) -> None:
     p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS))
     p.add_argument("--steps", type=int, default=0, help="RL steps per run (default: COMPARE_OVERRIDES')")
     p.add_argument("--summarize-only", action="store_true")
+    p.add_argument("--readme", action="store_true", help="put the summary into README.md's compare block")
     args = p.parse_args(argv)
     if not args.summarize_only:
         run_comparison(args.out, args.seeds, args.methods, args.steps or None)
-    print(summarize(args.out, args.seeds, args.methods))
+    text = summarize(args.out, args.seeds, args.methods)
+    print(text)
+    if args.readme:
+        _to_readme(args.out, text)
 
 
 if __name__ == "__main__":

@@ -93,7 +93,7 @@ def worked_sum(example) -> str:
     return f"{', '.join(steps)}. \\boxed{{{total}}}"
 
 
-COMPARE_OVERRIDES = dict(steps=20, eval_every=5, save_every=0)
+COMPARE_OVERRIDES = dict(steps=15, eval_every=5, save_every=0)
 """What a run of the method comparison changes in ``tiny_demo`` (besides method and seed):
 fewer RL steps, so that 4 methods x 5 seeds fit in about an hour on 2 cores."""
 
