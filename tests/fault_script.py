@@ -4,14 +4,15 @@ tests/test_faults.py, which starts it under two torchrun agents (two "nodes", on
     torchrun ... tests/fault_script.py OUTPUT_DIR FAULT [key=value ...]
 
 FAULT names a point of the run, so that a test fails the job there whatever the machine's
-speed (never at a wall-clock moment):
+speed (never at a wall-clock moment); the rank that fails is the one whose agent has
+``STAPO_TEST_FAULTY_NODE=1`` in its environment:
 
     none         no fault
-    start:R      global rank R raises ValueError before the process group forms
-                 (bad input on one node)
-    kill:R:K     global rank R SIGKILLs itself as it begins to save step K's checkpoint
-                 (step K is logged; step K-1's checkpoint, the script saves every step, is
-                 the last complete one)
+    start        the rank raises ValueError before the process group forms (bad input on
+                 one node)
+    kill:K       the rank SIGKILLs itself as it begins to save step K's checkpoint (step K is
+                 logged; step K-1's checkpoint, the script saves every step, is the last
+                 complete one)
 
 The ``key=value`` arguments are further top-level overrides (``init_timeout_s=10``).
 """
@@ -36,25 +37,24 @@ SMALL = dict(
 
 def _inject(fault: str) -> None:
     kind, _, where = fault.partition(":")
-    rank = int(os.environ["RANK"])
+    if kind not in ("none", "start", "kill"):
+        raise ValueError(f"unknown FAULT {fault!r}")
+    if os.environ.get("STAPO_TEST_FAULTY_NODE") != "1":
+        return
     if kind == "start":
         def fail(*args, **kwargs):
-            raise ValueError(f"injected fault: rank {rank} fails before the process group forms")
+            raise ValueError(f"injected fault: rank {os.environ['RANK']} fails before the process group forms")
 
-        if int(where) == rank:
-            entry.init_process_group = fail
+        entry.init_process_group = fail
     elif kind == "kill":
-        target, kill_step = (int(x) for x in where.split(":"))
         save = Trainer._save
 
         def save_or_die(self, step):
-            if rank == target and step == kill_step:
+            if step == int(where):
                 os.kill(os.getpid(), signal.SIGKILL)
             return save(self, step)
 
         Trainer._save = save_or_die
-    elif kind != "none":
-        raise ValueError(f"unknown FAULT {fault!r}")
 
 
 if __name__ == "__main__":

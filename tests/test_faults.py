@@ -32,14 +32,22 @@ def _torchrun(*args):
 
 
 def _two_nodes(output_dir, fault, *overrides):
-    """Start the fault script under two torchrun agents; (exit code, output) of each agent."""
+    """Start the fault script under two torchrun agents; (exit code, output) of each agent.
+
+    The first agent hosts the rendezvous store (as the first node of a Slurm job does); the
+    fault is injected on the second one's rank. (Were the failing node the store's host, the
+    other agent would lose the store and end at once with torchrun's own
+    RendezvousConnectionError, stopping its rank before it could name the failed one.)
+    """
     port, marker = _free_port(), f"{os.getpid()}-{uuid.uuid4().hex}"
-    cmd = _torchrun("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                    "--rdzv-id", "faults", "--rdzv-conf", "join_timeout=300",
-                    SCRIPT, str(output_dir), fault, *overrides)
-    env = dict(os.environ, OMP_NUM_THREADS="1", STAPO_TEST_LAUNCH=marker)
     logs = [tempfile.TemporaryFile() for _ in range(2)]
-    agents = [subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env) for log in logs]
+    agents = []
+    for node, log in enumerate(logs):
+        cmd = _torchrun("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                        "--rdzv-id", "faults", "--rdzv-conf", f"join_timeout=300,is_host={int(node == 0)}",
+                        SCRIPT, str(output_dir), fault, *overrides)
+        env = dict(os.environ, OMP_NUM_THREADS="1", STAPO_TEST_LAUNCH=marker, STAPO_TEST_FAULTY_NODE=str(node))
+        agents.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
     try:
         codes = [agent.wait(timeout=1200) for agent in agents]  # only a hung test ever gets there
     finally:
@@ -55,14 +63,14 @@ def _two_nodes(output_dir, fault, *overrides):
 
 
 def _root_causes(outputs):
-    """Each agent's last message, the root cause torchrun prints, keyed by the global rank it names."""
-    causes = {}
+    """Each agent's last message, the root cause torchrun prints, and the global rank it names
+    (torchrun orders the nodes' ranks by its own node ids): [(rank, cause)] by node."""
+    causes = []
     for out in outputs:
         assert ROOT_CAUSE in out, out[-3000:]
         cause = out.rsplit(ROOT_CAUSE, 1)[1]
-        rank = int(cause.split("rank      : ", 1)[1].split()[0])
-        causes[rank] = cause
-    assert sorted(causes) == [0, 1], outputs
+        causes.append((int(cause.split("rank      : ", 1)[1].split()[0]), cause))
+    assert sorted(rank for rank, _ in causes) == [0, 1], outputs
     return causes
 
 
@@ -78,33 +86,37 @@ def _record(run_dir, rank):
 def test_rank_failing_before_the_group_forms_ends_the_job_naming_it(tmp_path):
     """Bad input on one node: its rank fails before the process group forms. The other rank
     stops after ``init_timeout_s`` (not gloo's 30 minutes), and its node's last message names
-    rank 1 and its error, not the store timeout."""
-    codes, outputs = _two_nodes(tmp_path / "run", "start:1", "init_timeout_s=10")
+    the failed rank and its error, not the store timeout."""
+    codes, outputs = _two_nodes(tmp_path / "run", "start", "init_timeout_s=10")
     assert codes[0] != 0 and codes[1] != 0, outputs
-    causes = _root_causes(outputs)
-    assert "ValueError: injected fault: rank 1 fails before the process group forms" in causes[1]
-    assert ("PeerFailure: rank 0 stopped because another rank failed: rank 1 failed first" in causes[0]
-            and "ValueError: injected fault: rank 1" in causes[0]), causes[0]
-    survivor = _record(tmp_path / "run", 0)
-    # what ended rank 0's wait: the configured init timeout (10 s) in the store
-    assert survivor["peer_failure"] and "DistStoreError: wait timeout after 10000ms" in survivor["error"]
-    assert not _record(tmp_path / "run", 1)["peer_failure"]
+    (survivor, survivor_cause), (failed, failed_cause) = _root_causes(outputs)
+    assert f"ValueError: injected fault: rank {failed} fails before the process group forms" in failed_cause
+    assert (f"PeerFailure: rank {survivor} stopped because another rank failed: rank {failed} failed first"
+            in survivor_cause and f"ValueError: injected fault: rank {failed}" in survivor_cause), survivor_cause
+    record = _record(tmp_path / "run", survivor)
+    assert record["peer_failure"], record
+    if survivor == 0:
+        # the workers' store lives with rank 0: what ended its wait is the configured init
+        # timeout (10 s). (torchrun orders ranks by process id, so the failed node's rank is
+        # almost always rank 1; were it rank 0, the survivor would lose the store at once.)
+        assert "DistStoreError: wait timeout after 10000ms" in record["error"], record
+    assert not _record(tmp_path / "run", failed)["peer_failure"]
 
 
 @pytest.mark.slow  # two two-node launches of the real trainer (rollouts, rewards, checkpoints)
 def test_killed_rank_ends_the_job_and_the_next_launch_resumes(tmp_path):
     run_dir = tmp_path / "run"  # fresh: the tiny model folder is written once, by global rank 0
-    # rank 1 is SIGKILLed as it begins to save step 2 (step 2 is logged, step 1 is saved)
-    codes, outputs = _two_nodes(run_dir, "kill:1:2")
+    # the second node's rank is SIGKILLed as it begins to save step 2 (step 2 is logged, step 1 saved)
+    codes, outputs = _two_nodes(run_dir, "kill:2")
     assert codes[0] != 0 and codes[1] != 0, outputs
-    causes = _root_causes(outputs)
-    assert "exitcode  : -9" in causes[1] and "SIGKILL" in causes[1]
-    assert ("PeerFailure: rank 0 stopped because another rank failed: rank 1 failed first: it ended "
-            "without a failure record, so it was killed" in causes[0]), causes[0]
-    # rank 0 noticed the closed connection (no timeout involved); rank 1 could write nothing
-    survivor = _record(run_dir, 0)
-    assert survivor["peer_failure"] and "by peer" in survivor["error"], survivor
-    assert _record(run_dir, 1) is None
+    (survivor, survivor_cause), (killed, killed_cause) = _root_causes(outputs)
+    assert "exitcode  : -9" in killed_cause and "SIGKILL" in killed_cause
+    assert (f"PeerFailure: rank {survivor} stopped because another rank failed: rank {killed} failed first: "
+            "it ended without a failure record, so it was killed" in survivor_cause), survivor_cause
+    # the survivor noticed the closed connection (no timeout involved); the killed rank wrote nothing
+    record = _record(run_dir, survivor)
+    assert record["peer_failure"] and "by peer" in record["error"], record
+    assert _record(run_dir, killed) is None
     assert os.path.basename(ckpt.find_latest(str(run_dir), world_size=2)) == "step_00000001"
     assert os.path.isfile(run_dir / "model" / "config.json")
     assert [n for n in os.listdir(run_dir) if n.startswith("model")] == ["model"]  # no second writer's copy
@@ -116,7 +128,7 @@ def test_killed_rank_ends_the_job_and_the_next_launch_resumes(tmp_path):
         steps = [row["step"] for row in map(json.loads, f) if row["kind"] == "train"]
     assert steps == [1, 2], steps  # step 2, logged before the kill, is not repeated
     assert os.path.basename(ckpt.find_latest(str(run_dir), world_size=2)) == "step_00000002"
-    assert _record(run_dir, 0) is None  # the failed launch's records are gone
+    assert _record(run_dir, survivor) is None  # the failed launch's records are gone
 
 
 @pytest.mark.slow  # starts torchrun (torch's import, ~10 s)
