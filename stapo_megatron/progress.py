@@ -13,6 +13,11 @@ import time
 from typing import Callable, Dict
 
 
+WALL_CLOCK_FIELDS = ("rollout_tokens_per_s", "train_tokens_per_s", "eta_s")
+"""The fields `Progress.update` adds to a step's row; like the ``time_*`` fields they depend on the
+machine's speed, not on the run's seed."""
+
+
 def response_tokens(row: Dict, group_size: int) -> float:
     """Response tokens of a step's metrics row over all DP ranks."""
     return row["response_len_mean"] * row["num_prompts"] * group_size

@@ -38,6 +38,11 @@ def _killed_then_resumed(run_dir, backend):
                 logger.log_samples(2, SAMPLES)
         ids.append(read_run_ids(str(run_dir))[backend])
         logger.close()
+        if backend == "wandb":
+            import wandb
+
+            # a resumed run is a new process: W&B's service process starts afresh too, as it would
+            wandb.teardown()
     return ids
 
 
