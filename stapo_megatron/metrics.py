@@ -38,15 +38,17 @@ LOG_FILES = ("metrics.jsonl", "silenced_tokens.jsonl", "samples.jsonl")
 class RunLogger:
     """Appends metric rows (JSONL + the `LoggingConfig` backends) and the inspector's rows.
 
-    An eval row also redraws ``metrics.png``, so the plot follows a long run.
+    With ``plot_every_eval`` an eval row also redraws ``metrics.png``, so the plot follows a
+    long run (the trainer's logger does).
     """
 
     def __init__(self, run_dir: str, enabled: bool = True, tensorboard: bool = True,
-                 logging: Optional[LoggingConfig] = None, config=None):
+                 logging: Optional[LoggingConfig] = None, config=None, plot_every_eval: bool = False):
         """``logging``: the tracking backends (default: TensorBoard, or none with
         ``tensorboard=False``); ``config``: the run's configuration, recorded by W&B / MLflow."""
         self.run_dir = run_dir
         self.enabled = enabled
+        self.plot_every_eval = plot_every_eval
         self.logging = logging or LoggingConfig(backends=("tensorboard",) if tensorboard else ())
         self._trackers: List = []
         self._last_silenced: List[Dict] = []
@@ -75,7 +77,7 @@ class RunLogger:
         _append_jsonl(os.path.join(self.run_dir, "metrics.jsonl"), row)
         for tracker in self._trackers:
             tracker.log(row)
-        if row.get("kind") == "eval":
+        if self.plot_every_eval and row.get("kind") == "eval":
             plot_run(self.run_dir)
 
     def log_silenced(self, step: int, rows: Sequence[Sequence[float]], decode) -> None:

@@ -154,7 +154,8 @@ class Trainer:
         self.dp_device = collective_device(self.groups.dp)
         self.model = wrap_ddp(model, cfg.optim.use_distributed_optimizer)
         self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.logger = RunLogger(cfg.run_dir, enabled=self.rank == 0, logging=cfg.logging, config=cfg)
+        self.logger = RunLogger(cfg.run_dir, enabled=self.rank == 0, logging=cfg.logging, config=cfg,
+                                plot_every_eval=True)
         self.engine = None
         self.scorer = None
 

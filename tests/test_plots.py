@@ -57,7 +57,7 @@ def test_command_writes_the_png_and_names_bad_input(tmp_path, capsys):
 
 
 def test_run_plot_is_redrawn_at_every_eval(tmp_path):
-    logger = RunLogger(str(tmp_path), tensorboard=False)
+    logger = RunLogger(str(tmp_path), tensorboard=False, plot_every_eval=True)
     logger.log({"kind": "train", "step": 1, "reward_mean": 0.1})
     assert not (tmp_path / "metrics.png").exists()  # train rows do not draw
     logger.log({"kind": "eval", "step": 1, "eval_accuracy": 0.5})
