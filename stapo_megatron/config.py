@@ -7,6 +7,7 @@
                                   the engine's `RolloutConfig`, built by `engine_config`)
       .loss    LossConfig         the method (`stapo_megatron.methods`) and its constants
       .optim   OptimConfig        AdamW
+      .logging LoggingConfig      where metrics go besides metrics.jsonl (TensorBoard, W&B, MLflow)
     WarmStartConfig               the supervised warm-start before RL (CPU demo)
 
 Every field has a one-line (or longer) docstring under it. Defaults are the paper's recipe
@@ -23,12 +24,12 @@ import dataclasses
 import inspect
 import math
 import textwrap
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from stapo_megatron.methods import get_method
 
 __all__ = [
-    "DataConfig", "EngineResources", "LossConfig", "ModelConfig", "OptimConfig", "RolloutConfig",
+    "DataConfig", "EngineResources", "LoggingConfig", "LossConfig", "ModelConfig", "OptimConfig", "RolloutConfig",
     "RolloutSampling", "TrainerConfig", "WarmStartConfig", "field_docs",
 ]
 
@@ -347,6 +348,43 @@ class WarmStartConfig:
 
 
 @dataclasses.dataclass
+class LoggingConfig:
+    """Experiment tracking beside ``metrics.jsonl`` (which is always written): see
+    ``stapo_megatron.tracking``. Only global rank 0 logs."""
+
+    backends: Tuple[str, ...] = ("tensorboard",)
+    """Any of ``tensorboard``, ``wandb``, ``mlflow``. On the command line a comma-separated list,
+    with or without brackets: ``logging.backends=[tensorboard,wandb,mlflow]``."""
+    project: str = "stapo-megatron"
+    """W&B project and MLflow experiment name."""
+    run_name: str = ""
+    """The tracking run's display name; empty = the run folder's name."""
+    wandb_mode: str = "offline"
+    """``offline`` (files under ``<run_dir>/wandb``, upload later with ``wandb sync``; no network
+    or account needed) or ``online``."""
+    mlflow_tracking_uri: str = ""
+    """Where MLflow writes; empty = a local file store ``<run_dir>/mlruns`` (read it with
+    ``MlflowClient(tracking_uri=...)`` or ``mlflow ui --backend-store-uri``)."""
+    num_samples: int = 8
+    """Held-out generations (prompt, response, answer, reward) logged as a table at every eval."""
+
+    def __post_init__(self):
+        if isinstance(self.backends, str):
+            self.backends = tuple(b.strip() for b in self.backends.strip("[]()").split(",") if b.strip())
+        self.backends = tuple(self.backends)
+        unknown = [b for b in self.backends if b not in TRACKING_BACKENDS]
+        if unknown:
+            raise ValueError(f"logging.backends: unknown {unknown}; choose from {list(TRACKING_BACKENDS)}")
+        if self.wandb_mode not in ("offline", "online"):
+            raise ValueError(f"logging.wandb_mode must be 'offline' or 'online', got {self.wandb_mode!r}")
+        _check_at_least(self, 0, "num_samples")
+
+
+TRACKING_BACKENDS = ("tensorboard", "wandb", "mlflow")
+"""What `LoggingConfig.backends` may name."""
+
+
+@dataclasses.dataclass
 class TrainerConfig:
     """One STAPO training run."""
 
@@ -393,6 +431,8 @@ class TrainerConfig:
     """Policy loss (``method``: a name of `stapo_megatron.methods.METHODS`)."""
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     """AdamW (the paper: lr 1e-6, weight decay 0.1, grad clip 1.0)."""
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    """Experiment tracking: TensorBoard, Weights & Biases, MLflow."""
 
     def __post_init__(self):
         _check_at_least(self, 0, "steps", "lr_warmup_steps", "eval_every", "save_every", "max_consecutive_skips")
