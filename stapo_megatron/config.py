@@ -30,7 +30,7 @@ from stapo_megatron.methods import get_method
 
 __all__ = [
     "DataConfig", "EngineResources", "EvalSetConfig", "LossConfig", "ModelConfig", "OptimConfig", "RolloutConfig",
-    "RolloutSampling", "TrainerConfig", "WarmStartConfig", "field_docs",
+    "RolloutSampling", "TrainerConfig", "WarmStartConfig", "eval_set_configs", "field_docs",
 ]
 
 
@@ -391,7 +391,8 @@ class TrainerConfig:
     seed: int = 1234
     """Seeds data order, sampling and the random-control mask."""
     eval_every: int = 10
-    """Held-out evaluation every this many steps (and at step 0 and the end); 0 = never."""
+    """Evaluation (held-out set and ``eval_sets``) every this many steps (and at step 0 and the
+    end); 0 = never."""
     eval_temperature: float = 0.0
     """Held-out decoding temperature (0 = greedy)."""
     eval_samples: int = 1
@@ -424,7 +425,7 @@ class TrainerConfig:
             raise ValueError(f"eval_temperature must be finite and >= 0 (0 = greedy), got {self.eval_temperature}")
         if not (0 < self.reward_timeout_s and math.isfinite(self.reward_timeout_s)):
             raise ValueError(f"reward_timeout_s must be finite and > 0, got {self.reward_timeout_s}")
-        self.eval_sets = _eval_sets(self.eval_sets)
+        self.eval_sets = eval_set_configs(self.eval_sets)
         # The loss recomputes pi_old and pi_theta at loss.temperature; sampling at another
         # temperature would make every ratio, entropy and S2T decision refer to a distribution
         # the responses were not drawn from.
@@ -441,10 +442,19 @@ class TrainerConfig:
             )
 
 
-def _eval_sets(sets: Any) -> List[EvalSetConfig]:
-    """``TrainerConfig.eval_sets`` as `EvalSetConfig` objects (dicts converted), names unique."""
+def eval_set_configs(sets: Any) -> List[EvalSetConfig]:
+    """``TrainerConfig.eval_sets`` (and ``stapo-eval --set``) as `EvalSetConfig` objects.
+
+    Takes `EvalSetConfig` objects, dicts of its fields, or one string (what the command line can
+    carry): sets separated by ";", each ``name=..,path=..[,k=4][,prompt_field=..]
+    [,answer_field=..][,decodings=T1.0_p1.0+T0.7_p0.9]``. An unknown field is refused with the
+    closest field names; names must be unique.
+    """
+    if isinstance(sets, str):
+        sets = [_eval_set_fields(spec) for spec in sets.split(";") if spec.strip()]
     if not isinstance(sets, (list, tuple)):
-        raise ValueError(f"eval_sets must be a list of EvalSetConfig (or dicts of its fields), got {type(sets).__name__}")
+        raise ValueError(f"eval_sets must be a list of EvalSetConfig (or dicts of its fields) or a string "
+                         f"'name=..,path=..;...', got {type(sets).__name__}")
     out = []
     for i, entry in enumerate(sets):
         if isinstance(entry, dict):
@@ -462,3 +472,21 @@ def _eval_sets(sets: Any) -> List[EvalSetConfig]:
     if len(set(names)) != len(names):
         raise ValueError(f"eval_sets names must be unique, got {names}")
     return out
+
+
+def _eval_set_fields(spec: str) -> Dict[str, Any]:
+    """The fields of one ``name=..,path=..,k=4,decodings=T1.0_p1.0+T0.7_p0.9`` set, typed."""
+    fields: Dict[str, Any] = {}
+    for item in spec.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"eval set {spec!r}: expected FIELD=VALUE pairs separated by commas, got {item!r}")
+        fields[key.strip()] = value.strip()
+    if "k" in fields:
+        try:
+            fields["k"] = int(fields["k"])
+        except ValueError:
+            raise ValueError(f"eval set {spec!r}: k must be an integer, got {fields['k']!r}") from None
+    if "decodings" in fields:
+        fields["decodings"] = tuple(fields["decodings"].split("+"))
+    return fields

@@ -348,3 +348,47 @@ def evaluate_suite(generate_fn: GenerateFn, bench_dir: str, scorer: RewardScorer
     sets, missing = paper_sets(bench_dir, decodings, benchmarks)
     results = evaluate_sets(generate_fn, sets, scorer, k_override)
     return {"benchmarks": results["sets"], "mean_avg@k": results["mean_avg@k"], "missing": missing}
+
+
+def engine_generate_fn(engine: Any, tokenizer: Any, max_tokens: int, use_chat_template: bool = True,
+                       seed: Optional[int] = 0) -> GenerateFn:
+    """A ``GenerateFn`` sampling with a rollout engine (``rollout.engines.build_engine``).
+
+    Questions are formatted and tokenized as the trainer does (``data.format_prompt``, no added
+    special tokens); prompt i's j-th sample is seeded ``seed + i n + j`` by the engine, so the
+    same engine, seed and problems give the trainer's evaluation samples.
+
+    Args:
+        engine: a `VLLMEngine` or `HFEngine`.
+        tokenizer: the policy's tokenizer.
+        max_tokens: response length limit.
+        use_chat_template: see ``data.format_prompt``.
+        seed: the engine's per-call seed (None: the engine's own RNG stream).
+    """
+    from stapo_megatron.data import format_prompt
+
+    def generate(questions: list[str], n: int, temperature: float, top_p: float) -> list[list[str]]:
+        texts = [format_prompt(tokenizer, q, use_chat_template) for q in questions]
+        ids = [list(x) for x in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        samples = engine.generate(ids, n, temperature, top_p, max_tokens, seed=seed)
+        return [[s.text for s in group] for group in samples]
+
+    return generate
+
+
+def format_table(results: dict) -> str:
+    """``evaluate_sets`` results as a markdown table: a row per set (problems, k), avg@k and pass@k
+    per decoding, and a last row with the mean avg@k over the sets."""
+    decodings = list(results["mean_avg@k"])
+    header = ["set", "problems", "k"] + [f"{d} {m}" for d in decodings for m in ("avg@k", "pass@k")]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
+    for name, per_decoding in results["sets"].items():
+        first = next(iter(per_decoding.values()))
+        cells = [name, str(first["num_problems"]), str(first["k"])]
+        for d in decodings:
+            r = per_decoding.get(d)
+            cells += [f"{r['avg@k']:.4f}", f"{r['pass@k']:.4f}"] if r else ["", ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    mean = ["mean", "", ""] + [c for d in decodings for c in (f"{results['mean_avg@k'][d]:.4f}", "")]
+    lines.append("| " + " | ".join(mean) + " |")
+    return "\n".join(lines) + "\n"
