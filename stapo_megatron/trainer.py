@@ -111,6 +111,21 @@ def _load_data(cfg: TrainerConfig, tokenizer):
     return out
 
 
+def _load_eval_sets(cfg: TrainerConfig, tokenizer) -> List[Tuple]:
+    """``TrainerConfig.eval_sets`` loaded and tokenized as the held-out set is: (EvalSet with the
+    kept problems, their prompt token ids) per set."""
+    from stapo_megatron import data
+
+    out = []
+    for set_cfg in cfg.eval_sets:
+        eval_set = load_eval_set(set_cfg)
+        ids, eval_set.examples, _ = data.tokenize_prompts(
+            tokenizer, eval_set.examples, cfg.data.max_prompt_len, cfg.data.use_chat_template
+        )
+        out.append((eval_set, ids))
+    return out
+
+
 class Trainer:
     """Holds the model, optimizer, rollout engine and scorer of one run; ``run()`` trains."""
 

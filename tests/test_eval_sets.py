@@ -91,8 +91,9 @@ def trainer_eval(files, tmp_path_factory):
         eval_sets=[{"name": "bench", "path": files["bench"], "k": K, "answer_field": "final.value"}],
     )
     with single_process_env():
-        trainer = Trainer(cfg)
+        trainer = None
         try:
+            trainer = Trainer(cfg)
             trainer._start_services()
             trainer._sync_weights()
             row = trainer.evaluate(0)
@@ -101,7 +102,8 @@ def trainer_eval(files, tmp_path_factory):
             examples = load_examples(files["held_out"])
             direct = {d.name: avg_at_k(generate, examples, K, d, trainer.scorer) for d in PAPER_DECODINGS}
         finally:
-            trainer.close()
+            if trainer is not None:
+                trainer.close()
             destroy_parallel()
     logged = [json.loads(line) for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
     return row, direct, logged, trainer.seeds.evaluation
