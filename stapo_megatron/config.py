@@ -8,6 +8,7 @@
       .loss    LossConfig         the method (`stapo_megatron.methods`) and its constants
       .optim   OptimConfig        AdamW
       .eval_sets [EvalSetConfig]  named evaluation sets (benchmarks), scored every eval_every
+      .logging LoggingConfig      where metrics go besides metrics.jsonl (TensorBoard, W&B, MLflow)
     WarmStartConfig               the supervised warm-start before RL (CPU demo)
 
 Every field has a one-line (or longer) docstring under it. Defaults are the paper's recipe
@@ -29,8 +30,8 @@ from typing import Any, Dict, List, Optional, Tuple
 from stapo_megatron.methods import get_method
 
 __all__ = [
-    "DataConfig", "EngineResources", "EvalSetConfig", "LossConfig", "ModelConfig", "OptimConfig", "RolloutConfig",
-    "RolloutSampling", "TrainerConfig", "WarmStartConfig", "eval_set_configs", "field_docs",
+    "DataConfig", "EngineResources", "EvalSetConfig", "LoggingConfig", "LossConfig", "ModelConfig", "OptimConfig",
+    "RolloutConfig", "RolloutSampling", "TrainerConfig", "WarmStartConfig", "eval_set_configs", "field_docs",
 ]
 
 
@@ -390,6 +391,43 @@ class WarmStartConfig:
 
 
 @dataclasses.dataclass
+class LoggingConfig:
+    """Experiment tracking beside ``metrics.jsonl`` (which is always written): see
+    ``stapo_megatron.tracking``. Only global rank 0 logs."""
+
+    backends: Tuple[str, ...] = ("tensorboard",)
+    """Any of ``tensorboard``, ``wandb``, ``mlflow``. On the command line a comma-separated list,
+    with or without brackets: ``logging.backends=[tensorboard,wandb,mlflow]``."""
+    project: str = "stapo-megatron"
+    """W&B project and MLflow experiment name."""
+    run_name: str = ""
+    """The tracking run's display name; empty = the run folder's name."""
+    wandb_mode: str = "offline"
+    """``offline`` (files under ``<run_dir>/wandb``, upload later with ``wandb sync``; no network
+    or account needed) or ``online``."""
+    mlflow_tracking_uri: str = ""
+    """Where MLflow writes; empty = a local file store ``<run_dir>/mlruns`` (read it with
+    ``MlflowClient(tracking_uri=...)`` or ``mlflow ui --backend-store-uri``)."""
+    num_samples: int = 8
+    """Held-out generations (prompt, response, answer, reward) logged as a table at every eval."""
+
+    def __post_init__(self):
+        if isinstance(self.backends, str):
+            self.backends = tuple(b.strip() for b in self.backends.strip("[]()").split(",") if b.strip())
+        self.backends = tuple(self.backends)
+        unknown = [b for b in self.backends if b not in TRACKING_BACKENDS]
+        if unknown:
+            raise ValueError(f"logging.backends: unknown {unknown}; choose from {list(TRACKING_BACKENDS)}")
+        if self.wandb_mode not in ("offline", "online"):
+            raise ValueError(f"logging.wandb_mode must be 'offline' or 'online', got {self.wandb_mode!r}")
+        _check_at_least(self, 0, "num_samples")
+
+
+TRACKING_BACKENDS = ("tensorboard", "wandb", "mlflow")
+"""What `LoggingConfig.backends` may name."""
+
+
+@dataclasses.dataclass
 class TrainerConfig:
     """One STAPO training run."""
 
@@ -430,6 +468,8 @@ class TrainerConfig:
     """Policy loss (``method``: a name of `stapo_megatron.methods.METHODS`)."""
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     """AdamW (the paper: lr 1e-6, weight decay 0.1, grad clip 1.0)."""
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    """Experiment tracking: TensorBoard, Weights & Biases, MLflow."""
     eval_sets: List[EvalSetConfig] = dataclasses.field(default_factory=list)
     """Named evaluation sets scored with the held-out set (every ``eval_every`` steps, at step 0
     and the end), sampled with ``rollout.max_response_len``; dicts of `EvalSetConfig` fields

@@ -195,8 +195,9 @@ class Counts:
 
 
 def score_responses(responses: Sequence[Sequence[str]], examples: Sequence[Example], k: int,
-                    scorer: "RewardScorer") -> Counts:
-    """Score ``k`` responses per problem against the problems' answers.
+                    scorer: "RewardScorer", rewards_out: Optional[list] = None) -> Counts:
+    """Score ``k`` responses per problem against the problems' answers; ``rewards_out``, if
+    given, is extended with each response's reward (problem by problem), e.g. for sample tables.
 
     Raises:
         ValueError: if ``responses`` is not ``k`` responses for each example.
@@ -209,6 +210,8 @@ def score_responses(responses: Sequence[Sequence[str]], examples: Sequence[Examp
     flat_answers = [e.answer for e in examples for _ in range(k)]
     rewards, stats = scorer.score(flat_responses, flat_answers) if flat_responses else ([], {})
     per_problem = [rewards[i * k:(i + 1) * k] for i in range(len(examples))]
+    if rewards_out is not None:
+        rewards_out.extend(rewards)
     return Counts(reward_sum=sum(rewards), num_samples=float(len(rewards)),
                   num_solved=float(sum(1 for r in per_problem if max(r) > 0)),
                   num_problems=float(len(examples)), num_timeouts=stats.get("num_timeouts", 0),

@@ -27,6 +27,7 @@ from stapo_megatron.config import TrainerConfig, WarmStartConfig
 from stapo_megatron.evaluation import Counts, Decoding, load_eval_set, score_responses, summarize
 from stapo_megatron.metrics import RunLogger, plot_run
 from stapo_megatron.parallel import Groups, collective_device, destroy_parallel, init_parallel
+from stapo_megatron.progress import Progress, describe
 from stapo_megatron.schedule import compute_logprob_entropy
 from stapo_megatron.seeds import Seeds
 from stapo_megatron.sft import sft_step
@@ -172,7 +173,8 @@ class Trainer:
         self.dp_device = collective_device(self.groups.dp)
         self.model = wrap_ddp(model, cfg.optim.use_distributed_optimizer)
         self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.logger = RunLogger(cfg.run_dir, enabled=self.rank == 0)
+        self.logger = RunLogger(cfg.run_dir, enabled=self.rank == 0, logging=cfg.logging, config=cfg,
+                                plot_every_eval=True)
         self.engine = None
         self.scorer = None
 
@@ -231,7 +233,8 @@ class Trainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         held_out = Decoding(cfg.eval_temperature, 1.0, "held_out")
-        counts = self._eval_counts(self.eval_ids, self.eval_ex, cfg.eval_samples, held_out)
+        samples: List[Dict] = []
+        counts = self._eval_counts(self.eval_ids, self.eval_ex, cfg.eval_samples, held_out, samples)
         row = dict(kind="eval", step=step, eval_accuracy=summarize(counts, cfg.eval_samples, held_out)["avg@k"],
                    eval_num=int(counts.num_samples))
         for eval_set, ids in self.eval_sets:
@@ -241,18 +244,26 @@ class Trainer:
                     row[f"eval/{eval_set.name}/{decoding.name}/{metric}@{eval_set.k}"] = result[f"{metric}@k"]
         row["time_eval"] = time.perf_counter() - t0
         self.logger.log(row)
+        self.logger.log_samples(step, samples)
         return row
 
-    def _eval_counts(self, prompt_ids: List[List[int]], examples: List, k: int, decoding: Decoding) -> Counts:
+    def _eval_counts(self, prompt_ids: List[List[int]], examples: List, k: int, decoding: Decoding,
+                     samples_out: Optional[List[Dict]] = None) -> Counts:
         """avg@k sums of ``k`` samples per problem, this DP rank's share sampled and scored here
-        (``evaluation.score_responses``), then summed over DP (float32, as every metric sum)."""
+        (``evaluation.score_responses``), then summed over DP (float32, as every metric sum).
+        ``samples_out``, if given, gets this rank's samples (prompt, response, answer, reward)."""
         idx = list(range(self.dp_rank, len(prompt_ids), self.dp_size))
         samples = self._generate(
             [prompt_ids[i] for i in idx], k, decoding.temperature, decoding.top_p,
             self.cfg.rollout.max_response_len, seed=self.seeds.evaluation,
         )
-        counts = score_responses([[s.text for s in group] for group in samples], [examples[i] for i in idx], k,
-                                 self.scorer)
+        texts = [[s.text for s in group] for group in samples]
+        rewards: List[float] = []
+        counts = score_responses(texts, [examples[i] for i in idx], k, self.scorer, rewards)
+        if samples_out is not None:
+            flat = [(examples[i], t) for i, group in zip(idx, texts) for t in group]
+            samples_out.extend(dict(prompt=ex.prompt, response=t, answer=ex.answer, reward=r)
+                               for (ex, t), r in zip(flat, rewards))
         sums = torch.tensor(counts.as_list(), device=self.dp_device)
         dist.all_reduce(sums, group=self.groups.dp)
         return Counts(*sums)
@@ -462,8 +473,10 @@ class Trainer:
             rows.append(self.evaluate(0))
             self._print_eval(rows[-1])
         consecutive_skips = 0
+        progress = Progress(cfg.steps, start, cfg.rollout.group_size)
         for step in range(start, cfg.steps):
             row, silenced_rows = self.train_step(step)
+            row.update(progress.update(row))
             rows.append(row)
             self.logger.log(row)
             silenced_rows = self._gather_silenced(silenced_rows)
@@ -489,7 +502,7 @@ class Trainer:
     def _print_row(self, r):
         if self.rank == 0:
             print(
-                f"step {r['step']:>4} | reward {r['reward_mean']:.3f} | entropy {r['entropy_mean']:.3f} | "
+                f"step {describe(r, self.cfg.steps)} | reward {r['reward_mean']:.3f} | entropy {r['entropy_mean']:.3f} | "
                 f"silenced {r['silenced_count']} ({r['silenced_fraction']:.4%}) tau_H {r['tau_h']:.3f} | "
                 f"loss {r['loss']:+.4f} clip {r['clip_fraction']:.3f} | len {r['response_len_mean']:.1f} | "
                 f"rollout {r['time_rollout']:.1f}s reward {r['time_reward']:.1f}s old {r['time_old_logprob']:.1f}s "

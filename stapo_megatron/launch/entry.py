@@ -121,6 +121,7 @@ def run_recipe(
     rollout: Optional[Dict[str, Value]] = None,
     loss: Optional[Dict[str, Value]] = None,
     optim: Optional[Dict[str, Value]] = None,
+    logging: Optional[Dict[str, Value]] = None,
     warmstart: Optional[Dict[str, Value]] = None,
     **overrides: Value,
 ) -> None:
@@ -133,7 +134,7 @@ def run_recipe(
     world, per_node = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     cfg, warmstart_cfg = build_config(
         recipe, method, output_dir, num_nodes=world // per_node, gpus_per_node=per_node, model=model, data=data, rollout=rollout,
-        loss=loss, optim=optim, warmstart=warmstart, **overrides,
+        loss=loss, optim=optim, logging=logging, warmstart=warmstart, **overrides,
     )
     if recipe == "tiny":
         _prepare_tiny_model(cfg.model.hf_dir)
