@@ -57,6 +57,8 @@ setup(
             "stapo-convert=conversion.cli:main",
             # nemo-run ships only `nemo` / `nemorun`; this is the launch-file runner.
             "nemo-run=stapo_megatron.launch.cli:main",
+            # avg@k of a checkpoint or HF folder on named evaluation sets (stapo_megatron.eval_cli).
+            "stapo-eval=stapo_megatron.eval_cli:main",
             # overlay runs' metrics.jsonl curves: stapo-plot RUN... --out PNG
             "stapo-plot=stapo_megatron.plots:main",
         ],

@@ -7,6 +7,7 @@
                                   the engine's `RolloutConfig`, built by `engine_config`)
       .loss    LossConfig         the method (`stapo_megatron.methods`) and its constants
       .optim   OptimConfig        AdamW
+      .eval_sets [EvalSetConfig]  named evaluation sets (benchmarks), scored every eval_every
       .logging LoggingConfig      where metrics go besides metrics.jsonl (TensorBoard, W&B, MLflow)
     WarmStartConfig               the supervised warm-start before RL (CPU demo)
 
@@ -24,13 +25,13 @@ import dataclasses
 import inspect
 import math
 import textwrap
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from stapo_megatron.methods import get_method
 
 __all__ = [
-    "DataConfig", "EngineResources", "LoggingConfig", "LossConfig", "ModelConfig", "OptimConfig", "RolloutConfig",
-    "RolloutSampling", "TrainerConfig", "WarmStartConfig", "field_docs",
+    "DataConfig", "EngineResources", "EvalSetConfig", "LoggingConfig", "LossConfig", "ModelConfig", "OptimConfig",
+    "RolloutConfig", "RolloutSampling", "TrainerConfig", "WarmStartConfig", "eval_set_configs", "field_docs",
 ]
 
 
@@ -185,9 +186,16 @@ class DataConfig:
     """Prompts for training and the held-out set."""
 
     train_path: Optional[str] = None
-    """JSONL/parquet with `prompt` and `answer` (or DAPO-Math-17k's layout); None = generate."""
+    """JSONL/parquet file or HF dataset folder (``save_to_disk``) with `prompt` and `answer` (or
+    DAPO-Math-17k's layout, or the fields below); None = generate."""
     eval_path: Optional[str] = None
-    """Held-out JSONL/parquet; None = generate."""
+    """Held-out JSONL/parquet file or HF dataset folder; None = generate."""
+    prompt_field: str = ""
+    """Field of the question in both files ("" = `prompt`, as a string or chat messages); a
+    dotted name reads a nested field."""
+    answer_field: str = ""
+    """Field of the reference answer in both files ("" = `answer`, else
+    `reward_model.ground_truth`); a dotted name reads a nested field."""
     dedupe: bool = False
     """Keep one copy of repeated training problems (the published DAPO-Math-17k parquet repeats
     each problem about 100 times)."""
@@ -210,6 +218,41 @@ class DataConfig:
     def __post_init__(self):
         _check_at_least(self, 0, "num_train", "num_eval")
         _check_at_least(self, 1, "max_prompt_len")
+
+
+@dataclasses.dataclass
+class EvalSetConfig:
+    """A named evaluation set: avg@k / pass@k of each decoding (`stapo_megatron.evaluation`)."""
+
+    name: str = ""
+    """Name in the metrics (``eval/<name>/<decoding>/avg@<k>``) and tables, e.g. "aime24"."""
+    path: str = ""
+    """JSONL/parquet file or HF dataset folder, one problem per row."""
+    k: int = 4
+    """Samples per problem (the paper: 32 on AIME24/25 and AMC23, 4 on the others)."""
+    decodings: Tuple[str, ...] = ("T1.0_p1.0", "T0.7_p0.9")
+    """Sampling settings, each named ``T<temperature>_p<top_p>`` (the paper's two by default)."""
+    prompt_field: str = ""
+    """Field of the question ("" = the first of `problem`, `question`, `prompt`)."""
+    answer_field: str = ""
+    """Field of the answer ("" = the first of `answer`, `final_answer`, `solution`; a field
+    named `solution` is a worked solution whose last \\boxed{} is the answer)."""
+
+    def __post_init__(self):
+        from stapo_megatron.evaluation import Decoding  # light; imported here to keep config.py's imports few
+
+        if not self.name or "/" in self.name:
+            raise ValueError(f"EvalSetConfig.name must be non-empty without '/' (it is part of metric names), "
+                             f"got {self.name!r}")
+        if not self.path:
+            raise ValueError(f"EvalSetConfig {self.name!r}: path is empty")
+        _check_at_least(self, 1, "k")
+        self.decodings = tuple(self.decodings)
+        if not self.decodings or len(set(self.decodings)) != len(self.decodings):
+            raise ValueError(f"EvalSetConfig {self.name!r}: decodings must be non-empty and unique, "
+                             f"got {self.decodings}")
+        for name in self.decodings:
+            Decoding.from_name(name)  # ValueError naming the expected form
 
 
 @dataclasses.dataclass
@@ -403,7 +446,8 @@ class TrainerConfig:
     seed: int = 1234
     """Seeds data order, sampling and the random-control mask."""
     eval_every: int = 10
-    """Held-out evaluation every this many steps (and at step 0 and the end); 0 = never."""
+    """Evaluation (held-out set and ``eval_sets``) every this many steps (and at step 0 and the
+    end); 0 = never."""
     eval_temperature: float = 0.0
     """Held-out decoding temperature (0 = greedy)."""
     eval_samples: int = 1
@@ -433,6 +477,10 @@ class TrainerConfig:
     """AdamW (the paper: lr 1e-6, weight decay 0.1, grad clip 1.0)."""
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     """Experiment tracking: TensorBoard, Weights & Biases, MLflow."""
+    eval_sets: List[EvalSetConfig] = dataclasses.field(default_factory=list)
+    """Named evaluation sets scored with the held-out set (every ``eval_every`` steps, at step 0
+    and the end), sampled with ``rollout.max_response_len``; dicts of `EvalSetConfig` fields
+    are accepted (what a ``key=value`` override gives)."""
 
     def __post_init__(self):
         _check_at_least(self, 0, "steps", "lr_warmup_steps", "eval_every", "save_every", "max_consecutive_skips")
@@ -442,6 +490,7 @@ class TrainerConfig:
         for name in ("reward_timeout_s", "init_timeout_s", "distributed_timeout_s"):
             if not (0 < getattr(self, name) and math.isfinite(getattr(self, name))):
                 raise ValueError(f"{name} must be finite and > 0, got {getattr(self, name)}")
+        self.eval_sets = eval_set_configs(self.eval_sets)
         # The loss recomputes pi_old and pi_theta at loss.temperature; sampling at another
         # temperature would make every ratio, entropy and S2T decision refer to a distribution
         # the responses were not drawn from.
@@ -456,3 +505,53 @@ class TrainerConfig:
                 f"loss.kl_coef={self.loss.kl_coef} needs a reference model's log-probs, which this trainer "
                 "does not compute (the paper uses no KL term); set loss.kl_coef=0"
             )
+
+
+def eval_set_configs(sets: Any) -> List[EvalSetConfig]:
+    """``TrainerConfig.eval_sets`` (and ``stapo-eval --set``) as `EvalSetConfig` objects.
+
+    Takes `EvalSetConfig` objects, dicts of its fields, or one string (what the command line can
+    carry): sets separated by ";", each ``name=..,path=..[,k=4][,prompt_field=..]
+    [,answer_field=..][,decodings=T1.0_p1.0+T0.7_p0.9]``. An unknown field is refused with the
+    closest field names; names must be unique.
+    """
+    if isinstance(sets, str):
+        sets = [_eval_set_fields(spec) for spec in sets.split(";") if spec.strip()]
+    if not isinstance(sets, (list, tuple)):
+        raise ValueError(f"eval_sets must be a list of EvalSetConfig (or dicts of its fields) or a string "
+                         f"'name=..,path=..;...', got {type(sets).__name__}")
+    out = []
+    for i, entry in enumerate(sets):
+        if isinstance(entry, dict):
+            from stapo_megatron.overrides import unknown_field_error
+
+            names = {f.name for f in dataclasses.fields(EvalSetConfig)}
+            unknown = [key for key in entry if key not in names]
+            if unknown:
+                raise unknown_field_error(f"eval_sets[{i}].{unknown[0]}", EvalSetConfig(name="x", path="x"), unknown[0])
+            entry = EvalSetConfig(**entry)
+        if not isinstance(entry, EvalSetConfig):
+            raise ValueError(f"eval_sets[{i}] must be an EvalSetConfig or a dict, got {type(entry).__name__}")
+        out.append(entry)
+    names = [s.name for s in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"eval_sets names must be unique, got {names}")
+    return out
+
+
+def _eval_set_fields(spec: str) -> Dict[str, Any]:
+    """The fields of one ``name=..,path=..,k=4,decodings=T1.0_p1.0+T0.7_p0.9`` set, typed."""
+    fields: Dict[str, Any] = {}
+    for item in spec.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"eval set {spec!r}: expected FIELD=VALUE pairs separated by commas, got {item!r}")
+        fields[key.strip()] = value.strip()
+    if "k" in fields:
+        try:
+            fields["k"] = int(fields["k"])
+        except ValueError:
+            raise ValueError(f"eval set {spec!r}: k must be an integer, got {fields['k']!r}") from None
+    if "decodings" in fields:
+        fields["decodings"] = tuple(fields["decodings"].split("+"))
+    return fields
