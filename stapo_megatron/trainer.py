@@ -15,6 +15,8 @@ import importlib
 import math
 import os
 import time
+import warnings
+from functools import partial
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -25,6 +27,7 @@ from stapo_megatron.batching import group_advantages, pack_sequences, split_micr
 from stapo_megatron.config import TrainerConfig, WarmStartConfig
 from stapo_megatron.metrics import RunLogger, plot_run
 from stapo_megatron.parallel import Groups, collective_device, destroy_parallel, init_parallel
+from stapo_megatron.reference import add_reference_logprobs, frozen_copy, reset_reference
 from stapo_megatron.schedule import compute_logprob_entropy
 from stapo_megatron.seeds import Seeds
 from stapo_megatron.sft import sft_step
@@ -102,7 +105,7 @@ def _load_data(cfg: TrainerConfig, tokenizer):
     out = []
     for examples in (train, held_out):
         ids, kept, _ = data.tokenize_prompts(
-            tokenizer, examples, cfg.data.max_prompt_len, cfg.data.use_chat_template
+            tokenizer, examples, cfg.data.max_prompt_len, cfg.data.use_chat_template, cfg.data.prompt_template
         )
         out.append((ids, kept))
     return out
@@ -134,19 +137,23 @@ class Trainer:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
         self.hf_config = load_hf_config(cfg.model.hf_dir)
         (self.train_ids, self.train_ex), (self.eval_ids, self.eval_ex) = _load_data(cfg, self.tokenizer)
-        model = build_gpt_model(
+        build = partial(
+            build_gpt_model,
             self.hf_config,
             params_dtype=torch.bfloat16 if cfg.model.bf16 else torch.float32,
             calculate_per_token_loss=True,
             bf16=cfg.model.bf16,
             **_memory_settings(cfg),
         )
+        model = build()
         # sequence parallelism splits the sequence over TP: pad lengths to a multiple of it
         self.seq_multiple = math.lcm(8, cfg.model.tensor_model_parallel_size if cfg.model.sequence_parallel else 1)
         if cfg.model.megatron_ckpt:
             load_checkpoint(model, cfg.model.megatron_ckpt)
         # the output layer is padded to a multiple of 128 x TP; the softmax must not see it
         self.vocab_size = model.qwen_spec.vocab_size
+        # GRPO's KL term: a frozen copy of the initial weights, same sharding (reference.py)
+        self.ref_model = frozen_copy(model, build) if cfg.loss.kl_coef > 0 else None
         # Device rule: batches live on the model's device; what goes through a DP collective is
         # created on the backend's device (the same CUDA device under NCCL, the CPU under gloo).
         self.device = next(model.parameters()).device
@@ -160,22 +167,29 @@ class Trainer:
     # -- pieces ------------------------------------------------------------------------------
 
     def _start_services(self):
+        from stapo_megatron.reward_fns import get_reward
         from stapo_megatron.rewards import RewardScorer
         from stapo_megatron.rollout.engines import build_engine
 
         r = self.cfg.rollout
+        reward = get_reward(self.cfg.reward)  # before the engine: a bad name fails fast
         self.engine = build_engine(
             r.engine,
             self.cfg.model.hf_dir,
             r.engine_config(
-                max_model_len=_pad_to(self.cfg.data.max_prompt_len + r.max_response_len),
+                max_model_len=_pad_to(self.cfg.data.max_prompt_len + max(r.max_response_len, self._eval_max_len())),
                 seed=self.seeds.engine,
                 # vLLM must run the dtype the trainer trains in, whatever the folder was saved in
                 dtype="bfloat16" if self.cfg.model.bf16 else "float32",
                 enable_sleep_mode=r.sleep_during_training and torch.cuda.is_available(),
             ),
         )
-        self.scorer = RewardScorer(num_workers=1, timeout_s=self.cfg.reward_timeout_s)
+        self.scorer = RewardScorer(num_workers=self.cfg.reward_workers, timeout_s=self.cfg.reward_timeout_s,
+                                   score_fn=reward.score_fn, failure_reward=reward.failure_reward)
+
+    def _eval_max_len(self) -> int:
+        """Held-out responses' token limit (`TrainerConfig.eval_max_response_len`)."""
+        return self.cfg.eval_max_response_len or self.cfg.rollout.max_response_len
 
     def _sync_weights(self) -> Dict[str, float]:
         from stapo_megatron.rollout.weight_sync import sync_weights
@@ -206,18 +220,19 @@ class Trainer:
         return samples
 
     def evaluate(self, step: int) -> Dict[str, float]:
-        """Held-out accuracy (mean reward of ``eval_samples`` samples per prompt), split over DP."""
+        """Held-out accuracy (fraction of ``eval_samples`` samples per prompt with a positive
+        reward: correct under 1/0 and +1/-1 rewards alike), split over DP."""
         cfg = self.cfg
         idx = list(range(self.dp_rank, len(self.eval_ids), self.dp_size))
         t0 = time.perf_counter()
         samples = self._generate(
             [self.eval_ids[i] for i in idx], cfg.eval_samples, cfg.eval_temperature, 1.0,
-            cfg.rollout.max_response_len, seed=self.seeds.evaluation,
+            self._eval_max_len(), seed=self.seeds.evaluation,
         )
         texts = [s.text for group in samples for s in group]
         answers = [self.eval_ex[i].answer for i in idx for _ in range(cfg.eval_samples)]
         rewards, _ = self.scorer.score(texts, answers)
-        sums = torch.tensor([sum(rewards), float(len(rewards))], device=self.dp_device)
+        sums = torch.tensor([float(sum(r > 0 for r in rewards)), float(len(rewards))], device=self.dp_device)
         dist.all_reduce(sums, group=self.groups.dp)
         row = dict(kind="eval", step=step, eval_accuracy=float(sums[0] / sums[1]),
                    eval_num=int(sums[1]), time_eval=time.perf_counter() - t0)
@@ -262,6 +277,9 @@ class Trainer:
         minis, seq, num_flat = self._advantages_and_minibatches(step, prompts, samples, rewards_PG)
         with timer("old_logprob"):
             old_stats, logprob_diff = self._old_policy_pass(minis, seq)
+            if self.ref_model is not None:
+                add_reference_logprobs(self.ref_model, minis, seq, self.cfg.loss.temperature, self.groups.tp,
+                                       self.vocab_size, self.groups.is_last_stage)
         with timer("train"):
             updates = [policy_update(self.model, self.optimizer, m, self.cfg.loss, self.groups, seq, s, self.vocab_size)
                        for m, s in zip(minis, old_stats)]
@@ -342,12 +360,9 @@ class Trainer:
         self._sync_weights()
 
     def _set_lr(self, step: int):
-        """Linear warm-up over ``lr_warmup_steps`` optimizer steps, then constant."""
-        num_minis = self.cfg.prompts_per_step // self.cfg.minibatch_prompts
-        done = step * num_minis
-        scale = min(1.0, (done + 1) / max(1, self.cfg.lr_warmup_steps))
+        """The learning rate of every optimizer step of training step ``step`` (`warmup_lr`)."""
         for group in self.optimizer.param_groups:
-            group["lr"] = self.cfg.optim.lr * scale
+            group["lr"] = warmup_lr(step, self.cfg.optim.lr, self.cfg.lr_warmup_steps)
 
     def _step_row(self, step, updates, rewards_PG, num_flat, samples, diff, reward_info) -> Dict:
         """The step's metrics row: rollout sums over DP, the mini-batch updates' metrics."""
@@ -403,6 +418,12 @@ class Trainer:
             self.warm_start()
             if self.warmstart.save_to:
                 ckpt.save_model_only(self.model, self.warmstart.save_to)
+            if self.ref_model is not None:
+                reset_reference(self.ref_model, self.model.module)  # RL starts from the warm-started policy
+        if latest and self.ref_model is not None and self.warmstart and self.warmstart.steps:
+            warnings.warn("resumed with a warm-start and loss.kl_coef > 0: the KL reference holds the weights "
+                          "before the warm-start (model.megatron_ckpt or the random init), not the warm-started "
+                          "ones; start RL from the warm-start's save_to with model.megatron_ckpt instead")
         self._sync_weights()
         rows = []
         if start == 0 and cfg.eval_every:
@@ -456,6 +477,19 @@ class Trainer:
             # vLLM's own shutdown would destroy the default process group (Megatron's)
             self.engine.shutdown()
         self.logger.close()
+
+
+def warmup_lr(step: int, peak_lr: float, warmup_steps: int) -> float:
+    """Learning rate of training step ``step`` (0-based): linear warm-up from 0 over
+    ``warmup_steps`` training steps, then constant, ``peak_lr * min(1, step / warmup_steps)``.
+
+    As veRL's constant-with-warm-up schedule (stepped once per training step, so the first step
+    trains at lr 0); all PPO mini-batches (optimizer steps) of one training step share it.
+    ``warmup_steps = 0``: the peak from the first step.
+    """
+    if warmup_steps <= 0:
+        return peak_lr
+    return peak_lr * min(1.0, step / warmup_steps)
 
 
 def train(cfg: TrainerConfig, warmstart: Optional[WarmStartConfig] = None) -> List[Dict]:
