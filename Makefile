@@ -45,7 +45,7 @@ demo: $(STAMP)
 demo-seeds: $(STAMP)
 	$(PY) examples/demo_seeds.py
 
-# The method comparison (stapo / grpo / entropy20 / random x 3 seeds on the tiny task, under an
+# The method comparison (stapo / justrl / entropy20 / random x 3 seeds on the tiny task, under an
 # hour on 2 cores): runs/compare/summary.md and curves.png. Finished runs are skipped on a rerun.
 compare: $(STAMP)
 	$(VENV)/bin/nemo-run launch/compare_tiny.py --yes
