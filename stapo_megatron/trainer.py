@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from stapo_megatron import checkpoint as ckpt
+from stapo_megatron import checkpoint as ckpt, warmstart_cache
 from stapo_megatron.batching import group_advantages, pack_sequences, split_microbatches
 from stapo_megatron.config import TrainerConfig, WarmStartConfig
 from stapo_megatron.metrics import RunLogger, plot_run
@@ -99,7 +99,7 @@ def _load_data(cfg: TrainerConfig, tokenizer):
         held_out = data.load_examples(cfg.data.eval_path)
     else:
         train, held_out = data.reasoning_gym_split(
-            cfg.data.reasoning_gym_task, cfg.data.num_train, cfg.data.num_eval, Seeds(cfg.seed).data_split,
+            cfg.data.reasoning_gym_task, cfg.data.num_train, cfg.data.num_eval, Seeds(cfg.seed, data_seed=cfg.data.seed).data_split,
             **cfg.data.reasoning_gym_kwargs,
         )
     out = []
@@ -125,7 +125,7 @@ class Trainer:
                 f"prompts_per_step {cfg.prompts_per_step} must be a multiple of minibatch_prompts {cfg.minibatch_prompts}"
             )
         self.cfg, self.warmstart = cfg, warmstart
-        self.seeds = Seeds(cfg.seed)
+        self.seeds = Seeds(cfg.seed, warmstart.seed if warmstart else None, cfg.data.seed)
         self.groups = init_parallel(
             cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size, seed=self.seeds.model_init
         )
@@ -260,6 +260,41 @@ class Trainer:
                            ws.label_smoothing)
             if self.rank == 0 and (step % 10 == 0 or step == ws.steps - 1):
                 print(f"[warm-start] step {step}/{ws.steps} nll {nll:.4f}", flush=True)
+
+    def _warm_start_or_load(self):
+        """The warm-start, or its cached weights (`warmstart_cache`) when a run already made them."""
+        from stapo_megatron.bridge.model import load_checkpoint
+
+        cached = warmstart_cache.cached_path(self.cfg, self.warmstart, self.seeds.model_init,
+                                             self.seeds.data_split, dist.get_world_size())
+        if cached and warmstart_cache.is_complete(cached):
+            load_checkpoint(self.model.module, cached)
+            if self.rank == 0:
+                print(f"[warm-start] loaded the cached warm-start {cached}", flush=True)
+        else:
+            self.warm_start()
+            if cached:
+                ckpt.save_model_only(self.model, cached)
+                if self.rank == 0:
+                    print(f"[warm-start] cached in {cached}", flush=True)
+        if self.warmstart.save_to:
+            ckpt.save_model_only(self.model, self.warmstart.save_to)
+        # the RL optimizer was built before: with bf16 its fp32 main parameters still hold the
+        # initial weights and would overwrite the warm-start at the first step
+        self.optimizer.reload_model_params()
+
+    def _reference_from_warm_start_cache(self):
+        """On resume: the KL reference is the warm-started policy RL began from, read back from
+        the warm-start cache; without a cache it keeps the pre-warm-start weights (warned)."""
+        from stapo_megatron.bridge.model import load_checkpoint
+
+        cached = warmstart_cache.cached_path(self.cfg, self.warmstart, self.seeds.model_init,
+                                             self.seeds.data_split, dist.get_world_size())
+        if cached and warmstart_cache.is_complete(cached):
+            load_checkpoint(self.ref_model, cached)
+            return
+        warnings.warn("resumed with a warm-start and loss.kl_coef > 0 but no cached warm-start: the KL reference "
+                      "holds the weights before the warm-start (model.megatron_ckpt or the random init)")
 
     def train_step(self, step: int) -> Tuple[Dict, List]:
         """One training step, one line per phase (docs/design.md, "One training step").
@@ -415,15 +450,11 @@ class Trainer:
             if self.rank == 0:
                 print(f"resumed from {latest} (step {start})", flush=True)
         elif self.warmstart and self.warmstart.steps:
-            self.warm_start()
-            if self.warmstart.save_to:
-                ckpt.save_model_only(self.model, self.warmstart.save_to)
+            self._warm_start_or_load()
             if self.ref_model is not None:
                 reset_reference(self.ref_model, self.model.module)  # RL starts from the warm-started policy
         if latest and self.ref_model is not None and self.warmstart and self.warmstart.steps:
-            warnings.warn("resumed with a warm-start and loss.kl_coef > 0: the KL reference holds the weights "
-                          "before the warm-start (model.megatron_ckpt or the random init), not the warm-started "
-                          "ones; start RL from the warm-start's save_to with model.megatron_ckpt instead")
+            self._reference_from_warm_start_cache()
         self._sync_weights()
         rows = []
         if start == 0 and cfg.eval_every:
