@@ -7,8 +7,8 @@ Two identical models (same seed) train on the same data, one per tau_H source; t
 interleaved each round and the median of the per-round time ratios exact / old is reported.
 Time is this process's CPU time (``time.process_time``) with one intra-op thread by default: on
 a shared machine the wall clock measures the neighbours' load (a load average near 100 made one
-step of this tiny model take 100 s of wall time for 10 s of CPU), the CPU time of a
-single-threaded process much less so.
+step of this tiny model take about 100 s of wall time; it takes about 1 s of CPU), the CPU time
+of a single-threaded process much less so.
 
 The silenced-token difference is measured on the same weights, so that only the threshold source
 differs: before each update of the "exact" model, both thresholds are computed from its
@@ -17,7 +17,7 @@ uses) and the S2T masks they give on the current log-probs and entropies are com
 pre-computation is not timed). Mini-batch 1 of a step is on-policy, so both agree there by
 construction; the table reports mini-batches 2-4.
 
-    .venv/bin/python benchmarks/bench_tau_h_exact.py --rounds 3 --vocab 2048 --seq 96 --hidden 128 --layers 2
+    .venv/bin/python benchmarks/bench_tau_h_exact.py --rounds 5 --lr 1e-3   # benchmarks/RESULTS.md
 """
 
 from __future__ import annotations
