@@ -7,6 +7,7 @@
                                   the engine's `RolloutConfig`, built by `engine_config`)
       .loss    LossConfig         the method (`stapo_megatron.methods`) and its constants
       .optim   OptimConfig        AdamW
+      .logging LoggingConfig      where metrics go besides metrics.jsonl (TensorBoard, W&B, MLflow)
     WarmStartConfig               the supervised warm-start before RL (CPU demo)
 
 Every field has a one-line (or longer) docstring under it. Defaults are the paper's recipe
@@ -23,13 +24,13 @@ import dataclasses
 import inspect
 import math
 import textwrap
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from stapo_megatron.data import DEFAULT_PROMPT_TEMPLATE
 from stapo_megatron.methods import get_method
 
 __all__ = [
-    "DataConfig", "EngineResources", "LossConfig", "ModelConfig", "OptimConfig", "RolloutConfig",
+    "DataConfig", "EngineResources", "LoggingConfig", "LossConfig", "ModelConfig", "OptimConfig", "RolloutConfig",
     "RolloutSampling", "TrainerConfig", "WarmStartConfig", "field_docs",
 ]
 
@@ -361,6 +362,43 @@ class WarmStartConfig:
 
 
 @dataclasses.dataclass
+class LoggingConfig:
+    """Experiment tracking beside ``metrics.jsonl`` (which is always written): see
+    ``stapo_megatron.tracking``. Only global rank 0 logs."""
+
+    backends: Tuple[str, ...] = ("tensorboard",)
+    """Any of ``tensorboard``, ``wandb``, ``mlflow``. On the command line a comma-separated list,
+    with or without brackets: ``logging.backends=[tensorboard,wandb,mlflow]``."""
+    project: str = "stapo-megatron"
+    """W&B project and MLflow experiment name."""
+    run_name: str = ""
+    """The tracking run's display name; empty = the run folder's name."""
+    wandb_mode: str = "offline"
+    """``offline`` (files under ``<run_dir>/wandb``, upload later with ``wandb sync``; no network
+    or account needed) or ``online``."""
+    mlflow_tracking_uri: str = ""
+    """Where MLflow writes; empty = a local file store ``<run_dir>/mlruns`` (read it with
+    ``MlflowClient(tracking_uri=...)`` or ``mlflow ui --backend-store-uri``)."""
+    num_samples: int = 8
+    """Held-out generations (prompt, response, answer, reward) logged as a table at every eval."""
+
+    def __post_init__(self):
+        if isinstance(self.backends, str):
+            self.backends = tuple(b.strip() for b in self.backends.strip("[]()").split(",") if b.strip())
+        self.backends = tuple(self.backends)
+        unknown = [b for b in self.backends if b not in TRACKING_BACKENDS]
+        if unknown:
+            raise ValueError(f"logging.backends: unknown {unknown}; choose from {list(TRACKING_BACKENDS)}")
+        if self.wandb_mode not in ("offline", "online"):
+            raise ValueError(f"logging.wandb_mode must be 'offline' or 'online', got {self.wandb_mode!r}")
+        _check_at_least(self, 0, "num_samples")
+
+
+TRACKING_BACKENDS = ("tensorboard", "wandb", "mlflow")
+"""What `LoggingConfig.backends` may name."""
+
+
+@dataclasses.dataclass
 class TrainerConfig:
     """One STAPO training run."""
 
@@ -394,7 +432,7 @@ class TrainerConfig:
     max_consecutive_skips: int = 3
     """Stop with an error after this many consecutive steps with a NaN/Inf loss or gradient."""
     reward: str = "math_verify"
-    """The reward function: a name of `stapo_megatron.rewards.REWARDS` ("math_verify": 1/0 by
+    """The reward function: a name of `stapo_megatron.reward_fns.REWARDS` ("math_verify": 1/0 by
     math-verify equivalence; "boxed_exact_match": +1/-1 by normalised exact match of the last
     \\boxed{}, the paper's rule-based reward) or the dotted path of a module-level function
     ``(response, answer) -> (reward, status)`` (e.g. a model-based verifier; README, "Rewards")."""
@@ -402,6 +440,13 @@ class TrainerConfig:
     """Time bound (CPU seconds of a worker) of one reward check."""
     reward_workers: int = 1
     """Reward worker processes (`RewardScorer.num_workers`)."""
+    init_timeout_s: float = 180.0
+    """How long a rank waits for every other rank to join the process group (the ``timeout`` of
+    ``torch.distributed.init_process_group``, default 30 min on gloo): a rank or node that fails
+    before it (bad input, import error, lost node) ends the whole job after at most this long."""
+    distributed_timeout_s: float = 600.0
+    """How long a collective waits for a rank that stopped answering once the group has formed
+    (Megatron's ``--distributed-timeout-minutes``, 10); a rank that dies is noticed at once."""
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     """Model and training parallelism."""
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -412,6 +457,8 @@ class TrainerConfig:
     """Policy loss (``method``: a name of `stapo_megatron.methods.METHODS`)."""
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     """AdamW (the paper: lr 1e-6, weight decay 0.1, grad clip 1.0)."""
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    """Experiment tracking: TensorBoard, Weights & Biases, MLflow."""
 
     def __post_init__(self):
         _check_at_least(self, 0, "steps", "lr_warmup_steps", "eval_every", "save_every", "max_consecutive_skips")
@@ -421,8 +468,9 @@ class TrainerConfig:
             _check_at_least(self, 1, "eval_max_response_len")
         if not (0 <= self.eval_temperature and math.isfinite(self.eval_temperature)):
             raise ValueError(f"eval_temperature must be finite and >= 0 (0 = greedy), got {self.eval_temperature}")
-        if not (0 < self.reward_timeout_s and math.isfinite(self.reward_timeout_s)):
-            raise ValueError(f"reward_timeout_s must be finite and > 0, got {self.reward_timeout_s}")
+        for name in ("reward_timeout_s", "init_timeout_s", "distributed_timeout_s"):
+            if not (0 < getattr(self, name) and math.isfinite(getattr(self, name))):
+                raise ValueError(f"{name} must be finite and > 0, got {getattr(self, name)}")
         # The loss recomputes pi_old and pi_theta at loss.temperature; sampling at another
         # temperature would make every ratio, entropy and S2T decision refer to a distribution
         # the responses were not drawn from.

@@ -22,11 +22,12 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from stapo_megatron import checkpoint as ckpt, warmstart_cache
+from stapo_megatron import checkpoint as ckpt, faults, warmstart_cache
 from stapo_megatron.batching import group_advantages, pack_sequences, split_microbatches
 from stapo_megatron.config import TrainerConfig, WarmStartConfig
 from stapo_megatron.metrics import RunLogger, plot_run
 from stapo_megatron.parallel import Groups, collective_device, destroy_parallel, init_parallel
+from stapo_megatron.progress import Progress, describe
 from stapo_megatron.reference import add_reference_logprobs, frozen_copy, reset_reference
 from stapo_megatron.schedule import compute_logprob_entropy
 from stapo_megatron.seeds import Seeds
@@ -127,7 +128,8 @@ class Trainer:
         self.cfg, self.warmstart = cfg, warmstart
         self.seeds = Seeds(cfg.seed, warmstart.seed if warmstart else None, cfg.data.seed)
         self.groups = init_parallel(
-            cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size, seed=self.seeds.model_init
+            cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size, seed=self.seeds.model_init,
+            init_timeout_s=cfg.init_timeout_s, timeout_s=cfg.distributed_timeout_s,
         )
         self.rank = dist.get_rank()
         self.dp_size = dist.get_world_size(self.groups.dp)
@@ -160,7 +162,8 @@ class Trainer:
         self.dp_device = collective_device(self.groups.dp)
         self.model = wrap_ddp(model, cfg.optim.use_distributed_optimizer)
         self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.logger = RunLogger(cfg.run_dir, enabled=self.rank == 0)
+        self.logger = RunLogger(cfg.run_dir, enabled=self.rank == 0, logging=cfg.logging, config=cfg,
+                                plot_every_eval=True)
         self.engine = None
         self.scorer = None
 
@@ -237,6 +240,9 @@ class Trainer:
         row = dict(kind="eval", step=step, eval_accuracy=float(sums[0] / sums[1]),
                    eval_num=int(sums[1]), time_eval=time.perf_counter() - t0)
         self.logger.log(row)
+        per_sample = [i for i in idx for _ in range(cfg.eval_samples)]
+        self.logger.log_samples(step, [dict(prompt=self.eval_ex[i].prompt, response=t, answer=a, reward=r)
+                                       for i, t, a, r in zip(per_sample, texts, answers, rewards)])
         return row
 
     def warm_start(self):
@@ -461,8 +467,10 @@ class Trainer:
             rows.append(self.evaluate(0))
             self._print_eval(rows[-1])
         consecutive_skips = 0
+        progress = Progress(cfg.steps, start, cfg.rollout.group_size)
         for step in range(start, cfg.steps):
             row, silenced_rows = self.train_step(step)
+            row.update(progress.update(row))
             rows.append(row)
             self.logger.log(row)
             silenced_rows = self._gather_silenced(silenced_rows)
@@ -488,7 +496,7 @@ class Trainer:
     def _print_row(self, r):
         if self.rank == 0:
             print(
-                f"step {r['step']:>4} | reward {r['reward_mean']:.3f} | entropy {r['entropy_mean']:.3f} | "
+                f"step {describe(r, self.cfg.steps)} | reward {r['reward_mean']:.3f} | entropy {r['entropy_mean']:.3f} | "
                 f"silenced {r['silenced_count']} ({r['silenced_fraction']:.4%}) tau_H {r['tau_h']:.3f} | "
                 f"loss {r['loss']:+.4f} clip {r['clip_fraction']:.3f} | len {r['response_len_mean']:.1f} | "
                 f"rollout {r['time_rollout']:.1f}s reward {r['time_reward']:.1f}s old {r['time_old_logprob']:.1f}s "
@@ -524,10 +532,19 @@ def warmup_lr(step: int, peak_lr: float, warmup_steps: int) -> float:
 
 
 def train(cfg: TrainerConfig, warmstart: Optional[WarmStartConfig] = None) -> List[Dict]:
-    """Entry point (one call per process under torchrun): train, then tear down."""
-    trainer = Trainer(cfg, warmstart)
+    """Entry point (one call per process under torchrun): train, then tear down.
+
+    A failure is recorded for `stapo_megatron.faults` before the teardown (which is when the
+    other ranks notice it); a rank that only lost its peers raises a `faults.PeerFailure`
+    naming the rank that failed first.
+    """
+    trainer = None
     try:
+        trainer = Trainer(cfg, warmstart)
         return trainer.run()
+    except Exception as error:
+        raise faults.failed(cfg.run_dir, error)
     finally:
-        trainer.close()
+        if trainer is not None:
+            trainer.close()
         destroy_parallel()
