@@ -45,7 +45,7 @@ demo: $(STAMP)
 demo-seeds: $(STAMP)
 	$(PY) examples/demo_seeds.py
 
-# The method comparison (stapo / grpo / entropy20 / random x 5 seeds on the tiny task, each run
+# The method comparison (stapo / justrl / entropy20 / random x 5 seeds on the tiny task, each run
 # launched as `make demo` is): runs/compare/summary.md, curves.png and README.md's compare block.
 # Finished runs are skipped on a rerun.
 compare: $(STAMP)

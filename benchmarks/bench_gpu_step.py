@@ -5,13 +5,13 @@ Megatron-Core's local spec with the SDPA core attention (no transformer-engine /
 one sequence of 4k / 8k / 16k tokens per micro-batch, the recipe's full recomputation (uniform,
 1 layer). Per shape and length it prints:
 
-- time of one update (median over rounds; STAPO and GRPO interleaved on the same data),
+- time of one update (median over rounds; STAPO and JustRL interleaved on the same data),
 - achieved model TFLOP/s: 6 x (matmul parameters + output layer) x tokens + causal attention
   (3 x 2 x s x q_size per token and layer), recomputation not counted (the usual MFU convention),
 - the bf16 matmul rate measured in the same run (a large torch.matmul) and the ratio,
 - peak memory (torch.cuda.max_memory_allocated / reserved) beside the recipe's per-GPU memory
   estimate (`stapo_megatron.recipes.paper.memory_estimate`, training part, for this layout),
-- the STAPO / GRPO time ratio (median of per-round ratios).
+- the STAPO / JustRL time ratio (median of per-round ratios).
 
     source .whl/gpu-env.sh && python3 benchmarks/bench_gpu_step.py            # the H100 run
     .venv/bin/python benchmarks/bench_gpu_step.py --device cpu --tiny          # a CPU smoke run
@@ -95,7 +95,7 @@ def bench_one(name, hf_config, seq_len, args, device, dtype, rate):
     old = compute_logprob_entropy(model, mbs, seq_len, tp_group=groups.tp, vocab_size=spec.vocab_size)
     for mb, (lp, _) in zip(mbs, old):
         mb["old_logprob"] = lp
-    methods = {"stapo": LossConfig(method="stapo"), "grpo": LossConfig(method="grpo")}
+    methods = {"stapo": LossConfig(method="stapo"), "justrl": LossConfig(method="justrl")}
     times = {m: [] for m in methods}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -108,7 +108,7 @@ def bench_one(name, hf_config, seq_len, args, device, dtype, rate):
             if r >= args.warmup:
                 times[method].append(time.perf_counter() - t0)
     t = statistics.median(times["stapo"])
-    ratio = statistics.median(a / b for a, b in zip(times["stapo"], times["grpo"]))
+    ratio = statistics.median(a / b for a, b in zip(times["stapo"], times["justrl"]))
     tflops = model_flops(spec, seq_len * args.num_microbatches, seq_len) / t / 1e12
     layout = Layout(num_nodes=1, gpus_per_node=1, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                     vllm_tensor_parallel_size=1, vllm_gpu_memory_utilization=0.0, sequence_parallel=False)
@@ -130,7 +130,7 @@ def main():
     p.add_argument("--models", nargs="+", default=list(QWEN3_CONFIGS))
     p.add_argument("--seq-lens", nargs="+", type=int, default=[4096, 8192, 16384])
     p.add_argument("--num-microbatches", type=int, default=4, help="micro-batches (sequences) per update")
-    p.add_argument("--warmup", type=int, default=1, help="untimed rounds (each: one stapo and one grpo update)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds (each: one stapo and one justrl update)")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -154,7 +154,7 @@ def main():
     print(f"device {name}, torch {torch.__version__}, dtype {dtype}, matmul rate {rate:.3g} TFLOP/s, "
           f"{args.num_microbatches} micro-batches of one sequence, full recompute, {time.strftime('%Y-%m-%d')}")
     print(f"{'model':>11} {'tokens':>6} {'update ms':>9} {'TFLOP/s':>8} {'of mm':>7} {'peak GB':>8} {'resv GB':>8} "
-          f"{'est GB':>8} {'est-ovh':>8} {'st/grpo':>7}")
+          f"{'est GB':>8} {'est-ovh':>8} {'st/justrl':>7}")
     for model_name, hf_config in configs.items():
         for seq_len in seq_lens:
             try:

@@ -1,11 +1,11 @@
-"""Benchmark: training-step time of STAPO (S2T mask) vs GRPO, and of the two tau_H sources.
+"""Benchmark: training-step time of STAPO (S2T mask) vs JustRL (no mask), and of the two tau_H sources.
 
 One process, a small Megatron GPTModel (local spec, fp32), synthetic rollouts. A "step" is what
 the trainer does per rollout batch after sampling: the pi_old pass (log-probs + entropies) and the
 policy update (threshold, forward/backward with the loss, optimizer step). The three variants run
-interleaved on the same data, and the medians of per-round ratios against grpo are reported:
+interleaved on the same data, and the medians of per-round ratios against justrl are reported:
 
-- grpo:        no mask (the DAPO/JustRL objective);
+- justrl:      no mask (the DAPO/JustRL objective; called "grpo" before issue 14);
 - stapo/old:   S2T with tau_H from the pi_old pass (the default);
 - stapo/exact: S2T with tau_H from a no-grad pre-pass with the current weights.
 
@@ -29,7 +29,7 @@ from stapo_megatron.step import OptimConfig, policy_update, wrap_model_and_optim
 from stapo_megatron.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
 
 VARIANTS = {
-    "grpo": LossConfig(method="grpo"),
+    "justrl": LossConfig(method="justrl"),
     "stapo/old": LossConfig(method="stapo", tau_h_source="old"),
     "stapo/exact": LossConfig(method="stapo", tau_h_source="exact"),
 }
@@ -77,8 +77,8 @@ def main():
         if rnd:
             for name in VARIANTS:
                 times[name].append(this_round[name])
-                ratios[name].append(this_round[name] / this_round["grpo"])
-    print("\n| variant | step time (s, median) | ratio vs grpo (median of rounds) |")
+                ratios[name].append(this_round[name] / this_round["justrl"])
+    print("\n| variant | step time (s, median) | ratio vs justrl (median of rounds) |")
     print("| --- | --- | --- |")
     for name in VARIANTS:
         print(f"| {name} | {statistics.median(times[name]):.3f} | {statistics.median(ratios[name]):.3f}x |")

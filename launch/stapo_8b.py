@@ -1,7 +1,7 @@
 """STAPO on Qwen3-8B-Base (the paper's recipe, `recipes/paper.py::qwen3_8b`) on Slurm.
 
     nemo-run launch/stapo_8b.py --dryrun            # render the sbatch script, submit nothing
-    nemo-run launch/stapo_8b.py method=grpo model.hf_dir=... model.megatron_ckpt=... \
+    nemo-run launch/stapo_8b.py method=justrl model.hf_dir=... model.megatron_ckpt=... \
         data.train_path=... data.eval_path=... output_dir=... run.executor.account=... --yes
 
 Cluster settings: run.executor.<field>=... or STAPO_* variables (stapo_megatron/launch/executors.py).

@@ -1,7 +1,7 @@
 """The embedded default main job: STAPO on the tiny CPU recipe, 2 local processes (torchrun).
 
     nemo-run launch/stapo_tiny.py --yes                 # = make demo; writes runs/demo
-    nemo-run launch/stapo_tiny.py method=grpo output_dir=runs/demo-grpo steps=20 --yes
+    nemo-run launch/stapo_tiny.py method=justrl output_dir=runs/demo-justrl steps=20 --yes
     nemo-run launch/stapo_tiny.py --dryrun              # the torchrun command, nothing runs
 """
 

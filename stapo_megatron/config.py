@@ -27,6 +27,7 @@ import math
 import textwrap
 from typing import Any, Dict, List, Optional, Tuple
 
+from stapo_megatron.data import DEFAULT_PROMPT_TEMPLATE
 from stapo_megatron.methods import get_method
 
 __all__ = [
@@ -63,18 +64,22 @@ class LossConfig:
     """Policy-loss method and constants (defaults: the paper's STAPO recipe)."""
 
     method: str = "stapo"
-    """A name of `stapo_megatron.methods.METHODS`: "stapo" (S2T mask), "grpo" (DAPO/JustRL
-    objective, no mask), "entropy20" (keep only the top-20% entropy tokens), "random" (silence as
-    many random response tokens as S2T would)."""
+    """A name of `stapo_megatron.methods.METHODS`: "stapo" (S2T mask), "justrl" (the JustRL/DAPO
+    objective, no mask), "grpo" (DeepSeekMath GRPO: per-sequence mean, KL to a frozen reference;
+    give it its options with `stapo_megatron.methods.method_loss_config`), "entropy20" (keep
+    only the top-20% entropy tokens), "random" (silence as many S2T candidates, drawn at random,
+    as S2T would), "random_uniform" (as many random response tokens)."""
     clip_ratio_low: float = 0.2
     """eps_low of the clipped ratio (PPO/DAPO)."""
     clip_ratio_high: float = 0.28
     """eps_high of the clipped ratio (DAPO clip-higher)."""
     clip_ratio_c: Optional[float] = None
-    """Dual-clip constant c > 1 for negative advantages (off by default, as in the paper)."""
+    """Dual-clip constant c > 1 for negative advantages (None = off; the paper recipes, on
+    veRL/JustRL, use 10)."""
     kl_coef: float = 0.0
-    """Coefficient of a k3 KL(pi_theta || pi_ref) penalty per kept token (off in the paper);
-    needs ``ref_logprob`` in the batch."""
+    """beta of a k3 KL(pi_theta || pi_ref) penalty per kept token (GRPO: 0.04; 0 for STAPO and
+    JustRL). > 0 makes the trainer build a frozen reference model from the initial weights and
+    run one no-grad forward per step (``stapo_megatron.reference``)."""
     tau_p: float = 0.002
     """S2T probability threshold: candidates have p < tau_p."""
     entropy_quantile: float = 0.75
@@ -82,7 +87,10 @@ class LossConfig:
     entropy_top_fraction: float = 0.2
     """20-Entropy rho: fraction of highest-entropy response tokens kept."""
     tau_h_source: str = "old"
-    """Where the mini-batch threshold comes from: "old" (pi_old pass) or "exact" (pre-pass)."""
+    """Where the mini-batch threshold comes from: "exact" (a no-grad pre-pass with the current
+    weights before each mini-batch: Algorithm 1, the paper recipes' setting) or "old" (the pi_old
+    pass of the step: exact for the first mini-batch, an approximation for the later ones that
+    costs no extra forward; see benchmarks/RESULTS.md for the measured cost and difference)."""
     temperature: float = 1.0
     """Rollout sampling temperature; logits are divided by it exactly as the sampler does."""
     seed: int = 0
@@ -211,6 +219,10 @@ class DataConfig:
     """Longer prompts are dropped (counted, warned)."""
     use_chat_template: bool = True
     """Wrap questions in the tokenizer's chat template (plus the paper's suffix)."""
+    prompt_template: str = DEFAULT_PROMPT_TEMPLATE
+    """The user turn made from a question: ``{question}`` is replaced by it (plain replacement,
+    so other braces such as the suffix's ``\\boxed{}`` stay). The paper recipes use JustRL's
+    wrapper, `stapo_megatron.data.JUSTRL_PROMPT_TEMPLATE` (question, newline, suffix)."""
     seed: Optional[int] = None
     """Seeds the generated train / held-out split; None = ``TrainerConfig.seed``. Fixed in the
     demo so that runs of every seed share the held-out problems and one warm-start."""
@@ -218,6 +230,8 @@ class DataConfig:
     def __post_init__(self):
         _check_at_least(self, 0, "num_train", "num_eval")
         _check_at_least(self, 1, "max_prompt_len")
+        if "{question}" not in self.prompt_template:
+            raise ValueError(f"DataConfig.prompt_template must contain {{question}}, got {self.prompt_template!r}")
 
 
 @dataclasses.dataclass
@@ -442,7 +456,9 @@ class TrainerConfig:
     micro_batch_size: int = 1
     """Sequences per micro-batch."""
     lr_warmup_steps: int = 10
-    """Optimizer steps of linear warm-up, then constant (the paper: 10)."""
+    """Training steps (rollout batches, not optimizer steps) of linear warm-up from lr 0, then
+    constant: step s (0-based) trains at lr * min(1, s / lr_warmup_steps), as veRL's
+    constant-with-warm-up schedule does (the paper: 10). 0 = no warm-up."""
     seed: int = 1234
     """Seeds data order, sampling and the random-control mask."""
     eval_every: int = 10
@@ -452,12 +468,22 @@ class TrainerConfig:
     """Held-out decoding temperature (0 = greedy)."""
     eval_samples: int = 1
     """Samples per held-out prompt (avg@k with k = this)."""
+    eval_max_response_len: Optional[int] = None
+    """Maximum response tokens of held-out evaluation (the paper: 20480); None = the training
+    rollouts' ``rollout.max_response_len``."""
     save_every: int = 10
     """Checkpoint every this many steps (and at the end); 0 = never."""
     max_consecutive_skips: int = 3
     """Stop with an error after this many consecutive steps with a NaN/Inf loss or gradient."""
+    reward: str = "math_verify"
+    """The reward function: a name of `stapo_megatron.reward_fns.REWARDS` ("math_verify": 1/0 by
+    math-verify equivalence; "boxed_exact_match": +1/-1 by normalised exact match of the last
+    \\boxed{}, the paper's rule-based reward) or the dotted path of a module-level function
+    ``(response, answer) -> (reward, status)`` (e.g. a model-based verifier; README, "Rewards")."""
     reward_timeout_s: float = 5.0
-    """Time bound of one math-verify check."""
+    """Time bound (CPU seconds of a worker) of one reward check."""
+    reward_workers: int = 1
+    """Reward worker processes (`RewardScorer.num_workers`)."""
     init_timeout_s: float = 180.0
     """How long a rank waits for every other rank to join the process group (the ``timeout`` of
     ``torch.distributed.init_process_group``, default 30 min on gloo): a rank or node that fails
@@ -484,7 +510,10 @@ class TrainerConfig:
 
     def __post_init__(self):
         _check_at_least(self, 0, "steps", "lr_warmup_steps", "eval_every", "save_every", "max_consecutive_skips")
-        _check_at_least(self, 1, "prompts_per_step", "minibatch_prompts", "micro_batch_size", "eval_samples")
+        _check_at_least(self, 1, "prompts_per_step", "minibatch_prompts", "micro_batch_size", "eval_samples",
+                        "reward_workers")
+        if self.eval_max_response_len is not None:
+            _check_at_least(self, 1, "eval_max_response_len")
         if not (0 <= self.eval_temperature and math.isfinite(self.eval_temperature)):
             raise ValueError(f"eval_temperature must be finite and >= 0 (0 = greedy), got {self.eval_temperature}")
         for name in ("reward_timeout_s", "init_timeout_s", "distributed_timeout_s"):
@@ -499,11 +528,6 @@ class TrainerConfig:
                 f"rollout.temperature={self.rollout.temperature} but loss.temperature={self.loss.temperature}: "
                 f"the loss must see the distribution the responses were sampled from; set both "
                 f"(rollout.temperature={self.rollout.temperature} loss.temperature={self.rollout.temperature})"
-            )
-        if self.loss.kl_coef > 0:
-            raise ValueError(
-                f"loss.kl_coef={self.loss.kl_coef} needs a reference model's log-probs, which this trainer "
-                "does not compute (the paper uses no KL term); set loss.kl_coef=0"
             )
 
 

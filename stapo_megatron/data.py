@@ -25,6 +25,10 @@ import warnings
 from typing import Any, Iterator, Sequence
 
 SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
+DEFAULT_PROMPT_TEMPLATE = "{question} " + SUFFIX
+"""The user turn of a question: question, a space, the suffix (``DataConfig.prompt_template``)."""
+JUSTRL_PROMPT_TEMPLATE = "{question}\n" + SUFFIX
+"""JustRL's wrapper, which STAPO follows: question, a newline, the suffix (the paper recipes)."""
 
 # DAPO-Math-17k wraps every problem in an "Answer: $Answer" instruction. It contradicts the boxed
 # SUFFIX above, so the wrapper is removed and only the problem text is kept.
@@ -325,14 +329,17 @@ def reasoning_gym_split(task: str, num_train: int, num_eval: int, seed: int,
     return unique[num_eval:], unique[:num_eval]
 
 
-def format_prompt(tokenizer: Any, question: str, use_chat_template: bool = True) -> str:
+def format_prompt(tokenizer: Any, question: str, use_chat_template: bool = True,
+                  template: str = DEFAULT_PROMPT_TEMPLATE) -> str:
     """The prompt text the policy sees: question + the paper's ``SUFFIX``, in the chat template.
 
     Args:
         tokenizer: a Hugging Face tokenizer (its ``chat_template`` is used).
         question: the raw question text (``Example.prompt``).
         use_chat_template: wrap as one user turn with ``add_generation_prompt=True``; if False,
-            return the plain ``question + " " + SUFFIX`` (for base models used without a template).
+            return the plain user turn (for base models used without a template).
+        template: the user turn, ``{question}`` replaced by the question (rstripped);
+            `DEFAULT_PROMPT_TEMPLATE` or `JUSTRL_PROMPT_TEMPLATE`.
 
     Returns:
         The formatted prompt string (special tokens included as text when templated).
@@ -340,7 +347,7 @@ def format_prompt(tokenizer: Any, question: str, use_chat_template: bool = True)
     Raises:
         ValueError: if ``use_chat_template`` is set and the tokenizer has no chat template.
     """
-    content = f"{question.rstrip()} {SUFFIX}"
+    content = template.replace("{question}", question.rstrip())
     if not use_chat_template:
         return content
     if not getattr(tokenizer, "chat_template", None):
@@ -351,7 +358,8 @@ def format_prompt(tokenizer: Any, question: str, use_chat_template: bool = True)
 
 
 def tokenize_prompts(tokenizer: Any, examples: Sequence[Example], max_prompt_len: int,
-                     use_chat_template: bool = True) -> tuple[list[list[int]], list[Example], int]:
+                     use_chat_template: bool = True,
+                     template: str = DEFAULT_PROMPT_TEMPLATE) -> tuple[list[list[int]], list[Example], int]:
     """Format and tokenize prompts, dropping those longer than ``max_prompt_len`` tokens.
 
     Special tokens are not added again: the chat template already contains them (Qwen has no BOS).
@@ -360,7 +368,7 @@ def tokenize_prompts(tokenizer: Any, examples: Sequence[Example], max_prompt_len
         tokenizer: a Hugging Face tokenizer.
         examples: the examples to tokenize.
         max_prompt_len: the longest prompt kept, in tokens (the paper uses 1024).
-        use_chat_template: see ``format_prompt``.
+        use_chat_template, template: see ``format_prompt``.
 
     Returns:
         (token ids of kept prompts, the kept examples in the same order, number dropped). One
@@ -374,7 +382,7 @@ def tokenize_prompts(tokenizer: Any, examples: Sequence[Example], max_prompt_len
         raise ValueError(f"max_prompt_len must be positive, got {max_prompt_len}")
     if not examples:
         return [], [], 0
-    texts = [format_prompt(tokenizer, e.prompt, use_chat_template) for e in examples]
+    texts = [format_prompt(tokenizer, e.prompt, use_chat_template, template) for e in examples]
     all_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     kept_ids, kept, dropped_ids = [], [], []
     for example, ids in zip(examples, all_ids):

@@ -176,8 +176,8 @@ class Counts:
     ranks): each field may be a Python number or a 0-d tensor (the trainer all-reduces them as
     one float32 tensor, ``as_list`` order, and passes the reduced elements back in)."""
 
-    reward_sum: Any
-    """Sum of the rewards of all samples."""
+    num_correct: Any
+    """Samples with a positive reward (correct under 1/0 and +1/-1 rewards alike)."""
     num_samples: Any
     """Number of samples (problems x k)."""
     num_solved: Any
@@ -212,7 +212,7 @@ def score_responses(responses: Sequence[Sequence[str]], examples: Sequence[Examp
     per_problem = [rewards[i * k:(i + 1) * k] for i in range(len(examples))]
     if rewards_out is not None:
         rewards_out.extend(rewards)
-    return Counts(reward_sum=sum(rewards), num_samples=float(len(rewards)),
+    return Counts(num_correct=float(sum(1 for r in rewards if r > 0)), num_samples=float(len(rewards)),
                   num_solved=float(sum(1 for r in per_problem if max(r) > 0)),
                   num_problems=float(len(examples)), num_timeouts=stats.get("num_timeouts", 0),
                   num_unparseable=stats.get("num_unparseable", 0))
@@ -221,13 +221,13 @@ def score_responses(responses: Sequence[Sequence[str]], examples: Sequence[Examp
 def summarize(counts: Counts, k: int, decoding: Decoding) -> dict:
     """avg@k / pass@k of ``counts``, as ``avg_at_k`` returns them.
 
-    avg@k is ``reward_sum / num_samples``: with k samples of every problem that is the mean over
-    problems of their mean reward, and it is the trainer's ``eval_accuracy`` bit for bit.
+    avg@k is ``num_correct / num_samples``: with k samples of every problem that is the mean over
+    problems of their fraction of correct samples, and it is the trainer's ``eval_accuracy``.
     """
     if float(counts.num_problems) < 1:
         raise ValueError("avg@k needs at least one problem")
     return {
-        "avg@k": float(counts.reward_sum / counts.num_samples),
+        "avg@k": float(counts.num_correct / counts.num_samples),
         "pass@k": float(counts.num_solved / counts.num_problems),
         "num_problems": int(counts.num_problems),
         "k": k,

@@ -13,7 +13,10 @@ clip-higher, no KL, no entropy bonus, plus the S2T mask of ``stapo_megatron.s2t`
     J = 1 / sum keep * sum_{i,t} keep_{i,t} * min( r A_i , clip(r, 1 - eps_low, 1 + eps_high) A_i )
     r = pi_theta(y_t | .) / pi_old(y_t | .),   keep = response_mask & ~silenced
 
-The denominator counts the kept tokens of the WHOLE mini-batch (all micro-batches, all DP ranks).
+The denominator counts the kept tokens of the WHOLE mini-batch (all micro-batches, all DP ranks);
+for GRPO (``Method.loss_agg == "seq_mean_token_mean"``) it counts the mini-batch's sequences, and
+each sequence contributes its own mean token loss (``stapo_megatron.objective``). GRPO's KL term
+needs ``ref_logprob`` in the batch: the frozen reference's log-probs (``stapo_megatron.reference``).
 The loss function returns (sum of token losses, number of kept tokens, metrics); with
 ``calculate_per_token_loss=True`` Megatron's own ``finalize_model_grads`` all-reduces the token
 count over DP (after broadcasting it from the last pipeline stage) and scales the gradients by
@@ -72,7 +75,7 @@ def minibatch_threshold(
     """The method's mini-batch threshold from this rank's whole mini-batch statistics.
 
     stapo and random: tau_H (q-quantile of S2T candidate entropies over ``dp_group``);
-    entropy20: the (1 - rho)-quantile of response-token entropies; grpo: NaN (unused); in
+    entropy20: the (1 - rho)-quantile of response-token entropies; justrl, grpo: NaN (unused); in
     general ``Method.threshold`` (`stapo_megatron.methods`). Tensors may be flattened and
     concatenated over micro-batches. Collective over ``dp_group`` (every DP rank must call it).
     """
@@ -102,26 +105,29 @@ def loss_func(
     advantages = batch["advantages"].float()
     old_logprob = batch["old_logprob"].float()
     candidates = s2t.s2t_candidates(logprob.detach(), advantages, response_mask, config.tau_p)
-    silenced = get_method(config.method).mask(
+    method = get_method(config.method)
+    silenced = method.mask(
         config, logprob.detach(), entropy, advantages, response_mask, threshold, batch.get("seed")
     )
-    loss_sum, num_kept = stapo_loss(
+    # normaliser: kept tokens ("token_mean") or sequences with a kept token (GRPO's sequence mean)
+    loss_sum, normaliser = stapo_loss(
         logprob, old_logprob, advantages, response_mask, silenced,
         config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio_c,
-        batch.get("ref_logprob"), config.kl_coef,
+        batch.get("ref_logprob"), config.kl_coef, method.loss_agg,
     )
     with torch.no_grad():
         _, is_clipped = token_objective(
             logprob, old_logprob, advantages, config.clip_ratio_low, config.clip_ratio_high
         )
+    num_kept = (response_mask & ~silenced).sum()
     sums = metric_sums(loss_sum, num_kept, logprob, old_logprob, entropy, response_mask, silenced, candidates,
-                       is_clipped)
+                       is_clipped, normaliser)
     # The spurious-token inspector's raw material: (label id, log p, H, A) of silenced tokens.
     silenced_tokens = torch.stack(
         [batch["labels"][silenced].float(), logprob.detach()[silenced], entropy[silenced], advantages[silenced]],
         dim=-1,
     )
-    return loss_sum, num_kept.to(torch.int), {"stapo_sums": sums, "silenced_tokens": silenced_tokens}
+    return loss_sum, normaliser.to(torch.int), {"stapo_sums": sums, "silenced_tokens": silenced_tokens}
 
 
 def make_forward_step(

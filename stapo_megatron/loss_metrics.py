@@ -19,7 +19,7 @@ from stapo_megatron.parallel import collective_device
 # Per-micro-batch sums reported by the loss function, reduced over micro-batches and DP ranks.
 METRIC_SUMS = (
     "loss_sum", "num_kept", "num_response", "num_silenced", "num_candidates",
-    "entropy_sum", "num_clipped", "kl_sum", "abs_logprob_diff_sum",
+    "entropy_sum", "num_clipped", "kl_sum", "abs_logprob_diff_sum", "loss_normaliser",
 )
 
 
@@ -34,8 +34,14 @@ def metric_sums(
     silenced: torch.Tensor,
     candidates: torch.Tensor,
     is_clipped: torch.Tensor,
+    loss_normaliser: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """One micro-batch's sums, in the order of `METRIC_SUMS` (fp32 vector)."""
+    """One micro-batch's sums, in the order of `METRIC_SUMS` (fp32 vector).
+
+    ``loss_normaliser``: what the loss sum is divided by over the mini-batch (the loss
+    function's second output: kept tokens, or sequences for GRPO); default ``num_kept``."""
+    if loss_normaliser is None:
+        loss_normaliser = num_kept
     keep = response_mask & ~silenced
     log_ratio = logprob - old_logprob
     return torch.stack([
@@ -49,6 +55,7 @@ def metric_sums(
         # k3 estimator of KL(pi_old || pi_theta) on response tokens
         torch.where(response_mask, torch.expm1(log_ratio) - log_ratio, 0.0).sum(),  # expm1: exact for small ratios
         torch.where(response_mask, log_ratio.abs(), 0.0).sum(),
+        loss_normaliser.float(),
     ])
 
 
@@ -78,7 +85,7 @@ def reduce_metrics(
     total = dict(zip(METRIC_SUMS, sums[:-1].tolist()))
     num_resp = max(total["num_response"], 1.0)
     return {
-        "loss": total["loss_sum"] / max(total["num_kept"], 1.0),
+        "loss": total["loss_sum"] / max(total["loss_normaliser"], 1.0),
         "num_kept": int(total["num_kept"]),
         "num_response_tokens": int(total["num_response"]),
         "silenced_count": int(total["num_silenced"]),

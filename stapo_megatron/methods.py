@@ -7,8 +7,14 @@ A method is what differs between STAPO and its baselines inside the shared objec
 - ``threshold``: the mini-batch statistic the mask needs (tau_H for S2T, the entropy cut for
   20-Entropy), computed once per mini-batch from the pi_old (or "exact" pre-pass) log-probs and
   entropies, over all DP ranks, before Megatron runs the micro-batches; None if it needs none;
-- ``loss_options``: the `LossConfig` values the paper recipes give the method on top of the
-  shared constants (`stapo_megatron.recipes.paper.method_loss`).
+- ``loss_options``: the `LossConfig` values the method needs on top of the shared constants
+  (`method_loss_config`; the paper recipes' `stapo_megatron.recipes.paper.method_loss`);
+- ``loss_agg``: how token losses are averaged (``stapo_megatron.objective.LOSS_AGGREGATIONS``).
+
+The paper (arXiv 2602.15620) compares STAPO with GRPO, 20-Entropy and JustRL: ``grpo`` is
+DeepSeekMath's GRPO (per-sequence mean, symmetric clip 0.2, k3 KL to a frozen reference with
+beta 0.04), ``justrl`` the JustRL/DAPO objective STAPO builds on (token mean, clip-higher
+0.2/0.28, no KL), i.e. STAPO without its mask.
 
 Everything that names methods (`LossConfig.method`, the recipes, the launch entry, the method
 comparison) reads `METHODS`. Adding a method: write its mask (and threshold) below from the
@@ -53,7 +59,11 @@ class Method:
     threshold: Optional[ThresholdFn] = None
     """The mini-batch statistic ``mask`` reads (see `ThresholdFn`); None: the method has none."""
     loss_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    """`LossConfig` fields the paper recipes set for this method (beyond the shared constants)."""
+    """`LossConfig` fields this method sets (beyond the shared constants; `method_loss_config`)."""
+    loss_agg: str = "token_mean"
+    """"token_mean" (every kept token of the mini-batch weighs the same) or
+    "seq_mean_token_mean" (GRPO: mean per sequence, then over sequences); see
+    ``stapo_megatron.objective.stapo_loss``."""
 
     @property
     def needs_entropy(self) -> bool:
@@ -97,12 +107,24 @@ def _entropy20_mask(config: "LossConfig", logprob, entropy, advantages, response
     return s2t.entropy20_mask(entropy, response_mask, threshold=threshold)
 
 
-def _random_mask(config: "LossConfig", logprob, entropy, advantages, response_mask, threshold, seed):
-    """As many uniformly random response tokens as S2T silences in this micro-batch, seeded by
-    ``config.seed`` and the micro-batch's seed."""
+def _micro_seed(config: "LossConfig", seed) -> int:
+    """The random controls' seed of one micro-batch: ``config.seed`` and the micro-batch's seed."""
+    return config.seed * 1_000_003 + int(seed if seed is not None else 0)
+
+
+def _random_candidates_mask(config: "LossConfig", logprob, entropy, advantages, response_mask, threshold, seed):
+    """As many tokens as S2T silences in this micro-batch, drawn at random from S2T's candidate
+    pool (A > 0, p < tau_p): the control that asks whether the entropy criterion matters."""
     num_silenced = int(_stapo_mask(config, logprob, entropy, advantages, response_mask, threshold, seed).sum())
-    micro_seed = config.seed * 1_000_003 + int(seed if seed is not None else 0)
-    return s2t.random_mask(response_mask, num_silenced, micro_seed)
+    candidates = s2t.s2t_candidates(logprob, advantages, response_mask, config.tau_p)
+    return s2t.random_mask(candidates, num_silenced, _micro_seed(config, seed))
+
+
+def _random_uniform_mask(config: "LossConfig", logprob, entropy, advantages, response_mask, threshold, seed):
+    """As many uniformly random response tokens as S2T silences in this micro-batch: the
+    control that asks whether silencing any handful of tokens does the same."""
+    num_silenced = int(_stapo_mask(config, logprob, entropy, advantages, response_mask, threshold, seed).sum())
+    return s2t.random_mask(response_mask, num_silenced, _micro_seed(config, seed))
 
 
 # -- the registry -------------------------------------------------------------------------------
@@ -110,11 +132,17 @@ def _random_mask(config: "LossConfig", logprob, entropy, advantages, response_ma
 METHODS: Dict[str, Method] = {m.name: m for m in (
     Method("stapo", "S2T mask: silence A > 0, p < tau_p, H < tau_H (the paper's method)",
            _stapo_mask, _s2t_threshold),
-    Method("grpo", "the DAPO/JustRL objective, nothing silenced", _no_mask),
+    Method("justrl", "the JustRL/DAPO objective STAPO builds on (token mean, clip-higher), nothing silenced",
+           _no_mask),
+    Method("grpo", "DeepSeekMath GRPO: per-sequence mean, symmetric clip 0.2, k3 KL (beta 0.04) to a frozen reference",
+           _no_mask, loss_options=dict(clip_ratio_high=0.2, clip_ratio_c=None, kl_coef=0.04),
+           loss_agg="seq_mean_token_mean"),
     Method("entropy20", "keep only the top-20% entropy response tokens (Beyond the 80/20 rule)",
            _entropy20_mask, _entropy20_threshold),
-    Method("random", "silence as many random response tokens as S2T would (control)",
-           _random_mask, _s2t_threshold),
+    Method("random", "silence as many S2T candidates (A > 0, p < tau_p), drawn at random, as S2T would (control)",
+           _random_candidates_mask, _s2t_threshold),
+    Method("random_uniform", "silence as many random response tokens as S2T would (control)",
+           _random_uniform_mask, _s2t_threshold),
 )}
 """Every method, by name, in the order tables and comparisons list them (stapo first)."""
 
@@ -126,3 +154,11 @@ def get_method(name: str) -> Method:
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(f"method must be one of {tuple(METHODS)}, got {name!r}{hint}")
     return METHODS[name]
+
+
+def method_loss_config(method: str, **shared: Any) -> "LossConfig":
+    """The `LossConfig` of ``method``: the ``shared`` field values, then the method's own
+    ``loss_options`` on top (GRPO's symmetric clip and KL coefficient)."""
+    from stapo_megatron.config import LossConfig  # config imports this module
+
+    return LossConfig(method=method, **{**shared, **get_method(method).loss_options})

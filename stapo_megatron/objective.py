@@ -10,6 +10,16 @@ Pure tensors in, (sum of token losses, number of kept tokens) out: the division 
 of the whole mini-batch (all micro-batches, all DP ranks) is Megatron's, see
 ``stapo_megatron.loss``. No process groups, no Megatron.
 
+GRPO as DeepSeekMath defines it (Shao et al. 2024, Eq. 3) aggregates differently
+(``loss_agg="seq_mean_token_mean"``): each sequence's token losses are averaged over its own
+length first, then sequences are averaged,
+
+    J_GRPO = 1/G sum_i 1/|o_i| sum_t [ min(r A_i, clip(r, 1 - eps, 1 + eps) A_i) - beta D_KL,t ]
+    D_KL,t = pi_ref / pi_theta - log(pi_ref / pi_theta) - 1        (the k3 estimator)
+
+so the call returns (sum over sequences of their mean token loss, number of sequences) and the
+same Megatron division by the mini-batch's total gives the mean over sequences.
+
 Legend: [B, S] = micro-batch x sequence, aligned with the labels.
 """
 
@@ -18,6 +28,10 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
+"""How token losses are averaged: over all kept tokens of the mini-batch (DAPO/JustRL, STAPO) or
+per sequence, then over sequences (DeepSeekMath GRPO)."""
 
 
 def token_objective(
@@ -52,6 +66,7 @@ def stapo_loss(
     clip_ratio_c: Optional[float] = None,
     ref_logprob: Optional[torch.Tensor] = None,
     kl_coef: float = 0.0,
+    loss_agg: str = "token_mean",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Sum of STAPO token losses over kept tokens, and the number of kept tokens.
 
@@ -65,15 +80,21 @@ def stapo_loss(
         advantages: [B, S] per-token advantages (a sequence's advantage broadcast over its
             tokens, ``adv_B[:, None].expand(B, S)``).
         response_mask, silenced: [B, S] bool.
+        loss_agg: "token_mean" (DAPO/JustRL: every kept token weighs the same) or
+            "seq_mean_token_mean" (GRPO: mean over each sequence's kept tokens, then over
+            sequences; one row of the [B, S] tensors is one sequence).
 
     Returns:
-        (loss_sum: 0-dim fp32, differentiable; num_kept: 0-dim int64).
+        (loss_sum: 0-dim fp32, differentiable; the normaliser: 0-dim int64, the number of kept
+        tokens, or with "seq_mean_token_mean" the number of sequences with a kept token).
 
     Raises:
         ValueError: if a tensor's shape differs from ``logprob``'s (a [B] advantage would
             broadcast along the token axis when B == S; a [B, S, 1] mask would multiply the
-            kept count), or a mask is not bool.
+            kept count), or a mask is not bool, or ``loss_agg`` is unknown.
     """
+    if loss_agg not in LOSS_AGGREGATIONS:
+        raise ValueError(f"loss_agg must be one of {LOSS_AGGREGATIONS}, got {loss_agg!r}")
     tensors = {"old_logprob": old_logprob, "advantages": advantages, "response_mask": response_mask,
                "silenced": silenced}
     if ref_logprob is not None:
@@ -100,5 +121,10 @@ def stapo_loss(
         log_ratio_ref = ref_logprob - logprob
         loss = loss + kl_coef * (torch.expm1(log_ratio_ref) - log_ratio_ref)
     # where() rather than a multiply: a silenced token's inf/NaN ratio must not leak into the sum.
-    loss_sum = torch.where(keep, loss, 0.0).sum()
-    return loss_sum, keep.sum()
+    loss_BS = torch.where(keep, loss, 0.0)
+    if loss_agg == "seq_mean_token_mean":
+        num_kept_B = keep.sum(dim=-1)
+        has_kept_B = num_kept_B > 0
+        # clamp: a row without kept tokens has a zero sum; dividing it by 1 keeps it zero, not NaN
+        return (loss_BS.sum(dim=-1) / num_kept_B.clamp(min=1)).sum(), has_kept_B.sum()
+    return loss_BS.sum(), keep.sum()

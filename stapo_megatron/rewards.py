@@ -10,7 +10,7 @@ Why the machinery:
   main thread of the main interpreter. Here its timeouts are disabled (``parsing_timeout=None``,
   ``timeout_seconds=None``) and ``RewardScorer`` bounds time instead, with a pool of spawned
   worker processes: a worker that exceeds the per-item timeout is killed and replaced, and the
-  item scores 0. This works from any thread. (Some inputs really do hang sympy: checking
+  item scores the failure reward (0 for math-verify). This works from any thread. (Some inputs really do hang sympy: checking
   ``\\boxed{10^{10^{10^{10}}}}`` against ``1`` never finishes.)
 - Model text is never ``eval``-ed: it only goes through math-verify's LaTeX (antlr) extraction.
   math-verify's plain-expression extraction (``ExprExtractionConfig``) is not used, because it
@@ -218,7 +218,7 @@ class RewardScorer:
 
     Each item is sent to an idle worker on its own and gets ``timeout_s`` seconds of the worker's
     CPU time from the moment it is sent (so machine load does not change rewards), with a
-    wall-clock backstop of 60 x ``timeout_s`` for a worker blocked without using CPU; a worker that overruns is killed (SIGKILL) and replaced, and the item scores 0 and
+    wall-clock backstop of 60 x ``timeout_s`` for a worker blocked without using CPU; a worker that overruns is killed (SIGKILL) and replaced, and the item scores ``failure_reward`` and
     is counted in ``num_timeouts``. Workers start lazily on the first ``score`` call and are kept
     for later calls. ``score`` calls from several threads are serialised.
 
@@ -230,13 +230,17 @@ class RewardScorer:
     """
 
     def __init__(self, num_workers: int = 2, timeout_s: float = 5.0,
-                 score_fn: Callable[[str, str], tuple[float, str]] = score_response) -> None:
+                 score_fn: Callable[[str, str], tuple[float, str]] = score_response,
+                 failure_reward: float = 0.0) -> None:
         """
         Args:
             num_workers: number of worker processes.
             timeout_s: per-item time limit in seconds.
             score_fn: a picklable module-level function ``(response, answer) -> (reward, status)``
-                run in the workers; ``score_response`` by default (tests and other tasks swap it).
+                run in the workers; ``score_response`` by default (``stapo_megatron.reward_fns``
+                names the others).
+            failure_reward: the reward of an item that timed out or whose scoring raised (0 for
+                a 1/0 reward, -1 for the paper's +1/-1 reward).
         """
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -245,6 +249,7 @@ class RewardScorer:
         self.num_workers = num_workers
         self.timeout_s = timeout_s
         self._score_fn = score_fn
+        self.failure_reward = float(failure_reward)
         self._ctx = multiprocessing.get_context("spawn")
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
@@ -268,7 +273,8 @@ class RewardScorer:
             (rewards in input order, stats) where stats has ``num_timeouts`` (killed after
             ``timeout_s``), ``num_unparseable`` (no final box, or math-verify cannot parse it),
             ``num_bad_answers`` (reference answer unparseable) and ``num_errors`` (the scoring
-            function raised or its worker died); all of these score 0.
+            function raised or its worker died); timeouts and errors score ``failure_reward``,
+            the others what the scoring function gave them.
 
         Raises:
             ValueError: if the lengths differ. RuntimeError: if a worker cannot start, or after close().
@@ -281,7 +287,7 @@ class RewardScorer:
             return self._score_locked(list(zip(responses, answers)))
 
     def _score_locked(self, items: list[tuple[str, str]]) -> tuple[list[float], dict]:
-        rewards = [0.0] * len(items)
+        rewards = [self.failure_reward] * len(items)
         stats = {"num_timeouts": 0, "num_unparseable": 0, "num_bad_answers": 0, "num_errors": 0}
         if not items:
             return rewards, stats

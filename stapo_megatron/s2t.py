@@ -13,9 +13,10 @@ split over data-parallel ranks. Baselines, same calling style:
 
 - 20-Entropy ("Beyond the 80/20 rule"): keep only the top ``rho`` = 20% highest-entropy response
   tokens of the mini-batch (silence response tokens with H below the (1 - rho)-quantile);
-- random control: silence a uniformly random set of ``num_silenced`` response tokens (seeded),
-  so that the count can match what S2T silences (the ablation the paper's referee asked for);
-- none (GRPO / DAPO-JustRL): nothing silenced.
+- random controls: silence a random set of ``num_silenced`` tokens (seeded) drawn from a pool,
+  S2T's candidates (A > 0, p < tau_p) or all response tokens, so that the count can match what
+  S2T silences;
+- none (GRPO, JustRL): nothing silenced.
 
 Micro-batches and mini-batches: Megatron runs micro-batches one by one, but tau_H belongs to the
 whole mini-batch. Thresholds are therefore computed by ``*_threshold`` functions over the whole
@@ -143,20 +144,21 @@ def entropy20_mask(
     return response_mask.bool() & (entropy.detach() < threshold)
 
 
-def random_mask(response_mask: torch.Tensor, num_silenced: int, seed: int) -> torch.Tensor:
-    """Silence ``num_silenced`` response tokens chosen uniformly at random (True = silenced)."""
-    positions_T = response_mask.reshape(-1).bool().nonzero().squeeze(-1)
+def random_mask(pool: torch.Tensor, num_silenced: int, seed: int) -> torch.Tensor:
+    """Silence ``num_silenced`` tokens of ``pool`` (bool, True = may be drawn) chosen uniformly
+    at random without replacement (True = silenced); only pool tokens are ever drawn."""
+    positions_T = pool.reshape(-1).bool().nonzero().squeeze(-1)
     if not 0 <= num_silenced <= positions_T.numel():
         raise ValueError(
-            f"num_silenced must be in [0, {positions_T.numel()}] (response tokens), got {num_silenced}"
+            f"num_silenced must be in [0, {positions_T.numel()}] (tokens in the pool), got {num_silenced}"
         )
     gen = torch.Generator().manual_seed(seed)
     chosen_T = positions_T[torch.randperm(positions_T.numel(), generator=gen)[:num_silenced].to(positions_T.device)]
-    silenced_T = torch.zeros(response_mask.numel(), dtype=torch.bool, device=response_mask.device)
+    silenced_T = torch.zeros(pool.numel(), dtype=torch.bool, device=pool.device)
     silenced_T[chosen_T] = True
-    return silenced_T.view(response_mask.shape)
+    return silenced_T.view(pool.shape)
 
 
 def no_mask(response_mask: torch.Tensor) -> torch.Tensor:
-    """GRPO / DAPO-JustRL: nothing silenced."""
+    """GRPO, JustRL: nothing silenced."""
     return torch.zeros_like(response_mask, dtype=torch.bool)

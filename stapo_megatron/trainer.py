@@ -16,6 +16,8 @@ import importlib
 import math
 import os
 import time
+import warnings
+from functools import partial
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -28,6 +30,7 @@ from stapo_megatron.evaluation import Counts, Decoding, load_eval_set, score_res
 from stapo_megatron.metrics import RunLogger, plot_run
 from stapo_megatron.parallel import Groups, collective_device, destroy_parallel, init_parallel
 from stapo_megatron.progress import Progress, describe
+from stapo_megatron.reference import add_reference_logprobs, frozen_copy, reset_reference
 from stapo_megatron.schedule import compute_logprob_entropy
 from stapo_megatron.seeds import Seeds
 from stapo_megatron.sft import sft_step
@@ -106,7 +109,7 @@ def _load_data(cfg: TrainerConfig, tokenizer):
     out = []
     for examples in (train, held_out):
         ids, kept, _ = data.tokenize_prompts(
-            tokenizer, examples, cfg.data.max_prompt_len, cfg.data.use_chat_template
+            tokenizer, examples, cfg.data.max_prompt_len, cfg.data.use_chat_template, cfg.data.prompt_template
         )
         out.append((ids, kept))
     return out
@@ -155,19 +158,23 @@ class Trainer:
         self.hf_config = load_hf_config(cfg.model.hf_dir)
         (self.train_ids, self.train_ex), (self.eval_ids, self.eval_ex) = _load_data(cfg, self.tokenizer)
         self.eval_sets = _load_eval_sets(cfg, self.tokenizer)
-        model = build_gpt_model(
+        build = partial(
+            build_gpt_model,
             self.hf_config,
             params_dtype=torch.bfloat16 if cfg.model.bf16 else torch.float32,
             calculate_per_token_loss=True,
             bf16=cfg.model.bf16,
             **_memory_settings(cfg),
         )
+        model = build()
         # sequence parallelism splits the sequence over TP: pad lengths to a multiple of it
         self.seq_multiple = math.lcm(8, cfg.model.tensor_model_parallel_size if cfg.model.sequence_parallel else 1)
         if cfg.model.megatron_ckpt:
             load_checkpoint(model, cfg.model.megatron_ckpt)
         # the output layer is padded to a multiple of 128 x TP; the softmax must not see it
         self.vocab_size = model.qwen_spec.vocab_size
+        # GRPO's KL term: a frozen copy of the initial weights, same sharding (reference.py)
+        self.ref_model = frozen_copy(model, build) if cfg.loss.kl_coef > 0 else None
         # Device rule: batches live on the model's device; what goes through a DP collective is
         # created on the backend's device (the same CUDA device under NCCL, the CPU under gloo).
         self.device = next(model.parameters()).device
@@ -182,22 +189,29 @@ class Trainer:
     # -- pieces ------------------------------------------------------------------------------
 
     def _start_services(self):
+        from stapo_megatron.reward_fns import get_reward
         from stapo_megatron.rewards import RewardScorer
         from stapo_megatron.rollout.engines import build_engine
 
         r = self.cfg.rollout
+        reward = get_reward(self.cfg.reward)  # before the engine: a bad name fails fast
         self.engine = build_engine(
             r.engine,
             self.cfg.model.hf_dir,
             r.engine_config(
-                max_model_len=_pad_to(self.cfg.data.max_prompt_len + r.max_response_len),
+                max_model_len=_pad_to(self.cfg.data.max_prompt_len + max(r.max_response_len, self._eval_max_len())),
                 seed=self.seeds.engine,
                 # vLLM must run the dtype the trainer trains in, whatever the folder was saved in
                 dtype="bfloat16" if self.cfg.model.bf16 else "float32",
                 enable_sleep_mode=r.sleep_during_training and torch.cuda.is_available(),
             ),
         )
-        self.scorer = RewardScorer(num_workers=1, timeout_s=self.cfg.reward_timeout_s)
+        self.scorer = RewardScorer(num_workers=self.cfg.reward_workers, timeout_s=self.cfg.reward_timeout_s,
+                                   score_fn=reward.score_fn, failure_reward=reward.failure_reward)
+
+    def _eval_max_len(self) -> int:
+        """Held-out responses' token limit (`TrainerConfig.eval_max_response_len`)."""
+        return self.cfg.eval_max_response_len or self.cfg.rollout.max_response_len
 
     def _sync_weights(self) -> Dict[str, float]:
         from stapo_megatron.rollout.weight_sync import sync_weights
@@ -228,8 +242,8 @@ class Trainer:
         return samples
 
     def evaluate(self, step: int) -> Dict[str, float]:
-        """The held-out set's ``eval_accuracy`` (avg@k with k = ``eval_samples``: the mean reward
-        of its samples) and, per named set and decoding (``TrainerConfig.eval_sets``),
+        """The held-out set's ``eval_accuracy`` (avg@k with k = ``eval_samples``: the fraction of
+        its samples with a positive reward, correct under 1/0 and +1/-1 rewards alike) and, per named set and decoding (``TrainerConfig.eval_sets``),
         ``eval/<set>/<decoding>/avg@<k>`` and ``pass@<k>``; every set split over DP."""
         cfg = self.cfg
         t0 = time.perf_counter()
@@ -256,7 +270,7 @@ class Trainer:
         idx = list(range(self.dp_rank, len(prompt_ids), self.dp_size))
         samples = self._generate(
             [prompt_ids[i] for i in idx], k, decoding.temperature, decoding.top_p,
-            self.cfg.rollout.max_response_len, seed=self.seeds.evaluation,
+            self._eval_max_len(), seed=self.seeds.evaluation,
         )
         texts = [[s.text for s in group] for group in samples]
         rewards: List[float] = []
@@ -313,6 +327,19 @@ class Trainer:
         # initial weights and would overwrite the warm-start at the first step
         self.optimizer.reload_model_params()
 
+    def _reference_from_warm_start_cache(self):
+        """On resume: the KL reference is the warm-started policy RL began from, read back from
+        the warm-start cache; without a cache it keeps the pre-warm-start weights (warned)."""
+        from stapo_megatron.bridge.model import load_checkpoint
+
+        cached = warmstart_cache.cached_path(self.cfg, self.warmstart, self.seeds.model_init,
+                                             self.seeds.data_split, dist.get_world_size())
+        if cached and warmstart_cache.is_complete(cached):
+            load_checkpoint(self.ref_model, cached)
+            return
+        warnings.warn("resumed with a warm-start and loss.kl_coef > 0 but no cached warm-start: the KL reference "
+                      "holds the weights before the warm-start (model.megatron_ckpt or the random init)")
+
     def train_step(self, step: int) -> Tuple[Dict, List]:
         """One training step, one line per phase (docs/design.md, "One training step").
 
@@ -329,6 +356,9 @@ class Trainer:
         minis, seq, num_flat = self._advantages_and_minibatches(step, prompts, samples, rewards_PG)
         with timer("old_logprob"):
             old_stats, logprob_diff = self._old_policy_pass(minis, seq)
+            if self.ref_model is not None:
+                add_reference_logprobs(self.ref_model, minis, seq, self.cfg.loss.temperature, self.groups.tp,
+                                       self.vocab_size, self.groups.is_last_stage)
         with timer("train"):
             updates = [policy_update(self.model, self.optimizer, m, self.cfg.loss, self.groups, seq, s, self.vocab_size)
                        for m, s in zip(minis, old_stats)]
@@ -409,12 +439,9 @@ class Trainer:
         self._sync_weights()
 
     def _set_lr(self, step: int):
-        """Linear warm-up over ``lr_warmup_steps`` optimizer steps, then constant."""
-        num_minis = self.cfg.prompts_per_step // self.cfg.minibatch_prompts
-        done = step * num_minis
-        scale = min(1.0, (done + 1) / max(1, self.cfg.lr_warmup_steps))
+        """The learning rate of every optimizer step of training step ``step`` (`warmup_lr`)."""
         for group in self.optimizer.param_groups:
-            group["lr"] = self.cfg.optim.lr * scale
+            group["lr"] = warmup_lr(step, self.cfg.optim.lr, self.cfg.lr_warmup_steps)
 
     def _step_row(self, step, updates, rewards_PG, num_flat, samples, diff, reward_info) -> Dict:
         """The step's metrics row: rollout sums over DP, the mini-batch updates' metrics."""
@@ -468,6 +495,10 @@ class Trainer:
                 print(f"resumed from {latest} (step {start})", flush=True)
         elif self.warmstart and self.warmstart.steps:
             self._warm_start_or_load()
+            if self.ref_model is not None:
+                reset_reference(self.ref_model, self.model.module)  # RL starts from the warm-started policy
+        if latest and self.ref_model is not None and self.warmstart and self.warmstart.steps:
+            self._reference_from_warm_start_cache()
         self._sync_weights()
         rows = []
         if start == 0 and cfg.eval_every:
@@ -526,6 +557,19 @@ class Trainer:
             # vLLM's own shutdown would destroy the default process group (Megatron's)
             self.engine.shutdown()
         self.logger.close()
+
+
+def warmup_lr(step: int, peak_lr: float, warmup_steps: int) -> float:
+    """Learning rate of training step ``step`` (0-based): linear warm-up from 0 over
+    ``warmup_steps`` training steps, then constant, ``peak_lr * min(1, step / warmup_steps)``.
+
+    As veRL's constant-with-warm-up schedule (stepped once per training step, so the first step
+    trains at lr 0); all PPO mini-batches (optimizer steps) of one training step share it.
+    ``warmup_steps = 0``: the peak from the first step.
+    """
+    if warmup_steps <= 0:
+        return peak_lr
+    return peak_lr * min(1.0, step / warmup_steps)
 
 
 def train(cfg: TrainerConfig, warmstart: Optional[WarmStartConfig] = None) -> List[Dict]:

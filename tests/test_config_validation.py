@@ -58,10 +58,23 @@ def test_rollout_and_loss_temperature_must_agree():
     assert cfg.rollout.temperature == cfg.loss.temperature == 0.7
 
 
-def test_kl_coef_without_a_reference_model_is_refused():
-    with pytest.raises(ValueError, match=r"loss.kl_coef=0.1 needs a reference model's log-probs, which this "
-                                         r"trainer does not compute"):
-        TrainerConfig(loss=LossConfig(kl_coef=0.1))
+def test_kl_coef_is_accepted_now_that_the_trainer_builds_a_reference():
+    # GRPO's beta: the trainer builds a frozen reference model when kl_coef > 0 (reference.py)
+    assert TrainerConfig(loss=LossConfig(method="grpo", kl_coef=0.04)).loss.kl_coef == 0.04
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(reward_workers=0), "TrainerConfig.reward_workers must be >= 1, got 0"),
+    (dict(eval_max_response_len=0), "TrainerConfig.eval_max_response_len must be >= 1, got 0"),
+])
+def test_reward_workers_and_eval_length_are_checked(fields, message):
+    with pytest.raises(ValueError, match=message):
+        TrainerConfig(**fields)
+
+
+def test_prompt_template_needs_the_question():
+    with pytest.raises(ValueError, match=r"DataConfig.prompt_template must contain \{question\}, got 'Solve it'"):
+        DataConfig(prompt_template="Solve it")
 
 
 def test_overrides_are_checked_when_the_config_is_built():

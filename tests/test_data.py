@@ -8,8 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stapo_megatron.data import (DAPO_POSTFIX, DAPO_PREFIX, SUFFIX, Example, format_prompt,
-                                 load_examples, reasoning_gym_split, tokenize_prompts)
+from stapo_megatron.data import (DAPO_POSTFIX, DAPO_PREFIX, JUSTRL_PROMPT_TEMPLATE, SUFFIX, Example,
+                                 format_prompt, load_examples, reasoning_gym_split, tokenize_prompts)
 from stapo_megatron.tokenizer import build_char_tokenizer
 
 PLAIN_ROWS = [
@@ -151,6 +151,13 @@ def test_format_prompt(tok):
 
     with pytest.raises(ValueError, match="'base-model' has no chat template"):
         format_prompt(NoTemplate(), "q")
+
+
+def test_justrl_prompt_wrapper(tok):
+    # JustRL's wrapper (the paper recipes'): question, newline, suffix; braces of the suffix stay
+    justrl = format_prompt(tok, "What is {x}?", template=JUSTRL_PROMPT_TEMPLATE)
+    assert justrl == "<|im_start|>user\nWhat is {x}?\n" + SUFFIX + "<|im_end|>\n<|im_start|>assistant\n"
+    assert SUFFIX.endswith("\\boxed{}.")
 
 
 def test_tokenize_prompts_drops_long_with_one_warning(tok):

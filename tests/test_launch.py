@@ -59,7 +59,7 @@ def test_dryrun_renders_the_sbatch_script(tmp_path, short, nodes, settings):
     """Cluster settings from run.executor.* overrides or STAPO_* variables end up in the script."""
     args = OVERRIDES if settings == "overrides" else []
     env = {**COMMON_ENV, **(ENV_SETTINGS if settings == "environment" else {})}
-    code, out = nemo_run(tmp_path, f"launch/stapo_{short}.py", "--dryrun", "method=grpo", "steps=1",
+    code, out = nemo_run(tmp_path, f"launch/stapo_{short}.py", "--dryrun", "method=justrl", "steps=1",
                          "rollout.max_response_len=8192", *args, env=env)
     assert code == 0, out
     script = sbatch_script(out)
@@ -90,7 +90,7 @@ def test_dryrun_renders_the_sbatch_script(tmp_path, short, nodes, settings):
     ]:
         assert re.search(pattern, script, re.M), f"{pattern!r} not in\n{script}"
     # the task's arguments as NeMo-Run resolved them (steps=1 is the int 1, not True)
-    for name, value in [("recipe", f"'qwen3_{short}'"), ("method", "'grpo'"), ("steps", "1"),
+    for name, value in [("recipe", f"'qwen3_{short}'"), ("method", "'justrl'"), ("steps", "1"),
                         ("rollout", r"section\(max_response_len=8192\)")]:
         assert re.search(rf"│ {name}\s+│ {value}\s+│", out), (name, out)
 

@@ -111,7 +111,7 @@ def _spiky_batch(seed=0, B=8, S=12, V=64):
     return logits, logprob, entropy, batch
 
 
-@pytest.mark.parametrize("method", ["stapo", "grpo", "entropy20", "random"])
+@pytest.mark.parametrize("method", ["stapo", "justrl", "entropy20", "random", "random_uniform"])
 def test_loss_func_methods_and_metrics(method):
     logits, logprob, entropy, batch = _spiky_batch()
     config = LossConfig(method=method, tau_p=0.002)
@@ -125,12 +125,14 @@ def test_loss_func_methods_and_metrics(method):
     s2t_silenced = s2t.s2t_mask(logprob, entropy, adv, mask, tau_p=0.002, q=0.75)
     expected_silenced = {
         "stapo": s2t_silenced,
-        "grpo": s2t.no_mask(mask),
+        "justrl": s2t.no_mask(mask),
         "entropy20": s2t.entropy20_mask(entropy, mask),
-        # random silences as many tokens as S2T would, seeded by config.seed and the batch seed
-        "random": s2t.random_mask(mask, int(s2t_silenced.sum()), seed=3),
+        # the random controls silence as many tokens as S2T would, seeded by config.seed and the
+        # batch seed: drawn from S2T's candidates (random) or from all response tokens
+        "random": s2t.random_mask(s2t.s2t_candidates(logprob, adv, mask), int(s2t_silenced.sum()), seed=3),
+        "random_uniform": s2t.random_mask(mask, int(s2t_silenced.sum()), seed=3),
     }[method]
-    assert expected_silenced.any() or method == "grpo"
+    assert expected_silenced.any() or method == "justrl"
     assert sums["num_silenced"] == expected_silenced.sum().item()
     assert sums["num_response"] == mask.sum().item()
     assert sums["num_candidates"] == s2t.s2t_candidates(logprob, adv, mask).sum().item()

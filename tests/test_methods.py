@@ -11,14 +11,16 @@ from tests.test_loss import _spiky_batch
 
 
 def test_registry_names_and_statistics():
-    assert tuple(methods.METHODS) == ("stapo", "grpo", "entropy20", "random")
+    assert tuple(methods.METHODS) == ("stapo", "justrl", "grpo", "entropy20", "random", "random_uniform")
     for name, method in methods.METHODS.items():
         assert method.name == name
-    assert [m.needs_entropy for m in methods.METHODS.values()] == [True, False, True, True]
+    assert [m.needs_entropy for m in methods.METHODS.values()] == [True, False, False, True, True, True]
+    assert [m.loss_agg for m in methods.METHODS.values()] == (
+        ["token_mean", "token_mean", "seq_mean_token_mean"] + ["token_mean"] * 3)
 
 
 def test_unknown_method_names_the_closest():
-    with pytest.raises(ValueError, match=r"method must be one of \('stapo', 'grpo', 'entropy20', 'random'\), "
+    with pytest.raises(ValueError, match=r"method must be one of \('stapo', 'justrl', 'grpo', 'entropy20', 'random', 'random_uniform'\), "
                                          r"got 'stappo' \(did you mean 'stapo'\?\)"):
         LossConfig(method="stappo")
 
@@ -32,7 +34,8 @@ def test_a_new_method_is_one_registry_entry(monkeypatch):
     new = methods.Method("positive_only", "drop tokens of below-mean responses", negative_mask,
                          loss_options=dict(clip_ratio_high=0.2))
     monkeypatch.setitem(methods.METHODS, new.name, new)
-    assert paper.method_loss("positive_only") == LossConfig(method="positive_only", clip_ratio_high=0.2)
+    assert paper.method_loss("positive_only") == LossConfig(method="positive_only", **{**paper.PAPER_LOSS,
+                                                                                        "clip_ratio_high": 0.2})
     cfg, _ = build_config("tiny", "positive_only")
     assert cfg.loss.method == "positive_only"
     logits, logprob, entropy, batch = _spiky_batch()

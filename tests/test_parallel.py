@@ -249,7 +249,7 @@ def _replica_worker(tp, pp, steps):
         stats = compute_logprob_entropy(model, mbs, seq, tp_group=groups.tp, vocab_size=300)
         for i, mb in enumerate(mbs):
             mb["old_logprob"] = stats[i][0] if groups.is_last_stage else torch.zeros(MBS, seq)
-        policy_update(model, optimizer, mbs, LossConfig(method="grpo"), groups, seq, stats, vocab_size=300)
+        policy_update(model, optimizer, mbs, LossConfig(method="justrl"), groups, seq, stats, vocab_size=300)
     trained = {n: p.detach().clone() for n, p in model.module.named_parameters()}
     coords = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
     return dp_rank, dp_size, coords, built, trained

@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 
+from stapo_megatron.data import SUFFIX
 from stapo_megatron.launch.entry import build_config
 from stapo_megatron.recipes import paper
 from stapo_megatron.recipes.tiny import tiny_demo
@@ -75,6 +76,9 @@ def test_memory_estimate_of_14b_by_hand():
 def test_justrl_hyperparameters():
     cfg = paper.qwen3_14b()
     assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.clip_grad, cfg.lr_warmup_steps) == (1e-6, 0.1, 1.0, 10)
+    assert (cfg.steps, cfg.eval_every, cfg.eval_max_response_len) == (3000, 20, 20480)
+    assert (cfg.reward, cfg.data.prompt_template) == ("boxed_exact_match", "{question}\n" + SUFFIX)
+    assert (cfg.loss.clip_ratio_c, cfg.loss.tau_h_source) == (10.0, "exact")
     assert cfg.optim.use_distributed_optimizer and cfg.model.bf16
     assert (cfg.prompts_per_step, cfg.rollout.group_size, cfg.minibatch_prompts) == (256, 8, 64)
     assert (cfg.data.max_prompt_len, cfg.rollout.max_response_len) == (1024, 15360)
@@ -85,9 +89,10 @@ def test_justrl_hyperparameters():
 
 @pytest.mark.parametrize("method, expected", [
     ("stapo", dict(method="stapo", tau_p=0.002, entropy_quantile=0.75)),
-    ("grpo", dict(method="grpo")),
+    ("justrl", dict(method="justrl")),
     ("entropy20", dict(method="entropy20", entropy_top_fraction=0.2)),
     ("random", dict(method="random", tau_p=0.002, entropy_quantile=0.75)),
+    ("random_uniform", dict(method="random_uniform", tau_p=0.002, entropy_quantile=0.75)),
 ])
 def test_method_override_sets_only_the_loss(method, expected):
     cfg, _ = build_config("qwen3_8b", method=method, check_paths=False)
@@ -98,14 +103,23 @@ def test_method_override_sets_only_the_loss(method, expected):
     assert dataclasses.replace(cfg, loss=base.loss) == base
 
 
+def test_grpo_is_deepseekmath_grpo_and_shares_the_rest():
+    cfg, _ = build_config("qwen3_8b", method="grpo", check_paths=False)
+    loss = cfg.loss
+    assert (loss.clip_ratio_low, loss.clip_ratio_high, loss.clip_ratio_c, loss.kl_coef) == (0.2, 0.2, None, 0.04)
+    base = paper.qwen3_8b(run_dir=cfg.run_dir)
+    assert dataclasses.replace(cfg, loss=base.loss) == base
+    assert dataclasses.replace(loss, method="stapo", clip_ratio_high=0.28, clip_ratio_c=10.0, kl_coef=0.0) == base.loss
+
+
 def test_tiny_recipe_is_the_demo():
     assert build_config("tiny") == tiny_demo(run_dir="runs/demo", method="stapo")
 
 
 def test_overrides_reach_nested_fields():
-    cfg, warmstart = build_config("tiny", "grpo", "runs/x", steps=1, rollout={"max_response_len": 8},
+    cfg, warmstart = build_config("tiny", "justrl", "runs/x", steps=1, rollout={"max_response_len": 8},
                                   warmstart={"steps": 2}, **{"optim.lr": 1e-4})
-    assert (cfg.run_dir, cfg.model.hf_dir, cfg.loss.method) == ("runs/x", "runs/x/model", "grpo")
+    assert (cfg.run_dir, cfg.model.hf_dir, cfg.loss.method) == ("runs/x", "runs/x/model", "justrl")
     assert (cfg.steps, cfg.rollout.max_response_len, cfg.optim.lr, warmstart.steps) == (1, 8, 1e-4, 2)
     cfg, _ = build_config("qwen3_14b", model={"tensor_model_parallel_size": 8, **PATHS["model"]}, data=PATHS["data"])
     assert cfg.model.tensor_model_parallel_size == 8 and cfg.data.train_path == "/d/dapo.parquet"

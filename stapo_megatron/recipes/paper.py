@@ -19,7 +19,8 @@ from typing import Dict, List, Optional
 
 from stapo_megatron.bridge.config import QwenSpec, padded_vocab_size
 from stapo_megatron.config import DataConfig, LossConfig, ModelConfig, OptimConfig, RolloutSampling, TrainerConfig
-from stapo_megatron.methods import get_method
+from stapo_megatron.data import JUSTRL_PROMPT_TEMPLATE
+from stapo_megatron.methods import method_loss_config
 
 GB = 1e9
 """Decimal gigabyte: estimates are compared with 80e9 bytes, below an 80 GB card's 85.9e9."""
@@ -239,24 +240,41 @@ def memory_estimate(spec: QwenSpec, layout: Layout, seq_len: int = SEQ_LEN,
 def method_loss(method: str) -> LossConfig:
     """The loss of each method, everything else equal (the paper's comparison).
 
-    The shared constants (clip 0.2/0.28, no KL, tau_p 0.002, q 0.75, rho 0.2, T 1.0), then the
-    method's own ``Method.loss_options`` (`stapo_megatron.methods`). stapo: S2T with tau_p 0.002
-    and q 0.75; grpo: the DAPO/JustRL objective without a mask; entropy20: keep the 20%
-    highest-entropy response tokens; random: silence as many random response tokens as S2T would
-    (same tau_p / q to count them).
+    The shared constants (clip 0.2/0.28, dual clip c = 10 as JustRL sets it on veRL, no KL,
+    tau_p 0.002, q 0.75, rho 0.2, T 1.0, tau_H from the current weights before each mini-batch
+    as Algorithm 1 does: ``tau_h_source="exact"``), then the method's own
+    ``Method.loss_options`` (`stapo_megatron.methods.method_loss_config`). stapo: S2T with tau_p
+    0.002 and q 0.75; justrl: the JustRL/DAPO objective without a mask; grpo: DeepSeekMath GRPO
+    (symmetric clip 0.2, no dual clip, k3 KL with beta 0.04, per-sequence mean); entropy20: keep
+    the 20% highest-entropy response tokens; random: silence as many S2T candidates, drawn at
+    random, as S2T would (same tau_p / q to count them); random_uniform: as many random response
+    tokens.
     """
-    options = get_method(method).loss_options
-    shared = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, kl_coef=0.0, tau_p=0.002, entropy_quantile=0.75,
-                  entropy_top_fraction=0.2, temperature=1.0)
-    return LossConfig(method=method, **{**shared, **options})
+    return method_loss_config(method, **PAPER_LOSS)
+
+
+PAPER_LOSS = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0, kl_coef=0.0, tau_p=0.002,
+                  entropy_quantile=0.75, entropy_top_fraction=0.2, temperature=1.0, tau_h_source="exact")
+"""The `LossConfig` values every method of the paper's comparison shares (`method_loss`)."""
+TRAIN_STEPS = 3000
+"""Training steps of a paper run (JustRL's schedule)."""
+EVAL_EVERY = 20
+"""Held-out evaluation every this many training steps."""
+EVAL_MAX_RESPONSE_LEN = 20480
+"""Maximum response tokens at evaluation (training: `MAX_RESPONSE_LEN`)."""
+LR_WARMUP_STEPS = 10
+"""Linear warm-up from lr 0, in training steps (veRL counts its scheduler in training steps)."""
 
 
 def paper_recipe(size: str, method: str = "stapo", run_dir: Optional[str] = None) -> TrainerConfig:
     """JustRL + S2T for one Qwen3 size ("qwen3_1p7b" | "qwen3_8b" | "qwen3_14b").
 
-    AdamW lr 1e-6 (constant after 10 warm-up optimizer steps), weight decay 0.1, grad clip 1.0;
-    256 prompts x 8 rollouts per step, PPO mini-batches of 64 prompts; prompts <= 1024 tokens,
-    responses <= 15360; sampling T=1.0, top-p 1.0; clip 0.2/0.28; no KL, no entropy bonus.
+    3000 training steps; AdamW lr 1e-6 (linear warm-up from 0 over 10 training steps, then
+    constant), weight decay 0.1, grad clip 1.0; 256 prompts x 8 rollouts per step, PPO
+    mini-batches of 64 prompts; prompts <= 1024 tokens in JustRL's prompt wrapper, responses
+    <= 15360; sampling T=1.0, top-p 1.0; clip 0.2/0.28 with dual clip 10; no KL, no entropy
+    bonus; the +1/-1 boxed exact-match reward; held-out evaluation every 20 steps with responses
+    <= 20480 tokens. The README's fidelity table lists each setting against the paper.
     ``model.hf_dir``, ``model.megatron_ckpt`` and ``data.train_path`` / ``data.eval_path``
     (DAPO-Math-17k and a held-out set) are left empty for the user (`check_paper_config`).
     """
@@ -265,15 +283,17 @@ def paper_recipe(size: str, method: str = "stapo", run_dir: Optional[str] = None
     layout = LAYOUTS[size]
     cfg = TrainerConfig(
         run_dir=run_dir or f"runs/{size}_{method}",
-        steps=500,
+        steps=TRAIN_STEPS,
         prompts_per_step=256,
         minibatch_prompts=64,
         micro_batch_size=layout.micro_batch_size,
-        lr_warmup_steps=10,
-        eval_every=10,
+        lr_warmup_steps=LR_WARMUP_STEPS,
+        eval_every=EVAL_EVERY,
         eval_temperature=1.0,
         eval_samples=4,
+        eval_max_response_len=EVAL_MAX_RESPONSE_LEN,
         save_every=10,
+        reward="boxed_exact_match",
         reward_timeout_s=5.0,
         model=ModelConfig(
             tensor_model_parallel_size=layout.tensor_model_parallel_size,
@@ -284,7 +304,8 @@ def paper_recipe(size: str, method: str = "stapo", run_dir: Optional[str] = None
             recompute_method=layout.recompute_method,
             recompute_num_layers=layout.recompute_num_layers,
         ),
-        data=DataConfig(max_prompt_len=MAX_PROMPT_LEN, use_chat_template=True, dedupe=True),
+        data=DataConfig(max_prompt_len=MAX_PROMPT_LEN, use_chat_template=True, dedupe=True,
+                        prompt_template=JUSTRL_PROMPT_TEMPLATE),
         rollout=RolloutSampling(
             group_size=8, temperature=1.0, top_p=1.0, max_response_len=MAX_RESPONSE_LEN,
             tensor_parallel_size=layout.vllm_tensor_parallel_size,

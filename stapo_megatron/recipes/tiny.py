@@ -4,8 +4,8 @@ import dataclasses
 import os
 import shutil
 
-from stapo_megatron.config import (DataConfig, LossConfig, ModelConfig, OptimConfig, RolloutSampling, TrainerConfig,
-                                   WarmStartConfig)
+from stapo_megatron.config import DataConfig, ModelConfig, OptimConfig, RolloutSampling, TrainerConfig, WarmStartConfig
+from stapo_megatron.methods import method_loss_config
 
 
 BASE_SEED = 1234
@@ -34,7 +34,7 @@ def tiny_demo(run_dir: str = "runs/demo", method: str = "stapo"):
         prompts_per_step=48,
         minibatch_prompts=48,
         micro_batch_size=16,
-        lr_warmup_steps=1,
+        lr_warmup_steps=0,  # the full lr from the first RL step (the policy is warm-started)
         seed=1234,
         eval_every=10,
         # held-out avg@4 at T = 1.0, the paper's evaluation (and its rollout temperature): greedy
@@ -53,7 +53,7 @@ def tiny_demo(run_dir: str = "runs/demo", method: str = "stapo"):
         rollout=RolloutSampling(group_size=8, temperature=1.0, top_p=1.0, max_response_len=32),
         # the paper's S2T constants (tau_p 0.002, q 0.75); the warm-start's label smoothing gives
         # the policy the low-probability tail in which S2T's candidates live (see below)
-        loss=LossConfig(method=method),
+        loss=method_loss_config(method),
         optim=OptimConfig(lr=5e-5, weight_decay=0.0, clip_grad=1.0),
     )
     # Measured without label smoothing: every off-target token gets ~1e-5, the sampled tokens'
