@@ -1,4 +1,4 @@
-"""The method comparison at CPU scale: stapo, grpo, entropy20 and random, 5 seeds each.
+"""The method comparison at CPU scale: stapo, justrl, entropy20 and random, 5 seeds each.
 
     nemo-run launch/compare_tiny.py --yes                        # = make compare; writes runs/compare
     nemo-run launch/compare_tiny.py seeds=[1,2] steps=10 output_dir=runs/compare-small --yes

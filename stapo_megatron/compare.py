@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Sequence
 
 from stapo_megatron.methods import METHODS
 
-DEFAULT_METHODS = ("stapo", "grpo", "entropy20", "random")
+DEFAULT_METHODS = ("stapo", "justrl", "entropy20", "random")
 """The paper's main comparison: STAPO, its JustRL baseline, 20-Entropy and the random control."""
 DEFAULT_SEEDS = (1, 2, 3, 4, 5)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
