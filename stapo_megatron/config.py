@@ -355,6 +355,10 @@ class TrainerConfig:
     """Samples per held-out prompt (avg@k with k = this)."""
     save_every: int = 10
     """Checkpoint every this many steps (and at the end); 0 = never."""
+    keep_last: int = 0
+    """Keep only this many newest complete checkpoints (older ``step_*`` folders are deleted after
+    each save; the one ``latest`` names never is); 0 = keep all. A 14B checkpoint with optimizer
+    state is about 200 GB."""
     max_consecutive_skips: int = 3
     """Stop with an error after this many consecutive steps with a NaN/Inf loss or gradient."""
     reward_timeout_s: float = 5.0
@@ -371,7 +375,8 @@ class TrainerConfig:
     """AdamW (the paper: lr 1e-6, weight decay 0.1, grad clip 1.0)."""
 
     def __post_init__(self):
-        _check_at_least(self, 0, "steps", "lr_warmup_steps", "eval_every", "save_every", "max_consecutive_skips")
+        _check_at_least(self, 0, "steps", "lr_warmup_steps", "eval_every", "save_every", "max_consecutive_skips",
+                          "keep_last")
         _check_at_least(self, 1, "prompts_per_step", "minibatch_prompts", "micro_batch_size", "eval_samples")
         if not (0 <= self.eval_temperature and math.isfinite(self.eval_temperature)):
             raise ValueError(f"eval_temperature must be finite and >= 0 (0 = greedy), got {self.eval_temperature}")

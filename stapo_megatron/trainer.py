@@ -25,6 +25,8 @@ from stapo_megatron.batching import group_advantages, pack_sequences, split_micr
 from stapo_megatron.config import TrainerConfig, WarmStartConfig
 from stapo_megatron.metrics import RunLogger, plot_run
 from stapo_megatron.parallel import Groups, collective_device, destroy_parallel, init_parallel
+from stapo_megatron.preemption import SaveOnSignal, StoppedForRequeue
+from stapo_megatron.provenance import RunProvenance
 from stapo_megatron.schedule import compute_logprob_entropy
 from stapo_megatron.seeds import Seeds
 from stapo_megatron.sft import sft_step
@@ -154,6 +156,11 @@ class Trainer:
         self.model = wrap_ddp(model, cfg.optim.use_distributed_optimizer)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.logger = RunLogger(cfg.run_dir, enabled=self.rank == 0)
+        # config, git commit, command, versions: into the run folder and every checkpoint (rank 0)
+        self.provenance = RunProvenance(cfg, warmstart) if self.rank == 0 else None
+        # Slurm's warning before the time limit: save at the next step boundary and stop
+        self.stop_signal = SaveOnSignal().install()
+        self.stopped_at: Optional[int] = None
         self.engine = None
         self.scorer = None
 
@@ -384,7 +391,9 @@ class Trainer:
 
     def _save(self, step: int):
         ckpt.save_checkpoint(self.cfg.run_dir, step, self.model, self.optimizer,
-                             {"data_position": step * self.cfg.prompts_per_step})
+                             {"data_position": step * self.cfg.prompts_per_step},
+                             write_extra=self.provenance.write_checkpoint if self.provenance else None,
+                             keep_last=self.cfg.keep_last)
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -392,6 +401,8 @@ class Trainer:
         cfg = self.cfg
         start = 0
         latest = ckpt.find_latest(cfg.run_dir)
+        if self.provenance:
+            self.provenance.write_run()
         self._start_services()
         if latest:
             state = ckpt.load_checkpoint(latest, self.model, self.optimizer)
@@ -427,8 +438,15 @@ class Trainer:
             if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
                 rows.append(self.evaluate(done))
                 self._print_eval(rows[-1])
-            if cfg.save_every and (done % cfg.save_every == 0 or done == cfg.steps):
+            saved = bool(cfg.save_every and (done % cfg.save_every == 0 or done == cfg.steps))
+            if saved:
                 self._save(done)
+            if done < cfg.steps and self.stop_signal.stop_now(saved, lambda: self._save(done)):
+                self.stopped_at = done
+                if self.rank == 0:
+                    print(f"stopping after step {done} on the scheduler's warning signal; saved, "
+                          f"resume by launching the run again (requeue)", flush=True)
+                break
         if self.rank == 0 and os.path.exists(os.path.join(cfg.run_dir, "metrics.jsonl")):
             plot_run(cfg.run_dir)
         return rows
@@ -450,6 +468,7 @@ class Trainer:
                   f"({r['eval_num']} samples, {r['time_eval']:.1f}s)", flush=True)
 
     def close(self):
+        self.stop_signal.uninstall()
         if self.scorer is not None:
             self.scorer.close()
         if self.engine is not None:
@@ -459,10 +478,18 @@ class Trainer:
 
 
 def train(cfg: TrainerConfig, warmstart: Optional[WarmStartConfig] = None) -> List[Dict]:
-    """Entry point (one call per process under torchrun): train, then tear down."""
+    """Entry point (one call per process under torchrun): train, then tear down.
+
+    Raises:
+        StoppedForRequeue: stopped and saved on the scheduler's warning signal (exit code
+            `stapo_megatron.preemption.REQUEUE_EXIT_CODE`).
+    """
     trainer = Trainer(cfg, warmstart)
     try:
-        return trainer.run()
+        rows = trainer.run()
     finally:
         trainer.close()
         destroy_parallel()
+    if trainer.stopped_at is not None:
+        raise StoppedForRequeue(trainer.stopped_at)
+    return rows
