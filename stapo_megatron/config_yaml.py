@@ -1,4 +1,4 @@
-"""The resolved configuration as YAML: written by a dry run (``nemo-run ... --to-yaml PATH``), into
+"""The resolved configuration as YAML: written by a dry run (``nemo-run ... --save-config PATH``), into
 every run folder and every checkpoint (`stapo_megatron.provenance`), and read back by a launch
 (``nemo-run launch/... config=PATH``) or by Python (`load_config`).
 
