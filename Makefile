@@ -45,10 +45,11 @@ demo: $(STAMP)
 demo-seeds: $(STAMP)
 	$(PY) examples/demo_seeds.py
 
-# The method comparison (stapo / grpo / entropy20 / random x 3 seeds on the tiny task, under an
-# hour on 2 cores): runs/compare/summary.md and curves.png. Finished runs are skipped on a rerun.
+# The method comparison (stapo / grpo / entropy20 / random x 5 seeds on the tiny task, each run
+# launched as `make demo` is): runs/compare/summary.md, curves.png and README.md's compare block.
+# Finished runs are skipped on a rerun.
 compare: $(STAMP)
-	$(VENV)/bin/nemo-run launch/compare_tiny.py --yes
+	$(VENV)/bin/nemo-run launch/compare_tiny.py readme=True --yes
 
 # A few STAPO steps of a tiny TP=2 GPTModel on synthetic rollouts (the op/loss/mask demo, 15 s).
 demo-synthetic: $(STAMP)

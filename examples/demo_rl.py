@@ -1,22 +1,38 @@
-"""The embedded default main job: STAPO RL on a 2-core CPU (torchrun, 2 processes, DP=2).
+"""The embedded default main job without NeMo-Run: plain torchrun, 2 processes, DP=2.
 
-    .venv/bin/python examples/prepare_tiny_model.py runs/demo/model
-    .venv/bin/torchrun --nproc-per-node 2 examples/demo_rl.py [method]
+    .venv/bin/torchrun --nproc-per-node 2 examples/demo_rl.py [method=stapo] [output_dir=runs/demo] [key=value ...]
 
-Writes runs/demo/metrics.jsonl, metrics.png, silenced_tokens.jsonl, tensorboard/ and
-checkpoints/ (a rerun resumes from the last complete checkpoint).
+The same job as ``make demo`` (``nemo-run launch/stapo_tiny.py --yes``): the config comes from the
+same `launch.entry.run_recipe` with the same overrides (``seed=7``, ``steps=20``, ``loss.tau_p=0.01``),
+which also writes the tiny model folder. Writes runs/demo/metrics.jsonl, metrics.png,
+silenced_tokens.jsonl, tensorboard/ and checkpoints/ (a rerun resumes).
 """
 
+import ast
 import os
 import sys
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from stapo_megatron.recipes import tiny_demo  # noqa: E402
+from stapo_megatron.launch.entry import SECTIONS, run_recipe  # noqa: E402
 
-from stapo_megatron.trainer import train  # noqa: E402
+
+def _value(text: str):
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
 
 if __name__ == "__main__":
-    method = sys.argv[1] if len(sys.argv) > 1 else "stapo"
-    cfg, warmstart = tiny_demo(method=method)
-    train(cfg, warmstart)
+    arguments, sections = {}, {name: {} for name in SECTIONS}
+    for arg in sys.argv[1:]:
+        key, sep, value = arg.partition("=")
+        if not sep:
+            raise SystemExit(f"expected key=value, got {arg!r}")
+        section, dot, field = key.partition(".")
+        if dot and section in sections:
+            sections[section][field] = _value(value)
+        else:
+            arguments[key] = _value(value)
+    run_recipe("tiny", **{**sections, **arguments})

@@ -5,7 +5,9 @@
 
 Each seed runs exactly what ``make demo`` runs (``nemo-run launch/stapo_tiny.py seed=S
 output_dir=OUT/seed_S --yes``: NeMo-Run, torchrun, 2 processes), one after another; a seed whose
-run finished (its last evaluation logged) is not run again. Then it writes, from the runs'
+run finished (its last evaluation logged) is not run again. The first seed trains the demo's
+warm-start (as ``make demo`` on a fresh clone does) and the others load it from the shared
+cache ``OUT/.warmstart-cache`` (the same weights: it is seeded apart from the RL seed). Then it writes, from the runs'
 ``metrics.jsonl``:
 
     FIGURES/demo_seeds.png   held-out accuracy per evaluation step, one line per seed
@@ -20,14 +22,12 @@ import datetime
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import time
 
 DEFAULT_SEEDS = (1234, 1, 2, 3, 4)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BEGIN, END = "<!-- demo-seeds:begin -->", "<!-- demo-seeds:end -->"
 
 
 def _rows(run_dir):
@@ -43,26 +43,34 @@ def _finished(run_dir, steps):
 
 
 def run_seed(seed, run_dir, steps):
-    """``make demo`` with this seed and output folder; returns the wall time in seconds."""
+    """``make demo`` with this seed and output folder; returns what ``demo_run.json`` keeps: the
+    wall time, whether the warm-start was trained (the first seed, as on a fresh clone) or loaded
+    from the shared cache, and the load average before and after (the machine's other work)."""
+    from stapo_megatron.recipes.tiny import warmstart_cache_dir
+
     nemo_run = os.path.join(os.path.dirname(sys.executable), "nemo-run")
     cmd = [nemo_run, "launch/stapo_tiny.py", f"seed={seed}", f"output_dir={run_dir}", "--yes"]
     print(f"[demo-seeds] seed {seed}: {' '.join(cmd)}", flush=True)
+    cache = warmstart_cache_dir(os.path.join(ROOT, run_dir))
+    cached = os.path.isdir(cache) and any(not n.startswith(".") for n in os.listdir(cache))
+    load_before = os.getloadavg()[1]
     t0 = time.time()
     subprocess.run(cmd, cwd=ROOT, check=True)
-    if not _finished(run_dir, steps):
+    if not _finished(os.path.join(ROOT, run_dir), steps):
         raise RuntimeError(f"seed {seed}: {run_dir}/metrics.jsonl has no evaluation at step {steps}")
-    seconds = time.time() - t0
-    with open(os.path.join(ROOT, run_dir, "demo_seconds.txt"), "w") as f:  # kept for later summaries
-        f.write(f"{seconds:.1f}\n")
-    return seconds
+    info = dict(seconds=time.time() - t0, warmstart="loaded" if cached else "trained",
+                load=[round(load_before, 1), round(os.getloadavg()[1], 1)])
+    with open(os.path.join(ROOT, run_dir, "demo_run.json"), "w") as f:  # kept for later summaries
+        json.dump(info, f)
+    return info
 
 
-def _recorded_seconds(run_dir):
-    path = os.path.join(run_dir, "demo_seconds.txt")
-    return float(open(path).read()) if os.path.exists(path) else 0.0
+def _recorded(run_dir):
+    path = os.path.join(run_dir, "demo_run.json")
+    return json.load(open(path)) if os.path.exists(path) else dict(seconds=0.0, warmstart="?", load=None)
 
 
-def summarise(seed, run_dir, seconds):
+def summarise(seed, run_dir, info):
     rows = _rows(run_dir)
     evals = {r["step"]: r["eval_accuracy"] for r in rows if r.get("kind") == "eval"}
     train = [r for r in rows if r.get("kind") == "train"]
@@ -70,23 +78,24 @@ def summarise(seed, run_dir, seconds):
     return dict(seed=seed, start=evals[first], end=evals[last], gain=evals[last] - evals[first],
                 silenced=sum(r["silenced_count"] for r in train),
                 steps_with_silenced=sum(r["silenced_count"] > 0 for r in train),
-                seconds=seconds, curve=sorted(evals.items()))
+                curve=sorted(evals.items()), **info)
 
 
 def table(results, eval_desc):
     lines = [
         f"| seed | held-out {eval_desc}, RL step 0 | at the end | gain | tokens silenced by S2T "
-        "(steps with any) | wall time |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "(steps with any) | wall time | warm-start | load average (5 min) before / after |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         wall = f"{r['seconds'] / 60:.1f} min" if r["seconds"] else "not recorded"
+        load = " / ".join(str(x) for x in r["load"]) if r["load"] else "not recorded"
         lines.append(f"| {r['seed']} | {r['start']:.3f} | {r['end']:.3f} | {r['gain']:+.3f} | "
-                     f"{r['silenced']} ({r['steps_with_silenced']}) | {wall} |")
+                     f"{r['silenced']} ({r['steps_with_silenced']}) | {wall} | {r['warmstart']} | {load} |")
     gains = [r["gain"] for r in results]
     lines.append(f"| mean | {sum(r['start'] for r in results) / len(results):.3f} | "
                  f"{sum(r['end'] for r in results) / len(results):.3f} | {sum(gains) / len(gains):+.3f} | "
-                 f"{sum(r['silenced'] for r in results) / len(results):.1f} | |")
+                 f"{sum(r['silenced'] for r in results) / len(results):.1f} | | | |")
     return "\n".join(lines)
 
 
@@ -113,6 +122,7 @@ def plot(results, path, eval_desc):
 
 def main():
     from stapo_megatron.recipes.tiny import tiny_demo
+    from stapo_megatron.report import fill_block
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS))
@@ -127,28 +137,20 @@ def main():
     for seed in args.seeds:
         run_dir = os.path.join(args.out, f"seed_{seed}")
         done = _finished(os.path.join(ROOT, run_dir), cfg.steps)
-        seconds = _recorded_seconds(os.path.join(ROOT, run_dir)) if done else run_seed(seed, run_dir, cfg.steps)
-        results.append(summarise(seed, os.path.join(ROOT, run_dir), seconds))
+        info = _recorded(os.path.join(ROOT, run_dir)) if done else run_seed(seed, run_dir, cfg.steps)
+        results.append(summarise(seed, os.path.join(ROOT, run_dir), info))
         print(f"[demo-seeds] seed {seed}: {results[-1]['start']:.3f} -> {results[-1]['end']:.3f}", flush=True)
     figures = os.path.join(ROOT, args.figures)
     os.makedirs(figures, exist_ok=True)
     plot(results, os.path.join(figures, "demo_seeds.png"), eval_desc)
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}"
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
     text = (f"Measured {datetime.date.today().isoformat()} on {machine} by `examples/demo_seeds.py` "
             f"(`make demo` per seed, {cfg.steps} RL steps):\n\n{table(results, eval_desc)}\n")
     with open(os.path.join(figures, "demo_seeds.md"), "w") as f:
         f.write(text)
     print(text)
     if not args.no_readme:
-        readme = os.path.join(ROOT, "README.md")
-        with open(readme) as f:
-            content = f.read()
-        if BEGIN not in content or END not in content:
-            raise ValueError(f"README.md has no {BEGIN} ... {END} block to fill")
-        block = f"{BEGIN}\n{text}{END}"
-        with open(readme, "w") as f:
-            f.write(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, content, flags=re.S))
-
+        fill_block(os.path.join(ROOT, "README.md"), "demo-seeds", text)
 
 if __name__ == "__main__":
     main()

@@ -1,11 +1,12 @@
-"""The method comparison at CPU scale: stapo, grpo, entropy20 and random, 3 seeds each.
+"""The method comparison at CPU scale: stapo, grpo, entropy20 and random, 5 seeds each.
 
     nemo-run launch/compare_tiny.py --yes                        # = make compare; writes runs/compare
-    nemo-run launch/compare_tiny.py seeds=[0,1] steps=10 output_dir=runs/compare-small --yes
+    nemo-run launch/compare_tiny.py seeds=[1,2] steps=10 output_dir=runs/compare-small --yes
     nemo-run launch/compare_tiny.py --dryrun
 
-One local process drives the comparison (`stapo_megatron.compare.compare_tiny`); it starts each
-run as its own 2-process torchrun job and writes summary.md and curves.png at the end.
+One local process drives the comparison (`stapo_megatron.compare.compare_tiny`); it launches each
+run exactly as `make demo` launches the demo (`nemo-run launch/stapo_tiny.py` with the run's
+method, seed and the comparison's overrides) and writes summary.md and curves.png at the end.
 """
 
 import os

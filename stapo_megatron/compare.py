@@ -1,26 +1,28 @@
-"""Method comparison at CPU scale: stapo vs the other methods of `methods.METHODS`, several seeds each.
+"""Method comparison at CPU scale: stapo against the baselines, several seeds each.
 
     nemo-run launch/compare_tiny.py --yes                                    # = make compare
-    .venv/bin/python -m stapo_megatron.compare --out runs/compare            # the same, without NeMo-Run
+    .venv/bin/python -m stapo_megatron.compare --out runs/compare            # the same driver, without NeMo-Run
     .venv/bin/python -m stapo_megatron.compare --out runs/compare --summarize-only
 
-For every seed, one supervised warm-start (``tiny_compare``'s WarmStartConfig) is trained once and
-saved; the methods then start RL from the same warm-started weights with the same seed, so a
-seed pairs the methods (same initial policy, same prompt order, same sampler seeds until the
-policies diverge). Every run is its own ``torchrun`` job (2 processes, DP=2) and leaves a run
-directory ``<out>/<method>_seed<k>/`` with the trainer's usual outputs; a run whose metrics
-already reach the last step is skipped, so an interrupted comparison continues where it stopped.
+Every run is launched exactly as ``make demo`` is (``nemo-run launch/stapo_tiny.py method=M
+seed=S output_dir=OUT/M_seedS <COMPARE_OVERRIDES> --yes``: NeMo-Run, torchrun, 2 processes), so
+a comparison run and the demo differ only in those overrides (``recipes.tiny.tiny_compare``
+builds the same config in Python). All runs start RL from the demo's one warm-start, trained by
+the first run and loaded from ``OUT/.warmstart-cache`` by the others (`warmstart_cache`), and
+the seed pairs the methods: for a seed every method sees the same initial policy, prompt order
+and sampler seeds until the policies diverge. A run whose metrics reach the last step is skipped,
+so an interrupted comparison continues where it stopped.
 
-``summarize`` writes ``<out>/summary.md`` (mean +- std over seeds of the final held-out accuracy,
-the accuracy gain over the warm-start, the final entropy, the silenced fraction; Welch and paired
-t-tests of stapo against each baseline) and ``<out>/curves.png`` (held-out accuracy gain over
-each seed's warm-start, entropy and train reward per step, mean over seeds with a min-max band
-per method).
+``summarize`` writes ``<out>/summary.md``: per method, mean +- std over seeds of the held-out
+accuracy at the start and end, its gain, the final entropy and the tokens silenced; per baseline,
+the paired t-test of stapo's gain against it, the effect size (Cohen's d_z of the paired
+differences) and the smallest difference the run could detect (80% power, two-sided 5%); and
+``<out>/curves.png`` (accuracy gain, entropy and train reward per step, mean over seeds with a
+min-max band).
 """
 
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -28,32 +30,15 @@ import shutil
 import subprocess
 import sys
 import time
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from stapo_megatron.methods import METHODS
 
-
-# -- the worker (one torchrun job) --------------------------------------------------------------
-
-
-def _worker(args) -> None:
-    """Inside torchrun: a warm-start job (``--warm-start``) or one RL run."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from stapo_megatron.recipes.tiny import tiny_compare
-    from stapo_megatron.trainer import train
-
-    cfg, warmstart = tiny_compare(run_dir=args.run_dir, method=args.method, seed=args.seed, steps=args.steps)
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_dir=args.model_dir))
-    if args.warm_start:
-        # warm-start only: no RL steps, no eval, no checkpoint; the weights go to --init
-        cfg = dataclasses.replace(cfg, steps=0, eval_every=0, save_every=0)
-        train(cfg, dataclasses.replace(warmstart, save_to=args.init))
-    else:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, megatron_ckpt=args.init))
-        train(cfg, None)
-
-
-# -- the driver ---------------------------------------------------------------------------------
+DEFAULT_METHODS = ("stapo", "grpo", "entropy20", "random")
+"""The paper's main comparison: STAPO, its JustRL baseline, 20-Entropy and the random control."""
+DEFAULT_SEEDS = (1, 2, 3, 4, 5)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAUNCH_FILE = os.path.join(ROOT, "launch", "stapo_tiny.py")
 
 
 def _read_rows(run_dir: str) -> List[Dict]:
@@ -68,35 +53,38 @@ def _finished(run_dir: str, steps: int) -> bool:
     return any(r.get("kind") == "eval" and r["step"] == steps for r in _read_rows(run_dir))
 
 
-def _torchrun(nproc: int, worker_args: Sequence[str], log_path: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "stapo_megatron.compare", "--worker", *worker_args]
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    with open(log_path, "a") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"job failed (exit {proc.returncode}): {' '.join(worker_args)}; log: {log_path}")
+def _overrides(steps: Optional[int]) -> Dict[str, int]:
+    from stapo_megatron.recipes.tiny import COMPARE_OVERRIDES
+
+    return {**COMPARE_OVERRIDES, **({"steps": steps} if steps else {})}
 
 
-def run_comparison(out: str, seeds: Sequence[int], methods: Sequence[str], steps: int, nproc: int = 2) -> None:
-    """Warm-start once per seed, then every (method, seed) RL run; skips finished work."""
-    from stapo_megatron.recipes.tiny import prepare_tiny_model
+def launch_command(method: str, seed: int, run_dir: str, steps: Optional[int] = None) -> List[str]:
+    """The ``nemo-run`` command of one comparison run: ``make demo`` with the comparison's overrides."""
+    nemo_run = os.path.join(os.path.dirname(sys.executable), "nemo-run")
+    overrides = [f"{k}={v}" for k, v in _overrides(steps).items()]
+    return [nemo_run, LAUNCH_FILE, f"method={method}", f"seed={seed}", f"loss.seed={seed}",
+            f"output_dir={os.path.abspath(run_dir)}", *overrides, "--yes"]
 
+
+def _record_seconds(out: str, run: str, seconds: float) -> None:
+    """Each run's wall time, kept in ``<out>/run_seconds.json`` for the summary."""
+    path = os.path.join(out, "run_seconds.json")
+    times = json.load(open(path)) if os.path.exists(path) else {}
+    times[run] = round(seconds, 1)
+    with open(path, "w") as f:
+        json.dump(times, f, indent=1)
+
+
+def run_comparison(out: str, seeds: Sequence[int], methods: Sequence[str], steps: Optional[int] = None) -> None:
+    """Every (method, seed) run, one after another; finished runs are skipped."""
+    if not os.path.isfile(LAUNCH_FILE):
+        raise FileNotFoundError(f"{LAUNCH_FILE} not found: the comparison launches the demo's launch file "
+                                "and needs the repository checkout (pip install -e .)")
+    steps = _overrides(steps)["steps"]
     os.makedirs(out, exist_ok=True)
-    model_dir = os.path.join(out, "model")
-    prepare_tiny_model(model_dir)
     t_start = time.time()
     jobs = [(m, s) for s in seeds for m in methods]
-    for seed in seeds:
-        init = os.path.join(out, f"warmstart_seed{seed}")
-        if os.path.exists(init):
-            continue
-        print(f"[compare] warm-start seed {seed}", flush=True)
-        t0 = time.time()
-        _torchrun(nproc, ["--warm-start", "--seed", str(seed), "--init", init, "--model-dir", model_dir,
-                          "--run-dir", os.path.join(out, f".warmstart_seed{seed}_run"), "--steps", str(steps)],
-                  os.path.join(out, f"warmstart_seed{seed}.log"))
-        print(f"[compare] warm-start seed {seed} done in {time.time() - t0:.0f}s", flush=True)
     for k, (method, seed) in enumerate(jobs):
         run_dir = os.path.join(out, f"{method}_seed{seed}")
         if _finished(run_dir, steps):
@@ -109,11 +97,12 @@ def run_comparison(out: str, seeds: Sequence[int], methods: Sequence[str], steps
             shutil.rmtree(run_dir)
         t0 = time.time()
         print(f"[compare] run {k + 1}/{len(jobs)}: {method} seed {seed}", flush=True)
-        _torchrun(nproc, ["--method", method, "--seed", str(seed), "--init", os.path.join(out, f"warmstart_seed{seed}"),
-                          "--model-dir", model_dir, "--run-dir", run_dir, "--steps", str(steps)],
-                  os.path.join(run_dir + ".log"))
-        rows = _read_rows(run_dir)
-        evals = [r["eval_accuracy"] for r in rows if r.get("kind") == "eval"]
+        with open(run_dir + ".log", "w") as log:
+            proc = subprocess.run(launch_command(method, seed, run_dir, steps), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        if proc.returncode != 0 or not _finished(run_dir, steps):
+            raise RuntimeError(f"{method} seed {seed} failed (exit {proc.returncode}); log: {run_dir}.log")
+        _record_seconds(out, f"{method}_seed{seed}", time.time() - t0)
+        evals = [r["eval_accuracy"] for r in _read_rows(run_dir) if r.get("kind") == "eval"]
         print(f"[compare] {method} seed {seed}: held-out accuracy {evals[0]:.3f} -> {evals[-1]:.3f} "
               f"({time.time() - t0:.0f}s; {time.time() - t_start:.0f}s so far)", flush=True)
 
@@ -130,13 +119,41 @@ def _mean_std(xs: Sequence[float]):
     return mean, std
 
 
-def _tests(a: Sequence[float], b: Sequence[float]):
-    """(Welch t-test p, paired t-test p) of a vs b, two-sided; NaN where undefined."""
+def paired_comparison(a: Sequence[float], b: Sequence[float], alpha: float = 0.05, power: float = 0.8) -> Dict[str, float]:
+    """Paired comparison of a against b (one pair per seed).
+
+    Returns n, the mean difference a - b and its sample std, the two-sided paired t-test p, the
+    effect size d_z = mean / std of the differences, and ``detectable``: the smallest true mean
+    difference this many seeds detect with probability ``power`` at level ``alpha``, given the
+    observed std (noncentral t, solved by bisection). NaN where fewer than 2 pairs or no spread.
+    """
     from scipy import stats
 
-    welch = stats.ttest_ind(a, b, equal_var=False).pvalue if len(a) > 1 and len(b) > 1 else math.nan
-    paired = stats.ttest_rel(a, b).pvalue if len(a) == len(b) and len(a) > 1 else math.nan
-    return float(welch), float(paired)
+    diffs = [x - y for x, y in zip(a, b)]
+    n = len(diffs)
+    mean, std = _mean_std(diffs)
+    out = dict(n=n, mean_diff=mean, std_diff=std, p=math.nan, d_z=math.nan, detectable=math.nan)
+    if n < 2:
+        return out
+    if std == 0:
+        out["p"] = 1.0 if mean == 0 else 0.0
+        return out
+    out["p"] = float(stats.ttest_rel(a, b).pvalue)
+    out["d_z"] = mean / std
+    df, crit = n - 1, stats.t.ppf(1 - alpha / 2, n - 1)
+
+    def achieved(delta):
+        nc = delta * math.sqrt(n) / std
+        return stats.nct.sf(crit, df, nc) + stats.nct.cdf(-crit, df, nc)
+
+    lo, hi = 0.0, std
+    while achieved(hi) < power:
+        hi *= 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if achieved(mid) < power else (lo, mid)
+    out["detectable"] = hi
+    return out
 
 
 def _run_summary(rows: List[Dict]) -> Dict[str, float]:
@@ -167,9 +184,10 @@ def summarize(out: str, seeds: Sequence[int], methods: Sequence[str] = tuple(MET
     per = {(m, s): _run_summary(rows) for (m, s), rows in runs.items()}
     lines = [
         "# Method comparison (tiny Qwen3, reasoning-gym sums, CPU)", "",
-        f"Seeds {list(seeds)}; each seed's four runs start from the same warm-start. Final = the last "
-        "held-out evaluation (greedy, 100 prompts); entropy = mean token entropy of the last 5 steps; "
-        "silenced = mean fraction of response tokens silenced per step. mean +- std over seeds.", "",
+        f"Seeds {list(seeds)}; every run starts RL from the same warm-start. Accuracy = held-out avg@k "
+        "at the demo's evaluation settings; final = the last evaluation; entropy = mean token entropy "
+        "of the last 5 steps; silenced = mean fraction of response tokens silenced per step. "
+        "mean +- std over seeds.", "",
         "| method | runs | held-out acc. start | final held-out acc. | gain | final entropy | silenced fraction | silenced tokens per run | final train reward |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -184,19 +202,29 @@ def summarize(out: str, seeds: Sequence[int], methods: Sequence[str] = tuple(MET
             f"{fmt(col('entropy'))} | {fmt(col('silenced_fraction'), 5)} | {fmt(col('silenced_total'), 1)} | "
             f"{fmt(col('reward'))} |"
         )
-    lines += ["", "Significance of stapo vs each baseline (two-sided; Welch = unpaired, paired = by seed):", "",
-              "| baseline | metric | stapo mean | baseline mean | difference | Welch p | paired p |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "stapo against each baseline, paired by seed (two-sided paired t-test; d_z = mean / std of the "
+              "paired differences; detectable = the smallest true difference these seeds detect with 80% "
+              "power at the 5% level):", "",
+              "| baseline | metric | stapo | baseline | difference | paired p | d_z | detectable | reading |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for b in [m for m in methods if m != "stapo"]:
         common = [s for s in seeds if ("stapo", s) in per and (b, s) in per]
-        for key, name in (("acc", "final accuracy"), ("entropy", "final entropy")):
+        if len(common) < 2:
+            continue
+        for key, name in (("gain", "accuracy gain"), ("entropy", "final entropy")):
             a_vals = [per["stapo", s][key] for s in common]
             b_vals = [per[b, s][key] for s in common]
-            if len(common) < 2:
-                continue
-            welch, paired = _tests(a_vals, b_vals)
-            ma, mb = _mean_std(a_vals)[0], _mean_std(b_vals)[0]
-            lines.append(f"| {b} | {name} | {ma:.3f} | {mb:.3f} | {ma - mb:+.3f} | {welch:.3f} | {paired:.3f} |")
+            st = paired_comparison(a_vals, b_vals)
+            reading = ("no difference detected" if not st["p"] < 0.05
+                       else f"stapo {'higher' if st['mean_diff'] > 0 else 'lower'}")
+            lines.append(f"| {b} | {name} | {_mean_std(a_vals)[0]:.3f} | {_mean_std(b_vals)[0]:.3f} | "
+                         f"{st['mean_diff']:+.3f} | {st['p']:.3f} | {st['d_z']:+.2f} | {st['detectable']:.3f} | {reading} |")
+    times_path = os.path.join(out, "run_seconds.json")
+    times = json.load(open(times_path)) if os.path.exists(times_path) else {}
+    timed = [times[f"{m}_seed{s}"] for (m, s) in per if f"{m}_seed{s}" in times]
+    if timed:
+        lines += ["", f"Wall time: {sum(timed) / 60:.1f} min for {len(timed)} runs "
+                      f"({min(timed) / 60:.1f} to {max(timed) / 60:.1f} min each, the first including the warm-start)."]
     lines += ["", "Per run:", "", "| method | seed | start acc. | final acc. | final entropy | silenced tokens | steps with silencing |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
     for (m, s), v in sorted(per.items()):
@@ -244,51 +272,58 @@ def _plot(out: str, runs, methods, seeds) -> None:
     plt.close(fig)
 
 
-def compare_tiny(output_dir: str = "runs/compare", seeds: List[int] = [0, 1, 2],  # noqa: B006
-                 methods: List[str] = list(METHODS), steps: int = 0, nproc: int = 2) -> str:  # noqa: B006
+def compare_tiny(output_dir: str = "runs/compare", seeds: List[int] = list(DEFAULT_SEEDS),  # noqa: B006
+                 methods: List[str] = list(DEFAULT_METHODS), steps: int = 0, readme: bool = False) -> str:  # noqa: B006
     """The whole comparison (runs, then summary); the NeMo-Run task of ``launch/compare_tiny.py``.
 
-    ``steps`` = 0 takes the recipe's (``tiny_compare``). Plain types only: NeMo-Run's CLI
-    parses ``key=value`` by annotation and does not take Optional/Sequence.
+    ``steps`` = 0 takes the comparison's (``recipes.tiny.COMPARE_OVERRIDES``); ``readme`` puts the
+    summary into README.md's ``compare`` block. Plain types only: NeMo-Run's CLI parses
+    ``key=value`` by annotation and does not take Optional/Sequence.
     """
-    from stapo_megatron.recipes.tiny import tiny_compare
-
     bad = [m for m in methods if m not in METHODS]
     if bad:
         raise ValueError(f"unknown methods {bad}; choose from {tuple(METHODS)}")
-    steps = steps or tiny_compare()[0].steps
-    run_comparison(output_dir, list(seeds), list(methods), steps, nproc)
+    if len(set(seeds)) != len(seeds) or len(set(methods)) != len(methods):
+        raise ValueError(f"seeds {seeds} and methods {methods} must not repeat")
+    t0 = time.time()
+    run_comparison(output_dir, list(seeds), list(methods), steps or None)
     text = summarize(output_dir, list(seeds), list(methods))
     print(text, flush=True)
+    print(f"[compare] {time.time() - t0:.0f}s in all (finished runs skipped)", flush=True)
+    if readme:
+        _to_readme(output_dir, text)
     return text
+
+
+def _to_readme(out: str, text: str) -> None:
+    """The summary, with the machine and date, into README.md's ``compare`` block."""
+    import datetime
+    import platform
+
+    from stapo_megatron.report import fill_block
+
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    body = text.split("\n", 2)[2]  # without the summary's own title
+    fill_block(os.path.join(ROOT, "README.md"), "compare",
+               f"Measured {datetime.date.today().isoformat()} on {machine} by `make compare` "
+               f"({os.path.relpath(out, ROOT)}/summary.md):\n\n{body}")
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/compare", help="output folder (runs, summary.md, curves.png)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    p.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the recipe's)")
-    p.add_argument("--nproc", type=int, default=2, help="processes per run (DP)")
+    p.add_argument("--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS))
+    p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS))
+    p.add_argument("--steps", type=int, default=0, help="RL steps per run (default: COMPARE_OVERRIDES')")
     p.add_argument("--summarize-only", action="store_true")
-    # worker mode (inside torchrun)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--warm-start", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--method", default="stapo", help=argparse.SUPPRESS)
-    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--init", help=argparse.SUPPRESS)
-    p.add_argument("--model-dir", help=argparse.SUPPRESS)
-    p.add_argument("--run-dir", help=argparse.SUPPRESS)
+    p.add_argument("--readme", action="store_true", help="put the summary into README.md's compare block")
     args = p.parse_args(argv)
-    if args.steps is None:
-        from stapo_megatron.recipes.tiny import tiny_compare
-
-        args.steps = tiny_compare()[0].steps
-    if args.worker:
-        return _worker(args)
     if not args.summarize_only:
-        run_comparison(args.out, args.seeds, args.methods, args.steps, args.nproc)
-    print(summarize(args.out, args.seeds, args.methods))
+        run_comparison(args.out, args.seeds, args.methods, args.steps or None)
+    text = summarize(args.out, args.seeds, args.methods)
+    print(text)
+    if args.readme:
+        _to_readme(args.out, text)
 
 
 if __name__ == "__main__":

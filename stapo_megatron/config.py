@@ -202,6 +202,9 @@ class DataConfig:
     """Longer prompts are dropped (counted, warned)."""
     use_chat_template: bool = True
     """Wrap questions in the tokenizer's chat template (plus the paper's suffix)."""
+    seed: Optional[int] = None
+    """Seeds the generated train / held-out split; None = ``TrainerConfig.seed``. Fixed in the
+    demo so that runs of every seed share the held-out problems and one warm-start."""
 
     def __post_init__(self):
         _check_at_least(self, 0, "num_train", "num_eval")
@@ -327,6 +330,20 @@ class WarmStartConfig:
     save_to: str = ""
     """If set, the warm-started weights are also saved there (model only) before RL starts, so
     other runs can start from them with ``ModelConfig.megatron_ckpt`` and no warm-start."""
+    seed: Optional[int] = None
+    """Seeds the warm-start (the initial weights and its prompt order) apart from the RL run;
+    None = ``TrainerConfig.seed``. Fixed, every RL seed starts from the same warm-started weights."""
+    cache_dir: str = ""
+    """If set, the warm-started weights are cached in ``<cache_dir>/<key>``, ``key`` a hash of
+    everything that determines them (this config, the model folder's config, the data, the
+    parallel layout; `stapo_megatron.warmstart_cache`); a later run with the same key loads them
+    instead of training. The recipe stays the source of truth: change it and the key changes."""
+
+    def __post_init__(self):
+        _check_at_least(self, 0, "steps")
+        _check_at_least(self, 1, "prompts_per_step")
+        if not (0 <= self.label_smoothing < 1):
+            raise ValueError(f"warmstart.label_smoothing must be in [0, 1), got {self.label_smoothing}")
 
 
 @dataclasses.dataclass

@@ -3,14 +3,14 @@
 Which stream seeds what (``seed`` = ``TrainerConfig.seed``, k = the training step, counted from 0):
 
     stream                      value                                          seeds
-    model_init                  seed (+ 100 x pp_rank in parallel.init_parallel) torch (CPU, CUDA) and
+    model_init                  ws (+ 100 x pp_rank in parallel.init_parallel) torch (CPU, CUDA) and
                                                                                Megatron's RNG tracker:
                                                                                identical DP replicas
-    data_split                  seed                                           the generated (reasoning-gym)
+    data_split                  data                                           the generated (reasoning-gym)
                                                                                train / held-out problems
     data_order                  seed (+ epoch)                                 the prompt permutation of
                                                                                each epoch
-    warmstart_order             seed + 99 (+ epoch)                            the warm-start's permutation
+    warmstart_order             ws + 99 (+ epoch)                              the warm-start's permutation
     engine                      seed                                           the sampler's global RNG
                                                                                (used only without a per-call
                                                                                seed)
@@ -24,6 +24,10 @@ Which stream seeds what (``seed`` = ``TrainerConfig.seed``, k = the training ste
     warmstart_microbatches(k)   k (+ position)                                 the same for warm-start step k
     random control (loss)       loss.seed x 1_000_003 + micro-batch seed       ``methods._random_mask``
 
+``ws`` = ``WarmStartConfig.seed`` and ``data`` = ``DataConfig.seed``, each ``seed`` when unset:
+fixing them (the demo does) gives every RL seed the same held-out problems and the same
+warm-started weights, so seeds differ only in what RL does.
+
 The multipliers keep the streams of different steps and ranks apart. The micro-batch seeds do not
 depend on ``seed`` (only the random control reads them, combined with ``LossConfig.seed``); the
 values are those the runs so far used, so fixed-seed results stay reproducible.
@@ -32,6 +36,7 @@ values are those the runs so far used, so fixed-seed results stay reproducible.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,16 +45,24 @@ class Seeds:
 
     seed: int
     """``TrainerConfig.seed``."""
+    warmstart_seed: Optional[int] = None
+    """``WarmStartConfig.seed`` (None = ``seed``)."""
+    data_seed: Optional[int] = None
+    """``DataConfig.seed`` (None = ``seed``)."""
+
+    @property
+    def _ws(self) -> int:
+        return self.seed if self.warmstart_seed is None else self.warmstart_seed
 
     @property
     def model_init(self) -> int:
         """Weights (``parallel.init_parallel`` adds 100 x pp_rank)."""
-        return self.seed
+        return self._ws
 
     @property
     def data_split(self) -> int:
         """The generated train / held-out problems."""
-        return self.seed
+        return self.seed if self.data_seed is None else self.data_seed
 
     @property
     def data_order(self) -> int:
@@ -59,7 +72,7 @@ class Seeds:
     @property
     def warmstart_order(self) -> int:
         """The warm-start prompts' permutation of epoch e is seeded with this + e."""
-        return self.seed + 99
+        return self._ws + 99
 
     @property
     def engine(self) -> int:

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from stapo_megatron import checkpoint as ckpt
+from stapo_megatron import checkpoint as ckpt, warmstart_cache
 from stapo_megatron.batching import group_advantages, pack_sequences, split_microbatches
 from stapo_megatron.config import TrainerConfig, WarmStartConfig
 from stapo_megatron.metrics import RunLogger, plot_run
@@ -98,7 +98,7 @@ def _load_data(cfg: TrainerConfig, tokenizer):
         held_out = data.load_examples(cfg.data.eval_path)
     else:
         train, held_out = data.reasoning_gym_split(
-            cfg.data.reasoning_gym_task, cfg.data.num_train, cfg.data.num_eval, Seeds(cfg.seed).data_split,
+            cfg.data.reasoning_gym_task, cfg.data.num_train, cfg.data.num_eval, Seeds(cfg.seed, data_seed=cfg.data.seed).data_split,
             **cfg.data.reasoning_gym_kwargs,
         )
     out = []
@@ -124,7 +124,7 @@ class Trainer:
                 f"prompts_per_step {cfg.prompts_per_step} must be a multiple of minibatch_prompts {cfg.minibatch_prompts}"
             )
         self.cfg, self.warmstart = cfg, warmstart
-        self.seeds = Seeds(cfg.seed)
+        self.seeds = Seeds(cfg.seed, warmstart.seed if warmstart else None, cfg.data.seed)
         self.groups = init_parallel(
             cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size, seed=self.seeds.model_init
         )
@@ -252,6 +252,28 @@ class Trainer:
                            ws.label_smoothing)
             if self.rank == 0 and (step % 10 == 0 or step == ws.steps - 1):
                 print(f"[warm-start] step {step}/{ws.steps} nll {nll:.4f}", flush=True)
+
+    def _warm_start_or_load(self):
+        """The warm-start, or its cached weights (`warmstart_cache`) when a run already made them."""
+        from stapo_megatron.bridge.model import load_checkpoint
+
+        cached = warmstart_cache.cached_path(self.cfg, self.warmstart, self.seeds.model_init,
+                                             self.seeds.data_split, dist.get_world_size())
+        if cached and warmstart_cache.is_complete(cached):
+            load_checkpoint(self.model.module, cached)
+            if self.rank == 0:
+                print(f"[warm-start] loaded the cached warm-start {cached}", flush=True)
+        else:
+            self.warm_start()
+            if cached:
+                ckpt.save_model_only(self.model, cached)
+                if self.rank == 0:
+                    print(f"[warm-start] cached in {cached}", flush=True)
+        if self.warmstart.save_to:
+            ckpt.save_model_only(self.model, self.warmstart.save_to)
+        # the RL optimizer was built before: with bf16 its fp32 main parameters still hold the
+        # initial weights and would overwrite the warm-start at the first step
+        self.optimizer.reload_model_params()
 
     def train_step(self, step: int) -> Tuple[Dict, List]:
         """One training step, one line per phase (docs/design.md, "One training step").
@@ -411,9 +433,7 @@ class Trainer:
             if self.rank == 0:
                 print(f"resumed from {latest} (step {start})", flush=True)
         elif self.warmstart and self.warmstart.steps:
-            self.warm_start()
-            if self.warmstart.save_to:
-                ckpt.save_model_only(self.model, self.warmstart.save_to)
+            self._warm_start_or_load()
         self._sync_weights()
         rows = []
         if start == 0 and cfg.eval_every:

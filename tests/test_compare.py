@@ -1,7 +1,10 @@
 """The method comparison's summary: statistics over seeds from run directories' metrics.jsonl."""
 
 import json
-import re
+import math
+import os
+
+import numpy as np
 
 import pytest
 
@@ -20,25 +23,58 @@ def _write_run(path, acc0, acc, entropy, silenced):
 
 def test_summary_statistics_and_plot(tmp_path):
     pytest.importorskip("scipy")
-    finals = {"stapo": [0.80, 0.82, 0.84], "grpo": [0.70, 0.71, 0.75]}
+    from scipy import stats
+
+    finals = {"stapo": [0.80, 0.82, 0.84, 0.79], "grpo": [0.70, 0.71, 0.75, 0.74], "random": [0.80, 0.81, 0.85, 0.78]}
     for method, accs in finals.items():
         for seed, acc in enumerate(accs):
             _write_run(tmp_path / f"{method}_seed{seed}", 0.3, acc, 0.2 if method == "stapo" else 0.1,
                        3 if method == "stapo" else 0)
-    text = compare.summarize(str(tmp_path), seeds=[0, 1, 2], methods=["stapo", "grpo"])
+    text = compare.summarize(str(tmp_path), seeds=[0, 1, 2, 3], methods=["stapo", "grpo", "random"])
     assert (tmp_path / "summary.md").read_text() == text
     assert (tmp_path / "curves.png").stat().st_size > 10_000
-    stapo_row = next(line for line in text.splitlines() if line.startswith("| stapo | 3 |"))
-    # mean +- sample std of the final accuracies 0.80, 0.82, 0.84
-    assert "0.820 +- 0.020" in stapo_row
+    stapo_row = next(line for line in text.splitlines() if line.startswith("| stapo | 4 |"))
+    # mean +- sample std of the final accuracies
+    assert "{:.3f} +- {:.3f}".format(np.mean(finals["stapo"]), np.std(finals["stapo"], ddof=1)) in stapo_row
     assert "| 18.0 +- 0.0 |" in stapo_row  # 3 silenced tokens x 6 steps per run
-    row = next(line for line in text.splitlines() if line.startswith("| grpo | final accuracy |"))
-    welch, paired = (float(x) for x in re.findall(r"\| (0\.\d{3}) \| (0\.\d{3}) \|$", row)[0])
-    from scipy import stats
+    row = next(line for line in text.splitlines() if line.startswith("| grpo | accuracy gain |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    diff, p, d_z, detectable = float(cells[4]), float(cells[5]), float(cells[6]), float(cells[7])
+    d = np.array(finals["stapo"]) - np.array(finals["grpo"])
+    assert diff == pytest.approx(d.mean(), abs=1e-3)
+    assert p == pytest.approx(stats.ttest_rel(finals["stapo"], finals["grpo"]).pvalue, abs=1e-3) and p < 0.05
+    assert d_z == pytest.approx(d.mean() / d.std(ddof=1), abs=1e-2)
+    assert cells[8] == "stapo higher"
+    # the detectable difference has 80% power: a two-sided paired t-test at 5% with 4 seeds
+    crit, nc = stats.t.ppf(0.975, 3), detectable * 2 / d.std(ddof=1)
+    assert stats.nct.sf(crit, 3, nc) + stats.nct.cdf(-crit, 3, nc) == pytest.approx(0.8, abs=0.01)
+    random_row = next(line for line in text.splitlines() if line.startswith("| random | accuracy gain |"))
+    assert random_row.endswith("| no difference detected |")
 
-    assert welch == pytest.approx(stats.ttest_ind(finals["stapo"], finals["grpo"], equal_var=False).pvalue, abs=1e-3)
-    assert paired == pytest.approx(stats.ttest_rel(finals["stapo"], finals["grpo"]).pvalue, abs=1e-3)
-    assert welch < 0.05
+
+def test_paired_comparison_edge_cases():
+    same = compare.paired_comparison([0.5, 0.6], [0.5, 0.6])
+    assert (same["mean_diff"], same["p"]) == (0.0, 1.0)
+    one = compare.paired_comparison([0.5], [0.4])
+    assert one["n"] == 1 and math.isnan(one["p"]) and math.isnan(one["detectable"])
+
+
+def test_each_run_is_launched_as_make_demo_is():
+    from stapo_megatron.recipes.tiny import COMPARE_OVERRIDES, tiny_compare
+
+    cmd = compare.launch_command("random", 3, "runs/compare/random_seed3")
+    makefile = open(os.path.join(compare.ROOT, "Makefile")).read()
+    assert "nemo-run launch/stapo_tiny.py --yes" in makefile and cmd[1] == compare.LAUNCH_FILE
+    assert os.path.basename(cmd[0]) == "nemo-run" and cmd[-1] == "--yes"
+    assert {"method=random", "seed=3", "loss.seed=3", *(f"{k}={v}" for k, v in COMPARE_OVERRIDES.items())} <= set(cmd)
+    # the launched config is the one tiny_compare documents
+    from stapo_megatron.launch.entry import build_config
+
+    args = dict(a.split("=", 1) for a in cmd[2:-1])
+    cfg, ws = build_config("tiny", args.pop("method"), args.pop("output_dir"),
+                           loss={"seed": int(args.pop("loss.seed"))}, **{k: int(v) for k, v in args.items()})
+    ref, ref_ws = tiny_compare(run_dir=cfg.run_dir, method="random", seed=3)
+    assert cfg == ref and ws == ref_ws
 
 
 def test_summary_without_runs_is_a_clear_error(tmp_path):

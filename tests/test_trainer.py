@@ -20,12 +20,12 @@ REQUIRED = (
 )
 
 
-def _train(model_dir, run_dir):
+def _train(model_dir, run_dir, cache_dir):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
-           os.path.join(HERE, "trainer_script.py"), str(run_dir), str(model_dir), "2"]
+           os.path.join(HERE, "trainer_script.py"), str(run_dir), str(model_dir), "2", str(cache_dir)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")], proc.stdout
 
 
 def _values(rows):
@@ -37,7 +37,9 @@ def test_two_steps_of_real_training(tmp_path):
     model_dir, run_dir = tmp_path / "model", tmp_path / "run"
     subprocess.run([sys.executable, os.path.join(HERE, "..", "examples", "prepare_tiny_model.py"), str(model_dir)],
                    check=True, capture_output=True)
-    rows = _train(model_dir, run_dir)
+    cache = tmp_path / "warmstart-cache"
+    rows, log = _train(model_dir, run_dir, cache)
+    assert "[warm-start] cached in" in log and len(os.listdir(cache)) == 1
     evals = [r for r in rows if r["kind"] == "eval"]
     train = [r for r in rows if r["kind"] == "train"]
     assert [r["step"] for r in evals] == [0, 2] and [r["step"] for r in train] == [1, 2]
@@ -59,6 +61,8 @@ def test_two_steps_of_real_training(tmp_path):
     assert latest is not None and latest.endswith("step_00000002")
 
     # Determinism: the same seed, launch path and machine give the same metrics, value for value
-    # (warm-start, vLLM sampling, rewards, both DP replicas' updates); only wall-clock times differ.
-    again = _train(model_dir, tmp_path / "run_again")
+    # (vLLM sampling, rewards, both DP replicas' updates); only wall-clock times differ. The
+    # second run loads the first one's cached warm-start instead of training it: the same run.
+    again, log = _train(model_dir, tmp_path / "run_again", cache)
+    assert "[warm-start] loaded the cached warm-start" in log
     assert _values(again) == _values(rows)

@@ -1,6 +1,6 @@
 """A 2-step run of the real trainer (vLLM rollouts, math rewards, Megatron, DP=2) for tests.
 
-    torchrun --nproc-per-node 2 tests/trainer_script.py RUN_DIR MODEL_DIR STEPS
+    torchrun --nproc-per-node 2 tests/trainer_script.py RUN_DIR MODEL_DIR STEPS [WARMSTART_CACHE_DIR]
 """
 
 import dataclasses
@@ -15,6 +15,7 @@ from stapo_megatron.trainer import train  # noqa: E402
 
 if __name__ == "__main__":
     run_dir, model_dir, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    cache_dir = sys.argv[4] if len(sys.argv) > 4 else ""
     cfg, warmstart = tiny_demo(run_dir=run_dir)
     cfg = dataclasses.replace(
         cfg, steps=steps, prompts_per_step=16, minibatch_prompts=8, micro_batch_size=16,
@@ -25,4 +26,4 @@ if __name__ == "__main__":
         loss=dataclasses.replace(cfg.loss, tau_p=0.2),
     )
     # enough warm-start for some correct samples (non-zero advantages) at T=1
-    train(cfg, dataclasses.replace(warmstart, steps=100))
+    train(cfg, dataclasses.replace(warmstart, steps=100, cache_dir=cache_dir))

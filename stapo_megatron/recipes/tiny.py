@@ -8,15 +8,29 @@ from stapo_megatron.config import (DataConfig, LossConfig, ModelConfig, OptimCon
                                    WarmStartConfig)
 
 
+BASE_SEED = 1234
+"""Seeds the demo's held-out split and its warm-start, whatever the RL seed (``seed=``)."""
+
+
+def warmstart_cache_dir(run_dir: str) -> str:
+    """``<parent of run_dir>/.warmstart-cache``: sibling runs (``runs/demo``, the seeds of
+    ``make demo-seeds``, the runs of ``make compare``) share one cached warm-start."""
+    return os.path.join(os.path.dirname(os.path.abspath(run_dir)), ".warmstart-cache")
+
+
 def tiny_demo(run_dir: str = "runs/demo", method: str = "stapo"):
     """Sums of 2-3 one-digit numbers from reasoning-gym, a tiny char-level Qwen3, SFT warm-start
     on worked answers ("3+3=6, 6+2=8. \\boxed{8}"), then RL.
+
+    The held-out split and the warm-start are seeded with ``BASE_SEED`` whatever the run's seed,
+    and the warm-start is cached beside the run (``warmstart_cache_dir``): every seed starts RL
+    from the same weights, trained once, and the seeds differ only in what RL does.
 
     Returns (TrainerConfig, WarmStartConfig).
     """
     cfg = TrainerConfig(
         run_dir=run_dir,
-        steps=60,
+        steps=50,
         prompts_per_step=48,
         minibatch_prompts=48,
         micro_batch_size=16,
@@ -33,7 +47,7 @@ def tiny_demo(run_dir: str = "runs/demo", method: str = "stapo"):
             reasoning_gym_task="basic_arithmetic",
             reasoning_gym_kwargs=dict(min_terms=2, max_terms=3, min_digits=1, max_digits=1, operators=("+",),
                                       allow_parentheses=False, allow_negation=False),
-            num_train=900, num_eval=100, max_prompt_len=256, use_chat_template=False,
+            num_train=900, num_eval=100, max_prompt_len=256, use_chat_template=False, seed=BASE_SEED,
         ),
         # worked answers ("3+3=6, 6+2=8. \\boxed{8}") are at most 28 tokens with end-of-sequence
         rollout=RolloutSampling(group_size=8, temperature=1.0, top_p=1.0, max_response_len=32),
@@ -44,15 +58,18 @@ def tiny_demo(run_dir: str = "runs/demo", method: str = "stapo"):
     )
     # Measured without label smoothing: every off-target token gets ~1e-5, the sampled tokens'
     # probabilities are either > 0.1 (digits) or ~1 (forced), and S2T found one candidate in ten
-    # steps (it silences nothing with fewer than two per mini-batch). eps = 0.01 spreads 1% over
-    # the 99 other tokens (p ~ 1e-4 < tau_p), as a pretrained LLM's tail would be; at T = 1 a
-    # 25-token answer then holds a stray token about a fifth of the time (eps = 0.02: 40%, which
-    # left two of three seeds below 0.40 at RL step 0).
+    # steps (it silences nothing with fewer than two per mini-batch). eps = 0.02 spreads 2% over
+    # the 99 other tokens (p ~ 2e-4 < tau_p), as a pretrained LLM's tail would be; at T = 1 about
+    # half the answers then hold a stray token, which is what RL removes (and S2T's candidates).
+    # Measured for this warm-start (seed BASE_SEED, held-out avg@4 at T = 1 / greedy accuracy)
+    # after 200, 300, 400 SFT steps: 0.41 / 0.87, 0.47 / 0.88, 0.50 / 0.84; eps = 0.01 reached
+    # 0.75 at T = 1, too close to the ceiling for RL to show +0.20.
     # Worked targets (`worked_sum`): the direct "\\boxed{8}" target plateaued at NLL ~0.3 and a
     # seed-dependent 5-39% greedy accuracy; written-out running sums reach NLL ~0.03 in 300-400
     # steps, and what is left for RL is the stray tokens sampled at T = 1 and the addition slips.
-    warmstart = WarmStartConfig(steps=400, lr=2e-3, prompts_per_step=64, label_smoothing=0.01,
-                                target_fn="stapo_megatron.recipes.tiny.worked_sum")
+    warmstart = WarmStartConfig(steps=400, lr=2e-3, prompts_per_step=64, label_smoothing=0.02,
+                                target_fn="stapo_megatron.recipes.tiny.worked_sum", seed=BASE_SEED,
+                                cache_dir=warmstart_cache_dir(run_dir))
     return cfg, warmstart
 
 
@@ -76,17 +93,17 @@ def worked_sum(example) -> str:
     return f"{', '.join(steps)}. \\boxed{{{total}}}"
 
 
-def tiny_compare(run_dir: str = "runs/compare/run", method: str = "stapo", seed: int = 0, steps: int = 30):
-    """The method comparison's run: ``tiny_demo`` with a per-seed seed and fewer RL steps.
+COMPARE_OVERRIDES = dict(steps=15, eval_every=5, save_every=0)
+"""What a run of the method comparison changes in ``tiny_demo`` (besides method and seed):
+fewer RL steps, so that 4 methods x 5 seeds fit in about an hour on 2 cores."""
 
-    Sized so that 3 seeds x 4 methods plus 3 warm-starts finish in under an hour on 2 cores
-    (``python -m stapo_megatron.compare``). Returns (TrainerConfig, WarmStartConfig).
-    """
+
+def tiny_compare(run_dir: str = "runs/compare/run", method: str = "stapo", seed: int = 0):
+    """A run of the method comparison: ``tiny_demo`` with ``COMPARE_OVERRIDES`` and ``seed`` for
+    the run (RL sampling, data order, the random control). `stapo_megatron.compare` launches
+    exactly this through NeMo-Run. Returns (TrainerConfig, WarmStartConfig)."""
     cfg, warmstart = tiny_demo(run_dir=run_dir, method=method)
-    cfg = dataclasses.replace(
-        cfg, steps=steps, seed=1000 + seed, eval_every=10, save_every=0,
-        loss=dataclasses.replace(cfg.loss, seed=seed),
-    )
+    cfg = dataclasses.replace(cfg, seed=seed, loss=dataclasses.replace(cfg.loss, seed=seed), **COMPARE_OVERRIDES)
     return cfg, warmstart
 
 
