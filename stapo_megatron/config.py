@@ -7,6 +7,8 @@
                                   the engine's `RolloutConfig`, built by `engine_config`)
       .loss    LossConfig         the method (`stapo_megatron.methods`) and its constants
       .optim   OptimConfig        AdamW
+      .eval_sets [EvalSetConfig]  named evaluation sets (benchmarks), scored every eval_every
+      .logging LoggingConfig      where metrics go besides metrics.jsonl (TensorBoard, W&B, MLflow)
     WarmStartConfig               the supervised warm-start before RL (CPU demo)
 
 Every field has a one-line (or longer) docstring under it. Defaults are the paper's recipe
@@ -23,13 +25,13 @@ import dataclasses
 import inspect
 import math
 import textwrap
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from stapo_megatron.methods import get_method
 
 __all__ = [
-    "DataConfig", "EngineResources", "LossConfig", "ModelConfig", "OptimConfig", "RolloutConfig",
-    "RolloutSampling", "TrainerConfig", "WarmStartConfig", "field_docs",
+    "DataConfig", "EngineResources", "EvalSetConfig", "LoggingConfig", "LossConfig", "ModelConfig", "OptimConfig",
+    "RolloutConfig", "RolloutSampling", "TrainerConfig", "WarmStartConfig", "eval_set_configs", "field_docs",
 ]
 
 
@@ -184,9 +186,16 @@ class DataConfig:
     """Prompts for training and the held-out set."""
 
     train_path: Optional[str] = None
-    """JSONL/parquet with `prompt` and `answer` (or DAPO-Math-17k's layout); None = generate."""
+    """JSONL/parquet file or HF dataset folder (``save_to_disk``) with `prompt` and `answer` (or
+    DAPO-Math-17k's layout, or the fields below); None = generate."""
     eval_path: Optional[str] = None
-    """Held-out JSONL/parquet; None = generate."""
+    """Held-out JSONL/parquet file or HF dataset folder; None = generate."""
+    prompt_field: str = ""
+    """Field of the question in both files ("" = `prompt`, as a string or chat messages); a
+    dotted name reads a nested field."""
+    answer_field: str = ""
+    """Field of the reference answer in both files ("" = `answer`, else
+    `reward_model.ground_truth`); a dotted name reads a nested field."""
     dedupe: bool = False
     """Keep one copy of repeated training problems (the published DAPO-Math-17k parquet repeats
     each problem about 100 times)."""
@@ -209,6 +218,41 @@ class DataConfig:
     def __post_init__(self):
         _check_at_least(self, 0, "num_train", "num_eval")
         _check_at_least(self, 1, "max_prompt_len")
+
+
+@dataclasses.dataclass
+class EvalSetConfig:
+    """A named evaluation set: avg@k / pass@k of each decoding (`stapo_megatron.evaluation`)."""
+
+    name: str = ""
+    """Name in the metrics (``eval/<name>/<decoding>/avg@<k>``) and tables, e.g. "aime24"."""
+    path: str = ""
+    """JSONL/parquet file or HF dataset folder, one problem per row."""
+    k: int = 4
+    """Samples per problem (the paper: 32 on AIME24/25 and AMC23, 4 on the others)."""
+    decodings: Tuple[str, ...] = ("T1.0_p1.0", "T0.7_p0.9")
+    """Sampling settings, each named ``T<temperature>_p<top_p>`` (the paper's two by default)."""
+    prompt_field: str = ""
+    """Field of the question ("" = the first of `problem`, `question`, `prompt`)."""
+    answer_field: str = ""
+    """Field of the answer ("" = the first of `answer`, `final_answer`, `solution`; a field
+    named `solution` is a worked solution whose last \\boxed{} is the answer)."""
+
+    def __post_init__(self):
+        from stapo_megatron.evaluation import Decoding  # light; imported here to keep config.py's imports few
+
+        if not self.name or "/" in self.name:
+            raise ValueError(f"EvalSetConfig.name must be non-empty without '/' (it is part of metric names), "
+                             f"got {self.name!r}")
+        if not self.path:
+            raise ValueError(f"EvalSetConfig {self.name!r}: path is empty")
+        _check_at_least(self, 1, "k")
+        self.decodings = tuple(self.decodings)
+        if not self.decodings or len(set(self.decodings)) != len(self.decodings):
+            raise ValueError(f"EvalSetConfig {self.name!r}: decodings must be non-empty and unique, "
+                             f"got {self.decodings}")
+        for name in self.decodings:
+            Decoding.from_name(name)  # ValueError naming the expected form
 
 
 @dataclasses.dataclass
@@ -347,6 +391,43 @@ class WarmStartConfig:
 
 
 @dataclasses.dataclass
+class LoggingConfig:
+    """Experiment tracking beside ``metrics.jsonl`` (which is always written): see
+    ``stapo_megatron.tracking``. Only global rank 0 logs."""
+
+    backends: Tuple[str, ...] = ("tensorboard",)
+    """Any of ``tensorboard``, ``wandb``, ``mlflow``. On the command line a comma-separated list,
+    with or without brackets: ``logging.backends=[tensorboard,wandb,mlflow]``."""
+    project: str = "stapo-megatron"
+    """W&B project and MLflow experiment name."""
+    run_name: str = ""
+    """The tracking run's display name; empty = the run folder's name."""
+    wandb_mode: str = "offline"
+    """``offline`` (files under ``<run_dir>/wandb``, upload later with ``wandb sync``; no network
+    or account needed) or ``online``."""
+    mlflow_tracking_uri: str = ""
+    """Where MLflow writes; empty = a local file store ``<run_dir>/mlruns`` (read it with
+    ``MlflowClient(tracking_uri=...)`` or ``mlflow ui --backend-store-uri``)."""
+    num_samples: int = 8
+    """Held-out generations (prompt, response, answer, reward) logged as a table at every eval."""
+
+    def __post_init__(self):
+        if isinstance(self.backends, str):
+            self.backends = tuple(b.strip() for b in self.backends.strip("[]()").split(",") if b.strip())
+        self.backends = tuple(self.backends)
+        unknown = [b for b in self.backends if b not in TRACKING_BACKENDS]
+        if unknown:
+            raise ValueError(f"logging.backends: unknown {unknown}; choose from {list(TRACKING_BACKENDS)}")
+        if self.wandb_mode not in ("offline", "online"):
+            raise ValueError(f"logging.wandb_mode must be 'offline' or 'online', got {self.wandb_mode!r}")
+        _check_at_least(self, 0, "num_samples")
+
+
+TRACKING_BACKENDS = ("tensorboard", "wandb", "mlflow")
+"""What `LoggingConfig.backends` may name."""
+
+
+@dataclasses.dataclass
 class TrainerConfig:
     """One STAPO training run."""
 
@@ -365,7 +446,8 @@ class TrainerConfig:
     seed: int = 1234
     """Seeds data order, sampling and the random-control mask."""
     eval_every: int = 10
-    """Held-out evaluation every this many steps (and at step 0 and the end); 0 = never."""
+    """Evaluation (held-out set and ``eval_sets``) every this many steps (and at step 0 and the
+    end); 0 = never."""
     eval_temperature: float = 0.0
     """Held-out decoding temperature (0 = greedy)."""
     eval_samples: int = 1
@@ -380,6 +462,13 @@ class TrainerConfig:
     """Stop with an error after this many consecutive steps with a NaN/Inf loss or gradient."""
     reward_timeout_s: float = 5.0
     """Time bound of one math-verify check."""
+    init_timeout_s: float = 180.0
+    """How long a rank waits for every other rank to join the process group (the ``timeout`` of
+    ``torch.distributed.init_process_group``, default 30 min on gloo): a rank or node that fails
+    before it (bad input, import error, lost node) ends the whole job after at most this long."""
+    distributed_timeout_s: float = 600.0
+    """How long a collective waits for a rank that stopped answering once the group has formed
+    (Megatron's ``--distributed-timeout-minutes``, 10); a rank that dies is noticed at once."""
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     """Model and training parallelism."""
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -390,6 +479,12 @@ class TrainerConfig:
     """Policy loss (``method``: a name of `stapo_megatron.methods.METHODS`)."""
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     """AdamW (the paper: lr 1e-6, weight decay 0.1, grad clip 1.0)."""
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    """Experiment tracking: TensorBoard, Weights & Biases, MLflow."""
+    eval_sets: List[EvalSetConfig] = dataclasses.field(default_factory=list)
+    """Named evaluation sets scored with the held-out set (every ``eval_every`` steps, at step 0
+    and the end), sampled with ``rollout.max_response_len``; dicts of `EvalSetConfig` fields
+    are accepted (what a ``key=value`` override gives)."""
 
     def __post_init__(self):
         _check_at_least(self, 0, "steps", "lr_warmup_steps", "eval_every", "save_every", "max_consecutive_skips",
@@ -397,8 +492,10 @@ class TrainerConfig:
         _check_at_least(self, 1, "prompts_per_step", "minibatch_prompts", "micro_batch_size", "eval_samples")
         if not (0 <= self.eval_temperature and math.isfinite(self.eval_temperature)):
             raise ValueError(f"eval_temperature must be finite and >= 0 (0 = greedy), got {self.eval_temperature}")
-        if not (0 < self.reward_timeout_s and math.isfinite(self.reward_timeout_s)):
-            raise ValueError(f"reward_timeout_s must be finite and > 0, got {self.reward_timeout_s}")
+        for name in ("reward_timeout_s", "init_timeout_s", "distributed_timeout_s"):
+            if not (0 < getattr(self, name) and math.isfinite(getattr(self, name))):
+                raise ValueError(f"{name} must be finite and > 0, got {getattr(self, name)}")
+        self.eval_sets = eval_set_configs(self.eval_sets)
         # The loss recomputes pi_old and pi_theta at loss.temperature; sampling at another
         # temperature would make every ratio, entropy and S2T decision refer to a distribution
         # the responses were not drawn from.
@@ -413,3 +510,53 @@ class TrainerConfig:
                 f"loss.kl_coef={self.loss.kl_coef} needs a reference model's log-probs, which this trainer "
                 "does not compute (the paper uses no KL term); set loss.kl_coef=0"
             )
+
+
+def eval_set_configs(sets: Any) -> List[EvalSetConfig]:
+    """``TrainerConfig.eval_sets`` (and ``stapo-eval --set``) as `EvalSetConfig` objects.
+
+    Takes `EvalSetConfig` objects, dicts of its fields, or one string (what the command line can
+    carry): sets separated by ";", each ``name=..,path=..[,k=4][,prompt_field=..]
+    [,answer_field=..][,decodings=T1.0_p1.0+T0.7_p0.9]``. An unknown field is refused with the
+    closest field names; names must be unique.
+    """
+    if isinstance(sets, str):
+        sets = [_eval_set_fields(spec) for spec in sets.split(";") if spec.strip()]
+    if not isinstance(sets, (list, tuple)):
+        raise ValueError(f"eval_sets must be a list of EvalSetConfig (or dicts of its fields) or a string "
+                         f"'name=..,path=..;...', got {type(sets).__name__}")
+    out = []
+    for i, entry in enumerate(sets):
+        if isinstance(entry, dict):
+            from stapo_megatron.overrides import unknown_field_error
+
+            names = {f.name for f in dataclasses.fields(EvalSetConfig)}
+            unknown = [key for key in entry if key not in names]
+            if unknown:
+                raise unknown_field_error(f"eval_sets[{i}].{unknown[0]}", EvalSetConfig(name="x", path="x"), unknown[0])
+            entry = EvalSetConfig(**entry)
+        if not isinstance(entry, EvalSetConfig):
+            raise ValueError(f"eval_sets[{i}] must be an EvalSetConfig or a dict, got {type(entry).__name__}")
+        out.append(entry)
+    names = [s.name for s in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"eval_sets names must be unique, got {names}")
+    return out
+
+
+def _eval_set_fields(spec: str) -> Dict[str, Any]:
+    """The fields of one ``name=..,path=..,k=4,decodings=T1.0_p1.0+T0.7_p0.9`` set, typed."""
+    fields: Dict[str, Any] = {}
+    for item in spec.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"eval set {spec!r}: expected FIELD=VALUE pairs separated by commas, got {item!r}")
+        fields[key.strip()] = value.strip()
+    if "k" in fields:
+        try:
+            fields["k"] = int(fields["k"])
+        except ValueError:
+            raise ValueError(f"eval set {spec!r}: k must be an integer, got {fields['k']!r}") from None
+    if "decodings" in fields:
+        fields["decodings"] = tuple(fields["decodings"].split("+"))
+    return fields

@@ -3,8 +3,9 @@
 Owns the path from a file (or an offline generator) to token ids of prompts the rollout engine
 samples from:
 
-- ``load_examples``: JSONL or parquet files in the plain layout (``prompt`` + ``answer``) or in
-  DAPO-Math-17k's layout (chat-message ``prompt``, answer in ``reward_model.ground_truth``);
+- ``load_examples``: JSONL or parquet files, or HF dataset folders (``read_rows``), in the plain
+  layout (``prompt`` + ``answer``), in DAPO-Math-17k's layout (chat-message ``prompt``, answer in
+  ``reward_model.ground_truth``), or with named fields (``prompt_field`` / ``answer_field``);
 - ``reasoning_gym_split``: a fixed, disjoint train / held-out split of an offline reasoning-gym
   task (the embedded default trains on ``basic_arithmetic``);
 - ``format_prompt`` / ``tokenize_prompts``: the tokenizer's chat template around the question plus
@@ -52,8 +53,18 @@ class Example:
     """A stable identifier: the row's own id when it has one, else ``<file stem>-<row number>``."""
 
 
-def _read_rows(path: str) -> Iterator[tuple[str, dict]]:
-    """Yield (location, row) for every row of a JSONL or parquet file; location is ``file:line``."""
+def read_rows(path: str) -> Iterator[tuple[str, dict]]:
+    """Yield (location, row) for every row of a JSONL file, a parquet file or an HF dataset folder.
+
+    Location is ``file:line`` (JSONL), ``file:row N`` (parquet) or ``folder:row N`` (dataset
+    folder). A dataset folder is what ``datasets.Dataset.save_to_disk`` writes (see
+    ``_hf_dataset_tables``); it is read with pyarrow, so the ``datasets`` package is not needed.
+    """
+    if os.path.isdir(path):
+        rows = (row for table in _hf_dataset_tables(path) for row in table.to_pylist())
+        for i, row in enumerate(rows, start=1):
+            yield f"{path}:row {i}", row
+        return
     if not os.path.isfile(path):
         raise ValueError(f"dataset file {path!r} does not exist")
     if path.endswith(".parquet"):
@@ -63,7 +74,7 @@ def _read_rows(path: str) -> Iterator[tuple[str, dict]]:
             yield f"{path}:row {i}", row
         return
     if not path.endswith(".jsonl"):
-        raise ValueError(f"dataset file {path!r}: expected a .jsonl or .parquet file")
+        raise ValueError(f"dataset file {path!r}: expected a .jsonl or .parquet file or an HF dataset folder")
     with open(path, "rb") as f:
         for i, raw in enumerate(f, start=1):
             try:
@@ -79,6 +90,58 @@ def _read_rows(path: str) -> Iterator[tuple[str, dict]]:
             if not isinstance(row, dict):
                 raise ValueError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")
             yield f"{path}:{i}", row
+
+
+def _hf_dataset_tables(folder: str) -> list:
+    """The pyarrow tables of a ``datasets.Dataset.save_to_disk`` folder, in order.
+
+    That layout is ``state.json`` (its ``_data_files`` list names the shards), the shards
+    ``data-0000i-of-0000n.arrow`` (Arrow IPC streams) and ``dataset_info.json``. A
+    ``DatasetDict`` folder (``dataset_dict.json`` and one such folder per split) is refused with
+    the split folders to choose from.
+    """
+    import pyarrow as pa  # only dataset-folder users need pyarrow loaded
+
+    splits_file = os.path.join(folder, "dataset_dict.json")
+    if os.path.isfile(splits_file):
+        with open(splits_file, encoding="utf-8") as f:
+            splits = json.load(f).get("splits", [])
+        raise ValueError(f"{folder!r} is an HF DatasetDict with splits {splits}: give one split's folder, "
+                         f"e.g. {os.path.join(folder, splits[0] if splits else 'train')!r}")
+    state_file = os.path.join(folder, "state.json")
+    if not os.path.isfile(state_file):
+        raise ValueError(f"{folder!r} is a folder but not an HF dataset folder (no state.json, as "
+                         "datasets.Dataset.save_to_disk writes); give a .jsonl or .parquet file or such a folder")
+    with open(state_file, encoding="utf-8") as f:
+        files = [entry["filename"] for entry in json.load(f).get("_data_files", [])]
+    if not files:
+        raise ValueError(f"{state_file}: lists no data files (_data_files)")
+    tables = []
+    for name in files:
+        shard = os.path.join(folder, name)
+        if not os.path.isfile(shard):
+            raise ValueError(f"{state_file} names {name!r}, which is not in {folder!r}")
+        with pa.memory_map(shard) as source:
+            tables.append(pa.ipc.open_stream(source).read_all())
+    return tables
+
+
+def field_value(row: dict, field: str, where: str, setting: str) -> Any:
+    """The value of ``field`` in ``row``; a dotted name (``reward_model.ground_truth``) reads a
+    nested object.
+
+    Raises:
+        ValueError: naming the location, the setting that named the field and the fields present.
+    """
+    value: Any = row
+    for i, part in enumerate(field.split(".")):
+        if not isinstance(value, dict) or part not in value:
+            inner = ".".join(field.split(".")[:i])
+            present = sorted(value) if isinstance(value, dict) else f"none ({inner} is a {type(value).__name__})"
+            raise ValueError(f"{where}: no field {field!r} ({setting} = {field!r}); fields present"
+                             f"{' in ' + repr(inner) if inner else ''}: {present}")
+        value = value[part]
+    return value
 
 
 def _question_from_messages(messages: Sequence[Any], where: str) -> str:
@@ -111,37 +174,62 @@ def answer_to_str(value: Any, where: str, field: str) -> str:
     return text
 
 
-def _example_from_row(row: dict, where: str, default_id: str) -> Example:
-    """Parse one row of the plain or the DAPO-Math-17k layout (see ``load_examples``)."""
-    if "prompt" not in row:
-        raise ValueError(f"{where}: missing field `prompt` (fields present: {sorted(row)})")
-    prompt = row["prompt"]
+def question_from_value(prompt: Any, where: str, field: str = "prompt") -> str:
+    """The question text of a prompt value: a string, or chat messages (the last user turn,
+    DAPO's wrapper removed). ValueError naming ``field`` if it is neither or empty."""
     if isinstance(prompt, str):
         question = prompt
     elif isinstance(prompt, (list, tuple)):
         question = _question_from_messages(prompt, where)
     else:
-        raise ValueError(f"{where}: `prompt` must be a string or a list of chat messages, "
+        raise ValueError(f"{where}: `{field}` must be a string or a list of chat messages, "
                          f"got {type(prompt).__name__}")
     if not question.strip():
-        raise ValueError(f"{where}: `prompt` is empty")
+        raise ValueError(f"{where}: `{field}` is empty")
+    return question
 
-    if "answer" in row:
+
+def answer_from_value(value: Any, where: str, field: str) -> str:
+    """``answer_to_str`` that also takes a list of answers (OlympiadBench's ``final_answer`` for
+    multi-part questions), joined with ", "."""
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError(f"{where}: `{field}` is an empty list")
+        value = ", ".join(answer_to_str(v, where, field) for v in value)
+    return answer_to_str(value, where, field)
+
+
+def _example_from_row(row: dict, where: str, default_id: str, prompt_field: str = "",
+                      answer_field: str = "") -> Example:
+    """Parse one row: named fields, else the plain or the DAPO-Math-17k layout (see ``load_examples``)."""
+    if prompt_field:
+        question = question_from_value(field_value(row, prompt_field, where, "prompt_field"), where, prompt_field)
+    elif "prompt" not in row:
+        raise ValueError(f"{where}: missing field `prompt` (fields present: {sorted(row)}; name another "
+                         "question field with prompt_field)")
+    else:
+        question = question_from_value(row["prompt"], where)
+
+    if answer_field:
+        answer = answer_from_value(field_value(row, answer_field, where, "answer_field"), where, answer_field)
+    elif "answer" in row:
         answer = answer_to_str(row["answer"], where, "answer")
     elif isinstance(row.get("reward_model"), dict) and "ground_truth" in row["reward_model"]:
         answer = answer_to_str(row["reward_model"]["ground_truth"], where, "reward_model.ground_truth")
     else:
-        raise ValueError(f"{where}: no answer: expected `answer` or `reward_model.ground_truth`")
+        raise ValueError(f"{where}: no answer: expected `answer` or `reward_model.ground_truth` (or name the "
+                         "answer field with answer_field)")
 
     extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
     row_id = row.get("id", extra.get("index", default_id))
     return Example(prompt=question, answer=answer, id=str(row_id))
 
 
-def load_examples(path: str, dedupe: bool = False) -> list[Example]:
-    """Load prompt/answer examples from a JSONL or parquet file.
+def load_examples(path: str, dedupe: bool = False, prompt_field: str = "",
+                  answer_field: str = "") -> list[Example]:
+    """Load prompt/answer examples from a JSONL or parquet file or an HF dataset folder.
 
-    Accepted row layouts (one object per JSONL line or parquet row):
+    Accepted row layouts (one object per JSONL line, parquet row or dataset row):
 
     - plain: ``{"prompt": "<question>", "answer": "<final answer>", "id": optional}``;
     - DAPO-Math-17k: ``{"prompt": [{"role": "user", "content": ...}], "reward_model":
@@ -149,24 +237,32 @@ def load_examples(path: str, dedupe: bool = False) -> list[Example]:
       message; DAPO's "Answer: $Answer" wrapper (``DAPO_PREFIX`` / ``DAPO_POSTFIX``) is removed
       because the paper's boxed ``SUFFIX`` replaces it. ``extra_info.index`` becomes the id.
 
+    - named fields: ``prompt_field`` names the question's field (a string or chat messages, as
+      above) and ``answer_field`` the answer's (a string, a number or a list of them, joined with
+      ", "); a dotted name reads a nested field (``reward_model.ground_truth``). Either may be
+      given alone; the other is then found as in the layouts above.
+
     ``answer`` wins over ``reward_model.ground_truth`` when both exist; numeric answers become
     strings. Note that the published DAPO-Math-17k parquet repeats every problem about 100 times;
     pass ``dedupe=True`` to keep the first occurrence of each question.
 
     Args:
-        path: a ``.jsonl`` or ``.parquet`` file.
+        path: a ``.jsonl`` or ``.parquet`` file, or a ``datasets`` ``save_to_disk`` folder.
         dedupe: drop rows whose question text was already seen (counted in one warning).
+        prompt_field: the question's field ("" = the layouts above).
+        answer_field: the answer's field ("" = the layouts above).
 
     Returns:
         The examples in file order.
 
     Raises:
-        ValueError: naming the file and line (or parquet row) of the first malformed row.
+        ValueError: naming the file and line (or row) of the first malformed row, or the
+            missing field and the fields the row has.
     """
-    stem = os.path.splitext(os.path.basename(path))[0]
+    stem = os.path.splitext(os.path.basename(path.rstrip(os.sep)))[0]
     examples, seen, num_duplicates = [], set(), 0
-    for n, (where, row) in enumerate(_read_rows(path), start=1):
-        example = _example_from_row(row, where, default_id=f"{stem}-{n}")
+    for n, (where, row) in enumerate(read_rows(path), start=1):
+        example = _example_from_row(row, where, f"{stem}-{n}", prompt_field, answer_field)
         if dedupe:
             if example.prompt in seen:
                 num_duplicates += 1

@@ -1,10 +1,13 @@
-"""Run outputs: metrics.jsonl, TensorBoard, end-of-run plots, the spurious-token inspector.
+"""Run outputs: metrics.jsonl, the tracking backends (TensorBoard, W&B, MLflow:
+``stapo_megatron.tracking``), the plot, held-out samples, the spurious-token inspector.
 
 Only global rank 0 writes. ``metrics.jsonl`` has one JSON object per line: a row per training
 step (``kind: "train"``) and a row per held-out evaluation (``kind: "eval"``, with
 ``eval_accuracy``). ``silenced_tokens.jsonl`` has, per step, the tokens S2T silenced decoded to
 text with their count and mean p, H and A, most frequent first (the paper's word-cloud finding
--- digits and math symbols -- is checkable on real runs).
+-- digits and math symbols -- is checkable on real runs). ``samples.jsonl`` has, per eval, the
+first held-out generations (prompt, response, answer, reward). ``metrics.png`` is redrawn at
+every eval (``stapo_megatron.plots``).
 """
 
 from __future__ import annotations
@@ -16,68 +19,101 @@ import os
 import warnings
 from typing import Dict, Iterable, List, Optional, Sequence
 
+from stapo_megatron.config import LoggingConfig
+from stapo_megatron.tracking import open_trackers
+
 PLOTTED = ("reward_mean", "entropy_mean", "silenced_fraction", "tau_h", "eval_accuracy")
 
 
-class RunLogger:
-    """Appends metric rows (JSONL + optional TensorBoard) and the inspector's rows."""
+SAMPLE_COLUMNS = ("prompt", "response", "answer", "reward")
+"""Columns of the held-out generations table logged at every eval."""
 
-    def __init__(self, run_dir: str, enabled: bool = True, tensorboard: bool = True):
+SILENCED_COLUMNS = ("token", "count", "p_mean", "entropy_mean", "advantage_mean")
+"""Columns of the silenced-tokens table (the inspector's summary of the last training step)."""
+
+LOG_FILES = ("metrics.jsonl", "silenced_tokens.jsonl", "samples.jsonl")
+"""The JSONL logs of a run folder, one row per step (cut back on resume)."""
+
+
+class RunLogger:
+    """Appends metric rows (JSONL + the `LoggingConfig` backends) and the inspector's rows.
+
+    With ``plot_every_eval`` an eval row also redraws ``metrics.png``, so the plot follows a
+    long run (the trainer's logger does).
+    """
+
+    def __init__(self, run_dir: str, enabled: bool = True, tensorboard: bool = True,
+                 logging: Optional[LoggingConfig] = None, config=None, plot_every_eval: bool = False):
+        """``logging``: the tracking backends (default: TensorBoard, or none with
+        ``tensorboard=False``); ``config``: the run's configuration, recorded by W&B / MLflow."""
         self.run_dir = run_dir
         self.enabled = enabled
-        self._tb = None
+        self.plot_every_eval = plot_every_eval
+        self.logging = logging or LoggingConfig(backends=("tensorboard",) if tensorboard else ())
+        self._trackers: List = []
+        self._last_silenced: List[Dict] = []
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
-            except ImportError:
-                warnings.warn("tensorboard is not installed: metrics go to metrics.jsonl only")
+        self._trackers = open_trackers(run_dir, self.logging, config)
 
     def resume_from(self, step: int) -> None:
         """Drop what a killed run logged after the checkpoint it resumes from (``step``).
 
-        Rows of ``metrics.jsonl`` and ``silenced_tokens.jsonl`` with a step > ``step`` are
-        removed (the resumed run logs those steps again), as is a last line cut off by the kill;
-        TensorBoard purges its events after ``step`` too. Each file is rewritten atomically.
+        Rows of the `LOG_FILES` with a step > ``step`` are removed (the resumed run logs those
+        steps again), as is a last line cut off by the kill; TensorBoard purges its events after
+        ``step`` too. Each file is rewritten atomically. W&B and MLflow keep theirs.
         """
         if not self.enabled:
             return
-        for name in ("metrics.jsonl", "silenced_tokens.jsonl"):
+        for name in LOG_FILES:
             truncate_jsonl(os.path.join(self.run_dir, name), step)
-        if self._tb is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb.close()
-            self._tb = SummaryWriter(os.path.join(self.run_dir, "tensorboard"), purge_step=step + 1)
+        for tracker in self._trackers:
+            tracker.resume_from(step)
 
     def log(self, row: Dict) -> None:
         if not self.enabled:
             return
-        # strict JSON: a NaN (e.g. tau_h with no S2T candidates) is written as null
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
-        with open(os.path.join(self.run_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(clean) + "\n")
-        if self._tb is not None:
-            for key, value in row.items():
-                if isinstance(value, (int, float)) and key != "step" and math.isfinite(value):
-                    self._tb.add_scalar(f"{row.get('kind', 'train')}/{key}", value, row["step"])
-            self._tb.flush()
+        _append_jsonl(os.path.join(self.run_dir, "metrics.jsonl"), row)
+        for tracker in self._trackers:
+            tracker.log(row)
+        if self.plot_every_eval and row.get("kind") == "eval":
+            plot_run(self.run_dir)
 
     def log_silenced(self, step: int, rows: Sequence[Sequence[float]], decode) -> None:
         """rows: (label id, log p, H, A) of every silenced token of the step."""
         if not self.enabled:
             return
-        record = {"step": step, "num_silenced": len(rows), "tokens": summarize_silenced(rows, decode)}
-        with open(os.path.join(self.run_dir, "silenced_tokens.jsonl"), "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self._last_silenced = summarize_silenced(rows, decode)
+        record = {"step": step, "num_silenced": len(rows), "tokens": self._last_silenced}
+        _append_jsonl(os.path.join(self.run_dir, "silenced_tokens.jsonl"), record)
+
+    def log_samples(self, step: int, samples: Sequence[Dict]) -> None:
+        """The first `LoggingConfig.num_samples` held-out generations of an eval (dicts with the
+        `SAMPLE_COLUMNS`) into ``samples.jsonl`` and, as tables, into every tracker; with them
+        the silenced tokens of the last training step (``eval/silenced_tokens``)."""
+        if not self.enabled:
+            return
+        samples = list(samples)[: self.logging.num_samples]
+        _append_jsonl(os.path.join(self.run_dir, "samples.jsonl"), {"step": step, "samples": samples})
+        sample_rows = [[s[c] for c in SAMPLE_COLUMNS] for s in samples]
+        silenced_rows = [[t[c] for c in SILENCED_COLUMNS] for t in self._last_silenced]
+        for tracker in self._trackers:
+            tracker.log_table("eval/samples", step, SAMPLE_COLUMNS, sample_rows)
+            if silenced_rows:
+                tracker.log_table("eval/silenced_tokens", step, SILENCED_COLUMNS, silenced_rows)
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+        for tracker in self._trackers:
+            tracker.close()
+        self._trackers = []
+
+
+def _append_jsonl(path: str, row: Dict) -> None:
+    """One strict-JSON line (a NaN, e.g. tau_h with no S2T candidates, is written as null)."""
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+    with open(path, "a") as f:
+        f.write(json.dumps(clean) + "\n")
 
 
 def truncate_jsonl(path: str, step: int) -> int:
@@ -134,25 +170,8 @@ def read_metrics(run_dir: str) -> List[Dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_run(run_dir: str, keys: Sequence[str] = PLOTTED) -> Optional[str]:
-    """One PNG with a panel per metric vs step (eval rows for eval_accuracy)."""
-    import matplotlib
+def plot_run(run_dir: str, keys: Sequence[str] = PLOTTED) -> str:
+    """``<run_dir>/metrics.png``: a panel per metric vs step (eval rows for eval_accuracy)."""
+    from stapo_megatron.plots import plot_runs
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = read_metrics(run_dir)
-    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2))
-    for ax, key in zip(axes, keys):
-        points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
-        if points:
-            xs, ys = zip(*points)
-            ax.plot(xs, ys, marker="o" if key == "eval_accuracy" else None, markersize=3)
-        ax.set_title(key)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    out = os.path.join(run_dir, "metrics.png")
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return plot_runs([run_dir], os.path.join(run_dir, "metrics.png"), keys)

@@ -8,6 +8,8 @@ groups a training step needs.
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import math
 import os
 from typing import Optional
 
@@ -36,11 +38,48 @@ class Groups:
     broadcasts its first rank's rollouts over it)."""
 
 
+INIT_TIMEOUT_S = 180.0
+"""Default of `init_process_group`'s ``init_timeout_s`` (`TrainerConfig.init_timeout_s`)."""
+DISTRIBUTED_TIMEOUT_S = 600.0
+"""Default collective timeout (`TrainerConfig.distributed_timeout_s`; Megatron's 10 minutes)."""
+
+
+def init_process_group(
+    init_timeout_s: float = INIT_TIMEOUT_S,
+    timeout_s: float = DISTRIBUTED_TIMEOUT_S,
+    backend: Optional[str] = None,
+) -> None:
+    """Form the default process group from the torchrun environment (no-op when formed).
+
+    Args:
+        init_timeout_s: how long this rank waits for all the others to join. A rank that fails
+            before joining (bad input on one node, an import error, a lost node) would otherwise
+            keep every other rank waiting for the backend's default (gloo: 30 minutes).
+        timeout_s: the collectives' timeout once the group has formed (a peer that stops
+            answering; a peer that dies closes its connections and is noticed at once).
+        backend: "nccl" or "gloo"; default nccl when CUDA is available, else gloo.
+    """
+    if dist.is_initialized():
+        return
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # gloo joins eagerly (every rank waits for all the others' addresses in the store); NCCL
+    # joins at the first collective, through the same store and so under the same timeout
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=init_timeout_s))
+    # the public API has one timeout for both; torch's _set_pg_timeout (torch >= 2.3) changes
+    # the collectives' one afterwards
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s))
+
+
 def init_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     seed: int = 1234,
     backend: Optional[str] = None,
+    init_timeout_s: float = INIT_TIMEOUT_S,
+    timeout_s: float = DISTRIBUTED_TIMEOUT_S,
 ) -> Groups:
     """Initialise torch.distributed (from the torchrun environment) and Megatron parallel state.
 
@@ -54,16 +93,13 @@ def init_parallel(
             equal on all DP and TP ranks, distinct per pipeline stage), then the TP-dependent
             streams by ``model_parallel_cuda_manual_seed``.
         backend: "nccl" or "gloo"; default nccl when CUDA is available, else gloo.
+        init_timeout_s, timeout_s: see `init_process_group` (used when the group is not formed
+            yet); ``timeout_s`` is also the timeout of Megatron's groups (whole minutes).
     """
     from megatron.core import parallel_state, tensor_parallel
 
     cpu_compat.apply()
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if not dist.is_initialized():
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend)
+    init_process_group(init_timeout_s, timeout_s, backend)
     world = dist.get_world_size()
     if world % (tensor_model_parallel_size * pipeline_model_parallel_size):
         raise ValueError(
@@ -73,6 +109,7 @@ def init_parallel(
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
+        distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
     )
     stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     torch.manual_seed(stage_seed)  # also seeds every CUDA device

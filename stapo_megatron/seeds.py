@@ -17,7 +17,9 @@ Which stream seeds what (``seed`` = ``TrainerConfig.seed``, k = the training ste
     rollout(k)                  seed x 1_000_003 + k                           step k's samples; prompt i,
                                                                                sample j: that + i n + j
                                                                                (rollout engines)
-    evaluation                  seed + 7                                       every held-out evaluation
+    evaluation                  seed + 7                                       every evaluation: the held-out
+                                                                               set and each named set and
+                                                                               decoding (eval_sets)
     microbatches(k, s, dp)      k x 100_003 + s + dp x 10_007 (+ position)     the micro-batch seeds of the
                                                                                mini-batch starting at
                                                                                sequence s of DP rank dp
@@ -85,7 +87,7 @@ class Seeds:
 
     @property
     def evaluation(self) -> int:
-        """Every held-out evaluation (the same samples' seeds at every evaluation)."""
+        """Every evaluation, held-out and named sets (the same samples' seeds at every evaluation)."""
         return self.seed + 7
 
     @staticmethod

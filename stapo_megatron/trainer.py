@@ -4,8 +4,9 @@ Per step: (1) this DP rank's prompts; (2) rollouts (vLLM, or transformers where 
 installed: ``RolloutSampling.engine``), G per prompt, in this process;
 (3) math rewards; (4) group advantages (groups stay whole on one DP rank); (5) pi_old log-probs
 and entropies with the Megatron model; (6) per PPO mini-batch the STAPO loss through Megatron's
-forward_backward and an optimizer step; (7) weight sync Megatron -> vLLM; (8) metrics, held-out
-evaluation, checkpoint. Started by torchrun (or srun through NeMo-Run): ``train(config)``.
+forward_backward and an optimizer step; (7) weight sync Megatron -> vLLM; (8) metrics, evaluation
+(held-out set and named sets, through ``evaluation.py``), checkpoint. Started by torchrun (or srun
+through NeMo-Run): ``train(config)``.
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from stapo_megatron import checkpoint as ckpt, warmstart_cache
+from stapo_megatron import checkpoint as ckpt, faults, warmstart_cache
 from stapo_megatron.batching import group_advantages, pack_sequences, split_microbatches
 from stapo_megatron.config import TrainerConfig, WarmStartConfig
+from stapo_megatron.evaluation import Counts, Decoding, load_eval_set, score_responses, summarize
 from stapo_megatron.metrics import RunLogger, plot_run
 from stapo_megatron.parallel import Groups, collective_device, destroy_parallel, init_parallel
 from stapo_megatron.preemption import SaveOnSignal, StoppedForRequeue
+from stapo_megatron.progress import Progress, describe
 from stapo_megatron.provenance import RunProvenance
 from stapo_megatron.schedule import compute_logprob_entropy
 from stapo_megatron.seeds import Seeds
@@ -92,10 +95,11 @@ def _load_data(cfg: TrainerConfig, tokenizer):
     from stapo_megatron import data
 
     if cfg.data.train_path:
-        train = data.load_examples(cfg.data.train_path, dedupe=cfg.data.dedupe)
+        fields = dict(prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field)
+        train = data.load_examples(cfg.data.train_path, dedupe=cfg.data.dedupe, **fields)
         if not cfg.data.eval_path:
             raise ValueError("data.train_path is set but data.eval_path is not: give a held-out file")
-        held_out = data.load_examples(cfg.data.eval_path)
+        held_out = data.load_examples(cfg.data.eval_path, **fields)
     else:
         train, held_out = data.reasoning_gym_split(
             cfg.data.reasoning_gym_task, cfg.data.num_train, cfg.data.num_eval, Seeds(cfg.seed, data_seed=cfg.data.seed).data_split,
@@ -107,6 +111,21 @@ def _load_data(cfg: TrainerConfig, tokenizer):
             tokenizer, examples, cfg.data.max_prompt_len, cfg.data.use_chat_template
         )
         out.append((ids, kept))
+    return out
+
+
+def _load_eval_sets(cfg: TrainerConfig, tokenizer) -> List[Tuple]:
+    """``TrainerConfig.eval_sets`` loaded and tokenized as the held-out set is: (EvalSet with the
+    kept problems, their prompt token ids) per set."""
+    from stapo_megatron import data
+
+    out = []
+    for set_cfg in cfg.eval_sets:
+        eval_set = load_eval_set(set_cfg)
+        ids, eval_set.examples, _ = data.tokenize_prompts(
+            tokenizer, eval_set.examples, cfg.data.max_prompt_len, cfg.data.use_chat_template
+        )
+        out.append((eval_set, ids))
     return out
 
 
@@ -126,7 +145,8 @@ class Trainer:
         self.cfg, self.warmstart = cfg, warmstart
         self.seeds = Seeds(cfg.seed, warmstart.seed if warmstart else None, cfg.data.seed)
         self.groups = init_parallel(
-            cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size, seed=self.seeds.model_init
+            cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size, seed=self.seeds.model_init,
+            init_timeout_s=cfg.init_timeout_s, timeout_s=cfg.distributed_timeout_s,
         )
         self.rank = dist.get_rank()
         self.dp_size = dist.get_world_size(self.groups.dp)
@@ -136,6 +156,7 @@ class Trainer:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
         self.hf_config = load_hf_config(cfg.model.hf_dir)
         (self.train_ids, self.train_ex), (self.eval_ids, self.eval_ex) = _load_data(cfg, self.tokenizer)
+        self.eval_sets = _load_eval_sets(cfg, self.tokenizer)
         model = build_gpt_model(
             self.hf_config,
             params_dtype=torch.bfloat16 if cfg.model.bf16 else torch.float32,
@@ -155,7 +176,8 @@ class Trainer:
         self.dp_device = collective_device(self.groups.dp)
         self.model = wrap_ddp(model, cfg.optim.use_distributed_optimizer)
         self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.logger = RunLogger(cfg.run_dir, enabled=self.rank == 0)
+        self.logger = RunLogger(cfg.run_dir, enabled=self.rank == 0, logging=cfg.logging, config=cfg,
+                                plot_every_eval=True)
         # config, git commit, command, versions: into the run folder and every checkpoint (rank 0)
         self.provenance = RunProvenance(cfg, warmstart) if self.rank == 0 else None
         # Slurm's warning before the time limit: save at the next step boundary and stop
@@ -213,23 +235,46 @@ class Trainer:
         return samples
 
     def evaluate(self, step: int) -> Dict[str, float]:
-        """Held-out accuracy (mean reward of ``eval_samples`` samples per prompt), split over DP."""
+        """The held-out set's ``eval_accuracy`` (avg@k with k = ``eval_samples``: the mean reward
+        of its samples) and, per named set and decoding (``TrainerConfig.eval_sets``),
+        ``eval/<set>/<decoding>/avg@<k>`` and ``pass@<k>``; every set split over DP."""
         cfg = self.cfg
-        idx = list(range(self.dp_rank, len(self.eval_ids), self.dp_size))
         t0 = time.perf_counter()
-        samples = self._generate(
-            [self.eval_ids[i] for i in idx], cfg.eval_samples, cfg.eval_temperature, 1.0,
-            cfg.rollout.max_response_len, seed=self.seeds.evaluation,
-        )
-        texts = [s.text for group in samples for s in group]
-        answers = [self.eval_ex[i].answer for i in idx for _ in range(cfg.eval_samples)]
-        rewards, _ = self.scorer.score(texts, answers)
-        sums = torch.tensor([sum(rewards), float(len(rewards))], device=self.dp_device)
-        dist.all_reduce(sums, group=self.groups.dp)
-        row = dict(kind="eval", step=step, eval_accuracy=float(sums[0] / sums[1]),
-                   eval_num=int(sums[1]), time_eval=time.perf_counter() - t0)
+        held_out = Decoding(cfg.eval_temperature, 1.0, "held_out")
+        samples: List[Dict] = []
+        counts = self._eval_counts(self.eval_ids, self.eval_ex, cfg.eval_samples, held_out, samples)
+        row = dict(kind="eval", step=step, eval_accuracy=summarize(counts, cfg.eval_samples, held_out)["avg@k"],
+                   eval_num=int(counts.num_samples))
+        for eval_set, ids in self.eval_sets:
+            for decoding in eval_set.decodings:
+                result = summarize(self._eval_counts(ids, eval_set.examples, eval_set.k, decoding), eval_set.k, decoding)
+                for metric in ("avg", "pass"):
+                    row[f"eval/{eval_set.name}/{decoding.name}/{metric}@{eval_set.k}"] = result[f"{metric}@k"]
+        row["time_eval"] = time.perf_counter() - t0
         self.logger.log(row)
+        self.logger.log_samples(step, samples)
         return row
+
+    def _eval_counts(self, prompt_ids: List[List[int]], examples: List, k: int, decoding: Decoding,
+                     samples_out: Optional[List[Dict]] = None) -> Counts:
+        """avg@k sums of ``k`` samples per problem, this DP rank's share sampled and scored here
+        (``evaluation.score_responses``), then summed over DP (float32, as every metric sum).
+        ``samples_out``, if given, gets this rank's samples (prompt, response, answer, reward)."""
+        idx = list(range(self.dp_rank, len(prompt_ids), self.dp_size))
+        samples = self._generate(
+            [prompt_ids[i] for i in idx], k, decoding.temperature, decoding.top_p,
+            self.cfg.rollout.max_response_len, seed=self.seeds.evaluation,
+        )
+        texts = [[s.text for s in group] for group in samples]
+        rewards: List[float] = []
+        counts = score_responses(texts, [examples[i] for i in idx], k, self.scorer, rewards)
+        if samples_out is not None:
+            flat = [(examples[i], t) for i, group in zip(idx, texts) for t in group]
+            samples_out.extend(dict(prompt=ex.prompt, response=t, answer=ex.answer, reward=r)
+                               for (ex, t), r in zip(flat, rewards))
+        sums = torch.tensor(counts.as_list(), device=self.dp_device)
+        dist.all_reduce(sums, group=self.groups.dp)
+        return Counts(*sums)
 
     def warm_start(self):
         """Supervised warm-start on training prompts (fresh AdamW, discarded afterwards)."""
@@ -440,8 +485,10 @@ class Trainer:
             rows.append(self.evaluate(0))
             self._print_eval(rows[-1])
         consecutive_skips = 0
+        progress = Progress(cfg.steps, start, cfg.rollout.group_size)
         for step in range(start, cfg.steps):
             row, silenced_rows = self.train_step(step)
+            row.update(progress.update(row))
             rows.append(row)
             self.logger.log(row)
             silenced_rows = self._gather_silenced(silenced_rows)
@@ -474,7 +521,7 @@ class Trainer:
     def _print_row(self, r):
         if self.rank == 0:
             print(
-                f"step {r['step']:>4} | reward {r['reward_mean']:.3f} | entropy {r['entropy_mean']:.3f} | "
+                f"step {describe(r, self.cfg.steps)} | reward {r['reward_mean']:.3f} | entropy {r['entropy_mean']:.3f} | "
                 f"silenced {r['silenced_count']} ({r['silenced_fraction']:.4%}) tau_H {r['tau_h']:.3f} | "
                 f"loss {r['loss']:+.4f} clip {r['clip_fraction']:.3f} | len {r['response_len_mean']:.1f} | "
                 f"rollout {r['time_rollout']:.1f}s reward {r['time_reward']:.1f}s old {r['time_old_logprob']:.1f}s "
@@ -486,6 +533,9 @@ class Trainer:
         if self.rank == 0:
             print(f"eval  {r['step']:>4} | held-out accuracy {r['eval_accuracy']:.3f} "
                   f"({r['eval_num']} samples, {r['time_eval']:.1f}s)", flush=True)
+            for key, value in r.items():
+                if key.startswith("eval/"):
+                    print(f"eval  {r['step']:>4} | {key[len('eval/'):]} {value:.3f}", flush=True)
 
     def close(self):
         self.stop_signal.uninstall()
@@ -500,15 +550,23 @@ class Trainer:
 def train(cfg: TrainerConfig, warmstart: Optional[WarmStartConfig] = None) -> List[Dict]:
     """Entry point (one call per process under torchrun): train, then tear down.
 
+    A failure is recorded for `stapo_megatron.faults` before the teardown (which is when the
+    other ranks notice it); a rank that only lost its peers raises a `faults.PeerFailure`
+    naming the rank that failed first.
+
     Raises:
         StoppedForRequeue: stopped and saved on the scheduler's warning signal (exit code
             `stapo_megatron.preemption.REQUEUE_EXIT_CODE`).
     """
-    trainer = Trainer(cfg, warmstart)
+    trainer = None
     try:
+        trainer = Trainer(cfg, warmstart)
         rows = trainer.run()
+    except Exception as error:
+        raise faults.failed(cfg.run_dir, error)
     finally:
-        trainer.close()
+        if trainer is not None:
+            trainer.close()
         destroy_parallel()
     if trainer.stopped_at is not None:
         raise StoppedForRequeue(trainer.stopped_at)

@@ -30,6 +30,19 @@ def single_process_env():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
+def kill_marked(marker: str, variable: str = "STAPO_TEST_LAUNCH") -> None:
+    """Kill every process whose environment has ``variable=marker``: what a launch left behind
+    (a rank SIGKILLed in a test orphans the helper processes it had spawned, which never exit)."""
+    import psutil
+
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get(variable) == marker:
+                p.kill()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+
+
 def _worker(rank, world_size, port, fn, args, queue):
     os.environ.update(
         MASTER_ADDR="127.0.0.1",

@@ -22,9 +22,7 @@ def _run(run_dir, kill_at=""):
     keeps the rank's stderr open and never exits): every process of the launch carries a marker
     in its environment, and whatever is left of it afterwards is killed.
     """
-    import psutil
-
-    from tests.dist_utils import _free_port
+    from tests.dist_utils import _free_port, kill_marked
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
            SCRIPT, str(run_dir), str(STEPS)] + ([kill_at] if kill_at else [])
@@ -32,12 +30,7 @@ def _run(run_dir, kill_at=""):
     env = dict(os.environ, OMP_NUM_THREADS="1", STAPO_TEST_LAUNCH=marker)
     with tempfile.TemporaryFile() as err:
         proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, timeout=600)
-        for p in psutil.process_iter():
-            try:
-                if p.environ().get("STAPO_TEST_LAUNCH") == marker:
-                    p.kill()
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                pass
+        kill_marked(marker)
         err.seek(0)
         return proc.returncode, err.read().decode(errors="replace")[-3000:]
 

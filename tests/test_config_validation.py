@@ -33,6 +33,8 @@ NAN, INF = float("nan"), float("inf")
     (TrainerConfig, "eval_temperature", -0.5, r"eval_temperature must be finite and >= 0 \(0 = greedy\), got -0.5"),
     (TrainerConfig, "eval_temperature", NAN, "eval_temperature must be finite and >= 0"),
     (TrainerConfig, "reward_timeout_s", 0.0, "reward_timeout_s must be finite and > 0, got 0.0"),
+    (TrainerConfig, "init_timeout_s", 0.0, "init_timeout_s must be finite and > 0, got 0.0"),
+    (TrainerConfig, "distributed_timeout_s", NAN, "distributed_timeout_s must be finite and > 0, got nan"),
     (OptimConfig, "lr", 0.0, r"OptimConfig.lr must be finite and in \(0.0, inf\), got 0.0"),
     (OptimConfig, "lr", NAN, "OptimConfig.lr must be finite"),
     (OptimConfig, "clip_grad", -1.0, r"OptimConfig.clip_grad must be finite and in \[0.0, inf\), got -1.0"),

@@ -1,6 +1,7 @@
 """Tier a: dataset loading (plain, DAPO-Math-17k, parquet), reasoning-gym splits, prompt formatting."""
 
 import json
+import os
 import warnings
 
 import pyarrow as pa
@@ -204,3 +205,49 @@ def test_every_prompt_too_long_is_an_error(tok):
     with pytest.raises(ValueError, match=message):
         tokenize_prompts(tok, examples, max_prompt_len=50)
     assert tokenize_prompts(tok, [], max_prompt_len=50) == ([], [], 0)  # no held-out set asked for
+
+
+DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+"""HF dataset folders written by the real `datasets` package (tests/data/make_hf_datasets.py)."""
+
+
+def test_hf_dataset_folder_with_field_mapping():
+    # two shards, read in state.json's order; a list answer is joined, a dotted field reads a nested one
+    folder = os.path.join(DATA_DIR, "math_dataset")
+    examples = load_examples(folder, prompt_field="question", answer_field="final_answer")
+    assert [(e.prompt, e.answer) for e in examples] == [
+        ("What is 1+1?", "2"), ("What is 2+3?", "5"), ("Name both roots of x^2=1.", "1, -1"),
+        ("What is 10/4?", "\\frac{5}{2}")]
+    assert [e.id for e in examples] == ["math_dataset-1", "math_dataset-2", "math_dataset-3", "math_dataset-4"]
+    nested = load_examples(folder, prompt_field="question", answer_field="meta.gt")
+    assert [e.answer for e in nested] == ["2", "5", "\\pm 1", "2.5"]
+    # one split of a DatasetDict is a dataset folder
+    assert load_examples(os.path.join(DATA_DIR, "math_dict", "test"), prompt_field="question",
+                         answer_field="meta.gt") == [Example("What is 10/4?", "2.5", "test-1")]
+
+
+def test_field_mapping_in_jsonl_and_missing_fields(tmp_path):
+    path = _write_jsonl(tmp_path / "mapped.jsonl", [{"q": "p1", "sol": {"final": 3}, "answer": "ignored"}])
+    assert load_examples(path, prompt_field="q", answer_field="sol.final") == [Example("p1", "3", "mapped-1")]
+    # only the prompt named: the answer is found as in the plain layout
+    assert load_examples(path, prompt_field="q") == [Example("p1", "ignored", "mapped-1")]
+    with pytest.raises(ValueError, match=r"mapped.jsonl:1: no field 'question' \(prompt_field = 'question'\); "
+                                         r"fields present: \['answer', 'q', 'sol'\]"):
+        load_examples(path, prompt_field="question")
+    with pytest.raises(ValueError, match=r"mapped.jsonl:1: no field 'sol.gt' \(answer_field = 'sol.gt'\); "
+                                         r"fields present in 'sol': \['final'\]"):
+        load_examples(path, prompt_field="q", answer_field="sol.gt")
+    with pytest.raises(ValueError, match=r"mapped.jsonl:1: missing field `prompt` .*name another question "
+                                         r"field with prompt_field"):
+        load_examples(path)
+
+
+def test_hf_dataset_folder_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"math_dict' is an HF DatasetDict with splits \['train', 'test'\]: "
+                                         r"give one split's folder, e.g. '.*math_dict/train'"):
+        load_examples(os.path.join(DATA_DIR, "math_dict"))
+    with pytest.raises(ValueError, match="is a folder but not an HF dataset folder"):
+        load_examples(str(tmp_path))
+    (tmp_path / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+    with pytest.raises(ValueError, match="names 'data-00000-of-00001.arrow', which is not in"):
+        load_examples(str(tmp_path))

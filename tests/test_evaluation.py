@@ -1,12 +1,17 @@
-"""Tier a: benchmark loading and avg@k / pass@k on a hand-made generator with known correctness."""
+"""Tier a: benchmark loading, evaluation sets and avg@k / pass@k on a hand-made generator with known
+correctness."""
 
 import json
+import os
 
 import pytest
+import torch
 
+from stapo_megatron.config import EvalSetConfig, TrainerConfig
 from stapo_megatron.data import Example
-from stapo_megatron.evaluation import (PAPER_BENCHMARKS, PAPER_DECODINGS, Decoding, avg_at_k,
-                                       evaluate_suite, load_benchmark)
+from stapo_megatron.evaluation import (PAPER_BENCHMARKS, PAPER_DECODINGS, Counts, Decoding, EvalSet, avg_at_k,
+                                       evaluate_sets, evaluate_suite, format_table, load_benchmark, load_eval_set,
+                                       score_responses, summarize)
 from stapo_megatron.rewards import RewardScorer
 
 # Exact float comparisons below are sums of a few multiples of 1/4 or 1/3: tolerance 1e-12 is
@@ -134,3 +139,92 @@ def test_evaluate_suite_bad_inputs(tmp_path, scorer):
     with pytest.raises(ValueError, match="decoding names must be unique"):
         evaluate_suite(KnownGenerator([]), str(tmp_path), scorer,
                        decodings=(Decoding(1.0, 1.0, "a"), Decoding(0.7, 0.9, "a")))
+
+
+def test_decoding_names():
+    assert Decoding.from_name("T0.7_p0.9") == Decoding(0.7, 0.9, "T0.7_p0.9")
+    assert Decoding.from_name("T0_p1") == Decoding(0.0, 1.0, "T0_p1")
+    for bad in ("0.7/0.9", "T0.7", "T-1_p1.0", "t0.7_p0.9"):
+        with pytest.raises(ValueError, match="expected T<temperature>_p<top_p>"):
+            Decoding.from_name(bad)
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+        Decoding.from_name("T1.0_p0")
+
+
+def test_counts_add_over_shards_and_keep_the_float32_quotient(scorer):
+    # Two "DP ranks" score disjoint problems; their summed counts give the whole set's avg@k.
+    examples = [Example(f"q{i}", str(i), str(i)) for i in range(3)]
+    gen = KnownGenerator(num_correct=[3, 1, 0])
+    responses = gen([e.prompt for e in examples], 3, 1.0, 1.0)
+    whole = score_responses(responses, examples, 3, scorer)
+    parts = [score_responses(responses[:1], examples[:1], 3, scorer),
+             score_responses(responses[1:], examples[1:], 3, scorer)]
+    assert [sum(c) for c in zip(*(p.as_list() for p in parts))] == whole.as_list()
+    assert whole.as_list() == [4.0, 9.0, 2.0, 3.0, 0, 2]
+    d = PAPER_DECODINGS[0]
+    assert summarize(whole, 3, d)["avg@k"] == 4 / 9 and summarize(whole, 3, d)["pass@k"] == 2 / 3
+    # the trainer's DP sums are one float32 tensor: avg@k is then the float32 quotient (the value
+    # `eval_accuracy` always had), not the float64 one
+    reduced = Counts(*torch.tensor(whole.as_list()))
+    assert summarize(reduced, 3, d)["avg@k"] == float(torch.tensor(4.0) / torch.tensor(9.0)) != 4 / 9
+    # a rank with no problems (more ranks than problems) contributes zeros
+    assert score_responses([], [], 3, scorer).as_list() == [0, 0.0, 0.0, 0.0, 0, 0]
+
+
+def test_evaluate_sets_with_field_mapping_and_table(tmp_path, scorer):
+    # OlympiadBench-like rows under other names: the mapping reads them, a list answer is joined
+    path = _write_jsonl(tmp_path / "olymp.jsonl", [{"q": "q0", "ans": {"v": ["0"]}}, {"q": "q1", "ans": {"v": [1]}}])
+    config = EvalSetConfig(name="olymp", path=path, k=2, decodings=("T0.6_p0.95",), prompt_field="q",
+                           answer_field="ans.v")
+    olymp = load_eval_set(config)
+    assert olymp.examples == [Example("q0", "0", "olymp-1"), Example("q1", "1", "olymp-2")]
+    assert olymp.decodings == (Decoding(0.6, 0.95, "T0.6_p0.95"),)
+    math = EvalSet("math", [Example("q0", "0", "a")], 4)  # the paper's two decodings
+    gen = KnownGenerator(num_correct=[2, 0])
+    results = evaluate_sets(gen, [olymp, math], scorer)
+    assert [c[1:] for c in gen.calls] == [(2, 0.6, 0.95), (4, 1.0, 1.0), (4, 0.7, 0.9)]
+    assert results["sets"]["olymp"]["T0.6_p0.95"]["avg@k"] == 0.5
+    assert results["sets"]["math"]["T1.0_p1.0"]["avg@k"] == 0.5
+    assert results["mean_avg@k"] == {"T0.6_p0.95": 0.5, "T1.0_p1.0": 0.5, "T0.7_p0.9": 0.5}
+    assert format_table(results).splitlines() == [
+        "| set | problems | k | T0.6_p0.95 avg@k | T0.6_p0.95 pass@k | T1.0_p1.0 avg@k | T1.0_p1.0 pass@k "
+        "| T0.7_p0.9 avg@k | T0.7_p0.9 pass@k |",
+        "|---|---|---|---|---|---|---|---|---|",
+        "| olymp | 2 | 2 | 0.5000 | 0.5000 |  |  |  |  |",
+        "| math | 1 | 4 |  |  | 0.5000 | 1.0000 | 0.5000 | 1.0000 |",
+        "| mean |  |  | 0.5000 |  | 0.5000 |  | 0.5000 |  |",
+    ]
+    with pytest.raises(ValueError, match=r"olymp.jsonl:1: no field 'question' \(prompt_field = 'question'\)"):
+        load_eval_set(EvalSetConfig(name="x", path=path, prompt_field="question"))
+    with pytest.raises(ValueError, match="evaluation set names must be unique"):
+        evaluate_sets(gen, [math, math], scorer)
+
+
+def test_benchmark_from_hf_dataset_folder():
+    folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "math_dataset")
+    examples = load_benchmark(folder)  # `question` and `final_answer` found without a mapping
+    assert [(e.prompt, e.answer, e.id) for e in examples][2:] == [
+        ("Name both roots of x^2=1.", "1, -1", "12"), ("What is 10/4?", "\\frac{5}{2}", "13")]
+
+
+@pytest.mark.parametrize("sets, message", [
+    ([{"name": "a/b", "path": "x"}], "without '/'"),
+    ([{"name": "a", "path": ""}], "path is empty"),
+    ([{"name": "a", "path": "x", "k": 0}], "k must be >= 1"),
+    ([{"name": "a", "path": "x", "decodings": ()}], "decodings must be non-empty and unique"),
+    ([{"name": "a", "path": "x", "decodings": ("T1_p1", "T1_p1")}], "decodings must be non-empty and unique"),
+    ([{"name": "a", "path": "x"}, {"name": "a", "path": "y"}], "names must be unique"),
+    ([{"name": "a", "paths": "x"}], r"has no field 'paths' \(did you mean 'path'"),
+    ("name=a,path=x,k=four", "k must be an integer"),
+    ("name=a,path", "expected FIELD=VALUE pairs"),
+    (5, "must be a list of EvalSetConfig"),
+])
+def test_eval_sets_config_errors(sets, message):
+    with pytest.raises(ValueError, match=message):
+        TrainerConfig(eval_sets=sets)
+
+
+def test_eval_sets_from_a_string():
+    cfg = TrainerConfig(eval_sets="name=aime24,path=/b/aime24.jsonl,k=32;name=m,path=/b/m,decodings=T0.6_p0.95+T1_p1;")
+    assert cfg.eval_sets == [EvalSetConfig(name="aime24", path="/b/aime24.jsonl", k=32),
+                             EvalSetConfig(name="m", path="/b/m", decodings=("T0.6_p0.95", "T1_p1"))]

@@ -253,22 +253,3 @@ def test_launch_files_are_recognised():
 
     for name in sorted(os.listdir(os.path.join(REPO, "launch"))):
         assert _calls_nemo_run_main(os.path.join(REPO, "launch", name)), name
-
-
-def test_tiny_model_folder_is_written_by_global_rank_0_only(tmp_path, monkeypatch):
-    """Two nodes sharing the output folder each have a local rank 0; only global rank 0 writes
-    (one writer per node raced to rename its copy into place)."""
-    from stapo_megatron.launch import entry
-
-    model_dir = str(tmp_path / "model")
-    monkeypatch.setattr(entry, "TINY_MODEL_WAIT_S", 0.0)
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setenv("RANK", "2")  # local rank 0 of the second node: waits, never writes
-    with pytest.raises(TimeoutError, match="rank 0 did not write"):
-        entry._prepare_tiny_model(model_dir)
-    assert not os.path.exists(model_dir) and os.listdir(tmp_path) == []
-    monkeypatch.setenv("RANK", "0")
-    entry._prepare_tiny_model(model_dir)
-    assert os.path.isfile(os.path.join(model_dir, "config.json"))
-    monkeypatch.setenv("RANK", "2")
-    entry._prepare_tiny_model(model_dir)  # the folder is there: returns at once

