@@ -54,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--ckpt", required=True, help="checkpoint directory (converted, a training run or one of its steps)")
     b.add_argument("--out", required=True, help="output HF folder")
     b.add_argument("--dtype", choices=DTYPES, help="output dtype (default: the stored dtype)")
-    b.add_argument("--hf-config", help="HF folder with config.json/tokenizer (needed for training checkpoints)")
+    b.add_argument("--hf-config", help="HF folder with config.json/tokenizer (default: the checkpoint's hf/, which "
+                   "converted and trainer-written checkpoints carry; needed for other training checkpoints)")
     b.add_argument("--max-shard-gb", type=_positive(float), default=5.0, help="largest safetensors shard in GiB")
     b.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
 

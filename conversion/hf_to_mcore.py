@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import shutil
 import warnings
 from typing import Optional, TextIO
 
@@ -24,10 +23,12 @@ import torch
 from conversion.dcp_io import BytesObject, Chunk, write_checkpoint
 from conversion.publish import Progress, check_output_dir, staged_output
 from conversion.safetensors_io import TensorInfo, index_checkpoint, read_rows
-from stapo_megatron.bridge.config import (
+from stapo_megatron.bridge.config import (  # noqa: F401  (HF_SUBDIR, copy_hf_side_files: used from here)
     DEFAULT_VOCAB_DIVISOR,
+    HF_SUBDIR,
     QwenSpec,
     check_parallel_sizes,
+    copy_hf_side_files,
     load_hf_config,
     padded_vocab_size,
     spec_from_hf_config,
@@ -37,13 +38,10 @@ from stapo_megatron.bridge.transforms import merge_qkv
 
 BLOCK_BYTES = 16 * 2**20
 """Largest chunk read at once (embedding and lm_head are split into row blocks of this size)."""
-HF_SUBDIR = "hf"
-"""Folder inside a converted checkpoint holding the HF config, tokenizer and generation files."""
 META_NAME = "stapo_conversion.json"
 """Conversion record inside a converted checkpoint."""
 # Linear modules of the local layer spec; each carries an (empty) `_extra_state` ShardedObject.
 _LINEAR_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 
 
 # config.json fields spec_from_hf_config reads as integers: required, and optional (null allowed).
@@ -152,15 +150,6 @@ def extra_state_objects(spec: QwenSpec) -> list[BytesObject]:
     L = spec.num_layers
     return [BytesObject(f"{LAYER_PREFIX}{mod}._extra_state/shard_{layer}_{L}", [None])
             for mod in _LINEAR_MODULES for layer in range(L)]
-
-
-def copy_hf_side_files(hf_dir: str, dest: str) -> None:
-    """Copy config, tokenizer and generation files (everything but weights) into ``dest``."""
-    os.makedirs(dest, exist_ok=True)
-    for name in sorted(os.listdir(hf_dir)):
-        src = os.path.join(hf_dir, name)
-        if os.path.isfile(src) and not name.endswith(_WEIGHT_SUFFIXES):
-            shutil.copy2(src, os.path.join(dest, name))
 
 
 def convert_hf_to_mcore(

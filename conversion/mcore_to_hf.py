@@ -1,9 +1,10 @@
 """mcore-to-hf: a Megatron torch_dist checkpoint -> an HF folder transformers and vLLM load.
 
-Accepts checkpoints written by `hf-to-mcore` (which carry the HF config and tokenizer in
-``hf/``) and training checkpoints (a run directory of `stapo_megatron.checkpoint` or Megatron-LM,
-or one of its step directories); for the latter pass ``hf_config_dir`` with the model's
-config.json and tokenizer. Optimizer state in the checkpoint is ignored.
+Accepts checkpoints written by `hf-to-mcore` and by the trainer (both carry the HF config and
+tokenizer in ``hf/``: `stapo_megatron.provenance`), and other training checkpoints (a
+Megatron-LM run directory, or one of its step directories), for which ``hf_config_dir`` names
+the model's config.json and tokenizer (it also overrides a checkpoint's own ``hf/``).
+Optimizer state in the checkpoint is ignored.
 
 Streaming: each HF tensor is read as one region of the stored tensor (one layer's slice, or
 row blocks of the embedding) and appended to a safetensors shard whose header was written up
@@ -67,8 +68,8 @@ def find_hf_side_dir(ckpt: str, ckpt_dir: str, hf_config_dir: Optional[str]) -> 
         if os.path.isfile(os.path.join(d, "config.json")):
             return d
     raise FileNotFoundError(
-        f"no HF config.json in {' or '.join(candidates)}; training checkpoints carry none: "
-        "pass --hf-config DIR (the HF folder the run started from)"
+        f"no HF config.json in {' or '.join(candidates)} (checkpoints written by hf-to-mcore or this "
+        "trainer carry one; others do not): pass --hf-config DIR (the HF folder the run started from)"
     )
 
 

@@ -7,12 +7,18 @@ Layout under ``<run_dir>/checkpoints``:
                                optimizer state ("optimizer." keys)
         trainer_state.pt       step, LR-scheduler state, data position, anything the trainer adds
         rng_rank00000.pt ...   per-rank RNG states (python, numpy, torch, Megatron's tracker)
+        config.yaml, provenance.json, hf/   what produced it (`stapo_megatron.provenance`,
+                               written by the trainer through ``write_extra``)
     latest                     text file naming the newest complete checkpoint; written last
 
 A checkpoint is written to ``.tmp_step_...`` and renamed when every rank has finished; the
 ``latest`` marker is replaced atomically afterwards. A run killed at any point therefore leaves
 either the previous complete checkpoint or the new one, never a half-written directory that looks
 complete; ``find_latest`` additionally checks the files a complete checkpoint has.
+
+Retention (``keep_last``, `prune_checkpoints`): after a save is published, the oldest
+``step_*`` directories beyond the newest ``keep_last`` complete ones are deleted; the one
+``latest`` names and the newest complete one are never deleted.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import os
 import pickle
 import random
 import shutil
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -133,9 +139,14 @@ def _sharded(model, optimizer, is_loading: bool) -> Dict[str, Any]:
     return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
 
 
-def save_checkpoint(run_dir: str, step: int, model, optimizer, trainer_state: Dict[str, Any]) -> str:
+def save_checkpoint(run_dir: str, step: int, model, optimizer, trainer_state: Dict[str, Any],
+                    write_extra: Optional[Callable[[str], None]] = None, keep_last: int = 0) -> str:
     """Collective: save model, optimizer, RNG and ``trainer_state`` as step ``step``; publish it.
 
+    Args:
+        write_extra: called on rank 0 with the (unpublished) checkpoint directory, to add files
+            (the run's provenance) before it is published.
+        keep_last: keep this many newest complete checkpoints (`prune_checkpoints`); 0 = all.
     Returns the published directory.
     """
     from megatron.core import dist_checkpointing
@@ -152,6 +163,8 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, trainer_state: Di
     torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{_rank():05d}.pt"))
     if _rank() == 0:
         torch.save(dict(trainer_state, step=step), os.path.join(tmp, TRAINER_STATE))
+        if write_extra is not None:
+            write_extra(tmp)
     _barrier()
     if _rank() == 0:
         if os.path.exists(final):  # re-saving the same step after a resume
@@ -163,8 +176,39 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, trainer_state: Di
             f.flush()
             os.fsync(f.fileno())
         os.replace(marker_tmp, os.path.join(root, LATEST))
+        if keep_last:
+            prune_checkpoints(run_dir, keep_last, world_size=dist.get_world_size() if dist.is_initialized() else 1)
     _barrier()
     return final
+
+
+def prune_checkpoints(run_dir: str, keep_last: int, world_size: int = 1) -> List[str]:
+    """Delete the ``step_*`` directories of a run older than its newest ``keep_last`` complete
+    ones; returns the deleted paths (oldest first).
+
+    Never deleted: the checkpoint ``latest`` names, and the newest complete checkpoint (both
+    are what a resume loads). Incomplete directories newer than the oldest kept one are left
+    alone (a save may be in progress); older ones go with the checkpoints around them.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    root = os.path.join(run_dir, "checkpoints")
+    steps = sorted(d for d in os.listdir(root) if d.startswith("step_"))
+    complete = [d for d in steps if _is_complete(os.path.join(root, d), world_size)]
+    kept = set(complete[-keep_last:])
+    marker = os.path.join(root, LATEST)
+    if os.path.exists(marker):
+        with open(marker) as f:
+            kept.add(f.read().strip())
+    if not kept:
+        return []
+    oldest_kept = min(kept)
+    deleted = []
+    for name in steps:
+        if name not in kept and name < oldest_kept:
+            shutil.rmtree(os.path.join(root, name))
+            deleted.append(os.path.join(root, name))
+    return deleted
 
 
 def save_model_only(model, path: str) -> str:

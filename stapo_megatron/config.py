@@ -473,6 +473,10 @@ class TrainerConfig:
     rollouts' ``rollout.max_response_len``."""
     save_every: int = 10
     """Checkpoint every this many steps (and at the end); 0 = never."""
+    keep_last: int = 0
+    """Keep only this many newest complete checkpoints (older ``step_*`` folders are deleted after
+    each save; the one ``latest`` names never is); 0 = keep all. A 14B checkpoint with optimizer
+    state is about 200 GB."""
     max_consecutive_skips: int = 3
     """Stop with an error after this many consecutive steps with a NaN/Inf loss or gradient."""
     reward: str = "math_verify"
@@ -509,7 +513,8 @@ class TrainerConfig:
     are accepted (what a ``key=value`` override gives)."""
 
     def __post_init__(self):
-        _check_at_least(self, 0, "steps", "lr_warmup_steps", "eval_every", "save_every", "max_consecutive_skips")
+        _check_at_least(self, 0, "steps", "lr_warmup_steps", "eval_every", "save_every", "max_consecutive_skips",
+                        "keep_last")
         _check_at_least(self, 1, "prompts_per_step", "minibatch_prompts", "micro_batch_size", "eval_samples",
                         "reward_workers")
         if self.eval_max_response_len is not None:

@@ -3,7 +3,7 @@
 Owns the evaluation protocol of STAPO (arXiv 2602.15620, as in JustRL): for each problem,
 k responses are sampled and scored with the training reward (``stapo_megatron.rewards``);
 
-    avg@k  = mean over problems of (number correct / k)  (= mean reward over all samples)
+    avg@k  = mean over problems of (number correct / k)  (correct = a positive reward)
     pass@k = fraction of problems with at least one correct response
 
 on AIME24, AIME25, AMC23 (k=32) and MATH500, Minerva, OlympiadBench (k=4), each with two decoding

@@ -29,7 +29,9 @@ from stapo_megatron.config import TrainerConfig, WarmStartConfig
 from stapo_megatron.evaluation import Counts, Decoding, load_eval_set, score_responses, summarize
 from stapo_megatron.metrics import RunLogger, plot_run
 from stapo_megatron.parallel import Groups, collective_device, destroy_parallel, init_parallel
+from stapo_megatron.preemption import SaveOnSignal, StoppedForRequeue
 from stapo_megatron.progress import Progress, describe
+from stapo_megatron.provenance import RunProvenance
 from stapo_megatron.reference import add_reference_logprobs, frozen_copy, reset_reference
 from stapo_megatron.schedule import compute_logprob_entropy
 from stapo_megatron.seeds import Seeds
@@ -183,6 +185,11 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.logger = RunLogger(cfg.run_dir, enabled=self.rank == 0, logging=cfg.logging, config=cfg,
                                 plot_every_eval=True)
+        # config, git commit, command, versions: into the run folder and every checkpoint (rank 0)
+        self.provenance = RunProvenance(cfg, warmstart) if self.rank == 0 else None
+        # Slurm's warning before the time limit: save at the next step boundary and stop
+        self.stop_signal = SaveOnSignal().install()
+        self.stopped_at: Optional[int] = None
         self.engine = None
         self.scorer = None
 
@@ -478,7 +485,9 @@ class Trainer:
 
     def _save(self, step: int):
         ckpt.save_checkpoint(self.cfg.run_dir, step, self.model, self.optimizer,
-                             {"data_position": step * self.cfg.prompts_per_step})
+                             {"data_position": step * self.cfg.prompts_per_step},
+                             write_extra=self.provenance.write_checkpoint if self.provenance else None,
+                             keep_last=self.cfg.keep_last)
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -486,6 +495,8 @@ class Trainer:
         cfg = self.cfg
         start = 0
         latest = ckpt.find_latest(cfg.run_dir)
+        if self.provenance:
+            self.provenance.write_run()
         self._start_services()
         if latest:
             state = ckpt.load_checkpoint(latest, self.model, self.optimizer)
@@ -525,8 +536,15 @@ class Trainer:
             if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
                 rows.append(self.evaluate(done))
                 self._print_eval(rows[-1])
-            if cfg.save_every and (done % cfg.save_every == 0 or done == cfg.steps):
+            saved = bool(cfg.save_every and (done % cfg.save_every == 0 or done == cfg.steps))
+            if saved:
                 self._save(done)
+            if done < cfg.steps and self.stop_signal.stop_now(saved, lambda: self._save(done)):
+                self.stopped_at = done
+                if self.rank == 0:
+                    print(f"stopping after step {done} on the scheduler's warning signal; saved, "
+                          f"resume by launching the run again (requeue)", flush=True)
+                break
         if self.rank == 0 and os.path.exists(os.path.join(cfg.run_dir, "metrics.jsonl")):
             plot_run(cfg.run_dir)
         return rows
@@ -551,6 +569,7 @@ class Trainer:
                     print(f"eval  {r['step']:>4} | {key[len('eval/'):]} {value:.3f}", flush=True)
 
     def close(self):
+        self.stop_signal.uninstall()
         if self.scorer is not None:
             self.scorer.close()
         if self.engine is not None:
@@ -578,14 +597,21 @@ def train(cfg: TrainerConfig, warmstart: Optional[WarmStartConfig] = None) -> Li
     A failure is recorded for `stapo_megatron.faults` before the teardown (which is when the
     other ranks notice it); a rank that only lost its peers raises a `faults.PeerFailure`
     naming the rank that failed first.
+
+    Raises:
+        StoppedForRequeue: stopped and saved on the scheduler's warning signal (exit code
+            `stapo_megatron.preemption.REQUEUE_EXIT_CODE`).
     """
     trainer = None
     try:
         trainer = Trainer(cfg, warmstart)
-        return trainer.run()
+        rows = trainer.run()
     except Exception as error:
         raise faults.failed(cfg.run_dir, error)
     finally:
         if trainer is not None:
             trainer.close()
         destroy_parallel()
+    if trainer.stopped_at is not None:
+        raise StoppedForRequeue(trainer.stopped_at)
+    return rows

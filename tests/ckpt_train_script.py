@@ -11,18 +11,25 @@ job at exactly that point whatever the machine's speed: ``update:K`` in the poli
 step K (step K-1's checkpoint is complete, step K's not begun), ``save:K`` inside step K's
 checkpoint save (the model and optimizer shards are written to the temporary directory, the
 RNG and trainer state are not).
+
+KILL_AT ``signal:K`` instead tests the save on the scheduler's warning signal: no regular saves;
+the run installs `SaveOnSignal`, writes ``<run_dir>/waiting_for_signal`` after step K and waits
+there until the signal has arrived (sent by the test, to torchrun or to the ranks); step K+1
+then runs, and its step boundary saves and stops with `REQUEUE_EXIT_CODE`, as the trainer does.
 """
 
 import json
 import os
 import signal
 import sys
+import time
 
 import torch
 
 from stapo_megatron import checkpoint as ckpt
 from stapo_megatron.loss import LossConfig, compute_logprob_entropy
 from stapo_megatron.parallel import destroy_parallel, init_parallel
+from stapo_megatron.preemption import SaveOnSignal, StoppedForRequeue
 from stapo_megatron.step import OptimConfig, policy_update, wrap_model_and_optimizer
 from stapo_megatron.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
 
@@ -53,6 +60,8 @@ def main(run_dir: str, steps: int, kill_at: str = "") -> None:
     model = build_tiny_gpt(tiny_gpt_config(), VOCAB, PROMPT + RESPONSE)
     model, optimizer = wrap_model_and_optimizer(model, OptimConfig(lr=1e-2))
     start, resumed = 0, None
+    os.makedirs(run_dir, exist_ok=True)
+    stop = SaveOnSignal().install()
     latest = ckpt.find_latest(run_dir)
     if latest:
         start = ckpt.load_checkpoint(latest, model, optimizer)["step"]
@@ -70,12 +79,28 @@ def main(run_dir: str, steps: int, kill_at: str = "") -> None:
         metrics = policy_update(model, optimizer, mine, LossConfig(tau_p=0.003), groups, PROMPT + RESPONSE, stats)
         if kill_phase == "save" and step + 1 == kill_step:
             _kill_inside_save()
-        ckpt.save_checkpoint(run_dir, step + 1, model, optimizer, {"note": "test"})
+        save = lambda: ckpt.save_checkpoint(run_dir, step + 1, model, optimizer, {"note": "test"})  # noqa: E731
+        if kill_phase != "signal":
+            save()
         if rank == 0:
             with open(os.path.join(run_dir, "losses.jsonl"), "a") as f:
                 f.write(json.dumps({"step": step + 1, "loss": metrics["loss"], "noise": noise,
                                     "grad_norm": metrics["grad_norm"], "resumed": resumed}) + "\n")
+        if step + 1 < steps and stop.stop_now(saved=kill_phase != "signal", save=save):
+            destroy_parallel()
+            raise StoppedForRequeue(step + 1)
+        if kill_phase == "signal" and step + 1 == kill_step:
+            _wait_for_signal(run_dir, stop, rank)
     destroy_parallel()
+
+
+def _wait_for_signal(run_dir: str, stop: SaveOnSignal, rank: int) -> None:
+    """Tell the test (a file) that every rank waits, then wait until this rank got the signal."""
+    torch.distributed.barrier()
+    if rank == 0:
+        open(os.path.join(run_dir, "waiting_for_signal"), "w").close()
+    while not stop.received:
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """A run written by the trainer's checkpointing (Megatron DDP: ``module.``-prefixed keys, a
-``latest`` marker over ``step_*`` directories) exports to HF and verifies (README: run folders
-are accepted by `stapo-convert mcore-to-hf` and `verify`)."""
+``latest`` marker over ``step_*`` directories, the run's provenance and HF config in each
+checkpoint) exports to HF with no --hf-config and verifies (README: run folders are accepted by
+`stapo-convert mcore-to-hf` and `verify`)."""
 
 import os
 
@@ -20,8 +21,10 @@ def _train_and_save(hf_dir, converted, run_dir, plain_dir):
     save it as the trainer does (step 1), and also as a plain model-only checkpoint."""
     from stapo_megatron import checkpoint as ckpt
     from stapo_megatron.bridge import build_gpt_model, load_checkpoint
+    from stapo_megatron.config import ModelConfig, TrainerConfig
     from stapo_megatron.loss import LossConfig, compute_logprob_entropy
     from stapo_megatron.parallel import destroy_parallel, init_parallel
+    from stapo_megatron.provenance import RunProvenance
     from stapo_megatron.step import OptimConfig, policy_update, wrap_model_and_optimizer
     from stapo_megatron.synthetic import synthetic_rollouts
 
@@ -38,7 +41,9 @@ def _train_and_save(hf_dir, converted, run_dir, plain_dir):
         mb["old_logprob"] = logprob
     policy_update(model, optimizer, mbs, LossConfig(tau_p=0.003), groups, prompt + response, stats)
     changed = any(not torch.equal(a, b) for a, b in zip(before, model.module.parameters()))
-    ckpt.save_checkpoint(run_dir, 1, model, optimizer, {"note": "test"})
+    # as Trainer._save: the run's configuration, provenance and HF side files go into the checkpoint
+    provenance = RunProvenance(TrainerConfig(run_dir=run_dir, model=ModelConfig(hf_dir=hf_dir)))
+    ckpt.save_checkpoint(run_dir, 1, model, optimizer, {"note": "test"}, write_extra=provenance.write_checkpoint)
     ckpt.save_model_only(model, plain_dir)
     # resuming reads the same files (each small one without executing code, see test_checkpoint_safety)
     state = ckpt.load_checkpoint(ckpt.find_latest(run_dir), model, optimizer)
@@ -63,8 +68,13 @@ def test_trainer_run_exports_to_hf_and_verifies(tmp_path, capsys):
     assert state == {"note": "test", "step": 1}
     assert os.path.isfile(os.path.join(run, "checkpoints", "latest"))
 
+    step = os.path.join(run, "checkpoints", "step_00000001")
+    assert {"config.yaml", "provenance.json", "hf"} <= set(os.listdir(step))
     exported = str(tmp_path / "exported")
-    assert main(["mcore-to-hf", "--ckpt", run, "--out", exported, "--hf-config", hf]) == 0
+    # the checkpoint carries its HF config: no --hf-config; the flag still overrides
+    assert main(["mcore-to-hf", "--ckpt", run, "--out", exported]) == 0
+    assert main(["mcore-to-hf", "--ckpt", run, "--out", str(tmp_path / "flag_hf"), "--hf-config", hf]) == 0
+    _assert_bit_exact(exported, str(tmp_path / "flag_hf"))
     # The same weights saved without DDP's prefix export to the same bytes.
     assert main(["mcore-to-hf", "--ckpt", plain, "--out", str(tmp_path / "plain_hf"), "--hf-config", hf]) == 0
     _assert_bit_exact(exported, str(tmp_path / "plain_hf"))

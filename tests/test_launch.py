@@ -6,6 +6,7 @@ the exit code of a local job follows its final state (NeMo-Run's own CLI returns
 NeMo-Run's ids and timestamps in the scripts are matched with patterns.
 """
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -60,7 +61,7 @@ def test_dryrun_renders_the_sbatch_script(tmp_path, short, nodes, settings):
     args = OVERRIDES if settings == "overrides" else []
     env = {**COMMON_ENV, **(ENV_SETTINGS if settings == "environment" else {})}
     code, out = nemo_run(tmp_path, f"launch/stapo_{short}.py", "--dryrun", "method=justrl", "steps=1",
-                         "rollout.max_response_len=8192", *args, env=env)
+                         "rollout.max_response_len=8192", "output_dir=/lustre/stapo/runs/r1", *args, env=env)
     assert code == 0, out
     script = sbatch_script(out)
     job = rf"/lustre/stapo/jobs/stapo_{short}/stapo_{short}_{ID}/stapo_{short}"
@@ -87,6 +88,12 @@ def test_dryrun_renders_the_sbatch_script(tmp_path, short, nodes, settings):
         r"^export TORCH_NCCL_ASYNC_ERROR_HANDLING=1$",
         r"^export CUDA_DEVICE_MAX_CONNECTIONS=1$",
         r"^export VLLM_ENABLE_V1_MULTIPROCESSING=0$",
+        # the save before the time limit: Slurm warns torchrun, torchrun forwards to the ranks,
+        # the failed exit requeues (stapo_megatron/preemption.py)
+        r"^#SBATCH --signal=USR1@600$",
+        r"^export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1$",
+        r"^export PET_SHUTDOWN_TIMEOUT=600$",
+        r"^export TORCHX_MAX_RETRIES=3$",
     ]:
         assert re.search(pattern, script, re.M), f"{pattern!r} not in\n{script}"
     # the task's arguments as NeMo-Run resolved them (steps=1 is the int 1, not True)
@@ -96,7 +103,7 @@ def test_dryrun_renders_the_sbatch_script(tmp_path, short, nodes, settings):
 
 
 def test_dryrun_marks_missing_settings(tmp_path):
-    code, out = nemo_run(tmp_path, "launch/stapo_14b.py", "--dryrun")
+    code, out = nemo_run(tmp_path, "launch/stapo_14b.py", "--dryrun", "output_dir=/lustre/stapo/runs/r1")
     assert code == 0, out
     script = sbatch_script(out)
     assert re.search(r"^#SBATCH --account='<unset:STAPO_SLURM_ACCOUNT>'$", script, re.M), script
@@ -123,10 +130,44 @@ def test_bad_override_is_refused_before_launch(tmp_path):
     assert not (tmp_path / "nemo_run_home" / "experiments").exists()
 
 
-def test_dryrun_validates_overrides_with_the_same_parser(tmp_path):
-    code, out = nemo_run(tmp_path, "launch/stapo_tiny.py", "--dryrun", "loss.tau_pp=0.1")
+@pytest.mark.parametrize("override, message", [
+    ("loss.tau_pp=0.1", "unknown override loss.tau_pp: LossConfig has no field 'tau_pp' (did you mean 'tau_p'?)"),
+    ("steps=many", "override steps='many': expected int, got str"),
+    ("method=ppo", "method must be one of ('stapo', 'grpo', 'entropy20', 'random'), got 'ppo'"),
+])
+def test_dryrun_validates_overrides_with_the_same_parser(tmp_path, override, message):
+    code, out = nemo_run(tmp_path, "launch/stapo_tiny.py", "--dryrun", override)
     assert code == 1, out
-    assert "unknown override loss.tau_pp: LossConfig has no field 'tau_pp' (did you mean 'tau_p'?)" in out
+    assert message in out, out
+
+
+def test_dryrun_prints_and_saves_the_config_a_launch_takes_back(tmp_path):
+    """--save-config writes the resolved configuration; config=PATH starts from it (overrides on top)."""
+    from stapo_megatron.config_yaml import load_config
+
+    first, second = tmp_path / "first.yaml", tmp_path / "second.yaml"
+    code, out = nemo_run(tmp_path, "launch/stapo_tiny.py", "--dryrun", "steps=3", "loss.tau_p=0.01",
+                         "--save-config", str(first))
+    assert code == 0, out
+    assert "# ---- resolved configuration (dry run) ----" in out and "    tau_p: 0.01\n" in out
+    recipe, cfg, warmstart = load_config(str(first))
+    assert (recipe, cfg.steps, cfg.loss.tau_p, warmstart.steps) == ("tiny", 3, 0.01, 400)
+
+    code, out = nemo_run(tmp_path, "launch/stapo_tiny.py", "--dryrun", f"config={first}", "optim.lr=0.001",
+                         f"--save-config={second}")
+    assert code == 0, out
+    _, again, warmstart_again = load_config(str(second))
+    assert again == dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=0.001))
+    assert warmstart_again == warmstart
+
+    code, out = nemo_run(tmp_path, "launch/stapo_1p7b.py", "--dryrun", f"config={first}")
+    assert code == 1 and "holds a configuration of recipe 'tiny', not 'qwen3_1p7b'" in out, out
+
+
+def test_slurm_dryrun_needs_an_absolute_output_dir(tmp_path):
+    code, out = nemo_run(tmp_path, "launch/stapo_8b.py", "--dryrun", "output_dir=runs/x")
+    assert code == 1, out
+    assert "output_dir 'runs/x' is relative: a Slurm job needs an absolute path" in out, out
 
 
 def test_tiny_dryrun_shows_the_torchrun_command(tmp_path):

@@ -16,6 +16,7 @@ import importlib
 import json
 import math
 import os
+import shutil
 from typing import Any, Mapping, Optional, Union
 
 import torch
@@ -72,6 +73,21 @@ class QwenSpec:
     def kv_size(self) -> int:
         """Rows of each of k_proj / v_proj."""
         return self.num_query_groups * self.kv_channels
+
+
+HF_SUBDIR = "hf"
+"""Folder inside a checkpoint (converted by `stapo-convert hf-to-mcore`, or saved by the trainer)
+holding the HF config, tokenizer and generation files: what `stapo-convert mcore-to-hf` exports with."""
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
+
+
+def copy_hf_side_files(hf_dir: str, dest: str) -> None:
+    """Copy config, tokenizer and generation files (everything but weights) into ``dest``."""
+    os.makedirs(dest, exist_ok=True)
+    for name in sorted(os.listdir(hf_dir)):
+        src = os.path.join(hf_dir, name)
+        if os.path.isfile(src) and not name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copy2(src, os.path.join(dest, name))
 
 
 def load_hf_config(hf_dir: Union[str, os.PathLike]) -> dict:

@@ -1,4 +1,4 @@
-"""``nemo-run LAUNCH_FILE [key=value ...] [run.executor=NAME] [--dryrun] [--yes] ...``
+"""``nemo-run LAUNCH_FILE [key=value ...] [config=PATH] [run.executor=NAME] [--dryrun] [--save-config PATH] [--yes] ...``
 
 Runs a launch file (one that ends in ``run.cli.main(fn, ...)``) with NeMo-Run's own command
 line: the same ``key=value`` parsing, ``run.executor=NAME`` / ``run.executor.<field>=value``,
@@ -15,7 +15,12 @@ and ``nemorun`` commands; this package provides ``nemo-run``.) What it adds:
 - before a real submission and before a dry run, the task's recipe is built with its overrides
   and checked (``entry.build_config``, the one override parser: an unknown field names the
   closest ones); a real submission also needs a Slurm executor with its account, image and job
-  dir (``executors.check_submission``).
+  dir (``executors.check_submission``), and a Slurm run an absolute ``output_dir`` (a relative
+  one would resolve against each node's working directory, and a requeued job would not find
+  its checkpoints);
+- a dry run prints the resolved configuration (YAML, every field); ``--save-config PATH`` also
+  writes it to PATH, and ``config=PATH`` launches from such a file (overrides apply on top).
+  (NeMo-Run's own ``--to-yaml`` is left as it is: it writes the task, recipe name and overrides.)
 """
 
 import ast
@@ -40,6 +45,7 @@ from nemo_run.cli.cli_parser import parse_cli_args  # noqa: E402
 from nemo_run.config import get_nemorun_home  # noqa: E402
 from torchx.specs import AppState  # noqa: E402
 
+from stapo_megatron.config_yaml import dump_config  # noqa: E402
 from stapo_megatron.launch import entry, executors  # noqa: E402
 
 FAILED_STATES = (AppState.FAILED, AppState.CANCELLED, AppState.UNKNOWN)
@@ -117,8 +123,26 @@ def _split_executor_args(args: List[str]):
     return name, fields, others
 
 
+def _split_save_config(args: List[str]):
+    """(the ``--save-config PATH`` / ``--save-config=PATH`` value or None, the other arguments)."""
+    path, others, it = None, [], iter(args)
+    for arg in it:
+        if arg == "--save-config":
+            path = next(it, None)
+            if path is None:
+                raise ValueError("--save-config needs a file path")
+        elif arg.startswith("--save-config="):
+            path = arg.split("=", 1)[1]
+        else:
+            others.append(arg)
+    return path, others
+
+
 class CheckedRunContext(cli_api.RunContext):
     """NeMo-Run's RunContext with the additions listed in the module docstring."""
+
+    save_config: Optional[str] = None
+    """Where ``--save-config`` writes the resolved configuration (set by `main`)."""
 
     def parse_args(self, args: List[str], lazy: bool = False):
         name, fields, others = _split_executor_args(args)
@@ -151,11 +175,28 @@ class CheckedRunContext(cli_api.RunContext):
             elif isinstance(executor, run.LocalExecutor):
                 kwargs.update(num_nodes=executor.nodes, gpus_per_node=executor.ntasks_per_node)
             try:
-                entry.build_config(check_paths=not self.dryrun, **kwargs)
+                cfg, warmstart = entry.build_config(check_paths=not self.dryrun, **kwargs)
             except ValueError as e:
                 problems.append(str(e))
+            else:
+                problems += self._resolved(cfg, warmstart, kwargs["recipe"], executor)
         if problems:
             raise cli_api.RunContextError("not launched:\n- " + "\n- ".join(problems))
+
+    def _resolved(self, cfg, warmstart, recipe: str, executor) -> List[str]:
+        """Show / write the resolved configuration; the problems a cluster run would have with it."""
+        text = dump_config(cfg, warmstart, recipe)
+        if self.dryrun:
+            print(f"# ---- resolved configuration (dry run) ----\n{text}", flush=True)
+        if self.save_config:
+            with open(self.save_config, "w", encoding="utf-8") as f:
+                f.write(text)
+            print(f"wrote the resolved configuration to {self.save_config} (launch it with config={self.save_config})")
+        if isinstance(executor, run.SlurmExecutor) and not os.path.isabs(cfg.run_dir):
+            return [f"output_dir {cfg.run_dir!r} is relative: a Slurm job needs an absolute path on a shared "
+                    "file system (set output_dir=/shared/path/run; each node and each requeued job resolve "
+                    "a relative one against their own working directory)"]
+        return []
 
     def cli_execute(self, fn, args: List[str], entrypoint_type: str = "task"):
         started_ns = time.time_ns()
@@ -233,6 +274,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     path, args = argv[0], argv[1:]
+    try:
+        CheckedRunContext.save_config, args = _split_save_config(args)
+    except ValueError as e:
+        print(f"nemo-run: {e}", file=sys.stderr)
+        return 2
     # local jobs start `torchrun` / `python` through PATH: use this environment's (.venv/bin),
     # also when the venv is not activated (`make demo` calls .venv/bin/nemo-run)
     os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])

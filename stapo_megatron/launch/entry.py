@@ -23,6 +23,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from stapo_megatron import faults
 from stapo_megatron.config import TrainerConfig
+from stapo_megatron.config_yaml import load_config
 from stapo_megatron.methods import get_method
 from stapo_megatron.overrides import apply_overrides
 from stapo_megatron.parallel import init_process_group
@@ -49,8 +50,9 @@ def section(**fields: Value) -> Dict[str, Value]:
 
 def build_config(
     recipe: str,
-    method: str = "stapo",
+    method: Optional[str] = None,
     output_dir: Optional[str] = None,
+    config: Optional[str] = None,
     check_paths: bool = True,
     num_nodes: Optional[int] = None,
     gpus_per_node: Optional[int] = None,
@@ -60,9 +62,13 @@ def build_config(
 
     Args:
         recipe: one of `RECIPES`.
-        method: a name of `stapo_megatron.methods.METHODS`.
+        method: a name of `stapo_megatron.methods.METHODS` (None: "stapo", or the method of
+            ``config``).
         output_dir: the run directory (TrainerConfig.run_dir; ``run_dir=`` itself cannot be
             given on NeMo-Run's command line, where every ``run*`` key belongs to NeMo-Run).
+        config: a configuration YAML (``nemo-run ... --save-config PATH``, or a run folder's
+            config.yaml) to start from instead of the recipe's defaults; written for the same
+            recipe. The overrides apply on top of it.
         check_paths: paper recipes: require the model and data paths (False for a dry run).
         num_nodes, gpus_per_node: paper recipes: the job's GPUs, to check the layout against
             (default: the recipe's own `paper.Layout`).
@@ -73,15 +79,18 @@ def build_config(
     """
     if recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
-    get_method(method)  # before building anything: a ValueError naming the methods
+    if method is not None:
+        get_method(method)  # before building anything: a ValueError naming the methods
     sections = {name: overrides.pop(name) or {} for name in SECTIONS if name in overrides}
     warmstart_overrides = sections.pop("warmstart", {})
-    if recipe == "tiny":
+    if config:
+        cfg, warmstart = _from_yaml(config, recipe, method, output_dir)
+    elif recipe == "tiny":
         from stapo_megatron.recipes.tiny import tiny_demo
 
-        cfg, warmstart = tiny_demo(run_dir=output_dir or "runs/demo", method=method)
+        cfg, warmstart = tiny_demo(run_dir=output_dir or "runs/demo", method=method or "stapo")
     else:
-        cfg, warmstart = paper.paper_recipe(recipe, method, run_dir=output_dir), None
+        cfg, warmstart = paper.paper_recipe(recipe, method or "stapo", run_dir=output_dir), None
     cfg = apply_overrides(cfg, {**overrides, **sections})
     if warmstart_overrides:
         if warmstart is None:
@@ -89,6 +98,20 @@ def build_config(
         warmstart = apply_overrides(warmstart, warmstart_overrides, "warmstart.")
     if recipe != "tiny":
         paper.check_paper_config(recipe, cfg, num_nodes, gpus_per_node, check_paths)
+    return cfg, warmstart
+
+
+def _from_yaml(path: str, recipe: str, method: Optional[str], output_dir: Optional[str]) -> Tuple[Any, Optional[Any]]:
+    """The configuration of a YAML file for ``recipe``, with ``output_dir`` as its run_dir."""
+    written_for, cfg, warmstart = load_config(path)
+    if written_for is not None and written_for != recipe:
+        raise ValueError(f"{path} holds a configuration of recipe {written_for!r}, not {recipe!r}: "
+                         f"launch it with that recipe's launch file")
+    if method is not None and method != cfg.loss.method:
+        raise ValueError(f"method={method} but {path} has loss.method={cfg.loss.method!r}: with config=, "
+                         f"set loss.method (and the loss fields) or edit the file")
+    if output_dir:
+        cfg = dataclasses.replace(cfg, run_dir=output_dir)
     return cfg, warmstart
 
 
@@ -111,8 +134,9 @@ def _prepare_tiny_model(model_dir: str) -> None:
 @record  # torchrun's summary then shows the error (e.g. the rank that failed first), not "N/A"
 def run_recipe(
     recipe: str = "tiny",
-    method: str = "stapo",
+    method: Optional[str] = None,
     output_dir: Optional[str] = None,
+    config: Optional[str] = None,
     model: Optional[Dict[str, Value]] = None,
     data: Optional[Dict[str, Value]] = None,
     rollout: Optional[Dict[str, Value]] = None,
@@ -132,8 +156,8 @@ def run_recipe(
     # torchrun's environment: the layout check uses the GPUs this job really has
     world, per_node = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     cfg, warmstart_cfg = build_config(
-        recipe, method, output_dir, num_nodes=world // per_node, gpus_per_node=per_node, model=model, data=data, rollout=rollout,
-        loss=loss, optim=optim, logging=logging, warmstart=warmstart, **overrides,
+        recipe, method, output_dir, config=config, num_nodes=world // per_node, gpus_per_node=per_node, model=model,
+        data=data, rollout=rollout, loss=loss, optim=optim, logging=logging, warmstart=warmstart, **overrides,
     )
     faults.clear_record(cfg.run_dir)
     try:

@@ -11,6 +11,10 @@ from these environment variables, read when a launch file builds its executor:
     STAPO_CONTAINER_MOUNTS   comma-separated src:dst mounts                    (optional)
     STAPO_SLURM_TIME         sbatch --time, default 04:00:00                   (optional)
     STAPO_HF_HOME            HF_HOME in the job, default /nemo_run/hf_home     (optional)
+    STAPO_SLURM_SIGNAL_S     seconds before the time limit at which Slurm sends SIGUSR1 and
+                             the trainer saves and stops, default 600           (optional)
+    STAPO_SLURM_RETRIES      requeues of a job that stopped (the warning signal or a
+                             failure); each resumes from the newest checkpoint, default 3
     STAPO_SLURM_HOST, STAPO_SLURM_USER, STAPO_SLURM_IDENTITY
                              submit over SSH to this login node (default: run on the login
                              node itself, through a LocalTunnel)
@@ -26,6 +30,8 @@ import os
 from typing import Dict, List, Optional
 
 import nemo_run as run
+
+from stapo_megatron.preemption import torchrun_env
 
 PLACEHOLDER_PREFIX = "<unset:"
 """Marks a required Slurm setting that was not given (``<unset:VARIABLE>``, dry runs only)."""
@@ -93,8 +99,14 @@ def _tunnel(job_dir: str) -> run.Config:
 def slurm_executor(nodes: int, gpus_per_node: int = 8) -> run.Config:
     """``nodes`` x ``gpus_per_node`` GPUs: one srun task per node starting torchrun with one
     process per GPU, in a pyxis container; the checked-in code is shipped with ``git archive``.
+
+    Before the time limit (``--signal=USR1@S``) torchrun forwards SIGUSR1 to the ranks, which
+    save at the next step boundary and stop (`stapo_megatron.preemption`); the non-zero exit
+    makes NeMo-Run's sbatch script requeue the job (``retries``; sbatch runs with ``--requeue``)
+    and the requeued job resumes from that checkpoint. S must exceed one training step plus a save.
     """
     mounts = _setting("STAPO_CONTAINER_MOUNTS", "")
+    signal_s = int(_setting("STAPO_SLURM_SIGNAL_S", "600"))
     return run.Config(
         run.SlurmExecutor,
         account=_required("STAPO_SLURM_ACCOUNT"),
@@ -109,7 +121,9 @@ def slurm_executor(nodes: int, gpus_per_node: int = 8) -> run.Config:
         container_image=_required("STAPO_CONTAINER_IMAGE"),
         container_mounts=[m for m in mounts.split(",") if m],
         launcher="torchrun",
-        env_vars={**CLUSTER_ENV, "HF_HOME": _setting("STAPO_HF_HOME", "/nemo_run/hf_home")},
+        env_vars={**CLUSTER_ENV, **torchrun_env(signal_s), "HF_HOME": _setting("STAPO_HF_HOME", "/nemo_run/hf_home")},
+        signal=f"USR1@{signal_s}",
+        retries=int(_setting("STAPO_SLURM_RETRIES", "3")),
         tunnel=_tunnel(_required("STAPO_SLURM_JOB_DIR")),
         packager=run.Config(run.GitArchivePackager),
     )
