@@ -35,7 +35,9 @@ venv: $(STAMP)
 
 # The embedded default main job: STAPO RL of a tiny Qwen3 on this CPU (vLLM rollouts, math
 # rewards, Megatron training, DP=2 over gloo), launched through NeMo-Run (launch/stapo_tiny.py:
-# LocalExecutor + torchrun, 2 processes); 15-25 minutes measured on 2 cores shared with a test suite (not yet timed on a quiet machine). Writes runs/demo/.
+# LocalExecutor + torchrun, 2 processes). Measured on 2 busy cores (load 15-90): 27.7 minutes with
+# the warm-start, 9-10 minutes once it is cached (runs/.warmstart-cache); not yet timed on a quiet
+# machine. Writes runs/demo/.
 # `nemo-run` exits non-zero when the job fails, so make does too.
 demo: $(STAMP)
 	$(VENV)/bin/nemo-run launch/stapo_tiny.py --yes
