@@ -45,11 +45,17 @@ def _launch_id() -> str:
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    """The global rank: torchrun's ``RANK`` (set before any process group exists, and equal to
+    the group's rank after), else the default group's, else 0."""
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def record_path(run_dir: str, rank: int) -> str:
