@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from stapo_megatron.methods import METHODS
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NEMO_RUN = os.path.join(os.path.dirname(sys.executable), "nemo-run")
 ID = r"\d+"  # NeMo-Run experiment ids end in time.time_ns()
@@ -133,7 +135,7 @@ def test_bad_override_is_refused_before_launch(tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("loss.tau_pp=0.1", "unknown override loss.tau_pp: LossConfig has no field 'tau_pp' (did you mean 'tau_p'?)"),
     ("steps=many", "override steps='many': expected int, got str"),
-    ("method=ppo", "method must be one of ('stapo', 'grpo', 'entropy20', 'random'), got 'ppo'"),
+    ("method=ppo", f"method must be one of {tuple(METHODS)}, got 'ppo'"),
 ])
 def test_dryrun_validates_overrides_with_the_same_parser(tmp_path, override, message):
     code, out = nemo_run(tmp_path, "launch/stapo_tiny.py", "--dryrun", override)
