@@ -9,6 +9,9 @@ from stapo_megatron.methods import method_loss_config
 
 
 BASE_SEED = 1234
+PROMPT_TEMPLATE = "{question}\n"
+"""The demo's prompt: "Calculate 3 + 3 + 2." and a newline, after which the answer starts."""
+
 """Seeds the demo's held-out split and its warm-start, whatever the RL seed (``seed=``)."""
 
 
@@ -48,6 +51,11 @@ def tiny_demo(run_dir: str = "runs/demo", method: str = "stapo"):
             reasoning_gym_kwargs=dict(min_terms=2, max_terms=3, min_digits=1, max_digits=1, operators=("+",),
                                       allow_parentheses=False, allow_negation=False),
             num_train=900, num_eval=100, max_prompt_len=256, use_chat_template=False, seed=BASE_SEED,
+            # the bare question: the default template's 72-character instruction ("Please reason
+            # step by step, ...") means nothing to a character-level model trained from scratch,
+            # and it made up three quarters of every sequence (~94 of ~120 tokens), hence of the
+            # demo's compute (measured: the demo took 13.3 min on a quiet 2-core machine with it)
+            prompt_template=PROMPT_TEMPLATE,
         ),
         # worked answers ("3+3=6, 6+2=8. \\boxed{8}") are at most 28 tokens with end-of-sequence
         rollout=RolloutSampling(group_size=8, temperature=1.0, top_p=1.0, max_response_len=32),
