@@ -54,7 +54,7 @@ def tiny_demo(run_dir: str = "runs/demo", method: str = "stapo"):
             # the bare question: the default template's 72-character instruction ("Please reason
             # step by step, ...") means nothing to a character-level model trained from scratch,
             # and it made up three quarters of every sequence (~94 of ~120 tokens), hence of the
-            # demo's compute (measured: the demo took 13.3 min on a quiet 2-core machine with it)
+            # demo's compute (the demo took 13.3 min on a quiet 2-core machine with it)
             prompt_template=PROMPT_TEMPLATE,
         ),
         # worked answers ("3+3=6, 6+2=8. \\boxed{8}") are at most 28 tokens with end-of-sequence
@@ -69,13 +69,14 @@ def tiny_demo(run_dir: str = "runs/demo", method: str = "stapo"):
     # steps (it silences nothing with fewer than two per mini-batch). eps = 0.02 spreads 2% over
     # the 99 other tokens (p ~ 2e-4 < tau_p), as a pretrained LLM's tail would be; at T = 1 about
     # half the answers then hold a stray token, which is what RL removes (and S2T's candidates).
-    # Measured for this warm-start (seed BASE_SEED, held-out avg@4 at T = 1 / greedy accuracy)
-    # after 200, 300, 400 SFT steps: 0.41 / 0.87, 0.47 / 0.88, 0.50 / 0.84; eps = 0.01 reached
-    # 0.75 at T = 1, too close to the ceiling for RL to show +0.20.
+    # Measured for this warm-start (seed BASE_SEED, bare-question prompts, held-out avg@4 at
+    # T = 1) after 200, 300, 400 SFT steps: 0.32, 0.50, 0.60; from 0.60, 50 RL steps reached 0.80
+    # (+0.20, no margin), so 300 (the old instruction-prefixed prompts needed 400 for 0.50;
+    # eps = 0.01 reached 0.75 at T = 1, too close to the ceiling for RL to show +0.20).
     # Worked targets (`worked_sum`): the direct "\\boxed{8}" target plateaued at NLL ~0.3 and a
-    # seed-dependent 5-39% greedy accuracy; written-out running sums reach NLL ~0.03 in 300-400
+    # seed-dependent 5-39% greedy accuracy; written-out running sums reach NLL ~0.03 in 300
     # steps, and what is left for RL is the stray tokens sampled at T = 1 and the addition slips.
-    warmstart = WarmStartConfig(steps=400, lr=2e-3, prompts_per_step=64, label_smoothing=0.02,
+    warmstart = WarmStartConfig(steps=300, lr=2e-3, prompts_per_step=64, label_smoothing=0.02,
                                 target_fn="stapo_megatron.recipes.tiny.worked_sum", seed=BASE_SEED,
                                 cache_dir=warmstart_cache_dir(run_dir))
     return cfg, warmstart
