@@ -35,17 +35,17 @@ venv: $(STAMP)
 
 # The embedded default main job: STAPO RL of a tiny Qwen3 on this CPU (vLLM rollouts, math
 # rewards, Megatron training, DP=2 over gloo), launched through NeMo-Run (launch/stapo_tiny.py:
-# LocalExecutor + torchrun, 2 processes). Measured on 2 busy cores (load 15-90): 27.7 minutes with
-# the warm-start, 9-10 minutes once it is cached (runs/.warmstart-cache); not yet timed on a quiet
-# machine. Writes runs/demo/.
+# LocalExecutor + torchrun, 2 processes): about 6-7 minutes on 2 cores, the warm-start included
+# (README's demo table has the measured times). Writes runs/demo/.
 # `nemo-run` exits non-zero when the job fails, so make does too. ARGS passes overrides:
 #   make demo ARGS="seed=7 output_dir=runs/demo7"
 ARGS ?=
 demo: $(STAMP)
 	$(VENV)/bin/nemo-run launch/stapo_tiny.py $(ARGS) --yes
 
-# `make demo` for 5 seeds, one after another (about an hour on 2 cores): the README's demo
-# table and docs/figures/demo_seeds.png come from here. Finished seeds are not run again.
+# `make demo` for 5 seeds, one after another, each training its own warm-start as on a fresh
+# clone (about 35 minutes on 2 cores): the README's demo table and docs/figures/demo_seeds.png
+# come from here. Finished seeds are not run again.
 demo-seeds: $(STAMP)
 	$(PY) examples/demo_seeds.py
 

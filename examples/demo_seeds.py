@@ -2,17 +2,21 @@
 
     .venv/bin/python examples/demo_seeds.py                      # = make demo-seeds: 5 seeds
     .venv/bin/python examples/demo_seeds.py --seeds 1234 1 --out runs/demo-seeds --figures docs/figures
+    .venv/bin/python examples/demo_seeds.py --shared-warmstart   # train the warm-start once
 
 Each seed runs exactly what ``make demo`` runs (``nemo-run launch/stapo_tiny.py seed=S
 output_dir=OUT/seed_S --yes``: NeMo-Run, torchrun, 2 processes), one after another; a seed whose
-run finished (its last evaluation logged) is not run again. The first seed trains the demo's
-warm-start (as ``make demo`` on a fresh clone does) and the others load it from the shared
-cache ``OUT/.warmstart-cache`` (the same weights: it is seeded apart from the RL seed). Then it writes, from the runs'
+run finished (its last evaluation logged) is not run again. By default every seed trains its own
+warm-start, as ``make demo`` on a fresh clone does (``warmstart.cache_dir=OUT/seed_S/.warmstart-cache``),
+so each row's wall time is a fresh clone's and equal starts show the warm-start does not depend
+on the seed; ``--shared-warmstart`` trains it once (the first seed) and the others load it
+from ``OUT/.warmstart-cache`` (the same weights, faster). Then it writes, from the runs'
 ``metrics.jsonl``:
 
     FIGURES/demo_seeds.png   held-out accuracy per evaluation step, one line per seed
     FIGURES/demo_seeds.md    per seed: accuracy at RL step 0 (after the warm-start) and at the
-                             end, the gain, tokens S2T silenced, wall time; machine and date
+                             end, the gain, tokens S2T silenced, wall time; machine, date, commit,
+                             and which seeds meet the demo's goal (`GOAL`)
 
 and puts the table into README.md between the ``demo-seeds`` markers.
 """
@@ -27,6 +31,10 @@ import sys
 import time
 
 DEFAULT_SEEDS = (1234, 1, 2, 3, 4)
+GOAL = dict(start=0.40, gain=0.20, minutes=12.0)
+"""What every seed of the demo should show (issue 12): held-out accuracy at least ``start`` after
+the warm-start, at least ``gain`` higher at the end, the whole run (warm-start trained) within
+``minutes`` on a 2-core machine."""
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -42,16 +50,20 @@ def _finished(run_dir, steps):
     return any(r.get("kind") == "eval" and r["step"] == steps for r in _rows(run_dir))
 
 
-def run_seed(seed, run_dir, steps):
+def run_seed(seed, run_dir, steps, shared_warmstart=False):
     """``make demo`` with this seed and output folder; returns what ``demo_run.json`` keeps: the
-    wall time, whether the warm-start was trained (the first seed, as on a fresh clone) or loaded
-    from the shared cache, and the load average before and after (the machine's other work)."""
+    wall time, whether the warm-start was trained (as on a fresh clone) or loaded from the shared
+    cache, and the load average before and after (the machine's other work)."""
     from stapo_megatron.recipes.tiny import warmstart_cache_dir
 
     nemo_run = os.path.join(os.path.dirname(sys.executable), "nemo-run")
-    cmd = [nemo_run, "launch/stapo_tiny.py", f"seed={seed}", f"output_dir={run_dir}", "--yes"]
-    print(f"[demo-seeds] seed {seed}: {' '.join(cmd)}", flush=True)
+    cmd = [nemo_run, "launch/stapo_tiny.py", f"seed={seed}", f"output_dir={run_dir}"]
     cache = warmstart_cache_dir(os.path.join(ROOT, run_dir))
+    if not shared_warmstart:
+        cache = os.path.join(ROOT, run_dir, ".warmstart-cache")
+        cmd.append(f"warmstart.cache_dir={cache}")
+    cmd.append("--yes")
+    print(f"[demo-seeds] seed {seed}: {' '.join(cmd)}", flush=True)
     cached = os.path.isdir(cache) and any(not n.startswith(".") for n in os.listdir(cache))
     load_before = os.getloadavg()[1]
     t0 = time.time()
@@ -99,6 +111,24 @@ def table(results, eval_desc):
     return "\n".join(lines)
 
 
+def goal_summary(results):
+    """Which seeds meet `GOAL`, as a sentence for under the table."""
+    def meets(r):
+        return (r["start"] >= GOAL["start"] and r["gain"] >= GOAL["gain"] and r["warmstart"] == "trained"
+                and 0 < r["seconds"] <= 60 * GOAL["minutes"])
+
+    met = [str(r["seed"]) for r in results if meets(r)]
+    lo = lambda key: min(r[key] for r in results)  # noqa: E731
+    hi = lambda key: max(r[key] for r in results)  # noqa: E731
+    timed = [r["seconds"] / 60 for r in results if r["seconds"]]
+    return (f"Starts {lo('start'):.3f}-{hi('start'):.3f}, gains {lo('gain'):+.3f} to {hi('gain'):+.3f}, "
+            f"{lo('silenced')}-{hi('silenced')} tokens silenced per run"
+            + (f", {min(timed):.1f}-{max(timed):.1f} min per run" if timed else "")
+            + f". Goal (start >= {GOAL['start']:.2f}, gain >= +{GOAL['gain']:.2f}, the whole run with "
+            f"its own warm-start within {GOAL['minutes']:g} min): met by {len(met)} of {len(results)} seeds"
+            + (f" ({', '.join(met)})" if met else "") + ".")
+
+
 def plot(results, path, eval_desc):
     import matplotlib
 
@@ -129,6 +159,8 @@ def main():
     parser.add_argument("--out", default="runs/demo-seeds")
     parser.add_argument("--figures", default="docs/figures")
     parser.add_argument("--no-readme", action="store_true", help="do not update README.md")
+    parser.add_argument("--shared-warmstart", action="store_true",
+                        help="train the warm-start once (first seed) and load it for the others")
     args = parser.parse_args()
     cfg, _ = tiny_demo()
     eval_desc = ("greedy accuracy" if cfg.eval_temperature == 0
@@ -137,15 +169,19 @@ def main():
     for seed in args.seeds:
         run_dir = os.path.join(args.out, f"seed_{seed}")
         done = _finished(os.path.join(ROOT, run_dir), cfg.steps)
-        info = _recorded(os.path.join(ROOT, run_dir)) if done else run_seed(seed, run_dir, cfg.steps)
+        info = (_recorded(os.path.join(ROOT, run_dir)) if done
+                else run_seed(seed, run_dir, cfg.steps, args.shared_warmstart))
         results.append(summarise(seed, os.path.join(ROOT, run_dir), info))
         print(f"[demo-seeds] seed {seed}: {results[-1]['start']:.3f} -> {results[-1]['end']:.3f}", flush=True)
     figures = os.path.join(ROOT, args.figures)
     os.makedirs(figures, exist_ok=True)
     plot(results, os.path.join(figures, "demo_seeds.png"), eval_desc)
     machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
-    text = (f"Measured {datetime.date.today().isoformat()} on {machine} by `examples/demo_seeds.py` "
-            f"(`make demo` per seed, {cfg.steps} RL steps):\n\n{table(results, eval_desc)}\n")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    text = (f"Measured {datetime.date.today().isoformat()} on {machine} at commit {commit} by "
+            f"`examples/demo_seeds.py` (`make demo` per seed, {cfg.steps} RL steps):\n\n"
+            f"{table(results, eval_desc)}\n\n{goal_summary(results)}\n")
     with open(os.path.join(figures, "demo_seeds.md"), "w") as f:
         f.write(text)
     print(text)
