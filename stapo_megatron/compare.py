@@ -295,18 +295,32 @@ def compare_tiny(output_dir: str = "runs/compare", seeds: List[int] = list(DEFAU
     return text
 
 
-def _to_readme(out: str, text: str) -> None:
-    """The summary, with the machine and date, into README.md's ``compare`` block."""
+README_FIGURE = "docs/figures/compare_curves.png"
+"""Where ``--readme`` copies the comparison's curves (``OUT/curves.png``) for the README."""
+
+
+def _to_readme(out: str, text: str, root: str = ROOT) -> None:
+    """The summary, with the machine, date and commit, into README.md's ``compare`` block, and
+    the curves into ``README_FIGURE``."""
     import datetime
     import platform
+    import shutil
+    import subprocess
 
     from stapo_megatron.report import fill_block
 
     machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                            text=True).stdout.strip() or "unknown"
     body = text.split("\n", 2)[2]  # without the summary's own title
-    fill_block(os.path.join(ROOT, "README.md"), "compare",
-               f"Measured {datetime.date.today().isoformat()} on {machine} by `make compare` "
-               f"({os.path.relpath(out, ROOT)}/summary.md):\n\n{body}")
+    figure = ""
+    if os.path.exists(os.path.join(out, "curves.png")):
+        os.makedirs(os.path.dirname(os.path.join(root, README_FIGURE)), exist_ok=True)
+        shutil.copyfile(os.path.join(out, "curves.png"), os.path.join(root, README_FIGURE))
+        figure = f"\n\n![accuracy gain, entropy and reward per RL step, per method]({README_FIGURE})\n"
+    fill_block(os.path.join(root, "README.md"), "compare",
+               f"Measured {datetime.date.today().isoformat()} on {machine} at commit {commit} by "
+               f"`make compare` ({os.path.relpath(out, root)}/summary.md):\n\n{body}{figure}")
 
 
 def main(argv=None) -> None:

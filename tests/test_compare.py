@@ -64,7 +64,7 @@ def test_each_run_is_launched_as_make_demo_is():
 
     cmd = compare.launch_command("random", 3, "runs/compare/random_seed3")
     makefile = open(os.path.join(compare.ROOT, "Makefile")).read()
-    assert "nemo-run launch/stapo_tiny.py --yes" in makefile and cmd[1] == compare.LAUNCH_FILE
+    assert "nemo-run launch/stapo_tiny.py $(ARGS) --yes" in makefile and cmd[1] == compare.LAUNCH_FILE
     assert os.path.basename(cmd[0]) == "nemo-run" and cmd[-1] == "--yes"
     assert {"method=random", "seed=3", "loss.seed=3", *(f"{k}={v}" for k, v in COMPARE_OVERRIDES.items())} <= set(cmd)
     # the launched config is the one tiny_compare documents
@@ -80,3 +80,15 @@ def test_each_run_is_launched_as_make_demo_is():
 def test_summary_without_runs_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no finished runs"):
         compare.summarize(str(tmp_path), seeds=[0])
+
+
+def test_readme_block_gets_the_summary_and_the_curves(tmp_path):
+    out = tmp_path / "runs" / "compare"
+    out.mkdir(parents=True)
+    (out / "curves.png").write_bytes(b"\x89PNG fake")
+    (tmp_path / "README.md").write_text("intro\n<!-- compare:begin -->\nold\n<!-- compare:end -->\nafter\n")
+    compare._to_readme(str(out), "# title\n\n| method | gain |\n| stapo | +0.1 |", root=str(tmp_path))
+    readme = (tmp_path / "README.md").read_text()
+    assert "old" not in readme and "| stapo | +0.1 |" in readme and readme.endswith("after\n")
+    assert "(runs/compare/summary.md)" in readme and f"]({compare.README_FIGURE})" in readme
+    assert (tmp_path / compare.README_FIGURE).read_bytes() == b"\x89PNG fake"
