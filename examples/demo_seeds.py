@@ -152,7 +152,7 @@ def plot(results, path, eval_desc):
 
 def main():
     from stapo_megatron.recipes.tiny import tiny_demo
-    from stapo_megatron.report import fill_block
+    from stapo_megatron.report import fill_block, runs_commit
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS))
@@ -177,8 +177,7 @@ def main():
     os.makedirs(figures, exist_ok=True)
     plot(results, os.path.join(figures, "demo_seeds.png"), eval_desc)
     machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip() or "unknown"
+    commit = runs_commit(os.path.join(ROOT, args.out, f"seed_{seed}") for seed in args.seeds)
     text = (f"Measured {datetime.date.today().isoformat()} on {machine} at commit {commit} by "
             f"`examples/demo_seeds.py` (`make demo` per seed, {cfg.steps} RL steps):\n\n"
             f"{table(results, eval_desc)}\n\n{goal_summary(results)}\n")

@@ -300,18 +300,16 @@ README_FIGURE = "docs/figures/compare_curves.png"
 
 
 def _to_readme(out: str, text: str, root: str = ROOT) -> None:
-    """The summary, with the machine, date and commit, into README.md's ``compare`` block, and
+    """The summary, with the machine, date and the runs' commit, into README.md's ``compare`` block, and
     the curves into ``README_FIGURE``."""
     import datetime
     import platform
     import shutil
-    import subprocess
 
-    from stapo_megatron.report import fill_block
+    from stapo_megatron.report import fill_block, runs_commit
 
     machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                            text=True).stdout.strip() or "unknown"
+    commit = runs_commit(sorted(os.path.join(out, d) for d in os.listdir(out)))
     body = text.split("\n", 2)[2]  # without the summary's own title
     figure = ""
     if os.path.exists(os.path.join(out, "curves.png")):

@@ -23,3 +23,25 @@ def fill_block(path: str, name: str, text: str) -> None:
     content = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, content, flags=re.S)
     with open(path, "w") as f:
         f.write(content)
+
+
+def runs_commit(run_dirs) -> str:
+    """The commit(s) the runs were made at, from their ``provenance.json`` (``stapo_megatron.provenance``):
+    ``"a640050"``, ``"a640050 (dirty)"``, several joined with ", ", or ``"unknown"`` when no run
+    recorded one. A README block names the code that produced its numbers, not the checkout that
+    summarised them."""
+    import json
+    import os
+
+    commits = []
+    for run_dir in run_dirs:
+        path = os.path.join(run_dir, "provenance.json")
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            git = json.load(f).get("git") or {}
+        if git.get("commit"):
+            label = git["commit"][:7] + (" (dirty)" if git.get("dirty") else "")
+            if label not in commits:
+                commits.append(label)
+    return ", ".join(commits) or "unknown"
