@@ -25,7 +25,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -58,8 +57,9 @@ def run_seed(seed, run_dir, steps, shared_warmstart=False):
 
     nemo_run = os.path.join(os.path.dirname(sys.executable), "nemo-run")
     cmd = [nemo_run, "launch/stapo_tiny.py", f"seed={seed}", f"output_dir={run_dir}"]
-    cache = warmstart_cache_dir(os.path.join(ROOT, run_dir))
-    if not shared_warmstart:
+    if shared_warmstart:
+        cache = warmstart_cache_dir(os.path.join(ROOT, run_dir))
+    else:
         cache = os.path.join(ROOT, run_dir, ".warmstart-cache")
         cmd.append(f"warmstart.cache_dir={cache}")
     cmd.append("--yes")
@@ -152,7 +152,7 @@ def plot(results, path, eval_desc):
 
 def main():
     from stapo_megatron.recipes.tiny import tiny_demo
-    from stapo_megatron.report import fill_block, runs_commit
+    from stapo_megatron.report import fill_block, machine, runs_commit
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS))
@@ -176,9 +176,8 @@ def main():
     figures = os.path.join(ROOT, args.figures)
     os.makedirs(figures, exist_ok=True)
     plot(results, os.path.join(figures, "demo_seeds.png"), eval_desc)
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
     commit = runs_commit(os.path.join(ROOT, args.out, f"seed_{seed}") for seed in args.seeds)
-    text = (f"Measured {datetime.date.today().isoformat()} on {machine} at commit {commit} by "
+    text = (f"Measured {datetime.date.today().isoformat()} on {machine()} at commit {commit} by "
             f"`examples/demo_seeds.py` (`make demo` per seed, {cfg.steps} RL steps):\n\n"
             f"{table(results, eval_desc)}\n\n{goal_summary(results)}\n")
     with open(os.path.join(figures, "demo_seeds.md"), "w") as f:

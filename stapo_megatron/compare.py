@@ -303,12 +303,10 @@ def _to_readme(out: str, text: str, root: str = ROOT) -> None:
     """The summary, with the machine, date and the runs' commit, into README.md's ``compare`` block, and
     the curves into ``README_FIGURE``."""
     import datetime
-    import platform
     import shutil
 
-    from stapo_megatron.report import fill_block, runs_commit
+    from stapo_megatron.report import fill_block, machine, runs_commit
 
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
     commit = runs_commit(sorted(os.path.join(out, d) for d in os.listdir(out)))
     body = text.split("\n", 2)[2]  # without the summary's own title
     figure = ""
@@ -317,7 +315,7 @@ def _to_readme(out: str, text: str, root: str = ROOT) -> None:
         shutil.copyfile(os.path.join(out, "curves.png"), os.path.join(root, README_FIGURE))
         figure = f"\n\n![accuracy gain, entropy and reward per RL step, per method]({README_FIGURE})\n"
     fill_block(os.path.join(root, "README.md"), "compare",
-               f"Measured {datetime.date.today().isoformat()} on {machine} at commit {commit} by "
+               f"Measured {datetime.date.today().isoformat()} on {machine()} at commit {commit} by "
                f"`make compare` ({os.path.relpath(out, root)}/summary.md):\n\n{body}{figure}")
 
 

@@ -45,3 +45,11 @@ def runs_commit(run_dirs) -> str:
             if label not in commits:
                 commits.append(label)
     return ", ".join(commits) or "unknown"
+
+
+def machine() -> str:
+    """The machine a README block was measured on: "x86_64, 2 cores, Python 3.11.7"."""
+    import os
+    import platform
+
+    return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"

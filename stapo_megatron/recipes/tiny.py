@@ -9,10 +9,10 @@ from stapo_megatron.methods import method_loss_config
 
 
 BASE_SEED = 1234
+"""Seeds the demo's held-out split and its warm-start, whatever the RL seed (``seed=``)."""
+
 PROMPT_TEMPLATE = "{question}\n"
 """The demo's prompt: "Calculate 3 + 3 + 2." and a newline, after which the answer starts."""
-
-"""Seeds the demo's held-out split and its warm-start, whatever the RL seed (``seed=``)."""
 
 
 def warmstart_cache_dir(run_dir: str) -> str:
