@@ -104,10 +104,12 @@ def policy_update(
         )
     threshold = torch.tensor(float("nan"))
     if groups.is_last_stage and get_method(loss_config.method).needs_entropy:
-        cat = lambda key: torch.cat([mb[key].reshape(-1) for mb in microbatches])  # noqa: E731
+        # micro-batches may still be on the CPU (library users); the statistics are on the model's device
+        logprob = torch.cat([lp.reshape(-1) for lp, _ in old_stats])
+        cat = lambda key: torch.cat([mb[key].reshape(-1) for mb in microbatches]).to(logprob.device)  # noqa: E731
         threshold = minibatch_threshold(
             loss_config,
-            torch.cat([lp.reshape(-1) for lp, _ in old_stats]),
+            logprob,
             torch.cat([h.reshape(-1) for _, h in old_stats]),
             cat("advantages"),
             cat("response_mask"),
