@@ -12,11 +12,14 @@ Output layout (``CKPT``):
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import json
 import os
+import shutil
 import warnings
-from typing import Optional, TextIO
+from typing import Iterator, Optional, TextIO
 
 import torch
 
@@ -27,6 +30,7 @@ from stapo_megatron.bridge.config import (  # noqa: F401  (HF_SUBDIR, copy_hf_si
     DEFAULT_VOCAB_DIVISOR,
     HF_SUBDIR,
     QwenSpec,
+    check_architecture,
     check_parallel_sizes,
     copy_hf_side_files,
     load_hf_config,
@@ -60,6 +64,10 @@ def load_spec(hf_dir: str) -> tuple[dict, QwenSpec]:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{path}: not a JSON object")
+    try:
+        check_architecture(cfg)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
     for field in _INT_FIELDS + _OPTIONAL_INT_FIELDS:
         value = cfg.get(field)
         if value is None and field in _OPTIONAL_INT_FIELDS:
@@ -94,13 +102,19 @@ def check_tensors(spec: QwenSpec, infos: dict[str, TensorInfo]) -> None:
                 f"tensor {name} has shape {infos[name].shape} in the checkpoint but the config implies {shape}"
             )
     extra = sorted(set(infos) - set(expected))
+    beyond = sorted({int(n.split(".")[2]) for n in extra if n.startswith("model.layers.") and n.split(".")[2].isdigit()})
+    if beyond:
+        raise ValueError(
+            f"the checkpoint holds weights of layers {beyond[0]}..{beyond[-1]} but the config's num_hidden_layers "
+            f"is {spec.num_layers}: config.json does not describe these weights (converting would drop "
+            f"{len(beyond)} layers)")
     if extra:
         why = " (tie_word_embeddings=True: lm_head is the embedding)" if extra == ["lm_head.weight"] else ""
         warnings.warn(f"ignoring {len(extra)} tensors not used by {spec.architecture}{why}: {extra[:5]}")
 
 
 def _row_chunks(key: str, global_shape: tuple, lead: tuple, info: TensorInfo, dtype: torch.dtype,
-                row0: int = 0) -> list[Chunk]:
+                row0: int = 0, name: str = "") -> list[Chunk]:
     """Chunks copying ``info`` into rows ``row0..`` of a (layer-stacked) global tensor."""
     rows = info.shape[0]
     step = max(1, BLOCK_BYTES // (info.nbytes // rows))  # rows per block
@@ -109,12 +123,24 @@ def _row_chunks(key: str, global_shape: tuple, lead: tuple, info: TensorInfo, dt
     for start in range(0, rows, step):
         stop = min(rows, start + step)
         chunks.append(Chunk(key, global_shape, lead + (row0 + start,) + zeros, ones + (stop - start,) + info.shape[1:],
-                            dtype, functools.partial(read_rows, info, start, stop)))
+                            dtype, functools.partial(_finite_rows, name or key, info, start, stop)))
     return chunks
 
 
-def _merged_qkv(infos: list[TensorInfo], spec: QwenSpec) -> torch.Tensor:
-    q, k, v = (read_rows(i) for i in infos)
+def _finite_rows(name: str, info: TensorInfo, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
+    """``read_rows``, refusing NaN or infinite weights (they would convert silently and only show
+    up as NaN logits in ``verify`` or training)."""
+    rows = read_rows(info, start, stop)
+    if not torch.isfinite(rows).all():
+        bad = rows.numel() - int(torch.isfinite(rows).sum())
+        nan = int(torch.isnan(rows).sum())
+        raise ValueError(f"tensor {name} ({info.path}) holds {bad} non-finite values ({nan} NaN) in rows "
+                         f"{start}..{start + rows.shape[0]}: the checkpoint is damaged")
+    return rows
+
+
+def _merged_qkv(infos: list[TensorInfo], names: list[str], spec: QwenSpec) -> torch.Tensor:
+    q, k, v = (_finite_rows(n, i) for n, i in zip(names, infos))
     return merge_qkv(q, k, v, spec.num_query_groups, spec.kv_channels)
 
 
@@ -126,23 +152,50 @@ def plan_chunks(spec: QwenSpec, infos: dict[str, TensorInfo], padded_vocab: int,
         global_shape = ((spec.num_layers,) if m.per_layer else ()) + shape
         for layer in range(spec.num_layers) if m.per_layer else [None]:
             lead = () if layer is None else (layer,)
-            srcs = [infos[n] for n in m.hf_names(layer)]
+            names = m.hf_names(layer)
+            srcs = [infos[n] for n in names]
             key = m.checkpoint_key
             if m.transform == "qkv":
                 # Interleaved per query group: one merged chunk per layer.
                 chunks.append(Chunk(key, global_shape, lead + (0,) * len(shape), (1,) * len(lead) + shape, dtype,
-                                    functools.partial(_merged_qkv, srcs, spec)))
+                                    functools.partial(_merged_qkv, srcs, names, spec)))
             elif m.transform == "gate_up":
                 # The checkpoint layout is [gate; up] (TP-independent), so each is its own chunk.
-                chunks += _row_chunks(key, global_shape, lead, srcs[0], dtype)
-                chunks += _row_chunks(key, global_shape, lead, srcs[1], dtype, row0=srcs[0].shape[0])
+                chunks += _row_chunks(key, global_shape, lead, srcs[0], dtype, name=names[0])
+                chunks += _row_chunks(key, global_shape, lead, srcs[1], dtype, row0=srcs[0].shape[0], name=names[1])
             else:
-                chunks += _row_chunks(key, global_shape, lead, srcs[0], dtype)
+                chunks += _row_chunks(key, global_shape, lead, srcs[0], dtype, name=names[0])
             if m.transform == "vocab" and padded_vocab > spec.vocab_size:
                 pad_shape = (padded_vocab - spec.vocab_size, spec.hidden_size)
                 chunks.append(Chunk(key, global_shape, (spec.vocab_size, 0), pad_shape, dtype,
                                     functools.partial(torch.zeros, pad_shape, dtype=dtype)))
     return chunks
+
+
+def check_free_space(out: str, nbytes: int) -> None:
+    """OSError (ENOSPC) before writing anything if the file system of ``out`` has less than
+    ``nbytes`` free."""
+    parent = os.path.dirname(os.path.abspath(out))
+    while not os.path.isdir(parent):
+        parent = os.path.dirname(parent)
+    free = shutil.disk_usage(parent).free
+    if free < nbytes:
+        raise OSError(errno.ENOSPC, f"the checkpoint needs {nbytes / 2**30:.2f} GiB but the file system of "
+                                    f"{parent} has {free / 2**30:.2f} GiB free; nothing was written", out)
+
+
+@contextlib.contextmanager
+def failed_writes_named(out: str) -> Iterator[None]:
+    """Turn torch.save's raw failure on a full disk or past the file size limit (``RuntimeError:
+    [enforce fail at inline_container.cc] ... file write failed``, torch 2.x) into an OSError
+    naming the output; the staged folder is removed by `staged_output` either way."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "inline_container" not in str(e) and "write failed" not in str(e):
+            raise
+        raise OSError(errno.ENOSPC, "writing the checkpoint failed (the disk is full or a file size limit was "
+                                    "reached); nothing was written, free space and run again", out) from None
 
 
 def extra_state_objects(spec: QwenSpec) -> list[BytesObject]:
@@ -188,7 +241,8 @@ def convert_hf_to_mcore(
         "tensor_model_parallel_size": tensor_model_parallel_size,
         "pipeline_model_parallel_size": pipeline_model_parallel_size,
     }
-    with staged_output(out, overwrite, inputs=[hf_dir]) as tmp:
+    check_free_space(out, total)
+    with staged_output(out, overwrite, inputs=[hf_dir]) as tmp, failed_writes_named(out):
         write_checkpoint(tmp, chunks, extra_state_objects(spec), thread_count=thread_count,
                          on_chunk=progress.update)
         copy_hf_side_files(hf_dir, os.path.join(tmp, HF_SUBDIR))

@@ -38,6 +38,9 @@ def resolve_checkpoint_dir(path: str) -> str:
     Follows a run's newest-checkpoint marker: ``latest`` (stapo_megatron.checkpoint, also under
     ``<run>/checkpoints``) or Megatron-LM's ``latest_checkpointed_iteration.txt``.
     """
+    if os.path.isfile(path):
+        raise ValueError(f"checkpoint path {path} is a file, not a checkpoint directory: give the folder "
+                         f"(a checkpoint, or a run folder with its latest marker), e.g. {os.path.dirname(path) or '.'}")
     for root in (path, os.path.join(path, "checkpoints")):
         marker, tracker = os.path.join(root, "latest"), os.path.join(root, "latest_checkpointed_iteration.txt")
         if os.path.isfile(marker):

@@ -26,6 +26,12 @@ DTYPES = {
     "BOOL": torch.bool,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+UNSUPPORTED_DTYPES = {
+    "F8_E4M3": "FP8 (E4M3)", "F8_E5M2": "FP8 (E5M2)", "F8_E8M0": "FP8 scales (E8M0)", "F4": "FP4",
+    "F6_E2M3": "FP6", "F6_E3M2": "FP6", "C64": "complex64", "U16": "uint16", "U32": "uint32", "U64": "uint64",
+}
+"""safetensors dtypes that are valid but not converted here (a quantised checkpoint needs its
+scales applied first: convert the model's bf16 release instead)."""
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's limit
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -69,6 +75,12 @@ def read_header(path: str) -> dict[str, TensorInfo]:
     header.pop("__metadata__", None)
     infos, data_start, end_max = {}, 8 + n, 0
     for name, entry in header.items():
+        stored = entry.get("dtype") if isinstance(entry, dict) else None
+        if stored in UNSUPPORTED_DTYPES:
+            raise ValueError(
+                f"{path}: tensor {name!r} has dtype {stored} ({UNSUPPORTED_DTYPES[stored]}), which is not "
+                f"supported: only {', '.join(sorted(DTYPES))} are read (for a quantised checkpoint, "
+                "convert the unquantised bf16/fp16 release of the model)")
         try:
             dtype = DTYPES[entry["dtype"]]
             shape = tuple(int(s) for s in entry["shape"])

@@ -76,7 +76,8 @@ def stapo_loss(
 
     Args:
         logprob, old_logprob, ref_logprob: [B, S] log-probs of the labels (any float dtype;
-            the loss is computed in fp32, so fp16 inputs do not overflow the sum).
+            the loss is computed in at least fp32, so fp16/bf16 inputs do not overflow the sum,
+            and float64 inputs keep float64).
         advantages: [B, S] per-token advantages (a sequence's advantage broadcast over its
             tokens, ``adv_B[:, None].expand(B, S)``).
         response_mask, silenced: [B, S] bool.
@@ -85,7 +86,7 @@ def stapo_loss(
             sequences; one row of the [B, S] tensors is one sequence).
 
     Returns:
-        (loss_sum: 0-dim fp32, differentiable; the normaliser: 0-dim int64, the number of kept
+        (loss_sum: 0-dim, fp32 or (float64 inputs) float64, differentiable; the normaliser: 0-dim int64, the number of kept
         tokens, or with "seq_mean_token_mean" the number of sequences with a kept token).
 
     Raises:
@@ -109,8 +110,11 @@ def stapo_loss(
     for name in ("response_mask", "silenced"):
         if tensors[name].dtype != torch.bool:
             raise ValueError(f"{name} must be a bool tensor, got {tensors[name].dtype}")
-    logprob, old_logprob, advantages = logprob.float(), old_logprob.float(), advantages.float()
-    ref_logprob = None if ref_logprob is None else ref_logprob.float()
+    # accumulate in at least fp32: half-precision inputs go up, float64 inputs stay float64
+    dtype = torch.promote_types(torch.promote_types(logprob.dtype, old_logprob.dtype),
+                                torch.promote_types(advantages.dtype, torch.float32))
+    logprob, old_logprob, advantages = logprob.to(dtype), old_logprob.to(dtype), advantages.to(dtype)
+    ref_logprob = None if ref_logprob is None else ref_logprob.to(dtype)
     keep = response_mask & ~silenced
     loss, _ = token_objective(
         logprob, old_logprob, advantages, clip_ratio_low, clip_ratio_high, clip_ratio_c

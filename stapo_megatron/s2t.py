@@ -112,7 +112,18 @@ def s2t_mask(
         dp_group: ranks whose candidates pool into the quantile (the mini-batch).
         tau_h: a precomputed mini-batch threshold; if given, ``q``/``dp_group`` are unused and
             no collective runs (the per-micro-batch use inside Megatron's schedule).
+
+    Raises:
+        ValueError: if ``entropy``, ``advantages`` or ``response_mask`` differ in shape from
+            ``logprob`` (a per-sequence [B] advantage would broadcast along the token axis when
+            B == S and silently select other tokens).
     """
+    for name, t in (("entropy", entropy), ("advantages", advantages), ("response_mask", response_mask)):
+        if t.shape != logprob.shape:
+            hint = (" (advantages are per token: expand a per-sequence [B] advantage with "
+                    "adv[:, None].expand_as(logprob))") if name == "advantages" else ""
+            raise ValueError(f"s2t_mask: {name} has shape {list(t.shape)} but logprob has "
+                             f"{list(logprob.shape)}{hint}")
     candidates = s2t_candidates(logprob, advantages, response_mask, tau_p)
     if tau_h is None:
         tau_h, _ = s2t_threshold(entropy, candidates, q, dp_group)

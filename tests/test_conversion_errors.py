@@ -402,3 +402,98 @@ def test_full_disk_is_a_message_and_leaves_nothing(capsys, monkeypatch, hf, tmp_
     _fails(capsys, ["mcore-to-hf", "--ckpt", ckpt, "--out", str(tmp_path / "back")],
            "error: [Errno 28] No space left on device:", "model.safetensors")
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "hf"]
+
+
+def test_qwen3_config_without_architectures_converts(hf, tmp_path):
+    """A config saved from a bare PretrainedConfig has only ``model_type``: it is Qwen3."""
+    path = os.path.join(hf, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    del cfg["architectures"]
+    assert cfg["model_type"] == "qwen3"
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    assert main(["hf-to-mcore", "--hf-dir", hf, "--out", str(tmp_path / "out")]) == 0
+    with open(tmp_path / "out" / "stapo_conversion.json") as f:
+        assert json.load(f)["architecture"] == "Qwen3ForCausalLM"
+
+
+def test_gpt2_config_is_refused_for_its_architecture(capsys, hf, tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=2, n_embd=32, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(hf)
+    _fails(capsys, ["hf-to-mcore", "--hf-dir", hf, "--out", str(tmp_path / "out")],
+           "unsupported architecture ['GPT2LMHeadModel']", "Qwen2ForCausalLM, Qwen3ForCausalLM")
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_config_with_fewer_layers_than_the_weights_is_refused(capsys, hf, tmp_path):
+    with open(os.path.join(hf, "config.json")) as f:
+        layers = json.load(f)["num_hidden_layers"]
+    _edit_config(hf, num_hidden_layers=layers - 1)
+    _fails(capsys, ["hf-to-mcore", "--hf-dir", hf, "--out", str(tmp_path / "out")],
+           f"weights of layers {layers - 1}..{layers - 1}", f"num_hidden_layers is {layers - 1}")
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_fp8_weights_are_named_as_an_unsupported_dtype(capsys, hf, tmp_path):
+    name = "model.layers.0.mlp.up_proj.weight"
+    _rewrite_safetensors(hf, lambda k, v: v.to(torch.float8_e4m3fn) if k == name else v)
+    err = _fails(capsys, ["hf-to-mcore", "--hf-dir", hf, "--out", str(tmp_path / "out")],
+                 f"tensor '{name}' has dtype F8_E4M3 (FP8 (E4M3)), which is not supported")
+    assert "corrupt" not in err
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_mcore_to_hf_given_a_file_says_so(capsys, hf, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    assert main(["hf-to-mcore", "--hf-dir", hf, "--out", str(ckpt)]) == 0
+    target = str(ckpt / "common.pt")
+    err = _fails(capsys, ["mcore-to-hf", "--ckpt", target, "--out", str(tmp_path / "back")],
+                 f"checkpoint path {target} is a file, not a checkpoint directory", f"e.g. {ckpt}")
+    assert "does not exist" not in err
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weights_are_refused(capsys, hf, tmp_path, value):
+    name = "model.layers.1.self_attn.k_proj.weight"
+
+    def damage(k, v):
+        if k == name:
+            v = v.clone()
+            v[3, 1] = value
+        return v
+
+    _rewrite_safetensors(hf, damage)
+    _fails(capsys, ["hf-to-mcore", "--hf-dir", hf, "--out", str(tmp_path / "out")],
+           f"tensor {name}", "non-finite values", "damaged")
+    assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+def test_disk_filling_up_during_hf_to_mcore(hf, tmp_path):
+    """A real write failure: the conversion runs in a process whose file size limit (RLIMIT_FSIZE,
+    SIGXFSZ ignored) is below the checkpoint's size, so the writes fail as on a full disk."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    script = (
+        "import resource, signal, sys\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))\n"
+        "from conversion.cli import main\n"
+        f"sys.exit(main(['hf-to-mcore', '--hf-dir', {hf!r}, '--out', {str(out)!r}]))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr
+    assert "writing the checkpoint failed (the disk is full or a file size limit was reached)" in proc.stderr
+    assert str(out) in proc.stderr
+    assert "inline_container" not in proc.stderr and "Traceback" not in proc.stderr
+    assert sorted(os.listdir(tmp_path)) == ["hf"]  # no output, no staged folder
+
+
+def test_too_little_free_space_is_refused_before_writing(capsys, hf, tmp_path):
+    from conversion.hf_to_mcore import check_free_space
+
+    with pytest.raises(OSError, match="nothing was written"):
+        check_free_space(str(tmp_path / "out"), 1 << 62)

@@ -202,3 +202,22 @@ def test_fp16_logprobs_do_not_overflow_the_sum():
     loss_sum, num_kept = stapo_loss(logprob, logprob, adv, mask, ~mask)
     assert loss_sum.dtype == torch.float32 and num_kept.item() == 4096
     assert loss_sum.item() == pytest.approx(20.0 * 4096)
+
+
+def test_stapo_loss_keeps_float64_and_raises_half_precision():
+    """Accumulation in at least fp32: float64 inputs stay float64 (they were cast down to fp32),
+    bf16 inputs go up to fp32."""
+    from stapo_megatron.objective import stapo_loss
+
+    g = torch.Generator().manual_seed(0)
+    logprob = -torch.rand(2, 5, generator=g, dtype=torch.float64)
+    old = logprob + 1e-9  # a ratio 1 - 1e-9: fp32 rounds it to exactly 1
+    adv = torch.ones(2, 5, dtype=torch.float64)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    loss, count = stapo_loss(logprob, old, adv, mask, torch.zeros_like(mask))
+    assert loss.dtype == torch.float64
+    expected = -(torch.exp(logprob - old)).sum()
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-12)  # float64 keeps the 1e-9
+    assert int(count) == 10
+    loss_bf16, _ = stapo_loss(logprob.bfloat16(), old.bfloat16(), adv.bfloat16(), mask, torch.zeros_like(mask))
+    assert loss_bf16.dtype == torch.float32

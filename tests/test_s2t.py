@@ -87,3 +87,16 @@ def test_random_mask_count_support_and_seed():
 
 def test_no_mask():
     assert not s2t.no_mask(torch.ones(3, 4, dtype=torch.bool)).any()
+
+
+def test_mask_refuses_tensors_of_another_shape():
+    """An entropy tensor of another shape used to raise a bare IndexError; a per-sequence [B]
+    advantage with [B, S] tensors and B == S used to broadcast along the token axis."""
+    logprob = torch.full((3, 3), math.log(1e-3))
+    entropy, mask = torch.ones(3, 3), torch.ones(3, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"entropy has shape \[3, 4\] but logprob has \[3, 3\]"):
+        s2t.s2t_mask(logprob, torch.ones(3, 4), torch.ones(3, 3), mask)
+    with pytest.raises(ValueError, match=r"advantages has shape \[3\].*adv\[:, None\]"):
+        s2t.s2t_mask(logprob, entropy, torch.tensor([1.0, -1.0, 1.0]), mask)
+    with pytest.raises(ValueError, match="response_mask has shape"):
+        s2t.s2t_mask(logprob, entropy, torch.ones(3, 3), mask[:, :2])

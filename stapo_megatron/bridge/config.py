@@ -121,14 +121,28 @@ def _rope_theta(cfg: dict) -> float:
     return float(theta)
 
 
+ARCHITECTURE_OF_MODEL_TYPE = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+"""The architecture of a config without ``architectures`` (saved from a bare ``PretrainedConfig``
+or edited by hand), from its ``model_type``, as transformers' AutoModelForCausalLM resolves it."""
+
+
 def _architecture(cfg: dict) -> str:
     archs = cfg.get("architectures") or []
+    if not archs and cfg.get("model_type") in ARCHITECTURE_OF_MODEL_TYPE:
+        archs = [ARCHITECTURE_OF_MODEL_TYPE[cfg["model_type"]]]
     if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"unsupported architecture {archs or cfg.get('model_type')!r}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     return archs[0]
+
+
+def check_architecture(hf_config: Union[Mapping[str, Any], Any]) -> str:
+    """The config's supported architecture (``architectures``, or without it ``model_type``);
+    ValueError naming it otherwise. Checked before any other field: a GPT-2 or Llama config is
+    refused for what it is, not for a field it names differently."""
+    return _architecture(_as_dict(hf_config))
 
 
 def spec_from_hf_config(hf_config: Union[Mapping[str, Any], Any]) -> QwenSpec:
