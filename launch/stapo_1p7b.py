@@ -10,13 +10,11 @@ Cluster settings: run.executor.<field>=... or STAPO_* variables (stapo_megatron/
 import nemo_run as run
 
 from stapo_megatron.launch import entry, executors
-from stapo_megatron.recipes.paper import LAYOUTS
 
 if __name__ == "__main__":
-    layout = LAYOUTS["qwen3_1p7b"]
     run.cli.main(
         entry.run_recipe,
         name="stapo_1p7b",
         default_factory=lambda: executors.recipe_task("qwen3_1p7b"),
-        default_executor=executors.slurm_executor(layout.num_nodes, layout.gpus_per_node),
+        default_executor=executors.paper_slurm_executor("qwen3_1p7b"),
     )

@@ -199,11 +199,18 @@ class DataConfig:
     eval_path: Optional[str] = None
     """Held-out JSONL/parquet file or HF dataset folder; None = generate."""
     prompt_field: str = ""
-    """Field of the question in both files ("" = `prompt`, as a string or chat messages); a
-    dotted name reads a nested field."""
+    """Field of the question in the training file ("" = `prompt`, as a string or chat messages);
+    a dotted name reads a nested field. Also the held-out file's unless `eval_prompt_field`."""
     answer_field: str = ""
-    """Field of the reference answer in both files ("" = `answer`, else
-    `reward_model.ground_truth`); a dotted name reads a nested field."""
+    """Field of the reference answer in the training file ("" = `answer`, else
+    `reward_model.ground_truth`); a dotted name reads a nested field. Also the held-out file's
+    unless `eval_answer_field`."""
+    eval_prompt_field: Optional[str] = None
+    """Field of the question in the held-out file (e.g. `problem` for a benchmark next to
+    DAPO-Math-17k's `prompt`); None = `prompt_field`, "" = `prompt`."""
+    eval_answer_field: Optional[str] = None
+    """Field of the reference answer in the held-out file; None = `answer_field`, "" = `answer`,
+    else `reward_model.ground_truth`."""
     dedupe: bool = False
     """Keep one copy of repeated training problems (the published DAPO-Math-17k parquet repeats
     each problem about 100 times)."""

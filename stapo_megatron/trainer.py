@@ -94,6 +94,14 @@ class _Timer:
         return _Ctx()
 
 
+def held_out_fields(data_cfg) -> dict:
+    """The held-out file's field mapping: its own (``eval_prompt_field`` / ``eval_answer_field``)
+    where set, else the training file's."""
+    prompt, answer = data_cfg.eval_prompt_field, data_cfg.eval_answer_field
+    return dict(prompt_field=data_cfg.prompt_field if prompt is None else prompt,
+                answer_field=data_cfg.answer_field if answer is None else answer)
+
+
 def _load_data(cfg: TrainerConfig, tokenizer):
     from stapo_megatron import data
 
@@ -102,7 +110,7 @@ def _load_data(cfg: TrainerConfig, tokenizer):
         train = data.load_examples(cfg.data.train_path, dedupe=cfg.data.dedupe, **fields)
         if not cfg.data.eval_path:
             raise ValueError("data.train_path is set but data.eval_path is not: give a held-out file")
-        held_out = data.load_examples(cfg.data.eval_path, **fields)
+        held_out = data.load_examples(cfg.data.eval_path, **held_out_fields(cfg.data))
     else:
         train, held_out = data.reasoning_gym_split(
             cfg.data.reasoning_gym_task, cfg.data.num_train, cfg.data.num_eval, Seeds(cfg.seed, data_seed=cfg.data.seed).data_split,

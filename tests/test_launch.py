@@ -56,6 +56,16 @@ COMMON_ENV = {"STAPO_SLURM_PARTITION": "batch", "STAPO_HF_HOME": "/hf/home",
               "STAPO_SLURM_HOST": "login.invalid", "STAPO_SLURM_USER": "me"}
 
 
+def paper_signal_and_retries(size):
+    """The save signal and requeue budget a paper recipe's executor derives from its step time."""
+    from stapo_megatron.launch.executors import FAILURE_RETRIES
+    from stapo_megatron.recipes import paper, step_time
+
+    step = step_time.estimate_step_time(paper.ARCHITECTURES[size], paper.LAYOUTS[size], paper.paper_recipe(size))
+    signal_s = step_time.signal_seconds(step)
+    return signal_s, step_time.jobs_needed(3000, step, 4 * 3600, signal_s) - 1 + FAILURE_RETRIES
+
+
 @pytest.mark.parametrize("short, nodes, settings", [
     ("14b", 8, "overrides"), ("8b", 4, "environment"), ("1p7b", 2, "overrides")])
 def test_dryrun_renders_the_sbatch_script(tmp_path, short, nodes, settings):
@@ -67,6 +77,7 @@ def test_dryrun_renders_the_sbatch_script(tmp_path, short, nodes, settings):
     assert code == 0, out
     script = sbatch_script(out)
     job = rf"/lustre/stapo/jobs/stapo_{short}/stapo_{short}_{ID}/stapo_{short}"
+    signal_s, retries = paper_signal_and_retries(f"qwen3_{short}")
     for pattern in [
         rf"^#SBATCH --nodes={nodes}$",
         r"^#SBATCH --gpus-per-node=8$",
@@ -92,10 +103,10 @@ def test_dryrun_renders_the_sbatch_script(tmp_path, short, nodes, settings):
         r"^export VLLM_ENABLE_V1_MULTIPROCESSING=0$",
         # the save before the time limit: Slurm warns torchrun, torchrun forwards to the ranks,
         # the failed exit requeues (stapo_megatron/preemption.py)
-        r"^#SBATCH --signal=USR1@600$",
+        rf"^#SBATCH --signal=USR1@{signal_s}$",
         r"^export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1$",
-        r"^export PET_SHUTDOWN_TIMEOUT=600$",
-        r"^export TORCHX_MAX_RETRIES=3$",
+        rf"^export PET_SHUTDOWN_TIMEOUT={signal_s}$",
+        rf"^export TORCHX_MAX_RETRIES={retries}$",
     ]:
         assert re.search(pattern, script, re.M), f"{pattern!r} not in\n{script}"
     # the task's arguments as NeMo-Run resolved them (steps=1 is the int 1, not True)
@@ -166,10 +177,71 @@ def test_dryrun_prints_and_saves_the_config_a_launch_takes_back(tmp_path):
     assert code == 1 and "holds a configuration of recipe 'tiny', not 'qwen3_1p7b'" in out, out
 
 
-def test_slurm_dryrun_needs_an_absolute_output_dir(tmp_path):
+SUBMIT = ["run.executor.account=a", "run.executor.container_image=img", "run.executor.tunnel.job_dir=/lustre/jobs"]
+
+
+def test_slurm_output_dir_is_refused_at_submission_not_in_the_dry_run(tmp_path):
+    """A dry run renders the job (a relative output_dir listed as a problem); a submission refuses it."""
     code, out = nemo_run(tmp_path, "launch/stapo_8b.py", "--dryrun", "output_dir=runs/x")
+    assert code == 0, out
+    assert "# ---- a submission would be refused (dry run" in out and sbatch_script(out)
+    assert "output_dir 'runs/x' is relative: a Slurm job needs an absolute path" in out, out
+    files = [f"{k}=/nonexistent/{k}" for k in ("model.hf_dir", "model.megatron_ckpt", "data.train_path",
+                                                "data.eval_path")]
+    home = tmp_path / "submission"
+    code, out = nemo_run(home, "launch/stapo_8b.py", "--yes", "output_dir=runs/x", *files, *SUBMIT)
     assert code == 1, out
     assert "output_dir 'runs/x' is relative: a Slurm job needs an absolute path" in out, out
+    assert not (home / "nemo_run_home" / "experiments").exists()
+
+
+@pytest.mark.parametrize("short", ["14b", "8b", "1p7b"])
+def test_documented_paper_dryrun_renders_with_a_placeholder_output_dir(tmp_path, short):
+    """`nemo-run launch/stapo_14b.py --dryrun`, as the README and the launch files write it."""
+    code, out = nemo_run(tmp_path, f"launch/stapo_{short}.py", "--dryrun")
+    assert code == 0, out
+    assert "run_dir: <unset:output_dir>" in out
+    assert re.search(r"│ output_dir\s+│ '<unset:output_dir>'\s+│", out) and sbatch_script(out)
+    assert "- output_dir is not set: give an absolute path on a shared file system" in out
+    assert re.search(r"# one step ~\d+\.\d min \(rollout", out), out
+
+
+def test_env_var_overrides_merge_with_the_recipe_environment(tmp_path):
+    """Both forms add variables; none of the recipe's (the save signal's PET_* among them) is lost."""
+    code, out = nemo_run(tmp_path, "launch/stapo_14b.py", "--dryrun", "output_dir=/lustre/r",
+                         "run.executor.env_vars.NCCL_IB_HCA=mlx5", "run.executor.env_vars={'NCCL_SOCKET_IFNAME': 'ib0'}",
+                         "run.executor.env_vars.NCCL_DEBUG=INFO")
+    assert code == 0, out
+    script = sbatch_script(out)
+    for line in ["NCCL_IB_HCA=mlx5", "NCCL_SOCKET_IFNAME=ib0", "NCCL_DEBUG=INFO", "HF_HUB_OFFLINE=1",
+                 "PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "CUDA_DEVICE_MAX_CONNECTIONS=1",
+                 "VLLM_ENABLE_V1_MULTIPROCESSING=0", "PET_RDZV_CONF=join_timeout=300"]:
+        assert re.search(rf"^export {re.escape(line)}$", script, re.M), (line, script)
+    assert "NCCL_DEBUG=WARN" not in script
+
+
+def test_submission_checks_every_path_on_the_login_node(tmp_path):
+    model, ckpt = tmp_path / "model", tmp_path / "ckpt"
+    model.mkdir()
+    ckpt.mkdir()
+    code, out = nemo_run(tmp_path, "launch/stapo_14b.py", "--yes", f"output_dir={tmp_path}/run", *SUBMIT,
+                         "model.hf_dir=Qwen/Qwen3-14B-Base", f"model.megatron_ckpt={ckpt}",
+                         "data.train_path=data/dapo.parquet", f"data.eval_path={tmp_path}/aime24.jsonl")
+    assert code == 1, out
+    assert "model.hf_dir='Qwen/Qwen3-14B-Base' is a hub id, but the job runs with HF_HUB_OFFLINE=1" in out
+    assert "data.train_path='data/dapo.parquet' is relative" in out
+    assert f"data.eval_path='{tmp_path}/aime24.jsonl' does not exist" in out
+    assert "model.megatron_ckpt" not in out.split("not launched:")[1]
+    assert not (tmp_path / "nemo_run_home" / "experiments").exists()
+    # a path inside the container is looked up at the mount's source
+    (tmp_path / "aime24.jsonl").write_text("{}\n")
+    code, out = nemo_run(tmp_path, "launch/stapo_14b.py", "--yes", "output_dir=/data/run", *SUBMIT,
+                         f"run.executor.container_mounts=['{tmp_path}:/data']", f"model.hf_dir={model}",
+                         f"model.megatron_ckpt={ckpt}", "data.train_path=/data/train.parquet",
+                         "data.eval_path=/data/aime24.jsonl")
+    assert code == 1, out
+    assert f"data.train_path='/data/train.parquet' does not exist (outside the container: {tmp_path}/train.parquet)" in out
+    assert "aime24" not in out.split("not launched:")[1]
 
 
 def test_tiny_dryrun_shows_the_torchrun_command(tmp_path):

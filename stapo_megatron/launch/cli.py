@@ -24,6 +24,7 @@ and ``nemorun`` commands; this package provides ``nemo-run``.) What it adds:
 """
 
 import ast
+import dataclasses
 import os
 import runpy
 import shutil
@@ -123,6 +124,30 @@ def _split_executor_args(args: List[str]):
     return name, fields, others
 
 
+def _split_env_args(args: List[str]):
+    """(the environment variables of ``executor.env_vars.KEY=VALUE`` and ``executor.env_vars={...}``
+    arguments, the other arguments). Both forms add to the executor's environment instead of
+    replacing it (NeMo-Run 0.11.1 replaces the whole dict, dropping e.g. the recipe's
+    PET_SIGNALS_TO_HANDLE, and fails on the per-key form)."""
+    env, others = {}, []
+    for arg in args:
+        key, _, value = arg.partition("=")
+        if key == "executor.env_vars":
+            try:
+                parsed = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                parsed = None
+            if not isinstance(parsed, dict):
+                raise ValueError(f"run.executor.env_vars={value} is not a dict: write "
+                                 "run.executor.env_vars.NAME=VALUE, or run.executor.env_vars=\"{'NAME': 'VALUE'}\"")
+            env.update({str(k): str(v) for k, v in parsed.items()})
+        elif key.startswith("executor.env_vars."):
+            env[key[len("executor.env_vars."):]] = value.strip("'\"")
+        else:
+            others.append(arg)
+    return env, others
+
+
 def _split_save_config(args: List[str]):
     """(the ``--save-config PATH`` / ``--save-config=PATH`` value or None, the other arguments)."""
     path, others, it = None, [], iter(args)
@@ -145,13 +170,19 @@ class CheckedRunContext(cli_api.RunContext):
     """Where ``--save-config`` writes the resolved configuration (set by `main`)."""
 
     def parse_args(self, args: List[str], lazy: bool = False):
+        env, args = _split_env_args(args)
         name, fields, others = _split_executor_args(args)
         default = getattr(self, "executor", None)
         if name is None and fields and default is not None:
             config = default.to_config() if isinstance(default, run.Executor) else default
             self.executor = parse_cli_args(config, fields)
             args = others
-        return super().parse_args(args, lazy)
+        remaining = super().parse_args(args, lazy)
+        if env:
+            if self.executor is None:
+                raise ValueError("run.executor.env_vars needs an executor")
+            self.executor.env_vars = {**self.executor.env_vars, **env}
+        return remaining
 
     def parse_fn(self, fn, args: List[str], **default_kwargs):
         task = super().parse_fn(fn, args, **default_kwargs)
@@ -168,8 +199,12 @@ class CheckedRunContext(cli_api.RunContext):
         if self.executor is not None and not self.dryrun:
             problems += executors.unset_settings(self.executor)
         if getattr(task, "__fn_or_cls__", None) is entry.run_recipe:
-            kwargs = dict(fdl.build(task).keywords)
             executor = self.executor
+            if (isinstance(executor, run.SlurmExecutor) and task.recipe != "tiny" and not task.output_dir
+                    and not task.config):
+                # rendered with a visible placeholder; a submission refuses it (`_resolved`)
+                task.output_dir = OUTPUT_DIR_PLACEHOLDER
+            kwargs = dict(fdl.build(task).keywords)
             if isinstance(executor, run.SlurmExecutor):
                 kwargs.update(num_nodes=executor.nodes, gpus_per_node=executor.gpus_per_node)
             elif isinstance(executor, run.LocalExecutor):
@@ -180,6 +215,7 @@ class CheckedRunContext(cli_api.RunContext):
                 problems.append(str(e))
             else:
                 problems += self._resolved(cfg, warmstart, kwargs["recipe"], executor)
+                problems += self._paths(cfg, kwargs.get("config"), executor)
         if problems:
             raise cli_api.RunContextError("not launched:\n- " + "\n- ".join(problems))
 
@@ -192,11 +228,35 @@ class CheckedRunContext(cli_api.RunContext):
             with open(self.save_config, "w", encoding="utf-8") as f:
                 f.write(text)
             print(f"wrote the resolved configuration to {self.save_config} (launch it with config={self.save_config})")
-        if isinstance(executor, run.SlurmExecutor) and not os.path.isabs(cfg.run_dir):
-            return [f"output_dir {cfg.run_dir!r} is relative: a Slurm job needs an absolute path on a shared "
-                    "file system (set output_dir=/shared/path/run; each node and each requeued job resolve "
-                    "a relative one against their own working directory)"]
-        return []
+        problems = []
+        if isinstance(executor, run.SlurmExecutor) and cfg.run_dir == OUTPUT_DIR_PLACEHOLDER:
+            problems.append("output_dir is not set: give an absolute path on a shared file system "
+                            "(output_dir=/shared/path/run)")
+        elif isinstance(executor, run.SlurmExecutor) and not os.path.isabs(cfg.run_dir):
+            problems.append(f"output_dir {cfg.run_dir!r} is relative: a Slurm job needs an absolute path on a shared "
+                            "file system (set output_dir=/shared/path/run; each node and each requeued job resolve "
+                            "a relative one against their own working directory)")
+        if isinstance(executor, run.SlurmExecutor) and recipe != "tiny":
+            problems += _step_time_report(cfg, recipe, executor)
+        return self._refuse_or_show(problems)
+
+    def _paths(self, cfg, config_file: Optional[str], executor) -> List[str]:
+        """The login-node check of every path the job reads (`stapo_megatron.launch.paths`)."""
+        from stapo_megatron.launch import paths
+
+        slurm = isinstance(executor, run.SlurmExecutor)
+        problems = paths.path_problems(
+            paths.paths_read(cfg, config_file), dict(getattr(executor, "env_vars", None) or {}),
+            getattr(executor, "container_mounts", None) or [] if slurm else [], needs_absolute=slurm)
+        return self._refuse_or_show(problems)
+
+    def _refuse_or_show(self, problems: List[str]) -> List[str]:
+        """A real submission refuses ``problems``; a dry run renders the job and lists them."""
+        if self.dryrun and problems:
+            print("# ---- a submission would be refused (dry run; fix these before launching) ----\n- "
+                  + "\n- ".join(problems), flush=True)
+            return []
+        return problems
 
     def cli_execute(self, fn, args: List[str], entrypoint_type: str = "task"):
         started_ns = time.time_ns()
@@ -208,6 +268,44 @@ class CheckedRunContext(cli_api.RunContext):
         failures = failed_jobs(started_ns)
         if failures:
             raise cli_api.RunContextError("\n".join(failures))
+
+
+OUTPUT_DIR_PLACEHOLDER = "<unset:output_dir>"
+"""The run folder of a paper recipe on Slurm until ``output_dir=/shared/path`` is given (a dry run
+shows it in the job; a submission is refused)."""
+
+
+def _step_time_report(cfg, recipe: str, executor) -> List[str]:
+    """Print the recipe's estimated step time and what it means at the executor's time limit;
+    the problems a submission would have (a save signal shorter than a step, too few requeues)."""
+    from stapo_megatron.recipes import paper, step_time
+
+    layout = dataclasses.replace(paper.layout_for(recipe, cfg), num_nodes=executor.nodes,
+                                 gpus_per_node=executor.gpus_per_node)
+    step = step_time.estimate_step_time(paper.ARCHITECTURES[recipe], layout, cfg)
+    signal_s = int(str(executor.signal or "USR1@0").rpartition("@")[2])
+    limit_s = step_time.parse_slurm_time(executor.time)
+    print(f"# ---- time (an estimate, recipes/step_time.py: not measured) ----\n"
+          f"# one step ~{step.total_s / 60:.1f} min (rollout {step.rollout_s / 60:.1f}, training "
+          f"{step.training_s / 60:.1f}); {cfg.steps} steps ~{cfg.steps * step.total_s / 3600:.0f} h of "
+          f"{layout.world_size} GPUs", flush=True)
+    problems = []
+    if signal_s < step.total_s + step_time.SAVE_S:
+        problems.append(f"the save signal {signal_s} s before the time limit is shorter than one step plus a save "
+                        f"(~{step.total_s + step_time.SAVE_S:.0f} s): raise STAPO_SLURM_SIGNAL_S or "
+                        "run.executor.signal=USR1@SECONDS")
+        return problems
+    try:
+        jobs = step_time.jobs_needed(cfg.steps, step, limit_s, signal_s)
+    except ValueError as e:
+        return [str(e)]
+    print(f"# time limit {executor.time}, save signal {signal_s} s before it: ~{jobs} jobs; "
+          f"retries={executor.retries} (requeues for the time limit and for failures)", flush=True)
+    if executor.retries < jobs - 1:
+        problems.append(f"retries={executor.retries} cannot finish {cfg.steps} steps: at ~{step.total_s / 60:.1f} "
+                        f"min a step they need ~{jobs} jobs of {executor.time}; set STAPO_SLURM_RETRIES or "
+                        f"run.executor.retries to at least {jobs - 1} (plus some for failures)")
+    return problems
 
 
 def render_dryrun(task, executor, name: str) -> None:

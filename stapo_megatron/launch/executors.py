@@ -12,9 +12,14 @@ from these environment variables, read when a launch file builds its executor:
     STAPO_SLURM_TIME         sbatch --time, default 04:00:00                   (optional)
     STAPO_HF_HOME            HF_HOME in the job, default /nemo_run/hf_home     (optional)
     STAPO_SLURM_SIGNAL_S     seconds before the time limit at which Slurm sends SIGUSR1 and
-                             the trainer saves and stops, default 600           (optional)
+                             the trainer saves and stops; default for a paper recipe: 1.5 x
+                             its estimated step time + a save (`recipes.step_time`), else 600
     STAPO_SLURM_RETRIES      requeues of a job that stopped (the warning signal or a
-                             failure); each resumes from the newest checkpoint, default 3
+                             failure); each resumes from the newest checkpoint; default for a
+                             paper recipe: the jobs its steps need at the time limit (from the
+                             estimated step time) + STAPO_SLURM_FAILURE_RETRIES, else 3
+    STAPO_SLURM_FAILURE_RETRIES
+                             requeues allowed for failures on top of those, default 5
     STAPO_SLURM_HOST, STAPO_SLURM_USER, STAPO_SLURM_IDENTITY
                              submit over SSH to this login node (default: run on the login
                              node itself, through a LocalTunnel)
@@ -96,7 +101,34 @@ def _tunnel(job_dir: str) -> run.Config:
     )
 
 
-def slurm_executor(nodes: int, gpus_per_node: int = 8) -> run.Config:
+FAILURE_RETRIES = 5
+"""Requeues a paper run may spend on failures on top of those its time limit needs (NeMo-Run's
+sbatch script requeues any non-zero exit, so both share Slurm's one ``retries`` budget)."""
+
+
+def paper_slurm_executor(size: str) -> run.Config:
+    """`slurm_executor` for a paper recipe: its nodes, and the save signal and requeue budget
+    derived from the recipe's estimated step time (`stapo_megatron.recipes.step_time`) at the
+    time limit (``STAPO_SLURM_TIME``); the variables above still override them."""
+    from stapo_megatron.recipes import paper, step_time
+
+    layout = paper.LAYOUTS[size]
+    cfg = paper.paper_recipe(size)
+    step = step_time.estimate_step_time(paper.ARCHITECTURES[size], layout, cfg)
+    signal_s = int(_setting("STAPO_SLURM_SIGNAL_S", str(step_time.signal_seconds(step))))
+    time_limit = _setting("STAPO_SLURM_TIME", DEFAULT_TIME)
+    jobs = step_time.jobs_needed(cfg.steps, step, step_time.parse_slurm_time(time_limit), signal_s)
+    retries = jobs - 1 + int(_setting("STAPO_SLURM_FAILURE_RETRIES", str(FAILURE_RETRIES)))
+    return slurm_executor(layout.num_nodes, layout.gpus_per_node, signal_s=signal_s, retries=retries)
+
+
+DEFAULT_TIME = "04:00:00"
+"""sbatch --time when STAPO_SLURM_TIME is not set (a common partition limit; longer jobs need
+fewer requeues)."""
+
+
+def slurm_executor(nodes: int, gpus_per_node: int = 8, signal_s: Optional[int] = None,
+                   retries: Optional[int] = None) -> run.Config:
     """``nodes`` x ``gpus_per_node`` GPUs: one srun task per node starting torchrun with one
     process per GPU, in a pyxis container; the checked-in code is shipped with ``git archive``.
 
@@ -106,12 +138,12 @@ def slurm_executor(nodes: int, gpus_per_node: int = 8) -> run.Config:
     and the requeued job resumes from that checkpoint. S must exceed one training step plus a save.
     """
     mounts = _setting("STAPO_CONTAINER_MOUNTS", "")
-    signal_s = int(_setting("STAPO_SLURM_SIGNAL_S", "600"))
+    signal_s = int(_setting("STAPO_SLURM_SIGNAL_S", str(signal_s or 600)))
     return run.Config(
         run.SlurmExecutor,
         account=_required("STAPO_SLURM_ACCOUNT"),
         partition=_setting("STAPO_SLURM_PARTITION"),
-        time=_setting("STAPO_SLURM_TIME", "04:00:00"),
+        time=_setting("STAPO_SLURM_TIME", DEFAULT_TIME),
         # NeMo-Run's default prefix repeats the account ("acct-acct.<task>")
         job_name_prefix="stapo-megatron.",
         nodes=nodes,
@@ -123,7 +155,7 @@ def slurm_executor(nodes: int, gpus_per_node: int = 8) -> run.Config:
         launcher="torchrun",
         env_vars={**CLUSTER_ENV, **torchrun_env(signal_s), "HF_HOME": _setting("STAPO_HF_HOME", "/nemo_run/hf_home")},
         signal=f"USR1@{signal_s}",
-        retries=int(_setting("STAPO_SLURM_RETRIES", "3")),
+        retries=int(_setting("STAPO_SLURM_RETRIES", str(3 if retries is None else retries))),
         tunnel=_tunnel(_required("STAPO_SLURM_JOB_DIR")),
         packager=run.Config(run.GitArchivePackager),
     )

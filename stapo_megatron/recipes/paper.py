@@ -26,7 +26,10 @@ GB = 1e9
 """Decimal gigabyte: estimates are compared with 80e9 bytes, below an 80 GB card's 85.9e9."""
 
 GPU_MEMORY_BYTES = 80 * GB
-"""The budget every layout must fit (H100/A100 80 GB)."""
+"""The budget every layout must fit (H100/A100 80 GB), with ~5.9e9 bytes of the card left spare."""
+GPU_TOTAL_BYTES = 80 * 2**30
+"""What an "80 GB" card reports as its total memory (80 GiB = 85.9e9 bytes): vLLM takes
+``gpu_memory_utilization`` as a fraction of this (``torch.cuda.mem_get_info()[1]``), not of 80e9."""
 
 MAX_PROMPT_LEN = 1024
 """Paper: longer DAPO-Math prompts are dropped."""
@@ -71,12 +74,17 @@ class Layout:
     """vLLM's own TP. It divides the Megatron TP so a vLLM engine never spans two DP ranks
     (which get different prompts); equal to it, each model-parallel group runs one engine."""
     vllm_gpu_memory_utilization: float
-    """vLLM's fraction of the GPU (weights + KV cache). Counted on top of all training memory, an
+    """vLLM's fraction of the GPU's total memory (`GPU_TOTAL_BYTES`: weights + KV cache). Counted on top of all training memory, an
     upper bound: vLLM sleeps during the update (``RolloutSampling.sleep_during_training``) and
     the trainer empties PyTorch's cache before waking it, so the real peak is nearer
     max(training, persistent state + vLLM); the sum is the margin for fragmentation."""
     gpus_per_node: int = 8
     """GPUs per node."""
+    vllm_gpu_memory_utilization_with_reference: Optional[float] = None
+    """vLLM's share for methods that keep a frozen reference model (``loss.kl_coef > 0``: GRPO),
+    whose bf16 copy of the weights takes memory from it; None = `vllm_gpu_memory_utilization`."""
+    reference_model: bool = False
+    """Whether the run holds a reference model (a bf16 copy of this rank's weights)."""
     micro_batch_size: int = 1
     """Sequences per micro-batch (one 16k-token sequence)."""
     sequence_parallel: bool = True
@@ -109,8 +117,10 @@ LAYOUTS: Dict[str, Layout] = {
                        vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.5),
     # 8 nodes (the design's target): TP=4 within a node, PP=1, DP=16; one vLLM TP=4 engine per
     # TP group with KV cache for ~34 full-length (16k-token) sequences.
+    # GRPO's reference model (+7.4 GB) leaves vLLM 0.35 of the card.
     "qwen3_14b": Layout(num_nodes=8, tensor_model_parallel_size=4, pipeline_model_parallel_size=1,
-                        vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.4),
+                        vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.4,
+                        vllm_gpu_memory_utilization_with_reference=0.35),
 }
 """The parallel layout of each paper recipe (see `memory_estimate` and the README table)."""
 
@@ -145,14 +155,18 @@ class MemoryEstimate:
     overhead: float
     """`FRAMEWORK_OVERHEAD_BYTES`."""
     vllm: float
-    """vLLM's colocated share: ``vllm_gpu_memory_utilization`` x the GPU (see `Layout`)."""
+    """vLLM's colocated share: ``vllm_gpu_memory_utilization`` x the card's total memory
+    (`GPU_TOTAL_BYTES`, see `Layout`)."""
     vllm_kv_tokens: int
     """Tokens of KV cache one vLLM rank holds after its weights and runtime."""
+    reference: float = 0.0
+    """The frozen reference model of methods with a KL term (bf16, 2 B/param), else 0."""
 
     @property
     def training(self) -> float:
         """Everything but vLLM."""
-        return self.weights + self.grads + self.optimizer + self.activations + self.logits + self.overhead
+        return (self.weights + self.grads + self.optimizer + self.activations + self.logits + self.overhead
+                + self.reference)
 
     @property
     def total(self) -> float:
@@ -161,7 +175,8 @@ class MemoryEstimate:
 
     def as_gb(self) -> Dict[str, float]:
         """The table row: components, training, vLLM and total in GB."""
-        names = ("weights", "grads", "optimizer", "activations", "logits", "overhead", "training", "vllm", "total")
+        names = ("weights", "grads", "optimizer", "activations", "logits", "overhead", "reference", "training",
+                 "vllm", "total")
         return {name: round(getattr(self, name) / GB, 1) for name in names}
 
 
@@ -193,7 +208,7 @@ def params_per_gpu(spec: QwenSpec, layout: Layout) -> int:
 
 
 def memory_estimate(spec: QwenSpec, layout: Layout, seq_len: int = SEQ_LEN,
-                    gpu_bytes: float = GPU_MEMORY_BYTES) -> MemoryEstimate:
+                    gpu_bytes: float = GPU_TOTAL_BYTES) -> MemoryEstimate:
     """Per-GPU memory of colocated STAPO training (Megatron) and rollouts (vLLM).
 
     Assumptions: bf16 weights, fp32 gradient buffer, Megatron's distributed optimizer (fp32
@@ -204,8 +219,11 @@ def memory_estimate(spec: QwenSpec, layout: Layout, seq_len: int = SEQ_LEN,
     the STAPO loss on vocabulary-sharded logits, and vLLM's whole share on top (it sleeps during
     the update, but wakes while PyTorch's cache still holds the training memory).
 
-    Returns the components of `MemoryEstimate`; `MemoryEstimate.total` must stay below
-    ``gpu_bytes``.
+    Args:
+        gpu_bytes: the card's total memory, of which vLLM takes its fraction (`GPU_TOTAL_BYTES`).
+
+    Returns the components of `MemoryEstimate`; `MemoryEstimate.total` must stay below the
+    budget `GPU_MEMORY_BYTES`.
     """
     if layout.recompute_granularity != "full" or layout.recompute_num_layers != 1:
         raise ValueError(
@@ -225,11 +243,12 @@ def memory_estimate(spec: QwenSpec, layout: Layout, seq_len: int = SEQ_LEN,
     activations = kept_inputs + 2 * layer_bytes * tokens
     logits = tokens * padded_vocab_size(spec.vocab_size, tp) / tp * (2 + 4 + 4) + LOSS_CHUNK_BYTES
     vllm = layout.vllm_gpu_memory_utilization * gpu_bytes
+    reference = 2 * params if layout.reference_model else 0.0
     vllm_weights = 2 * num_params(spec) / layout.vllm_tensor_parallel_size
     kv_bytes_per_token = 2 * spec.num_layers * spec.kv_size * 2 / layout.vllm_tensor_parallel_size
     return MemoryEstimate(
         weights=2 * params, grads=4 * params, optimizer=12 * params / dp,
-        activations=activations, logits=logits, overhead=FRAMEWORK_OVERHEAD_BYTES, vllm=vllm,
+        activations=activations, logits=logits, overhead=FRAMEWORK_OVERHEAD_BYTES, vllm=vllm, reference=reference,
         vllm_kv_tokens=int(max(0.0, vllm - vllm_weights - VLLM_RUNTIME_BYTES) / kv_bytes_per_token),
     )
 
@@ -262,6 +281,11 @@ EVAL_EVERY = 20
 """Held-out evaluation every this many training steps."""
 EVAL_MAX_RESPONSE_LEN = 20480
 """Maximum response tokens at evaluation (training: `MAX_RESPONSE_LEN`)."""
+SAVE_EVERY = 10
+"""Checkpoint every this many steps: a requeued or failed job repeats at most this many."""
+KEEP_LAST = 3
+"""Checkpoints kept (older ones are deleted after each save): at 14B one checkpoint with its
+optimizer state is ~200 GB, so keeping all 300 of a 3000-step run would need ~60 TB."""
 LR_WARMUP_STEPS = 10
 """Linear warm-up from lr 0, in training steps (veRL counts its scheduler in training steps)."""
 
@@ -281,6 +305,10 @@ def paper_recipe(size: str, method: str = "stapo", run_dir: Optional[str] = None
     if size not in LAYOUTS:
         raise ValueError(f"size must be one of {sorted(LAYOUTS)}, got {size!r}")
     layout = LAYOUTS[size]
+    loss = method_loss(method)
+    vllm_share = layout.vllm_gpu_memory_utilization
+    if loss.kl_coef > 0 and layout.vllm_gpu_memory_utilization_with_reference is not None:
+        vllm_share = layout.vllm_gpu_memory_utilization_with_reference
     cfg = TrainerConfig(
         run_dir=run_dir or f"runs/{size}_{method}",
         steps=TRAIN_STEPS,
@@ -292,7 +320,8 @@ def paper_recipe(size: str, method: str = "stapo", run_dir: Optional[str] = None
         eval_temperature=1.0,
         eval_samples=4,
         eval_max_response_len=EVAL_MAX_RESPONSE_LEN,
-        save_every=10,
+        save_every=SAVE_EVERY,
+        keep_last=KEEP_LAST,
         reward="boxed_exact_match",
         reward_timeout_s=5.0,
         model=ModelConfig(
@@ -309,9 +338,9 @@ def paper_recipe(size: str, method: str = "stapo", run_dir: Optional[str] = None
         rollout=RolloutSampling(
             group_size=8, temperature=1.0, top_p=1.0, max_response_len=MAX_RESPONSE_LEN,
             tensor_parallel_size=layout.vllm_tensor_parallel_size,
-            gpu_memory_utilization=layout.vllm_gpu_memory_utilization,
+            gpu_memory_utilization=vllm_share,
         ),
-        loss=method_loss(method),
+        loss=loss,
         optim=OptimConfig(lr=1e-6, weight_decay=0.1, clip_grad=1.0, use_distributed_optimizer=True),
     )
     return cfg
@@ -366,7 +395,7 @@ def layout_problems(spec: QwenSpec, layout: Layout, cfg: TrainerConfig) -> List[
         problems.append(f"num_query_groups {spec.num_query_groups} is not divisible by vLLM TP {vtp}")
     if cfg.model.sequence_parallel and tp == 1:
         problems.append("sequence_parallel needs tensor_model_parallel_size > 1")
-    estimate = memory_estimate(spec, layout)
+    estimate = memory_estimate(spec, layout)  # layout_for: with the reference model if kl_coef > 0
     if estimate.total >= GPU_MEMORY_BYTES:
         problems.append(f"estimated {estimate.total / GB:.1f} GB per GPU exceeds {GPU_MEMORY_BYTES / GB:.0f} GB: {estimate.as_gb()}")
     return problems
@@ -385,6 +414,7 @@ def layout_for(size: str, cfg: TrainerConfig) -> Layout:
         recompute_granularity=cfg.model.recompute_granularity,
         recompute_method=cfg.model.recompute_method,
         recompute_num_layers=cfg.model.recompute_num_layers,
+        reference_model=cfg.loss.kl_coef > 0,
     )
 
 

@@ -1,0 +1,109 @@
+"""A written estimate of one paper-recipe training step on H100s, and what it means for Slurm.
+
+Not a measurement (nothing here has run on a GPU): a throughput model with its assumptions as
+named constants, so that the launch defaults (time limit x requeues, the save-before-the-limit
+signal) are derived from a stated number and a dry run can show it. A real run's
+``time_step`` metric replaces it (`stapo_megatron.progress`).
+
+Step = rollout (vLLM decode, memory-bandwidth bound) + training (Megatron, FLOP bound):
+    rollout  = decode steps x (this GPU's weight shard + the KV cache read per decode step) / HBM
+    training = (old-logprob forward + exact tau_H forward + reference forward + forward, backward
+               and full recompute) FLOPs of all sampled tokens / (GPUs x peak x MFU)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+MEAN_PROMPT_TOKENS = 200
+"""Assumed mean prompt length in the JustRL wrapper (DAPO-Math-17k problems are short)."""
+MEAN_RESPONSE_FRACTION = 0.5
+"""Assumed mean response length as a fraction of ``rollout.max_response_len`` (an assumption:
+responses of RL-trained Qwen3 base models grow over a run toward several thousand tokens)."""
+PEAK_BF16_FLOPS = 989e12
+"""H100 SXM dense bf16 peak."""
+TRAIN_MFU = 0.3
+"""Assumed model FLOP utilisation of the Megatron update (full recompute, 16k sequences)."""
+HBM_BYTES_PER_S = 3.35e12
+"""H100 SXM memory bandwidth."""
+DECODE_EFFICIENCY = 0.5
+"""Assumed fraction of the bandwidth vLLM's decode reaches."""
+SAVE_S = 120.0
+"""Allowance for one checkpoint save (the ~200 GB of a 14B checkpoint over 64 ranks)."""
+JOB_STARTUP_S = 900.0
+"""Allowance per Slurm job for container start, checkpoint load and vLLM start-up."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """Seconds of one training step (estimate)."""
+
+    rollout_s: float
+    """vLLM generation of ``prompts_per_step x group_size`` responses."""
+    training_s: float
+    """Log-prob passes and the policy update."""
+
+    @property
+    def total_s(self) -> float:
+        """One step."""
+        return self.rollout_s + self.training_s
+
+
+def estimate_step_time(spec, layout, cfg) -> StepTime:
+    """The step time of ``cfg`` on ``layout`` (a `paper.Layout` after overrides) for ``spec``.
+
+    Evaluation (every ``eval_every`` steps) and the weight sync are not included.
+    """
+    from stapo_megatron.recipes.paper import memory_estimate, num_params
+
+    n = num_params(spec)
+    sequences = cfg.prompts_per_step * cfg.rollout.group_size
+    mean_response = MEAN_RESPONSE_FRACTION * cfg.rollout.max_response_len
+    mean_seq = MEAN_PROMPT_TOKENS + mean_response
+    # rollout: each engine decodes its share, as many at once as its KV cache holds
+    vtp = layout.vllm_tensor_parallel_size
+    engines = layout.world_size // vtp
+    per_engine = math.ceil(sequences / engines)
+    kv_tokens = memory_estimate(spec, layout).vllm_kv_tokens
+    concurrent = max(1, min(per_engine, int(kv_tokens / mean_seq)))
+    decode_steps = max(per_engine * mean_response / concurrent, cfg.rollout.max_response_len)
+    kv_bytes_per_token = 2 * spec.num_layers * spec.kv_size * 2 / vtp
+    bytes_per_decode = 2 * n / vtp + concurrent * (mean_seq / 2) * kv_bytes_per_token
+    rollout_s = decode_steps * bytes_per_decode / (HBM_BYTES_PER_S * DECODE_EFFICIENCY)
+    # training: 2N per token and forward pass (+ causal attention), 3 passes for forward,
+    # backward and the recomputed forward of the update
+    forwards = 1 + (cfg.loss.tau_h_source == "exact") + (cfg.loss.kl_coef > 0) + 4
+    attention = 2 * 2 * spec.num_layers * (mean_seq / 2) * spec.q_size
+    flops = forwards * (2 * n + attention) * sequences * mean_seq
+    training_s = flops / (layout.world_size * PEAK_BF16_FLOPS * TRAIN_MFU)
+    return StepTime(rollout_s=rollout_s, training_s=training_s)
+
+
+def signal_seconds(step: StepTime) -> int:
+    """Seconds before the time limit at which to save and stop: one and a half steps plus a save,
+    in whole minutes, at least 10 minutes."""
+    return max(600, 60 * math.ceil((1.5 * step.total_s + SAVE_S) / 60))
+
+
+def jobs_needed(steps: int, step: StepTime, time_limit_s: float, signal_s: float) -> int:
+    """Slurm jobs of ``time_limit_s`` that a run of ``steps`` steps needs (each loses its start-up
+    and the time after the save signal)."""
+    useful = time_limit_s - signal_s - JOB_STARTUP_S
+    if useful <= step.total_s:
+        raise ValueError(f"a time limit of {time_limit_s / 3600:.1f} h leaves {useful / 60:.0f} min after start-up "
+                         f"and the save signal: less than one step (~{step.total_s / 60:.1f} min)")
+    return math.ceil(steps * step.total_s / useful)
+
+
+def parse_slurm_time(text: str) -> float:
+    """Seconds of an sbatch ``--time`` value: [D-]HH:MM:SS, HH:MM or MM."""
+    days, _, rest = text.rpartition("-")
+    parts = [int(p) for p in rest.split(":")]
+    if len(parts) == 3:
+        h, m, s = parts
+    elif len(parts) == 2:
+        (h, m), s = parts, 0
+    else:
+        h, m, s = 0, parts[0], 0
+    return ((int(days) if days else 0) * 24 + h) * 3600 + m * 60 + s
