@@ -69,8 +69,47 @@ def test_memory_estimate_of_14b_by_hand():
     kept = 2 * 5120 / 4 * tokens * 40
     one_layer = 2 * (4 * 5120 / 4 + (2 * 5120 + 2 * 1024 + 3 * 17408) / 4) * tokens
     assert est.activations == pytest.approx(kept + 2 * one_layer)
-    assert est.vllm == 0.4 * 80e9
-    assert est.vllm_kv_tokens == int((0.4 * 80e9 - 2 * paper.num_params(spec) / 4 - 2e9) / (2 * 40 * 1024 * 2 / 4))
+    card = 80 * 2**30  # vLLM's fraction is of the card's total memory (85.9e9 bytes), not of 80e9
+    assert est.vllm == 0.4 * card
+    assert est.vllm_kv_tokens == int((0.4 * card - 2 * paper.num_params(spec) / 4 - 2e9) / (2 * 40 * 1024 * 2 / 4))
+    assert est.reference == 0
+
+
+@pytest.mark.parametrize("size", sorted(paper.LAYOUTS))
+def test_grpo_reference_model_fits_within_the_budget(size):
+    """GRPO keeps a bf16 reference copy (2 B/param of the shard): counted, and the recipe's vLLM
+    share leaves room for it (14B: 0.35 instead of 0.4; at 0.4 it would be 80.6 GB)."""
+    cfg = paper.paper_recipe(size, "grpo")
+    layout = paper.layout_for(size, cfg)
+    est = paper.memory_estimate(paper.ARCHITECTURES[size], layout)
+    assert layout.reference_model and est.reference == est.weights
+    assert est.total < paper.GPU_MEMORY_BYTES
+    assert paper.layout_problems(paper.ARCHITECTURES[size], layout, cfg) == []
+    if size == "qwen3_14b":
+        assert cfg.rollout.gpu_memory_utilization == 0.35
+        at_stapo_share = dataclasses.replace(layout, vllm_gpu_memory_utilization=0.4)
+        assert paper.memory_estimate(paper.ARCHITECTURES[size], at_stapo_share).total > paper.GPU_MEMORY_BYTES
+
+
+def test_retention_and_time_fit_a_3000_step_run():
+    """keep_last bounds the disk (14B: ~200 GB a checkpoint); the save signal exceeds a step plus a
+    save; the requeue budget covers the estimated run at the 4 h default limit."""
+    from stapo_megatron.recipes import step_time
+
+    for size in paper.LAYOUTS:
+        cfg = paper.paper_recipe(size)
+        assert (cfg.save_every, cfg.keep_last) == (10, 3)
+        step = step_time.estimate_step_time(paper.ARCHITECTURES[size], paper.LAYOUTS[size], cfg)
+        assert 60 < step.rollout_s < 3600 and 60 < step.training_s < 3600
+        signal_s = step_time.signal_seconds(step)
+        assert signal_s >= step.total_s + step_time.SAVE_S and signal_s % 60 == 0
+        jobs = step_time.jobs_needed(cfg.steps, step, 4 * 3600, signal_s)
+        useful = 4 * 3600 - signal_s - step_time.JOB_STARTUP_S
+        assert (jobs - 1) * useful < cfg.steps * step.total_s <= jobs * useful
+    assert step_time.parse_slurm_time("1-02:03:04") == 93784
+    assert step_time.parse_slurm_time("04:00:00") == 14400 and step_time.parse_slurm_time("90") == 5400
+    with pytest.raises(ValueError, match="less than one step"):
+        step_time.jobs_needed(3000, step, 1800, 600)
 
 
 def test_justrl_hyperparameters():
