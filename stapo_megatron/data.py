@@ -352,7 +352,8 @@ def format_prompt(tokenizer: Any, question: str, use_chat_template: bool = True,
         return content
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', tokenizer)!r} has no chat "
-                         "template; pass use_chat_template=False to use plain prompts")
+                         "template; use plain prompts (data.use_chat_template=False in a config, --no-chat-template "
+                         "with stapo-eval)")
     return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                          add_generation_prompt=True)
 

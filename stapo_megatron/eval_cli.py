@@ -31,9 +31,50 @@ from stapo_megatron.evaluation import (PAPER_DECODINGS, Decoding, EvalSet, engin
                                        format_table, load_eval_set, paper_sets)
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written, and every option's default in --help."""
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+"""Any of these marks a folder with a tokenizer."""
+
+
+def check_tokenizer(hf_dir: str) -> None:
+    """ValueError naming ``hf_dir`` when it holds no tokenizer (a weights-only export)."""
+    if not any(os.path.isfile(os.path.join(hf_dir, name)) for name in TOKENIZER_FILES):
+        raise ValueError(f"{hf_dir} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the tokenizer "
+                         "files of the original HF model into it, or for a Megatron checkpoint pass --hf-config "
+                         "with the original HF folder")
+
+
+def resolve_dtype(hf_dir: str, dtype: str) -> str:
+    """``--dtype auto`` as the folder's ``torch_dtype`` / ``dtype`` (vLLM's own "auto" runs fp32
+    weights in a half type); other values unchanged."""
+    if dtype != "auto":
+        return dtype
+    from stapo_megatron.bridge.config import load_hf_config
+
+    cfg = load_hf_config(hf_dir)
+    return str(cfg.get("torch_dtype") or cfg.get("dtype") or "auto").replace("torch.", "")
+
+
+def model_len_for(prompt_lens: List[int], max_tokens: int, hf_dir: str) -> int:
+    """vLLM's ``max_model_len``: the longest kept prompt plus ``max_tokens`` (rounded up to 8),
+    checked against the model's ``max_position_embeddings``."""
+    from stapo_megatron.bridge.config import load_hf_config
+
+    needed = (max(prompt_lens, default=0) + max_tokens + 7) // 8 * 8
+    limit = load_hf_config(hf_dir).get("max_position_embeddings")
+    if limit and needed > limit:
+        raise ValueError(f"the longest prompt ({max(prompt_lens)} tokens) plus --max-tokens {max_tokens} needs "
+                         f"{needed} positions but {hf_dir} has max_position_embeddings={limit}: lower "
+                         f"--max-tokens to at most {limit - max(prompt_lens)}")
+    return min(needed, limit) if limit else needed
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="stapo-eval", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                formatter_class=_HelpFormatter,
                                 epilog="Sets: --bench-dir finds <name>.jsonl of aime24, aime25, amc23 (k=32), "
                                        "math500, minerva, olympiadbench (k=4); --set takes EvalSetConfig fields "
                                        "as key=value pairs separated by commas, decodings joined with '+'.")
@@ -91,12 +132,16 @@ def export_to_hf(ckpt: str, out: str, hf_config: Optional[str]) -> str:
     return out
 
 
-def _tokenized(sets: List[EvalSet], tokenizer, args) -> None:
-    """Drop each set's prompts longer than --max-prompt-len (one warning per set), in place."""
+def _tokenized(sets: List[EvalSet], tokenizer, args) -> List[int]:
+    """Drop each set's prompts longer than --max-prompt-len (one warning per set), in place;
+    the token lengths of the kept prompts."""
     from stapo_megatron.data import tokenize_prompts
 
+    lengths = []
     for s in sets:
-        _, s.examples, _ = tokenize_prompts(tokenizer, s.examples, args.max_prompt_len, not args.no_chat_template)
+        ids, s.examples, _ = tokenize_prompts(tokenizer, s.examples, args.max_prompt_len, not args.no_chat_template)
+        lengths += [len(i) for i in ids]
+    return lengths
 
 
 def evaluate_model(hf_dir: str, sets: List[EvalSet], args: argparse.Namespace) -> dict:
@@ -107,11 +152,11 @@ def evaluate_model(hf_dir: str, sets: List[EvalSet], args: argparse.Namespace) -
     from stapo_megatron.rewards import RewardScorer
     from stapo_megatron.rollout.engines import build_engine, resolve_engine
 
+    check_tokenizer(hf_dir)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    _tokenized(sets, tokenizer, args)
-    max_model_len = (args.max_prompt_len + args.max_tokens + 7) // 8 * 8
+    max_model_len = model_len_for(_tokenized(sets, tokenizer, args), args.max_tokens, hf_dir)
     engine = build_engine(args.engine, hf_dir, RolloutConfig(
-        max_model_len=max_model_len, seed=args.seed, dtype=args.dtype,
+        max_model_len=max_model_len, seed=args.seed, dtype=resolve_dtype(hf_dir, args.dtype),
         gpu_memory_utilization=args.gpu_memory_utilization))
     try:
         generate = engine_generate_fn(engine, tokenizer, args.max_tokens, not args.no_chat_template, args.seed)
