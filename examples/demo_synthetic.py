@@ -1,14 +1,15 @@
 """Demo: real STAPO optimisation steps of a tiny Megatron GPTModel on synthetic rollouts.
 
-Run (what `make demo` does; 2 processes, TP=2 over gloo on a CPU machine):
+Run (2 processes, TP=2 over gloo on a CPU machine; `make demo` runs the RL loop instead,
+`launch/stapo_tiny.py`):
 
     .venv/bin/torchrun --nproc-per-node 2 examples/demo_synthetic.py
 
 Each step samples synthetic rollouts (random tokens, Bernoulli rewards, group advantages),
 computes pi_old log-probs and entropies with the Megatron model, and runs PPO mini-batches through
 Megatron's forward_backward_func with the STAPO loss and the Megatron optimizer. It prints the
-loss, response entropy, tau_H and the number of tokens S2T silenced per mini-batch. Until the RL
-loop with vLLM rollouts and math rewards lands, this is the embedded default main job.
+loss, response entropy, tau_H and the number of tokens S2T silenced per mini-batch: the loss and
+Megatron plumbing alone, without rollouts or rewards.
 """
 
 from __future__ import annotations

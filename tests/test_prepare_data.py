@@ -1,0 +1,53 @@
+"""Tier a: scripts/prepare_data.py on small files in the downloaded layouts (issue 27)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from stapo_megatron.data import load_examples
+from stapo_megatron.evaluation import load_benchmark
+
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "prepare_data.py")
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=300)
+
+
+def test_dapo_parquet_is_deduplicated_into_training_rows(tmp_path):
+    """DAPO-Math-17k's parquet: chat-message prompts, reward_model.ground_truth, repeated problems."""
+    rows = [{"prompt": [{"role": "user", "content": f"Solve {q}."}], "reward_model": {"ground_truth": a, "style": "rule"},
+             "extra_info": {"index": str(i)}} for i, (q, a) in enumerate([("1+1", "2"), ("2+2", "4"), ("1+1", "2")])]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "dapo.parquet")
+    out = tmp_path / "data" / "dapo_math_17k.jsonl"
+    proc = _run("dapo", str(tmp_path / "dapo.parquet"), str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "wrote 2 problems" in proc.stdout
+    kept = load_examples(str(out))
+    assert [(e.prompt, e.answer) for e in kept] == [("Solve 1+1.", "2"), ("Solve 2+2.", "4")]
+
+
+def test_benchmarks_in_their_own_layouts(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "aime.jsonl").write_text(json.dumps({"id": 60, "problem": "p1", "answer": "204"}) + "\n")
+    (src / "olympiad.jsonl").write_text(json.dumps({"question": "q", "final_answer": ["3", "4"]}) + "\n")
+    (src / "math.jsonl").write_text(json.dumps({"problem": "m", "solution": r"so \boxed{7}", "unique_id": "t/1"}) + "\n")
+    for name, file in [("aime24", "aime.jsonl"), ("olympiadbench", "olympiad.jsonl"), ("math500", "math.jsonl")]:
+        proc = _run("bench", name, str(src / file), str(tmp_path / "bench"))
+        assert proc.returncode == 0, proc.stderr
+    read = {n: load_benchmark(str(tmp_path / "bench" / f"{n}.jsonl")) for n in ("aime24", "olympiadbench", "math500")}
+    assert [(e.id, e.prompt, e.answer) for e in read["aime24"]] == [("60", "p1", "204")]
+    assert read["olympiadbench"][0].answer == "3, 4"
+    assert (read["math500"][0].id, read["math500"][0].answer) == ("t/1", "7")
+
+
+def test_a_file_without_the_fields_is_an_error(tmp_path):
+    (tmp_path / "x.jsonl").write_text(json.dumps({"text": "t"}) + "\n")
+    proc = _run("bench", "amc23", str(tmp_path / "x.jsonl"), str(tmp_path / "bench"))
+    assert proc.returncode == 2 and "x.jsonl" in proc.stderr
+    assert not (tmp_path / "bench").exists()
