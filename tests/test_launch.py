@@ -327,3 +327,134 @@ def test_launch_files_are_recognised():
 
     for name in sorted(os.listdir(os.path.join(REPO, "launch"))):
         assert _calls_nemo_run_main(os.path.join(REPO, "launch", name)), name
+
+
+# ---- the code a job runs, from any directory; plain sbatch + torchrun (issue 27) ----
+
+def _git_checkout(path):
+    """A git checkout with one commit, one edited file and one new file (a custom reward module)."""
+    def git(*args):
+        subprocess.run(["git", "-C", str(path), *args], check=True, capture_output=True,
+                       env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+                            "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"})
+    path.mkdir()
+    git("init", "-q")
+    (path / "reward.py").write_text("VALUE = 1\n")
+    (path / ".gitignore").write_text("*.log\n")
+    git("add", "-A")
+    git("commit", "-q", "-m", "first")
+    (path / "reward.py").write_text("VALUE = 2\n")
+    (path / "my_reward.py").write_text("def reward(): ...\n")
+    (path / "ignored.log").write_text("not shipped\n")
+    return git
+
+
+def test_dryrun_from_outside_the_checkout(tmp_path):
+    """NeMo-Run's Slurm packaging runs `git rev-parse` in the working directory: a raw error before."""
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("STAPO_")}
+    environ.update(NEMORUN_HOME=str(tmp_path / "home"), COLUMNS="250")
+    proc = subprocess.run([NEMO_RUN, os.path.join(REPO, "launch", "stapo_8b.py"), "--dryrun", "output_dir=/lustre/r"],
+                          cwd=outside, env=environ, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert sbatch_script(out) and "rev-parse" not in out
+
+
+def test_submission_with_uncommitted_changes_is_refused_naming_them(tmp_path):
+    checkout = tmp_path / "checkout"
+    _git_checkout(checkout)
+    for name in ("model", "ckpt"):
+        (tmp_path / name).mkdir()
+    for name in ("train.jsonl", "eval.jsonl"):
+        (tmp_path / name).write_text("{}\n")
+    code, out = nemo_run(tmp_path, "launch/stapo_1p7b.py", "--yes", f"output_dir={tmp_path}/run", *SUBMIT,
+                         f"model.hf_dir={tmp_path}/model", f"model.megatron_ckpt={tmp_path}/ckpt",
+                         f"data.train_path={tmp_path}/train.jsonl", f"data.eval_path={tmp_path}/eval.jsonl",
+                         env={"STAPO_CODE_DIR": str(checkout)})
+    assert code == 1, out
+    refused = out.split("not launched:")[1]
+    assert (f"2 uncommitted changes in {checkout} would not reach the job (it runs git archive of HEAD): "
+            "M reward.py; ?? my_reward.py. Commit them, or add --include-uncommitted") in refused, out
+    assert "ignored.log" not in refused
+    assert not (tmp_path / "nemo_run_home" / "experiments").exists()
+
+
+def test_include_uncommitted_ships_the_working_tree(tmp_path):
+    """The snapshot commit, archived by NeMo-Run's own GitArchivePackager, holds the files on disk;
+    the checkout's branch, index and status are unchanged."""
+    import tarfile
+
+    from stapo_megatron.launch import executors
+
+    checkout = tmp_path / "checkout"
+    _git_checkout(checkout)
+    status = executors.uncommitted_files(str(checkout))
+    head = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    assert sorted(status) == [" M reward.py", "?? my_reward.py"]
+    ref = executors.snapshot_commit(str(checkout))
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    # packaged in a process of its own (invoke, which NeMo-Run's packager runs git with, reads stdin)
+    code = ("import sys, nemo_run as run; print(run.GitArchivePackager(basepath=sys.argv[1], ref=sys.argv[2])"
+            ".package(sys.argv[3], sys.argv[4], 'code'))")
+    archive = subprocess.run([sys.executable, "-c", code, str(checkout), ref, str(tmp_path), str(jobs)],
+                             stdin=subprocess.DEVNULL, capture_output=True, text=True, check=True,
+                             cwd=tmp_path).stdout.strip().splitlines()[-1]
+    with tarfile.open(archive) as tar:
+        names = {n.removeprefix("./") for n in tar.getnames()}
+        assert {"reward.py", "my_reward.py", ".gitignore"} <= names and "ignored.log" not in names
+        member = next(m for m in tar.getmembers() if m.name.removeprefix("./") == "reward.py")
+        assert tar.extractfile(member).read() == b"VALUE = 2\n"
+    assert executors.uncommitted_files(str(checkout)) == status
+    assert subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True,
+                          text=True).stdout == head
+
+
+def test_emit_sbatch_writes_a_plain_torchrun_script(tmp_path):
+    from stapo_megatron.launch.entry import parse_arguments
+
+    for name in ("model", "ckpt"):
+        (tmp_path / name).mkdir()
+    for name in ("train.jsonl", "eval.jsonl"):
+        (tmp_path / name).write_text("{}\n")
+    overrides = [f"output_dir={tmp_path}/run", f"model.hf_dir={tmp_path}/model",
+                 f"model.megatron_ckpt={tmp_path}/ckpt", f"data.train_path={tmp_path}/train.jsonl",
+                 f"data.eval_path={tmp_path}/eval.jsonl", "method=justrl", "rollout.max_response_len=8192"]
+    script_path = tmp_path / "job.sh"
+    code, out = nemo_run(tmp_path, "launch/stapo_14b.py", "--emit-sbatch", str(script_path), *overrides,
+                         "run.executor.account=acct", "run.executor.env_vars.NCCL_IB_HCA=mlx5")
+    assert code == 0, out
+    script = script_path.read_text()
+    assert subprocess.run(["bash", "-n", str(script_path)]).returncode == 0
+    signal_s, retries = paper_signal_and_retries("qwen3_14b")
+    for line in ["#SBATCH --nodes=8", "#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=1",
+                 f"#SBATCH --signal=USR1@{signal_s}", "#SBATCH --account=acct", "#SBATCH --requeue",
+                 f"cd {REPO}", "export NCCL_IB_HCA=mlx5", "export HF_HUB_OFFLINE=1",
+                 "export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]:
+        assert re.search(rf"^{re.escape(line)}$", script, re.M), (line, script)
+    assert f'-lt {retries} ]' in script and "HF_HOME" not in script
+    command = re.search(r"^srun --kill-on-bad-exit=1 torchrun (.*?)\ncode=", script, re.M | re.S).group(1)
+    words = command.replace("\\\n", " ").split()
+    assert "--nproc-per-node=8" in words
+    start = words.index("stapo_megatron.launch.entry")
+    assert words[start - 1] == "-m" and words[start + 1] == "qwen3_14b"
+    assert parse_arguments(words[start + 2:]) == parse_arguments(overrides)
+    # checked like a submission: a missing path writes nothing
+    code, out = nemo_run(tmp_path, "launch/stapo_14b.py", "--emit-sbatch", str(tmp_path / "no.sh"), *overrides[:-3],
+                         f"data.eval_path={tmp_path}/missing.jsonl")
+    assert code == 1 and f"data.eval_path='{tmp_path}/missing.jsonl' does not exist" in out, out
+    assert not (tmp_path / "no.sh").exists()
+
+
+def test_help_lists_the_launch_files_and_the_added_options(tmp_path):
+    code, out = nemo_run(tmp_path, "--help")
+    assert code == 0, out
+    assert re.search(r"^  launch/stapo_14b\.py\s+STAPO on Qwen3-14B-Base", out, re.M), out
+    assert re.search(r"^  launch/stapo_tiny\.py\s+The embedded default main job", out, re.M)
+    for text in ("--save-config PATH", "--emit-sbatch PATH", "--include-uncommitted", "method=NAME",
+                 "SECTION.FIELD=VALUE", "docs/config-reference.md", "-y, --yes"):
+        assert text in out, text
+    code, out = nemo_run(tmp_path, "launch/stapo_14b.py", "--help")
+    assert code == 0 and "--save-config PATH" in out and "method=NAME" in out and "--dryrun" in out, out

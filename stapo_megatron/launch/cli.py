@@ -1,4 +1,4 @@
-"""``nemo-run LAUNCH_FILE [key=value ...] [config=PATH] [run.executor=NAME] [--dryrun] [--save-config PATH] [--yes] ...``
+"""``nemo-run LAUNCH_FILE [key=value ...] [config=PATH] [run.executor=NAME] [--dryrun] [--save-config PATH] [--emit-sbatch PATH] [--include-uncommitted] [--yes] ...``
 
 Runs a launch file (one that ends in ``run.cli.main(fn, ...)``) with NeMo-Run's own command
 line: the same ``key=value`` parsing, ``run.executor=NAME`` / ``run.executor.<field>=value``,
@@ -21,6 +21,12 @@ and ``nemorun`` commands; this package provides ``nemo-run``.) What it adds:
 - a dry run prints the resolved configuration (YAML, every field); ``--save-config PATH`` also
   writes it to PATH, and ``config=PATH`` launches from such a file (overrides apply on top).
   (NeMo-Run's own ``--to-yaml`` is left as it is: it writes the task, recipe name and overrides.)
+- the code a Slurm job runs is ``git archive`` of the checkout's HEAD (`executors.code_root`,
+  whatever the working directory): uncommitted changes are refused by name, or shipped with
+  ``--include-uncommitted``;
+- ``--emit-sbatch PATH`` writes a plain sbatch + torchrun script of the job (checked like a
+  submission; for clusters without NeMo-Run or containers) instead of submitting;
+- ``-y`` is ``--yes`` (NeMo-Run gives it to both ``--yes`` and ``--yaml``; ``--yes`` wins there too).
 """
 
 import ast
@@ -53,6 +59,56 @@ FAILED_STATES = (AppState.FAILED, AppState.CANCELLED, AppState.UNKNOWN)
 """Job states after a run that make the exit code non-zero (UNKNOWN: the state was lost)."""
 
 USAGE = __doc__.split("\n\n")[0]
+
+LAUNCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "launch")
+"""The checkout's launch files (``launch/*.py``)."""
+
+ADDED_OPTIONS = """Options added by this package (besides NeMo-Run's, listed by `nemo-run LAUNCH --help`):
+  --dryrun                  print the resolved configuration (every field), the problems a submission
+                            would have, and the sbatch script / torchrun command; submit nothing
+  --save-config PATH        also write the resolved configuration (YAML) to PATH; launch it back with
+                            config=PATH (overrides apply on top)
+  --emit-sbatch PATH        write a plain sbatch + torchrun script of a paper recipe (no NeMo-Run or
+                            container on the cluster), checked like a submission; submit nothing
+  --include-uncommitted     ship the checkout's working tree (a submission with uncommitted changes is
+                            refused otherwise: the job runs git archive of HEAD)
+  -y, --yes                 submit without asking (-y is --yes, never NeMo-Run's --yaml)
+
+Arguments (key=value, no dashes):
+  method=NAME               stapo (default), justrl, entropy20, random, grpo, ... (stapo_megatron/methods.py)
+  output_dir=PATH           the run folder (absolute on Slurm)
+  config=PATH               start from a configuration YAML (--save-config, or a run's config.yaml)
+  FIELD=VALUE               a top-level TrainerConfig field: steps=100, seed=1, ...
+  SECTION.FIELD=VALUE       a nested field: model.hf_dir=..., data.train_path=..., rollout.max_response_len=8192,
+                            loss.tau_p=0.01, optim.lr=1e-6, logging.*, warmstart.* (tiny recipe)
+  run.executor.FIELD=VALUE  an executor field: run.executor.account=..., run.executor.nodes=2,
+                            run.executor.env_vars.NAME=VALUE (added to the recipe's environment)
+Every field with its default and meaning: docs/config-reference.md; the resolved values of a
+launch file: nemo-run LAUNCH --dryrun. Cluster settings (STAPO_* variables):
+stapo_megatron/launch/executors.py."""
+
+
+def _launch_files() -> List[str]:
+    """``  launch/NAME.py  first docstring line`` of each launch file of the checkout."""
+    lines = []
+    for name in sorted(os.listdir(LAUNCH_DIR)) if os.path.isdir(LAUNCH_DIR) else []:
+        path = os.path.join(LAUNCH_DIR, name)
+        if not name.endswith(".py"):
+            continue
+        with open(path, encoding="utf-8") as f:
+            try:
+                doc = ast.get_docstring(ast.parse(f.read())) or ""
+            except SyntaxError:
+                doc = ""
+        lines.append(f"  {os.path.relpath(path):<24}  {doc.splitlines()[0] if doc else ''}")
+    return lines
+
+
+def usage() -> str:
+    """``nemo-run --help``: the synopsis, the launch files, the added options and arguments."""
+    files = _launch_files()
+    listing = ("Launch files:\n" + "\n".join(files)) if files else f"(no launch files found in {LAUNCH_DIR})"
+    return f"{USAGE}\n\n{listing}\n\n{ADDED_OPTIONS}\n"
 
 
 def _calls_nemo_run_main(path: str) -> bool:
@@ -148,19 +204,25 @@ def _split_env_args(args: List[str]):
     return env, others
 
 
-def _split_save_config(args: List[str]):
-    """(the ``--save-config PATH`` / ``--save-config=PATH`` value or None, the other arguments)."""
+def _split_save_config(args: List[str], option: str = "--save-config"):
+    """(the ``--save-config PATH`` / ``--save-config=PATH`` value or None, the other arguments;
+    likewise for another ``option`` with a path)."""
     path, others, it = None, [], iter(args)
     for arg in it:
-        if arg == "--save-config":
+        if arg == option:
             path = next(it, None)
             if path is None:
-                raise ValueError("--save-config needs a file path")
-        elif arg.startswith("--save-config="):
+                raise ValueError(f"{option} needs a file path")
+        elif arg.startswith(f"{option}="):
             path = arg.split("=", 1)[1]
         else:
             others.append(arg)
     return path, others
+
+
+def _split_flag(args: List[str], flag: str):
+    """(whether ``flag`` is among ``args``, the other arguments)."""
+    return flag in args, [a for a in args if a != flag]
 
 
 class CheckedRunContext(cli_api.RunContext):
@@ -168,6 +230,16 @@ class CheckedRunContext(cli_api.RunContext):
 
     save_config: Optional[str] = None
     """Where ``--save-config`` writes the resolved configuration (set by `main`)."""
+
+    emit_sbatch: Optional[str] = None
+    """Where ``--emit-sbatch`` writes a plain sbatch + torchrun script (set by `main`)."""
+
+    include_uncommitted: bool = False
+    """``--include-uncommitted``: ship the checkout's working tree, not its HEAD (set by `main`)."""
+
+    code_dir: Optional[str] = None
+    """The checkout a Slurm job's code comes from (set by `_code`); NeMo-Run's Slurm packaging
+    runs ``git rev-parse`` in the working directory, so the launch runs there after the checks."""
 
     def parse_args(self, args: List[str], lazy: bool = False):
         env, args = _split_env_args(args)
@@ -196,8 +268,13 @@ class CheckedRunContext(cli_api.RunContext):
         user fills in later), and a real submission needs a complete Slurm executor (a dry run
         shows the missing settings as ``<unset:...>`` instead)."""
         problems = []
+        submitting = not self.dryrun or bool(self.emit_sbatch)
         if self.executor is not None and not self.dryrun:
             problems += executors.unset_settings(self.executor)
+        if self.emit_sbatch and (not isinstance(self.executor, run.SlurmExecutor)
+                                 or getattr(task, "__fn_or_cls__", None) is not entry.run_recipe):
+            raise cli_api.RunContextError("--emit-sbatch writes the sbatch script of a recipe on a Slurm executor "
+                                          "(launch/stapo_14b.py, stapo_8b.py, stapo_1p7b.py)")
         if getattr(task, "__fn_or_cls__", None) is entry.run_recipe:
             executor = self.executor
             if (isinstance(executor, run.SlurmExecutor) and task.recipe != "tiny" and not task.output_dir
@@ -210,19 +287,49 @@ class CheckedRunContext(cli_api.RunContext):
             elif isinstance(executor, run.LocalExecutor):
                 kwargs.update(num_nodes=executor.nodes, gpus_per_node=executor.ntasks_per_node)
             try:
-                cfg, warmstart = entry.build_config(check_paths=not self.dryrun, **kwargs)
+                cfg, warmstart = entry.build_config(check_paths=submitting, **kwargs)
             except ValueError as e:
                 problems.append(str(e))
             else:
                 problems += self._resolved(cfg, warmstart, kwargs["recipe"], executor)
                 problems += self._paths(cfg, kwargs.get("config"), executor)
+        if not self.emit_sbatch:
+            problems += self._code(self.executor)
         if problems:
-            raise cli_api.RunContextError("not launched:\n- " + "\n- ".join(problems))
+            raise cli_api.RunContextError(("no script written" if self.emit_sbatch else "not launched")
+                                          + ":\n- " + "\n- ".join(problems))
+        if self.code_dir:
+            os.chdir(self.code_dir)
+
+    def _code(self, executor) -> List[str]:
+        """The checkout whose ``git archive`` a Slurm job runs: found wherever nemo-run runs; its
+        uncommitted changes refused by name, or shipped with ``--include-uncommitted`` (the
+        archive is then made of `executors.snapshot_commit`)."""
+        packager = getattr(executor, "packager", None)
+        if not isinstance(executor, run.SlurmExecutor) or not isinstance(packager, run.GitArchivePackager):
+            return []
+        root = packager.basepath or executors.code_root()
+        if not root:
+            return ["the job's code is shipped with git archive, but this package is not in a git checkout: "
+                    "launch from a clone (pip install -e .), or set STAPO_CODE_DIR to one"]
+        packager.basepath = self.code_dir = root
+        changes = executors.uncommitted_files(root)
+        if changes and self.include_uncommitted:
+            packager.ref = executors.snapshot_commit(root)
+            print(f"# ---- code: the working tree of {root} ({len(changes)} uncommitted changes included; "
+                  f"commit {packager.ref[:12]} on HEAD) ----", flush=True)
+            return []
+        if changes:
+            shown = "; ".join(line.strip() for line in changes[:20]) + ("; ..." if len(changes) > 20 else "")
+            return self._refuse_or_show([
+                f"{len(changes)} uncommitted changes in {root} would not reach the job (it runs git archive of "
+                f"HEAD): {shown}. Commit them, or add --include-uncommitted to ship the working tree"])
+        return []
 
     def _resolved(self, cfg, warmstart, recipe: str, executor) -> List[str]:
         """Show / write the resolved configuration; the problems a cluster run would have with it."""
         text = dump_config(cfg, warmstart, recipe)
-        if self.dryrun:
+        if self.dryrun and not self.emit_sbatch:
             print(f"# ---- resolved configuration (dry run) ----\n{text}", flush=True)
         if self.save_config:
             with open(self.save_config, "w", encoding="utf-8") as f:
@@ -252,7 +359,7 @@ class CheckedRunContext(cli_api.RunContext):
 
     def _refuse_or_show(self, problems: List[str]) -> List[str]:
         """A real submission refuses ``problems``; a dry run renders the job and lists them."""
-        if self.dryrun and problems:
+        if self.dryrun and not self.emit_sbatch and problems:
             print("# ---- a submission would be refused (dry run; fix these before launching) ----\n- "
                   + "\n- ".join(problems), flush=True)
             return []
@@ -260,14 +367,37 @@ class CheckedRunContext(cli_api.RunContext):
 
     def cli_execute(self, fn, args: List[str], entrypoint_type: str = "task"):
         started_ns = time.time_ns()
-        super().cli_execute(fn, args, entrypoint_type)
-        if self.dryrun:
-            if entrypoint_type == "task" and self.executor is not None:
-                render_dryrun(self.task, self.executor, self.name)
-            return
+        working_dir = os.getcwd()
+        try:
+            super().cli_execute(fn, args, entrypoint_type)  # `_preflight` enters `code_dir`
+            if self.emit_sbatch:
+                self._write_sbatch()
+                return
+            if self.dryrun:
+                if entrypoint_type == "task" and self.executor is not None:
+                    render_dryrun(self.task, self.executor, self.name)
+                return
+        finally:
+            os.chdir(working_dir)
         failures = failed_jobs(started_ns)
         if failures:
             raise cli_api.RunContextError("\n".join(failures))
+
+
+    def _write_sbatch(self) -> None:
+        """``--emit-sbatch``: the checked task as a plain sbatch + torchrun script."""
+        kwargs = dict(fdl.build(self.task).keywords)
+        root = executors.code_root()
+        if not root:
+            raise cli_api.RunContextError("--emit-sbatch: this package is not in a checkout the nodes can run "
+                                          "(set STAPO_CODE_DIR to the clone with its .venv)")
+        script = executors.plain_sbatch_script(self.executor, kwargs["recipe"], entry.format_arguments(kwargs),
+                                               root, self.name)
+        with open(self.emit_sbatch, "w", encoding="utf-8") as f:
+            f.write(script)
+        os.chmod(self.emit_sbatch, 0o755)
+        print(f"wrote {self.emit_sbatch}: submit it with `sbatch {self.emit_sbatch}` (plain sbatch + torchrun, "
+              f"the code and .venv of {root})", flush=True)
 
 
 OUTPUT_DIR_PLACEHOLDER = "<unset:output_dir>"
@@ -369,14 +499,26 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Console entry point; returns the exit code (0 only if every job succeeded)."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(usage() if argv else USAGE + "\n(nemo-run --help lists the launch files and the options)")
         return 0 if argv else 2
     path, args = argv[0], argv[1:]
     try:
         CheckedRunContext.save_config, args = _split_save_config(args)
+        CheckedRunContext.emit_sbatch, args = _split_save_config(args, "--emit-sbatch")
     except ValueError as e:
         print(f"nemo-run: {e}", file=sys.stderr)
         return 2
+    CheckedRunContext.include_uncommitted, args = _split_flag(args, "--include-uncommitted")
+    # relative to where nemo-run was started (a Slurm launch runs in the checkout after the checks)
+    for attribute in ("save_config", "emit_sbatch"):
+        if getattr(CheckedRunContext, attribute):
+            setattr(CheckedRunContext, attribute, os.path.abspath(getattr(CheckedRunContext, attribute)))
+    if CheckedRunContext.emit_sbatch and "--dryrun" not in args:
+        args.append("--dryrun")  # NeMo-Run then submits nothing
+    # NeMo-Run gives -y to both --yaml and --yes (click keeps the later, --yes): say so explicitly
+    args = ["--yes" if a == "-y" else a for a in args]
+    if "-h" in args or "--help" in args:
+        print(ADDED_OPTIONS + "\n", flush=True)
     # local jobs start `torchrun` / `python` through PATH: use this environment's (.venv/bin),
     # also when the venv is not activated (`make demo` calls .venv/bin/nemo-run)
     os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])

@@ -12,12 +12,20 @@ section dicts (``rollout.max_response_len=8192`` arrives as ``rollout={"max_resp
 the tiny recipe's warm-start through ``warmstart``. They are applied by the one override parser,
 ``stapo_megatron.overrides.apply_overrides``: unknown fields (with the closest names) and wrongly
 typed values raise ValueError naming the field.
+
+Without NeMo-Run (a plain ``sbatch`` + ``torchrun`` job, ``nemo-run LAUNCH --emit-sbatch``):
+
+    torchrun --nproc-per-node 8 ... -m stapo_megatron.launch.entry RECIPE [method=...] [key=value ...]
+
+(`main`: the same arguments as the launch files, ``section.field=value`` for nested fields.)
 """
 
+import ast
 import dataclasses
 import inspect
 import os
-from typing import Any, Dict, Optional, Tuple, Union
+import sys
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -175,3 +183,70 @@ def run_recipe(
 
 # NeMo-Run builds `run_recipe`'s command line from its signature: every section needs a parameter.
 assert set(SECTIONS) <= set(inspect.signature(run_recipe).parameters), SECTIONS
+
+
+def _value(text: str) -> Value:
+    """A command-line value: a Python literal (``1``, ``0.5``, ``True``, ``None``) or the text."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def parse_arguments(args: Sequence[str]) -> Dict[str, Any]:
+    """`run_recipe`'s keyword arguments from ``key=value`` texts: ``section.field=value`` (the
+    `SECTIONS`) into that section's dict, the others as keywords (``method=``, ``output_dir=``,
+    ``config=``, top-level fields). ValueError for a text without ``=``."""
+    arguments: Dict[str, Any] = {}
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if not sep or not key:
+            raise ValueError(f"expected key=value, got {arg!r}")
+        section_name, dot, field = key.partition(".")
+        if dot and section_name in SECTIONS:
+            arguments.setdefault(section_name, {})[field] = _value(value)
+        else:
+            arguments[key] = _value(value)
+    return arguments
+
+
+def format_arguments(kwargs: Dict[str, Any]) -> List[str]:
+    """The ``key=value`` texts `parse_arguments` reads back into ``kwargs`` (a launch task's
+    arguments without ``recipe``; None and empty sections left out)."""
+    def text(value: Any) -> str:  # a string that would read back as another literal is quoted
+        return value if isinstance(value, str) and _value(value) == value else repr(value)
+
+    texts = []
+    for key, value in kwargs.items():
+        if key == "recipe" or value is None or (key in SECTIONS and not value):
+            continue
+        if key in SECTIONS:
+            texts += [f"{key}.{field}={text(v)}" for field, v in value.items()]
+        else:
+            texts.append(f"{key}={text(value)}")
+    return texts
+
+
+USAGE = ("usage: torchrun [torchrun options] -m stapo_megatron.launch.entry RECIPE [method=NAME] "
+         "[output_dir=PATH] [config=PATH] [key=value | section.field=value ...]\n"
+         f"RECIPE: one of {', '.join(RECIPES)}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """``python -m stapo_megatron.launch.entry RECIPE key=value ...`` (under torchrun): `run_recipe`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        raise SystemExit(0 if argv else 2)
+    recipe, rest = argv[0], argv[1:]
+    if recipe not in RECIPES:
+        raise SystemExit(f"recipe must be one of {RECIPES}, got {recipe!r}\n{USAGE}")
+    try:
+        arguments = parse_arguments(rest)
+    except ValueError as e:
+        raise SystemExit(f"{e}\n{USAGE}")
+    run_recipe(recipe, **arguments)
+
+
+if __name__ == "__main__":
+    main()

@@ -23,6 +23,14 @@ from these environment variables, read when a launch file builds its executor:
     STAPO_SLURM_HOST, STAPO_SLURM_USER, STAPO_SLURM_IDENTITY
                              submit over SSH to this login node (default: run on the login
                              node itself, through a LocalTunnel)
+    STAPO_CODE_DIR           the git checkout whose code the job runs (default: the one
+                             holding this package, wherever nemo-run is started from)
+
+Code reaches a Slurm job as ``git archive`` of the checkout's HEAD (`code_packager`): a
+submission with uncommitted changes (edited or new files that git does not ignore) is refused,
+naming them, unless ``--include-uncommitted`` ships the working tree (`snapshot_commit`).
+``nemo-run LAUNCH --emit-sbatch PATH`` writes a plain sbatch + torchrun script instead
+(`plain_sbatch_script`: no NeMo-Run, pyxis or container on the cluster).
 
 A required setting that is missing becomes a placeholder ``<unset:VARIABLE>``: a dry run shows
 where it goes, `check_submission` refuses a real submission naming each one. Together with
@@ -32,7 +40,10 @@ configuration from the environment.
 
 import getpass
 import os
-from typing import Dict, List, Optional
+import shlex
+import subprocess
+import tempfile
+from typing import Dict, List, Optional, Sequence
 
 import nemo_run as run
 
@@ -157,8 +168,98 @@ def slurm_executor(nodes: int, gpus_per_node: int = 8, signal_s: Optional[int] =
         signal=f"USR1@{signal_s}",
         retries=int(_setting("STAPO_SLURM_RETRIES", str(3 if retries is None else retries))),
         tunnel=_tunnel(_required("STAPO_SLURM_JOB_DIR")),
-        packager=run.Config(run.GitArchivePackager),
+        packager=code_packager(),
     )
+
+
+def code_packager() -> run.Config:
+    """``git archive`` of `code_root`'s HEAD (its ``basepath``: the archive does not depend on the
+    directory nemo-run is started from; `stapo_megatron.launch.cli` checks for uncommitted changes)."""
+    return run.Config(run.GitArchivePackager, basepath=code_root() or "", check_uncommitted_changes=False)
+
+
+def code_root() -> Optional[str]:
+    """The top folder of the git checkout a job's code comes from: ``STAPO_CODE_DIR``, else the
+    checkout holding this package; None if that is not in a git checkout."""
+    start = _setting("STAPO_CODE_DIR") or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run(["git", "-C", start, "rev-parse", "--show-toplevel"], capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def uncommitted_files(root: str) -> List[str]:
+    """``git status --porcelain`` lines of ``root``'s uncommitted changes: modified, added,
+    deleted and untracked files (ignored ones are shipped by neither route and not listed)."""
+    done = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=all"],
+                          capture_output=True, text=True, check=True)
+    return [line for line in done.stdout.splitlines() if line.strip()]
+
+
+def snapshot_commit(root: str) -> str:
+    """A commit of ``root``'s working tree (tracked changes and untracked files git does not
+    ignore) on top of HEAD, made with a temporary index: no branch, stash or index of the checkout
+    changes. ``git archive`` of it ships what is on disk."""
+    env = {**os.environ, "GIT_AUTHOR_NAME": "stapo-megatron", "GIT_AUTHOR_EMAIL": "launch@stapo-megatron",
+           "GIT_COMMITTER_NAME": "stapo-megatron", "GIT_COMMITTER_EMAIL": "launch@stapo-megatron"}
+    with tempfile.TemporaryDirectory() as tmp:
+        env["GIT_INDEX_FILE"] = os.path.join(tmp, "index")
+
+        def git(*args: str) -> str:
+            return subprocess.run(["git", "-C", root, *args], env=env, capture_output=True, text=True,
+                                  check=True).stdout.strip()
+
+        git("read-tree", "HEAD")
+        git("add", "--all")
+        tree = git("write-tree")
+        return git("commit-tree", tree, "-p", "HEAD", "-m", "stapo-megatron: working tree shipped by nemo-run")
+
+
+RDZV_PORT = 29500
+"""The rendezvous port of `plain_sbatch_script` on the job's first node."""
+
+
+def plain_sbatch_script(executor, recipe: str, arguments: Sequence[str], root: str, name: str) -> str:
+    """A standalone sbatch script running ``torchrun -m stapo_megatron.launch.entry RECIPE ARGS`` on
+    every node of ``executor`` (a built SlurmExecutor: nodes, GPUs, time, account, partition, save
+    signal, retries, environment) from the checkout ``root`` and its ``.venv`` (``STAPO_VENV``
+    overrides it): for clusters without pyxis / containers or NeMo-Run. The job requeues itself
+    after the save signal or a failure, ``executor.retries`` times at most (``SLURM_RESTART_COUNT``)."""
+    signal_s = int(str(executor.signal or "USR1@600").rpartition("@")[2])
+    lines = ["#!/bin/bash",
+             f"# {recipe} with plain sbatch + torchrun (written by nemo-run --emit-sbatch; no NeMo-Run, no container).",
+             f"# The nodes run the code of {root} as it is when the job starts, with its .venv",
+             "# (or $STAPO_VENV): both must be on a file system the compute nodes see. Submit: sbatch THIS_FILE",
+             f"#SBATCH --job-name={executor.job_name_prefix or ''}{name}",
+             f"#SBATCH --nodes={executor.nodes}",
+             "#SBATCH --ntasks-per-node=1",
+             f"#SBATCH --gpus-per-node={executor.gpus_per_node}",
+             "#SBATCH --exclusive",
+             f"#SBATCH --time={executor.time}",
+             f"#SBATCH --signal=USR1@{signal_s}",
+             "#SBATCH --requeue",
+             "#SBATCH --open-mode=append"]
+    for option, value in (("account", executor.account), ("partition", executor.partition)):
+        if value and not str(value).startswith(PLACEHOLDER_PREFIX):
+            lines.append(f"#SBATCH --{option}={value}")
+    lines += ["", "set -uo pipefail", f"cd {shlex.quote(root)}",
+              f'export PATH="${{STAPO_VENV:-{root}/.venv}}/bin:$PATH"']
+    for key, value in executor.env_vars.items():
+        if key == "HF_HOME" and str(value).startswith("/nemo_run/"):
+            continue  # NeMo-Run's folder inside the container; without one HF_HOME stays the user's
+        lines.append(f"export {key}={shlex.quote(str(value))}")
+    command = ["srun --kill-on-bad-exit=1 torchrun", '--nnodes="$SLURM_NNODES"',
+               f"--nproc-per-node={executor.gpus_per_node}", "--rdzv-backend=c10d",
+               f'--rdzv-endpoint="$head:{RDZV_PORT}"', '--rdzv-id="$SLURM_JOB_ID"',
+               f"-m stapo_megatron.launch.entry {shlex.quote(recipe)}", *(shlex.quote(a) for a in arguments)]
+    lines += ['head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+              " \\\n    ".join(command),
+              "code=$?",
+              "# the save signal (the ranks saved and stopped) or a failure: requeue; the next job resumes",
+              "# from the newest checkpoint",
+              f'if [ "$code" -ne 0 ] && [ "${{SLURM_RESTART_COUNT:-0}}" -lt {int(executor.retries)} ]; then',
+              '    scontrol requeue "$SLURM_JOB_ID"',
+              "fi",
+              'exit "$code"', ""]
+    return "\n".join(lines)
 
 
 def unset_settings(executor) -> List[str]:
