@@ -10,8 +10,13 @@ of its step folders. A checkpoint is first exported to HF with the project's con
 started from, unless it carries its own config); the HF folder starts the project's rollout
 engine (``rollout.engines.build_engine``: vLLM where installed, else transformers), which
 samples k responses per problem for each decoding; the training reward scores them
-(``stapo_megatron.evaluation``). Writes ``OUT/eval.json`` (all numbers) and ``OUT/eval.md``
-(the table, also printed).
+(``stapo_megatron.evaluation``). Writes ``OUT/eval.json`` (all numbers: avg@k, pass@k, response
+lengths in tokens, truncation rate, generation and scoring seconds per set and decoding),
+``OUT/eval.md`` (the table, also printed) and ``OUT/generations.jsonl`` (one line per sample: set,
+decoding, id, prompt, sample, response, reward, response_length, truncated).
+
+Progress (prompts generated of the total and the rate, per set and decoding) and the engine's log
+lines go to stderr; stdout holds only the result table.
 
 Exit codes: 0 success, 2 bad input (the message names the problem).
 """
@@ -27,8 +32,8 @@ import tempfile
 import warnings
 from typing import List, Optional, Sequence
 
-from stapo_megatron.evaluation import (PAPER_DECODINGS, Decoding, EvalSet, engine_generate_fn, evaluate_sets,
-                                       format_table, load_eval_set, paper_sets)
+from stapo_megatron.evaluation import (PAPER_DECODINGS, Decoding, EvalProgress, EvalSet, engine_generate_fn,
+                                       evaluate_sets, format_table, load_eval_set, paper_sets)
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -158,16 +163,26 @@ def evaluate_model(hf_dir: str, sets: List[EvalSet], args: argparse.Namespace) -
     engine = build_engine(args.engine, hf_dir, RolloutConfig(
         max_model_len=max_model_len, seed=args.seed, dtype=resolve_dtype(hf_dir, args.dtype),
         gpu_memory_utilization=args.gpu_memory_utilization))
+    progress = EvalProgress(sys.stderr)
+    path = os.path.join(args.out, GENERATIONS)
     try:
-        generate = engine_generate_fn(engine, tokenizer, args.max_tokens, not args.no_chat_template, args.seed)
-        with RewardScorer(num_workers=args.reward_workers, timeout_s=args.reward_timeout) as scorer:
-            results = evaluate_sets(generate, sets, scorer, args.k)
+        generate = engine_generate_fn(engine, tokenizer, args.max_tokens, not args.no_chat_template, args.seed,
+                                      progress)
+        with RewardScorer(num_workers=args.reward_workers, timeout_s=args.reward_timeout) as scorer, \
+                open(path + ".partial", "w", encoding="utf-8") as generations:
+            results = evaluate_sets(generate, sets, scorer, args.k, progress,
+                                    lambda record: generations.write(json.dumps(record) + "\n"))
+        os.replace(path + ".partial", path)
     finally:
         engine.shutdown()
     results["settings"] = {"model": os.path.abspath(args.model), "engine": resolve_engine(args.engine),
                            "seed": args.seed, "max_tokens": args.max_tokens, "max_prompt_len": args.max_prompt_len,
                            "chat_template": not args.no_chat_template, "k_override": args.k}
     return results
+
+
+GENERATIONS = "generations.jsonl"
+"""The samples of a run, next to eval.json (written as ``.partial`` until the run is complete)."""
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -198,6 +213,8 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console-script entry point; returns the exit code."""
     args = _parser().parse_args(argv)
+    # vLLM logs to stdout by default; the table is stdout's only content (read at vLLM's import)
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     try:
         with warnings.catch_warnings():
             # megatron-core warns about absent transformer-engine/apex on every CPU import.

@@ -20,10 +20,13 @@ sampled over DP ranks, scored with ``score_responses``, summed over DP and summa
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
+import sys
+import time
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, TextIO
 
 from stapo_megatron.data import Example, answer_from_value, field_value, question_from_value, read_rows
 
@@ -34,7 +37,59 @@ if TYPE_CHECKING:  # rewards imports math-verify; config.py imports this module 
 GenerateFn = Callable[[list[str], int, float, float], list[list[str]]]
 """generate_fn(questions, n, temperature, top_p) -> n responses per question. ``questions`` are
 raw question texts (``Example.prompt``); the callable formats them (``data.format_prompt``) with
-its own tokenizer and applies its own max length."""
+its own tokenizer and applies its own max length. A response may be a `Response` (a str with
+its token count and whether it was cut at the length limit): the results then hold response
+lengths and the truncation rate."""
+
+
+class Response(str):
+    """A sampled response's text, with its length in tokens and whether the length limit cut it."""
+
+    num_tokens: int
+    truncated: bool
+
+    def __new__(cls, text: str, num_tokens: int, truncated: bool) -> "Response":
+        response = super().__new__(cls, text)
+        response.num_tokens, response.truncated = int(num_tokens), bool(truncated)
+        return response
+
+    def __reduce__(self):  # pickles with its fields (reward workers receive plain copies anyway)
+        return Response, (str(self), self.num_tokens, self.truncated)
+
+
+class EvalProgress:
+    """Progress lines of an evaluation on ``stream`` (stderr by default): per set and decoding,
+    the prompts generated of the total with the rate so far, then the responses scored.
+
+    `evaluate_sets` calls `start` and `scored`; a ``GenerateFn`` from `engine_generate_fn` given the
+    same object calls `generated` after each chunk of prompts.
+    """
+
+    def __init__(self, stream: Optional[TextIO] = None, prefix: str = "stapo-eval: "):
+        self.stream, self.prefix = stream, prefix
+        self.label, self.total, self.k, self.started = "", 0, 0, time.perf_counter()
+
+    def _line(self, text: str) -> None:
+        stream = self.stream or sys.stderr
+        print(f"{self.prefix}{text}", file=stream, flush=True)
+
+    def start(self, label: str, total: int, k: int) -> None:
+        """A set and decoding starts: ``total`` prompts, ``k`` samples each."""
+        self.label, self.total, self.k, self.started = label, total, k, time.perf_counter()
+        self._line(f"{label}: generating {total} prompts x {k} samples")
+
+    def generated(self, done: int) -> None:
+        """``done`` of the `start`'s prompts have their samples."""
+        elapsed = time.perf_counter() - self.started
+        rate = done / elapsed if elapsed > 0 else float("inf")
+        self._line(f"{self.label}: {done}/{self.total} prompts generated ({rate:.2f} prompts/s, "
+                   f"{elapsed:.0f} s)")
+
+    def scored(self, num_responses: int, seconds: float, result: dict) -> None:
+        """The set's responses were scored in ``seconds``; ``result`` is its `avg_at_k` result."""
+        rate = num_responses / seconds if seconds > 0 else float("inf")
+        self._line(f"{self.label}: {num_responses} responses scored in {seconds:.1f} s ({rate:.1f}/s); "
+                   f"avg@k {result['avg@k']:.4f}, pass@k {result['pass@k']:.4f}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,8 +293,20 @@ def summarize(counts: Counts, k: int, decoding: Decoding) -> dict:
     }
 
 
+def length_stats(responses: Sequence[Sequence[str]]) -> dict:
+    """``{"response_length": {"mean", "min", "max"} in tokens, "truncation_rate"}`` of `Response`
+    samples (None for both when the responses carry no token counts)."""
+    flat = [r for per_question in responses for r in per_question]
+    if not flat or not all(isinstance(r, Response) for r in flat):
+        return {"response_length": None, "truncation_rate": None}
+    lengths = [r.num_tokens for r in flat]
+    return {"response_length": {"mean": sum(lengths) / len(lengths), "min": min(lengths), "max": max(lengths)},
+            "truncation_rate": sum(r.truncated for r in flat) / len(flat)}
+
+
 def avg_at_k(generate_fn: GenerateFn, examples: Sequence[Example], k: int, decoding: Decoding,
-             scorer: RewardScorer) -> dict:
+             scorer: RewardScorer, progress: Optional[EvalProgress] = None,
+             on_sample: Optional[Callable[[dict], None]] = None, set_name: str = "") -> dict:
     """avg@k and pass@k of one decoding setting on one set of problems.
 
     Args:
@@ -252,7 +319,12 @@ def avg_at_k(generate_fn: GenerateFn, examples: Sequence[Example], k: int, decod
     Returns:
         ``{"avg@k": mean over problems of mean correctness over the k samples, "pass@k": fraction
         of problems with a correct sample, "num_problems", "k", "temperature", "top_p",
-        "num_timeouts", "num_unparseable"}``.
+        "num_timeouts", "num_unparseable", "response_length", "truncation_rate" (`length_stats`),
+        "generation_s", "scoring_s"}``.
+        progress: reports the set's start and scoring (`EvalProgress`).
+        on_sample: called with each sample's record (``set``, ``decoding``, ``id``, ``prompt``,
+            ``sample``, ``response``, ``reward``, ``response_length``, ``truncated``).
+        set_name: the set's name in the progress lines and records.
 
     Raises:
         ValueError: if k < 1, there are no examples, or generate_fn returns the wrong shape.
@@ -261,12 +333,31 @@ def avg_at_k(generate_fn: GenerateFn, examples: Sequence[Example], k: int, decod
         raise ValueError(f"k must be >= 1, got {k}")
     if not examples:
         raise ValueError("avg_at_k needs at least one example")
+    if progress is not None:
+        progress.start(f"{set_name} {decoding.name}".strip(), len(examples), k)
+    started = time.perf_counter()
     responses = generate_fn([e.prompt for e in examples], k, decoding.temperature, decoding.top_p)
-    return summarize(score_responses(responses, examples, k, scorer), k, decoding)
+    generated = time.perf_counter()
+    rewards: list = []
+    result = summarize(score_responses(responses, examples, k, scorer, rewards), k, decoding)
+    result.update(length_stats(responses), generation_s=generated - started,
+                  scoring_s=time.perf_counter() - generated)
+    if progress is not None:
+        progress.scored(len(rewards), result["scoring_s"], result)
+    if on_sample is not None:
+        for i, (example, per_question) in enumerate(zip(examples, responses)):
+            for j, response in enumerate(per_question):
+                known = isinstance(response, Response)
+                on_sample({"set": set_name, "decoding": decoding.name, "id": example.id, "prompt": example.prompt,
+                           "sample": j, "response": str(response), "reward": rewards[i * k + j],
+                           "response_length": response.num_tokens if known else None,
+                           "truncated": response.truncated if known else None})
+    return result
 
 
 def evaluate_sets(generate_fn: GenerateFn, sets: Sequence[EvalSet], scorer: "RewardScorer",
-                  k_override: Optional[int] = None) -> dict:
+                  k_override: Optional[int] = None, progress: Optional[EvalProgress] = None,
+                  on_sample: Optional[Callable[[dict], None]] = None) -> dict:
     """``avg_at_k`` of every set with every one of its decodings.
 
     Args:
@@ -274,6 +365,7 @@ def evaluate_sets(generate_fn: GenerateFn, sets: Sequence[EvalSet], scorer: "Rew
         sets: the loaded sets (``load_eval_set``).
         scorer: scores responses.
         k_override: use this k for every set (quick runs); None keeps each set's k.
+        progress, on_sample: see ``avg_at_k``.
 
     Returns:
         ``{"sets": {name: {decoding.name: avg_at_k result}}, "mean_avg@k": {decoding.name:
@@ -291,7 +383,8 @@ def evaluate_sets(generate_fn: GenerateFn, sets: Sequence[EvalSet], scorer: "Rew
         if len(set(decoding_names)) != len(decoding_names):
             raise ValueError(f"decoding names must be unique, got {decoding_names}")
         k = s.k if k_override is None else k_override
-        results["sets"][s.name] = {d.name: avg_at_k(generate_fn, s.examples, k, d, scorer) for d in s.decodings}
+        results["sets"][s.name] = {d.name: avg_at_k(generate_fn, s.examples, k, d, scorer, progress, on_sample, s.name)
+                                   for d in s.decodings}
     by_decoding: dict = {}
     for per_decoding in results["sets"].values():
         for name, result in per_decoding.items():
@@ -353,8 +446,13 @@ def evaluate_suite(generate_fn: GenerateFn, bench_dir: str, scorer: RewardScorer
     return {"benchmarks": results["sets"], "mean_avg@k": results["mean_avg@k"], "missing": missing}
 
 
+PROGRESS_SEQUENCES = 512
+"""With progress, `engine_generate_fn` samples a set in chunks of prompts holding at least this
+many sequences (and at most a tenth of the set): large enough batches for the engine."""
+
+
 def engine_generate_fn(engine: Any, tokenizer: Any, max_tokens: int, use_chat_template: bool = True,
-                       seed: Optional[int] = 0) -> GenerateFn:
+                       seed: Optional[int] = 0, progress: Optional[EvalProgress] = None) -> GenerateFn:
     """A ``GenerateFn`` sampling with a rollout engine (``rollout.engines.build_engine``).
 
     Questions are formatted and tokenized as the trainer does (``data.format_prompt``, no added
@@ -367,14 +465,28 @@ def engine_generate_fn(engine: Any, tokenizer: Any, max_tokens: int, use_chat_te
         max_tokens: response length limit.
         use_chat_template: see ``data.format_prompt``.
         seed: the engine's per-call seed (None: the engine's own RNG stream).
+        progress: report the prompts done after each chunk (`EvalProgress.generated`); a chunk
+            starting at prompt ``c`` is seeded ``seed + c n``, so the samples are the same.
+
+    The responses are `Response` objects (their token counts; truncated = finished by the length
+    limit).
     """
     from stapo_megatron.data import format_prompt
 
     def generate(questions: list[str], n: int, temperature: float, top_p: float) -> list[list[str]]:
         texts = [format_prompt(tokenizer, q, use_chat_template) for q in questions]
         ids = [list(x) for x in tokenizer(texts, add_special_tokens=False)["input_ids"]]
-        samples = engine.generate(ids, n, temperature, top_p, max_tokens, seed=seed)
-        return [[s.text for s in group] for group in samples]
+        chunk = len(ids) or 1
+        if progress is not None:
+            chunk = max(math.ceil(PROGRESS_SEQUENCES / n), math.ceil(len(ids) / 10), 1)
+        samples = []
+        for start in range(0, len(ids), chunk):
+            samples += engine.generate(ids[start:start + chunk], n, temperature, top_p, max_tokens,
+                                       seed=None if seed is None else seed + start * n)
+            if progress is not None:
+                progress.generated(min(start + chunk, len(ids)))
+        return [[Response(s.text, len(s.token_ids), s.finish_reason == "length") for s in group]
+                for group in samples]
 
     return generate
 

@@ -3,7 +3,10 @@ engine's context length from the prompts, --dtype auto as the folder's dtype (is
 
 import json
 import os
+import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -67,3 +70,74 @@ def test_dtype_auto_is_the_folders(tmp_path, tiny_hf):
     json.dump(cfg, open(path, "w"))
     assert eval_cli.resolve_dtype(folder, "auto") == "float32"
     assert eval_cli.resolve_dtype(folder, "bfloat16") == "bfloat16"
+
+
+# ---- progress, saved generations, lengths and truncation, vLLM's logs off stdout (issue 27) ----
+
+def _problems(tmp_path, n=6):
+    path = tmp_path / "bench.jsonl"
+    path.write_text("".join(json.dumps({"id": f"p{i}", "problem": f"{i}+{i}=", "answer": str(2 * i)}) + "\n"
+                            for i in range(n)))
+    return str(path)
+
+
+def test_stapo_eval_shows_progress_and_writes_generations(tmp_path, tiny_hf, capsys, monkeypatch):
+    """The real HF engine on the tiny model: progress per chunk of prompts on stderr, only the table
+    on stdout, every sample in generations.jsonl, lengths / truncation / timing in eval.json."""
+    from stapo_megatron import evaluation
+
+    monkeypatch.setattr(evaluation, "PROGRESS_SEQUENCES", 2)  # one prompt per chunk (k=2)
+    out = tmp_path / "out"
+    max_tokens = 6
+    assert eval_cli.main([tiny_hf, "--out", str(out), "--set", f"name=bench,path={_problems(tmp_path)},k=2,"
+                          "decodings=T1.0_p1.0", "--engine", "hf", "--max-tokens", str(max_tokens),
+                          "--no-chat-template", "--dtype", "float32", "--reward-workers", "1"]) == 0
+    captured = capsys.readouterr()
+    table = (out / "eval.md").read_text()
+    assert captured.out == table
+    assert "stapo-eval: bench T1.0_p1.0: generating 6 prompts x 2 samples" in captured.err
+    for done in range(1, 7):
+        assert re.search(rf"stapo-eval: bench T1.0_p1.0: {done}/6 prompts generated \(\d+\.\d+ prompts/s, \d+ s\)",
+                         captured.err), captured.err
+    assert re.search(r"bench T1.0_p1.0: 12 responses scored in \d+\.\d s", captured.err)
+
+    records = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
+    assert not (out / "generations.jsonl.partial").exists()
+    assert [(r["id"], r["sample"]) for r in records] == [(f"p{i}", j) for i in range(6) for j in range(2)]
+    assert {r["set"] for r in records} == {"bench"} and records[3]["prompt"] == "1+1="
+    assert all(1 <= r["response_length"] <= max_tokens and r["reward"] in (0.0, 1.0, -1.0) for r in records)
+    assert all(r["truncated"] == (r["response_length"] == max_tokens) for r in records)  # no EOS at the limit
+
+    result = json.load(open(out / "eval.json"))["sets"]["bench"]["T1.0_p1.0"]
+    lengths = [r["response_length"] for r in records]
+    assert result["response_length"] == {"mean": sum(lengths) / 12, "min": min(lengths), "max": max(lengths)}
+    assert result["truncation_rate"] == sum(r["truncated"] for r in records) / 12
+    assert result["generation_s"] >= 0 and result["scoring_s"] >= 0
+
+    # chunked for progress, the samples are those of one call (chunk c seeded seed + c k)
+    from transformers import AutoTokenizer
+
+    from stapo_megatron.config import RolloutConfig
+    from stapo_megatron.rollout.engines import build_engine
+
+    engine = build_engine("hf", tiny_hf, RolloutConfig(max_model_len=64, seed=0, dtype="float32"))
+    try:
+        whole = evaluation.engine_generate_fn(engine, AutoTokenizer.from_pretrained(tiny_hf), max_tokens, False, 0)
+        responses = whole([f"{i}+{i}=" for i in range(6)], 2, 1.0, 1.0)
+    finally:
+        engine.shutdown()
+    assert [str(r) for group in responses for r in group] == [r["response"] for r in records]
+
+
+def test_vllm_log_lines_go_to_stderr(tmp_path):
+    """stapo-eval points vLLM's logging at stderr before vLLM is imported (its default: stdout)."""
+    pytest.importorskip("vllm")
+    code = ("import sys; from stapo_megatron import eval_cli\n"
+            "assert eval_cli.main([sys.argv[1], '--out', sys.argv[1], '--set', 'name=a,path=b']) == 2\n"
+            "from vllm.logger import init_logger\n"
+            "init_logger('vllm.stapo_test').warning('VLLM-LOG-LINE')\n")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_STREAM"}
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "missing")], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "VLLM-LOG-LINE" in proc.stderr and "VLLM-LOG-LINE" not in proc.stdout
