@@ -13,7 +13,7 @@ import os
 import sys
 import typing
 
-from stapo_megatron.config import TrainerConfig, WarmStartConfig, field_docs
+from stapo_megatron.config import EvalSetConfig, TrainerConfig, WarmStartConfig, field_docs
 
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "config-reference.md")
 
@@ -47,11 +47,17 @@ def _default(field: dataclasses.Field) -> str:
     return "(required)"
 
 
-def _section(cls, prefix: str) -> typing.List[str]:
+def _summary(cls) -> str:
+    """The class docstring's first paragraph, on one line (not only its first line, which may
+    end mid-sentence)."""
+    return " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
+
+
+def _section(cls, prefix: str, title: typing.Optional[str] = None) -> typing.List[str]:
     docs = field_docs(cls)
     hints = typing.get_type_hints(cls)
-    title = f"`{prefix.rstrip('.')}`: " if prefix else "Top level: "
-    lines = [f"## {title}{cls.__name__}", "", (cls.__doc__ or "").strip().splitlines()[0], "",
+    title = title or (f"`{prefix.rstrip('.')}`: " if prefix else "Top level: ")
+    lines = [f"## {title}{cls.__name__}", "", _summary(cls), "",
              "| field | type | default | meaning |", "|---|---|---|---|"]
     nested = []
     for field in dataclasses.fields(cls):
@@ -69,6 +75,11 @@ def _section(cls, prefix: str) -> typing.List[str]:
 def render() -> str:
     """The reference's Markdown text."""
     lines = [HEADER] + _section(TrainerConfig, "") + _section(WarmStartConfig, "warmstart.")
+    lines += _section(EvalSetConfig, "", "Each of `eval_sets`: ")
+    lines += ["An entry of `eval_sets` (a list of these, or of dicts with these fields), and a `--set` of "
+              "`stapo-eval` (the same fields as `key=value` pairs separated by commas). Responses are sampled "
+              "with `eval_max_response_len` tokens at most (None: `rollout.max_response_len`); `stapo-eval` "
+              "takes `--max-tokens` instead.", ""]
     return "\n".join(lines).rstrip() + "\n"
 
 

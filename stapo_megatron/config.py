@@ -476,7 +476,7 @@ class TrainerConfig:
     eval_samples: int = 1
     """Samples per held-out prompt (avg@k with k = this)."""
     eval_max_response_len: Optional[int] = None
-    """Maximum response tokens of held-out evaluation (the paper: 20480); None = the training
+    """Maximum response tokens of evaluation, the held-out set and ``eval_sets`` (the paper: 20480); None = the training
     rollouts' ``rollout.max_response_len``."""
     save_every: int = 10
     """Checkpoint every this many steps (and at the end); 0 = never."""
@@ -516,8 +516,8 @@ class TrainerConfig:
     """Experiment tracking: TensorBoard, Weights & Biases, MLflow."""
     eval_sets: List[EvalSetConfig] = dataclasses.field(default_factory=list)
     """Named evaluation sets scored with the held-out set (every ``eval_every`` steps, at step 0
-    and the end), sampled with ``rollout.max_response_len``; dicts of `EvalSetConfig` fields
-    are accepted (what a ``key=value`` override gives)."""
+    and the end), sampled with ``eval_max_response_len`` tokens at most (as the held-out set);
+    dicts of `EvalSetConfig` fields are accepted (what a ``key=value`` override gives)."""
 
     def __post_init__(self):
         _check_at_least(self, 0, "steps", "lr_warmup_steps", "eval_every", "save_every", "max_consecutive_skips",

@@ -30,3 +30,19 @@ def test_reference_lists_every_field():
     assert "loss.tau_p" in names and "warmstart.label_smoothing" in names
     for name in names:
         assert f"| `{name}` |" in text, name
+
+
+def test_reference_lists_the_eval_set_fields_and_whole_summaries():
+    """EvalSetConfig's fields are listed; each section's summary is a whole sentence (the first
+    docstring line of LoggingConfig ended in "see"); evaluation sets name their length limit."""
+    import re
+
+    from stapo_megatron.config import EvalSetConfig
+
+    text = SCRIPT["render"]()
+    for field in dataclasses.fields(EvalSetConfig):
+        assert f"| `{field.name}` |" in text.split("## Each of `eval_sets`: EvalSetConfig")[1], field.name
+    for summary in re.findall(r"^## .*\n\n(.*)\n", text, re.M):
+        assert summary.rstrip().endswith((".", ")")), summary
+    eval_sets = next(line for line in text.splitlines() if line.startswith("| `eval_sets` |"))
+    assert "``eval_max_response_len``" in eval_sets and "rollout.max_response_len" not in eval_sets
