@@ -71,7 +71,7 @@ def _sync(device):
 
 def microbatches(spec, seq_len: int, num_microbatches: int, seed: int):
     """One sequence of seq_len tokens per micro-batch: an 1/8 prompt, the rest response."""
-    from stapo_megatron.synthetic import synthetic_rollouts
+    from stapo_megatron.train.synthetic import synthetic_rollouts
 
     prompt = seq_len // 8
     mbs, _ = synthetic_rollouts(1, num_microbatches, prompt, seq_len - prompt, spec.vocab_size, seed=seed,
@@ -81,10 +81,10 @@ def microbatches(spec, seq_len: int, num_microbatches: int, seed: int):
 
 def bench_one(name, hf_config, seq_len, args, device, dtype, rate):
     from stapo_megatron.bridge import build_gpt_model, spec_from_hf_config
-    from stapo_megatron.loss import LossConfig, compute_logprob_entropy
-    from stapo_megatron.parallel import current_groups
+    from stapo_megatron.train.loss import LossConfig, compute_logprob_entropy
+    from stapo_megatron.train.parallel import current_groups
     from stapo_megatron.recipes.paper import Layout, memory_estimate
-    from stapo_megatron.step import OptimConfig, policy_update, wrap_model_and_optimizer
+    from stapo_megatron.train.step import OptimConfig, policy_update, wrap_model_and_optimizer
 
     spec = spec_from_hf_config(hf_config)
     groups = current_groups()
@@ -138,7 +138,7 @@ def main():
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything initialises CUDA: cpu_compat applies
     from stapo_megatron.bridge.tiny import tiny_config
-    from stapo_megatron.parallel import destroy_parallel, init_parallel
+    from stapo_megatron.train.parallel import destroy_parallel, init_parallel
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")

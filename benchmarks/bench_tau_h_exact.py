@@ -29,11 +29,11 @@ import time
 
 import torch
 
-from stapo_megatron import s2t
-from stapo_megatron.loss import LossConfig, compute_logprob_entropy, minibatch_threshold
-from stapo_megatron.parallel import destroy_parallel, init_parallel
-from stapo_megatron.step import OptimConfig, policy_update, wrap_model_and_optimizer
-from stapo_megatron.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
+from stapo_megatron.method import masks as s2t
+from stapo_megatron.train.loss import LossConfig, compute_logprob_entropy, minibatch_threshold
+from stapo_megatron.train.parallel import destroy_parallel, init_parallel
+from stapo_megatron.train.step import OptimConfig, policy_update, wrap_model_and_optimizer
+from stapo_megatron.train.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
 
 NUM_MINIBATCHES = 4
 """PPO mini-batches per rollout batch (the paper: 256 / 64 prompts)."""

@@ -19,10 +19,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from stapo_megatron.loss import LossConfig, compute_logprob_entropy
-from stapo_megatron.parallel import destroy_parallel, init_parallel
-from stapo_megatron.step import OptimConfig, policy_update, wrap_model_and_optimizer
-from stapo_megatron.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
+from stapo_megatron.train.loss import LossConfig, compute_logprob_entropy
+from stapo_megatron.train.parallel import destroy_parallel, init_parallel
+from stapo_megatron.train.step import OptimConfig, policy_update, wrap_model_and_optimizer
+from stapo_megatron.train.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
 
 
 @dataclasses.dataclass

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from conversion.cli import main
+from stapo_megatron.conversion.cli import main
 from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
 from tests.dist_utils import run_distributed
 from tests.test_conversion_roundtrip import _assert_bit_exact
@@ -19,14 +19,14 @@ VARIANT = "qwen3"
 def _train_and_save(hf_dir, converted, run_dir, plain_dir):
     """One rank: load the converted model, take a real STAPO-loss step on synthetic rollouts,
     save it as the trainer does (step 1), and also as a plain model-only checkpoint."""
-    from stapo_megatron import checkpoint as ckpt
+    from stapo_megatron.train import checkpoint as ckpt
     from stapo_megatron.bridge import build_gpt_model, load_checkpoint
     from stapo_megatron.config import ModelConfig, TrainerConfig
-    from stapo_megatron.loss import LossConfig, compute_logprob_entropy
-    from stapo_megatron.parallel import destroy_parallel, init_parallel
-    from stapo_megatron.provenance import RunProvenance
-    from stapo_megatron.step import OptimConfig, policy_update, wrap_model_and_optimizer
-    from stapo_megatron.synthetic import synthetic_rollouts
+    from stapo_megatron.train.loss import LossConfig, compute_logprob_entropy
+    from stapo_megatron.train.parallel import destroy_parallel, init_parallel
+    from stapo_megatron.runlog.provenance import RunProvenance
+    from stapo_megatron.train.step import OptimConfig, policy_update, wrap_model_and_optimizer
+    from stapo_megatron.train.synthetic import synthetic_rollouts
 
     prompt, response = 4, 8
     groups = init_parallel(1, 1)

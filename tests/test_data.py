@@ -8,9 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stapo_megatron.data import (DAPO_POSTFIX, DAPO_PREFIX, JUSTRL_PROMPT_TEMPLATE, SUFFIX, Example,
+from stapo_megatron.data.examples import (DAPO_POSTFIX, DAPO_PREFIX, JUSTRL_PROMPT_TEMPLATE, SUFFIX, Example,
                                  format_prompt, load_examples, reasoning_gym_split, tokenize_prompts)
-from stapo_megatron.tokenizer import build_char_tokenizer
+from stapo_megatron.data.tokenizer import build_char_tokenizer
 
 PLAIN_ROWS = [
     {"prompt": "What is 1+1?", "answer": "2"},

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from stapo_megatron.ops import vocab_parallel_logprob_entropy
+from stapo_megatron.train.ops import vocab_parallel_logprob_entropy
 
 pytestmark = [
     pytest.mark.gpu,
@@ -60,10 +60,10 @@ def _policy_update_worker(steps):
     """Two mini-batches per step of the STAPO update on the tiny Qwen3 (fp32), from fixed weights."""
     from stapo_megatron.bridge import build_gpt_model
     from stapo_megatron.bridge.tiny import tiny_config
-    from stapo_megatron.loss import LossConfig, compute_logprob_entropy
-    from stapo_megatron.parallel import init_parallel
-    from stapo_megatron.step import OptimConfig, policy_update, wrap_model_and_optimizer
-    from stapo_megatron.synthetic import synthetic_rollouts
+    from stapo_megatron.train.loss import LossConfig, compute_logprob_entropy
+    from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.train.step import OptimConfig, policy_update, wrap_model_and_optimizer
+    from stapo_megatron.train.synthetic import synthetic_rollouts
     from tests.test_rollout_engine import randomize
 
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 (the default; stated for the tolerance)
@@ -107,7 +107,7 @@ def test_policy_update_on_cuda_equals_cpu():
 def _attention_worker(dtype):
     from stapo_megatron.bridge import build_gpt_model
     from stapo_megatron.bridge.tiny import tiny_config
-    from stapo_megatron.parallel import init_parallel
+    from stapo_megatron.train.parallel import init_parallel
     from tests.test_rollout_engine import randomize
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -149,7 +149,7 @@ def test_sdpa_attention_equals_local_on_cuda(dtype):
 
 def test_stapo_convert_verify_on_cuda(tmp_path):
     """HF -> Megatron conversion, then `stapo-convert verify` (Megatron on CUDA, SDPA attention)."""
-    from conversion.cli import main
+    from stapo_megatron.conversion.cli import main
     from stapo_megatron.bridge.tiny import save_tiny_hf_model
 
     hf_dir, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
@@ -169,7 +169,7 @@ def _trainer(run_dir, model_dir, steps):
 def test_two_trainer_steps_checkpoint_and_resume_on_cuda(tmp_path):
     """The tiny recipe on CUDA with the HF rollout engine (no vLLM): 2 steps with a checkpoint
     each, then a resume that runs step 3."""
-    from stapo_megatron import checkpoint as ckpt
+    from stapo_megatron.train import checkpoint as ckpt
 
     model_dir, run_dir = tmp_path / "model", tmp_path / "run"
     subprocess.run([sys.executable, os.path.join(HERE, "..", "examples", "prepare_tiny_model.py"), str(model_dir)],

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from stapo_megatron import s2t
-from stapo_megatron.loss import LossConfig, loss_func, minibatch_threshold, stapo_loss
-from stapo_megatron.ops import vocab_parallel_logprob_entropy
+from stapo_megatron.method import masks as s2t
+from stapo_megatron.train.loss import LossConfig, loss_func, minibatch_threshold, stapo_loss
+from stapo_megatron.train.ops import vocab_parallel_logprob_entropy
 
 FP32_TOL = 1e-5  # fp32 op vs float64 reference over a 500-entry vocabulary
 

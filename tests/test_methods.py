@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from stapo_megatron import methods
+from stapo_megatron.method import registry as methods
 from stapo_megatron.launch.entry import build_config
-from stapo_megatron.loss import LossConfig, loss_func, minibatch_threshold
+from stapo_megatron.train.loss import LossConfig, loss_func, minibatch_threshold
 from stapo_megatron.recipes import paper
 from tests.test_loss import _spiky_batch
 

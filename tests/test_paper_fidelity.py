@@ -11,13 +11,13 @@ import math
 import pytest
 import torch
 
-from stapo_megatron import s2t
-from stapo_megatron.loss import LossConfig, loss_func, minibatch_threshold
-from stapo_megatron.methods import method_loss_config
-from stapo_megatron.objective import stapo_loss
-from stapo_megatron.reward_fns import REWARDS, boxed_exact_match, get_reward, normalize_answer
-from stapo_megatron.rewards import STATUS_OK, STATUS_UNPARSEABLE, RewardScorer
-from stapo_megatron.trainer import warmup_lr
+from stapo_megatron.method import masks as s2t
+from stapo_megatron.train.loss import LossConfig, loss_func, minibatch_threshold
+from stapo_megatron.method.config import method_loss_config
+from stapo_megatron.method.objective import stapo_loss
+from stapo_megatron.rewards.functions import REWARDS, boxed_exact_match, get_reward, normalize_answer
+from stapo_megatron.rewards.scorer import STATUS_OK, STATUS_UNPARSEABLE, RewardScorer
+from stapo_megatron.trainer.loop import warmup_lr
 from tests.dist_utils import run_distributed
 from tests.test_loss import _spiky_batch
 
@@ -199,12 +199,12 @@ def test_normalize_answer_examples():
 def test_reward_registry_and_dotted_paths():
     assert tuple(REWARDS) == ("math_verify", "boxed_exact_match")
     assert (REWARDS["math_verify"].failure_reward, REWARDS["boxed_exact_match"].failure_reward) == (0.0, -1.0)
-    plugged = get_reward("stapo_megatron.reward_fns.boxed_exact_match")
+    plugged = get_reward("stapo_megatron.rewards.functions.boxed_exact_match")
     assert plugged.score_fn is boxed_exact_match and plugged.failure_reward == 0.0
     with pytest.raises(ValueError, match=r"reward must be one of \('math_verify', 'boxed_exact_match'\) or a "
                                          r"dotted path module.function, got 'exact'"):
         get_reward("exact")
-    with pytest.raises(ValueError, match="reward 'stapo_megatron.nope.f' is not one of"):
+    with pytest.raises(ValueError, match="reward = 'stapo_megatron.nope.f' does not name an importable object"):
         get_reward("stapo_megatron.nope.f")
     with pytest.raises(ValueError, match="names float, not a function"):
         get_reward("math.pi")
@@ -252,11 +252,11 @@ def _from_scratch_tau_h(model, mbs, tau_p, q):
 def _exact_and_reference_worker():
     from functools import partial
 
-    from stapo_megatron.parallel import init_parallel
-    from stapo_megatron.reference import add_reference_logprobs, frozen_copy
-    from stapo_megatron.schedule import compute_logprob_entropy
-    from stapo_megatron.step import OptimConfig, policy_update, wrap_model_and_optimizer
-    from stapo_megatron.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
+    from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.train.reference import add_reference_logprobs, frozen_copy
+    from stapo_megatron.train.schedule import compute_logprob_entropy
+    from stapo_megatron.train.step import OptimConfig, policy_update, wrap_model_and_optimizer
+    from stapo_megatron.train.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
 
     groups = init_parallel(1, 1)
     build = partial(build_tiny_gpt, tiny_gpt_config(), VOCAB, PROMPT + RESPONSE)

@@ -24,7 +24,7 @@ def _full_inputs(dtype):
 def _op_worker(dtype):
     import torch.distributed as dist
 
-    from stapo_megatron.ops import vocab_parallel_logprob_entropy
+    from stapo_megatron.train.ops import vocab_parallel_logprob_entropy
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -45,7 +45,7 @@ def _op_worker(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tp_shards_equal_unsharded(dtype):
-    from stapo_megatron.ops import vocab_parallel_logprob_entropy
+    from stapo_megatron.train.ops import vocab_parallel_logprob_entropy
 
     logits, target, upstream = _full_inputs(dtype)
     x = logits.clone().requires_grad_()
@@ -78,7 +78,7 @@ def _quantile_data(rank):
 def _quantile_worker():
     import torch.distributed as dist
 
-    from stapo_megatron import s2t
+    from stapo_megatron.method import masks as s2t
 
     dist.init_process_group("gloo")
     logprob, entropy, adv, mask = _quantile_data(dist.get_rank())
@@ -90,7 +90,7 @@ def _quantile_worker():
 
 
 def test_dp_quantile_equals_concatenated():
-    from stapo_megatron import s2t
+    from stapo_megatron.method import masks as s2t
 
     results = run_distributed(2, _quantile_worker)
     data = [_quantile_data(r) for r in range(2)]
@@ -113,10 +113,10 @@ VOCAB, PROMPT, RESPONSE, MBS = 512, 4, 12, 2
 def _train_worker(tp, pp, steps, method, init_ckpt):
     from megatron.core import dist_checkpointing
 
-    from stapo_megatron.loss import LossConfig, compute_logprob_entropy
-    from stapo_megatron.parallel import init_parallel
-    from stapo_megatron.step import OptimConfig, policy_update, wrap_model_and_optimizer
-    from stapo_megatron.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
+    from stapo_megatron.train.loss import LossConfig, compute_logprob_entropy
+    from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.train.step import OptimConfig, policy_update, wrap_model_and_optimizer
+    from stapo_megatron.train.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
 
     groups = init_parallel(tp, pp)
     dp_size = torch.distributed.get_world_size(groups.dp)
@@ -182,9 +182,9 @@ def _manual_grad_norm_worker(init_ckpt):
     """First mini-batch gradient norm with plain autograd: sum of loss sums / total kept."""
     from megatron.core import dist_checkpointing
 
-    from stapo_megatron.loss import LossConfig, compute_logprob_entropy, loss_func, minibatch_threshold
-    from stapo_megatron.parallel import init_parallel
-    from stapo_megatron.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
+    from stapo_megatron.train.loss import LossConfig, compute_logprob_entropy, loss_func, minibatch_threshold
+    from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.train.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
 
     init_parallel(1, 1)
     model = build_tiny_gpt(tiny_gpt_config(), VOCAB, PROMPT + RESPONSE)
@@ -231,10 +231,10 @@ def _replica_worker(tp, pp, steps):
 
     from stapo_megatron.bridge import build_gpt_model
     from stapo_megatron.bridge.tiny import tiny_config
-    from stapo_megatron.loss import LossConfig, compute_logprob_entropy
-    from stapo_megatron.parallel import init_parallel
-    from stapo_megatron.step import OptimConfig, policy_update, wrap_model_and_optimizer
-    from stapo_megatron.synthetic import synthetic_rollouts
+    from stapo_megatron.train.loss import LossConfig, compute_logprob_entropy
+    from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.train.step import OptimConfig, policy_update, wrap_model_and_optimizer
+    from stapo_megatron.train.synthetic import synthetic_rollouts
 
     groups = init_parallel(tp, pp)
     model = build_gpt_model(tiny_config("qwen3"), calculate_per_token_loss=True)

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from stapo_megatron.data import SUFFIX
+from stapo_megatron.data.examples import SUFFIX
 from stapo_megatron.launch.entry import build_config
 from stapo_megatron.recipes import paper
 from stapo_megatron.recipes.tiny import tiny_demo
@@ -166,7 +166,7 @@ def test_layout_is_checked_on_the_gpus_of_the_job():
 def test_memory_settings_reach_megatron_transformer_config():
     """The recipe's sequence parallelism / recomputation are valid Megatron TransformerConfig fields."""
     from stapo_megatron.bridge.config import transformer_config_from_spec
-    from stapo_megatron.trainer import _memory_settings
+    from stapo_megatron.trainer.loop import _memory_settings
 
     cfg = paper.qwen3_14b()
     settings = _memory_settings(cfg)

@@ -3,7 +3,7 @@
 `build_gpt_model` is the single place that turns an HF Qwen config into a Megatron
 `TransformerConfig` + `GPTModel`; the trainer, the converter's verifier and the rollout weight
 sync all use it. Megatron's parallel state must be initialised first
-(`stapo_megatron.parallel.init_parallel`).
+(`stapo_megatron.train.parallel.init_parallel`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from stapo_megatron import cpu_compat
+from stapo_megatron.train import cpu_compat
 from stapo_megatron.bridge.config import (
     DEFAULT_VOCAB_DIVISOR,
     QwenSpec,
@@ -116,7 +116,7 @@ def build_gpt_model(
 
 DDP_PREFIX = "module."
 """Key prefix of a model saved through Megatron's DistributedDataParallel wrapper (what
-`stapo_megatron.checkpoint.save_checkpoint` writes); converted and Megatron-LM checkpoints have none."""
+`stapo_megatron.train.checkpoint.save_checkpoint` writes); converted and Megatron-LM checkpoints have none."""
 
 
 def _with_ddp_keys(model):
@@ -138,11 +138,11 @@ def load_checkpoint(model, checkpoint_dir: str) -> None:
     Entries of the checkpoint that the model does not have (optimizer state) are ignored.
     A trainer checkpoint stores the model under Megatron DDP's ``module.`` prefix; it is read
     into the bare model all the same. The checkpoint's ``.metadata`` is read without running
-    code first (`stapo_megatron.checkpoint.read_dcp_metadata`), so a crafted file is refused.
+    code first (`stapo_megatron.train.checkpoint.read_dcp_metadata`), so a crafted file is refused.
     """
     from megatron.core import dist_checkpointing
 
-    from stapo_megatron.checkpoint import read_dcp_metadata
+    from stapo_megatron.train.checkpoint import read_dcp_metadata
 
     stored = read_dcp_metadata(checkpoint_dir).state_dict_metadata
     probe = "embedding.word_embeddings.weight"

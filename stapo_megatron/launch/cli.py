@@ -45,7 +45,7 @@ from nemo_run.cli.cli_parser import parse_cli_args  # noqa: E402
 from nemo_run.config import get_nemorun_home  # noqa: E402
 from torchx.specs import AppState  # noqa: E402
 
-from stapo_megatron.config_yaml import dump_config  # noqa: E402
+from stapo_megatron.config.yaml_io import dump_config  # noqa: E402
 from stapo_megatron.launch import entry, executors  # noqa: E402
 
 FAILED_STATES = (AppState.FAILED, AppState.CANCELLED, AppState.UNKNOWN)

@@ -2,7 +2,7 @@
 
 ``qwen3_1p7b``, ``qwen3_8b`` and ``qwen3_14b`` return the trainer's `TrainerConfig` for
 DAPO-Math-17k (paths are the user's: ``data.train_path`` / ``data.eval_path``), with the method
-as a one-word switch (a name of `stapo_megatron.methods.METHODS`, `method_loss`).
+as a one-word switch (a name of `stapo_megatron.method.registry.METHODS`, `method_loss`).
 
 Each size has a `Layout` (nodes, TP/PP/DP, vLLM TP and memory share, micro-batch, recompute,
 sequence parallelism) chosen with `memory_estimate`, the written per-GPU memory model kept next
@@ -19,8 +19,8 @@ from typing import Dict, List, Optional
 
 from stapo_megatron.bridge.config import QwenSpec, padded_vocab_size
 from stapo_megatron.config import DataConfig, LossConfig, ModelConfig, OptimConfig, RolloutSampling, TrainerConfig
-from stapo_megatron.data import JUSTRL_PROMPT_TEMPLATE
-from stapo_megatron.methods import method_loss_config
+from stapo_megatron.data.examples import JUSTRL_PROMPT_TEMPLATE
+from stapo_megatron.method.config import method_loss_config
 
 GB = 1e9
 """Decimal gigabyte: estimates are compared with 80e9 bytes, below an 80 GB card's 85.9e9."""
@@ -243,7 +243,7 @@ def method_loss(method: str) -> LossConfig:
     The shared constants (clip 0.2/0.28, dual clip c = 10 as JustRL sets it on veRL, no KL,
     tau_p 0.002, q 0.75, rho 0.2, T 1.0, tau_H from the current weights before each mini-batch
     as Algorithm 1 does: ``tau_h_source="exact"``), then the method's own
-    ``Method.loss_options`` (`stapo_megatron.methods.method_loss_config`). stapo: S2T with tau_p
+    ``Method.loss_options`` (`stapo_megatron.method.registry.method_loss_config`). stapo: S2T with tau_p
     0.002 and q 0.75; justrl: the JustRL/DAPO objective without a mask; grpo: DeepSeekMath GRPO
     (symmetric clip 0.2, no dual clip, k3 KL with beta 0.04, per-sequence mean); entropy20: keep
     the 20% highest-entropy response tokens; random: silence as many S2T candidates, drawn at

@@ -1,0 +1,53 @@
+"""`DataConfig`: the prompts of training and of the held-out set."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from stapo_megatron.data.examples import DEFAULT_PROMPT_TEMPLATE
+from stapo_megatron.utils import check_at_least
+
+@dataclasses.dataclass
+class DataConfig:
+    """Prompts for training and the held-out set."""
+
+    train_path: Optional[str] = None
+    """JSONL/parquet file or HF dataset folder (``save_to_disk``) with `prompt` and `answer` (or
+    DAPO-Math-17k's layout, or the fields below); None = generate."""
+    eval_path: Optional[str] = None
+    """Held-out JSONL/parquet file or HF dataset folder; None = generate."""
+    prompt_field: str = ""
+    """Field of the question in both files ("" = `prompt`, as a string or chat messages); a
+    dotted name reads a nested field."""
+    answer_field: str = ""
+    """Field of the reference answer in both files ("" = `answer`, else
+    `reward_model.ground_truth`); a dotted name reads a nested field."""
+    dedupe: bool = False
+    """Keep one copy of repeated training problems (the published DAPO-Math-17k parquet repeats
+    each problem about 100 times)."""
+    reasoning_gym_task: str = "basic_arithmetic"
+    """reasoning-gym task used when no paths are given (offline generator)."""
+    reasoning_gym_kwargs: dict = dataclasses.field(default_factory=dict)
+    """Extra arguments of the reasoning-gym task."""
+    num_train: int = 2000
+    """Generated training prompts."""
+    num_eval: int = 100
+    """Generated held-out prompts."""
+    max_prompt_len: int = 1024
+    """Longer prompts are dropped (counted, warned)."""
+    use_chat_template: bool = True
+    """Wrap questions in the tokenizer's chat template (plus the paper's suffix)."""
+    prompt_template: str = DEFAULT_PROMPT_TEMPLATE
+    """The user turn made from a question: ``{question}`` is replaced by it (plain replacement,
+    so other braces such as the suffix's ``\\boxed{}`` stay). The paper recipes use JustRL's
+    wrapper, `stapo_megatron.data.examples.JUSTRL_PROMPT_TEMPLATE` (question, newline, suffix)."""
+    seed: Optional[int] = None
+    """Seeds the generated train / held-out split; None = ``TrainerConfig.seed``. Fixed in the
+    demo so that runs of every seed share the held-out problems and one warm-start."""
+
+    def __post_init__(self):
+        check_at_least(self, 0, "num_train", "num_eval")
+        check_at_least(self, 1, "max_prompt_len")
+        if "{question}" not in self.prompt_template:
+            raise ValueError(f"DataConfig.prompt_template must contain {{question}}, got {self.prompt_template!r}")
