@@ -81,10 +81,12 @@ def microbatches(spec, seq_len: int, num_microbatches: int, seed: int):
 
 def bench_one(name, hf_config, seq_len, args, device, dtype, rate):
     from stapo_megatron.bridge import build_gpt_model, spec_from_hf_config
-    from stapo_megatron.train.loss import LossConfig, compute_logprob_entropy
+    from stapo_megatron.method.config import LossConfig
+    from stapo_megatron.train.schedule import PassContext, old_policy_pass
     from stapo_megatron.train.parallel import current_groups
     from stapo_megatron.recipes.paper import Layout, memory_estimate
-    from stapo_megatron.train.step import OptimConfig, policy_update, wrap_model_and_optimizer
+    from stapo_megatron.train.config import OptimConfig
+    from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
 
     spec = spec_from_hf_config(hf_config)
     groups = current_groups()
@@ -92,9 +94,8 @@ def bench_one(name, hf_config, seq_len, args, device, dtype, rate):
                             recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     model, optimizer = wrap_model_and_optimizer(model, OptimConfig(lr=1e-6))
     mbs = microbatches(spec, seq_len, args.num_microbatches, seed=0)
-    old = compute_logprob_entropy(model, mbs, seq_len, tp_group=groups.tp, vocab_size=spec.vocab_size)
-    for mb, (lp, _) in zip(mbs, old):
-        mb["old_logprob"] = lp
+    ctx = PassContext(model, seq_len, groups=groups, vocab_size=spec.vocab_size)
+    old_policy_pass(ctx, [mbs])
     methods = {"stapo": LossConfig(method="stapo"), "justrl": LossConfig(method="justrl")}
     times = {m: [] for m in methods}
     if device.type == "cuda":
@@ -103,7 +104,7 @@ def bench_one(name, hf_config, seq_len, args, device, dtype, rate):
         for method, loss_config in methods.items():
             _sync(device)
             t0 = time.perf_counter()
-            policy_update(model, optimizer, mbs, loss_config, groups, seq_len, old, vocab_size=spec.vocab_size)
+            policy_update(ctx, optimizer, mbs, loss_config)
             _sync(device)
             if r >= args.warmup:
                 times[method].append(time.perf_counter() - t0)

@@ -79,6 +79,7 @@ def trainer_eval(files, tmp_path_factory):
     from stapo_megatron.data.examples import load_examples
     from stapo_megatron.eval.scoring import PAPER_DECODINGS, avg_at_k, engine_generate_fn
     from stapo_megatron.train.parallel import destroy_parallel
+    from stapo_megatron.rollout.weight_sync import sync_weights
     from stapo_megatron.trainer.loop import Trainer
 
     cfg = TrainerConfig(
@@ -95,8 +96,8 @@ def trainer_eval(files, tmp_path_factory):
         try:
             trainer = Trainer(cfg)
             trainer._start_services()
-            trainer._sync_weights()
-            row = trainer.evaluate(0)
+            sync_weights(trainer.model, trainer.hf_config, trainer.groups, trainer.engine)
+            row = trainer.evaluator.evaluate(0)
             generate = engine_generate_fn(trainer.engine, trainer.tokenizer, MAX_TOKENS, use_chat_template=False,
                                           seed=trainer.seeds.evaluation)
             examples = load_examples(files["held_out"])

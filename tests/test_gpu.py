@@ -60,9 +60,11 @@ def _policy_update_worker(steps):
     """Two mini-batches per step of the STAPO update on the tiny Qwen3 (fp32), from fixed weights."""
     from stapo_megatron.bridge import build_gpt_model
     from stapo_megatron.bridge.tiny import tiny_config
-    from stapo_megatron.train.loss import LossConfig, compute_logprob_entropy
+    from stapo_megatron.method.config import LossConfig
+    from stapo_megatron.train.schedule import PassContext, old_policy_pass
     from stapo_megatron.train.parallel import init_parallel
-    from stapo_megatron.train.step import OptimConfig, policy_update, wrap_model_and_optimizer
+    from stapo_megatron.train.config import OptimConfig
+    from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
     from stapo_megatron.train.synthetic import synthetic_rollouts
     from tests.test_rollout_engine import randomize
 
@@ -76,11 +78,10 @@ def _policy_update_worker(steps):
     for step in range(steps):
         mbs, _ = synthetic_rollouts(4, 4, PROMPT, RESPONSE, VOCAB, seed=step, micro_batch_size=MBS)
         minis = [mbs[:4], mbs[4:]]
-        stats = [compute_logprob_entropy(model, m, seq, tp_group=groups.tp, vocab_size=VOCAB) for m in minis]
-        for mini, st in zip(minis, stats):
-            for i, mb in enumerate(mini):
-                mb["old_logprob"] = st[i][0]
-            m = policy_update(model, optimizer, mini, LossConfig(tau_p=0.02), groups, seq, st, vocab_size=VOCAB)
+        ctx = PassContext(model, seq, groups=groups, vocab_size=VOCAB)
+        old_policy_pass(ctx, minis)
+        for mini in minis:
+            m = policy_update(ctx, optimizer, mini, LossConfig(tau_p=0.02))
             history.append({k: v for k, v in m.items() if k != "silenced_tokens"})
     device = str(next(model.parameters()).device)
     return device, history, {n: p.detach().cpu() for n, p in model.module.named_parameters()}

@@ -113,9 +113,11 @@ VOCAB, PROMPT, RESPONSE, MBS = 512, 4, 12, 2
 def _train_worker(tp, pp, steps, method, init_ckpt):
     from megatron.core import dist_checkpointing
 
-    from stapo_megatron.train.loss import LossConfig, compute_logprob_entropy
+    from stapo_megatron.method.config import LossConfig
+    from stapo_megatron.train.config import OptimConfig
     from stapo_megatron.train.parallel import init_parallel
-    from stapo_megatron.train.step import OptimConfig, policy_update, wrap_model_and_optimizer
+    from stapo_megatron.train.schedule import PassContext, old_policy_pass
+    from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
     from stapo_megatron.train.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
 
     groups = init_parallel(tp, pp)
@@ -143,11 +145,10 @@ def _train_worker(tp, pp, steps, method, init_ckpt):
             minis.append(mini[dp_rank * share : (dp_rank + 1) * share])
         # pi_old pass over the whole step's batch before any update (as the trainer does), so
         # the second mini-batch is off-policy: ratios != 1 and clipping is exercised
-        all_stats = [compute_logprob_entropy(model, m, PROMPT + RESPONSE, tp_group=groups.tp) for m in minis]
-        for mine, stats in zip(minis, all_stats):
-            for i, mb in enumerate(mine):
-                mb["old_logprob"] = stats[i][0] if groups.is_last_stage else torch.zeros(MBS, PROMPT + RESPONSE)
-            history.append(policy_update(model, optimizer, mine, loss_config, groups, PROMPT + RESPONSE, stats))
+        ctx = PassContext(model, PROMPT + RESPONSE, groups=groups)
+        old_policy_pass(ctx, minis)
+        for mine in minis:
+            history.append(policy_update(ctx, optimizer, mine, loss_config))
     return history
 
 
@@ -182,7 +183,9 @@ def _manual_grad_norm_worker(init_ckpt):
     """First mini-batch gradient norm with plain autograd: sum of loss sums / total kept."""
     from megatron.core import dist_checkpointing
 
-    from stapo_megatron.train.loss import LossConfig, compute_logprob_entropy, loss_func, minibatch_threshold
+    from stapo_megatron.method.config import LossConfig
+    from stapo_megatron.train.loss import loss_func, minibatch_threshold
+    from stapo_megatron.train.schedule import PassContext, compute_logprob_entropy
     from stapo_megatron.train.parallel import init_parallel
     from stapo_megatron.train.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
 
@@ -190,18 +193,18 @@ def _manual_grad_norm_worker(init_ckpt):
     model = build_tiny_gpt(tiny_gpt_config(), VOCAB, PROMPT + RESPONSE)
     model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), init_ckpt))
     mbs = synthetic_rollouts(4, 4, PROMPT, RESPONSE, VOCAB, seed=0, micro_batch_size=MBS)[0][:4]
-    stats = compute_logprob_entropy(model, mbs, PROMPT + RESPONSE)
+    stats = compute_logprob_entropy(PassContext(model, PROMPT + RESPONSE), mbs)
     for mb, (lp, _) in zip(mbs, stats):
-        mb["old_logprob"] = lp
+        mb.old_logprob = lp
     config = LossConfig(tau_p=0.0015)
     cat = lambda xs: torch.cat([x.reshape(-1) for x in xs])  # noqa: E731
     threshold = minibatch_threshold(
         config, cat([s[0] for s in stats]), cat([s[1] for s in stats]),
-        cat([mb["advantages"] for mb in mbs]), cat([mb["response_mask"] for mb in mbs]),
+        cat([mb.advantages for mb in mbs]), cat([mb.response_mask for mb in mbs]),
     )
     total_loss, total_kept, kept_per_mb = 0.0, 0, []
     for mb in mbs:
-        logits = model(mb["tokens"], mb["position_ids"], attention_mask=None)
+        logits = model(mb.tokens, mb.position_ids, attention_mask=None)
         loss_sum, num_kept, _ = loss_func(config, mb, threshold, None, None, logits)
         total_loss, total_kept = total_loss + loss_sum, total_kept + int(num_kept)
         kept_per_mb.append(int(num_kept))
@@ -231,9 +234,11 @@ def _replica_worker(tp, pp, steps):
 
     from stapo_megatron.bridge import build_gpt_model
     from stapo_megatron.bridge.tiny import tiny_config
-    from stapo_megatron.train.loss import LossConfig, compute_logprob_entropy
+    from stapo_megatron.method.config import LossConfig
+    from stapo_megatron.train.config import OptimConfig
     from stapo_megatron.train.parallel import init_parallel
-    from stapo_megatron.train.step import OptimConfig, policy_update, wrap_model_and_optimizer
+    from stapo_megatron.train.schedule import PassContext, old_policy_pass
+    from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
     from stapo_megatron.train.synthetic import synthetic_rollouts
 
     groups = init_parallel(tp, pp)
@@ -246,10 +251,9 @@ def _replica_worker(tp, pp, steps):
     for step in range(steps):
         # each DP rank trains on different data: only the gradient all-reduce keeps them equal
         mbs, _ = synthetic_rollouts(2, 4, PROMPT, RESPONSE, 300, seed=10 * step + dp_rank, micro_batch_size=MBS)
-        stats = compute_logprob_entropy(model, mbs, seq, tp_group=groups.tp, vocab_size=300)
-        for i, mb in enumerate(mbs):
-            mb["old_logprob"] = stats[i][0] if groups.is_last_stage else torch.zeros(MBS, seq)
-        policy_update(model, optimizer, mbs, LossConfig(method="justrl"), groups, seq, stats, vocab_size=300)
+        ctx = PassContext(model, seq, groups=groups, vocab_size=300)
+        old_policy_pass(ctx, [mbs])
+        policy_update(ctx, optimizer, mbs, LossConfig(method="justrl"))
     trained = {n: p.detach().clone() for n, p in model.module.named_parameters()}
     coords = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
     return dp_rank, dp_size, coords, built, trained

@@ -166,10 +166,9 @@ def test_layout_is_checked_on_the_gpus_of_the_job():
 def test_memory_settings_reach_megatron_transformer_config():
     """The recipe's sequence parallelism / recomputation are valid Megatron TransformerConfig fields."""
     from stapo_megatron.bridge.config import transformer_config_from_spec
-    from stapo_megatron.trainer.loop import _memory_settings
 
     cfg = paper.qwen3_14b()
-    settings = _memory_settings(cfg)
+    settings = cfg.model.memory_settings()
     assert settings == dict(sequence_parallel=True, recompute_granularity="full", recompute_method="uniform",
                             recompute_num_layers=1)
     tc = transformer_config_from_spec(paper.ARCHITECTURES["qwen3_14b"], cfg.model.tensor_model_parallel_size,
@@ -177,7 +176,7 @@ def test_memory_settings_reach_megatron_transformer_config():
     assert tc.sequence_parallel and tc.recompute_granularity == "full" and tc.recompute_num_layers == 1
     bad = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, tensor_model_parallel_size=1))
     with pytest.raises(ValueError, match="sequence_parallel needs tensor_model_parallel_size > 1"):
-        _memory_settings(bad)
+        bad.model.memory_settings()
 
 
 def test_prepare_tiny_model_refuses_a_foreign_folder(tmp_path):

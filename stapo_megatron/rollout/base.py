@@ -12,6 +12,7 @@ import os
 from typing import Iterable, Optional, Protocol, Tuple
 
 import torch
+import torch.distributed as dist
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 """Any of these in an HF folder means it carries a tokenizer (else ``Sample.text`` is "")."""
@@ -67,3 +68,15 @@ def check_generate_args(prompt_token_ids, n: int, temperature: float, top_p: flo
     for i, ids in enumerate(prompt_token_ids):
         if len(ids) == 0:
             raise ValueError(f"prompt {i} is empty")
+
+
+def generate_for_group(engine: RolloutEngine, mp_group: Optional[dist.ProcessGroup], prompt_token_ids, n: int,
+                       temperature: float, top_p: float, max_tokens: int, seed: Optional[int]) -> list[list[Sample]]:
+    """``engine.generate``, then the group's first rank's samples broadcast over ``mp_group``:
+    every rank of a model-parallel group must train (and be scored) on identical samples."""
+    samples = engine.generate(prompt_token_ids, n, temperature, top_p, max_tokens, seed=seed)
+    if mp_group is not None and dist.get_world_size(mp_group) > 1:
+        box = [samples]
+        dist.broadcast_object_list(box, src=dist.get_process_group_ranks(mp_group)[0], group=mp_group)
+        samples = box[0]
+    return samples

@@ -8,13 +8,64 @@ A sequence is prompt + response, right-padded to a common length S (causal atten
 padding invisible to the real tokens). Everything a loss needs is aligned with the labels: the
 label at position t is token t + 1, so position t carries log p(token_{t+1}); it is a response
 token when prompt_len - 1 <= t < prompt_len + response_len - 1.
+
+`MicroBatch` is what passes between the phases of a step: packed here, its pi_old log-probs
+filled by ``schedule.old_policy_pass``, its reference log-probs by ``reference``, read by the
+loss (``loss.loss_func``) and the SFT step.
+
+Legend: [B, S] = micro-batch rows x sequence, aligned with the labels.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+import dataclasses
+from typing import List, Optional, Sequence, Tuple
 
 import torch
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """Rows of packed sequences, every tensor [B, S] and aligned with the labels."""
+
+    tokens: torch.Tensor
+    """Input token ids (prompt + response, right-padded)."""
+    position_ids: torch.Tensor
+    """Positions 0 .. S-1 of every row."""
+    labels: torch.Tensor
+    """The next token at every position (0 past the end)."""
+    response_mask: torch.Tensor
+    """True where the label is a response token (the loss's tokens)."""
+    advantages: Optional[torch.Tensor] = None
+    """The row's group advantage at every position (float32); None for SFT."""
+    rollout_logprob: Optional[torch.Tensor] = None
+    """The sampler's log-probs of the response labels (0 elsewhere; the train/rollout mismatch)."""
+    old_logprob: Optional[torch.Tensor] = None
+    """log pi_old of the labels (the ratio's denominator): filled by ``schedule.old_policy_pass``."""
+    old_entropy: Optional[torch.Tensor] = None
+    """pi_old's entropy at every position (the "old" tau_H source), filled with ``old_logprob``."""
+    ref_logprob: Optional[torch.Tensor] = None
+    """The frozen reference's log-probs (GRPO's KL), filled by ``reference.add_reference_logprobs``."""
+    seed: Optional[int] = None
+    """Host-side seed of the random-control masks (never part of the computation)."""
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens.shape[0]
+
+    def _tensor_fields(self) -> List[str]:
+        return [f.name for f in dataclasses.fields(self) if torch.is_tensor(getattr(self, f.name))]
+
+    def rows(self, start: int, stop: int) -> "MicroBatch":
+        """Rows ``start:stop`` of every tensor (views), the same seed."""
+        return dataclasses.replace(self, **{k: getattr(self, k)[start:stop] for k in self._tensor_fields()})
+
+    def to(self, device, non_blocking: bool = False) -> "MicroBatch":
+        """Every tensor on ``device`` (the same object when they already are there)."""
+        if all(getattr(self, k).device == torch.device(device) for k in self._tensor_fields()):
+            return self
+        return dataclasses.replace(self, **{k: getattr(self, k).to(device, non_blocking=non_blocking)
+                                            for k in self._tensor_fields()})
 
 
 def group_advantages(rewards_PG: torch.Tensor, eps: float = 1e-6) -> Tuple[torch.Tensor, int]:
@@ -40,10 +91,10 @@ def pack_sequences(
     pad_id: int,
     seq_length: int,
     device: Optional[torch.device] = None,
-) -> Dict[str, torch.Tensor]:
-    """Right-padded [N, S] tensors for N (prompt, response) pairs.
+) -> MicroBatch:
+    """Right-padded [N, S] tensors for N (prompt, response) pairs, as one `MicroBatch` of N rows.
 
-    Returns tokens, position_ids, labels, response_mask, advantages (per token) and
+    Fills tokens, position_ids, labels, response_mask, advantages (per token) and
     rollout_logprob (the sampler's log-probs, for the train/rollout mismatch metric), on
     ``device`` (the model's; default CPU). They are assembled on the CPU, row by row, and moved
     in one copy per field.
@@ -68,7 +119,7 @@ def pack_sequences(
         response_mask[i, start : length - 1] = True
         rollout_lp[i, start : length - 1] = torch.tensor(rollout_logprobs[i], dtype=torch.float32)
     adv = torch.tensor(advantages, dtype=torch.float32)[:, None].expand(n, seq_length).contiguous()
-    batch = dict(
+    batch = MicroBatch(
         tokens=tokens,
         position_ids=torch.arange(seq_length).expand(n, seq_length).contiguous(),
         labels=labels,
@@ -76,18 +127,14 @@ def pack_sequences(
         advantages=adv,
         rollout_logprob=rollout_lp,
     )
-    return batch if device is None else {k: v.to(device) for k, v in batch.items()}
+    return batch if device is None else batch.to(device)
 
 
-def split_microbatches(batch: Dict[str, torch.Tensor], micro_batch_size: int, seed: int) -> List[Dict[str, torch.Tensor]]:
-    """Cut [N, S] tensors into micro-batches of ``micro_batch_size`` rows (N must divide).
-
-    Each micro-batch also gets ``seed`` (a CPU int tensor: host-side metadata read with int(),
-    never part of the computation)."""
-    n = batch["tokens"].shape[0]
+def split_microbatches(batch: MicroBatch, micro_batch_size: int, seed: int) -> List[MicroBatch]:
+    """Cut a batch of N rows into micro-batches of ``micro_batch_size`` rows (N must divide);
+    the micro-batch starting at row s gets seed ``seed + s``."""
+    n = batch.num_rows
     if n % micro_batch_size:
         raise ValueError(f"{n} sequences do not split into micro-batches of {micro_batch_size}")
-    return [
-        dict({k: v[s : s + micro_batch_size] for k, v in batch.items()}, seed=torch.tensor(seed + s))
-        for s in range(0, n, micro_batch_size)
-    ]
+    return [dataclasses.replace(batch.rows(s, s + micro_batch_size), seed=seed + s)
+            for s in range(0, n, micro_batch_size)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Any, Dict, Optional
 
 from stapo_megatron.utils import check_at_least
 
@@ -75,3 +75,17 @@ class ModelConfig:
 
     def __post_init__(self):
         check_at_least(self, 1, "tensor_model_parallel_size", "pipeline_model_parallel_size")
+
+    def memory_settings(self) -> Dict[str, Any]:
+        """Sequence parallelism / recomputation as Megatron TransformerConfig fields."""
+        out: Dict[str, Any] = {}
+        if self.sequence_parallel:
+            if self.tensor_model_parallel_size < 2:
+                raise ValueError("model.sequence_parallel needs tensor_model_parallel_size > 1")
+            out["sequence_parallel"] = True
+        if self.recompute_granularity:
+            out["recompute_granularity"] = self.recompute_granularity
+            if self.recompute_granularity == "full":
+                out["recompute_method"] = self.recompute_method or "uniform"
+                out["recompute_num_layers"] = self.recompute_num_layers or 1
+        return out

@@ -1,11 +1,10 @@
 """The STAPO policy loss in Megatron-Core's schedule: the mini-batch threshold, ``loss_func`` and
-``make_forward_step`` (configured by `LossConfig`, ``stapo_megatron.config``, re-exported here).
+``make_forward_step`` (configured by `LossConfig`, ``stapo_megatron.method.config``).
 
-The package's loss is split by job; this module is the entry point and re-exports the others:
-the objective on plain tensors (``objective.py``: `stapo_loss`, `token_objective`), the
-micro-batch runner shared with the SFT warm-start (``schedule.py``: `run_microbatches`,
-`compute_logprob_entropy`), the metrics (``loss_metrics.py``: `METRIC_SUMS`, `reduce_metrics`),
-and which tokens each method silences (``methods.py``).
+The loss is split by job: the objective on plain tensors (``method/objective.py``:
+`stapo_loss`, `token_objective`), which tokens each method silences (``method/registry.py``),
+the micro-batch runner shared with the SFT warm-start (``train/schedule.py``), the metrics
+(``train/loss_metrics.py``), and here the Megatron ``loss_func`` that joins them.
 
 STAPO objective (arXiv 2602.15620, Eq. for J_STAPO; the DAPO/JustRL token-level objective with
 clip-higher, no KL, no entropy bonus, plus the S2T mask of ``stapo_megatron.method.masks``):
@@ -29,7 +28,7 @@ Where tau_H (the mini-batch quantile of candidate entropies) comes from, ``tau_h
   definition exactly; for later mini-batches the candidate set and quantile lag by the updates of
   the earlier mini-batches of the same step. Costs nothing extra.
 - "exact": a no-grad pre-pass over the mini-batch with the current weights right before its
-  forward/backward (``compute_logprob_entropy``). Exact for every mini-batch; costs one extra
+  forward/backward (``schedule.compute_logprob_entropy``). Exact for every mini-batch; costs one extra
   forward pass (about a third of a training step), so it is not the default.
 
 Legend: [B, S] = micro-batch x sequence; ``_BS`` tensors are aligned with the labels (the token
@@ -39,30 +38,19 @@ predicted at each position).
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable, Dict, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from stapo_megatron.method import masks as s2t
 from stapo_megatron.method.config import LossConfig
-from stapo_megatron.train.loss_metrics import METRIC_SUMS, metric_sums, reduce_metrics
-from stapo_megatron.method.registry import get_method
 from stapo_megatron.method.objective import stapo_loss, token_objective
+from stapo_megatron.method.registry import get_method
+from stapo_megatron.train.batching import MicroBatch
+from stapo_megatron.train.loss_metrics import metric_sums
 from stapo_megatron.train.ops import vocab_parallel_logprob_entropy
-from stapo_megatron.train.schedule import compute_logprob_entropy, forward_step_func, run_microbatches
-
-__all__ = [
-    # the objective (objective.py)
-    "stapo_loss", "token_objective",
-    # the configuration (config.py); the method's threshold and the loss function (here)
-    "LossConfig", "loss_func", "make_forward_step", "minibatch_threshold",
-    # the micro-batch runner shared with SFT (schedule.py)
-    "compute_logprob_entropy", "forward_step_func", "run_microbatches",
-    # metrics (loss_metrics.py)
-    "METRIC_SUMS", "metric_sums", "reduce_metrics",
-]
-
+from stapo_megatron.train.schedule import forward_step_func
 
 def minibatch_threshold(
     config: LossConfig,
@@ -87,7 +75,7 @@ def minibatch_threshold(
 
 def loss_func(
     config: LossConfig,
-    batch: Dict[str, torch.Tensor],
+    batch: MicroBatch,
     threshold: torch.Tensor,
     tp_group: Optional[dist.ProcessGroup],
     vocab_size: Optional[int],
@@ -95,25 +83,25 @@ def loss_func(
 ):
     """Megatron ``loss_func`` (last pipeline stage): returns (loss_sum, num_kept, metrics).
 
-    ``batch`` holds [B, S] tensors aligned with ``labels``: response_mask, old_logprob,
-    advantages (per token), optionally ref_logprob; and ``seed`` (int tensor) for the random mask.
+    ``batch`` needs ``old_logprob`` (``schedule.old_policy_pass``) and ``advantages``;
+    ``ref_logprob`` when ``kl_coef > 0``; ``seed`` for the random masks.
     """
     logprob, entropy = vocab_parallel_logprob_entropy(
-        logits, batch["labels"], tp_group=tp_group, temperature=config.temperature, vocab_size=vocab_size
+        logits, batch.labels, tp_group=tp_group, temperature=config.temperature, vocab_size=vocab_size
     )
-    response_mask = batch["response_mask"].bool()
-    advantages = batch["advantages"].float()
-    old_logprob = batch["old_logprob"].float()
+    response_mask = batch.response_mask.bool()
+    advantages = batch.advantages.float()
+    old_logprob = batch.old_logprob.float()
     candidates = s2t.s2t_candidates(logprob.detach(), advantages, response_mask, config.tau_p)
     method = get_method(config.method)
     silenced = method.mask(
-        config, logprob.detach(), entropy, advantages, response_mask, threshold, batch.get("seed")
+        config, logprob.detach(), entropy, advantages, response_mask, threshold, batch.seed
     )
     # normaliser: kept tokens ("token_mean") or sequences with a kept token (GRPO's sequence mean)
     loss_sum, normaliser = stapo_loss(
         logprob, old_logprob, advantages, response_mask, silenced,
         config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio_c,
-        batch.get("ref_logprob"), config.kl_coef, method.loss_agg,
+        batch.ref_logprob, config.kl_coef, method.loss_agg,
     )
     with torch.no_grad():
         _, is_clipped = token_objective(
@@ -124,7 +112,7 @@ def loss_func(
                        is_clipped, normaliser)
     # The spurious-token inspector's raw material: (label id, log p, H, A) of silenced tokens.
     silenced_tokens = torch.stack(
-        [batch["labels"][silenced].float(), logprob.detach()[silenced], entropy[silenced], advantages[silenced]],
+        [batch.labels[silenced].float(), logprob.detach()[silenced], entropy[silenced], advantages[silenced]],
         dim=-1,
     )
     return loss_sum, normaliser.to(torch.int), {"stapo_sums": sums, "silenced_tokens": silenced_tokens}
@@ -138,9 +126,8 @@ def make_forward_step(
 ) -> Callable:
     """A ``forward_step_func`` for ``get_forward_backward_func()`` with the STAPO loss.
 
-    Each item of the data iterator is a dict of [B, S] tensors: ``tokens``, ``position_ids``,
-    ``labels`` (next tokens), ``response_mask``, ``old_logprob``, ``advantages`` (per token),
-    optionally ``ref_logprob`` and ``seed``. The model is a Megatron GPTModel (any PP stage);
+    Each item of the data iterator is a `MicroBatch` with ``old_logprob`` and ``advantages``
+    (and ``ref_logprob`` for a KL term). The model is a Megatron GPTModel (any PP stage);
     only the last stage's output reaches ``loss_func``. The TransformerConfig must have
     ``calculate_per_token_loss=True`` and the caller must set
     ``config.finalize_model_grads_func`` (Megatron's ``finalize_model_grads``) so the gradients

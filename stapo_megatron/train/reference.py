@@ -15,12 +15,12 @@ Legend: [B, S] = micro-batch x sequence, aligned with the labels.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List
 
 import torch
-import torch.distributed as dist
 
-from stapo_megatron.train.schedule import compute_logprob_entropy
+from stapo_megatron.train.batching import MicroBatch
+from stapo_megatron.train.schedule import PassContext, compute_logprob_entropy
 
 
 def frozen_copy(policy: torch.nn.Module, build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
@@ -38,21 +38,13 @@ def reset_reference(reference: torch.nn.Module, policy: torch.nn.Module) -> None
     reference.load_state_dict(policy.state_dict())
 
 
-def add_reference_logprobs(
-    reference: torch.nn.Module,
-    minis: List[List[Dict[str, torch.Tensor]]],
-    seq_length: int,
-    temperature: float,
-    tp_group: Optional[dist.ProcessGroup],
-    vocab_size: Optional[int],
-    is_last_stage: bool,
-) -> None:
+def add_reference_logprobs(ctx: PassContext, minis: List[List[MicroBatch]]) -> None:
     """Write the reference's log-probs of the labels into every micro-batch as ``ref_logprob`` [B, S].
 
-    One no-grad forward per micro-batch of every mini-batch (the log-probs exist on the last
-    pipeline stage; other stages get zeros, which no loss reads).
+    ``ctx.model`` is the reference. One no-grad forward per micro-batch of every mini-batch (the
+    log-probs exist on the last pipeline stage; other stages get zeros, which no loss reads).
     """
     for mini in minis:
-        stats = compute_logprob_entropy(reference, mini, seq_length, temperature, tp_group, vocab_size)
+        stats = compute_logprob_entropy(ctx, mini)
         for i, mb in enumerate(mini):
-            mb["ref_logprob"] = stats[i][0] if is_last_stage else torch.zeros_like(mb["advantages"])
+            mb.ref_logprob = stats[i][0] if ctx.is_last_stage else torch.zeros_like(mb.advantages)

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
+from stapo_megatron.train.batching import MicroBatch
 from stapo_megatron.train.ops import vocab_parallel_logprob_entropy, vocab_shard
 from stapo_megatron.train.parallel import collective_device
-from stapo_megatron.train.schedule import run_microbatches
+from stapo_megatron.train.schedule import PassContext, run_microbatches
 
 
 def uniform_cross_entropy(logits: torch.Tensor, tp_group=None, vocab_size: Optional[int] = None) -> torch.Tensor:
@@ -40,9 +41,9 @@ def uniform_cross_entropy(logits: torch.Tensor, tp_group=None, vocab_size: Optio
     return m.squeeze(-1) + packed[0].log() - packed[1] / vocab_size
 
 
-def _sft_loss_func(tp_group, vocab_size, label_smoothing, batch, logits):
-    logprob, _ = vocab_parallel_logprob_entropy(logits, batch["labels"], tp_group=tp_group, vocab_size=vocab_size)
-    mask = batch["response_mask"]
+def _sft_loss_func(tp_group, vocab_size, label_smoothing, batch: MicroBatch, logits):
+    logprob, _ = vocab_parallel_logprob_entropy(logits, batch.labels, tp_group=tp_group, vocab_size=vocab_size)
+    mask = batch.response_mask
     nll_sum = -torch.where(mask, logprob, 0.0).sum()
     num = mask.sum()
     loss_sum = nll_sum
@@ -54,20 +55,22 @@ def _sft_loss_func(tp_group, vocab_size, label_smoothing, batch, logits):
     return loss_sum, num.to(torch.int), {"sft": torch.stack([nll_sum.detach(), num.float()])}
 
 
-def sft_step(model, optimizer, microbatches: List[Dict[str, torch.Tensor]], seq_length: int,
-             tp_group=None, dp_group=None, vocab_size: Optional[int] = None,
+def sft_step(ctx: PassContext, optimizer, microbatches: List[MicroBatch],
              label_smoothing: float = 0.0) -> Optional[float]:
-    """One optimizer step of token-mean NLL (label-smoothed if asked) over this DP rank's micro-batches.
+    """One optimizer step of token-mean NLL (label-smoothed if asked) over this DP rank's micro-batches
+    (their ``response_mask`` marks the target tokens; the NLL is of the untempered distribution,
+    ``ctx.temperature`` is not used).
 
     Returns the mean (unsmoothed) NLL over the global batch on the last pipeline stage (None elsewhere).
     """
-    model.zero_grad_buffer()
+    ctx.model.zero_grad_buffer()
     optimizer.zero_grad()
-    out = run_microbatches(model, microbatches, seq_length,
-                           lambda batch: partial(_sft_loss_func, tp_group, vocab_size, label_smoothing, batch))
+    out = run_microbatches(ctx.model, microbatches, ctx.seq_length,
+                           lambda batch: partial(_sft_loss_func, ctx.tp_group, ctx.vocab_size, label_smoothing, batch))
     optimizer.step()
     if not out:
         return None
+    dp_group = ctx.groups.dp if ctx.groups is not None else None
     sums = torch.stack([o["sft"] for o in out]).sum(0).to(collective_device(dp_group))
     if dp_group is not None:
         dist.all_reduce(sums, group=dp_group)

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 
 from stapo_megatron.method.config import LossConfig
+from stapo_megatron.method.registry import get_method
+from stapo_megatron.train.batching import MicroBatch
 from stapo_megatron.train.config import OptimConfig
 from stapo_megatron.train.loss import loss_func, minibatch_threshold
 from stapo_megatron.train.loss_metrics import reduce_metrics
-from stapo_megatron.method.registry import get_method
-from stapo_megatron.train.parallel import Groups
-from stapo_megatron.train.schedule import compute_logprob_entropy, run_microbatches
+from stapo_megatron.train.schedule import PassContext, compute_logprob_entropy, run_microbatches
 
 
 def wrap_ddp(model: torch.nn.Module, use_distributed_optimizer: bool = False):
@@ -77,50 +77,49 @@ def wrap_model_and_optimizer(model: torch.nn.Module, optim: OptimConfig):
 
 
 def policy_update(
-    model,
+    ctx: PassContext,
     optimizer,
-    microbatches: List[Dict[str, torch.Tensor]],
+    microbatches: List[MicroBatch],
     loss_config: LossConfig,
-    groups: Groups,
-    seq_length: int,
-    old_stats: Optional[List] = None,
-    vocab_size: Optional[int] = None,
 ) -> Dict[str, float]:
     """One mini-batch: threshold, forward/backward over its micro-batches, optimizer step.
 
     Args:
-        model: the DDP-wrapped model (``wrap_model_and_optimizer``).
-        microbatches: this DP rank's micro-batches of the mini-batch (see ``make_forward_step``
-            for the fields).
-        old_stats: per micro-batch (logprob, entropy) of the pi_old pass (last stage), used for
-            the threshold when ``tau_h_source == "old"``; recomputed when None or "exact".
-        vocab_size: real vocabulary size if the output layer is padded (see ops).
+        ctx: the DDP-wrapped model (``wrap_model_and_optimizer``), sequence length, process
+            groups and real vocabulary size; its temperature must be the loss's.
+        microbatches: this DP rank's micro-batches of the mini-batch, with ``old_logprob``
+            (``schedule.old_policy_pass``). With ``tau_h_source == "old"`` the threshold reads
+            their ``old_logprob`` / ``old_entropy``; with "exact" (or without ``old_entropy``)
+            a no-grad pre-pass with the current weights computes them.
     Returns:
         metrics (same on every rank): loss, silenced count/fraction, tau_h, ..., grad_norm,
         skipped (1.0 when the optimizer skipped the step on a NaN/Inf gradient).
     """
-    if old_stats is None or loss_config.tau_h_source == "exact":
-        old_stats = compute_logprob_entropy(
-            model, microbatches, seq_length, loss_config.temperature, groups.tp, vocab_size
-        )
+    if ctx.temperature != loss_config.temperature:
+        raise ValueError(f"PassContext.temperature {ctx.temperature} != loss.temperature {loss_config.temperature}")
+    groups = ctx.groups
+    if loss_config.tau_h_source == "exact" or any(mb.old_entropy is None for mb in microbatches):
+        stats = compute_logprob_entropy(ctx, microbatches)
+    else:
+        stats = [(mb.old_logprob, mb.old_entropy) for mb in microbatches]
     threshold = torch.tensor(float("nan"))
     if groups.is_last_stage and get_method(loss_config.method).needs_entropy:
         # micro-batches may still be on the CPU (library users); the statistics are on the model's device
-        logprob = torch.cat([lp.reshape(-1) for lp, _ in old_stats])
-        cat = lambda key: torch.cat([mb[key].reshape(-1) for mb in microbatches]).to(logprob.device)  # noqa: E731
+        logprob = torch.cat([lp.reshape(-1) for lp, _ in stats])
+        cat = lambda key: torch.cat([getattr(mb, key).reshape(-1) for mb in microbatches]).to(logprob.device)  # noqa: E731
         threshold = minibatch_threshold(
             loss_config,
             logprob,
-            torch.cat([h.reshape(-1) for _, h in old_stats]),
+            torch.cat([h.reshape(-1) for _, h in stats]),
             cat("advantages"),
             cat("response_mask"),
             groups.dp,
         )
-    model.zero_grad_buffer()
+    ctx.model.zero_grad_buffer()
     optimizer.zero_grad()
     losses_reduced = run_microbatches(
-        model, microbatches, seq_length,
-        lambda batch: partial(loss_func, loss_config, batch, threshold, groups.tp, vocab_size),
+        ctx.model, microbatches, ctx.seq_length,
+        lambda batch: partial(loss_func, loss_config, batch, threshold, ctx.tp_group, ctx.vocab_size),
     )
     metrics = reduce_metrics(losses_reduced, threshold, groups.dp, groups.pp, groups.pp_last_rank)
     # The optimizer step by hand (what MegatronOptimizer.step does) so that a NaN/Inf loss or

@@ -12,7 +12,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from stapo_megatron.train.batching import group_advantages
+from stapo_megatron.train.batching import MicroBatch, group_advantages
 
 
 def tiny_gpt_config(
@@ -95,7 +95,7 @@ def synthetic_rollouts(
 
     Response lengths vary (a random cut per sequence); labels are the next tokens and
     ``response_mask`` is True where the label is a response token. ``old_logprob`` is filled
-    in by the caller's pi_old pass. Returns (micro-batches, stats).
+    in by the caller's pi_old pass (``schedule.old_policy_pass``). Returns (micro-batches, stats).
     """
     gen = torch.Generator().manual_seed(seed)
     num_seq = num_prompts * group_size
@@ -114,13 +114,13 @@ def synthetic_rollouts(
     for start in range(0, num_seq, micro_batch_size):
         sl = slice(start, start + micro_batch_size)
         microbatches.append(
-            dict(
+            MicroBatch(
                 tokens=tokens[sl],
                 position_ids=positions.expand(tokens[sl].shape[0], seq_len).contiguous(),
                 labels=labels[sl],
                 response_mask=response_mask[sl],
                 advantages=advantages[sl],
-                seed=torch.tensor(seed * 100_003 + start),
+                seed=seed * 100_003 + start,
             )
         )
     stats = dict(reward_mean=rewards.mean().item(), num_flat_groups=num_flat)
