@@ -5,6 +5,7 @@ import os
 import shutil
 
 from stapo_megatron.config import DataConfig, ModelConfig, OptimConfig, RolloutSampling, TrainerConfig, WarmStartConfig
+from stapo_megatron.data.tokenizer import build_char_tokenizer
 from stapo_megatron.method.config import method_loss_config
 
 
@@ -135,8 +136,6 @@ def prepare_tiny_model(out_dir: str) -> None:
     """Write the demo's model folder (tokenizer, config, placeholder weights) unless it exists."""
     import torch
     import transformers
-
-    from stapo_megatron.data.tokenizer import build_char_tokenizer
 
     if os.path.exists(os.path.join(out_dir, "config.json")):
         print(f"{out_dir} exists; keeping it")

@@ -33,6 +33,8 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 from stapo_megatron.method.registry import METHODS
+from stapo_megatron.recipes.tiny import COMPARE_OVERRIDES
+from stapo_megatron.runlog.report import fill_block, machine, runs_commit
 
 DEFAULT_METHODS = ("stapo", "justrl", "entropy20", "random")
 """The paper's main comparison: STAPO, its JustRL baseline, 20-Entropy and the random control."""
@@ -54,8 +56,6 @@ def _finished(run_dir: str, steps: int) -> bool:
 
 
 def _overrides(steps: Optional[int]) -> Dict[str, int]:
-    from stapo_megatron.recipes.tiny import COMPARE_OVERRIDES
-
     return {**COMPARE_OVERRIDES, **({"steps": steps} if steps else {})}
 
 
@@ -304,8 +304,6 @@ def _to_readme(out: str, text: str, root: str = ROOT) -> None:
     the curves into ``README_FIGURE``."""
     import datetime
     import shutil
-
-    from stapo_megatron.runlog.report import fill_block, machine, runs_commit
 
     commit = runs_commit(sorted(os.path.join(out, d) for d in os.listdir(out)))
     body = text.split("\n", 2)[2]  # without the summary's own title
