@@ -276,3 +276,62 @@ def test_data_parallel_replicas_hold_identical_parameters(tp, pp):
             for name in built0:
                 assert torch.equal(built[name], built0[name]), f"{coords} DP rank {dp_rank}: {name} at build"
                 assert torch.equal(trained[name], trained0[name]), f"{coords} DP rank {dp_rank}: {name} trained"
+
+
+# --- sequence parallelism on the local spec (no transformer-engine): bridge/norm.py -------------
+
+SP_PROMPT, SP_RESPONSE = 4, 12
+
+
+def _sequence_parallel_worker(sequence_parallel):
+    """Two STAPO updates of the tiny Qwen3 (local spec, TP=2) with or without sequence parallelism."""
+    from stapo_megatron.bridge import build_gpt_model
+    from stapo_megatron.bridge.tiny import tiny_config
+    from stapo_megatron.method.config import LossConfig
+    from stapo_megatron.train.config import OptimConfig
+    from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.train.schedule import PassContext, old_policy_pass
+    from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
+    from stapo_megatron.train.synthetic import synthetic_rollouts
+    from tests.test_rollout_engine import randomize
+
+    groups = init_parallel(2, 1)
+    config = tiny_config("qwen3")
+    model = build_gpt_model(config, use_te=False, calculate_per_token_loss=True, sequence_parallel=sequence_parallel)
+    norms = [p for n, p in model.named_parameters() if "layernorm" in n]
+    assert norms and all(getattr(p, "sequence_parallel", None) is sequence_parallel for p in norms)
+    randomize(model, seed=5)
+    model, optimizer = wrap_model_and_optimizer(model, OptimConfig(optimizer="sgd", lr=0.05, weight_decay=0.0,
+                                                                    clip_grad=0.0))
+    ctx = PassContext(model, SP_PROMPT + SP_RESPONSE, groups=groups, vocab_size=config["vocab_size"])
+    history = []
+    for step in range(2):
+        mbs, _ = synthetic_rollouts(4, 2, SP_PROMPT, SP_RESPONSE, config["vocab_size"], seed=step, micro_batch_size=2)
+        old_policy_pass(ctx, [mbs])
+        m = policy_update(ctx, optimizer, mbs, LossConfig(tau_p=0.05))
+        history.append({k: v for k, v in m.items() if k != "silenced_tokens"})
+    return history, {n: p.detach().clone() for n, p in model.module.named_parameters()}
+
+
+def test_sequence_parallel_without_transformer_engine_equals_tp():
+    """TP=2 with sequence parallelism on the local spec (torch norms) trains exactly as TP=2
+    without it: the same metrics and, after two updates, the same weights on every rank -- norm
+    weights included, which see only their rank's half of the sequence and are right only
+    because their gradients are summed over TP (the `sequence_parallel` mark of `TorchNorm`).
+    Tolerance: fp32, 1e-5 relative on metrics and 1e-6 absolute on O(1) weights (the
+    reduce-scatter and all-gather sum the same terms in another order)."""
+    with_sp = run_distributed(2, _sequence_parallel_worker, True)
+    without = run_distributed(2, _sequence_parallel_worker, False)
+    assert sum(m["silenced_count"] for m in without[0][0]) > 0, "the S2T mask must be exercised"
+    for (hist_sp, params_sp), (hist, params) in zip(with_sp, without):
+        for got, want in zip(hist_sp, hist):
+            for key in ("num_kept", "silenced_count", "candidate_count"):
+                assert got[key] == want[key], key
+            for key in ("loss", "tau_h", "entropy_mean", "grad_norm"):
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+        for name, want in params.items():
+            torch.testing.assert_close(params_sp[name], want, atol=1e-6, rtol=0, msg=name)
+    # the replicated norm weights stay identical across the two TP ranks
+    for name in with_sp[0][1]:
+        if "layernorm" in name:
+            torch.testing.assert_close(with_sp[0][1][name], with_sp[1][1][name], atol=0, rtol=0, msg=name)

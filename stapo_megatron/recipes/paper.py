@@ -100,7 +100,7 @@ class Layout:
 
 
 LAYOUTS: Dict[str, Layout] = {
-    # 2 nodes: TP=2 halves the 151936-wide fp32 logits (13 GB instead of 26 GB at TP=1).
+    # 2 nodes: TP=2 halves the 151936-wide logits and their gradient (5 GB instead of 10 GB at TP=1).
     "qwen3_1p7b": Layout(num_nodes=2, tensor_model_parallel_size=2, pipeline_model_parallel_size=1,
                          vllm_tensor_parallel_size=2, vllm_gpu_memory_utilization=0.55),
     # 4 nodes: TP=4 (TP=2 needs 49 GB for training, leaving vLLM room for ~11 full-length
@@ -122,8 +122,6 @@ FRAMEWORK_OVERHEAD_BYTES = 4 * GB
 (an allowance, not derived)."""
 VLLM_RUNTIME_BYTES = 2 * GB
 """vLLM's own activations / sampler buffers inside its share (an allowance)."""
-LOSS_CHUNK_BYTES = 2 * (1 << 28)
-"""The two fp32 row-chunk buffers of ``ops._local_stats`` on CUDA (``_CHUNK_BYTES_CUDA``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,8 +138,10 @@ class MemoryEstimate:
     """Full recompute with sequence parallelism: every layer's bf16 input (kept), plus one
     layer's full activations and their gradients while it is recomputed."""
     logits: float
-    """The loss on TP-sharded logits: bf16 output, its fp32 copy and the fp32 gradient buffer
-    (10 B per token and local vocabulary entry) plus the loss op's chunk scratch."""
+    """The loss on TP-sharded logits: the bf16 output and its bf16 gradient (4 B per token and
+    local vocabulary entry). On CUDA the op runs its Triton kernels, which keep the fp32 softmax
+    statistics in registers ([N]-sized outputs only; measured on the H100 2026-11-24:
+    `benchmarks/RESULTS.md`, extra peak 1.000x the logits = the gradient)."""
     overhead: float
     """`FRAMEWORK_OVERHEAD_BYTES`."""
     vllm: float
@@ -223,7 +223,7 @@ def memory_estimate(spec: QwenSpec, layout: Layout, seq_len: int = SEQ_LEN,
     layer_bytes = 2 * (4 * h / sp + (2 * q + 2 * kv + 3 * ffn) / tp)
     kept_inputs = 2 * h / sp * tokens * spec.num_layers
     activations = kept_inputs + 2 * layer_bytes * tokens
-    logits = tokens * padded_vocab_size(spec.vocab_size, tp) / tp * (2 + 4 + 4) + LOSS_CHUNK_BYTES
+    logits = tokens * padded_vocab_size(spec.vocab_size, tp) / tp * (2 + 2)
     vllm = layout.vllm_gpu_memory_utilization * gpu_bytes
     vllm_weights = 2 * num_params(spec) / layout.vllm_tensor_parallel_size
     kv_bytes_per_token = 2 * spec.num_layers * spec.kv_size * 2 / layout.vllm_tensor_parallel_size

@@ -4,8 +4,10 @@ megatron-core targets NVIDIA GPUs; a handful of places allocate on ``device="cud
 query ``torch.cuda.current_device()``, or compare ``Tensor.type()`` with CUDA type names.
 On a CPU-only machine (the CI box, a laptop) these are the only obstacles to running the
 real GPTModel, pipeline schedules and optimizer on gloo. Every patch below names the
-upstream file it works around (measured against megatron-core 0.16.1; the same call sites
-exist in 0.17-0.19).
+upstream file it works around (written against megatron-core 0.16.1 and checked against 0.19.2
+by `make test-mcore019`, which runs the CPU suite with 0.19.2's sources; 0.19 added one call
+site on every gradient sync: `param_and_grad_buffer.py` `start_grad_sync` asks for
+``torch.cuda.current_stream()`` to wait on CUDA-graph events).
 
 ``apply()`` is idempotent and does nothing when CUDA is available, so GPU runs always use
 upstream code unchanged. It is called by the helpers that build models and process groups
@@ -47,6 +49,37 @@ def _cpu_device(device):
     return device
 
 
+class _NullStream:
+    """The CPU's one "stream": every operation is already ordered, so waits and records do nothing."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _CpuCuda(types.ModuleType):
+    """``torch.cuda`` as the shimmed modules see it: streams are `_NullStream` (megatron-core
+    0.19 ``param_and_grad_buffer.py`` calls ``torch.cuda.current_stream()`` on every gradient
+    sync); everything else is the real ``torch.cuda``."""
+
+    def __init__(self):
+        super().__init__("torch.cuda")
+
+    def current_stream(self, device=None) -> _NullStream:
+        return _NullStream()
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
 class _CpuTorch(types.ModuleType):
     """Stands in for ``torch`` inside one upstream module; redirects CUDA allocations."""
 
@@ -54,6 +87,8 @@ class _CpuTorch(types.ModuleType):
         super().__init__("torch")
 
     def __getattr__(self, name):
+        if name == "cuda":
+            return _CPU_CUDA
         attr = getattr(torch, name)
         if name in _FACTORIES:
 
@@ -64,6 +99,9 @@ class _CpuTorch(types.ModuleType):
 
             return factory
         return attr
+
+
+_CPU_CUDA = _CpuCuda()
 
 
 class _CpuRNGStatesTracker:
