@@ -37,5 +37,5 @@ RUN pip install --no-deps -r requirements/launch-nodeps.txt \
 
 # Fails the build if the pieces do not import together (transformer_engine.pytorch is left out:
 # it loads the CUDA driver, which a build without a GPU does not have).
-RUN python -c "import torch, vllm, megatron.core, stapo_megatron.trainer; \
+RUN python -c "import torch, vllm, megatron.core, stapo_megatron.trainer.loop; \
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'vllm', vllm.__version__, 'megatron-core', megatron.core.__version__)"

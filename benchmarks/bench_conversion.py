@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from conversion.safetensors_io import ShardWriter  # noqa: E402
+from stapo_megatron.conversion.safetensors_io import ShardWriter  # noqa: E402
 from stapo_megatron.bridge import hf_shapes, spec_from_hf_config  # noqa: E402
 
 QWEN3_0_6B = {
@@ -67,7 +67,7 @@ def make_checkpoint(hf_dir: str, config: dict = QWEN3_0_6B) -> int:
 _CHILD = """
 import json, sys, time
 t0 = time.perf_counter()
-from conversion.cli import main
+from stapo_megatron.conversion.cli import main
 t1 = time.perf_counter()
 code = main(sys.argv[1:])
 print(json.dumps({"import_s": t1 - t0, "convert_s": time.perf_counter() - t1}))

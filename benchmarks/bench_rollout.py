@@ -60,7 +60,9 @@ def bench(name: str, args) -> list[dict]:
     """All lengths of one model: one HF model and one engine, interleaved timed rounds."""
     import transformers
 
-    from stapo_megatron.rollout import RolloutConfig, VLLMEngine
+    from stapo_megatron.rollout.config import RolloutConfig
+
+    from stapo_megatron.rollout.vllm_engine import VLLMEngine
 
     path = os.path.join(args.workdir, name)
     save_model(path, name)

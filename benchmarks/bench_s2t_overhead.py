@@ -23,10 +23,13 @@ import time
 
 import torch
 
-from stapo_megatron.loss import LossConfig, compute_logprob_entropy
-from stapo_megatron.parallel import destroy_parallel, init_parallel
-from stapo_megatron.step import OptimConfig, policy_update, wrap_model_and_optimizer
-from stapo_megatron.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
+from stapo_megatron.method.config import LossConfig
+
+from stapo_megatron.train.schedule import PassContext, old_policy_pass
+from stapo_megatron.train.parallel import destroy_parallel, init_parallel
+from stapo_megatron.train.config import OptimConfig
+from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
+from stapo_megatron.train.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
 
 VARIANTS = {
     "justrl": LossConfig(method="justrl"),
@@ -37,10 +40,9 @@ VARIANTS = {
 
 def one_step(model, optimizer, groups, loss_config, mbs, seq_len):
     t0 = time.perf_counter()
-    old = compute_logprob_entropy(model, mbs, seq_len, tp_group=groups.tp)
-    for mb, (logprob, _) in zip(mbs, old):
-        mb["old_logprob"] = logprob
-    metrics = policy_update(model, optimizer, mbs, loss_config, groups, seq_len, old)
+    ctx = PassContext(model, seq_len, loss_config.temperature, groups)
+    old_policy_pass(ctx, [mbs])
+    metrics = policy_update(ctx, optimizer, mbs, loss_config)
     return time.perf_counter() - t0, metrics
 
 

@@ -29,11 +29,14 @@ import time
 
 import torch
 
-from stapo_megatron import s2t
-from stapo_megatron.loss import LossConfig, compute_logprob_entropy, minibatch_threshold
-from stapo_megatron.parallel import destroy_parallel, init_parallel
-from stapo_megatron.step import OptimConfig, policy_update, wrap_model_and_optimizer
-from stapo_megatron.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
+from stapo_megatron.method import masks as s2t
+from stapo_megatron.method.config import LossConfig
+from stapo_megatron.train.loss import minibatch_threshold
+from stapo_megatron.train.schedule import PassContext, compute_logprob_entropy, old_policy_pass
+from stapo_megatron.train.parallel import destroy_parallel, init_parallel
+from stapo_megatron.train.config import OptimConfig
+from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
+from stapo_megatron.train.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
 
 NUM_MINIBATCHES = 4
 """PPO mini-batches per rollout batch (the paper: 256 / 64 prompts)."""
@@ -45,8 +48,8 @@ def _flat(tensors):
 
 def _masks_on_same_weights(model, mini, old_stats, config, groups, seq_len):
     """(silenced with old tau_H, silenced with exact tau_H, tau_old, tau_exact) on the current weights."""
-    current = compute_logprob_entropy(model, mini, seq_len, tp_group=groups.tp)
-    adv, mask = _flat([mb["advantages"] for mb in mini]), _flat([mb["response_mask"] for mb in mini])
+    current = compute_logprob_entropy(PassContext(model, seq_len, groups=groups), mini)
+    adv, mask = _flat([mb.advantages for mb in mini]), _flat([mb.response_mask for mb in mini])
     lp_now, h_now = _flat([lp for lp, _ in current]), _flat([h for _, h in current])
     tau_exact = minibatch_threshold(config, lp_now, h_now, adv, mask)
     tau_old = minibatch_threshold(config, _flat([lp for lp, _ in old_stats]), _flat([h for _, h in old_stats]), adv, mask)
@@ -60,16 +63,15 @@ def one_step(model, optimizer, groups, config, minis, seq_len, compare=None):
     collects the same-weights mask comparison, untimed)."""
     seconds = 0.0
     t0 = time.process_time()
-    old = [compute_logprob_entropy(model, m, seq_len, tp_group=groups.tp) for m in minis]
-    for mini, stats in zip(minis, old):
-        for mb, (logprob, _) in zip(mini, stats):
-            mb["old_logprob"] = logprob
+    ctx = PassContext(model, seq_len, config.temperature, groups)
+    old_policy_pass(ctx, minis)
     seconds += time.process_time() - t0
-    for k, (mini, stats) in enumerate(zip(minis, old)):
+    for k, mini in enumerate(minis):
         if compare is not None:
+            stats = [(mb.old_logprob, mb.old_entropy) for mb in mini]
             compare.append((k, *_masks_on_same_weights(model, mini, stats, config, groups, seq_len)))
         t0 = time.process_time()
-        policy_update(model, optimizer, mini, config, groups, seq_len, stats)
+        policy_update(ctx, optimizer, mini, config)
         seconds += time.process_time() - t0
     return seconds
 

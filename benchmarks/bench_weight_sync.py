@@ -43,7 +43,9 @@ MODELS = {
 
 def bench(name: str, dtype: torch.dtype, groups, workdir: str, repeats: int) -> dict:
     from stapo_megatron.bridge import build_gpt_model
-    from stapo_megatron.rollout import RolloutConfig, VLLMEngine, iter_hf_weights, sync_weights
+    from stapo_megatron.rollout.config import RolloutConfig
+    from stapo_megatron.rollout.vllm_engine import VLLMEngine
+    from stapo_megatron.rollout.weight_sync import iter_hf_weights, sync_weights
 
     cfg = MODELS[name]
     path = os.path.join(workdir, name)
@@ -86,7 +88,7 @@ def main():
     for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", LOCAL_RANK="0",
                            WORLD_SIZE="1").items():
         os.environ.setdefault(key, value)
-    from stapo_megatron.parallel import destroy_parallel, init_parallel
+    from stapo_megatron.train.parallel import destroy_parallel, init_parallel
 
     groups = init_parallel(args.tp, 1)
     rows = []

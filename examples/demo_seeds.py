@@ -152,7 +152,7 @@ def plot(results, path, eval_desc):
 
 def main():
     from stapo_megatron.recipes.tiny import tiny_demo
-    from stapo_megatron.report import fill_block, machine, runs_commit
+    from stapo_megatron.runlog.report import fill_block, machine, runs_commit
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS))

@@ -17,13 +17,14 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import torch
 import torch.distributed as dist
 
-from stapo_megatron.loss import LossConfig, compute_logprob_entropy
-from stapo_megatron.parallel import destroy_parallel, init_parallel
-from stapo_megatron.step import OptimConfig, policy_update, wrap_model_and_optimizer
-from stapo_megatron.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
+from stapo_megatron.method.config import LossConfig
+from stapo_megatron.train.config import OptimConfig
+from stapo_megatron.train.parallel import destroy_parallel, init_parallel
+from stapo_megatron.train.schedule import PassContext, old_policy_pass
+from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
+from stapo_megatron.train.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
 
 
 @dataclasses.dataclass
@@ -76,12 +77,10 @@ def main(cfg: DemoConfig) -> None:
         mbs = mbs[dp_rank::dp_size]
         per_mini = len(mbs) // cfg.minibatches_per_step
         minis = [mbs[i * per_mini : (i + 1) * per_mini] for i in range(cfg.minibatches_per_step)]
-        old = [compute_logprob_entropy(model, m, seq_len, cfg.loss.temperature, groups.tp) for m in minis]
-        for mini, old_stats in zip(minis, old):
-            for mb, (logprob, _) in zip(mini, old_stats):
-                mb["old_logprob"] = logprob
-        for i, (mini, old_stats) in enumerate(zip(minis, old)):
-            m = policy_update(model, optimizer, mini, cfg.loss, groups, seq_len, old_stats)
+        ctx = PassContext(model, seq_len, cfg.loss.temperature, groups)
+        old_policy_pass(ctx, minis)
+        for i, mini in enumerate(minis):
+            m = policy_update(ctx, optimizer, mini, cfg.loss)
             if rank == 0:
                 print(f"{step:>4} {i:>2} {stats['reward_mean']:>6.2f} {m['loss']:>9.5f} "
                       f"{m['entropy_mean']:>7.3f} {m['tau_h']:>6.3f} {m['silenced_count']:>8d} "

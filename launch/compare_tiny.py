@@ -4,7 +4,7 @@
     nemo-run launch/compare_tiny.py seeds=[1,2] steps=10 output_dir=runs/compare-small --yes
     nemo-run launch/compare_tiny.py --dryrun
 
-One local process drives the comparison (`stapo_megatron.compare.compare_tiny`); it launches each
+One local process drives the comparison (`stapo_megatron.runlog.compare.compare_tiny`); it launches each
 run exactly as `make demo` launches the demo (`nemo-run launch/stapo_tiny.py` with the run's
 method, seed and the comparison's overrides) and writes summary.md and curves.png at the end.
 """
@@ -13,7 +13,7 @@ import os
 
 import nemo_run as run
 
-from stapo_megatron import compare
+from stapo_megatron.runlog import compare
 from stapo_megatron.launch import executors
 
 if __name__ == "__main__":

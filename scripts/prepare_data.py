@@ -45,8 +45,8 @@ def main(argv=None) -> int:
         a.add_argument("--prompt-field", default="", help="the question's field (default: detected)")
         a.add_argument("--answer-field", default="", help="the answer's field (default: detected)")
     args = p.parse_args(argv)
-    from stapo_megatron.data import load_examples
-    from stapo_megatron.evaluation import load_benchmark
+    from stapo_megatron.data.examples import load_examples
+    from stapo_megatron.eval.scoring import load_benchmark
 
     try:
         if args.command == "dapo":

@@ -26,12 +26,14 @@ import time
 
 import torch
 
-from stapo_megatron import checkpoint as ckpt
-from stapo_megatron.loss import LossConfig, compute_logprob_entropy
-from stapo_megatron.parallel import destroy_parallel, init_parallel
-from stapo_megatron.preemption import SaveOnSignal, StoppedForRequeue
-from stapo_megatron.step import OptimConfig, policy_update, wrap_model_and_optimizer
-from stapo_megatron.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
+from stapo_megatron.train import checkpoint as ckpt
+from stapo_megatron.method.config import LossConfig
+from stapo_megatron.train.schedule import PassContext, old_policy_pass
+from stapo_megatron.train.parallel import destroy_parallel, init_parallel
+from stapo_megatron.trainer.preemption import SaveOnSignal, StoppedForRequeue
+from stapo_megatron.train.config import OptimConfig
+from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
+from stapo_megatron.train.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
 
 VOCAB, PROMPT, RESPONSE = 384, 4, 12
 
@@ -69,14 +71,13 @@ def main(run_dir: str, steps: int, kill_at: str = "") -> None:
     for step in range(start, steps):
         mbs, _ = synthetic_rollouts(4, 4, PROMPT, RESPONSE, VOCAB, seed=step, micro_batch_size=2)
         mine = mbs[dp_rank::dp]
-        stats = compute_logprob_entropy(model, mine, PROMPT + RESPONSE)
-        for mb, (logprob, _) in zip(mine, stats):
-            mb["old_logprob"] = logprob
+        ctx = PassContext(model, PROMPT + RESPONSE, groups=groups)
+        old_policy_pass(ctx, [mine])
         # a random number drawn each step: resumed RNG state must reproduce it
         noise = torch.rand(1).item()
         if kill_phase == "update" and step + 1 == kill_step:
             _die()
-        metrics = policy_update(model, optimizer, mine, LossConfig(tau_p=0.003), groups, PROMPT + RESPONSE, stats)
+        metrics = policy_update(ctx, optimizer, mine, LossConfig(tau_p=0.003))
         if kill_phase == "save" and step + 1 == kill_step:
             _kill_inside_save()
         save = lambda: ckpt.save_checkpoint(run_dir, step + 1, model, optimizer, {"note": "test"})  # noqa: E731

@@ -23,7 +23,7 @@ import signal
 import sys
 
 from stapo_megatron.launch import entry
-from stapo_megatron.trainer import Trainer
+from stapo_megatron.trainer.loop import Trainer
 
 SMALL = dict(
     steps=2, prompts_per_step=2, minibatch_prompts=2, micro_batch_size=2, eval_every=0, save_every=1,

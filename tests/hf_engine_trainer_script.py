@@ -12,7 +12,7 @@ import sys
 import torch
 
 from stapo_megatron.recipes import tiny_demo
-from stapo_megatron.trainer import train
+from stapo_megatron.trainer.loop import train
 
 if __name__ == "__main__":
     run_dir, model_dir, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])

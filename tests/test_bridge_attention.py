@@ -19,7 +19,7 @@ GRAD_RTOL = 2e-5
 
 @pytest.fixture(scope="module")
 def parallel():
-    from stapo_megatron.parallel import destroy_parallel, init_parallel
+    from stapo_megatron.train.parallel import destroy_parallel, init_parallel
 
     with single_process_env():
         yield init_parallel(1, 1)

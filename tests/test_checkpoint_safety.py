@@ -9,8 +9,8 @@ import pickle
 import pytest
 import torch
 
-from conversion.cli import main
-from stapo_megatron import checkpoint as ckpt
+from stapo_megatron.conversion.cli import main
+from stapo_megatron.train import checkpoint as ckpt
 from stapo_megatron.bridge.tiny import save_tiny_hf_model
 
 

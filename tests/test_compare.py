@@ -8,7 +8,7 @@ import numpy as np
 
 import pytest
 
-from stapo_megatron import compare
+from stapo_megatron.runlog import compare
 
 
 def _write_run(path, acc0, acc, entropy, silenced):
@@ -98,7 +98,7 @@ def test_readme_block_gets_the_summary_and_the_curves(tmp_path):
 def test_runs_commit_reads_the_runs_provenance(tmp_path):
     import json
 
-    from stapo_megatron.report import runs_commit
+    from stapo_megatron.runlog.report import runs_commit
 
     for name, git in [("a", {"commit": "a640050" + "0" * 33, "dirty": False}),
                       ("b", {"commit": "a640050" + "0" * 33, "dirty": False}),

@@ -1,4 +1,5 @@
-"""The configuration tree: one module holds every config dataclass, one parser applies overrides."""
+"""The configuration tree: each component owns its config dataclass, the tree composes them, one parser
+applies overrides."""
 
 import dataclasses
 
@@ -6,16 +7,19 @@ import pytest
 
 from stapo_megatron import config
 from stapo_megatron.config import EngineResources, RolloutConfig, RolloutSampling, TrainerConfig, WarmStartConfig
+from stapo_megatron.config.overrides import apply_overrides
 from stapo_megatron.launch.entry import build_config
-from stapo_megatron.overrides import apply_overrides
 
 
-def test_every_config_lives_in_config_py_and_old_paths_still_import():
-    from stapo_megatron import loss, step, trainer
-    from stapo_megatron.rollout import RolloutConfig as rollout_config
-
-    for cls in (loss.LossConfig, step.OptimConfig, trainer.WarmStartConfig, rollout_config):
-        assert cls.__module__ == "stapo_megatron.config" and getattr(config, cls.__name__) is cls
+@pytest.mark.parametrize("name, owner", [
+    ("LossConfig", "method"), ("ModelConfig", "train"), ("OptimConfig", "train"), ("DataConfig", "data"),
+    ("EvalSetConfig", "eval"), ("EngineResources", "rollout"), ("RolloutConfig", "rollout"),
+    ("RolloutSampling", "rollout"), ("LoggingConfig", "runlog"), ("WarmStartConfig", "trainer"),
+])
+def test_every_config_lives_with_its_component_and_the_tree_composes_them(name, owner):
+    cls = getattr(config, name)
+    assert cls.__module__ == f"stapo_megatron.{owner}.config"
+    assert TrainerConfig.__module__ == "stapo_megatron.config.tree"
 
 
 @pytest.mark.parametrize("name", [n for n in config.__all__ if isinstance(getattr(config, n), type)])

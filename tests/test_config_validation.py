@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 
 from stapo_megatron.config import DataConfig, ModelConfig, RolloutSampling, TrainerConfig
-from stapo_megatron.loss import LossConfig
-from stapo_megatron.step import OptimConfig
+from stapo_megatron.method.config import LossConfig
+from stapo_megatron.train.config import OptimConfig
 
 NAN, INF = float("nan"), float("inf")
 

@@ -8,8 +8,8 @@ import struct
 import pytest
 import torch
 
-import conversion.hf_to_mcore as hf_to_mcore
-from conversion.cli import main
+import stapo_megatron.conversion.hf_to_mcore as hf_to_mcore
+from stapo_megatron.conversion.cli import main
 from stapo_megatron.bridge.tiny import save_tiny_hf_model
 
 
@@ -156,7 +156,7 @@ def test_training_checkpoint_without_hf_config(capsys, hf, tmp_path):
 
 
 def test_stapo_trainer_run_layout(hf, tmp_path):
-    # stapo_megatron.checkpoint: <run>/checkpoints/step_*/ and a `latest` marker naming one.
+    # stapo_megatron.train.checkpoint: <run>/checkpoints/step_*/ and a `latest` marker naming one.
     steps = tmp_path / "run" / "checkpoints"
     assert main(["hf-to-mcore", "--hf-dir", hf, "--out", str(steps / "step_00000010")]) == 0
     (steps / "latest").write_text("step_00000010\n")
@@ -235,8 +235,8 @@ def test_mcore_to_hf_output_overlapping_input_is_refused(capsys, hf, tmp_path, w
 
 _SIGINT_SCRIPT = """
 import sys, time
-import conversion.hf_to_mcore as h
-from conversion.cli import main
+import stapo_megatron.conversion.hf_to_mcore as h
+from stapo_megatron.conversion.cli import main
 real = h.read_rows
 def slow(*a):
     time.sleep(0.05)  # so that SIGINT lands while the writer threads are busy
@@ -390,7 +390,7 @@ def test_malformed_iteration_tracker(capsys, tmp_path):
 def test_full_disk_is_a_message_and_leaves_nothing(capsys, monkeypatch, hf, tmp_path):
     import errno
 
-    import conversion.mcore_to_hf as mcore_to_hf
+    import stapo_megatron.conversion.mcore_to_hf as mcore_to_hf
 
     ckpt = str(tmp_path / "ckpt")
     assert main(["hf-to-mcore", "--hf-dir", hf, "--out", ckpt]) == 0
@@ -481,7 +481,7 @@ def test_disk_filling_up_during_hf_to_mcore(hf, tmp_path):
         "import resource, signal, sys\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))\n"
-        "from conversion.cli import main\n"
+        "from stapo_megatron.conversion.cli import main\n"
         f"sys.exit(main(['hf-to-mcore', '--hf-dir', {hf!r}, '--out', {str(out)!r}]))\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
@@ -493,7 +493,7 @@ def test_disk_filling_up_during_hf_to_mcore(hf, tmp_path):
 
 
 def test_too_little_free_space_is_refused_before_writing(capsys, hf, tmp_path):
-    from conversion.hf_to_mcore import check_free_space
+    from stapo_megatron.conversion.hf_to_mcore import check_free_space
 
     with pytest.raises(OSError, match="nothing was written"):
         check_free_space(str(tmp_path / "out"), 1 << 62)

@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from conversion.cli import main
-from conversion.verify import FP32_LOGIT_TOL, compare, fixed_prompts, format_table, hf_logits
+from stapo_megatron.conversion.cli import main
+from stapo_megatron.conversion.verify import FP32_LOGIT_TOL, compare, fixed_prompts, format_table, hf_logits
 from stapo_megatron.bridge import spec_from_hf_config
 from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
 from tests.dist_utils import run_distributed
@@ -31,9 +31,9 @@ def _parity_worker(jobs, tokens_BS, save_root):
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import apply_factories
 
-    from conversion.verify import _megatron_forward
+    from stapo_megatron.conversion.verify import _megatron_forward
     from stapo_megatron.bridge import build_gpt_model, load_checkpoint
-    from stapo_megatron.parallel import init_parallel
+    from stapo_megatron.train.parallel import init_parallel
 
     out = {"logits": {}, "keys": {}, "inv_freq": {}, "plain_load_equal": {}}
     for tp, pp in LAYOUTS:
@@ -123,7 +123,7 @@ def test_logit_parity_all_layouts(converted, megatron_run, variant):
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_converter_writes_exactly_megatrons_keys_and_shapes(converted, megatron_run, variant):
-    from conversion.dcp_io import CheckpointReader
+    from stapo_megatron.conversion.dcp_io import CheckpointReader
 
     _, jobs = converted
     ckpt = next(c for v, _, c in jobs if v == variant)
@@ -177,7 +177,7 @@ def test_verify_cli(converted, capsys):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (transformer-engine layer spec)")
 def test_te_spec_loads_the_same_checkpoint(converted):
     pytest.importorskip("transformer_engine")
-    from conversion.verify import megatron_logits
+    from stapo_megatron.conversion.verify import megatron_logits
 
     _, jobs = converted
     _, hf, ckpt = jobs[2]

@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 
-from conversion.cli import main
-from conversion.dcp_io import CheckpointReader
-from conversion.safetensors_io import index_checkpoint, read_rows
+from stapo_megatron.conversion.cli import main
+from stapo_megatron.conversion.dcp_io import CheckpointReader
+from stapo_megatron.conversion.safetensors_io import index_checkpoint, read_rows
 from stapo_megatron.bridge.tiny import save_tiny_hf_model
 
 

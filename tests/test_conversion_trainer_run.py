@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from conversion.cli import main
+from stapo_megatron.conversion.cli import main
 from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
 from tests.dist_utils import run_distributed
 from tests.test_conversion_roundtrip import _assert_bit_exact
@@ -19,14 +19,16 @@ VARIANT = "qwen3"
 def _train_and_save(hf_dir, converted, run_dir, plain_dir):
     """One rank: load the converted model, take a real STAPO-loss step on synthetic rollouts,
     save it as the trainer does (step 1), and also as a plain model-only checkpoint."""
-    from stapo_megatron import checkpoint as ckpt
+    from stapo_megatron.train import checkpoint as ckpt
     from stapo_megatron.bridge import build_gpt_model, load_checkpoint
     from stapo_megatron.config import ModelConfig, TrainerConfig
-    from stapo_megatron.loss import LossConfig, compute_logprob_entropy
-    from stapo_megatron.parallel import destroy_parallel, init_parallel
-    from stapo_megatron.provenance import RunProvenance
-    from stapo_megatron.step import OptimConfig, policy_update, wrap_model_and_optimizer
-    from stapo_megatron.synthetic import synthetic_rollouts
+    from stapo_megatron.method.config import LossConfig
+    from stapo_megatron.train.schedule import PassContext, old_policy_pass
+    from stapo_megatron.train.parallel import destroy_parallel, init_parallel
+    from stapo_megatron.runlog.provenance import RunProvenance
+    from stapo_megatron.train.config import OptimConfig
+    from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
+    from stapo_megatron.train.synthetic import synthetic_rollouts
 
     prompt, response = 4, 8
     groups = init_parallel(1, 1)
@@ -36,10 +38,9 @@ def _train_and_save(hf_dir, converted, run_dir, plain_dir):
     model, optimizer = wrap_model_and_optimizer(model, OptimConfig(lr=1e-2))
     mbs, _ = synthetic_rollouts(4, 4, prompt, response, model.module.qwen_spec.vocab_size, seed=0,
                                 micro_batch_size=2)
-    stats = compute_logprob_entropy(model, mbs, prompt + response)
-    for mb, (logprob, _) in zip(mbs, stats):
-        mb["old_logprob"] = logprob
-    policy_update(model, optimizer, mbs, LossConfig(tau_p=0.003), groups, prompt + response, stats)
+    ctx = PassContext(model, prompt + response, groups=groups)
+    old_policy_pass(ctx, [mbs])
+    policy_update(ctx, optimizer, mbs, LossConfig(tau_p=0.003))
     changed = any(not torch.equal(a, b) for a, b in zip(before, model.module.parameters()))
     # as Trainer._save: the run's configuration, provenance and HF side files go into the checkpoint
     provenance = RunProvenance(TrainerConfig(run_dir=run_dir, model=ModelConfig(hf_dir=hf_dir)))

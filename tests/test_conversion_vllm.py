@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from conversion.cli import main
+from stapo_megatron.conversion.cli import main
 from stapo_megatron.bridge.tiny import save_tiny_hf_model
 
 pytest.importorskip("vllm")

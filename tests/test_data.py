@@ -8,9 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stapo_megatron.data import (DAPO_POSTFIX, DAPO_PREFIX, JUSTRL_PROMPT_TEMPLATE, SUFFIX, Example,
+from stapo_megatron.data.examples import (DAPO_POSTFIX, DAPO_PREFIX, JUSTRL_PROMPT_TEMPLATE, SUFFIX, Example,
                                  format_prompt, load_examples, reasoning_gym_split, tokenize_prompts)
-from stapo_megatron.tokenizer import build_char_tokenizer
+from stapo_megatron.data.tokenizer import build_char_tokenizer
 
 PLAIN_ROWS = [
     {"prompt": "What is 1+1?", "answer": "2"},
@@ -266,8 +266,8 @@ def test_held_out_file_has_its_own_field_mapping(tmp_path):
     import json as js
 
     from stapo_megatron.config import DataConfig, TrainerConfig
-    from stapo_megatron.tokenizer import build_char_tokenizer
-    from stapo_megatron.trainer import _load_data
+    from stapo_megatron.data.tokenizer import build_char_tokenizer
+    from stapo_megatron.trainer.prompts import load_prompts
 
     train, held_out = tmp_path / "train.jsonl", tmp_path / "aime.jsonl"
     train.write_text("".join(js.dumps({"prompt": f"{i}+1", "answer": str(i + 1)}) + "\n" for i in range(3)))
@@ -275,8 +275,8 @@ def test_held_out_file_has_its_own_field_mapping(tmp_path):
     tokenizer = build_char_tokenizer(str(tmp_path / "tok"))
     data = DataConfig(train_path=str(train), eval_path=str(held_out), use_chat_template=False)
     with pytest.raises(ValueError, match="aime.jsonl:1"):
-        _load_data(TrainerConfig(data=data), tokenizer)  # the training file's mapping: no `prompt`
+        load_prompts(TrainerConfig(data=data), tokenizer)  # the training file's mapping: no `prompt`
     data = dc.replace(data, eval_prompt_field="problem", eval_answer_field="solution")
-    (_, train_kept), (_, held_kept) = _load_data(TrainerConfig(data=data), tokenizer)
+    (_, train_kept), (_, held_kept) = load_prompts(TrainerConfig(data=data), tokenizer)
     assert [e.answer for e in train_kept] == ["1", "2", "3"]
     assert [(e.prompt, e.answer) for e in held_kept] == [("0*2", "0"), ("1*2", "2")]

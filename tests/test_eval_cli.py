@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from stapo_megatron import eval_cli
+from stapo_megatron.eval import cli as eval_cli
 from stapo_megatron.bridge.tiny import save_tiny_hf_model
-from stapo_megatron.tokenizer import build_char_tokenizer
+from stapo_megatron.data.tokenizer import build_char_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def test_folder_without_tokenizer_is_named(tmp_path, tiny_hf):
 
 
 def test_chat_template_hint_names_the_flag():
-    from stapo_megatron.data import format_prompt
+    from stapo_megatron.data.examples import format_prompt
 
     class NoTemplate:
         chat_template = None
@@ -84,7 +84,7 @@ def _problems(tmp_path, n=6):
 def test_stapo_eval_shows_progress_and_writes_generations(tmp_path, tiny_hf, capsys, monkeypatch):
     """The real HF engine on the tiny model: progress per chunk of prompts on stderr, only the table
     on stdout, every sample in generations.jsonl, lengths / truncation / timing in eval.json."""
-    from stapo_megatron import evaluation
+    from stapo_megatron.eval import generate as evaluation
 
     monkeypatch.setattr(evaluation, "PROGRESS_SEQUENCES", 2)  # one prompt per chunk (k=2)
     out = tmp_path / "out"
@@ -117,8 +117,8 @@ def test_stapo_eval_shows_progress_and_writes_generations(tmp_path, tiny_hf, cap
     # chunked for progress, the samples are those of one call (chunk c seeded seed + c k)
     from transformers import AutoTokenizer
 
-    from stapo_megatron.config import RolloutConfig
-    from stapo_megatron.rollout.engines import build_engine
+    from stapo_megatron.rollout.config import RolloutConfig
+    from stapo_megatron.rollout.registry import build_engine
 
     engine = build_engine("hf", tiny_hf, RolloutConfig(max_model_len=64, seed=0, dtype="float32"))
     try:
@@ -132,7 +132,7 @@ def test_stapo_eval_shows_progress_and_writes_generations(tmp_path, tiny_hf, cap
 def test_vllm_log_lines_go_to_stderr(tmp_path):
     """stapo-eval points vLLM's logging at stderr before vLLM is imported (its default: stdout)."""
     pytest.importorskip("vllm")
-    code = ("import sys; from stapo_megatron import eval_cli\n"
+    code = ("import sys; from stapo_megatron.eval import cli as eval_cli\n"
             "assert eval_cli.main([sys.argv[1], '--out', sys.argv[1], '--set', 'name=a,path=b']) == 2\n"
             "from vllm.logger import init_logger\n"
             "init_logger('vllm.stapo_test').warning('VLLM-LOG-LINE')\n")

@@ -33,7 +33,7 @@ def _fine_tune(hf_dir: str, steps: int = 60) -> None:
     """Teach the model to answer every (plain) prompt with \\boxed{7} and end-of-sequence."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stapo_megatron.data import format_prompt
+    from stapo_megatron.data.examples import format_prompt
 
     tok = AutoTokenizer.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
@@ -56,7 +56,7 @@ def _fine_tune(hf_dir: str, steps: int = 60) -> None:
 def files(tmp_path_factory):
     """The tuned HF folder, its Megatron conversion, and the problems as training / held-out /
     benchmark files."""
-    from conversion.hf_to_mcore import convert_hf_to_mcore
+    from stapo_megatron.conversion.hf_to_mcore import convert_hf_to_mcore
     from stapo_megatron.recipes.tiny import prepare_tiny_model
 
     root = tmp_path_factory.mktemp("evalsets")
@@ -76,10 +76,12 @@ def trainer_eval(files, tmp_path_factory):
     """One evaluation of the trainer (vLLM engine, DP=1) and, on the same engine, avg_at_k through
     the GenerateFn stapo-eval uses."""
     from stapo_megatron.config import DataConfig, ModelConfig, RolloutSampling, TrainerConfig
-    from stapo_megatron.data import load_examples
-    from stapo_megatron.evaluation import PAPER_DECODINGS, avg_at_k, engine_generate_fn
-    from stapo_megatron.parallel import destroy_parallel
-    from stapo_megatron.trainer import Trainer
+    from stapo_megatron.data.examples import load_examples
+    from stapo_megatron.eval.generate import engine_generate_fn
+    from stapo_megatron.eval.scoring import PAPER_DECODINGS, avg_at_k
+    from stapo_megatron.train.parallel import destroy_parallel
+    from stapo_megatron.rollout.weight_sync import sync_weights
+    from stapo_megatron.trainer.loop import Trainer
 
     cfg = TrainerConfig(
         run_dir=str(tmp_path_factory.mktemp("run")), steps=0, prompts_per_step=8, minibatch_prompts=8, seed=SEED,
@@ -95,8 +97,8 @@ def trainer_eval(files, tmp_path_factory):
         try:
             trainer = Trainer(cfg)
             trainer._start_services()
-            trainer._sync_weights()
-            row = trainer.evaluate(0)
+            sync_weights(trainer.model, trainer.hf_config, trainer.groups, trainer.engine)
+            row = trainer.evaluator.evaluate(0)
             generate = engine_generate_fn(trainer.engine, trainer.tokenizer, MAX_TOKENS, use_chat_template=False,
                                           seed=trainer.seeds.evaluation)
             examples = load_examples(files["held_out"])
@@ -128,7 +130,7 @@ def test_trainer_evaluates_held_out_and_named_sets_through_evaluation(trainer_ev
 
 @pytest.mark.slow
 def test_stapo_eval_on_the_megatron_checkpoint_matches_the_trainer(trainer_eval, files, tmp_path, capsys):
-    from stapo_megatron.eval_cli import main
+    from stapo_megatron.eval.cli import main
 
     row, _, _, seed = trainer_eval
     out = str(tmp_path / "out")
@@ -158,7 +160,7 @@ def test_stapo_eval_on_the_megatron_checkpoint_matches_the_trainer(trainer_eval,
 def test_stapo_eval_bad_input(tmp_path, capsys, argv, message):
     import re
 
-    from stapo_megatron.eval_cli import main
+    from stapo_megatron.eval.cli import main
 
     fill = dict(out=str(tmp_path / "out"), missing=str(tmp_path / "missing.jsonl"))
     assert main([str(tmp_path)] + [a.format(**fill) for a in argv]) == 2

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from stapo_megatron.config import EvalSetConfig, TrainerConfig
-from stapo_megatron.data import Example
-from stapo_megatron.evaluation import (PAPER_BENCHMARKS, PAPER_DECODINGS, Counts, Decoding, EvalSet, avg_at_k,
+from stapo_megatron.data.examples import Example
+from stapo_megatron.eval.scoring import (PAPER_BENCHMARKS, PAPER_DECODINGS, Counts, Decoding, EvalSet, avg_at_k,
                                        evaluate_sets, evaluate_suite, format_table, load_benchmark, load_eval_set,
                                        score_responses, summarize)
-from stapo_megatron.rewards import RewardScorer
+from stapo_megatron.rewards.scorer import RewardScorer
 
 # Exact float comparisons below are sums of a few multiples of 1/4 or 1/3: tolerance 1e-12 is
 # only float rounding.

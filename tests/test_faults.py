@@ -18,8 +18,8 @@ import uuid
 
 import pytest
 
-from stapo_megatron import checkpoint as ckpt
-from stapo_megatron import faults
+from stapo_megatron.train import checkpoint as ckpt
+from stapo_megatron.trainer import faults
 from tests.dist_utils import _free_port, kill_marked
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from stapo_megatron.ops import vocab_parallel_logprob_entropy
+from stapo_megatron.train.ops import vocab_parallel_logprob_entropy
 
 pytestmark = [
     pytest.mark.gpu,
@@ -60,10 +60,12 @@ def _policy_update_worker(steps):
     """Two mini-batches per step of the STAPO update on the tiny Qwen3 (fp32), from fixed weights."""
     from stapo_megatron.bridge import build_gpt_model
     from stapo_megatron.bridge.tiny import tiny_config
-    from stapo_megatron.loss import LossConfig, compute_logprob_entropy
-    from stapo_megatron.parallel import init_parallel
-    from stapo_megatron.step import OptimConfig, policy_update, wrap_model_and_optimizer
-    from stapo_megatron.synthetic import synthetic_rollouts
+    from stapo_megatron.method.config import LossConfig
+    from stapo_megatron.train.schedule import PassContext, old_policy_pass
+    from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.train.config import OptimConfig
+    from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
+    from stapo_megatron.train.synthetic import synthetic_rollouts
     from tests.test_rollout_engine import randomize
 
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 (the default; stated for the tolerance)
@@ -76,11 +78,10 @@ def _policy_update_worker(steps):
     for step in range(steps):
         mbs, _ = synthetic_rollouts(4, 4, PROMPT, RESPONSE, VOCAB, seed=step, micro_batch_size=MBS)
         minis = [mbs[:4], mbs[4:]]
-        stats = [compute_logprob_entropy(model, m, seq, tp_group=groups.tp, vocab_size=VOCAB) for m in minis]
-        for mini, st in zip(minis, stats):
-            for i, mb in enumerate(mini):
-                mb["old_logprob"] = st[i][0]
-            m = policy_update(model, optimizer, mini, LossConfig(tau_p=0.02), groups, seq, st, vocab_size=VOCAB)
+        ctx = PassContext(model, seq, groups=groups, vocab_size=VOCAB)
+        old_policy_pass(ctx, minis)
+        for mini in minis:
+            m = policy_update(ctx, optimizer, mini, LossConfig(tau_p=0.02))
             history.append({k: v for k, v in m.items() if k != "silenced_tokens"})
     device = str(next(model.parameters()).device)
     return device, history, {n: p.detach().cpu() for n, p in model.module.named_parameters()}
@@ -107,7 +108,7 @@ def test_policy_update_on_cuda_equals_cpu():
 def _attention_worker(dtype):
     from stapo_megatron.bridge import build_gpt_model
     from stapo_megatron.bridge.tiny import tiny_config
-    from stapo_megatron.parallel import init_parallel
+    from stapo_megatron.train.parallel import init_parallel
     from tests.test_rollout_engine import randomize
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -149,7 +150,7 @@ def test_sdpa_attention_equals_local_on_cuda(dtype):
 
 def test_stapo_convert_verify_on_cuda(tmp_path):
     """HF -> Megatron conversion, then `stapo-convert verify` (Megatron on CUDA, SDPA attention)."""
-    from conversion.cli import main
+    from stapo_megatron.conversion.cli import main
     from stapo_megatron.bridge.tiny import save_tiny_hf_model
 
     hf_dir, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
@@ -169,7 +170,7 @@ def _trainer(run_dir, model_dir, steps):
 def test_two_trainer_steps_checkpoint_and_resume_on_cuda(tmp_path):
     """The tiny recipe on CUDA with the HF rollout engine (no vLLM): 2 steps with a checkpoint
     each, then a resume that runs step 3."""
-    from stapo_megatron import checkpoint as ckpt
+    from stapo_megatron.train import checkpoint as ckpt
 
     model_dir, run_dir = tmp_path / "model", tmp_path / "run"
     subprocess.run([sys.executable, os.path.join(HERE, "..", "examples", "prepare_tiny_model.py"), str(model_dir)],

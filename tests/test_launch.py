@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from stapo_megatron.methods import METHODS
+from stapo_megatron.method.registry import METHODS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NEMO_RUN = os.path.join(os.path.dirname(sys.executable), "nemo-run")
@@ -102,7 +102,7 @@ def test_dryrun_renders_the_sbatch_script(tmp_path, short, nodes, settings):
         r"^export CUDA_DEVICE_MAX_CONNECTIONS=1$",
         r"^export VLLM_ENABLE_V1_MULTIPROCESSING=0$",
         # the save before the time limit: Slurm warns torchrun, torchrun forwards to the ranks,
-        # the failed exit requeues (stapo_megatron/preemption.py)
+        # the failed exit requeues (stapo_megatron/trainer/preemption.py)
         rf"^#SBATCH --signal=USR1@{signal_s}$",
         r"^export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1$",
         rf"^export PET_SHUTDOWN_TIMEOUT={signal_s}$",
@@ -156,7 +156,7 @@ def test_dryrun_validates_overrides_with_the_same_parser(tmp_path, override, mes
 
 def test_dryrun_prints_and_saves_the_config_a_launch_takes_back(tmp_path):
     """--save-config writes the resolved configuration; config=PATH starts from it (overrides on top)."""
-    from stapo_megatron.config_yaml import load_config
+    from stapo_megatron.config.yaml_io import load_config
 
     first, second = tmp_path / "first.yaml", tmp_path / "second.yaml"
     code, out = nemo_run(tmp_path, "launch/stapo_tiny.py", "--dryrun", "steps=3", "loss.tau_p=0.01",

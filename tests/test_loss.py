@@ -1,13 +1,17 @@
 """Tier a: the STAPO loss, its gradient through the fused op, and the Megatron loss_func."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from stapo_megatron import s2t
-from stapo_megatron.loss import LossConfig, loss_func, minibatch_threshold, stapo_loss
-from stapo_megatron.ops import vocab_parallel_logprob_entropy
+from stapo_megatron.method import masks as s2t
+from stapo_megatron.method.config import LossConfig
+from stapo_megatron.method.objective import stapo_loss
+from stapo_megatron.train.batching import MicroBatch
+from stapo_megatron.train.loss import loss_func, minibatch_threshold
+from stapo_megatron.train.ops import vocab_parallel_logprob_entropy
 
 FP32_TOL = 1e-5  # fp32 op vs float64 reference over a 500-entry vocabulary
 
@@ -107,7 +111,8 @@ def _spiky_batch(seed=0, B=8, S=12, V=64):
     adv = torch.tensor([1.0, -1.0] * (B // 2))[:, None].expand(B, S).contiguous()
     mask = torch.ones(B, S, dtype=torch.bool)
     mask[:, :3] = False  # prompt
-    batch = dict(labels=labels, response_mask=mask, old_logprob=logprob.detach(), advantages=adv)
+    batch = MicroBatch(tokens=labels, position_ids=torch.arange(S).expand(B, S), labels=labels, response_mask=mask,
+                       advantages=adv, old_logprob=logprob.detach())
     return logits, logprob, entropy, batch
 
 
@@ -115,9 +120,9 @@ def _spiky_batch(seed=0, B=8, S=12, V=64):
 def test_loss_func_methods_and_metrics(method):
     logits, logprob, entropy, batch = _spiky_batch()
     config = LossConfig(method=method, tau_p=0.002)
-    mask, adv = batch["response_mask"], batch["advantages"]
+    mask, adv = batch.response_mask, batch.advantages
     threshold = minibatch_threshold(config, logprob, entropy, adv, mask)
-    loss_sum, num_kept, metrics = loss_func(config, dict(batch, seed=torch.tensor(3)), threshold, None, None, logits)
+    loss_sum, num_kept, metrics = loss_func(config, dataclasses.replace(batch, seed=3), threshold, None, None, logits)
     sums = dict(zip(
         ["loss_sum", "num_kept", "num_response", "num_silenced", "num_candidates"],
         metrics["stapo_sums"][:5].tolist(),
@@ -207,7 +212,7 @@ def test_fp16_logprobs_do_not_overflow_the_sum():
 def test_stapo_loss_keeps_float64_and_raises_half_precision():
     """Accumulation in at least fp32: float64 inputs stay float64 (they were cast down to fp32),
     bf16 inputs go up to fp32."""
-    from stapo_megatron.objective import stapo_loss
+    from stapo_megatron.method.objective import stapo_loss
 
     g = torch.Generator().manual_seed(0)
     logprob = -torch.rand(2, 5, generator=g, dtype=torch.float64)

@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from stapo_megatron import methods
+from stapo_megatron.method import registry as methods
 from stapo_megatron.launch.entry import build_config
-from stapo_megatron.loss import LossConfig, loss_func, minibatch_threshold
+from stapo_megatron.method.config import LossConfig
+from stapo_megatron.train.loss import loss_func, minibatch_threshold
 from stapo_megatron.recipes import paper
 from tests.test_loss import _spiky_batch
 
@@ -40,7 +41,7 @@ def test_a_new_method_is_one_registry_entry(monkeypatch):
     assert cfg.loss.method == "positive_only"
     logits, logprob, entropy, batch = _spiky_batch()
     config = cfg.loss
-    mask, adv = batch["response_mask"], batch["advantages"]
+    mask, adv = batch.response_mask, batch.advantages
     threshold = minibatch_threshold(config, logprob, entropy, adv, mask)
     assert torch.isnan(threshold)
     loss_sum, num_kept, metrics = loss_func(config, batch, threshold, None, None, logits)

@@ -6,7 +6,8 @@ import warnings
 
 import pytest
 
-from stapo_megatron.metrics import RunLogger, read_metrics, truncate_jsonl
+from stapo_megatron.runlog.metrics import RunLogger, truncate_jsonl
+from stapo_megatron.runlog.plots import read_metrics
 
 
 def _steps(path):

@@ -6,18 +6,20 @@ warm-up schedule in training steps from lr 0; "exact" tau_H equals a from-scratc
 the current weights; the frozen reference of GRPO's KL holds the initial weights.
 """
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from stapo_megatron import s2t
-from stapo_megatron.loss import LossConfig, loss_func, minibatch_threshold
-from stapo_megatron.methods import method_loss_config
-from stapo_megatron.objective import stapo_loss
-from stapo_megatron.reward_fns import REWARDS, boxed_exact_match, get_reward, normalize_answer
-from stapo_megatron.rewards import STATUS_OK, STATUS_UNPARSEABLE, RewardScorer
-from stapo_megatron.trainer import warmup_lr
+from stapo_megatron.method import masks as s2t
+from stapo_megatron.method.config import LossConfig
+from stapo_megatron.train.loss import loss_func, minibatch_threshold
+from stapo_megatron.method.config import method_loss_config
+from stapo_megatron.method.objective import stapo_loss
+from stapo_megatron.rewards.functions import REWARDS, boxed_exact_match, get_reward, normalize_answer
+from stapo_megatron.rewards.scorer import STATUS_OK, STATUS_UNPARSEABLE, RewardScorer
+from stapo_megatron.trainer.lr import warmup_lr
 from tests.dist_utils import run_distributed
 from tests.test_loss import _spiky_batch
 
@@ -106,15 +108,15 @@ def test_grpo_without_a_reference_is_refused():
 def test_grpo_loss_func_normalises_by_sequences():
     logits, logprob, entropy, batch = _spiky_batch()
     config = method_loss_config("grpo")
-    ref = batch["old_logprob"] - 0.1
-    loss_sum, normaliser, metrics = loss_func(config, dict(batch, ref_logprob=ref), torch.tensor(float("nan")),
+    ref = batch.old_logprob - 0.1
+    loss_sum, normaliser, metrics = loss_func(config, dataclasses.replace(batch, ref_logprob=ref), torch.tensor(float("nan")),
                                               None, None, logits)
-    mask = batch["response_mask"]
+    mask = batch.response_mask
     assert normaliser.item() == mask.shape[0]  # every row has response tokens
     assert metrics["stapo_sums"][1].item() == mask.sum().item()  # num_kept still counts tokens
     # on-policy ratio 1: per sequence -A + beta * k3(ref - logp = -0.1), the same for every token
     k3 = math.exp(-0.1) + 0.1 - 1
-    adv_B = batch["advantages"][:, 0]
+    adv_B = batch.advantages[:, 0]
     assert loss_sum.item() == pytest.approx((-adv_B + 0.04 * k3).sum().item(), abs=1e-5)
 
 
@@ -124,7 +126,7 @@ def test_grpo_loss_func_normalises_by_sequences():
 @pytest.mark.parametrize("seed", range(8))
 def test_random_control_draws_lie_in_the_candidate_pool(seed):
     logits, logprob, entropy, batch = _spiky_batch(seed=seed)
-    mask, adv = batch["response_mask"], batch["advantages"]
+    mask, adv = batch.response_mask, batch.advantages
     config = LossConfig(method="random", seed=seed)
     threshold = minibatch_threshold(config, logprob, entropy, adv, mask)
     candidates = s2t.s2t_candidates(logprob, adv, mask)
@@ -132,25 +134,25 @@ def test_random_control_draws_lie_in_the_candidate_pool(seed):
     assert stapo.sum() > 0 and candidates.sum() > stapo.sum(), "the pool must be larger than what S2T takes"
     drawn = None
     for micro_seed in range(5):
-        _, _, metrics = loss_func(config, dict(batch, seed=torch.tensor(micro_seed)), threshold, None, None, logits)
+        _, _, metrics = loss_func(config, dataclasses.replace(batch, seed=micro_seed), threshold, None, None, logits)
         rows = metrics["silenced_tokens"]  # (label id, log p, H, A) of the silenced tokens
         assert len(rows) == stapo.sum().item(), "as many tokens as S2T silences"
         assert (rows[:, 3] > 0).all() and (rows[:, 1].exp() < config.tau_p).all(), "every draw is a candidate"
         # the same draw as a mask (the method's seed: config.seed * 1_000_003 + the micro-batch's)
         draw = s2t.random_mask(candidates, int(stapo.sum()), seed * 1_000_003 + micro_seed)
         assert not (draw & ~candidates).any()
-        torch.testing.assert_close(rows[:, 0], batch["labels"][draw].float())
+        torch.testing.assert_close(rows[:, 0], batch.labels[draw].float())
         drawn = draw if drawn is None else drawn | draw
     assert (drawn & ~stapo).any(), "the draws are random, not S2T's own choice"
 
 
 def test_random_uniform_keeps_the_old_control():
     logits, logprob, entropy, batch = _spiky_batch()
-    mask, adv = batch["response_mask"], batch["advantages"]
+    mask, adv = batch.response_mask, batch.advantages
     config = LossConfig(method="random_uniform")
     threshold = minibatch_threshold(config, logprob, entropy, adv, mask)
     num = int(s2t.s2t_mask(logprob, entropy, adv, mask, tau_h=threshold).sum())
-    _, _, metrics = loss_func(config, dict(batch, seed=torch.tensor(3)), threshold, None, None, logits)
+    _, _, metrics = loss_func(config, dataclasses.replace(batch, seed=3), threshold, None, None, logits)
     expected = s2t.random_mask(mask, num, seed=3)
     assert len(metrics["silenced_tokens"]) == num == expected.sum()
     assert (metrics["silenced_tokens"][:, 3] < 0).any(), "draws from all response tokens, A < 0 included"
@@ -199,12 +201,12 @@ def test_normalize_answer_examples():
 def test_reward_registry_and_dotted_paths():
     assert tuple(REWARDS) == ("math_verify", "boxed_exact_match")
     assert (REWARDS["math_verify"].failure_reward, REWARDS["boxed_exact_match"].failure_reward) == (0.0, -1.0)
-    plugged = get_reward("stapo_megatron.reward_fns.boxed_exact_match")
+    plugged = get_reward("stapo_megatron.rewards.functions.boxed_exact_match")
     assert plugged.score_fn is boxed_exact_match and plugged.failure_reward == 0.0
     with pytest.raises(ValueError, match=r"reward must be one of \('math_verify', 'boxed_exact_match'\) or a "
                                          r"dotted path module.function, got 'exact'"):
         get_reward("exact")
-    with pytest.raises(ValueError, match="reward 'stapo_megatron.nope.f' is not one of"):
+    with pytest.raises(ValueError, match="reward = 'stapo_megatron.nope.f' does not name an importable object"):
         get_reward("stapo_megatron.nope.f")
     with pytest.raises(ValueError, match="names float, not a function"):
         get_reward("math.pi")
@@ -239,11 +241,11 @@ def _from_scratch_tau_h(model, mbs, tau_p, q):
     entropies = []
     with torch.no_grad():
         for mb in mbs:
-            logits = model(mb["tokens"], mb["position_ids"], attention_mask=None).double()
+            logits = model(mb.tokens, mb.position_ids, attention_mask=None).double()
             logp_V = torch.log_softmax(logits, dim=-1)
-            logprob = logp_V.gather(-1, mb["labels"][..., None]).squeeze(-1)
+            logprob = logp_V.gather(-1, mb.labels[..., None]).squeeze(-1)
             entropy = -(logp_V.exp() * logp_V).sum(-1)
-            candidates = (mb["advantages"] > 0) & (logprob.exp() < tau_p) & mb["response_mask"]
+            candidates = (mb.advantages > 0) & (logprob.exp() < tau_p) & mb.response_mask
             entropies.append(entropy[candidates])
     pooled = torch.cat(entropies)
     return torch.quantile(pooled, q).item(), pooled.numel()
@@ -252,11 +254,12 @@ def _from_scratch_tau_h(model, mbs, tau_p, q):
 def _exact_and_reference_worker():
     from functools import partial
 
-    from stapo_megatron.parallel import init_parallel
-    from stapo_megatron.reference import add_reference_logprobs, frozen_copy
-    from stapo_megatron.schedule import compute_logprob_entropy
-    from stapo_megatron.step import OptimConfig, policy_update, wrap_model_and_optimizer
-    from stapo_megatron.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
+    from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.train.reference import add_reference_logprobs, frozen_copy
+    from stapo_megatron.train.config import OptimConfig
+    from stapo_megatron.train.schedule import PassContext, compute_logprob_entropy, old_policy_pass
+    from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
+    from stapo_megatron.train.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
 
     groups = init_parallel(1, 1)
     build = partial(build_tiny_gpt, tiny_gpt_config(), VOCAB, PROMPT + RESPONSE)
@@ -267,24 +270,22 @@ def _exact_and_reference_worker():
     seq = PROMPT + RESPONSE
     mbs, _ = synthetic_rollouts(4, 4, PROMPT, RESPONSE, VOCAB, seed=0, micro_batch_size=MBS)
     minis = [mbs[:4], mbs[4:]]
-    old_stats = [compute_logprob_entropy(model, m, seq) for m in minis]
-    for mini, stats in zip(minis, old_stats):
-        for i, mb in enumerate(mini):
-            mb["old_logprob"] = stats[i][0]
-    add_reference_logprobs(reference, minis, seq, 1.0, None, None, True)
+    ctx = PassContext(model, seq, groups=groups)
+    old_policy_pass(ctx, minis)
+    add_reference_logprobs(PassContext(reference, seq), minis)
     exact = LossConfig(method="stapo", tau_h_source="exact")
-    first = policy_update(model, optimizer, minis[0], exact, groups, seq, old_stats[0])
+    first = policy_update(ctx, optimizer, minis[0], exact)
     # the second mini-batch, after the first one's update: what "exact" and "old" see now
     scratch = _from_scratch_tau_h(model.module, minis[1], exact.tau_p, exact.entropy_quantile)
     old_tau = minibatch_threshold(exact, *(torch.cat([x.reshape(-1) for x in xs]) for xs in (
-        [lp for lp, _ in old_stats[1]], [h for _, h in old_stats[1]], [mb["advantages"] for mb in minis[1]],
-        [mb["response_mask"] for mb in minis[1]]))).item()
-    second = policy_update(model, optimizer, minis[1], exact, groups, seq, old_stats[1])
+        [mb.old_logprob for mb in minis[1]], [mb.old_entropy for mb in minis[1]], [mb.advantages for mb in minis[1]],
+        [mb.response_mask for mb in minis[1]]))).item()
+    second = policy_update(ctx, optimizer, minis[1], exact)
     # GRPO with its KL on the moved policy: the loss path reads ref_logprob
-    grpo = policy_update(model, optimizer, minis[1], method_loss_config("grpo"), groups, seq, old_stats[1])
-    ref_vs_old = max((mb["ref_logprob"] - mb["old_logprob"]).abs().max().item() for m in minis for mb in m)
-    fresh = compute_logprob_entropy(model, minis[1], seq)
-    moved = max((lp - mb["ref_logprob"]).abs().max().item() for (lp, _), mb in zip(fresh, minis[1]))
+    grpo = policy_update(ctx, optimizer, minis[1], method_loss_config("grpo"))
+    ref_vs_old = max((mb.ref_logprob - mb.old_logprob).abs().max().item() for m in minis for mb in m)
+    fresh = compute_logprob_entropy(ctx, minis[1])
+    moved = max((lp - mb.ref_logprob).abs().max().item() for (lp, _), mb in zip(fresh, minis[1]))
     return first, second, scratch, old_tau, grpo, ref_vs_old, moved
 
 

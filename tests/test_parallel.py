@@ -24,7 +24,7 @@ def _full_inputs(dtype):
 def _op_worker(dtype):
     import torch.distributed as dist
 
-    from stapo_megatron.ops import vocab_parallel_logprob_entropy
+    from stapo_megatron.train.ops import vocab_parallel_logprob_entropy
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -45,7 +45,7 @@ def _op_worker(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tp_shards_equal_unsharded(dtype):
-    from stapo_megatron.ops import vocab_parallel_logprob_entropy
+    from stapo_megatron.train.ops import vocab_parallel_logprob_entropy
 
     logits, target, upstream = _full_inputs(dtype)
     x = logits.clone().requires_grad_()
@@ -78,7 +78,7 @@ def _quantile_data(rank):
 def _quantile_worker():
     import torch.distributed as dist
 
-    from stapo_megatron import s2t
+    from stapo_megatron.method import masks as s2t
 
     dist.init_process_group("gloo")
     logprob, entropy, adv, mask = _quantile_data(dist.get_rank())
@@ -90,7 +90,7 @@ def _quantile_worker():
 
 
 def test_dp_quantile_equals_concatenated():
-    from stapo_megatron import s2t
+    from stapo_megatron.method import masks as s2t
 
     results = run_distributed(2, _quantile_worker)
     data = [_quantile_data(r) for r in range(2)]
@@ -113,10 +113,12 @@ VOCAB, PROMPT, RESPONSE, MBS = 512, 4, 12, 2
 def _train_worker(tp, pp, steps, method, init_ckpt):
     from megatron.core import dist_checkpointing
 
-    from stapo_megatron.loss import LossConfig, compute_logprob_entropy
-    from stapo_megatron.parallel import init_parallel
-    from stapo_megatron.step import OptimConfig, policy_update, wrap_model_and_optimizer
-    from stapo_megatron.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
+    from stapo_megatron.method.config import LossConfig
+    from stapo_megatron.train.config import OptimConfig
+    from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.train.schedule import PassContext, old_policy_pass
+    from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
+    from stapo_megatron.train.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
 
     groups = init_parallel(tp, pp)
     dp_size = torch.distributed.get_world_size(groups.dp)
@@ -143,11 +145,10 @@ def _train_worker(tp, pp, steps, method, init_ckpt):
             minis.append(mini[dp_rank * share : (dp_rank + 1) * share])
         # pi_old pass over the whole step's batch before any update (as the trainer does), so
         # the second mini-batch is off-policy: ratios != 1 and clipping is exercised
-        all_stats = [compute_logprob_entropy(model, m, PROMPT + RESPONSE, tp_group=groups.tp) for m in minis]
-        for mine, stats in zip(minis, all_stats):
-            for i, mb in enumerate(mine):
-                mb["old_logprob"] = stats[i][0] if groups.is_last_stage else torch.zeros(MBS, PROMPT + RESPONSE)
-            history.append(policy_update(model, optimizer, mine, loss_config, groups, PROMPT + RESPONSE, stats))
+        ctx = PassContext(model, PROMPT + RESPONSE, groups=groups)
+        old_policy_pass(ctx, minis)
+        for mine in minis:
+            history.append(policy_update(ctx, optimizer, mine, loss_config))
     return history
 
 
@@ -182,26 +183,28 @@ def _manual_grad_norm_worker(init_ckpt):
     """First mini-batch gradient norm with plain autograd: sum of loss sums / total kept."""
     from megatron.core import dist_checkpointing
 
-    from stapo_megatron.loss import LossConfig, compute_logprob_entropy, loss_func, minibatch_threshold
-    from stapo_megatron.parallel import init_parallel
-    from stapo_megatron.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
+    from stapo_megatron.method.config import LossConfig
+    from stapo_megatron.train.loss import loss_func, minibatch_threshold
+    from stapo_megatron.train.schedule import PassContext, compute_logprob_entropy
+    from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.train.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
 
     init_parallel(1, 1)
     model = build_tiny_gpt(tiny_gpt_config(), VOCAB, PROMPT + RESPONSE)
     model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), init_ckpt))
     mbs = synthetic_rollouts(4, 4, PROMPT, RESPONSE, VOCAB, seed=0, micro_batch_size=MBS)[0][:4]
-    stats = compute_logprob_entropy(model, mbs, PROMPT + RESPONSE)
+    stats = compute_logprob_entropy(PassContext(model, PROMPT + RESPONSE), mbs)
     for mb, (lp, _) in zip(mbs, stats):
-        mb["old_logprob"] = lp
+        mb.old_logprob = lp
     config = LossConfig(tau_p=0.0015)
     cat = lambda xs: torch.cat([x.reshape(-1) for x in xs])  # noqa: E731
     threshold = minibatch_threshold(
         config, cat([s[0] for s in stats]), cat([s[1] for s in stats]),
-        cat([mb["advantages"] for mb in mbs]), cat([mb["response_mask"] for mb in mbs]),
+        cat([mb.advantages for mb in mbs]), cat([mb.response_mask for mb in mbs]),
     )
     total_loss, total_kept, kept_per_mb = 0.0, 0, []
     for mb in mbs:
-        logits = model(mb["tokens"], mb["position_ids"], attention_mask=None)
+        logits = model(mb.tokens, mb.position_ids, attention_mask=None)
         loss_sum, num_kept, _ = loss_func(config, mb, threshold, None, None, logits)
         total_loss, total_kept = total_loss + loss_sum, total_kept + int(num_kept)
         kept_per_mb.append(int(num_kept))
@@ -231,10 +234,12 @@ def _replica_worker(tp, pp, steps):
 
     from stapo_megatron.bridge import build_gpt_model
     from stapo_megatron.bridge.tiny import tiny_config
-    from stapo_megatron.loss import LossConfig, compute_logprob_entropy
-    from stapo_megatron.parallel import init_parallel
-    from stapo_megatron.step import OptimConfig, policy_update, wrap_model_and_optimizer
-    from stapo_megatron.synthetic import synthetic_rollouts
+    from stapo_megatron.method.config import LossConfig
+    from stapo_megatron.train.config import OptimConfig
+    from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.train.schedule import PassContext, old_policy_pass
+    from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
+    from stapo_megatron.train.synthetic import synthetic_rollouts
 
     groups = init_parallel(tp, pp)
     model = build_gpt_model(tiny_config("qwen3"), calculate_per_token_loss=True)
@@ -246,10 +251,9 @@ def _replica_worker(tp, pp, steps):
     for step in range(steps):
         # each DP rank trains on different data: only the gradient all-reduce keeps them equal
         mbs, _ = synthetic_rollouts(2, 4, PROMPT, RESPONSE, 300, seed=10 * step + dp_rank, micro_batch_size=MBS)
-        stats = compute_logprob_entropy(model, mbs, seq, tp_group=groups.tp, vocab_size=300)
-        for i, mb in enumerate(mbs):
-            mb["old_logprob"] = stats[i][0] if groups.is_last_stage else torch.zeros(MBS, seq)
-        policy_update(model, optimizer, mbs, LossConfig(method="justrl"), groups, seq, stats, vocab_size=300)
+        ctx = PassContext(model, seq, groups=groups, vocab_size=300)
+        old_policy_pass(ctx, [mbs])
+        policy_update(ctx, optimizer, mbs, LossConfig(method="justrl"))
     trained = {n: p.detach().clone() for n, p in model.module.named_parameters()}
     coords = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
     return dp_rank, dp_size, coords, built, trained
@@ -272,3 +276,62 @@ def test_data_parallel_replicas_hold_identical_parameters(tp, pp):
             for name in built0:
                 assert torch.equal(built[name], built0[name]), f"{coords} DP rank {dp_rank}: {name} at build"
                 assert torch.equal(trained[name], trained0[name]), f"{coords} DP rank {dp_rank}: {name} trained"
+
+
+# --- sequence parallelism on the local spec (no transformer-engine): bridge/norm.py -------------
+
+SP_PROMPT, SP_RESPONSE = 4, 12
+
+
+def _sequence_parallel_worker(sequence_parallel):
+    """Two STAPO updates of the tiny Qwen3 (local spec, TP=2) with or without sequence parallelism."""
+    from stapo_megatron.bridge import build_gpt_model
+    from stapo_megatron.bridge.tiny import tiny_config
+    from stapo_megatron.method.config import LossConfig
+    from stapo_megatron.train.config import OptimConfig
+    from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.train.schedule import PassContext, old_policy_pass
+    from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
+    from stapo_megatron.train.synthetic import synthetic_rollouts
+    from tests.test_rollout_engine import randomize
+
+    groups = init_parallel(2, 1)
+    config = tiny_config("qwen3")
+    model = build_gpt_model(config, use_te=False, calculate_per_token_loss=True, sequence_parallel=sequence_parallel)
+    norms = [p for n, p in model.named_parameters() if "layernorm" in n]
+    assert norms and all(getattr(p, "sequence_parallel", None) is sequence_parallel for p in norms)
+    randomize(model, seed=5)
+    model, optimizer = wrap_model_and_optimizer(model, OptimConfig(optimizer="sgd", lr=0.05, weight_decay=0.0,
+                                                                    clip_grad=0.0))
+    ctx = PassContext(model, SP_PROMPT + SP_RESPONSE, groups=groups, vocab_size=config["vocab_size"])
+    history = []
+    for step in range(2):
+        mbs, _ = synthetic_rollouts(4, 2, SP_PROMPT, SP_RESPONSE, config["vocab_size"], seed=step, micro_batch_size=2)
+        old_policy_pass(ctx, [mbs])
+        m = policy_update(ctx, optimizer, mbs, LossConfig(tau_p=0.05))
+        history.append({k: v for k, v in m.items() if k != "silenced_tokens"})
+    return history, {n: p.detach().clone() for n, p in model.module.named_parameters()}
+
+
+def test_sequence_parallel_without_transformer_engine_equals_tp():
+    """TP=2 with sequence parallelism on the local spec (torch norms) trains exactly as TP=2
+    without it: the same metrics and, after two updates, the same weights on every rank -- norm
+    weights included, which see only their rank's half of the sequence and are right only
+    because their gradients are summed over TP (the `sequence_parallel` mark of `TorchNorm`).
+    Tolerance: fp32, 1e-5 relative on metrics and 1e-6 absolute on O(1) weights (the
+    reduce-scatter and all-gather sum the same terms in another order)."""
+    with_sp = run_distributed(2, _sequence_parallel_worker, True)
+    without = run_distributed(2, _sequence_parallel_worker, False)
+    assert sum(m["silenced_count"] for m in without[0][0]) > 0, "the S2T mask must be exercised"
+    for (hist_sp, params_sp), (hist, params) in zip(with_sp, without):
+        for got, want in zip(hist_sp, hist):
+            for key in ("num_kept", "silenced_count", "candidate_count"):
+                assert got[key] == want[key], key
+            for key in ("loss", "tau_h", "entropy_mean", "grad_norm"):
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+        for name, want in params.items():
+            torch.testing.assert_close(params_sp[name], want, atol=1e-6, rtol=0, msg=name)
+    # the replicated norm weights stay identical across the two TP ranks
+    for name in with_sp[0][1]:
+        if "layernorm" in name:
+            torch.testing.assert_close(with_sp[0][1][name], with_sp[1][1][name], atol=0, rtol=0, msg=name)

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from stapo_megatron.metrics import RunLogger
-from stapo_megatron.plots import main, plot_runs
+from stapo_megatron.runlog.metrics import RunLogger
+from stapo_megatron.runlog.plots import main, plot_runs
 
 
 def _run(path, rewards, accuracies):

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from stapo_megatron import checkpoint as ckpt
-from stapo_megatron.preemption import REQUEUE_EXIT_CODE, SaveOnSignal, torchrun_env
+from stapo_megatron.train import checkpoint as ckpt
+from stapo_megatron.trainer.preemption import REQUEUE_EXIT_CODE, SaveOnSignal, torchrun_env
 from tests.test_checkpoint import SCRIPT, STEPS, _rows, _run
 
 WAIT_LIMIT_S = 300.0

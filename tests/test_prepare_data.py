@@ -8,8 +8,8 @@ import sys
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from stapo_megatron.data import load_examples
-from stapo_megatron.evaluation import load_benchmark
+from stapo_megatron.data.examples import load_examples
+from stapo_megatron.eval.scoring import load_benchmark
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "prepare_data.py")
 

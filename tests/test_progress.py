@@ -2,7 +2,7 @@
 
 import pytest
 
-from stapo_megatron.progress import Progress, describe, format_duration
+from stapo_megatron.runlog.progress import Progress, describe, format_duration
 
 
 def _row(step):

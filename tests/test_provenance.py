@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-from stapo_megatron import checkpoint as ckpt
-from stapo_megatron.config_yaml import dump_config, load_config, parse_config, write_config
-from stapo_megatron.provenance import PACKAGES, RunProvenance, collect, read_provenance
+from stapo_megatron.train import checkpoint as ckpt
+from stapo_megatron.config.yaml_io import dump_config, load_config, parse_config, write_config
+from stapo_megatron.runlog.provenance import PACKAGES, RunProvenance, collect, read_provenance
 from stapo_megatron.recipes.paper import paper_recipe
 from stapo_megatron.recipes.tiny import tiny_demo
 

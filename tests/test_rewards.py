@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from stapo_megatron import rewards as rewards_module
-from stapo_megatron.rewards import (STATUS_BAD_ANSWER, STATUS_OK, STATUS_UNPARSEABLE, RewardScorer,
+from stapo_megatron.rewards import scorer as rewards_module
+from stapo_megatron.rewards.scorer import (STATUS_BAD_ANSWER, STATUS_OK, STATUS_UNPARSEABLE, RewardScorer,
                                     extract_boxed, math_reward, score_response)
 
 # sympy never finishes comparing this with 1 (checked: > 20 s); a real hang, not a test hook.

@@ -53,8 +53,8 @@ def randomize(model, seed: int) -> None:
 def megatron_logprobs(model, tokens_BS: torch.Tensor, tp_group, temperature: float) -> torch.Tensor:
     """log softmax(logits / T)[next token], ``[B, S-1]``, over the real (unpadded) vocabulary,
     from vocab-sharded logits through the trainer's op."""
-    from conversion.verify import _megatron_forward
-    from stapo_megatron.ops import vocab_parallel_logprob_entropy
+    from stapo_megatron.conversion.verify import _megatron_forward
+    from stapo_megatron.train.ops import vocab_parallel_logprob_entropy
 
     with torch.no_grad():
         logits_BSV = _megatron_forward(model, tokens_BS)
@@ -97,8 +97,10 @@ def _tp2_worker(hf_dir: str, tokens_BS: torch.Tensor, prompts: list, vllm_tp: in
     """One of two ranks: Megatron TP=2 with weights B and an external-launcher engine: its own
     (vllm_tp=1) or one vLLM TP=2 engine spanning both ranks."""
     from stapo_megatron.bridge import build_gpt_model
-    from stapo_megatron.parallel import init_parallel
-    from stapo_megatron.rollout import RolloutConfig, VLLMEngine, sync_weights
+    from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.rollout.config import RolloutConfig
+    from stapo_megatron.rollout.vllm_engine import VLLMEngine
+    from stapo_megatron.rollout.weight_sync import sync_weights
 
     groups = init_parallel(2, 1)
     model = build_gpt_model(tiny_config(VARIANT), params_dtype=torch.float32)
@@ -121,7 +123,7 @@ def _tp2_worker(hf_dir: str, tokens_BS: torch.Tensor, prompts: list, vllm_tp: in
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    from stapo_megatron.tokenizer import build_char_tokenizer
+    from stapo_megatron.data.tokenizer import build_char_tokenizer
 
     path = str(tmp_path_factory.mktemp("rollout") / "hf_a")
     save_tiny_hf_model(path, VARIANT, dtype=torch.float32, seed=0)
@@ -134,8 +136,10 @@ def hf_dir(tmp_path_factory):
 def tp1(hf_dir):
     """This process as a 1-rank Megatron job with one engine, synced to Megatron weights B."""
     from stapo_megatron.bridge import build_gpt_model
-    from stapo_megatron.parallel import destroy_parallel, init_parallel
-    from stapo_megatron.rollout import RolloutConfig, VLLMEngine, sync_weights
+    from stapo_megatron.train.parallel import destroy_parallel, init_parallel
+    from stapo_megatron.rollout.config import RolloutConfig
+    from stapo_megatron.rollout.vllm_engine import VLLMEngine
+    from stapo_megatron.rollout.weight_sync import sync_weights
 
     with single_process_env():
         groups = init_parallel(1, 1)
@@ -213,7 +217,8 @@ def test_tp2_megatron_external_launcher(hf_dir, vllm_tp):
 
 
 def test_engine_config_errors(tmp_path):
-    from stapo_megatron.rollout import RolloutConfig, VLLMEngine
+    from stapo_megatron.rollout.config import RolloutConfig
+    from stapo_megatron.rollout.vllm_engine import VLLMEngine
 
     with pytest.raises(FileNotFoundError, match="config.json"):
         VLLMEngine(str(tmp_path), RolloutConfig())

@@ -37,9 +37,11 @@ def hf_logprobs(engine, tokens_BS: torch.Tensor) -> torch.Tensor:
 def synced(tmp_path_factory):
     """This process as a 1-rank Megatron job with an HF engine, synced to Megatron weights B."""
     from stapo_megatron.bridge import build_gpt_model
-    from stapo_megatron.parallel import destroy_parallel, init_parallel
-    from stapo_megatron.rollout import HFEngine, RolloutConfig, sync_weights
-    from stapo_megatron.tokenizer import build_char_tokenizer
+    from stapo_megatron.train.parallel import destroy_parallel, init_parallel
+    from stapo_megatron.rollout.config import RolloutConfig
+    from stapo_megatron.rollout.hf_engine import HFEngine
+    from stapo_megatron.rollout.weight_sync import sync_weights
+    from stapo_megatron.data.tokenizer import build_char_tokenizer
 
     hf_dir = str(tmp_path_factory.mktemp("hf_engine") / "hf_a")
     save_tiny_hf_model(hf_dir, VARIANT, dtype=torch.float32, seed=0)
@@ -109,7 +111,7 @@ def test_top_p_logprobs_are_the_renormalised_nucleus(synced):
 
 def megatron_logprobs_all(model, tokens_BS, tp_group) -> torch.Tensor:
     """Megatron's full log-softmax ``[B, S, V]`` over the real vocabulary (TP=1)."""
-    from conversion.verify import _megatron_forward
+    from stapo_megatron.conversion.verify import _megatron_forward
 
     with torch.no_grad():
         logits_BSV = _megatron_forward(model, tokens_BS)[..., : model.qwen_spec.vocab_size]
@@ -140,7 +142,8 @@ def test_update_weights_rejects_unknown_and_incomplete_streams(synced):
 
 
 def test_engine_choice():
-    from stapo_megatron.rollout import RolloutConfig, build_engine, resolve_engine
+    from stapo_megatron.rollout.config import RolloutConfig
+    from stapo_megatron.rollout.registry import build_engine, resolve_engine
 
     assert resolve_engine("hf") == "hf" and resolve_engine("vllm") == "vllm"
     assert resolve_engine("auto") in ("vllm", "hf")

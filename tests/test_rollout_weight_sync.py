@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
-from conversion.mcore_to_hf import convert_mcore_to_hf
-from conversion.safetensors_io import index_checkpoint, read_rows
+from stapo_megatron.conversion.mcore_to_hf import convert_mcore_to_hf
+from stapo_megatron.conversion.safetensors_io import index_checkpoint, read_rows
 from stapo_megatron.bridge import hf_shapes, spec_from_hf_config
 from stapo_megatron.bridge.tiny import tiny_config
 from tests.dist_utils import run_distributed
@@ -29,8 +29,8 @@ def _stream_worker(save_root: str) -> dict:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from stapo_megatron.bridge import build_gpt_model
-    from stapo_megatron.parallel import init_parallel
-    from stapo_megatron.rollout import iter_hf_weights
+    from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.rollout.weight_sync import iter_hf_weights
     from tests.test_rollout_engine import randomize
 
     groups = init_parallel(2, 2)

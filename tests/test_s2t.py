@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from stapo_megatron import s2t
+from stapo_megatron.method import masks as s2t
 
 TAU_P = 0.002
 LOW_P = math.log(0.001)  # p = 0.001 < tau_p

@@ -1,6 +1,6 @@
 """The run's seeds come from one place and keep the values earlier runs used (reproducibility)."""
 
-from stapo_megatron.seeds import Seeds
+from stapo_megatron.trainer.seeds import Seeds
 
 
 def test_seed_streams_keep_their_values():
@@ -31,7 +31,7 @@ def test_fixed_warmstart_and_data_seeds_leave_only_rl_streams_to_the_run_seed():
 def test_warmstart_cache_key_follows_what_determines_the_weights(tmp_path):
     import dataclasses
 
-    from stapo_megatron import warmstart_cache
+    from stapo_megatron.trainer import warmstart as warmstart_cache
     from stapo_megatron.recipes.tiny import tiny_demo
 
     cfg, ws = tiny_demo(run_dir=str(tmp_path / "runs" / "demo"))

@@ -7,7 +7,7 @@ import string
 import pytest
 from transformers import AutoTokenizer
 
-from stapo_megatron.tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
+from stapo_megatron.data.tokenizer import DEFAULT_ALPHABET, build_char_tokenizer
 
 
 @pytest.fixture(scope="module")

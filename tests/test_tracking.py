@@ -14,9 +14,9 @@ import struct
 import pytest
 
 from stapo_megatron.config import LoggingConfig, TrainerConfig
-from stapo_megatron.metrics import RunLogger
-from stapo_megatron.overrides import apply_overrides
-from stapo_megatron.tracking import read_run_ids
+from stapo_megatron.runlog.metrics import RunLogger
+from stapo_megatron.config.overrides import apply_overrides
+from stapo_megatron.runlog.tracking import read_run_ids
 
 SAMPLES = [dict(prompt=f"{i}+1=", response=f"\\boxed{{{i + 1}}}", answer=str(i + 1), reward=1.0) for i in range(3)]
 

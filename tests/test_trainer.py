@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from stapo_megatron import checkpoint as ckpt
-from stapo_megatron.progress import WALL_CLOCK_FIELDS
+from stapo_megatron.train import checkpoint as ckpt
+from stapo_megatron.runlog.progress import WALL_CLOCK_FIELDS
 from tests.dist_utils import _free_port
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from stapo_megatron.recipes import tiny_demo  # noqa: E402
 
-from stapo_megatron.trainer import train  # noqa: E402
+from stapo_megatron.trainer.loop import train  # noqa: E402
 
 if __name__ == "__main__":
     run_dir, model_dir, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])

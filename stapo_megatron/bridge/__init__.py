@@ -1,6 +1,6 @@
 """HF Qwen <-> Megatron bridge: config mapping, model builder, mapping table, transforms.
 
-Used by the converter (`conversion/`), the trainer and the rollout weight sync. Importing it
+Used by the converter (`stapo_megatron/conversion/`), the trainer and the rollout weight sync. Importing it
 does not import megatron-core; the functions that need it import it when called.
 """
 

@@ -3,7 +3,7 @@
 `build_gpt_model` is the single place that turns an HF Qwen config into a Megatron
 `TransformerConfig` + `GPTModel`; the trainer, the converter's verifier and the rollout weight
 sync all use it. Megatron's parallel state must be initialised first
-(`stapo_megatron.parallel.init_parallel`).
+(`stapo_megatron.train.parallel.init_parallel`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from stapo_megatron import cpu_compat
+from stapo_megatron.train import cpu_compat
 from stapo_megatron.bridge.config import (
     DEFAULT_VOCAB_DIVISOR,
     QwenSpec,
@@ -21,6 +21,7 @@ from stapo_megatron.bridge.config import (
     transformer_config_from_spec,
     use_transformer_engine,
 )
+from stapo_megatron.bridge.norm import final_norm, use_torch_norm
 
 
 CORE_ATTENTIONS = ("local", "sdpa")
@@ -46,6 +47,7 @@ def layer_spec(spec: QwenSpec, use_te: Optional[bool] = None, core_attention: Op
     if use_transformer_engine(use_te):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
     layer = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
+    use_torch_norm(layer)  # sequence parallelism without transformer-engine (bridge/norm.py)
     core_attention = core_attention or default_core_attention()
     if core_attention not in CORE_ATTENTIONS:
         raise ValueError(f"core_attention must be one of {CORE_ATTENTIONS}, got {core_attention!r}")
@@ -54,6 +56,19 @@ def layer_spec(spec: QwenSpec, use_te: Optional[bool] = None, core_attention: Op
 
         layer.submodules.self_attention.submodules.core_attention = SDPAttention
     return layer
+
+
+def block_spec(layer, config, use_te: bool, vp_stage: Optional[int] = None):
+    """The decoder block of this pipeline stage: ``layer`` repeated, and for the local spec the
+    final norm from `bridge.norm` (what Megatron builds from a bare layer spec, except that its
+    ``WrappedTorchNorm`` refuses sequence parallelism). The transformer-engine spec is returned
+    as it is."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    if use_te:
+        return layer
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
+                                      layer_norm=final_norm())
 
 
 def build_gpt_model(
@@ -95,7 +110,7 @@ def build_gpt_model(
     vocab = padded_vocab_size(spec.vocab_size, tp, make_vocab_size_divisible_by)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(spec, use_te, core_attention),
+        transformer_layer_spec=block_spec(layer_spec(spec, use_te, core_attention), config, use_te, vp_stage),
         vocab_size=vocab,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
@@ -116,7 +131,7 @@ def build_gpt_model(
 
 DDP_PREFIX = "module."
 """Key prefix of a model saved through Megatron's DistributedDataParallel wrapper (what
-`stapo_megatron.checkpoint.save_checkpoint` writes); converted and Megatron-LM checkpoints have none."""
+`stapo_megatron.train.checkpoint.save_checkpoint` writes); converted and Megatron-LM checkpoints have none."""
 
 
 def _with_ddp_keys(model):
@@ -138,11 +153,11 @@ def load_checkpoint(model, checkpoint_dir: str) -> None:
     Entries of the checkpoint that the model does not have (optimizer state) are ignored.
     A trainer checkpoint stores the model under Megatron DDP's ``module.`` prefix; it is read
     into the bare model all the same. The checkpoint's ``.metadata`` is read without running
-    code first (`stapo_megatron.checkpoint.read_dcp_metadata`), so a crafted file is refused.
+    code first (`stapo_megatron.train.checkpoint.read_dcp_metadata`), so a crafted file is refused.
     """
     from megatron.core import dist_checkpointing
 
-    from stapo_megatron.checkpoint import read_dcp_metadata
+    from stapo_megatron.train.checkpoint import read_dcp_metadata
 
     stored = read_dcp_metadata(checkpoint_dir).state_dict_metadata
     probe = "embedding.word_embeddings.weight"

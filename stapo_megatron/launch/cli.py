@@ -52,64 +52,15 @@ from nemo_run.cli.cli_parser import parse_cli_args  # noqa: E402
 from nemo_run.config import get_nemorun_home  # noqa: E402
 from torchx.specs import AppState  # noqa: E402
 
-from stapo_megatron.config_yaml import dump_config  # noqa: E402
+from stapo_megatron.config.yaml_io import dump_config  # noqa: E402
 from stapo_megatron.launch import entry, executors  # noqa: E402
+from stapo_megatron.launch.arguments import (ADDED_OPTIONS, split_env_args, split_executor_args, split_flag,  # noqa: E402
+                                             split_save_config, usage)
 
 FAILED_STATES = (AppState.FAILED, AppState.CANCELLED, AppState.UNKNOWN)
 """Job states after a run that make the exit code non-zero (UNKNOWN: the state was lost)."""
 
 USAGE = __doc__.split("\n\n")[0]
-
-LAUNCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "launch")
-"""The checkout's launch files (``launch/*.py``)."""
-
-ADDED_OPTIONS = """Options added by this package (besides NeMo-Run's, listed by `nemo-run LAUNCH --help`):
-  --dryrun                  print the resolved configuration (every field), the problems a submission
-                            would have, and the sbatch script / torchrun command; submit nothing
-  --save-config PATH        also write the resolved configuration (YAML) to PATH; launch it back with
-                            config=PATH (overrides apply on top)
-  --emit-sbatch PATH        write a plain sbatch + torchrun script of a paper recipe (no NeMo-Run or
-                            container on the cluster), checked like a submission; submit nothing
-  --include-uncommitted     ship the checkout's working tree (a submission with uncommitted changes is
-                            refused otherwise: the job runs git archive of HEAD)
-  -y, --yes                 submit without asking (-y is --yes, never NeMo-Run's --yaml)
-
-Arguments (key=value, no dashes):
-  method=NAME               stapo (default), justrl, entropy20, random, grpo, ... (stapo_megatron/methods.py)
-  output_dir=PATH           the run folder (absolute on Slurm)
-  config=PATH               start from a configuration YAML (--save-config, or a run's config.yaml)
-  FIELD=VALUE               a top-level TrainerConfig field: steps=100, seed=1, ...
-  SECTION.FIELD=VALUE       a nested field: model.hf_dir=..., data.train_path=..., rollout.max_response_len=8192,
-                            loss.tau_p=0.01, optim.lr=1e-6, logging.*, warmstart.* (tiny recipe)
-  run.executor.FIELD=VALUE  an executor field: run.executor.account=..., run.executor.nodes=2,
-                            run.executor.env_vars.NAME=VALUE (added to the recipe's environment)
-Every field with its default and meaning: docs/config-reference.md; the resolved values of a
-launch file: nemo-run LAUNCH --dryrun. Cluster settings (STAPO_* variables):
-stapo_megatron/launch/executors.py."""
-
-
-def _launch_files() -> List[str]:
-    """``  launch/NAME.py  first docstring line`` of each launch file of the checkout."""
-    lines = []
-    for name in sorted(os.listdir(LAUNCH_DIR)) if os.path.isdir(LAUNCH_DIR) else []:
-        path = os.path.join(LAUNCH_DIR, name)
-        if not name.endswith(".py"):
-            continue
-        with open(path, encoding="utf-8") as f:
-            try:
-                doc = ast.get_docstring(ast.parse(f.read())) or ""
-            except SyntaxError:
-                doc = ""
-        lines.append(f"  {os.path.relpath(path):<24}  {doc.splitlines()[0] if doc else ''}")
-    return lines
-
-
-def usage() -> str:
-    """``nemo-run --help``: the synopsis, the launch files, the added options and arguments."""
-    files = _launch_files()
-    listing = ("Launch files:\n" + "\n".join(files)) if files else f"(no launch files found in {LAUNCH_DIR})"
-    return f"{USAGE}\n\n{listing}\n\n{ADDED_OPTIONS}\n"
-
 
 def _calls_nemo_run_main(path: str) -> bool:
     """Whether the file's source calls NeMo-Run's CLI entry (``run.cli.main(...)``,
@@ -167,64 +118,6 @@ def load_entrypoint(path: str) -> "cli_api.Entrypoint":
     return cli_api.MAIN_ENTRYPOINT
 
 
-def _split_executor_args(args: List[str]):
-    """(executor name or None, ``executor.*`` arguments without the prefix, the others)."""
-    name, fields, others = None, [], []
-    for arg in args:
-        if arg.startswith("executor="):
-            name = arg.split("=", 1)[1]
-        elif arg.startswith("executor."):
-            fields.append(arg[len("executor."):])
-        else:
-            others.append(arg)
-    return name, fields, others
-
-
-def _split_env_args(args: List[str]):
-    """(the environment variables of ``executor.env_vars.KEY=VALUE`` and ``executor.env_vars={...}``
-    arguments, the other arguments). Both forms add to the executor's environment instead of
-    replacing it (NeMo-Run 0.11.1 replaces the whole dict, dropping e.g. the recipe's
-    PET_SIGNALS_TO_HANDLE, and fails on the per-key form)."""
-    env, others = {}, []
-    for arg in args:
-        key, _, value = arg.partition("=")
-        if key == "executor.env_vars":
-            try:
-                parsed = ast.literal_eval(value)
-            except (ValueError, SyntaxError):
-                parsed = None
-            if not isinstance(parsed, dict):
-                raise ValueError(f"run.executor.env_vars={value} is not a dict: write "
-                                 "run.executor.env_vars.NAME=VALUE, or run.executor.env_vars=\"{'NAME': 'VALUE'}\"")
-            env.update({str(k): str(v) for k, v in parsed.items()})
-        elif key.startswith("executor.env_vars."):
-            env[key[len("executor.env_vars."):]] = value.strip("'\"")
-        else:
-            others.append(arg)
-    return env, others
-
-
-def _split_save_config(args: List[str], option: str = "--save-config"):
-    """(the ``--save-config PATH`` / ``--save-config=PATH`` value or None, the other arguments;
-    likewise for another ``option`` with a path)."""
-    path, others, it = None, [], iter(args)
-    for arg in it:
-        if arg == option:
-            path = next(it, None)
-            if path is None:
-                raise ValueError(f"{option} needs a file path")
-        elif arg.startswith(f"{option}="):
-            path = arg.split("=", 1)[1]
-        else:
-            others.append(arg)
-    return path, others
-
-
-def _split_flag(args: List[str], flag: str):
-    """(whether ``flag`` is among ``args``, the other arguments)."""
-    return flag in args, [a for a in args if a != flag]
-
-
 class CheckedRunContext(cli_api.RunContext):
     """NeMo-Run's RunContext with the additions listed in the module docstring."""
 
@@ -242,8 +135,8 @@ class CheckedRunContext(cli_api.RunContext):
     runs ``git rev-parse`` in the working directory, so the launch runs there after the checks."""
 
     def parse_args(self, args: List[str], lazy: bool = False):
-        env, args = _split_env_args(args)
-        name, fields, others = _split_executor_args(args)
+        env, args = split_env_args(args)
+        name, fields, others = split_executor_args(args)
         default = getattr(self, "executor", None)
         if name is None and fields and default is not None:
             config = default.to_config() if isinstance(default, run.Executor) else default
@@ -499,16 +392,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Console entry point; returns the exit code (0 only if every job succeeded)."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(usage() if argv else USAGE + "\n(nemo-run --help lists the launch files and the options)")
+        print(usage(USAGE) if argv else USAGE + "\n(nemo-run --help lists the launch files and the options)")
         return 0 if argv else 2
     path, args = argv[0], argv[1:]
     try:
-        CheckedRunContext.save_config, args = _split_save_config(args)
-        CheckedRunContext.emit_sbatch, args = _split_save_config(args, "--emit-sbatch")
+        CheckedRunContext.save_config, args = split_save_config(args)
+        CheckedRunContext.emit_sbatch, args = split_save_config(args, "--emit-sbatch")
     except ValueError as e:
         print(f"nemo-run: {e}", file=sys.stderr)
         return 2
-    CheckedRunContext.include_uncommitted, args = _split_flag(args, "--include-uncommitted")
+    CheckedRunContext.include_uncommitted, args = split_flag(args, "--include-uncommitted")
     # relative to where nemo-run was started (a Slurm launch runs in the checkout after the checks)
     for attribute in ("save_config", "emit_sbatch"):
         if getattr(CheckedRunContext, attribute):

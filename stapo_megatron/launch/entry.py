@@ -3,14 +3,14 @@
 NeMo-Run (``launch/*.py``) serialises a call of `run_recipe` and runs it under torchrun (local)
 or srun + torchrun (Slurm). On the worker, the recipe's `TrainerConfig` is built from its name,
 the method and the ``key=value`` overrides of the command line (`build_config`), and then
-`stapo_megatron.trainer.train` runs exactly as ``examples/demo_rl.py`` runs it. No nemo_run
+`stapo_megatron.trainer.loop.train` runs exactly as ``examples/demo_rl.py`` runs it. No nemo_run
 import here: the worker only needs the package. (No ``from __future__ import annotations``:
 NeMo-Run parses command-line values with these signatures' real annotations.)
 
 Overrides: top-level `TrainerConfig` fields as keywords (``steps=1``), nested ones through the
 section dicts (``rollout.max_response_len=8192`` arrives as ``rollout={"max_response_len": 8192}``),
 the tiny recipe's warm-start through ``warmstart``. They are applied by the one override parser,
-``stapo_megatron.overrides.apply_overrides``: unknown fields (with the closest names) and wrongly
+``stapo_megatron.config.overrides.apply_overrides``: unknown fields (with the closest names) and wrongly
 typed values raise ValueError naming the field.
 
 Without NeMo-Run (a plain ``sbatch`` + ``torchrun`` job, ``nemo-run LAUNCH --emit-sbatch``):
@@ -29,12 +29,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from stapo_megatron import faults
+from stapo_megatron.trainer import faults
 from stapo_megatron.config import TrainerConfig
-from stapo_megatron.config_yaml import load_config
-from stapo_megatron.methods import get_method
-from stapo_megatron.overrides import apply_overrides
-from stapo_megatron.parallel import init_process_group
+from stapo_megatron.config.yaml_io import load_config
+from stapo_megatron.method.registry import get_method
+from stapo_megatron.config.overrides import apply_overrides
+from stapo_megatron.train.parallel import init_process_group
 from stapo_megatron.recipes import paper
 
 RECIPES = ("tiny", *paper.LAYOUTS)
@@ -70,7 +70,7 @@ def build_config(
 
     Args:
         recipe: one of `RECIPES`.
-        method: a name of `stapo_megatron.methods.METHODS` (None: "stapo", or the method of
+        method: a name of `stapo_megatron.method.registry.METHODS` (None: "stapo", or the method of
             ``config``).
         output_dir: the run directory (TrainerConfig.run_dir; ``run_dir=`` itself cannot be
             given on NeMo-Run's command line, where every ``run*`` key belongs to NeMo-Run).
@@ -158,7 +158,7 @@ def run_recipe(
 
     The tiny recipe first prepares its model folder (``<output_dir>/model``) on global rank 0.
     Arguments as in `build_config`; ``model`` ... ``warmstart`` are the section overrides.
-    A failure is recorded in ``<output_dir>/failures`` (`stapo_megatron.faults`); a rank that
+    A failure is recorded in ``<output_dir>/failures`` (`stapo_megatron.trainer.faults`); a rank that
     only lost its peers raises a `faults.PeerFailure` naming the rank that failed first.
     """
     # torchrun's environment: the layout check uses the GPUs this job really has
@@ -174,7 +174,7 @@ def run_recipe(
         init_process_group(cfg.init_timeout_s, cfg.distributed_timeout_s)
         if recipe == "tiny":
             _prepare_tiny_model(cfg.model.hf_dir)
-        from stapo_megatron.trainer import train
+        from stapo_megatron.trainer.loop import train
 
         train(cfg, warmstart_cfg)
     except Exception as error:

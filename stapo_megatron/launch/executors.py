@@ -47,7 +47,7 @@ from typing import Dict, List, Optional, Sequence
 
 import nemo_run as run
 
-from stapo_megatron.preemption import torchrun_env
+from stapo_megatron.trainer.preemption import torchrun_env
 
 PLACEHOLDER_PREFIX = "<unset:"
 """Marks a required Slurm setting that was not given (``<unset:VARIABLE>``, dry runs only)."""
@@ -144,7 +144,7 @@ def slurm_executor(nodes: int, gpus_per_node: int = 8, signal_s: Optional[int] =
     process per GPU, in a pyxis container; the checked-in code is shipped with ``git archive``.
 
     Before the time limit (``--signal=USR1@S``) torchrun forwards SIGUSR1 to the ranks, which
-    save at the next step boundary and stop (`stapo_megatron.preemption`); the non-zero exit
+    save at the next step boundary and stop (`stapo_megatron.trainer.preemption`); the non-zero exit
     makes NeMo-Run's sbatch script requeue the job (``retries``; sbatch runs with ``--requeue``)
     and the requeued job resumes from that checkpoint. S must exceed one training step plus a save.
     """

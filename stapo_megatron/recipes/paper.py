@@ -2,7 +2,7 @@
 
 ``qwen3_1p7b``, ``qwen3_8b`` and ``qwen3_14b`` return the trainer's `TrainerConfig` for
 DAPO-Math-17k (paths are the user's: ``data.train_path`` / ``data.eval_path``), with the method
-as a one-word switch (a name of `stapo_megatron.methods.METHODS`, `method_loss`).
+as a one-word switch (a name of `stapo_megatron.method.registry.METHODS`, `method_loss`).
 
 Each size has a `Layout` (nodes, TP/PP/DP, vLLM TP and memory share, micro-batch, recompute,
 sequence parallelism) chosen with `memory_estimate`, the written per-GPU memory model kept next
@@ -19,8 +19,8 @@ from typing import Dict, List, Optional
 
 from stapo_megatron.bridge.config import QwenSpec, padded_vocab_size
 from stapo_megatron.config import DataConfig, LossConfig, ModelConfig, OptimConfig, RolloutSampling, TrainerConfig
-from stapo_megatron.data import JUSTRL_PROMPT_TEMPLATE
-from stapo_megatron.methods import method_loss_config
+from stapo_megatron.data.examples import JUSTRL_PROMPT_TEMPLATE
+from stapo_megatron.method.config import method_loss_config
 
 GB = 1e9
 """Decimal gigabyte: estimates are compared with 80e9 bytes, below an 80 GB card's 85.9e9."""
@@ -108,7 +108,7 @@ class Layout:
 
 
 LAYOUTS: Dict[str, Layout] = {
-    # 2 nodes: TP=2 halves the 151936-wide fp32 logits (13 GB instead of 26 GB at TP=1).
+    # 2 nodes: TP=2 halves the 151936-wide logits and their gradient (5 GB instead of 10 GB at TP=1).
     "qwen3_1p7b": Layout(num_nodes=2, tensor_model_parallel_size=2, pipeline_model_parallel_size=1,
                          vllm_tensor_parallel_size=2, vllm_gpu_memory_utilization=0.55),
     # 4 nodes: TP=4 (TP=2 needs 49 GB for training, leaving vLLM room for ~11 full-length
@@ -117,10 +117,10 @@ LAYOUTS: Dict[str, Layout] = {
                        vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.5),
     # 8 nodes (the design's target): TP=4 within a node, PP=1, DP=16; one vLLM TP=4 engine per
     # TP group with KV cache for ~34 full-length (16k-token) sequences.
-    # GRPO's reference model (+7.4 GB) leaves vLLM 0.35 of the card.
+    # GRPO's reference model (+7.4 GB) fits beside the same vLLM share (the logits cost 4 B per
+    # entry with the Triton op, measured on the H100: benchmarks/RESULTS.md).
     "qwen3_14b": Layout(num_nodes=8, tensor_model_parallel_size=4, pipeline_model_parallel_size=1,
-                        vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.4,
-                        vllm_gpu_memory_utilization_with_reference=0.35),
+                        vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.4),
 }
 """The parallel layout of each paper recipe (see `memory_estimate` and the README table)."""
 
@@ -132,8 +132,6 @@ FRAMEWORK_OVERHEAD_BYTES = 4 * GB
 (an allowance, not derived)."""
 VLLM_RUNTIME_BYTES = 2 * GB
 """vLLM's own activations / sampler buffers inside its share (an allowance)."""
-LOSS_CHUNK_BYTES = 2 * (1 << 28)
-"""The two fp32 row-chunk buffers of ``ops._local_stats`` on CUDA (``_CHUNK_BYTES_CUDA``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,8 +148,10 @@ class MemoryEstimate:
     """Full recompute with sequence parallelism: every layer's bf16 input (kept), plus one
     layer's full activations and their gradients while it is recomputed."""
     logits: float
-    """The loss on TP-sharded logits: bf16 output, its fp32 copy and the fp32 gradient buffer
-    (10 B per token and local vocabulary entry) plus the loss op's chunk scratch."""
+    """The loss on TP-sharded logits: the bf16 output and its bf16 gradient (4 B per token and
+    local vocabulary entry). On CUDA the op runs its Triton kernels, which keep the fp32 softmax
+    statistics in registers ([N]-sized outputs only; measured on the H100 2026-11-24:
+    `benchmarks/RESULTS.md`, extra peak 1.000x the logits = the gradient)."""
     overhead: float
     """`FRAMEWORK_OVERHEAD_BYTES`."""
     vllm: float
@@ -241,7 +241,7 @@ def memory_estimate(spec: QwenSpec, layout: Layout, seq_len: int = SEQ_LEN,
     layer_bytes = 2 * (4 * h / sp + (2 * q + 2 * kv + 3 * ffn) / tp)
     kept_inputs = 2 * h / sp * tokens * spec.num_layers
     activations = kept_inputs + 2 * layer_bytes * tokens
-    logits = tokens * padded_vocab_size(spec.vocab_size, tp) / tp * (2 + 4 + 4) + LOSS_CHUNK_BYTES
+    logits = tokens * padded_vocab_size(spec.vocab_size, tp) / tp * (2 + 2)
     vllm = layout.vllm_gpu_memory_utilization * gpu_bytes
     reference = 2 * params if layout.reference_model else 0.0
     vllm_weights = 2 * num_params(spec) / layout.vllm_tensor_parallel_size
@@ -262,7 +262,7 @@ def method_loss(method: str) -> LossConfig:
     The shared constants (clip 0.2/0.28, dual clip c = 10 as JustRL sets it on veRL, no KL,
     tau_p 0.002, q 0.75, rho 0.2, T 1.0, tau_H from the current weights before each mini-batch
     as Algorithm 1 does: ``tau_h_source="exact"``), then the method's own
-    ``Method.loss_options`` (`stapo_megatron.methods.method_loss_config`). stapo: S2T with tau_p
+    ``Method.loss_options`` (`stapo_megatron.method.registry.method_loss_config`). stapo: S2T with tau_p
     0.002 and q 0.75; justrl: the JustRL/DAPO objective without a mask; grpo: DeepSeekMath GRPO
     (symmetric clip 0.2, no dual clip, k3 KL with beta 0.04, per-sequence mean); entropy20: keep
     the 20% highest-entropy response tokens; random: silence as many S2T candidates, drawn at

@@ -3,7 +3,7 @@
 Not a measurement (nothing here has run on a GPU): a throughput model with its assumptions as
 named constants, so that the launch defaults (time limit x requeues, the save-before-the-limit
 signal) are derived from a stated number and a dry run can show it. A real run's
-``time_step`` metric replaces it (`stapo_megatron.progress`).
+``time_step`` metric replaces it (`stapo_megatron.runlog.progress`).
 
 Step = rollout (vLLM decode, memory-bandwidth bound) + training (Megatron, FLOP bound):
     rollout  = decode steps x (this GPU's weight shard + the KV cache read per decode step) / HBM

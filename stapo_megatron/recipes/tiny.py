@@ -5,7 +5,8 @@ import os
 import shutil
 
 from stapo_megatron.config import DataConfig, ModelConfig, OptimConfig, RolloutSampling, TrainerConfig, WarmStartConfig
-from stapo_megatron.methods import method_loss_config
+from stapo_megatron.data.tokenizer import build_char_tokenizer
+from stapo_megatron.method.config import method_loss_config
 
 
 BASE_SEED = 1234
@@ -109,7 +110,7 @@ fewer RL steps, so that 4 methods x 5 seeds fit in about an hour on 2 cores."""
 
 def tiny_compare(run_dir: str = "runs/compare/run", method: str = "stapo", seed: int = 0):
     """A run of the method comparison: ``tiny_demo`` with ``COMPARE_OVERRIDES`` and ``seed`` for
-    the run (RL sampling, data order, the random control). `stapo_megatron.compare` launches
+    the run (RL sampling, data order, the random control). `stapo_megatron.runlog.compare` launches
     exactly this through NeMo-Run. Returns (TrainerConfig, WarmStartConfig)."""
     cfg, warmstart = tiny_demo(run_dir=run_dir, method=method)
     cfg = dataclasses.replace(cfg, seed=seed, loss=dataclasses.replace(cfg.loss, seed=seed), **COMPARE_OVERRIDES)
@@ -135,8 +136,6 @@ def prepare_tiny_model(out_dir: str) -> None:
     """Write the demo's model folder (tokenizer, config, placeholder weights) unless it exists."""
     import torch
     import transformers
-
-    from stapo_megatron.tokenizer import build_char_tokenizer
 
     if os.path.exists(os.path.join(out_dir, "config.json")):
         print(f"{out_dir} exists; keeping it")

@@ -1,11 +1,13 @@
-"""Rollouts: the in-process vLLM engine (`vllm_engine`), the transformers engine for machines
-without vLLM (`hf_engine`), the choice between them (`engines`) and the Megatron -> engine weight
-sync (`weight_sync`). Importing this package does not import vllm or megatron-core."""
+"""Rollouts: sampling responses in the training processes and keeping the engine's weights current.
 
-from stapo_megatron.rollout.engines import ENGINES, build_engine, resolve_engine
-from stapo_megatron.rollout.hf_engine import HFEngine
-from stapo_megatron.rollout.vllm_engine import RolloutConfig, Sample, VLLMEngine
-from stapo_megatron.rollout.weight_sync import iter_hf_weights, sync_weights
+- ``base``: the engine contract, `RolloutEngine` (a Protocol), and `Sample`.
+- ``registry``: `ENGINES`, engine names -> dotted paths, imported only when chosen (vLLM stays
+  optional); `build_engine`, `resolve_engine`.
+- ``vllm_engine`` / ``hf_engine``: the in-process vLLM engine and the transformers engine for
+  machines without vLLM.
+- ``weight_sync``: the Megatron -> engine weight stream after every optimizer step.
+- ``config``: `EngineResources`, the engine's `RolloutConfig` and the trainer's `RolloutSampling`.
 
-__all__ = ["ENGINES", "HFEngine", "RolloutConfig", "Sample", "VLLMEngine", "build_engine", "iter_hf_weights",
-           "resolve_engine", "sync_weights"]
+A new engine touches ``registry.py`` (one line) and its own module. Importing this package does
+not import vllm or megatron-core.
+"""

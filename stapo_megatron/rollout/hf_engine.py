@@ -28,7 +28,8 @@ from typing import Iterable, Optional
 
 import torch
 
-from stapo_megatron.rollout.vllm_engine import RolloutConfig, Sample, _has_tokenizer, check_generate_args
+from stapo_megatron.rollout.base import Sample, check_generate_args, has_tokenizer
+from stapo_megatron.rollout.config import RolloutConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -104,7 +105,7 @@ class HFEngine:
         # add logits processors; sampling is entirely `_SeededSampler`'s.
         self.model.generation_config = transformers.GenerationConfig(
             eos_token_id=sorted(self.eos_ids) or None, pad_token_id=self.pad_id)
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir) if _has_tokenizer(hf_dir) else None
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir) if has_tokenizer(hf_dir) else None
         self._rng = torch.Generator().manual_seed(config.seed)
 
     def generate(self, prompt_token_ids: list[list[int]], n: int, temperature: float, top_p: float,

@@ -1,7 +1,7 @@
 """The vLLM rollout engine that lives inside each training process (colocated, SPMD, no Ray).
 
-Owns `Sample` and `VLLMEngine` (its `RolloutConfig` is part of the configuration tree,
-``stapo_megatron.config``, and re-exported here): building ``vllm.LLM`` in-process (with vLLM's
+Owns `VLLMEngine` (a `stapo_megatron.rollout.base.RolloutEngine`; its config is
+`stapo_megatron.rollout.config.RolloutConfig`): building ``vllm.LLM`` in-process (with vLLM's
 ``external_launcher`` executor when torch.distributed runs with more than one rank, so every
 torchrun rank holds its own engine or its shard of one), sampling G responses per prompt with
 the sampler's log-probs, streaming new weights in, and sleep/wake on GPU.
@@ -9,14 +9,13 @@ the sampler's log-probs, streaming new weights in, and sleep/wake on GPU.
 Log-probs are vLLM's ``processed_logprobs``: log softmax of the logits *after* temperature (and
 after top-p truncation when top_p < 1), i.e. the distribution the token was actually drawn
 from. With top_p = 1 they are comparable token for token with Megatron's
-``log_softmax(logits / T)`` (`stapo_megatron.ops.vocab_parallel_logprob_entropy`).
+``log_softmax(logits / T)`` (`stapo_megatron.train.ops.vocab_parallel_logprob_entropy`).
 
 vllm is imported inside the functions that need it, so ``import stapo_megatron`` works without it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import warnings
 from typing import Iterable, Optional
@@ -24,44 +23,11 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from stapo_megatron.config import RolloutConfig
-
-__all__ = ["CPU_DEFAULT_KV_CACHE_BYTES", "RolloutConfig", "Sample", "VLLMEngine", "check_generate_args"]
+from stapo_megatron.rollout.base import Sample, check_generate_args, has_tokenizer
+from stapo_megatron.rollout.config import RolloutConfig
 
 CPU_DEFAULT_KV_CACHE_BYTES = 2**30
 """KV cache of a CPU engine when `RolloutConfig.kv_cache_memory_bytes` is None (1 GiB)."""
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-
-
-@dataclasses.dataclass
-class Sample:
-    """One sampled response."""
-
-    token_ids: list[int]
-    """Response token ids (prompt excluded; EOS included when generation stopped on it)."""
-    logprobs: list[float]
-    """Sampler's log-prob of each token of ``token_ids`` (after temperature, see module doc)."""
-    text: str
-    """Detokenised response; "" when the HF folder has no tokenizer."""
-    finish_reason: str
-    """vLLM's reason: "stop" (EOS or stop token) or "length" (hit max_tokens)."""
-
-
-def _has_tokenizer(hf_dir: str) -> bool:
-    return any(os.path.isfile(os.path.join(hf_dir, f)) for f in _TOKENIZER_FILES)
-
-
-def check_generate_args(prompt_token_ids, n: int, temperature: float, top_p: float, max_tokens: int) -> None:
-    """ValueError for arguments of ``generate`` that no engine can sample with."""
-    if n < 1 or max_tokens < 1:
-        raise ValueError(f"n ({n}) and max_tokens ({max_tokens}) must be >= 1")
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
-    for i, ids in enumerate(prompt_token_ids):
-        if len(ids) == 0:
-            raise ValueError(f"prompt {i} is empty")
-
 
 class VLLMEngine:
     """A vllm.LLM in this process; see the module docstring."""
@@ -79,7 +45,7 @@ class VLLMEngine:
             raise FileNotFoundError(f"no config.json in {hf_dir} (the engine needs an HF model folder)")
         self.config = config
         self.on_gpu = torch.cuda.is_available()
-        self.has_tokenizer = _has_tokenizer(hf_dir)
+        self.has_tokenizer = has_tokenizer(hf_dir)
         self.llm = self._build_llm(hf_dir, self._engine_kwargs(config))
 
     def _engine_kwargs(self, config: RolloutConfig) -> dict:

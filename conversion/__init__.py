@@ -1,1 +1,0 @@
-"""HF Qwen <-> Megatron checkpoint conversion (the `stapo-convert` CLI); see conversion/cli.py."""

@@ -1,0 +1,222 @@
+"""mcore-to-hf: a Megatron torch_dist checkpoint -> an HF folder transformers and vLLM load.
+
+Accepts checkpoints written by `hf-to-mcore` and by the trainer (both carry the HF config and
+tokenizer in ``hf/``: `stapo_megatron.runlog.provenance`), and other training checkpoints (a
+Megatron-LM run directory, or one of its step directories), for which ``hf_config_dir`` names
+the model's config.json and tokenizer (it also overrides a checkpoint's own ``hf/``).
+Optimizer state in the checkpoint is ignored.
+
+Streaming: each HF tensor is read as one region of the stored tensor (one layer's slice, or
+row blocks of the embedding) and appended to a safetensors shard whose header was written up
+front, so memory stays at one layer's tensors whatever the model size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Iterator, Optional, TextIO
+
+import torch
+
+from stapo_megatron.conversion.dcp_io import CheckpointReader, is_complete
+from stapo_megatron.conversion.hf_to_mcore import HF_SUBDIR, copy_hf_side_files, load_spec
+from stapo_megatron.conversion.publish import Progress, check_output_dir, staged_output
+from stapo_megatron.conversion.safetensors_io import INDEX_NAME, SINGLE_NAME, ShardWriter, cast_checked
+from stapo_megatron.bridge.config import QwenSpec, load_hf_config
+from stapo_megatron.bridge.mapping import ParamMapping, hf_shapes, mappings_for, megatron_shape
+from stapo_megatron.bridge.transforms import split_qkv_pieces
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+"""Largest safetensors shard written (transformers' historical default of 5 GB)."""
+
+
+def resolve_checkpoint_dir(path: str) -> str:
+    """The directory holding the dist checkpoint itself.
+
+    Follows a run's newest-checkpoint marker: ``latest`` (stapo_megatron.train.checkpoint, also under
+    ``<run>/checkpoints``) or Megatron-LM's ``latest_checkpointed_iteration.txt``.
+    """
+    if os.path.isfile(path):
+        raise ValueError(f"checkpoint path {path} is a file, not a checkpoint directory: give the folder "
+                         f"(a checkpoint, or a run folder with its latest marker), e.g. {os.path.dirname(path) or '.'}")
+    for root in (path, os.path.join(path, "checkpoints")):
+        marker, tracker = os.path.join(root, "latest"), os.path.join(root, "latest_checkpointed_iteration.txt")
+        if os.path.isfile(marker):
+            with open(marker, encoding="utf-8") as f:
+                path = os.path.join(root, f.read().strip())
+            break
+        if os.path.isfile(tracker):
+            with open(tracker, encoding="utf-8") as f:
+                it = f.read().strip()
+            if it != "release" and not it.isdigit():
+                raise ValueError(f"{tracker}: expected an iteration number or 'release', got {it!r}")
+            path = os.path.join(root, "release" if it == "release" else f"iter_{int(it):07d}")
+            break
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+    if not is_complete(path):
+        raise ValueError(
+            f"{path} is not a complete torch_dist checkpoint (.metadata or metadata.json missing: "
+            "not a Megatron checkpoint, or its save was interrupted)"
+        )
+    return path
+
+
+def find_hf_side_dir(ckpt: str, ckpt_dir: str, hf_config_dir: Optional[str]) -> str:
+    """Where config.json and tokenizer files come from."""
+    candidates = [hf_config_dir] if hf_config_dir else [os.path.join(ckpt_dir, HF_SUBDIR), os.path.join(ckpt, HF_SUBDIR)]
+    for d in candidates:
+        if os.path.isfile(os.path.join(d, "config.json")):
+            return d
+    raise FileNotFoundError(
+        f"no HF config.json in {' or '.join(candidates)} (checkpoints written by hf-to-mcore or this "
+        "trainer carry one; others do not): pass --hf-config DIR (the HF folder the run started from)"
+    )
+
+
+def check_stored(spec: QwenSpec, stored: dict, padded_vocab_hint: int) -> None:
+    """Every Megatron tensor the config implies is stored, with a compatible global shape."""
+    for m in mappings_for(spec):
+        if m.checkpoint_key not in stored:
+            raise ValueError(f"checkpoint has no tensor {m.checkpoint_key} (needed for {spec.architecture})")
+        stored_dtype = stored[m.checkpoint_key].properties.dtype
+        if not stored_dtype.is_floating_point:
+            raise ValueError(
+                f"checkpoint tensor {m.checkpoint_key} has dtype {stored_dtype}; weights must be floating-point"
+            )
+        got = tuple(stored[m.checkpoint_key].size)
+        want = ((spec.num_layers,) if m.per_layer else ()) + megatron_shape(m, spec, padded_vocab_hint)
+        if m.transform == "vocab":
+            if got[1:] != want[1:] or got[0] < spec.vocab_size:
+                raise ValueError(
+                    f"checkpoint tensor {m.checkpoint_key} has shape {got} but the config implies "
+                    f"({spec.vocab_size} or more padded rows, {want[1]})"
+                )
+        elif got != want:
+            raise ValueError(f"checkpoint tensor {m.checkpoint_key} has shape {got} but the config implies {want}")
+
+
+def _read_layer(reader: CheckpointReader, m: ParamMapping, layer: int, shape: tuple, row0: int = 0,
+                rows: Optional[int] = None) -> torch.Tensor:
+    """Rows ``[row0, row0 + rows)`` of one layer's slice of a layer-stacked tensor."""
+    rows = shape[0] - row0 if rows is None else rows
+    offsets = (layer, row0) + (0,) * (len(shape) - 1)
+    return reader.read({m.checkpoint_key: (offsets, (1, rows) + shape[1:])})[m.checkpoint_key][0]
+
+
+def _row_blocks(reader: CheckpointReader, key: str, rows: int, row_shape: tuple) -> Iterator[torch.Tensor]:
+    """Rows ``[0, rows)``, one stored chunk at a time: a read straddling or splitting stored
+    chunks would load a chunk more than once. Converted checkpoints store the vocabulary in
+    blocks of BLOCK_BYTES; a training checkpoint's chunk is its TP shard of the vocabulary."""
+    bounds = [b for b in reader.row_boundaries(key) if b < rows] + [rows]
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        yield reader.read({key: ((lo,) + (0,) * len(row_shape), (hi - lo,) + row_shape)})[key]
+
+
+def hf_tensors(reader: CheckpointReader, m: ParamMapping, layer: Optional[int],
+               spec: QwenSpec) -> list[tuple[str, Iterator[torch.Tensor]]]:
+    """The HF tensors of one mapping row (one layer), each as an iterator of contiguous pieces
+    whose concatenation along dim 0 is the tensor (so no piece is copied to be written)."""
+    names = m.hf_names(layer)
+    if m.per_layer:
+        shape = megatron_shape(m, spec, spec.vocab_size)
+        if m.transform == "qkv":
+            full = _read_layer(reader, m, layer, shape)
+            parts = split_qkv_pieces(full, spec.num_attention_heads, spec.num_query_groups, spec.kv_channels)
+        elif m.transform == "gate_up":
+            # Stored in the TP=1 layout [gate; up]; reading the halves separately matches the
+            # chunks hf-to-mcore writes (one read each instead of a read into a merged buffer).
+            ffn = shape[0] // 2
+            parts = [[_read_layer(reader, m, layer, shape, 0, ffn)], [_read_layer(reader, m, layer, shape, ffn, ffn)]]
+        else:
+            parts = [[_read_layer(reader, m, layer, shape)]]
+        return [(n, iter(p)) for n, p in zip(names, parts)]
+    shape = hf_shapes(spec)[names[0]]
+    # Vocabulary rows beyond vocab_size are Megatron's padding; they are simply not read.
+    return [(names[0], _row_blocks(reader, m.checkpoint_key, shape[0], shape[1:]))]
+
+
+def _shard_plan(entries: list[tuple[str, torch.dtype, tuple]], max_shard_bytes: int) -> list[list]:
+    shards, size = [[]], 0
+    for entry in entries:
+        nbytes = math.prod(entry[2]) * torch.empty((), dtype=entry[1]).element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    return shards
+
+
+def _write_config(side_dir: str, dest: str, dtype: torch.dtype) -> None:
+    cfg = load_hf_config(side_dir)
+    name = str(dtype).replace("torch.", "")
+    keys = [k for k in ("dtype", "torch_dtype") if k in cfg] or ["dtype"]
+    for k in keys:
+        cfg[k] = name
+    with open(os.path.join(dest, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+
+
+def convert_mcore_to_hf(
+    ckpt: str,
+    out: str,
+    dtype: Optional[torch.dtype] = None,
+    hf_config_dir: Optional[str] = None,
+    overwrite: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    stream: Optional[TextIO] = None,
+) -> list[str]:
+    """Convert; returns the names of the safetensors files written.
+
+    Args:
+        dtype: output dtype; default the stored dtype of the embedding.
+        hf_config_dir: HF folder providing config.json and tokenizer (default ``ckpt/hf``).
+        max_shard_bytes: largest safetensors shard.
+    """
+    ckpt_dir = resolve_checkpoint_dir(ckpt)
+    side_dir = find_hf_side_dir(ckpt, ckpt_dir, hf_config_dir)
+    _, spec = load_spec(side_dir)
+    inputs = [ckpt, ckpt_dir, side_dir]
+    check_output_dir(out, overwrite, inputs)
+    reader = CheckpointReader(ckpt_dir)
+    stored = reader.tensors()
+    check_stored(spec, stored, spec.vocab_size)
+    dtype = dtype or stored["embedding.word_embeddings.weight"].properties.dtype
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    shapes = hf_shapes(spec)
+    jobs = [(m, layer) for m in mappings_for(spec) for layer in (range(spec.num_layers) if m.per_layer else [None])]
+    order = [n for m, layer in jobs for n in m.hf_names(layer)]
+    shards = _shard_plan([(n, dtype, shapes[n]) for n in order], max_shard_bytes)
+    files = [SINGLE_NAME] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    file_of = {entry[0]: f for f, shard in zip(files, shards) for entry in shard}
+    progress = Progress("mcore-to-hf", len(order), sum(math.prod(shapes[n]) for n in order) * itemsize, stream)
+    with staged_output(out, overwrite, inputs) as tmp:
+        writers = iter([(f, shard) for f, shard in zip(files, shards)])
+        writer, remaining = None, 0
+        for m, layer in jobs:
+            for name, blocks in hf_tensors(reader, m, layer, spec):
+                if remaining == 0:
+                    if writer is not None:
+                        writer.close()
+                    fname, shard = next(writers)
+                    writer, remaining = ShardWriter(os.path.join(tmp, fname), shard), len(shard)
+                nbytes = 0
+                for block in blocks:
+                    block = cast_checked(block, dtype, name)
+                    writer.write(block)
+                    nbytes += block.nbytes
+                remaining -= 1
+                progress.update(nbytes)
+        writer.close()
+        if len(files) > 1:
+            index = {"metadata": {"total_size": progress.bytes}, "weight_map": {n: file_of[n] for n in order}}
+            with open(os.path.join(tmp, INDEX_NAME), "w", encoding="utf-8") as f:
+                json.dump(index, f, indent=2)
+        copy_hf_side_files(side_dir, tmp)
+        _write_config(side_dir, tmp, dtype)
+    progress.close()
+    return files

@@ -1,0 +1,8 @@
+"""Evaluation: avg@k / pass@k of sampled responses, in training and from the command line.
+
+- ``config``: `EvalSetConfig`, `Decoding` and the parsing of ``eval_sets`` strings.
+- ``scoring``: loading benchmark sets, scoring responses, avg@k / pass@k, tables.
+- ``evaluator``: the in-training `Evaluator` the loop asks (``should_evaluate(step)`` /
+  ``evaluate(step)``).
+- ``cli``: ``stapo-eval``.
+"""

@@ -1,0 +1,107 @@
+"""The in-training evaluator: the loop asks ``should_evaluate(step)`` and then ``evaluate(step)``.
+
+It scores the held-out set (``eval_accuracy``: avg@k with k = ``eval_samples`` at
+``eval_temperature``, a sample correct when its reward is positive, under 1/0 and +1/-1 rewards
+alike) and every named set of ``TrainerConfig.eval_sets`` per decoding
+(``eval/<set>/<decoding>/avg@<k>`` and ``pass@<k>``), each split over the DP ranks, sampled with
+one seed (`Seeds.evaluation`) so that evaluations at different steps differ by the weights only.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from stapo_megatron.config import TrainerConfig
+from stapo_megatron.data.examples import tokenize_prompts
+from stapo_megatron.eval.config import Decoding
+from stapo_megatron.eval.scoring import Counts, EvalSet, load_eval_set, score_responses, summarize
+from stapo_megatron.rewards.scorer import RewardScorer
+from stapo_megatron.rollout.base import RolloutEngine, generate_for_group
+from stapo_megatron.train.parallel import Groups, collective_device
+
+
+def eval_max_len(cfg: TrainerConfig) -> int:
+    """Held-out responses' token limit (`TrainerConfig.eval_max_response_len`)."""
+    return cfg.eval_max_response_len or cfg.rollout.max_response_len
+
+
+def load_eval_sets(cfg: TrainerConfig, tokenizer) -> List[Tuple[EvalSet, List[List[int]]]]:
+    """``TrainerConfig.eval_sets`` loaded and tokenized as the held-out set is: (EvalSet with the
+    kept problems, their prompt token ids) per set."""
+    out = []
+    for set_cfg in cfg.eval_sets:
+        eval_set = load_eval_set(set_cfg)
+        ids, eval_set.examples, _ = tokenize_prompts(
+            tokenizer, eval_set.examples, cfg.data.max_prompt_len, cfg.data.use_chat_template
+        )
+        out.append((eval_set, ids))
+    return out
+
+
+class Evaluator:
+    """Scores the policy the rollout engine holds on the held-out set and the named sets."""
+
+    def __init__(self, cfg: TrainerConfig, held_out: Tuple[List[List[int]], List],
+                 eval_sets: List[Tuple[EvalSet, List[List[int]]]], engine: RolloutEngine, scorer: RewardScorer,
+                 groups: Groups, seed: int, logger):
+        self.cfg, self.held_out, self.eval_sets = cfg, held_out, eval_sets
+        self.engine, self.scorer, self.groups, self.seed, self.logger = engine, scorer, groups, seed, logger
+        self.dp_size, self.dp_rank = dist.get_world_size(groups.dp), dist.get_rank(groups.dp)
+        self.dp_device = collective_device(groups.dp)
+        self.rank = dist.get_rank()
+
+    def should_evaluate(self, step: int) -> bool:
+        """At step 0, every ``eval_every`` steps and at the last step (never with eval_every 0)."""
+        every = self.cfg.eval_every
+        return bool(every) and (step % every == 0 or step == self.cfg.steps)
+
+    def evaluate(self, step: int) -> Dict[str, float]:
+        """The eval row of ``step`` (logged, printed on rank 0, returned)."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        held_out = Decoding(cfg.eval_temperature, 1.0, "held_out")
+        samples: List[Dict] = []
+        counts = self._counts(*self.held_out, cfg.eval_samples, held_out, samples)
+        row = dict(kind="eval", step=step, eval_accuracy=summarize(counts, cfg.eval_samples, held_out)["avg@k"],
+                   eval_num=int(counts.num_samples))
+        for eval_set, ids in self.eval_sets:
+            for decoding in eval_set.decodings:
+                result = summarize(self._counts(ids, eval_set.examples, eval_set.k, decoding), eval_set.k, decoding)
+                for metric in ("avg", "pass"):
+                    row[f"eval/{eval_set.name}/{decoding.name}/{metric}@{eval_set.k}"] = result[f"{metric}@k"]
+        row["time_eval"] = time.perf_counter() - t0
+        self.logger.log(row)
+        self.logger.log_samples(step, samples)
+        self._print(row)
+        return row
+
+    def _counts(self, prompt_ids: List[List[int]], examples: List, k: int, decoding: Decoding,
+                samples_out: Optional[List[Dict]] = None) -> Counts:
+        """avg@k sums of ``k`` samples per problem, this DP rank's share sampled and scored here
+        (``scoring.score_responses``), then summed over DP (float32, as every metric sum).
+        ``samples_out``, if given, gets this rank's samples (prompt, response, answer, reward)."""
+        idx = list(range(self.dp_rank, len(prompt_ids), self.dp_size))
+        samples = generate_for_group(self.engine, self.groups.mp, [prompt_ids[i] for i in idx], k,
+                                     decoding.temperature, decoding.top_p, eval_max_len(self.cfg), seed=self.seed)
+        texts = [[s.text for s in group] for group in samples]
+        rewards: List[float] = []
+        counts = score_responses(texts, [examples[i] for i in idx], k, self.scorer, rewards)
+        if samples_out is not None:
+            flat = [(examples[i], t) for i, group in zip(idx, texts) for t in group]
+            samples_out.extend(dict(prompt=ex.prompt, response=t, answer=ex.answer, reward=r)
+                               for (ex, t), r in zip(flat, rewards))
+        sums = torch.tensor(counts.as_list(), device=self.dp_device)
+        dist.all_reduce(sums, group=self.groups.dp)
+        return Counts(*sums)
+
+    def _print(self, r: Dict) -> None:
+        if self.rank == 0:
+            print(f"eval  {r['step']:>4} | held-out accuracy {r['eval_accuracy']:.3f} "
+                  f"({r['eval_num']} samples, {r['time_eval']:.1f}s)", flush=True)
+            for key, value in r.items():
+                if key.startswith("eval/"):
+                    print(f"eval  {r['step']:>4} | {key[len('eval/'):]} {value:.3f}", flush=True)

@@ -1,0 +1,115 @@
+"""The ``nemo-run`` command line that this package adds to NeMo-Run's (`launch.cli`): the help
+text listing the launch files, and the arguments taken out before NeMo-Run parses the rest
+(executor fields, environment variables, ``--save-config`` / ``--emit-sbatch`` paths, flags)."""
+
+import ast
+import os
+from typing import List
+
+LAUNCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "launch")
+"""The checkout's launch files (``launch/*.py``)."""
+
+ADDED_OPTIONS = """Options added by this package (besides NeMo-Run's, listed by `nemo-run LAUNCH --help`):
+  --dryrun                  print the resolved configuration (every field), the problems a submission
+                            would have, and the sbatch script / torchrun command; submit nothing
+  --save-config PATH        also write the resolved configuration (YAML) to PATH; launch it back with
+                            config=PATH (overrides apply on top)
+  --emit-sbatch PATH        write a plain sbatch + torchrun script of a paper recipe (no NeMo-Run or
+                            container on the cluster), checked like a submission; submit nothing
+  --include-uncommitted     ship the checkout's working tree (a submission with uncommitted changes is
+                            refused otherwise: the job runs git archive of HEAD)
+  -y, --yes                 submit without asking (-y is --yes, never NeMo-Run's --yaml)
+
+Arguments (key=value, no dashes):
+  method=NAME               stapo (default), justrl, entropy20, random, grpo, ... (stapo_megatron/method/registry.py)
+  output_dir=PATH           the run folder (absolute on Slurm)
+  config=PATH               start from a configuration YAML (--save-config, or a run's config.yaml)
+  FIELD=VALUE               a top-level TrainerConfig field: steps=100, seed=1, ...
+  SECTION.FIELD=VALUE       a nested field: model.hf_dir=..., data.train_path=..., rollout.max_response_len=8192,
+                            loss.tau_p=0.01, optim.lr=1e-6, logging.*, warmstart.* (tiny recipe)
+  run.executor.FIELD=VALUE  an executor field: run.executor.account=..., run.executor.nodes=2,
+                            run.executor.env_vars.NAME=VALUE (added to the recipe's environment)
+Every field with its default and meaning: docs/config-reference.md; the resolved values of a
+launch file: nemo-run LAUNCH --dryrun. Cluster settings (STAPO_* variables):
+stapo_megatron/launch/executors.py."""
+
+
+def launch_files() -> List[str]:
+    """``  launch/NAME.py  first docstring line`` of each launch file of the checkout."""
+    lines = []
+    for name in sorted(os.listdir(LAUNCH_DIR)) if os.path.isdir(LAUNCH_DIR) else []:
+        path = os.path.join(LAUNCH_DIR, name)
+        if not name.endswith(".py"):
+            continue
+        with open(path, encoding="utf-8") as f:
+            try:
+                doc = ast.get_docstring(ast.parse(f.read())) or ""
+            except SyntaxError:
+                doc = ""
+        lines.append(f"  {os.path.relpath(path):<24}  {doc.splitlines()[0] if doc else ''}")
+    return lines
+
+
+def usage(synopsis: str) -> str:
+    """``nemo-run --help``: the synopsis, the launch files, the added options and arguments."""
+    files = launch_files()
+    listing = ("Launch files:\n" + "\n".join(files)) if files else f"(no launch files found in {LAUNCH_DIR})"
+    return f"{synopsis}\n\n{listing}\n\n{ADDED_OPTIONS}\n"
+
+
+def split_executor_args(args: List[str]):
+    """(executor name or None, ``executor.*`` arguments without the prefix, the others)."""
+    name, fields, others = None, [], []
+    for arg in args:
+        if arg.startswith("executor="):
+            name = arg.split("=", 1)[1]
+        elif arg.startswith("executor."):
+            fields.append(arg[len("executor."):])
+        else:
+            others.append(arg)
+    return name, fields, others
+
+
+def split_env_args(args: List[str]):
+    """(the environment variables of ``executor.env_vars.KEY=VALUE`` and ``executor.env_vars={...}``
+    arguments, the other arguments). Both forms add to the executor's environment instead of
+    replacing it (NeMo-Run 0.11.1 replaces the whole dict, dropping e.g. the recipe's
+    PET_SIGNALS_TO_HANDLE, and fails on the per-key form)."""
+    env, others = {}, []
+    for arg in args:
+        key, _, value = arg.partition("=")
+        if key == "executor.env_vars":
+            try:
+                parsed = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                parsed = None
+            if not isinstance(parsed, dict):
+                raise ValueError(f"run.executor.env_vars={value} is not a dict: write "
+                                 "run.executor.env_vars.NAME=VALUE, or run.executor.env_vars=\"{'NAME': 'VALUE'}\"")
+            env.update({str(k): str(v) for k, v in parsed.items()})
+        elif key.startswith("executor.env_vars."):
+            env[key[len("executor.env_vars."):]] = value.strip("'\"")
+        else:
+            others.append(arg)
+    return env, others
+
+
+def split_save_config(args: List[str], option: str = "--save-config"):
+    """(the ``--save-config PATH`` / ``--save-config=PATH`` value or None, the other arguments;
+    likewise for another ``option`` with a path)."""
+    path, others, it = None, [], iter(args)
+    for arg in it:
+        if arg == option:
+            path = next(it, None)
+            if path is None:
+                raise ValueError(f"{option} needs a file path")
+        elif arg.startswith(f"{option}="):
+            path = arg.split("=", 1)[1]
+        else:
+            others.append(arg)
+    return path, others
+
+
+def split_flag(args: List[str], flag: str):
+    """(whether ``flag`` is among ``args``, the other arguments)."""
+    return flag in args, [a for a in args if a != flag]

@@ -1,0 +1,9 @@
+"""The method: the paper's algorithm on plain tensors, with no Megatron in it.
+
+- ``objective``: the clipped token surrogate, the masked sum and its normaliser, the k3 KL (Eq. 1-3).
+- ``masks``: the S2T mask (STAPO), the 20-Entropy and random controls, the mini-batch tau_H.
+- ``registry``: `METHODS`, one `Method` per name (mask, threshold statistic, loss options).
+- ``config``: `LossConfig`, the method's name and constants, and `method_loss_config`.
+
+A new method touches ``registry.py`` (and ``masks.py`` if it needs a new primitive) and a test.
+"""

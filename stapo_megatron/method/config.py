@@ -1,0 +1,75 @@
+"""`LossConfig`: the method's name and constants (defaults: the paper's STAPO recipe)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+from stapo_megatron.method.registry import get_method
+
+@dataclasses.dataclass
+class LossConfig:
+    """Policy-loss method and constants (defaults: the paper's STAPO recipe)."""
+
+    method: str = "stapo"
+    """A name of `stapo_megatron.method.registry.METHODS`: "stapo" (S2T mask), "justrl" (the JustRL/DAPO
+    objective, no mask), "grpo" (DeepSeekMath GRPO: per-sequence mean, KL to a frozen reference;
+    give it its options with `stapo_megatron.method.registry.method_loss_config`), "entropy20" (keep
+    only the top-20% entropy tokens), "random" (silence as many S2T candidates, drawn at random,
+    as S2T would), "random_uniform" (as many random response tokens)."""
+    clip_ratio_low: float = 0.2
+    """eps_low of the clipped ratio (PPO/DAPO)."""
+    clip_ratio_high: float = 0.28
+    """eps_high of the clipped ratio (DAPO clip-higher)."""
+    clip_ratio_c: Optional[float] = None
+    """Dual-clip constant c > 1 for negative advantages (None = off; the paper recipes, on
+    veRL/JustRL, use 10)."""
+    kl_coef: float = 0.0
+    """beta of a k3 KL(pi_theta || pi_ref) penalty per kept token (GRPO: 0.04; 0 for STAPO and
+    JustRL). > 0 makes the trainer build a frozen reference model from the initial weights and
+    run one no-grad forward per step (``stapo_megatron.train.reference``)."""
+    tau_p: float = 0.002
+    """S2T probability threshold: candidates have p < tau_p."""
+    entropy_quantile: float = 0.75
+    """S2T q: tau_H is this quantile of candidate entropies over the mini-batch."""
+    entropy_top_fraction: float = 0.2
+    """20-Entropy rho: fraction of highest-entropy response tokens kept."""
+    tau_h_source: str = "old"
+    """Where the mini-batch threshold comes from: "exact" (a no-grad pre-pass with the current
+    weights before each mini-batch: Algorithm 1, the paper recipes' setting) or "old" (the pi_old
+    pass of the step: exact for the first mini-batch, an approximation for the later ones that
+    costs no extra forward; see benchmarks/RESULTS.md for the measured cost and difference)."""
+    temperature: float = 1.0
+    """Rollout sampling temperature; logits are divided by it exactly as the sampler does."""
+    seed: int = 0
+    """Base seed of the random-control mask (combined with a per-micro-batch seed)."""
+
+    def __post_init__(self):
+        get_method(self.method)  # ValueError naming the methods
+        if self.tau_h_source not in ("old", "exact"):
+            raise ValueError(f"tau_h_source must be 'old' or 'exact', got {self.tau_h_source!r}")
+        if not (0 <= self.clip_ratio_low < 1 and self.clip_ratio_high >= 0):
+            raise ValueError(
+                f"need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, got "
+                f"{self.clip_ratio_low}, {self.clip_ratio_high}"
+            )
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
+            raise ValueError(f"clip_ratio_c must be > 1, got {self.clip_ratio_c}")
+        # `not (a < x <= b)` also refuses NaN, which every comparison fails.
+        if not 0 < self.tau_p <= 1:
+            raise ValueError(f"tau_p must be in (0, 1] (a probability threshold), got {self.tau_p}")
+        if not 0 < self.entropy_quantile < 1:
+            raise ValueError(f"entropy_quantile must be in (0, 1), got {self.entropy_quantile}")
+        if not 0 < self.entropy_top_fraction <= 1:
+            raise ValueError(f"entropy_top_fraction must be in (0, 1], got {self.entropy_top_fraction}")
+        if not (0 < self.temperature and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be finite and > 0, got {self.temperature}")
+        if not (0 <= self.kl_coef and math.isfinite(self.kl_coef)):
+            raise ValueError(f"kl_coef must be finite and >= 0, got {self.kl_coef}")
+
+
+def method_loss_config(method: str, **shared: Any) -> LossConfig:
+    """The `LossConfig` of ``method``: the ``shared`` field values, then the method's own
+    ``loss_options`` on top (GRPO's symmetric clip and KL coefficient)."""
+    return LossConfig(method=method, **{**shared, **get_method(method).loss_options})

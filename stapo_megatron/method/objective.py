@@ -1,0 +1,134 @@
+"""The STAPO objective on plain tensors: the per-token clipped surrogate and its masked sum.
+
+arXiv 2602.15620, the J_STAPO objective (DAPO/JustRL token level, clip-higher, no KL, no entropy
+bonus, plus the S2T mask of ``stapo_megatron.method.masks``; docs/design.md, "The method"):
+
+    J = 1 / sum keep * sum_{i,t} keep_{i,t} * min( r A_i , clip(r, 1 - eps_low, 1 + eps_high) A_i )
+    r = pi_theta(y_t | .) / pi_old(y_t | .),   keep = response_mask & ~silenced
+
+Pure tensors in, (sum of token losses, number of kept tokens) out: the division by the kept count
+of the whole mini-batch (all micro-batches, all DP ranks) is Megatron's, see
+``stapo_megatron.train.loss``. No process groups, no Megatron.
+
+GRPO as DeepSeekMath defines it (Shao et al. 2024, Eq. 3) aggregates differently
+(``loss_agg="seq_mean_token_mean"``): each sequence's token losses are averaged over its own
+length first, then sequences are averaged,
+
+    J_GRPO = 1/G sum_i 1/|o_i| sum_t [ min(r A_i, clip(r, 1 - eps, 1 + eps) A_i) - beta D_KL,t ]
+    D_KL,t = pi_ref / pi_theta - log(pi_ref / pi_theta) - 1        (the k3 estimator)
+
+so the call returns (sum over sequences of their mean token loss, number of sequences) and the
+same Megatron division by the mini-batch's total gives the mean over sequences.
+
+Legend: [B, S] = micro-batch x sequence, aligned with the labels.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
+"""How token losses are averaged: over all kept tokens of the mini-batch (DAPO/JustRL, STAPO) or
+per sequence, then over sequences (DeepSeekMath GRPO)."""
+
+
+def token_objective(
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.28,
+    clip_ratio_c: Optional[float] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-token clipped surrogate loss -min(r A, clip(r) A) and whether clipping was active."""
+    ratio = torch.exp(logprob - old_logprob)
+    unclipped = -ratio * advantages
+    clipped = -ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high) * advantages
+    loss = torch.maximum(unclipped, clipped)
+    is_clipped = clipped > unclipped
+    if clip_ratio_c is not None:
+        # Dual clip (Ye et al. 2020): for A < 0 bound the loss by -c A.
+        dual = torch.minimum(loss, -clip_ratio_c * advantages)
+        loss = torch.where(advantages < 0, dual, loss)
+    return loss, is_clipped
+
+
+def stapo_loss(
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    silenced: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.28,
+    clip_ratio_c: Optional[float] = None,
+    ref_logprob: Optional[torch.Tensor] = None,
+    kl_coef: float = 0.0,
+    loss_agg: str = "token_mean",
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Sum of STAPO token losses over kept tokens, and the number of kept tokens.
+
+    keep = response_mask & ~silenced; loss_sum = -sum keep * min(r A, clip(r, 1-eps_low,
+    1+eps_high) A) (+ kl_coef * k3 KL to ``ref_logprob`` per kept token if kl_coef > 0).
+    Dividing by the kept count of the whole mini-batch (not by this call's) gives -J.
+
+    Args:
+        logprob, old_logprob, ref_logprob: [B, S] log-probs of the labels (any float dtype;
+            the loss is computed in at least fp32, so fp16/bf16 inputs do not overflow the sum,
+            and float64 inputs keep float64).
+        advantages: [B, S] per-token advantages (a sequence's advantage broadcast over its
+            tokens, ``adv_B[:, None].expand(B, S)``).
+        response_mask, silenced: [B, S] bool.
+        loss_agg: "token_mean" (DAPO/JustRL: every kept token weighs the same) or
+            "seq_mean_token_mean" (GRPO: mean over each sequence's kept tokens, then over
+            sequences; one row of the [B, S] tensors is one sequence).
+
+    Returns:
+        (loss_sum: 0-dim, fp32 or (float64 inputs) float64, differentiable; the normaliser: 0-dim int64, the number of kept
+        tokens, or with "seq_mean_token_mean" the number of sequences with a kept token).
+
+    Raises:
+        ValueError: if a tensor's shape differs from ``logprob``'s (a [B] advantage would
+            broadcast along the token axis when B == S; a [B, S, 1] mask would multiply the
+            kept count), or a mask is not bool, or ``loss_agg`` is unknown.
+    """
+    if loss_agg not in LOSS_AGGREGATIONS:
+        raise ValueError(f"loss_agg must be one of {LOSS_AGGREGATIONS}, got {loss_agg!r}")
+    tensors = {"old_logprob": old_logprob, "advantages": advantages, "response_mask": response_mask,
+               "silenced": silenced}
+    if ref_logprob is not None:
+        tensors["ref_logprob"] = ref_logprob
+    for name, t in tensors.items():
+        if t.shape != logprob.shape:
+            hint = ""
+            if name == "advantages":
+                hint = (" (advantages are per token: expand a per-sequence [B] advantage with "
+                        "adv[:, None].expand_as(logprob))")
+            raise ValueError(f"{name} has shape {list(t.shape)} but logprob has {list(logprob.shape)}{hint}")
+    for name in ("response_mask", "silenced"):
+        if tensors[name].dtype != torch.bool:
+            raise ValueError(f"{name} must be a bool tensor, got {tensors[name].dtype}")
+    # accumulate in at least fp32: half-precision inputs go up, float64 inputs stay float64
+    dtype = torch.promote_types(torch.promote_types(logprob.dtype, old_logprob.dtype),
+                                torch.promote_types(advantages.dtype, torch.float32))
+    logprob, old_logprob, advantages = logprob.to(dtype), old_logprob.to(dtype), advantages.to(dtype)
+    ref_logprob = None if ref_logprob is None else ref_logprob.to(dtype)
+    keep = response_mask & ~silenced
+    loss, _ = token_objective(
+        logprob, old_logprob, advantages, clip_ratio_low, clip_ratio_high, clip_ratio_c
+    )
+    if kl_coef:
+        if ref_logprob is None:
+            raise ValueError("kl_coef > 0 needs ref_logprob")
+        log_ratio_ref = ref_logprob - logprob
+        loss = loss + kl_coef * (torch.expm1(log_ratio_ref) - log_ratio_ref)
+    # where() rather than a multiply: a silenced token's inf/NaN ratio must not leak into the sum.
+    loss_BS = torch.where(keep, loss, 0.0)
+    if loss_agg == "seq_mean_token_mean":
+        num_kept_B = keep.sum(dim=-1)
+        has_kept_B = num_kept_B > 0
+        # clamp: a row without kept tokens has a zero sum; dividing it by 1 keeps it zero, not NaN
+        return (loss_BS.sum(dim=-1) / num_kept_B.clamp(min=1)).sum(), has_kept_B.sum()
+    return loss_BS.sum(), keep.sum()

@@ -1,0 +1,5 @@
+"""Rewards: scoring responses against reference answers.
+
+- ``scorer``: `RewardScorer` (worker processes, CPU-time limits) and the math-verify reward.
+- ``functions``: the reward registry `REWARDS` and user reward functions by dotted path.
+"""

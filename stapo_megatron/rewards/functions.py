@@ -1,0 +1,120 @@
+"""The reward functions a run can choose (``TrainerConfig.reward``): a name of `REWARDS` or a dotted path.
+
+A reward function is a picklable module-level ``(response, answer) -> (reward, status)`` that
+`stapo_megatron.rewards.scorer.RewardScorer` runs in its time-bounded worker processes; the status is
+one of ``rewards.STATUS_*`` (counted in the step metrics). Shipped:
+
+- ``math_verify`` (`stapo_megatron.rewards.scorer.score_response`): 1.0 when the last ``\\boxed{}`` is
+  equivalent to the reference under math-verify, else 0.0 (the project's original reward);
+- ``boxed_exact_match`` (`boxed_exact_match`): the paper's rule-based reward. STAPO follows
+  JustRL, which uses DAPO's rule: +1 when the last ``\\boxed{}`` equals the reference after the
+  normalisation of Minerva (Lewkowycz et al. 2022, appendix D; DAPO's ``math_dapo``), else -1.
+
+A model-based verifier (the paper's text names CompassVerifier-3B) plugs in the same way: a
+module-level function with this signature, given by its dotted path (README, "Rewards").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Callable, Dict, Tuple
+
+from stapo_megatron.rewards.scorer import STATUS_OK, STATUS_UNPARSEABLE, extract_boxed, score_response
+from stapo_megatron.utils import load_dotted
+
+ScoreFn = Callable[[str, str], Tuple[float, str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Reward:
+    """One reward function and the reward of a response it could not score."""
+
+    name: str
+    """A name of `REWARDS`, or the dotted path it was imported from."""
+    score_fn: ScoreFn
+    """``(response, answer) -> (reward, status)``, module level (it is pickled to the workers)."""
+    failure_reward: float
+    """The reward of a timed-out or failed check (`RewardScorer.failure_reward`)."""
+
+
+# -- Minerva's answer normalisation (Lewkowycz et al. 2022, appendix D) ------------------------
+
+# Textual variants rewritten first, in this order (spaces go, "\text{and}" becomes a comma).
+_SUBSTITUTIONS = (
+    ("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"),
+    (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"),
+)
+# Units and filler words removed after that.
+_REMOVED = (
+    "square", "ways", "integers", "dollars", "mph", "inches", "ft", "hours", "km", "units", "\\ldots",
+    "sue", "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters",
+    "meals", "edges", "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}",
+    "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;",
+    ",\\!", "{,}", '"', "\\dots",
+)
+# Wrappers whose content is kept: (pattern, replacement).
+_UNWRAP = (
+    (r"(.*?)(\$)(.*?)(\$)(.*)", r"$\3$"),
+    (r"(\\text\{)(.*?)(\})", r"\2"),
+    (r"(\\textbf\{)(.*?)(\})", r"\2"),
+    (r"(\\overline\{)(.*?)(\})", r"\2"),
+    (r"(\\boxed\{)(.*)(\})", r"\2"),
+    (r"(frac)([^{])(.)", r"frac{\2}{\3}"),  # \frac12 -> \frac{1}{2}
+    (r"(sqrt)([^{])", r"sqrt{\2}"),  # \sqrt2 -> \sqrt{2}
+)
+
+
+def normalize_answer(answer: str) -> str:
+    """A final answer in Minerva's normal form: the right-hand side of a last ``=``, no spaces,
+    units, ``\\text{}``/``\\boxed{}``/``$`` wrappers, ``\\frac12`` as ``\\frac{1}{2}``, and
+    thousands separators of plain integers dropped (``100,000`` -> ``100000``)."""
+    answer = answer.split("=")[-1]
+    for before, after in _SUBSTITUTIONS:
+        answer = answer.replace(before, after)
+    for expression in _REMOVED:
+        answer = answer.replace(expression, "")
+    for pattern, replacement in _UNWRAP:
+        answer = re.sub(pattern, replacement, answer)
+    answer = answer.replace("$", "")
+    if answer.replace(",", "").isdigit():
+        answer = answer.replace(",", "")
+    return answer.strip()
+
+
+def boxed_exact_match(response: str, answer: str) -> Tuple[float, str]:
+    """+1.0 if the response's last ``\\boxed{}`` equals ``answer`` after `normalize_answer`,
+    else -1.0 (also without a finished box: the status is then ``STATUS_UNPARSEABLE``).
+
+    The reference may itself be boxed or in ``$...$``; both sides are normalised alike.
+    """
+    predicted = extract_boxed(response)
+    if predicted is None:
+        return -1.0, STATUS_UNPARSEABLE
+    reference = extract_boxed(answer) if "\\boxed" in answer else None
+    reference = answer if reference is None else reference
+    return (1.0 if normalize_answer(predicted) == normalize_answer(reference) else -1.0), STATUS_OK
+
+
+REWARDS: Dict[str, Reward] = {r.name: r for r in (
+    Reward("math_verify", score_response, failure_reward=0.0),
+    Reward("boxed_exact_match", boxed_exact_match, failure_reward=-1.0),
+)}
+"""The shipped reward functions, by name."""
+
+
+def get_reward(name: str) -> Reward:
+    """The `Reward` called ``name``, or the module-level function at dotted path ``name``
+    (failure reward 0). ValueError naming the shipped ones if it is neither."""
+    if name in REWARDS:
+        return REWARDS[name]
+    module_name = name.rpartition(".")[0]
+    if not module_name:
+        raise ValueError(f"reward must be one of {tuple(REWARDS)} or a dotted path module.function, got {name!r}")
+    try:
+        fn = load_dotted(name, "reward")
+    except ValueError as e:
+        raise ValueError(f"{e}; nor is it one of {tuple(REWARDS)}") from None
+    if not callable(fn):
+        raise ValueError(f"reward {name!r} names {type(fn).__name__}, not a function (response, answer) -> (reward, status)")
+    return Reward(name, fn, failure_reward=0.0)

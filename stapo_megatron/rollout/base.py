@@ -1,0 +1,82 @@
+"""The rollout engine contract: `RolloutEngine` (what the trainer, the evaluator and ``stapo-eval``
+call) and `Sample` (what ``generate`` returns), with the argument checks every engine shares.
+
+An engine is built from an HF folder and a `stapo_megatron.rollout.config.RolloutConfig`
+(``Engine(hf_dir, config)``) and registered by dotted path in `stapo_megatron.rollout.registry`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Iterable, Optional, Protocol, Tuple
+
+import torch
+import torch.distributed as dist
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+"""Any of these in an HF folder means it carries a tokenizer (else ``Sample.text`` is "")."""
+
+
+@dataclasses.dataclass
+class Sample:
+    """One sampled response."""
+
+    token_ids: list[int]
+    """Response token ids (prompt excluded; EOS included when generation stopped on it)."""
+    logprobs: list[float]
+    """Sampler's log-prob of each token of ``token_ids`` (of the distribution it was drawn from:
+    after temperature, and after top-p truncation when top_p < 1)."""
+    text: str
+    """Detokenised response; "" when the HF folder has no tokenizer."""
+    finish_reason: str
+    """"stop" (EOS or stop token) or "length" (hit max_tokens)."""
+
+
+class RolloutEngine(Protocol):
+    """What every rollout engine does, in the training processes (SPMD, one per rank or per
+    rollout-TP group)."""
+
+    def generate(self, prompt_token_ids: list[list[int]], n: int, temperature: float, top_p: float,
+                 max_tokens: int, seed: Optional[int] = None) -> list[list[Sample]]:
+        """``n`` samples per prompt; prompt i's j-th sample seeded ``seed + i * n + j``."""
+
+    def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        """Load full HF-named tensors (`stapo_megatron.rollout.weight_sync.iter_hf_weights`)."""
+
+    def sleep(self) -> None:
+        """Free the engine's device memory for training (a no-op where unsupported)."""
+
+    def wake_up(self) -> None:
+        """Take the memory back before the weight sync."""
+
+    def shutdown(self) -> None:
+        """Release the engine (without destroying the default process group)."""
+
+
+def has_tokenizer(hf_dir: str) -> bool:
+    """Whether the HF folder ``hf_dir`` carries a tokenizer (`TOKENIZER_FILES`)."""
+    return any(os.path.isfile(os.path.join(hf_dir, f)) for f in TOKENIZER_FILES)
+
+
+def check_generate_args(prompt_token_ids, n: int, temperature: float, top_p: float, max_tokens: int) -> None:
+    """ValueError for arguments of ``generate`` that no engine can sample with."""
+    if n < 1 or max_tokens < 1:
+        raise ValueError(f"n ({n}) and max_tokens ({max_tokens}) must be >= 1")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+    for i, ids in enumerate(prompt_token_ids):
+        if len(ids) == 0:
+            raise ValueError(f"prompt {i} is empty")
+
+
+def generate_for_group(engine: RolloutEngine, mp_group: Optional[dist.ProcessGroup], prompt_token_ids, n: int,
+                       temperature: float, top_p: float, max_tokens: int, seed: Optional[int]) -> list[list[Sample]]:
+    """``engine.generate``, then the group's first rank's samples broadcast over ``mp_group``:
+    every rank of a model-parallel group must train (and be scored) on identical samples."""
+    samples = engine.generate(prompt_token_ids, n, temperature, top_p, max_tokens, seed=seed)
+    if mp_group is not None and dist.get_world_size(mp_group) > 1:
+        box = [samples]
+        dist.broadcast_object_list(box, src=dist.get_process_group_ranks(mp_group)[0], group=mp_group)
+        samples = box[0]
+    return samples

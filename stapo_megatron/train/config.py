@@ -1,0 +1,91 @@
+"""The training side's configs: `ModelConfig` (which model, at which parallel layout) and `OptimConfig`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Dict, Optional
+
+from stapo_megatron.utils import check_at_least
+
+@dataclasses.dataclass
+class OptimConfig:
+    """AdamW settings (defaults: the JustRL recipe the paper uses)."""
+
+    lr: float = 1e-6
+    """Peak learning rate (constant after warm-up in the paper)."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over DP (Megatron DistributedOptimizer)."""
+    optimizer: str = "adam"
+    """"adam" (AdamW) or "sgd" (plain SGD, momentum 0: used by the parity tests, where Adam
+    would amplify fp32 reduction-order noise on near-zero gradients)."""
+
+    def __post_init__(self):
+        def finite(name, low, high=math.inf, low_open=False):
+            value = getattr(self, name)
+            ok = math.isfinite(value) and (value > low if low_open else value >= low) and value <= high
+            if not ok:
+                interval = f"{'(' if low_open else '['}{low}, {high}{']' if math.isfinite(high) else ')'}"
+                raise ValueError(f"OptimConfig.{name} must be finite and in {interval}, got {value}")
+
+        finite("lr", 0.0, low_open=True)
+        finite("weight_decay", 0.0)
+        finite("clip_grad", 0.0)  # 0 = no clipping (Megatron's convention)
+        finite("adam_beta1", 0.0, 1.0)
+        finite("adam_beta2", 0.0, 1.0)
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f'OptimConfig.optimizer must be "adam" or "sgd", got {self.optimizer!r}')
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """Which model, at which parallel layout."""
+
+    hf_dir: str = ""
+    """HF model folder (config.json, tokenizer, safetensors): architecture, tokenizer, and the
+    folder vLLM starts from."""
+    megatron_ckpt: Optional[str] = None
+    """Initial weights as a Megatron dist checkpoint (`stapo-convert hf-to-mcore`); None keeps
+    the random init (tiny demo models only)."""
+    tensor_model_parallel_size: int = 1
+    """Training TP."""
+    pipeline_model_parallel_size: int = 1
+    """Training PP."""
+    bf16: bool = False
+    """Train in bf16 (GPU); fp32 on CPU."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs TP > 1): the activations outside the TP-split
+    matmuls (norms, residuals) are split over the TP ranks along the sequence."""
+    recompute_granularity: Optional[str] = None
+    """Activation recomputation: None (off), "full" (keep only the inputs of recomputed layers
+    and rerun them in backward) or "selective" (recompute the attention core only)."""
+    recompute_method: Optional[str] = None
+    """With "full": "uniform" (layers in groups of ``recompute_num_layers``, each group's input
+    kept) or "block" (recompute only the first ``recompute_num_layers`` layers of a stage)."""
+    recompute_num_layers: Optional[int] = None
+    """With "full": layers per group ("uniform") or recomputed layers per stage ("block")."""
+
+    def __post_init__(self):
+        check_at_least(self, 1, "tensor_model_parallel_size", "pipeline_model_parallel_size")
+
+    def memory_settings(self) -> Dict[str, Any]:
+        """Sequence parallelism / recomputation as Megatron TransformerConfig fields."""
+        out: Dict[str, Any] = {}
+        if self.sequence_parallel:
+            if self.tensor_model_parallel_size < 2:
+                raise ValueError("model.sequence_parallel needs tensor_model_parallel_size > 1")
+            out["sequence_parallel"] = True
+        if self.recompute_granularity:
+            out["recompute_granularity"] = self.recompute_granularity
+            if self.recompute_granularity == "full":
+                out["recompute_method"] = self.recompute_method or "uniform"
+                out["recompute_num_layers"] = self.recompute_num_layers or 1
+        return out

@@ -1,0 +1,147 @@
+"""The STAPO policy loss in Megatron-Core's schedule: the mini-batch threshold, ``loss_func`` and
+``make_forward_step`` (configured by `LossConfig`, ``stapo_megatron.method.config``).
+
+The loss is split by job: the objective on plain tensors (``method/objective.py``:
+`stapo_loss`, `token_objective`), which tokens each method silences (``method/registry.py``),
+the micro-batch runner shared with the SFT warm-start (``train/schedule.py``), the metrics
+(``train/loss_metrics.py``), and here the Megatron ``loss_func`` that joins them.
+
+STAPO objective (arXiv 2602.15620, Eq. for J_STAPO; the DAPO/JustRL token-level objective with
+clip-higher, no KL, no entropy bonus, plus the S2T mask of ``stapo_megatron.method.masks``):
+
+    J = 1 / sum keep * sum_{i,t} keep_{i,t} * min( r A_i , clip(r, 1 - eps_low, 1 + eps_high) A_i )
+    r = pi_theta(y_t | .) / pi_old(y_t | .),   keep = response_mask & ~silenced
+
+The denominator counts the kept tokens of the WHOLE mini-batch (all micro-batches, all DP ranks);
+for GRPO (``Method.loss_agg == "seq_mean_token_mean"``) it counts the mini-batch's sequences, and
+each sequence contributes its own mean token loss (``stapo_megatron.method.objective``). GRPO's KL term
+needs ``ref_logprob`` in the batch: the frozen reference's log-probs (``stapo_megatron.train.reference``).
+The loss function returns (sum of token losses, number of kept tokens, metrics); with
+``calculate_per_token_loss=True`` Megatron's own ``finalize_model_grads`` all-reduces the token
+count over DP (after broadcasting it from the last pipeline stage) and scales the gradients by
+its inverse, which is exactly that renormalisation.
+
+Where tau_H (the mini-batch quantile of candidate entropies) comes from, ``tau_h_source``:
+
+- "old" (default): the entropies and log-probs of the pi_old pass that computes old log-probs
+  anyway. For the first PPO mini-batch of a step pi_old == pi_theta, so this equals the paper's
+  definition exactly; for later mini-batches the candidate set and quantile lag by the updates of
+  the earlier mini-batches of the same step. Costs nothing extra.
+- "exact": a no-grad pre-pass over the mini-batch with the current weights right before its
+  forward/backward (``schedule.compute_logprob_entropy``). Exact for every mini-batch; costs one extra
+  forward pass (about a third of a training step), so it is not the default.
+
+Legend: [B, S] = micro-batch x sequence; ``_BS`` tensors are aligned with the labels (the token
+predicted at each position).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from stapo_megatron.method import masks as s2t
+from stapo_megatron.method.config import LossConfig
+from stapo_megatron.method.objective import stapo_loss, token_objective
+from stapo_megatron.method.registry import get_method
+from stapo_megatron.train.batching import MicroBatch
+from stapo_megatron.train.loss_metrics import metric_sums
+from stapo_megatron.train.ops import vocab_parallel_logprob_entropy
+from stapo_megatron.train.schedule import forward_step_func
+
+def minibatch_threshold(
+    config: LossConfig,
+    logprob: torch.Tensor,
+    entropy: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    dp_group: Optional[dist.ProcessGroup] = None,
+) -> torch.Tensor:
+    """The method's mini-batch threshold from this rank's whole mini-batch statistics.
+
+    stapo and random: tau_H (q-quantile of S2T candidate entropies over ``dp_group``);
+    entropy20: the (1 - rho)-quantile of response-token entropies; justrl, grpo: NaN (unused); in
+    general ``Method.threshold`` (`stapo_megatron.method.registry`). Tensors may be flattened and
+    concatenated over micro-batches. Collective over ``dp_group`` (every DP rank must call it).
+    """
+    method = get_method(config.method)
+    if method.threshold is None:
+        return torch.tensor(float("nan"))
+    return method.threshold(config, logprob, entropy, advantages, response_mask, dp_group)
+
+
+def loss_func(
+    config: LossConfig,
+    batch: MicroBatch,
+    threshold: torch.Tensor,
+    tp_group: Optional[dist.ProcessGroup],
+    vocab_size: Optional[int],
+    logits: torch.Tensor,
+):
+    """Megatron ``loss_func`` (last pipeline stage): returns (loss_sum, num_kept, metrics).
+
+    ``batch`` needs ``old_logprob`` (``schedule.old_policy_pass``) and ``advantages``;
+    ``ref_logprob`` when ``kl_coef > 0``; ``seed`` for the random masks.
+    """
+    logprob, entropy = vocab_parallel_logprob_entropy(
+        logits, batch.labels, tp_group=tp_group, temperature=config.temperature, vocab_size=vocab_size
+    )
+    response_mask = batch.response_mask.bool()
+    advantages = batch.advantages.float()
+    old_logprob = batch.old_logprob.float()
+    candidates = s2t.s2t_candidates(logprob.detach(), advantages, response_mask, config.tau_p)
+    method = get_method(config.method)
+    silenced = method.mask(
+        config, logprob.detach(), entropy, advantages, response_mask, threshold, batch.seed
+    )
+    # normaliser: kept tokens ("token_mean") or sequences with a kept token (GRPO's sequence mean)
+    loss_sum, normaliser = stapo_loss(
+        logprob, old_logprob, advantages, response_mask, silenced,
+        config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio_c,
+        batch.ref_logprob, config.kl_coef, method.loss_agg,
+    )
+    with torch.no_grad():
+        _, is_clipped = token_objective(
+            logprob, old_logprob, advantages, config.clip_ratio_low, config.clip_ratio_high
+        )
+    num_kept = (response_mask & ~silenced).sum()
+    sums = metric_sums(loss_sum, num_kept, logprob, old_logprob, entropy, response_mask, silenced, candidates,
+                       is_clipped, normaliser)
+    # The spurious-token inspector's raw material: (label id, log p, H, A) of silenced tokens.
+    silenced_tokens = torch.stack(
+        [batch.labels[silenced].float(), logprob.detach()[silenced], entropy[silenced], advantages[silenced]],
+        dim=-1,
+    )
+    return loss_sum, normaliser.to(torch.int), {"stapo_sums": sums, "silenced_tokens": silenced_tokens}
+
+
+def make_forward_step(
+    config: LossConfig,
+    threshold: Optional[torch.Tensor] = None,
+    tp_group: Optional[dist.ProcessGroup] = None,
+    vocab_size: Optional[int] = None,
+) -> Callable:
+    """A ``forward_step_func`` for ``get_forward_backward_func()`` with the STAPO loss.
+
+    Each item of the data iterator is a `MicroBatch` with ``old_logprob`` and ``advantages``
+    (and ``ref_logprob`` for a KL term). The model is a Megatron GPTModel (any PP stage);
+    only the last stage's output reaches ``loss_func``. The TransformerConfig must have
+    ``calculate_per_token_loss=True`` and the caller must set
+    ``config.finalize_model_grads_func`` (Megatron's ``finalize_model_grads``) so the gradients
+    are divided by the mini-batch's kept-token count.
+
+    Args:
+        threshold: the mini-batch threshold from ``minibatch_threshold`` (tau_H for stapo and
+            random, the entropy cut for entropy20; ignored by methods without one).
+        tp_group: the tensor-parallel group the output vocabulary is sharded over.
+        vocab_size: the real vocabulary size if the output layer is padded (see ops).
+    """
+    if threshold is None:
+        if get_method(config.method).needs_entropy:
+            raise ValueError(f"method {config.method!r} needs the mini-batch threshold")
+        threshold = torch.tensor(float("nan"))
+
+    return forward_step_func(lambda batch: partial(loss_func, config, batch, threshold, tp_group, vocab_size))

@@ -1,0 +1,99 @@
+"""The STAPO loss's metrics: per-micro-batch sums (`METRIC_SUMS`) and their reduction to step metrics.
+
+The loss function (``stapo_megatron.train.loss.loss_func``) reports one vector of sums per
+micro-batch (`metric_sums`); `reduce_metrics` adds them over micro-batches and DP ranks and
+broadcasts them from the last pipeline stage, so every rank logs the same numbers.
+
+Legend: [B, S] = micro-batch x sequence, aligned with the labels.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from stapo_megatron.train.parallel import collective_device
+
+# Per-micro-batch sums reported by the loss function, reduced over micro-batches and DP ranks.
+METRIC_SUMS = (
+    "loss_sum", "num_kept", "num_response", "num_silenced", "num_candidates",
+    "entropy_sum", "num_clipped", "kl_sum", "abs_logprob_diff_sum", "loss_normaliser",
+)
+
+
+@torch.no_grad()
+def metric_sums(
+    loss_sum: torch.Tensor,
+    num_kept: torch.Tensor,
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    entropy: torch.Tensor,
+    response_mask: torch.Tensor,
+    silenced: torch.Tensor,
+    candidates: torch.Tensor,
+    is_clipped: torch.Tensor,
+    loss_normaliser: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """One micro-batch's sums, in the order of `METRIC_SUMS` (fp32 vector).
+
+    ``loss_normaliser``: what the loss sum is divided by over the mini-batch (the loss
+    function's second output: kept tokens, or sequences for GRPO); default ``num_kept``."""
+    if loss_normaliser is None:
+        loss_normaliser = num_kept
+    keep = response_mask & ~silenced
+    log_ratio = logprob - old_logprob
+    return torch.stack([
+        loss_sum.detach(),
+        num_kept.float(),
+        response_mask.sum().float(),
+        silenced.sum().float(),
+        candidates.sum().float(),
+        torch.where(response_mask, entropy, 0.0).sum(),
+        (is_clipped & keep).sum().float(),
+        # k3 estimator of KL(pi_old || pi_theta) on response tokens
+        torch.where(response_mask, torch.expm1(log_ratio) - log_ratio, 0.0).sum(),  # expm1: exact for small ratios
+        torch.where(response_mask, log_ratio.abs(), 0.0).sum(),
+        loss_normaliser.float(),
+    ])
+
+
+def reduce_metrics(
+    losses_reduced: Iterable[Dict[str, torch.Tensor]],
+    threshold: torch.Tensor,
+    dp_group: Optional[dist.ProcessGroup] = None,
+    pp_group: Optional[dist.ProcessGroup] = None,
+    pp_last_rank: Optional[int] = None,
+) -> Dict[str, float]:
+    """Step metrics from the per-micro-batch sums: summed over micro-batches and DP ranks,
+    then broadcast from the last pipeline stage (global rank ``pp_last_rank``) over
+    ``pp_group`` so every rank can log them. Collective over both groups.
+    """
+    # Collectives run on the backend's device (CUDA for NCCL, CPU for gloo); the per-micro-batch
+    # sums live on the model's device and are moved there.
+    sums = torch.zeros(len(METRIC_SUMS) + 1, device=collective_device(dp_group if dp_group is not None else pp_group))
+    for item in losses_reduced:
+        sums[:-1] += item["stapo_sums"].to(sums.device)
+    sums[-1] = float(threshold)
+    if dp_group is not None:
+        tau = sums[-1].clone()
+        dist.all_reduce(sums, group=dp_group)
+        sums[-1] = tau  # identical on all DP ranks
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.broadcast(sums, src=pp_last_rank, group=pp_group)
+    total = dict(zip(METRIC_SUMS, sums[:-1].tolist()))
+    num_resp = max(total["num_response"], 1.0)
+    return {
+        "loss": total["loss_sum"] / max(total["loss_normaliser"], 1.0),
+        "num_kept": int(total["num_kept"]),
+        "num_response_tokens": int(total["num_response"]),
+        "silenced_count": int(total["num_silenced"]),
+        "silenced_fraction": total["num_silenced"] / num_resp,
+        "candidate_count": int(total["num_candidates"]),
+        "tau_h": float(sums[-1]),
+        "entropy_mean": total["entropy_sum"] / num_resp,
+        "clip_fraction": total["num_clipped"] / max(total["num_kept"], 1.0),
+        "approx_kl": total["kl_sum"] / num_resp,
+        "logprob_diff_mean": total["abs_logprob_diff_sum"] / num_resp,
+    }

@@ -1,0 +1,148 @@
+"""Process-group setup for Megatron-Core (torchrun/srun on GPU, gloo on CPU).
+
+The rest of the package takes process groups as arguments; this module is the one place
+that initialises ``torch.distributed`` and Megatron's ``parallel_state`` and resolves the
+groups a training step needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from stapo_megatron.train import cpu_compat
+
+
+@dataclasses.dataclass
+class Groups:
+    """The process groups one rank needs for a STAPO step."""
+
+    tp: Optional[dist.ProcessGroup]
+    """Tensor-parallel group (vocabulary shards of the output layer)."""
+    dp: Optional[dist.ProcessGroup]
+    """Data-parallel group (the mini-batch is split over it; tau_H is reduced over it)."""
+    pp: Optional[dist.ProcessGroup]
+    """Pipeline-parallel group (metrics are broadcast from the last stage over it)."""
+    is_last_stage: bool
+    """Whether this rank holds the output layer (and so computes the loss)."""
+    pp_last_rank: int
+    """Global rank of the last pipeline stage of this rank's pipeline (metrics source)."""
+    mp: Optional[dist.ProcessGroup] = None
+    """Model-parallel group (TP x PP): its ranks train on the same samples (the trainer
+    broadcasts its first rank's rollouts over it)."""
+
+
+INIT_TIMEOUT_S = 180.0
+"""Default of `init_process_group`'s ``init_timeout_s`` (`TrainerConfig.init_timeout_s`)."""
+DISTRIBUTED_TIMEOUT_S = 600.0
+"""Default collective timeout (`TrainerConfig.distributed_timeout_s`; Megatron's 10 minutes)."""
+
+
+def init_process_group(
+    init_timeout_s: float = INIT_TIMEOUT_S,
+    timeout_s: float = DISTRIBUTED_TIMEOUT_S,
+    backend: Optional[str] = None,
+) -> None:
+    """Form the default process group from the torchrun environment (no-op when formed).
+
+    Args:
+        init_timeout_s: how long this rank waits for all the others to join. A rank that fails
+            before joining (bad input on one node, an import error, a lost node) would otherwise
+            keep every other rank waiting for the backend's default (gloo: 30 minutes).
+        timeout_s: the collectives' timeout once the group has formed (a peer that stops
+            answering; a peer that dies closes its connections and is noticed at once).
+        backend: "nccl" or "gloo"; default nccl when CUDA is available, else gloo.
+    """
+    if dist.is_initialized():
+        return
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # gloo joins eagerly (every rank waits for all the others' addresses in the store); NCCL
+    # joins at the first collective, through the same store and so under the same timeout
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=init_timeout_s))
+    # the public API has one timeout for both; torch's _set_pg_timeout (torch >= 2.3) changes
+    # the collectives' one afterwards
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s))
+
+
+def init_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    seed: int = 1234,
+    backend: Optional[str] = None,
+    init_timeout_s: float = INIT_TIMEOUT_S,
+    timeout_s: float = DISTRIBUTED_TIMEOUT_S,
+) -> Groups:
+    """Initialise torch.distributed (from the torchrun environment) and Megatron parallel state.
+
+    Args:
+        tensor_model_parallel_size: TP size.
+        pipeline_model_parallel_size: PP size; DP is world_size / (TP * PP).
+        seed: RNG seed. Every data-parallel replica must start from the same weights, and
+            Megatron draws them from torch's global generators (the CPU one under
+            ``use_cpu_initialization``, the CUDA one and the model-parallel tracker on GPU), so
+            both are seeded with ``seed + 100 * pp_rank`` (Megatron's own ``_set_random_seed``:
+            equal on all DP and TP ranks, distinct per pipeline stage), then the TP-dependent
+            streams by ``model_parallel_cuda_manual_seed``.
+        backend: "nccl" or "gloo"; default nccl when CUDA is available, else gloo.
+        init_timeout_s, timeout_s: see `init_process_group` (used when the group is not formed
+            yet); ``timeout_s`` is also the timeout of Megatron's groups (whole minutes).
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    cpu_compat.apply()
+    init_process_group(init_timeout_s, timeout_s, backend)
+    world = dist.get_world_size()
+    if world % (tensor_model_parallel_size * pipeline_model_parallel_size):
+        raise ValueError(
+            f"world size {world} is not divisible by tensor_model_parallel_size "
+            f"{tensor_model_parallel_size} x pipeline_model_parallel_size {pipeline_model_parallel_size}"
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
+    )
+    stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    torch.manual_seed(stage_seed)  # also seeds every CUDA device
+    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
+    return current_groups()
+
+
+def collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """The device of tensors passed to collectives over ``group``: the current CUDA device for
+    NCCL, the CPU for gloo (or when torch.distributed is not initialised)."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def current_groups() -> Groups:
+    """The groups of the already-initialised Megatron parallel state."""
+    from megatron.core import parallel_state as ps
+
+    return Groups(
+        tp=ps.get_tensor_model_parallel_group(),
+        dp=ps.get_data_parallel_group(),
+        pp=ps.get_pipeline_model_parallel_group(),
+        is_last_stage=ps.is_pipeline_last_stage(),
+        pp_last_rank=ps.get_pipeline_model_parallel_last_rank(),
+        mp=ps.get_model_parallel_group(),
+    )
+
+
+def destroy_parallel() -> None:
+    """Tear down Megatron parallel state and the default process group."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,139 @@
+"""One STAPO policy update with Megatron-Core: DDP, optimizer, forward_backward, metrics.
+
+This is steps 4-5 of docs/design.md's training step (old log-probs, then per mini-batch the loss and
+an optimizer step), independent of where rollouts come from. The trainer, the demo and the
+multi-process tests all go through it.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Dict, List
+
+import torch
+
+from stapo_megatron.method.config import LossConfig
+from stapo_megatron.method.registry import get_method
+from stapo_megatron.train.batching import MicroBatch
+from stapo_megatron.train.config import OptimConfig
+from stapo_megatron.train.loss import loss_func, minibatch_threshold
+from stapo_megatron.train.loss_metrics import reduce_metrics
+from stapo_megatron.train.schedule import PassContext, compute_logprob_entropy, run_microbatches
+
+
+def wrap_ddp(model: torch.nn.Module, use_distributed_optimizer: bool = False):
+    """Wrap a Megatron GPTModel in Megatron DDP (parameters broadcast from DP rank 0) and
+    install ``finalize_model_grads``.
+
+    With ``calculate_per_token_loss`` Megatron's ``finalize_model_grads`` divides the gradients
+    by the mini-batch's total token count (here: kept tokens), all-reduced over DP and
+    broadcast from the last PP stage: the STAPO renormalisation.
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import finalize_model_grads
+
+    config = model.config
+    if not config.calculate_per_token_loss:
+        raise ValueError("the STAPO loss needs TransformerConfig(calculate_per_token_loss=True)")
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    config.finalize_model_grads_func = finalize_model_grads
+    ddp_model = DistributedDataParallel(config, ddp_config, model)
+    # Megatron DDP does not synchronise the replicas' initial weights. init_parallel seeds
+    # every DP rank alike, so they already agree; the broadcast from DP rank 0 keeps that true
+    # for models built or loaded any other way (one broadcast per parameter, once per run).
+    ddp_model.broadcast_params()
+    return ddp_model
+
+
+def build_optimizer(ddp_model, optim: OptimConfig):
+    """The Megatron optimizer (AdamW or SGD) over a DDP-wrapped model."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = ddp_model.config
+    opt_config = OptimizerConfig(
+        optimizer=optim.optimizer,
+        sgd_momentum=0.0,
+        lr=optim.lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
+        clip_grad=optim.clip_grad,
+        bf16=config.bf16,
+        params_dtype=config.params_dtype,
+        use_distributed_optimizer=optim.use_distributed_optimizer,
+    )
+    return get_megatron_optimizer(opt_config, [ddp_model])
+
+
+def wrap_model_and_optimizer(model: torch.nn.Module, optim: OptimConfig):
+    """``wrap_ddp`` then ``build_optimizer``: (ddp_model, optimizer)."""
+    ddp_model = wrap_ddp(model, optim.use_distributed_optimizer)
+    return ddp_model, build_optimizer(ddp_model, optim)
+
+
+def policy_update(
+    ctx: PassContext,
+    optimizer,
+    microbatches: List[MicroBatch],
+    loss_config: LossConfig,
+) -> Dict[str, float]:
+    """One mini-batch: threshold, forward/backward over its micro-batches, optimizer step.
+
+    Args:
+        ctx: the DDP-wrapped model (``wrap_model_and_optimizer``), sequence length, process
+            groups and real vocabulary size; its temperature must be the loss's.
+        microbatches: this DP rank's micro-batches of the mini-batch, with ``old_logprob``
+            (``schedule.old_policy_pass``). With ``tau_h_source == "old"`` the threshold reads
+            their ``old_logprob`` / ``old_entropy``; with "exact" (or without ``old_entropy``)
+            a no-grad pre-pass with the current weights computes them.
+    Returns:
+        metrics (same on every rank): loss, silenced count/fraction, tau_h, ..., grad_norm,
+        skipped (1.0 when the optimizer skipped the step on a NaN/Inf gradient).
+    """
+    if ctx.temperature != loss_config.temperature:
+        raise ValueError(f"PassContext.temperature {ctx.temperature} != loss.temperature {loss_config.temperature}")
+    groups = ctx.groups
+    if loss_config.tau_h_source == "exact" or any(mb.old_entropy is None for mb in microbatches):
+        stats = compute_logprob_entropy(ctx, microbatches)
+    else:
+        stats = [(mb.old_logprob, mb.old_entropy) for mb in microbatches]
+    threshold = torch.tensor(float("nan"))
+    if groups.is_last_stage and get_method(loss_config.method).needs_entropy:
+        # micro-batches may still be on the CPU (library users); the statistics are on the model's device
+        logprob = torch.cat([lp.reshape(-1) for lp, _ in stats])
+        cat = lambda key: torch.cat([getattr(mb, key).reshape(-1) for mb in microbatches]).to(logprob.device)  # noqa: E731
+        threshold = minibatch_threshold(
+            loss_config,
+            logprob,
+            torch.cat([h.reshape(-1) for _, h in stats]),
+            cat("advantages"),
+            cat("response_mask"),
+            groups.dp,
+        )
+    ctx.model.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses_reduced = run_microbatches(
+        ctx.model, microbatches, ctx.seq_length,
+        lambda batch: partial(loss_func, loss_config, batch, threshold, ctx.tp_group, ctx.vocab_size),
+    )
+    metrics = reduce_metrics(losses_reduced, threshold, groups.dp, groups.pp, groups.pp_last_rank)
+    # The optimizer step by hand (what MegatronOptimizer.step does) so that a NaN/Inf loss or
+    # gradient skips the update on every rank alike instead of corrupting the weights.
+    found_inf = optimizer.prepare_grads()
+    grad_norm = float(optimizer.get_grad_norm())
+    finite = not found_inf and math.isfinite(grad_norm) and math.isfinite(metrics["loss"])
+    if finite:
+        if optimizer.config.clip_grad > 0:
+            optimizer.clip_grad_norm(optimizer.config.clip_grad)
+        optimizer.step_with_ready_grads()
+    metrics["grad_norm"] = grad_norm
+    metrics["skipped"] = 0.0 if finite else 1.0
+    metrics["tau_h_source"] = loss_config.tau_h_source  # logged: which mini-batch semantics ran
+    # (label id, log p, H, A) rows of this rank's silenced tokens (last stage; empty elsewhere)
+    metrics["silenced_tokens"] = [row for item in losses_reduced for row in item["silenced_tokens"].tolist()]
+    return metrics

@@ -1,0 +1,127 @@
+"""Synthetic rollouts and a tiny Qwen3-shaped GPTModel: the demo and tests need no checkpoint.
+
+Rollouts are G responses per prompt with binary rewards and group advantages (docs/design.md):
+A_i = (R_i - mean_j R_j) / (std_j R_j + eps); groups with all-equal rewards get A = 0.
+Token ids are random; what matters for exercising STAPO is that the model's probabilities of
+the sampled tokens span the S2T thresholds.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import torch
+
+from stapo_megatron.train.batching import MicroBatch, group_advantages
+
+
+def tiny_gpt_config(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_attention_heads: int = 4,
+    num_query_groups: int = 2,
+    kv_channels: int = 32,
+    ffn_hidden_size: int = 128,
+):
+    """A Qwen3-like TransformerConfig (RMSNorm, SwiGLU, GQA, q/k norm, no biases) on fp32.
+
+    ``use_cpu_initialization`` creates every weight at full size from one seed and then shards
+    it, so a given seed yields the same model at any TP/PP (the basis of the parity tests).
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_attention_heads=num_attention_heads,
+        num_query_groups=num_query_groups,
+        kv_channels=kv_channels,
+        ffn_hidden_size=ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=1e-6,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        qk_layernorm=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
+        calculate_per_token_loss=True,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+def build_tiny_gpt(config, vocab_size: int, max_seq_length: int, seed: int = 1234):
+    """GPTModel with Megatron's local layer spec for this rank's pipeline stage."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return GPTModel(
+        config,
+        get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"),
+        vocab_size=vocab_size,
+        max_sequence_length=max_seq_length,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=1_000_000,
+    )
+
+
+def synthetic_rollouts(
+    num_prompts: int,
+    group_size: int,
+    prompt_len: int,
+    response_len: int,
+    vocab_size: int,
+    seed: int,
+    micro_batch_size: int,
+) -> Tuple[List[Dict[str, torch.Tensor]], Dict[str, float]]:
+    """Random prompts/responses with Bernoulli(0.5) rewards, split into micro-batches.
+
+    Response lengths vary (a random cut per sequence); labels are the next tokens and
+    ``response_mask`` is True where the label is a response token. ``old_logprob`` is filled
+    in by the caller's pi_old pass (``schedule.old_policy_pass``). Returns (micro-batches, stats).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    num_seq = num_prompts * group_size
+    seq_len = prompt_len + response_len
+    tokens = torch.randint(0, vocab_size, (num_seq, seq_len), generator=gen)
+    lengths = torch.randint(response_len // 2, response_len + 1, (num_seq,), generator=gen)
+    rewards = (torch.rand(num_prompts, group_size, generator=gen) < 0.5).float()
+    adv_PG, num_flat = group_advantages(rewards)
+    positions = torch.arange(seq_len)
+    # label at position t is token t+1; it is a response token if prompt_len <= t+1 < end
+    label_pos = positions + 1
+    response_mask = (label_pos >= prompt_len) & (label_pos[None, :] < (prompt_len + lengths)[:, None])
+    labels = torch.roll(tokens, -1, dims=1)
+    advantages = adv_PG.reshape(num_seq, 1).expand(num_seq, seq_len).contiguous()
+    microbatches = []
+    for start in range(0, num_seq, micro_batch_size):
+        sl = slice(start, start + micro_batch_size)
+        microbatches.append(
+            MicroBatch(
+                tokens=tokens[sl],
+                position_ids=positions.expand(tokens[sl].shape[0], seq_len).contiguous(),
+                labels=labels[sl],
+                response_mask=response_mask[sl],
+                advantages=advantages[sl],
+                seed=seed * 100_003 + start,
+            )
+        )
+    stats = dict(reward_mean=rewards.mean().item(), num_flat_groups=num_flat)
+    return microbatches, stats

@@ -1,0 +1,8 @@
+"""The trainer: the RL loop and the components it calls.
+
+- ``loop``: `Trainer` (the step's phases) and `train`, the entry point.
+- ``warmstart``: the supervised warm-start component and its cache.
+- ``seeds``, ``preemption``, ``faults``: seeds of every random choice, the save-on-signal
+  requeue, and failure records.
+- ``config``: `WarmStartConfig`.
+"""

@@ -1,0 +1,296 @@
+"""The STAPO training loop (docs/design.md, "One training step"), SPMD: one process per device.
+
+Per step: (1) this DP rank's prompts; (2) G rollouts per prompt in this process (the engine of
+``RolloutSampling.engine``); (3) rewards; (4) group advantages (groups stay whole on one DP rank)
+packed into `MicroBatch` objects; (5) pi_old log-probs (``schedule.old_policy_pass``); (6) per
+PPO mini-batch the loss through Megatron's forward_backward and an optimizer step; (7) weight
+sync into the engine; (8) metrics, evaluation (`Evaluator`), checkpoint. The warm-start is a
+component too (`WarmStart`). Started by torchrun (or srun through NeMo-Run): ``train(config)``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from functools import partial
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from transformers import AutoTokenizer
+
+from stapo_megatron.bridge.config import load_hf_config
+from stapo_megatron.bridge.model import build_gpt_model, load_checkpoint
+from stapo_megatron.config import TrainerConfig, WarmStartConfig
+from stapo_megatron.eval.evaluator import Evaluator, eval_max_len, load_eval_sets
+from stapo_megatron.rewards.functions import get_reward
+from stapo_megatron.rewards.scorer import RewardScorer
+from stapo_megatron.rollout.base import generate_for_group
+from stapo_megatron.rollout.registry import build_engine
+from stapo_megatron.rollout.weight_sync import sync_weights
+from stapo_megatron.runlog.metrics import RunLogger
+from stapo_megatron.runlog.plots import plot_run
+from stapo_megatron.runlog.progress import Progress
+from stapo_megatron.runlog.provenance import RunProvenance
+from stapo_megatron.train import checkpoint as ckpt
+from stapo_megatron.train.batching import MicroBatch, group_advantages, pack_sequences, split_microbatches
+from stapo_megatron.train.parallel import collective_device, destroy_parallel, init_parallel
+from stapo_megatron.train.reference import add_reference_logprobs, frozen_copy, reset_reference
+from stapo_megatron.train.schedule import PassContext, old_policy_pass
+from stapo_megatron.train.step import build_optimizer, policy_update, wrap_ddp
+from stapo_megatron.trainer import faults
+from stapo_megatron.trainer.preemption import SaveOnSignal, StoppedForRequeue
+from stapo_megatron.trainer.prompts import load_prompts, pad_to, step_prompt_indices
+from stapo_megatron.trainer.seeds import Seeds
+from stapo_megatron.trainer.lr import warmup_lr
+from stapo_megatron.trainer.step_metrics import (Timer, format_row, gather_silenced, rollout_train_logprob_diff,
+                                                 step_row)
+from stapo_megatron.trainer.warmstart import WarmStart
+
+
+class Trainer:
+    """Holds the model, optimizer, rollout engine and scorer of one run; ``run()`` trains."""
+
+    def __init__(self, cfg: TrainerConfig, warmstart: Optional[WarmStartConfig] = None):
+        if cfg.prompts_per_step % cfg.minibatch_prompts:
+            raise ValueError(
+                f"prompts_per_step {cfg.prompts_per_step} must be a multiple of minibatch_prompts {cfg.minibatch_prompts}"
+            )
+        self.cfg, self.warmstart = cfg, warmstart
+        self.seeds = Seeds(cfg.seed, warmstart.seed if warmstart else None, cfg.data.seed)
+        self.groups = init_parallel(
+            cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size, seed=self.seeds.model_init,
+            init_timeout_s=cfg.init_timeout_s, timeout_s=cfg.distributed_timeout_s,
+        )
+        self.rank = dist.get_rank()
+        self.dp_size, self.dp_rank = dist.get_world_size(self.groups.dp), dist.get_rank(self.groups.dp)
+        if cfg.minibatch_prompts % self.dp_size:
+            raise ValueError(f"minibatch_prompts {cfg.minibatch_prompts} must divide over DP size {self.dp_size}")
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
+        self.hf_config = load_hf_config(cfg.model.hf_dir)
+        (self.train_ids, self.train_ex), self.held_out = load_prompts(cfg, self.tokenizer)
+        self.eval_sets = load_eval_sets(cfg, self.tokenizer)
+        self._build_model()
+        self.logger = RunLogger(cfg.run_dir, enabled=self.rank == 0, logging=cfg.logging, config=cfg,
+                                plot_every_eval=True)
+        # config, git commit, command, versions: into the run folder and every checkpoint (rank 0)
+        self.provenance = RunProvenance(cfg, warmstart) if self.rank == 0 else None
+        # Slurm's warning before the time limit: save at the next step boundary and stop
+        self.stop_signal = SaveOnSignal().install()
+        self.stopped_at: Optional[int] = None
+        self.engine = self.scorer = self.evaluator = None
+
+    def _build_model(self) -> None:
+        """The policy (DDP-wrapped), its optimizer and, for a KL term, the frozen reference."""
+        cfg = self.cfg
+        build = partial(build_gpt_model, self.hf_config, params_dtype=torch.bfloat16 if cfg.model.bf16 else torch.float32,
+                        calculate_per_token_loss=True, bf16=cfg.model.bf16, **cfg.model.memory_settings())
+        model = build()
+        # sequence parallelism splits the sequence over TP: pad lengths to a multiple of it
+        self.seq_multiple = math.lcm(8, cfg.model.tensor_model_parallel_size if cfg.model.sequence_parallel else 1)
+        if cfg.model.megatron_ckpt:
+            load_checkpoint(model, cfg.model.megatron_ckpt)
+        # the output layer is padded to a multiple of 128 x TP; the softmax must not see it
+        self.vocab_size = model.qwen_spec.vocab_size
+        # GRPO's KL term: a frozen copy of the initial weights, same sharding (reference.py)
+        self.ref_model = frozen_copy(model, build) if cfg.loss.kl_coef > 0 else None
+        # Device rule: batches live on the model's device; what goes through a DP collective is
+        # created on the backend's device (the same CUDA device under NCCL, the CPU under gloo).
+        self.device = next(model.parameters()).device
+        self.dp_device = collective_device(self.groups.dp)
+        self.model = wrap_ddp(model, cfg.optim.use_distributed_optimizer)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+
+    def context(self, seq_length: int, model=None) -> PassContext:
+        """The `PassContext` of a pass of the policy (or ``model``) over ``seq_length`` tokens."""
+        return PassContext(model if model is not None else self.model, seq_length, self.cfg.loss.temperature,
+                           self.groups, self.vocab_size)
+
+    def _start_services(self) -> None:
+        """The reward scorer, the rollout engine and the evaluator that samples with it."""
+        r = self.cfg.rollout
+        reward = get_reward(self.cfg.reward)  # before the engine: a bad name fails fast
+        self.engine = build_engine(r.engine, self.cfg.model.hf_dir, r.engine_config(
+            max_model_len=pad_to(self.cfg.data.max_prompt_len + max(r.max_response_len, eval_max_len(self.cfg))),
+            seed=self.seeds.engine,
+            # the engine must run the dtype the trainer trains in, whatever the folder was saved in
+            dtype="bfloat16" if self.cfg.model.bf16 else "float32",
+            enable_sleep_mode=r.sleep_during_training and torch.cuda.is_available(),
+        ))
+        self.scorer = RewardScorer(num_workers=self.cfg.reward_workers, timeout_s=self.cfg.reward_timeout_s,
+                                   score_fn=reward.score_fn, failure_reward=reward.failure_reward)
+        self.evaluator = Evaluator(self.cfg, self.held_out, self.eval_sets, self.engine, self.scorer, self.groups,
+                                   self.seeds.evaluation, self.logger)
+
+    def train_step(self, step: int) -> Tuple[Dict, List]:
+        """One training step, one line per phase (docs/design.md, "One training step").
+
+        Returns the metrics row and this rank's silenced-token rows (label id, log p, H, A).
+        """
+        timer = Timer()
+        for group in self.optimizer.param_groups:
+            group["lr"] = warmup_lr(step, self.cfg.optim.lr, self.cfg.lr_warmup_steps)
+        prompts, answers = self._prompts(step)
+        with timer("rollout"):
+            samples = self._rollout(prompts, step)
+        with timer("reward"):
+            rewards_PG, reward_info = self._score(samples, answers)
+        self.engine.sleep()  # GPU: vLLM's memory goes to training until the weight sync
+        adv_PG, num_flat = group_advantages(rewards_PG)
+        minis, seq = self._minibatches(step, prompts, samples, adv_PG)
+        ctx = self.context(seq)
+        with timer("old_logprob"):
+            old_policy_pass(ctx, minis)
+            logprob_diff = rollout_train_logprob_diff(minis, self.groups, self.device, self.dp_device)
+            if self.ref_model is not None:
+                add_reference_logprobs(self.context(seq, self.ref_model), minis)
+        with timer("train"):
+            updates = [policy_update(ctx, self.optimizer, mini, self.cfg.loss) for mini in minis]
+        with timer("weight_sync"):
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # hand PyTorch's cached training memory back for vLLM
+            self.engine.wake_up()
+            sync_weights(self.model, self.hf_config, self.groups, self.engine)
+        row = step_row(step, updates, rewards_PG, num_flat, samples, logprob_diff, reward_info,
+                       self.cfg.loss.tau_h_source, self.optimizer.param_groups[0]["lr"], self.groups, self.dp_device)
+        row.update(timer.seconds)
+        return row, [r for u in updates for r in u["silenced_tokens"]]
+
+    def _prompts(self, step: int) -> Tuple[List[List[int]], List[str]]:
+        """This DP rank's prompts of ``step`` (token ids) and their reference answers."""
+        idx = step_prompt_indices(step, self.cfg.prompts_per_step, self.seeds.data_order, len(self.train_ids),
+                                  self.dp_size, self.dp_rank)
+        return [self.train_ids[i] for i in idx], [self.train_ex[i].answer for i in idx]
+
+    def _rollout(self, prompts: List[List[int]], step: int) -> List[List]:
+        """G samples per prompt (``Sample`` lists), the same on every rank of a model-parallel group."""
+        r = self.cfg.rollout
+        return generate_for_group(self.engine, self.groups.mp, prompts, r.group_size, r.temperature, r.top_p,
+                                  r.max_response_len, seed=self.seeds.rollout(step))
+
+    def _score(self, samples: List[List], answers: List[str]) -> Tuple[torch.Tensor, Dict]:
+        """Rewards [P, G] of the samples against their prompts' answers, and the scorer's info."""
+        G = self.cfg.rollout.group_size
+        texts = [s.text for group in samples for s in group]
+        rewards, info = self.scorer.score(texts, [answer for answer in answers for _ in range(G)])
+        return torch.tensor(rewards, dtype=torch.float32).view(len(answers), G), info
+
+    def _minibatches(self, step: int, prompts: List[List[int]], samples: List[List],
+                     adv_PG: torch.Tensor) -> Tuple[List[List[MicroBatch]], int]:
+        """The samples with their advantages packed into label-aligned micro-batches per PPO
+        mini-batch, and the padded sequence length."""
+        G = self.cfg.rollout.group_size
+        flat = [s for group in samples for s in group]
+        seq = pad_to(max(len(prompts[i // G]) + len(s.token_ids) for i, s in enumerate(flat)), self.seq_multiple)
+        batch = pack_sequences(
+            [prompts[i // G] for i in range(len(flat))], [s.token_ids for s in flat],
+            adv_PG.reshape(-1).tolist(), [s.logprobs for s in flat], self.tokenizer.pad_token_id, seq,
+            device=self.device,
+        )
+        per_mini = self.cfg.minibatch_prompts // self.dp_size * G
+        minis = [split_microbatches(batch.rows(s, s + per_mini), self.cfg.micro_batch_size,
+                                    seed=self.seeds.microbatches(step, s, self.dp_rank))
+                 for s in range(0, len(flat), per_mini)]
+        return minis, seq
+
+    def _save(self, step: int):
+        ckpt.save_checkpoint(self.cfg.run_dir, step, self.model, self.optimizer,
+                             {"data_position": step * self.cfg.prompts_per_step},
+                             write_extra=self.provenance.write_checkpoint if self.provenance else None,
+                             keep_last=self.cfg.keep_last)
+
+    def _begin(self) -> int:
+        """Resume from the newest checkpoint or warm-start; the step to start from."""
+        latest = ckpt.find_latest(self.cfg.run_dir)
+        warm = WarmStart(self.cfg, self.warmstart, self.seeds, self.tokenizer, self.train_ids, self.train_ex,
+                         self.seq_multiple) if self.warmstart and self.warmstart.steps else None
+        if latest:
+            start = ckpt.load_checkpoint(latest, self.model, self.optimizer)["step"]
+            self.logger.resume_from(start)  # drop what the killed run logged past the checkpoint
+            if self.rank == 0:
+                print(f"resumed from {latest} (step {start})", flush=True)
+            if warm and self.ref_model is not None:
+                warm.load_reference(self.ref_model)
+            return start
+        if warm:
+            warm.apply(self.context(0), self.optimizer)
+            if self.ref_model is not None:
+                reset_reference(self.ref_model, self.model.module)  # RL starts from the warm-started policy
+        return 0
+
+    def run(self) -> List[Dict]:
+        cfg = self.cfg
+        if self.provenance:
+            self.provenance.write_run()
+        self._start_services()
+        start = self._begin()
+        sync_weights(self.model, self.hf_config, self.groups, self.engine)
+        rows = [self.evaluator.evaluate(0)] if start == 0 and self.evaluator.should_evaluate(0) else []
+        consecutive_skips = 0
+        progress = Progress(cfg.steps, start, cfg.rollout.group_size)
+        for step in range(start, cfg.steps):
+            row, silenced_rows = self.train_step(step)
+            row.update(progress.update(row))
+            rows.append(row)
+            self.logger.log(row)
+            self.logger.log_silenced(step + 1, gather_silenced(silenced_rows, self.groups),
+                                     lambda t: self.tokenizer.decode([t]))
+            if self.rank == 0:
+                print(format_row(row, cfg.steps), flush=True)
+            consecutive_skips = consecutive_skips + 1 if row["skipped"] else 0
+            if consecutive_skips > cfg.max_consecutive_skips:
+                raise RuntimeError(
+                    f"{consecutive_skips} consecutive steps had a NaN/Inf loss or gradient (last at step "
+                    f"{step + 1}); stopping. Check the learning rate and the data; the last good "
+                    f"checkpoint is {ckpt.find_latest(cfg.run_dir)}"
+                )
+            done = step + 1
+            if self.evaluator.should_evaluate(done):
+                rows.append(self.evaluator.evaluate(done))
+            saved = bool(cfg.save_every and (done % cfg.save_every == 0 or done == cfg.steps))
+            if saved:
+                self._save(done)
+            if done < cfg.steps and self.stop_signal.stop_now(saved, lambda: self._save(done)):
+                self.stopped_at = done
+                if self.rank == 0:
+                    print(f"stopping after step {done} on the scheduler's warning signal; saved, "
+                          f"resume by launching the run again (requeue)", flush=True)
+                break
+        if self.rank == 0 and os.path.exists(os.path.join(cfg.run_dir, "metrics.jsonl")):
+            plot_run(cfg.run_dir)
+        return rows
+
+    def close(self):
+        self.stop_signal.uninstall()
+        if self.scorer is not None:
+            self.scorer.close()
+        if self.engine is not None:
+            # vLLM's own shutdown would destroy the default process group (Megatron's)
+            self.engine.shutdown()
+        self.logger.close()
+
+
+def train(cfg: TrainerConfig, warmstart: Optional[WarmStartConfig] = None) -> List[Dict]:
+    """Entry point (one call per process under torchrun): train, then tear down.
+
+    A failure is recorded for `stapo_megatron.trainer.faults` before the teardown (which is when
+    the other ranks notice it); a rank that only lost its peers raises a `faults.PeerFailure`
+    naming the rank that failed first.
+
+    Raises:
+        StoppedForRequeue: stopped and saved on the scheduler's warning signal (exit code
+            `stapo_megatron.trainer.preemption.REQUEUE_EXIT_CODE`).
+    """
+    trainer = None
+    try:
+        trainer = Trainer(cfg, warmstart)
+        rows = trainer.run()
+    except Exception as error:
+        raise faults.failed(cfg.run_dir, error)
+    finally:
+        if trainer is not None:
+            trainer.close()
+        destroy_parallel()
+    if trainer.stopped_at is not None:
+        raise StoppedForRequeue(trainer.stopped_at)
+    return rows

@@ -1,0 +1,56 @@
+"""The trainer's prompts: loading and tokenizing them, choosing each step's.
+
+Training and held-out prompts come from files or a reasoning-gym generator (`load_prompts`);
+each step (and each warm-start step) takes a seeded permutation's next slice, split over DP
+(`step_prompt_indices`).
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+
+from stapo_megatron.config import TrainerConfig
+from stapo_megatron.data import examples as data
+from stapo_megatron.trainer.seeds import Seeds
+
+
+def pad_to(n: int, multiple: int = 8) -> int:
+    """``n`` rounded up to a multiple of ``multiple``."""
+    return (n + multiple - 1) // multiple * multiple
+
+
+def load_prompts(cfg: TrainerConfig, tokenizer) -> List[Tuple[List[List[int]], List]]:
+    """[(prompt token ids, examples) of the training set, the same of the held-out set]."""
+    if cfg.data.train_path:
+        train = data.load_examples(cfg.data.train_path, dedupe=cfg.data.dedupe, **cfg.data.training_fields())
+        if not cfg.data.eval_path:
+            raise ValueError("data.train_path is set but data.eval_path is not: give a held-out file")
+        held_out = data.load_examples(cfg.data.eval_path, **cfg.data.held_out_fields())
+    else:
+        train, held_out = data.reasoning_gym_split(
+            cfg.data.reasoning_gym_task, cfg.data.num_train, cfg.data.num_eval, Seeds(cfg.seed, data_seed=cfg.data.seed).data_split,
+            **cfg.data.reasoning_gym_kwargs,
+        )
+    out = []
+    for examples in (train, held_out):
+        ids, kept, _ = data.tokenize_prompts(
+            tokenizer, examples, cfg.data.max_prompt_len, cfg.data.use_chat_template, cfg.data.prompt_template
+        )
+        out.append((ids, kept))
+    return out
+
+
+def step_prompt_indices(step: int, count: int, seed: int, num_prompts: int, dp_size: int, dp_rank: int) -> List[int]:
+    """Indices of this DP rank's ``count // dp_size`` prompts of a step: positions
+    ``step * count ...`` of a seeded permutation per epoch of the ``num_prompts`` prompts."""
+    first = step * count
+    idx, perms = [], {}
+    for pos in range(first, first + count):
+        epoch, offset = divmod(pos, num_prompts)
+        if epoch not in perms:
+            perms[epoch] = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed + epoch))
+        idx.append(int(perms[epoch][offset]))
+    per_rank = count // dp_size
+    return idx[dp_rank * per_rank : (dp_rank + 1) * per_rank]
