@@ -224,3 +224,17 @@ def test_prepare_tiny_model_refuses_a_foreign_folder(tmp_path):
         prepare_tiny_model(str(tmp_path))
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
     assert not list(tmp_path.parent.glob(f"{tmp_path.name}.tmp-*")), "no temporary folder left behind"
+
+
+def test_readme_memory_table_is_current():
+    """README.md's memory table is what `scripts/memory_table.py` writes from `memory_estimate`
+    (run `python scripts/memory_table.py` after changing a layout or the memory model)."""
+    import importlib.util
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("memory_table", os.path.join(root, "scripts", "memory_table.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
+        assert module.block() in f.read(), "README.md's memory table is stale: run python scripts/memory_table.py"

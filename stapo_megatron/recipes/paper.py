@@ -111,12 +111,12 @@ LAYOUTS: Dict[str, Layout] = {
     # 2 nodes: TP=2 halves the 151936-wide logits and their gradient (5 GB instead of 10 GB at TP=1).
     "qwen3_1p7b": Layout(num_nodes=2, tensor_model_parallel_size=2, pipeline_model_parallel_size=1,
                          vllm_tensor_parallel_size=2, vllm_gpu_memory_utilization=0.55),
-    # 4 nodes: TP=4 (TP=2 needs 49 GB for training, leaving vLLM room for ~11 full-length
-    # sequences per engine); here 28 GB of training and ~56 sequences of KV cache per engine.
+    # 4 nodes: TP=4 (at TP=2 training and vLLM's share exceed the budget); README's memory table
+    # (scripts/memory_table.py) gives the components.
     "qwen3_8b": Layout(num_nodes=4, tensor_model_parallel_size=4, pipeline_model_parallel_size=1,
                        vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.5),
     # 8 nodes (the design's target): TP=4 within a node, PP=1, DP=16; one vLLM TP=4 engine per
-    # TP group with KV cache for ~34 full-length (16k-token) sequences.
+    # TP group (KV cache per engine: README's memory table).
     # GRPO's reference model (+7.4 GB) fits beside the same vLLM share (the logits cost 4 B per
     # entry with the Triton op, measured on the H100: benchmarks/RESULTS.md).
     "qwen3_14b": Layout(num_nodes=8, tensor_model_parallel_size=4, pipeline_model_parallel_size=1,

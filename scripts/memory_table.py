@@ -1,0 +1,70 @@
+"""The README's per-GPU memory table of the paper recipes, from `recipes.paper.memory_estimate`.
+
+    python scripts/memory_table.py            # rewrite the block in README.md
+    python scripts/memory_table.py --print    # print it
+
+The block sits between ``<!-- memory-table:begin -->`` and ``<!-- memory-table:end -->``;
+`tests/test_recipes.py` fails when it differs from what this script writes (so a change to a
+layout or to the memory model cannot leave the README behind).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+from stapo_megatron.recipes import paper
+
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+BEGIN, END = "<!-- memory-table:begin -->", "<!-- memory-table:end -->"
+COLUMNS = ("weights", "grads", "optimizer", "activations", "logits", "overhead", "training", "vllm")
+
+
+def table() -> str:
+    """The markdown table, one row per paper recipe (STAPO; GRPO adds its reference model)."""
+    rows = ["| recipe | nodes x GPUs | TP / PP / DP | vLLM TP, share | " + " | ".join(COLUMNS)
+            + " | **total** | GRPO total (+ reference) | KV cache per engine |",
+            "| --- " * (len(COLUMNS) + 7) + "|"]
+    for size in paper.LAYOUTS:
+        spec = paper.ARCHITECTURES[size]
+        layout = paper.layout_for(size, paper.paper_recipe(size))
+        est = paper.memory_estimate(spec, layout)
+        gb = est.as_gb()
+        grpo = paper.memory_estimate(spec, paper.layout_for(size, paper.paper_recipe(size, "grpo")))
+        tokens = est.vllm_kv_tokens
+        rows.append(
+            f"| `{size}` | {layout.num_nodes} x {layout.gpus_per_node} | {layout.tensor_model_parallel_size} / "
+            f"{layout.pipeline_model_parallel_size} / {layout.data_parallel_size} | "
+            f"{layout.vllm_tensor_parallel_size}, {layout.vllm_gpu_memory_utilization} | "
+            + " | ".join(f"{gb[c]:.1f}" for c in COLUMNS)
+            + f" | **{gb['total']:.1f}** | {grpo.total / paper.GB:.1f} | "
+            f"{tokens / 1000:.0f}k tokens ({tokens // paper.SEQ_LEN} x 16k) |")
+    return "\n".join(rows)
+
+
+def block() -> str:
+    return f"{BEGIN}\n{table()}\n{END}"
+
+
+def rewrite(path: str = README) -> bool:
+    """Replace the README's block with the current one; whether it changed."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.S)
+    if not pattern.search(text):
+        raise SystemExit(f"{path} has no {BEGIN} ... {END} block")
+    new = pattern.sub(lambda _: block(), text)
+    if new != text:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(new)
+    return new != text
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--print", action="store_true", help="print the table instead of rewriting README.md")
+    if parser.parse_args().print:
+        print(table())
+    else:
+        print("README.md memory table", "rewritten" if rewrite() else "already current")
