@@ -146,7 +146,8 @@ def test_stapo_eval_on_the_megatron_checkpoint_matches_the_trainer(trainer_eval,
     bench_line = table.splitlines()[2].split(" | ")
     assert bench_line[:3] == ["| bench", "8", "4"]
     assert float(bench_line[3]) == round(row["eval/bench/T1.0_p1.0/avg@4"], 4)
-    assert sorted(os.listdir(out)) == ["eval.json", "eval.md"]  # the temporary HF export is gone
+    # the temporary HF export is gone; the samples are kept
+    assert sorted(os.listdir(out)) == ["eval.json", "eval.md", "generations.jsonl"]
 
 
 @pytest.mark.parametrize("argv, message", [
