@@ -48,10 +48,18 @@ def metric_sums(
     """One micro-batch's sums, in the order of `METRIC_SUMS` (fp32 vector).
 
     ``loss_normaliser``: what the loss sum is divided by over the mini-batch (the loss
-    function's second output: kept tokens, or sequences for GRPO); default ``num_kept``."""
+    function's second output: kept tokens, or sequences for GRPO); default ``num_kept``.
+    ``flagged`` (mismatch-flagged response tokens), ``rejected`` (the rollout correction's
+    masked tokens), ``is_weight`` (its truncated IS weights, capped at ``tis_cap``): [B, S],
+    None = none flagged, none rejected, weight 1."""
     if loss_normaliser is None:
         loss_normaliser = num_kept
-    keep = response_mask & ~silenced
+    none = torch.zeros_like(response_mask)
+    flagged = none if flagged is None else flagged
+    rejected = none if rejected is None else rejected
+    keep = response_mask & ~silenced & ~rejected
+    weight_sum = keep.sum().float() if is_weight is None else torch.where(keep, is_weight.float(), 0.0).sum()
+    num_truncated = none.sum().float() if is_weight is None else (keep & (is_weight >= tis_cap)).sum().float()
     log_ratio = logprob - old_logprob
     return torch.stack([
         loss_sum.detach(),
