@@ -17,6 +17,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REQUIRED = (
     "step", "reward_mean", "entropy_mean", "silenced_fraction", "silenced_count", "tau_h",
     "clip_fraction", "approx_kl", "response_len_mean", "rollout_train_logprob_diff",
+    "mismatch_abs_logprob_diff_max", "mismatch_k3_kl", "mismatch_ratio_q01", "mismatch_ratio_q99",
+    "mismatch_token_flagged_fraction", "mismatch_seq_flagged_fraction", "silenced_flagged_count",
+    "candidates_flagged_count",
     "time_rollout", "time_reward", "time_old_logprob", "time_train", "time_weight_sync", *WALL_CLOCK_FIELDS,
 )
 
@@ -49,7 +52,8 @@ def test_two_steps_of_real_training(tmp_path):
         assert r["num_prompts"] == 16 and r["response_len_mean"] > 0
         # vLLM samples with the weights Megatron trains (synced every step): the sampler's
         # log-probs equal Megatron's recomputation up to fp32 kernel differences
-        assert r["rollout_train_logprob_diff"] < 1e-4
+        assert r["rollout_train_logprob_diff"] < 1e-4 and r["mismatch_abs_logprob_diff_max"] < 1e-3
+        assert r["mismatch_token_flagged_fraction"] == 0 and r["silenced_flagged_count"] == 0  # synced: none flagged
         assert math.isfinite(r["loss"]) and r["skipped"] == 0
     # two PPO mini-batches per step: the second is off-policy
     assert train[-1]["approx_kl"] > 0
@@ -57,6 +61,8 @@ def test_two_steps_of_real_training(tmp_path):
     inspector = [json.loads(line) for line in open(run_dir / "silenced_tokens.jsonl")]
     assert sum(rec["num_silenced"] for rec in inspector) == sum(r["silenced_count"] for r in train)
     assert all(t["p_mean"] < 0.2 for rec in inspector for t in rec["tokens"])
+    # both probabilities of every silenced token (the sampler's is recorded for each)
+    assert all(t["p_rollout"] is not None and t["p"] < 0.2 for rec in inspector for t in rec["per_token"])
     assert (run_dir / "metrics.png").stat().st_size > 0
     assert train[-1]["eta_s"] == 0 and all(r["rollout_tokens_per_s"] > 0 for r in train)
     # held-out generations of every eval (rank 0's share, LoggingConfig.num_samples of them)

@@ -7,6 +7,7 @@ import math
 from typing import Any, Optional
 
 from stapo_megatron.method.registry import get_method
+from stapo_megatron.method.rollout_correction import S2T_PROBABILITY_SOURCES, RolloutCorrectionConfig
 
 @dataclasses.dataclass
 class LossConfig:
@@ -44,9 +45,19 @@ class LossConfig:
     """Rollout sampling temperature; logits are divided by it exactly as the sampler does."""
     seed: int = 0
     """Base seed of the random-control mask (combined with a per-micro-batch seed)."""
+    s2t_probability: str = "trainer"
+    """Which probability S2T's candidate test p < tau_p reads (stapo and the random controls):
+    "trainer" (the paper's: the trainer's current policy) or "rollout" (the sampler's
+    pi_rollout, so that a run shows how much of the silenced set is rollout/training mismatch).
+    Entropies, and so tau_H's values, are the trainer's either way."""
+    rollout_correction: RolloutCorrectionConfig = dataclasses.field(default_factory=RolloutCorrectionConfig)
+    """Rollout/training mismatch: the bounds that flag tokens (logged every step) and the
+    correction (`stapo_megatron.method.rollout_correction`; off in the paper recipes)."""
 
     def __post_init__(self):
         get_method(self.method)  # ValueError naming the methods
+        if self.s2t_probability not in S2T_PROBABILITY_SOURCES:
+            raise ValueError(f"s2t_probability must be one of {S2T_PROBABILITY_SOURCES}, got {self.s2t_probability!r}")
         if self.tau_h_source not in ("old", "exact"):
             raise ValueError(f"tau_h_source must be 'old' or 'exact', got {self.tau_h_source!r}")
         if not (0 <= self.clip_ratio_low < 1 and self.clip_ratio_high >= 0):

@@ -67,6 +67,7 @@ def stapo_loss(
     ref_logprob: Optional[torch.Tensor] = None,
     kl_coef: float = 0.0,
     loss_agg: str = "token_mean",
+    is_weight: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Sum of STAPO token losses over kept tokens, and the number of kept tokens.
 
@@ -84,6 +85,10 @@ def stapo_loss(
         loss_agg: "token_mean" (DAPO/JustRL: every kept token weighs the same) or
             "seq_mean_token_mean" (GRPO: mean over each sequence's kept tokens, then over
             sequences; one row of the [B, S] tensors is one sequence).
+        is_weight: [B, S] constant importance weight of each token's clipped surrogate (the
+            rollout correction's truncated IS, ``method.rollout_correction``; verl multiplies
+            its pg_losses the same way): the KL term and the normaliser are not weighted.
+            None = 1.
 
     Returns:
         (loss_sum: 0-dim, fp32 or (float64 inputs) float64, differentiable; the normaliser: 0-dim int64, the number of kept
@@ -100,6 +105,8 @@ def stapo_loss(
                "silenced": silenced}
     if ref_logprob is not None:
         tensors["ref_logprob"] = ref_logprob
+    if is_weight is not None:
+        tensors["is_weight"] = is_weight
     for name, t in tensors.items():
         if t.shape != logprob.shape:
             hint = ""
@@ -119,6 +126,8 @@ def stapo_loss(
     loss, _ = token_objective(
         logprob, old_logprob, advantages, clip_ratio_low, clip_ratio_high, clip_ratio_c
     )
+    if is_weight is not None:
+        loss = loss * is_weight.detach().float()
     if kl_coef:
         if ref_logprob is None:
             raise ValueError("kl_coef > 0 needs ref_logprob")

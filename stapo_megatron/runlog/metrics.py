@@ -4,8 +4,10 @@
 Only global rank 0 writes. ``metrics.jsonl`` has one JSON object per line: a row per training
 step (``kind: "train"``) and a row per held-out evaluation (``kind: "eval"``, with
 ``eval_accuracy``). ``silenced_tokens.jsonl`` has, per step, the tokens S2T silenced decoded to
-text with their count and mean p, H and A, most frequent first (the paper's word-cloud finding
--- digits and math symbols -- is checkable on real runs). ``samples.jsonl`` has, per eval, the
+text with their count, mean p (the trainer's), p_rollout (the sampler's), H and A and how many
+were mismatch-flagged, most frequent first (the paper's word-cloud finding -- digits and math
+symbols -- is checkable on real runs), and each silenced token's two probabilities
+(``per_token``: token, p, p_rollout, flagged; ``stapo_megatron.method.rollout_correction``). ``samples.jsonl`` has, per eval, the
 first held-out generations (prompt, response, answer, reward). ``metrics.png`` is redrawn at
 every eval (``stapo_megatron.runlog.plots``).
 """
@@ -26,7 +28,7 @@ from stapo_megatron.runlog.tracking import open_trackers
 SAMPLE_COLUMNS = ("prompt", "response", "answer", "reward")
 """Columns of the held-out generations table logged at every eval."""
 
-SILENCED_COLUMNS = ("token", "count", "p_mean", "entropy_mean", "advantage_mean")
+SILENCED_COLUMNS = ("token", "count", "p_mean", "p_rollout_mean", "entropy_mean", "advantage_mean", "flagged")
 """Columns of the silenced-tokens table (the inspector's summary of the last training step)."""
 
 LOG_FILES = ("metrics.jsonl", "silenced_tokens.jsonl", "samples.jsonl")
@@ -79,11 +81,13 @@ class RunLogger:
             plot_run(self.run_dir)
 
     def log_silenced(self, step: int, rows: Sequence[Sequence[float]], decode) -> None:
-        """rows: (label id, log p, H, A) of every silenced token of the step."""
+        """rows: (label id, log p, H, A[, log p_rollout, flagged]) of every silenced token of the
+        step (log p_rollout NaN or absent: the batch had no sampler log-probs)."""
         if not self.enabled:
             return
         self._last_silenced = summarize_silenced(rows, decode)
-        record = {"step": step, "num_silenced": len(rows), "tokens": self._last_silenced}
+        record = {"step": step, "num_silenced": len(rows), "tokens": self._last_silenced,
+                  "per_token": [_token_record(row, decode) for row in rows]}
         _append_jsonl(os.path.join(self.run_dir, "silenced_tokens.jsonl"), record)
 
     def log_samples(self, step: int, samples: Sequence[Dict]) -> None:
@@ -142,21 +146,40 @@ def truncate_jsonl(path: str, step: int) -> int:
     return len(lines) - len(kept)
 
 
+def _columns(row: Sequence[float]):
+    """(token id, p, p_rollout or None, H, A, flagged) of one silenced-token row."""
+    token_id, logprob, entropy, adv, *rest = row
+    rollout_lp = rest[0] if rest else math.nan
+    p_rollout = None if math.isnan(rollout_lp) else math.exp(rollout_lp)
+    return int(token_id), math.exp(logprob), p_rollout, entropy, adv, bool(rest[1]) if len(rest) > 1 else False
+
+
+def _token_record(row: Sequence[float], decode) -> Dict:
+    """One silenced token: its text, both probabilities, whether it is mismatch-flagged."""
+    token_id, p, p_rollout, _, _, flagged = _columns(row)
+    return dict(token=decode(token_id), p=p, p_rollout=p_rollout, flagged=flagged)
+
+
 def summarize_silenced(rows: Iterable[Sequence[float]], decode) -> List[Dict]:
-    """Group silenced tokens by decoded text: count and mean p, H, A; most frequent first."""
+    """Group silenced tokens by decoded text: count, mean p, p_rollout, H, A and the number
+    mismatch-flagged; most frequent first."""
     groups: Dict[str, List] = collections.defaultdict(list)
-    for token_id, logprob, entropy, adv in rows:
-        groups[decode(int(token_id))].append((math.exp(logprob), entropy, adv))
+    for row in rows:
+        token_id, *values = _columns(row)
+        groups[decode(token_id)].append(values)
     out = []
     for text, values in groups.items():
         n = len(values)
+        rollout_ps = [v[1] for v in values if v[1] is not None]
         out.append(
             dict(
                 token=text,
                 count=n,
                 p_mean=sum(v[0] for v in values) / n,
-                entropy_mean=sum(v[1] for v in values) / n,
-                advantage_mean=sum(v[2] for v in values) / n,
+                p_rollout_mean=sum(rollout_ps) / len(rollout_ps) if rollout_ps else None,
+                entropy_mean=sum(v[2] for v in values) / n,
+                advantage_mean=sum(v[3] for v in values) / n,
+                flagged=sum(v[4] for v in values),
             )
         )
     return sorted(out, key=lambda d: (-d["count"], d["token"]))

@@ -47,6 +47,7 @@ from stapo_megatron.method import masks as s2t
 from stapo_megatron.method.config import LossConfig
 from stapo_megatron.method.objective import stapo_loss, token_objective
 from stapo_megatron.method.registry import get_method
+from stapo_megatron.method import rollout_correction as rc
 from stapo_megatron.train.batching import MicroBatch
 from stapo_megatron.train.loss_metrics import metric_sums
 from stapo_megatron.train.ops import vocab_parallel_logprob_entropy
@@ -92,27 +93,40 @@ def loss_func(
     response_mask = batch.response_mask.bool()
     advantages = batch.advantages.float()
     old_logprob = batch.old_logprob.float()
-    candidates = s2t.s2t_candidates(logprob.detach(), advantages, response_mask, config.tau_p)
+    # S2T's candidate test reads the trainer's p (the paper) or the sampler's (s2t_probability)
+    select_logprob = rc.selection_logprob(config.s2t_probability, logprob.detach(), batch.rollout_logprob)
+    candidates = s2t.s2t_candidates(select_logprob, advantages, response_mask, config.tau_p)
     method = get_method(config.method)
     silenced = method.mask(
-        config, logprob.detach(), entropy, advantages, response_mask, threshold, batch.seed
+        config, select_logprob, entropy, advantages, response_mask, threshold, batch.seed
     )
+    # Rollout correction (verl's decoupled mode): rejected tokens leave the response mask, so the
+    # loss and its normaliser; the truncated IS weight multiplies the clipped surrogate only.
+    is_weight, rejected = rc.correction(config.rollout_correction, old_logprob, batch.rollout_logprob, response_mask)
+    trained_mask = response_mask & ~rejected
     # normaliser: kept tokens ("token_mean") or sequences with a kept token (GRPO's sequence mean)
     loss_sum, normaliser = stapo_loss(
-        logprob, old_logprob, advantages, response_mask, silenced,
+        logprob, old_logprob, advantages, trained_mask, silenced,
         config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio_c,
-        batch.ref_logprob, config.kl_coef, method.loss_agg,
+        batch.ref_logprob, config.kl_coef, method.loss_agg, is_weight,
     )
     with torch.no_grad():
         _, is_clipped = token_objective(
             logprob, old_logprob, advantages, config.clip_ratio_low, config.clip_ratio_high
         )
-    num_kept = (response_mask & ~silenced).sum()
+    num_kept = (trained_mask & ~silenced).sum()
+    flagged = (torch.zeros_like(response_mask) if batch.rollout_logprob is None else
+               rc.token_flags(config.rollout_correction, rc.log_ratio(old_logprob, batch.rollout_logprob), response_mask))
     sums = metric_sums(loss_sum, num_kept, logprob, old_logprob, entropy, response_mask, silenced, candidates,
-                       is_clipped, normaliser)
-    # The spurious-token inspector's raw material: (label id, log p, H, A) of silenced tokens.
+                       is_clipped, normaliser, flagged=flagged, rejected=rejected, is_weight=is_weight,
+                       tis_cap=config.rollout_correction.tis_cap)
+    # The spurious-token inspector's raw material: (label id, log p, H, A, log p_rollout, flagged)
+    # of silenced tokens (log p_rollout is NaN when the batch has no sampler log-probs).
+    rollout_lp = (torch.full_like(logprob, float("nan")) if batch.rollout_logprob is None
+                  else batch.rollout_logprob.float())
     silenced_tokens = torch.stack(
-        [batch.labels[silenced].float(), logprob.detach()[silenced], entropy[silenced], advantages[silenced]],
+        [batch.labels[silenced].float(), logprob.detach()[silenced], entropy[silenced], advantages[silenced],
+         rollout_lp[silenced], flagged[silenced].float()],
         dim=-1,
     )
     return loss_sum, normaliser.to(torch.int), {"stapo_sums": sums, "silenced_tokens": silenced_tokens}

@@ -9,6 +9,7 @@ Legend: [B, S] = micro-batch x sequence, aligned with the labels.
 
 from __future__ import annotations
 
+import math
 from typing import Dict, Iterable, Optional
 
 import torch
@@ -20,6 +21,10 @@ from stapo_megatron.train.parallel import collective_device
 METRIC_SUMS = (
     "loss_sum", "num_kept", "num_response", "num_silenced", "num_candidates",
     "entropy_sum", "num_clipped", "kl_sum", "abs_logprob_diff_sum", "loss_normaliser",
+    # rollout/training mismatch (``method.rollout_correction``): flagged tokens, their overlap
+    # with S2T's silenced tokens and candidates, the correction's rejected tokens and IS weights
+    "num_flagged", "num_silenced_flagged", "num_candidates_flagged", "num_rejected", "is_weight_sum",
+    "num_truncated",
 )
 
 
@@ -35,14 +40,26 @@ def metric_sums(
     candidates: torch.Tensor,
     is_clipped: torch.Tensor,
     loss_normaliser: Optional[torch.Tensor] = None,
+    flagged: Optional[torch.Tensor] = None,
+    rejected: Optional[torch.Tensor] = None,
+    is_weight: Optional[torch.Tensor] = None,
+    tis_cap: float = math.inf,
 ) -> torch.Tensor:
     """One micro-batch's sums, in the order of `METRIC_SUMS` (fp32 vector).
 
     ``loss_normaliser``: what the loss sum is divided by over the mini-batch (the loss
-    function's second output: kept tokens, or sequences for GRPO); default ``num_kept``."""
+    function's second output: kept tokens, or sequences for GRPO); default ``num_kept``.
+    ``flagged`` (mismatch-flagged response tokens), ``rejected`` (the rollout correction's
+    masked tokens), ``is_weight`` (its truncated IS weights, capped at ``tis_cap``): [B, S],
+    None = none flagged, none rejected, weight 1."""
     if loss_normaliser is None:
         loss_normaliser = num_kept
-    keep = response_mask & ~silenced
+    none = torch.zeros_like(response_mask)
+    flagged = none if flagged is None else flagged
+    rejected = none if rejected is None else rejected
+    keep = response_mask & ~silenced & ~rejected
+    weight_sum = keep.sum().float() if is_weight is None else torch.where(keep, is_weight.float(), 0.0).sum()
+    num_truncated = none.sum().float() if is_weight is None else (keep & (is_weight >= tis_cap)).sum().float()
     log_ratio = logprob - old_logprob
     return torch.stack([
         loss_sum.detach(),
@@ -56,6 +73,12 @@ def metric_sums(
         torch.where(response_mask, torch.expm1(log_ratio) - log_ratio, 0.0).sum(),  # expm1: exact for small ratios
         torch.where(response_mask, log_ratio.abs(), 0.0).sum(),
         loss_normaliser.float(),
+        flagged.sum().float(),
+        (silenced & flagged).sum().float(),
+        (candidates & flagged).sum().float(),
+        rejected.sum().float(),
+        weight_sum,
+        num_truncated,
     ])
 
 
@@ -96,4 +119,10 @@ def reduce_metrics(
         "clip_fraction": total["num_clipped"] / max(total["num_kept"], 1.0),
         "approx_kl": total["kl_sum"] / num_resp,
         "logprob_diff_mean": total["abs_logprob_diff_sum"] / num_resp,
+        "mismatch_flagged_count": int(total["num_flagged"]),
+        "silenced_flagged_count": int(total["num_silenced_flagged"]),
+        "candidates_flagged_count": int(total["num_candidates_flagged"]),
+        "correction_rejected_count": int(total["num_rejected"]),
+        "is_weight_sum": total["is_weight_sum"],
+        "is_truncated_count": int(total["num_truncated"]),
     }

@@ -15,6 +15,7 @@ import torch
 
 from stapo_megatron.method.config import LossConfig
 from stapo_megatron.method.registry import get_method
+from stapo_megatron.method.rollout_correction import selection_logprob
 from stapo_megatron.train.batching import MicroBatch
 from stapo_megatron.train.config import OptimConfig
 from stapo_megatron.train.loss import loss_func, minibatch_threshold
@@ -107,6 +108,9 @@ def policy_update(
         # micro-batches may still be on the CPU (library users); the statistics are on the model's device
         logprob = torch.cat([lp.reshape(-1) for lp, _ in stats])
         cat = lambda key: torch.cat([getattr(mb, key).reshape(-1) for mb in microbatches]).to(logprob.device)  # noqa: E731
+        if loss_config.s2t_probability == "rollout":  # S2T candidates by the sampler's p (loss.py)
+            missing = any(mb.rollout_logprob is None for mb in microbatches)
+            logprob = selection_logprob("rollout", logprob, None if missing else cat("rollout_logprob"))
         threshold = minibatch_threshold(
             loss_config,
             logprob,
@@ -134,6 +138,7 @@ def policy_update(
     metrics["grad_norm"] = grad_norm
     metrics["skipped"] = 0.0 if finite else 1.0
     metrics["tau_h_source"] = loss_config.tau_h_source  # logged: which mini-batch semantics ran
-    # (label id, log p, H, A) rows of this rank's silenced tokens (last stage; empty elsewhere)
+    # (label id, log p, H, A, log p_rollout, flagged) rows of this rank's silenced tokens (last
+    # stage; empty elsewhere)
     metrics["silenced_tokens"] = [row for item in losses_reduced for row in item["silenced_tokens"].tolist()]
     return metrics

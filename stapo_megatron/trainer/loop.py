@@ -43,8 +43,7 @@ from stapo_megatron.trainer.preemption import SaveOnSignal, StoppedForRequeue
 from stapo_megatron.trainer.prompts import load_prompts, pad_to, step_prompt_indices
 from stapo_megatron.trainer.seeds import Seeds
 from stapo_megatron.trainer.lr import warmup_lr
-from stapo_megatron.trainer.step_metrics import (Timer, format_row, gather_silenced, rollout_train_logprob_diff,
-                                                 step_row)
+from stapo_megatron.trainer.step_metrics import Timer, format_row, gather_silenced, rollout_mismatch, step_row
 from stapo_megatron.trainer.warmstart import WarmStart
 
 
@@ -125,7 +124,8 @@ class Trainer:
     def train_step(self, step: int) -> Tuple[Dict, List]:
         """One training step, one line per phase (docs/design.md, "One training step").
 
-        Returns the metrics row and this rank's silenced-token rows (label id, log p, H, A).
+        Returns the metrics row and this rank's silenced-token rows (label id, log p, H, A,
+        log p_rollout, mismatch-flagged).
         """
         timer = Timer()
         for group in self.optimizer.param_groups:
@@ -141,7 +141,7 @@ class Trainer:
         ctx = self.context(seq)
         with timer("old_logprob"):
             old_policy_pass(ctx, minis)
-            logprob_diff = rollout_train_logprob_diff(minis, self.groups, self.device, self.dp_device)
+            mismatch = rollout_mismatch(minis, self.cfg.loss.rollout_correction, self.groups, self.dp_device)
             if self.ref_model is not None:
                 add_reference_logprobs(self.context(seq, self.ref_model), minis)
         with timer("train"):
@@ -151,7 +151,7 @@ class Trainer:
                 torch.cuda.empty_cache()  # hand PyTorch's cached training memory back for vLLM
             self.engine.wake_up()
             sync_weights(self.model, self.hf_config, self.groups, self.engine)
-        row = step_row(step, updates, rewards_PG, num_flat, samples, logprob_diff, reward_info,
+        row = step_row(step, updates, rewards_PG, num_flat, samples, mismatch, reward_info,
                        self.cfg.loss.tau_h_source, self.optimizer.param_groups[0]["lr"], self.groups, self.dp_device)
         row.update(timer.seconds)
         return row, [r for u in updates for r in u["silenced_tokens"]]
