@@ -123,3 +123,26 @@ def test_packed_attention_equals_each_sequence_alone(parallel, variant):
         alone.backward(upstream[:, a:b])
     for (name, p), g in zip(model.named_parameters(), packed_grads):
         assert (g - p.grad).abs().max() <= GRAD_RTOL * p.grad.abs().max(), name
+
+
+def test_grpo_sequence_mean_packed_equals_padded():
+    """GRPO's per-sequence mean: a packed row counts its sequences, not its one row."""
+    from stapo_megatron.method.objective import stapo_loss
+
+    lengths = [(3, 5), (6, 1), (2, 9)]
+    prompts, responses, adv, lps = _rollouts(lengths)
+    padded = pack_sequences(prompts, responses, adv, lps, pad_id=0, seq_length=16)
+    packed = pack_thd(prompts, responses, adv, lps, pad_id=0, align=8)
+    gen = torch.Generator().manual_seed(4)
+    logp_pad = -torch.rand(padded.tokens.shape, generator=gen)
+    bounds = packed.cu_seqlens.tolist()
+    logp_pack = torch.zeros(packed.tokens.shape)
+    for i, (p, r) in enumerate(lengths):
+        logp_pack[0, bounds[i]:bounds[i] + p + r] = logp_pad[i, :p + r]
+    def loss(b, lp, ids=None):  # noqa: E306
+        return stapo_loss(lp, b.rollout_logprob, b.advantages, b.response_mask, torch.zeros_like(b.response_mask),
+                          loss_agg="seq_mean_token_mean", sequence_ids=ids)
+    want = loss(padded, logp_pad)
+    got = loss(packed, logp_pack, sequence_ids(packed.cu_seqlens)[None])
+    assert int(got[1]) == int(want[1]) == 3
+    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=0)  # fp32 sums in another order

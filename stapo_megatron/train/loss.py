@@ -50,6 +50,7 @@ from stapo_megatron.method.registry import get_method
 from stapo_megatron.train.batching import MicroBatch
 from stapo_megatron.train.loss_metrics import metric_sums
 from stapo_megatron.train.ops import vocab_parallel_logprob_entropy
+from stapo_megatron.train.packing import sequence_ids
 from stapo_megatron.train.schedule import forward_step_func
 
 def minibatch_threshold(
@@ -102,6 +103,7 @@ def loss_func(
         logprob, old_logprob, advantages, response_mask, silenced,
         config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio_c,
         batch.ref_logprob, config.kl_coef, method.loss_agg,
+        sequence_ids(batch.cu_seqlens)[None] if batch.is_packed else None,
     )
     with torch.no_grad():
         _, is_clipped = token_objective(

@@ -36,7 +36,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from stapo_megatron.train.batching import MicroBatch
+from stapo_megatron.train.batching import MicroBatch, pack_sequences
 
 
 def pack_thd(
@@ -187,3 +187,52 @@ def imbalance(plan: List[List[List[int]]], lengths: Sequence[int]) -> float:
     """max / mean tokens per DP rank of a plan (1.0 = perfectly balanced)."""
     per_rank = [sum(lengths[i] for mb in rank for i in mb) for rank in plan]
     return max(per_rank) / (sum(per_rank) / len(per_rank))
+
+
+PACKING_MODES = ("off", "fixed", "budget")
+"""How a mini-batch becomes micro-batches: "off" padded [N, S] rows of ``micro_batch_size``;
+"fixed" the same sequences per micro-batch, packed; "budget" packed to a token budget."""
+
+
+def rank_microbatches(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    advantages: Sequence[float],
+    rollout_logprobs: Sequence[Sequence[float]],
+    pad_id: int,
+    *,
+    packing: str,
+    micro_batch_size: int = 1,
+    max_tokens: int = 0,
+    num_ranks: int = 1,
+    rank: int = 0,
+    seed: int = 0,
+    align: int = 1,
+    seq_length: Optional[int] = None,
+    device: Optional[torch.device] = None,
+) -> List[MicroBatch]:
+    """This DP rank's micro-batches of one mini-batch given as all ranks' sequences.
+
+    "off" and "fixed": rank r takes the r-th contiguous share, cut into micro-batches of
+    ``micro_batch_size`` sequences ("off" right-pads them to ``seq_length``); "budget": the
+    `plan_token_budget` plan (``max_tokens``, ``seed``). The micro-batch with first sequence i
+    gets seed ``seed + i`` (the random-control masks).
+    """
+    if packing not in PACKING_MODES:
+        raise ValueError(f"packing must be one of {PACKING_MODES}, got {packing!r}")
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    if packing == "budget":
+        plan = plan_token_budget(lengths, max_tokens, num_ranks, seed, align)
+    else:
+        plan = plan_fixed_count(len(lengths), micro_batch_size, num_ranks)
+    pick = lambda xs, idx: [xs[i] for i in idx]  # noqa: E731
+    out = []
+    for idx in plan[rank]:
+        args = (pick(prompts, idx), pick(responses, idx), pick(advantages, idx), pick(rollout_logprobs, idx), pad_id)
+        if packing == "off":
+            mb = pack_sequences(*args, seq_length=seq_length or -(-max(lengths) // align) * align, device=device)
+            mb.seed = seed + idx[0]
+        else:
+            mb = pack_thd(*args, align=align, device=device, seed=seed + idx[0])
+        out.append(mb)
+    return out
