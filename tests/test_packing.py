@@ -146,3 +146,21 @@ def test_grpo_sequence_mean_packed_equals_padded():
     got = loss(packed, logp_pack, sequence_ids(packed.cu_seqlens)[None])
     assert int(got[1]) == int(want[1]) == 3
     torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=0)  # fp32 sums in another order
+
+
+def test_config_packing_errors():
+    from stapo_megatron.config import TrainerConfig
+    from stapo_megatron.data.config import DataConfig
+    from stapo_megatron.rollout.config import RolloutSampling
+    from stapo_megatron.train.config import ModelConfig
+
+    short = dict(data=DataConfig(max_prompt_len=100), rollout=RolloutSampling(max_response_len=200))
+    with pytest.raises(ValueError, match="max_tokens_per_microbatch must be > 0 with packing='budget', got 0"):
+        TrainerConfig(packing="budget", **short)
+    with pytest.raises(ValueError, match=r"max_tokens_per_microbatch 256 < the longest sequence .* = 100 \+ 200 = 300"):
+        TrainerConfig(packing="budget", max_tokens_per_microbatch=256, **short)
+    with pytest.raises(ValueError, match="packing must be one of"):
+        TrainerConfig(packing="thd")
+    with pytest.raises(ValueError, match="not supported with pipeline parallelism yet"):
+        TrainerConfig(packing="fixed", model=ModelConfig(pipeline_model_parallel_size=2))
+    assert TrainerConfig(packing="budget", max_tokens_per_microbatch=300, **short).packing == "budget"
