@@ -17,16 +17,18 @@ from stapo_megatron.train.batching import MicroBatch
 from stapo_megatron.train.packing import rank_microbatches
 
 
-def packed_minibatches(cfg, groups, seeds, step: int, prompts: List[List[int]], samples: List[List],
-                       adv_PG: torch.Tensor, pad_id: int, align: int, device) -> Tuple[List[List[MicroBatch]], int]:
+def packed_minibatches(trainer, step: int, prompts: List[List[int]], samples: List[List],
+                       adv_PG: torch.Tensor) -> Tuple[List[List[MicroBatch]], int]:
     """This rank's packed micro-batches per PPO mini-batch, and the longest packed row.
 
     Args:
-        cfg: the `TrainerConfig` (packing, micro_batch_size, max_tokens_per_microbatch,
-            minibatch_prompts, rollout.group_size).
+        trainer: the `Trainer` (its cfg: packing, micro_batch_size, max_tokens_per_microbatch,
+            minibatch_prompts, rollout.group_size; groups, seeds, tokenizer, device, and
+            seq_multiple, the alignment of a packed row: sequence parallelism splits it over TP).
         prompts, samples, adv_PG: this DP rank's prompts, their G samples and advantages [P, G].
-        align: a packed row's length is a multiple of it (sequence parallelism splits it over TP).
     """
+    cfg, groups, seeds = trainer.cfg, trainer.groups, trainer.seeds
+    pad_id, align, device = trainer.tokenizer.pad_token_id, trainer.seq_multiple, trainer.device
     G = cfg.rollout.group_size
     flat = [s for group in samples for s in group]
     mine = [(prompts[i // G], list(s.token_ids), list(s.logprobs), float(a))
