@@ -259,3 +259,34 @@ def test_correction_without_rollout_logprobs_is_refused():
     config = LossConfig(method="justrl", rollout_correction=rc.RolloutCorrectionConfig("icepop"))
     with pytest.raises(ValueError, match="needs the micro-batch's rollout_logprob"):
         loss_func(config, dataclasses.replace(batch, rollout_logprob=None), torch.tensor(float("nan")), None, None, logits)
+
+
+def test_sequence_mask_and_metrics_on_a_packed_row_equal_the_padded_rows():
+    """seq_mask and the sequence counts read a packed row's sequences (``sequence_ids``), not the
+    row: three sequences packed into one row give what their three padded rows give."""
+    from stapo_megatron.train.packing import sequence_ids
+
+    gen = torch.Generator().manual_seed(3)
+    lengths, S = [5, 7, 4], 8
+    config = rc.RolloutCorrectionConfig(mode="seq_mask", seq_lower=0.99, seq_upper=1.01)
+    old = torch.randn(3, S, generator=gen) * 0.5 - 2
+    # sequence 0 in bounds, 1 far above, 2 below (geometric means of the response tokens)
+    rollout = old - torch.tensor([0.001, 0.3, -0.2])[:, None]
+    mask = torch.zeros(3, S, dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        mask[i, 1:n] = True  # the first token of each sequence is prompt
+    _, rejected = rc.correction(config, old, rollout, mask)
+    sums, max_abs, ratios = rc.mismatch_sums(config, old, rollout, mask)
+    cat = lambda x: torch.cat([x[i, :n] for i, n in enumerate(lengths)])[None]  # noqa: E731
+    cu_seqlens = torch.tensor([0, 5, 12, 16])
+    ids = sequence_ids(cu_seqlens)[None]
+    _, rejected_packed = rc.correction(config, cat(old), cat(rollout), cat(mask), ids)
+    sums_packed, max_packed, ratios_packed = rc.mismatch_sums(config, cat(old), cat(rollout), cat(mask), ids)
+    assert cat(rejected).tolist() == rejected_packed.tolist()
+    assert rejected[1, 1:7].all() and rejected[2, 1:4].all() and not rejected[0].any()
+    assert sums_packed.tolist() == pytest.approx(sums.tolist(), rel=1e-12)
+    assert sums_packed[1] == 3 and sums_packed[-1] == 2  # sequences, sequences flagged
+    assert float(max_packed) == pytest.approx(float(max_abs)) and ratios_packed.tolist() == pytest.approx(ratios.tolist())
+    # without the ids the row would be one sequence: one geometric mean for all three
+    _, one_row = rc.correction(config, cat(old), cat(rollout), cat(mask))
+    assert one_row.tolist() != rejected_packed.tolist()

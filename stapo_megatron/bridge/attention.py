@@ -13,12 +13,19 @@ query groups on this TP rank; output [sq, b, np * hn]. SDPA's layout is [b, head
 
 Supported: causal self-attention (``attention_mask`` None, as the trainer passes; the mask
 type is causal) or an explicit boolean mask (True = masked out, Megatron's convention), GQA,
-dropout. Not supported (ValueError): packed sequences (THD), attention bias, sliding windows,
-non-vanilla softmax, context parallelism -- none of which the Qwen dense models here use.
+dropout, and packed sequences (``PackedSeqParams(qkv_format="thd")``: query [t, np, hn],
+key/value [t, ng, hn], causal within each sequence of ``cu_seqlens``, nothing across them).
+Packed paths: on CUDA in fp16/bf16 without dropout, ``torch.nn.attention.varlen.varlen_attn``
+(flash attention over ``cu_seqlens``, no t x t mask) where the installed torch has it; otherwise
+(the CPU, fp32, dropout, older torch) the reference path: SDPA over each sequence alone, which is
+what the padded batch computed for it (its pad keys were masked out by causality). Not supported
+(ValueError): attention bias, sliding windows, non-vanilla softmax, context parallelism -- none
+of which the Qwen dense models here use.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Optional
 
@@ -27,6 +34,15 @@ import torch.nn.functional as F
 
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+
+try:  # torch >= 2.10 (a prototype there)
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:
+    varlen_attn = None
+# torch 2.10/2.11 spell causal ``is_causal=True``; later ones a (left, right) window, (-1, 0)
+_VARLEN_CAUSAL = ({} if varlen_attn is None else
+                  {"window_size": (-1, 0)} if "window_size" in inspect.signature(varlen_attn).parameters
+                  else {"is_causal": True})
 
 
 class SDPAttention(MegatronModule):
@@ -81,10 +97,13 @@ class SDPAttention(MegatronModule):
         packed_seq_params=None,
     ) -> torch.Tensor:
         """Attention of [sq, b, np, hn] queries over [sk, b, ng, hn] keys/values -> [sq, b, np*hn]."""
-        if packed_seq_params is not None:
-            raise ValueError("SDPAttention does not support packed sequences (packed_seq_params)")
         if attention_bias is not None:
             raise ValueError("SDPAttention does not support attention_bias")
+        if packed_seq_params is not None:
+            if packed_seq_params.qkv_format != "thd" or attention_mask is not None:
+                raise ValueError(f"SDPAttention packs qkv_format 'thd' with attention_mask None only, got "
+                                 f"{packed_seq_params.qkv_format!r} and a mask: {attention_mask is not None}")
+            return self._packed(query, key, value, packed_seq_params)
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         # [s, b, h, d] -> [b, h, s, d]: a strided view; SDPA kernels need only the last dim dense.
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
@@ -95,6 +114,12 @@ class SDPAttention(MegatronModule):
             is_causal = True
         elif mask_type != AttnMaskType.no_mask:
             raise ValueError(f"SDPAttention needs an attention_mask for mask type {mask_type}")
+        out = self._sdpa(q, k, v, attn_mask, is_causal)
+        # [b, np, sq, hn] -> [sq, b, np * hn]
+        return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+
+    def _sdpa(self, q, k, v, attn_mask, is_causal: bool) -> torch.Tensor:
+        """SDPA on [b, h, s, d] with this layer's scale, GQA and dropout."""
         dropout_p = self.dropout_p if self.training else 0.0
         gqa = self.num_heads_per_partition != self.num_groups_per_partition
         if dropout_p > 0 and not self.config.sequence_parallel:
@@ -102,10 +127,29 @@ class SDPAttention(MegatronModule):
 
             # as DotProductAttention: model-parallel-region dropout draws from the TP tracker
             with tensor_parallel.get_cuda_rng_tracker().fork():
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal,
-                                                     scale=self.softmax_scale, enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal,
-                                                 scale=self.softmax_scale, enable_gqa=gqa)
-        # [b, np, sq, hn] -> [sq, b, np * hn]
-        return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal,
+                                                      scale=self.softmax_scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal,
+                                              scale=self.softmax_scale, enable_gqa=gqa)
+
+    def _packed(self, query, key, value, params) -> torch.Tensor:
+        """Causal attention within each sequence of a THD row: [t, np, hn] -> [t, np * hn]."""
+        cu = params.cu_seqlens_q
+        if not torch.equal(cu, params.cu_seqlens_kv):
+            raise ValueError("SDPAttention packs self-attention only (cu_seqlens_q == cu_seqlens_kv)")
+        dropout_p = self.dropout_p if self.training else 0.0
+        if (varlen_attn is not None and query.is_cuda and dropout_p == 0
+                and query.dtype in (torch.float16, torch.bfloat16)):
+            cu = cu.to(device=query.device, dtype=torch.int32)
+            gqa = self.num_heads_per_partition != self.num_groups_per_partition
+            if gqa:  # one KV head per group of query heads, as enable_gqa would
+                rep = self.num_heads_per_partition // self.num_groups_per_partition
+                key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+            out = varlen_attn(query, key, value, cu, cu, params.max_seqlen_q, params.max_seqlen_kv,
+                              scale=self.softmax_scale, **_VARLEN_CAUSAL)
+            return out.reshape(out.shape[0], -1)
+        # reference path: each sequence alone, [s, h, d] -> [1, h, s, d]
+        bounds = cu.tolist()
+        outs = [self._sdpa(*(t[a:b].transpose(0, 1)[None] for t in (query, key, value)), None, True)[0]
+                for a, b in zip(bounds, bounds[1:])]
+        return torch.cat(outs, dim=1).transpose(0, 1).reshape(query.shape[0], -1)

@@ -71,7 +71,21 @@ class TrainerConfig:
     minibatch_prompts: int = 64
     """Prompts per PPO mini-batch (the paper: 64, so 4 optimizer steps per rollout batch)."""
     micro_batch_size: int = 1
-    """Sequences per micro-batch."""
+    """Sequences per micro-batch (padded, ``packing="off"``, and ``packing="fixed"``)."""
+    packing: str = "off"
+    """How a mini-batch becomes micro-batches (`stapo_megatron.train.packing`): "off" right-pads
+    ``micro_batch_size`` sequences to the step's longest ([N, S] rows); "fixed" packs the same
+    sequences end to end (THD, no padding); "budget" packs whole sequences up to
+    ``max_tokens_per_microbatch`` tokens per micro-batch, the same number of micro-batches on every
+    DP rank with near-equal tokens (sequences are exchanged between DP ranks to balance them).
+    The statistics (kept-token normaliser, tau_H) are over the whole mini-batch in every mode.
+    Packing needs no pipeline parallelism (not supported yet)."""
+    max_tokens_per_microbatch: int = 0
+    """With ``packing="budget"``: the token budget of one micro-batch (prompt + response tokens
+    of whole sequences; at least ``data.max_prompt_len + rollout.max_response_len``, a sequence is
+    never split). The peers' names: verl ``ppo_max_token_len_per_gpu`` (``use_dynamic_bsz``),
+    NeMo-RL ``dynamic_batching.train_mb_tokens`` / ``sequence_packing.train_mb_tokens``, slime
+    ``--max-tokens-per-gpu``."""
     lr_warmup_steps: int = 10
     """Training steps (rollout batches, not optimizer steps) of linear warm-up from lr 0, then
     constant: step s (0-based) trains at lr * min(1, s / lr_warmup_steps), as veRL's
@@ -142,6 +156,7 @@ class TrainerConfig:
             if not (0 < getattr(self, name) and math.isfinite(getattr(self, name))):
                 raise ValueError(f"{name} must be finite and > 0, got {getattr(self, name)}")
         self.eval_sets = eval_set_configs(self.eval_sets)
+        self._check_packing()
         # The loss recomputes pi_old and pi_theta at loss.temperature; sampling at another
         # temperature would make every ratio, entropy and S2T decision refer to a distribution
         # the responses were not drawn from.
@@ -151,6 +166,26 @@ class TrainerConfig:
                 f"the loss must see the distribution the responses were sampled from; set both "
                 f"(rollout.temperature={self.rollout.temperature} loss.temperature={self.rollout.temperature})"
             )
+
+
+    def _check_packing(self) -> None:
+        modes = ("off", "fixed", "budget")  # train.packing.PACKING_MODES (no torch import here)
+        if self.packing not in modes:
+            raise ValueError(f"packing must be one of {modes}, got {self.packing!r}")
+        if self.packing != "off" and self.model.pipeline_model_parallel_size > 1:
+            raise ValueError(f"packing={self.packing!r} is not supported with pipeline parallelism yet "
+                             f"(model.pipeline_model_parallel_size {self.model.pipeline_model_parallel_size}); "
+                             f"use packing=off")
+        if self.packing == "budget":
+            longest = self.data.max_prompt_len + self.rollout.max_response_len
+            if self.max_tokens_per_microbatch <= 0:
+                raise ValueError(f"max_tokens_per_microbatch must be > 0 with packing='budget', "
+                                 f"got {self.max_tokens_per_microbatch}")
+            if self.max_tokens_per_microbatch < longest:
+                raise ValueError(
+                    f"max_tokens_per_microbatch {self.max_tokens_per_microbatch} < the longest sequence "
+                    f"data.max_prompt_len + rollout.max_response_len = {self.data.max_prompt_len} + "
+                    f"{self.rollout.max_response_len} = {longest} (a sequence is never split)")
 
 
 def eval_set_configs(sets: Any) -> List[EvalSetConfig]:

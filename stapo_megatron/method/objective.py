@@ -68,6 +68,7 @@ def stapo_loss(
     kl_coef: float = 0.0,
     loss_agg: str = "token_mean",
     is_weight: Optional[torch.Tensor] = None,
+    sequence_ids: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Sum of STAPO token losses over kept tokens, and the number of kept tokens.
 
@@ -84,11 +85,13 @@ def stapo_loss(
         response_mask, silenced: [B, S] bool.
         loss_agg: "token_mean" (DAPO/JustRL: every kept token weighs the same) or
             "seq_mean_token_mean" (GRPO: mean over each sequence's kept tokens, then over
-            sequences; one row of the [B, S] tensors is one sequence).
+            sequences; one row of the [B, S] tensors is one sequence, unless ``sequence_ids``).
         is_weight: [B, S] constant importance weight of each token's clipped surrogate (the
             rollout correction's truncated IS, ``method.rollout_correction``; verl multiplies
             its pg_losses the same way): the KL term and the normaliser are not weighted.
             None = 1.
+        sequence_ids: for a packed row (several sequences in one row), the sequence index of
+            every token (``train.packing.sequence_ids``); only "seq_mean_token_mean" reads it.
 
     Returns:
         (loss_sum: 0-dim, fp32 or (float64 inputs) float64, differentiable; the normaliser: 0-dim int64, the number of kept
@@ -135,6 +138,13 @@ def stapo_loss(
         loss = loss + kl_coef * (torch.expm1(log_ratio_ref) - log_ratio_ref)
     # where() rather than a multiply: a silenced token's inf/NaN ratio must not leak into the sum.
     loss_BS = torch.where(keep, loss, 0.0)
+    if loss_agg == "seq_mean_token_mean" and sequence_ids is not None:
+        ids_T = sequence_ids.reshape(-1)
+        num_seq = int(ids_T.max()) + 1
+        sums_N = loss_BS.new_zeros(num_seq).index_add(0, ids_T, loss_BS.reshape(-1))
+        num_kept_N = torch.zeros(num_seq, dtype=torch.long, device=ids_T.device).index_add(
+            0, ids_T, keep.reshape(-1).long())
+        return (sums_N / num_kept_N.clamp(min=1)).sum(), (num_kept_N > 0).sum()
     if loss_agg == "seq_mean_token_mean":
         num_kept_B = keep.sum(dim=-1)
         has_kept_B = num_kept_B > 0

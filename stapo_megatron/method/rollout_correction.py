@@ -20,8 +20,8 @@ Corrections (`RolloutCorrectionConfig.mode`), entering the loss of ``method.obje
               [seq_lower, seq_upper]
 
 Mismatch-flagged tokens (metrics and the S2T overlap, whatever the mode): response tokens with
-rho_t outside [token_lower, token_upper]. One row of a [B, S] tensor is one sequence (as for
-GRPO's sequence mean in ``method.objective``).
+rho_t outside [token_lower, token_upper]. One row of a [B, S] tensor is one sequence, unless
+``sequence_ids`` split a packed row (as for GRPO's sequence mean in ``method.objective``).
 
 Legend: [B, S] = micro-batch x sequence, aligned with the labels; ``_B`` per row.
 """
@@ -88,11 +88,30 @@ def log_ratio(old_logprob: torch.Tensor, rollout_logprob: torch.Tensor) -> torch
     return old_logprob.to(dtype) - rollout_logprob.to(dtype)
 
 
-def sequence_log_ratio(delta_BS: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """[B] log of each row's geometric-mean ratio: the mean of delta over its response tokens
-    (0 for a row without any)."""
+def segments(response_mask: torch.Tensor, sequence_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[B, S] int64: the sequence of every token, numbered over the micro-batch. A row is one
+    sequence, unless ``sequence_ids`` ([B, S] or [1, S]: a packed row's sequence index per
+    token, ``train.packing.sequence_ids``) splits it."""
+    B, S = response_mask.shape
+    rows = torch.arange(B, device=response_mask.device)[:, None]
+    if sequence_ids is None:
+        return rows.expand(B, S)
+    ids = sequence_ids.to(response_mask.device).long().expand(B, S)
+    return ids + rows * (int(ids.max()) + 1 if ids.numel() else 1)
+
+
+def sequence_log_ratio(delta_BS: torch.Tensor, response_mask: torch.Tensor,
+                       sequence_ids: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(log of each sequence's geometric-mean ratio: the mean of delta over its response tokens,
+    0 for a sequence without any; whether it has a response token), both [K] over the
+    `segments` of the micro-batch."""
     mask = response_mask.bool()
-    return torch.where(mask, delta_BS, 0.0).sum(-1) / mask.sum(-1).clamp(min=1)
+    seg = segments(mask, sequence_ids).reshape(-1)
+    num = int(seg.max()) + 1 if seg.numel() else 0
+    total = torch.zeros(num, dtype=delta_BS.dtype, device=delta_BS.device)
+    total.index_add_(0, seg, torch.where(mask, delta_BS, 0.0).reshape(-1))
+    count = torch.zeros(num, dtype=torch.long, device=delta_BS.device).index_add_(0, seg, mask.reshape(-1).long())
+    return total / count.clamp(min=1), count > 0
 
 
 def _outside(log_value: torch.Tensor, lower: float, upper: float) -> torch.Tensor:
@@ -105,11 +124,12 @@ def token_flags(config: RolloutCorrectionConfig, delta_BS, response_mask) -> tor
     return response_mask.bool() & _outside(delta_BS, config.token_lower, config.token_upper)
 
 
-def sequence_flags(config: RolloutCorrectionConfig, delta_BS, response_mask) -> torch.Tensor:
-    """[B] bool: rows with a response token whose geometric-mean ratio is outside
-    [seq_lower, seq_upper]."""
-    mask = response_mask.bool()
-    return mask.any(-1) & _outside(sequence_log_ratio(delta_BS, mask), config.seq_lower, config.seq_upper)
+def sequence_flags(config: RolloutCorrectionConfig, delta_BS, response_mask,
+                   sequence_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[K] bool over the `segments`: sequences with a response token whose geometric-mean ratio
+    is outside [seq_lower, seq_upper]."""
+    log_ratio_K, has_response = sequence_log_ratio(delta_BS, response_mask, sequence_ids)
+    return has_response & _outside(log_ratio_K, config.seq_lower, config.seq_upper)
 
 
 def correction(
@@ -117,9 +137,11 @@ def correction(
     old_logprob: torch.Tensor,
     rollout_logprob: Optional[torch.Tensor],
     response_mask: torch.Tensor,
+    sequence_ids: Optional[torch.Tensor] = None,
 ) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
     """The configured correction of one micro-batch: (importance weight [B, S] or None, rejected
     [B, S] bool). Both are constants (no gradient: pi_old and pi_rollout are data).
+    ``sequence_ids``: a packed row's sequences (see `segments`), for "seq_mask".
 
     The weight is min(rho, tis_cap) on response tokens (1 elsewhere); rejected tokens leave the
     loss and its normaliser. Raises ValueError when a correction is asked for without the
@@ -137,7 +159,8 @@ def correction(
         return weight.detach(), torch.zeros_like(mask)
     if config.mode == "icepop":
         return None, token_flags(config, delta, mask)
-    return None, mask & sequence_flags(config, delta, mask)[:, None]
+    flagged_K = sequence_flags(config, delta, mask, sequence_ids)
+    return None, mask & flagged_K[segments(mask, sequence_ids)]
 
 
 MISMATCH_SUMS = (
@@ -147,18 +170,20 @@ MISMATCH_SUMS = (
 
 
 @torch.no_grad()
-def mismatch_sums(config: RolloutCorrectionConfig, old_logprob, rollout_logprob, response_mask) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def mismatch_sums(config: RolloutCorrectionConfig, old_logprob, rollout_logprob, response_mask,
+                  sequence_ids: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One micro-batch's mismatch statistics: (sums in `MISMATCH_SUMS` order as fp64, max
     |delta| as a 0-dim fp64 tensor (0 without response tokens), rho of every response token [N]
-    for the quantiles)."""
+    for the quantiles). ``sequence_ids``: a packed row's sequences (see `segments`)."""
     mask = response_mask.bool()
     delta = log_ratio(old_logprob, rollout_logprob).double()
     delta_N = delta[mask]
     k3_N = torch.expm1(delta_N) - delta_N  # expm1: exact for the tiny ratios of a synced engine
-    rows = mask.any(-1)
+    _, has_response = sequence_log_ratio(delta, mask, sequence_ids)
     sums = torch.stack([
-        mask.sum().double(), rows.sum().double(), delta_N.abs().sum(), k3_N.sum(),
-        token_flags(config, delta, mask).sum().double(), sequence_flags(config, delta, mask).sum().double(),
+        mask.sum().double(), has_response.sum().double(), delta_N.abs().sum(), k3_N.sum(),
+        token_flags(config, delta, mask).sum().double(),
+        sequence_flags(config, delta, mask, sequence_ids).sum().double(),
     ])
     max_abs = delta_N.abs().max() if delta_N.numel() else torch.zeros((), dtype=torch.float64, device=delta.device)
     return sums, max_abs, delta_N.exp()

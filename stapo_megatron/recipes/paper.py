@@ -315,6 +315,10 @@ def paper_recipe(size: str, method: str = "stapo", run_dir: Optional[str] = None
         prompts_per_step=256,
         minibatch_prompts=64,
         micro_batch_size=layout.micro_batch_size,
+        # whole sequences packed up to one longest sequence's tokens per micro-batch: the
+        # memory estimate's seq_len x micro_batch_size tokens, with no padding computed
+        packing="budget",
+        max_tokens_per_microbatch=SEQ_LEN * layout.micro_batch_size,
         lr_warmup_steps=LR_WARMUP_STEPS,
         eval_every=EVAL_EVERY,
         eval_temperature=1.0,

@@ -38,6 +38,9 @@ def tiny_demo(run_dir: str = "runs/demo", method: str = "stapo"):
         prompts_per_step=48,
         minibatch_prompts=48,
         micro_batch_size=16,
+        # packed micro-batches of at most 1024 tokens (~25 sequences of ~40), balanced over DP
+        packing="budget",
+        max_tokens_per_microbatch=1024,
         lr_warmup_steps=0,  # the full lr from the first RL step (the policy is warm-started)
         seed=1234,
         eval_every=10,

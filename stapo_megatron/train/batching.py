@@ -11,9 +11,13 @@ token when prompt_len - 1 <= t < prompt_len + response_len - 1.
 
 `MicroBatch` is what passes between the phases of a step: packed here, its pi_old log-probs
 filled by ``schedule.old_policy_pass``, its reference log-probs by ``reference``, read by the
-loss (``loss.loss_func``) and the SFT step.
+loss (``loss.loss_func``) and the SFT step. A micro-batch is either padded (B rows of S tokens,
+``cu_seqlens`` None) or packed (THD: one row of T tokens holding several whole sequences one
+after another, ``cu_seqlens`` their boundaries; built by ``stapo_megatron.train.packing``).
+Every per-token field has the same layout in both, so the loss, masks and metrics, which are
+elementwise or sums, read either.
 
-Legend: [B, S] = micro-batch rows x sequence, aligned with the labels.
+Legend: [B, S] = micro-batch rows x sequence, aligned with the labels ([1, T] when packed).
 """
 
 from __future__ import annotations
@@ -48,6 +52,28 @@ class MicroBatch:
     """The frozen reference's log-probs (GRPO's KL), filled by ``reference.add_reference_logprobs``."""
     seed: Optional[int] = None
     """Host-side seed of the random-control masks (never part of the computation)."""
+    cu_seqlens: Optional[torch.Tensor] = None
+    """Packed (THD) micro-batches only: [n + 1] int32 offsets of the n sequences in the one
+    row (0, end of the first, ..., T; an alignment tail is a sequence of its own); None: padded."""
+    max_seqlen: Optional[int] = None
+    """Packed only: the longest sequence of ``cu_seqlens`` (Megatron's ``max_seqlen_q``)."""
+
+    def __post_init__(self):
+        if self.cu_seqlens is None:
+            return
+        if self.tokens.dim() != 2 or self.tokens.shape[0] != 1:
+            raise ValueError(f"a packed micro-batch is one row [1, T], got tokens {list(self.tokens.shape)}")
+        cu = self.cu_seqlens.tolist()
+        total = self.tokens.shape[1]
+        if len(cu) < 2 or cu[0] != 0 or cu[-1] != total or any(b <= a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens must rise strictly from 0 to the packed length {total}, got {cu}")
+        longest = max(b - a for a, b in zip(cu, cu[1:]))
+        if self.max_seqlen != longest:
+            raise ValueError(f"max_seqlen {self.max_seqlen} != the longest sequence of cu_seqlens {longest}")
+
+    @property
+    def is_packed(self) -> bool:
+        return self.cu_seqlens is not None
 
     @property
     def num_rows(self) -> int:
@@ -58,6 +84,8 @@ class MicroBatch:
 
     def rows(self, start: int, stop: int) -> "MicroBatch":
         """Rows ``start:stop`` of every tensor (views), the same seed."""
+        if self.is_packed:
+            raise ValueError("a packed micro-batch has one row; split sequences with train.packing instead")
         return dataclasses.replace(self, **{k: getattr(self, k)[start:stop] for k in self._tensor_fields()})
 
     def to(self, device, non_blocking: bool = False) -> "MicroBatch":

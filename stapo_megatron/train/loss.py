@@ -51,6 +51,7 @@ from stapo_megatron.method import rollout_correction as rc
 from stapo_megatron.train.batching import MicroBatch
 from stapo_megatron.train.loss_metrics import metric_sums
 from stapo_megatron.train.ops import vocab_parallel_logprob_entropy
+from stapo_megatron.train.packing import sequence_ids
 from stapo_megatron.train.schedule import forward_step_func
 
 def minibatch_threshold(
@@ -102,13 +103,16 @@ def loss_func(
     )
     # Rollout correction (verl's decoupled mode): rejected tokens leave the response mask, so the
     # loss and its normaliser; the truncated IS weight multiplies the clipped surrogate only.
-    is_weight, rejected = rc.correction(config.rollout_correction, old_logprob, batch.rollout_logprob, response_mask)
+    seq_ids = sequence_ids(batch.cu_seqlens)[None] if batch.is_packed else None  # a packed row's sequences
+    is_weight, rejected = rc.correction(config.rollout_correction, old_logprob, batch.rollout_logprob, response_mask,
+                                        seq_ids)
     trained_mask = response_mask & ~rejected
     # normaliser: kept tokens ("token_mean") or sequences with a kept token (GRPO's sequence mean)
     loss_sum, normaliser = stapo_loss(
         logprob, old_logprob, advantages, trained_mask, silenced,
         config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio_c,
-        batch.ref_logprob, config.kl_coef, method.loss_agg, is_weight,
+        batch.ref_logprob, config.kl_coef, method.loss_agg, is_weight=is_weight,
+        sequence_ids=seq_ids,
     )
     with torch.no_grad():
         _, is_clipped = token_objective(

@@ -8,7 +8,13 @@ whatever ``parallel_state`` set up) over a list of `MicroBatch` objects; the cal
 of ``compute_logprob_entropy``: the pi_old pass and the "exact" tau_H pre-pass). A `PassContext`
 carries what every pass needs besides the micro-batches.
 
-Legend: [B, S] = micro-batch x sequence, aligned with the labels.
+Packed micro-batches (``MicroBatch.cu_seqlens``, ``stapo_megatron.train.packing``) reach the
+model with Megatron's ``PackedSeqParams(qkv_format="thd")``: RoPE restarts per sequence and the
+core attention (TE's, or the local spec's `SDPAttention`) keeps sequences apart. Their lengths
+differ between micro-batches; without pipelining no schedule reads ``seq_length``; with it the
+p2p buffers would need Megatron's ``variable_seq_lengths``, not wired here (ValueError).
+
+Legend: [B, S] = micro-batch x sequence, aligned with the labels ([1, T] packed).
 """
 
 from __future__ import annotations
@@ -25,6 +31,16 @@ from stapo_megatron.train.ops import vocab_parallel_logprob_entropy
 from stapo_megatron.train.parallel import Groups
 
 
+def packed_seq_params(batch: MicroBatch):
+    """Megatron's ``PackedSeqParams(qkv_format="thd")`` of a packed micro-batch; None if padded."""
+    if not batch.is_packed:
+        return None
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=batch.cu_seqlens, cu_seqlens_kv=batch.cu_seqlens,
+                           max_seqlen_q=batch.max_seqlen, max_seqlen_kv=batch.max_seqlen)
+
+
 @dataclasses.dataclass(frozen=True)
 class PassContext:
     """What a pass of a model over micro-batches needs besides them."""
@@ -32,7 +48,8 @@ class PassContext:
     model: Any
     """The Megatron GPTModel (DDP-wrapped for updates; any pipeline stage)."""
     seq_length: int
-    """The padded sequence length S of every micro-batch."""
+    """The padded sequence length S of every micro-batch (packed: the longest row T; unused
+    without pipelining)."""
     temperature: float = 1.0
     """Logits are divided by it, as the sampler did (`LossConfig.temperature`)."""
     groups: Optional[Groups] = None
@@ -57,7 +74,8 @@ def forward_step_func(make_loss: Callable) -> Callable:
         # Micro-batches may be built on the CPU (tests, library users); the model's device is
         # where they are used. A no-op for tensors already there (the trainer's).
         batch = next(data_iterator).to(next(model.parameters()).device, non_blocking=True)
-        output = model(batch.tokens, batch.position_ids, attention_mask=None)
+        output = model(batch.tokens, batch.position_ids, attention_mask=None,
+                       packed_seq_params=packed_seq_params(batch))
         return output, make_loss(batch)
 
     return forward_step
@@ -69,8 +87,14 @@ def run_microbatches(model, microbatches: List[MicroBatch], seq_length: int,
 
     Returns the loss functions' metric dicts, one per micro-batch, on the last pipeline stage.
     """
+    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    if any(mb.is_packed for mb in microbatches):
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        if pp > 1:
+            raise ValueError(f"packed micro-batches (packing != 'off') are not supported with pipeline "
+                             f"parallelism yet (pipeline_model_parallel_size {pp}); use packing='off'")
     return get_forward_backward_func()(
         forward_step_func=forward_step_func(make_loss),
         data_iterator=iter(microbatches),

@@ -60,18 +60,26 @@ def tiny_gpt_config(
     )
 
 
-def build_tiny_gpt(config, vocab_size: int, max_seq_length: int, seed: int = 1234):
-    """GPTModel with Megatron's local layer spec for this rank's pipeline stage."""
+def build_tiny_gpt(config, vocab_size: int, max_seq_length: int, seed: int = 1234, core_attention: str = "local"):
+    """GPTModel with Megatron's local layer spec for this rank's pipeline stage; ``core_attention``
+    "sdpa" swaps in `stapo_megatron.bridge.attention.SDPAttention` (needed for packed batches)."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    if core_attention == "sdpa":
+        from stapo_megatron.bridge.attention import SDPAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    elif core_attention != "local":
+        raise ValueError(f'core_attention must be "local" or "sdpa", got {core_attention!r}')
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return GPTModel(
         config,
-        get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"),
+        spec,
         vocab_size=vocab_size,
         max_sequence_length=max_seq_length,
         pre_process=ps.is_pipeline_first_stage(),

@@ -38,7 +38,7 @@ from stapo_megatron.train.parallel import collective_device, destroy_parallel, i
 from stapo_megatron.train.reference import add_reference_logprobs, frozen_copy, reset_reference
 from stapo_megatron.train.schedule import PassContext, old_policy_pass
 from stapo_megatron.train.step import build_optimizer, policy_update, wrap_ddp
-from stapo_megatron.trainer import faults
+from stapo_megatron.trainer import faults, packed_batches
 from stapo_megatron.trainer.preemption import SaveOnSignal, StoppedForRequeue
 from stapo_megatron.trainer.prompts import load_prompts, pad_to, step_prompt_indices
 from stapo_megatron.trainer.seeds import Seeds
@@ -83,7 +83,8 @@ class Trainer:
         """The policy (DDP-wrapped), its optimizer and, for a KL term, the frozen reference."""
         cfg = self.cfg
         build = partial(build_gpt_model, self.hf_config, params_dtype=torch.bfloat16 if cfg.model.bf16 else torch.float32,
-                        calculate_per_token_loss=True, bf16=cfg.model.bf16, **cfg.model.memory_settings())
+                        calculate_per_token_loss=True, bf16=cfg.model.bf16, **cfg.model.memory_settings(),
+                        core_attention="sdpa" if cfg.packing != "off" else None)  # packed: SDPAttention
         model = build()
         # sequence parallelism splits the sequence over TP: pad lengths to a multiple of it
         self.seq_multiple = math.lcm(8, cfg.model.tensor_model_parallel_size if cfg.model.sequence_parallel else 1)
@@ -179,6 +180,8 @@ class Trainer:
                      adv_PG: torch.Tensor) -> Tuple[List[List[MicroBatch]], int]:
         """The samples with their advantages packed into label-aligned micro-batches per PPO
         mini-batch, and the padded sequence length."""
+        if self.cfg.packing != "off":
+            return packed_batches.packed_minibatches(self, step, prompts, samples, adv_PG)
         G = self.cfg.rollout.group_size
         flat = [s for group in samples for s in group]
         seq = pad_to(max(len(prompts[i // G]) + len(s.token_ids) for i, s in enumerate(flat)), self.seq_multiple)

@@ -15,6 +15,7 @@ from stapo_megatron.method.masks import gather_values, quantile_linear
 from stapo_megatron.method.rollout_correction import RolloutCorrectionConfig
 from stapo_megatron.runlog.progress import describe
 from stapo_megatron.train.batching import MicroBatch
+from stapo_megatron.train.packing import sequence_ids
 from stapo_megatron.train.parallel import Groups
 
 
@@ -55,7 +56,8 @@ def rollout_mismatch(minis: List[List[MicroBatch]], config: RolloutCorrectionCon
     num_q = len(rc.RATIO_QUANTILES)
     packed = torch.zeros(len(rc.MISMATCH_SUMS) + 1 + num_q, dtype=torch.float64, device=dp_device)
     if groups.is_last_stage:
-        parts = [rc.mismatch_sums(config, mb.old_logprob, mb.rollout_logprob, mb.response_mask)
+        parts = [rc.mismatch_sums(config, mb.old_logprob, mb.rollout_logprob, mb.response_mask,
+                                  sequence_ids(mb.cu_seqlens)[None] if mb.is_packed else None)
                  for mini in minis for mb in mini]
         sums = torch.stack([p[0] for p in parts]).sum(0).to(dp_device)
         max_abs = torch.stack([p[1] for p in parts]).max().reshape(1).to(dp_device)
