@@ -88,3 +88,16 @@ def test_overrides_are_checked_when_the_config_is_built():
         build_config("tiny", loss={"tau_p": 2.0})
     cfg, _ = build_config("tiny", rollout={"temperature": 0.7}, loss={"temperature": 0.7})
     assert cfg.rollout.temperature == cfg.loss.temperature == 0.7
+
+
+def test_vllm_tp_must_divide_megatron_tp():
+    # vLLM TP 4 over Megatron TP 2: one engine would span the ranks of two DP replicas
+    with pytest.raises(ValueError, match=r"vLLM TP 4 must divide Megatron TP 2 \(rollout.tensor_parallel_size=4, "
+                                         r"model.tensor_model_parallel_size=2\): a vLLM engine must not span two DP"):
+        TrainerConfig(model=ModelConfig(tensor_model_parallel_size=2), rollout=RolloutSampling(tensor_parallel_size=4))
+    with pytest.raises(ValueError, match="vLLM TP 3 must divide Megatron TP 4"):
+        dataclasses.replace(TrainerConfig(model=ModelConfig(tensor_model_parallel_size=4)),
+                            rollout=RolloutSampling(tensor_parallel_size=3))
+    for tp, vtp in ((4, 4), (4, 2), (4, 1), (2, 1)):
+        cfg = TrainerConfig(model=ModelConfig(tensor_model_parallel_size=tp), rollout=RolloutSampling(tensor_parallel_size=vtp))
+        assert cfg.rollout.tensor_parallel_size == vtp

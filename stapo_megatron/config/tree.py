@@ -142,6 +142,15 @@ class TrainerConfig:
             if not (0 < getattr(self, name) and math.isfinite(getattr(self, name))):
                 raise ValueError(f"{name} must be finite and > 0, got {getattr(self, name)}")
         self.eval_sets = eval_set_configs(self.eval_sets)
+        # vLLM's external launcher forms an engine from consecutive ranks, and Megatron's TP
+        # groups are consecutive ranks too (TP is the innermost dimension); an engine wider than
+        # a TP group would span two DP ranks, which sample different prompts.
+        tp, vtp = self.model.tensor_model_parallel_size, self.rollout.tensor_parallel_size
+        if tp % vtp:
+            raise ValueError(
+                f"vLLM TP {vtp} must divide Megatron TP {tp} (rollout.tensor_parallel_size={vtp}, "
+                f"model.tensor_model_parallel_size={tp}): a vLLM engine must not span two DP ranks"
+            )
         # The loss recomputes pi_old and pi_theta at loss.temperature; sampling at another
         # temperature would make every ratio, entropy and S2T decision refer to a distribution
         # the responses were not drawn from.

@@ -112,7 +112,7 @@ class Trainer:
         reward = get_reward(self.cfg.reward)  # before the engine: a bad name fails fast
         self.engine = build_engine(r.engine, self.cfg.model.hf_dir, r.engine_config(
             max_model_len=pad_to(self.cfg.data.max_prompt_len + max(r.max_response_len, eval_max_len(self.cfg))),
-            seed=self.seeds.engine,
+            seed=self.seeds.engine(self.dp_rank),
             # the engine must run the dtype the trainer trains in, whatever the folder was saved in
             dtype="bfloat16" if self.cfg.model.bf16 else "float32",
             enable_sleep_mode=r.sleep_during_training and torch.cuda.is_available(),
@@ -165,8 +165,10 @@ class Trainer:
     def _rollout(self, prompts: List[List[int]], step: int) -> List[List]:
         """G samples per prompt (``Sample`` lists), the same on every rank of a model-parallel group."""
         r = self.cfg.rollout
+        # global sample indices: DP ranks draw distinct noise, and the same as one rank would
+        first_sample = self.dp_rank * len(prompts) * r.group_size
         return generate_for_group(self.engine, self.groups.mp, prompts, r.group_size, r.temperature, r.top_p,
-                                  r.max_response_len, seed=self.seeds.rollout(step))
+                                  r.max_response_len, seed=self.seeds.rollout(step, first_sample))
 
     def _score(self, samples: List[List], answers: List[str]) -> Tuple[torch.Tensor, Dict]:
         """Rewards [P, G] of the samples against their prompts' answers, and the scorer's info."""
