@@ -98,7 +98,7 @@ class Trainer:
         # created on the backend's device (the same CUDA device under NCCL, the CPU under gloo).
         self.device = next(model.parameters()).device
         self.dp_device = collective_device(self.groups.dp)
-        self.model = wrap_ddp(model, cfg.optim.use_distributed_optimizer)
+        self.model = wrap_ddp(model, cfg.optim.use_distributed_optimizer, cfg.optim.overlap_grad_reduce)
         self.optimizer = build_optimizer(self.model, cfg.optim)
 
     def context(self, seq_length: int, model=None) -> PassContext:
