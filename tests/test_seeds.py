@@ -26,7 +26,7 @@ def test_each_dp_rank_samples_with_its_own_noise():
     # the per-sample seeds: rank r's prompt i, sample j is global sample (r P + i) n + j, so
     # no two samples of a step share a seed, and DP=2 draws what DP=1 draws for the same prompts
     P, n, step = 4, 8, 3  # prompts per rank, samples per prompt
-    per_rank = [[seeds.rollout(step, r * P * n) + i * n + j for i in range(P) for j in range(n)] for r in range(2)]
+    per_rank = [[seeds.rollout(step, r, P * n) + i * n + j for i in range(P) for j in range(n)] for r in range(2)]
     assert len(set(per_rank[0]) | set(per_rank[1])) == 2 * P * n
     one_rank = [seeds.rollout(step) + i * n + j for i in range(2 * P) for j in range(n)]
     assert per_rank[0] + per_rank[1] == one_rank

@@ -112,6 +112,10 @@ class TrainerConfig:
     distributed_timeout_s: float = 600.0
     """How long a collective waits for a rank that stopped answering once the group has formed
     (Megatron's ``--distributed-timeout-minutes``, 10); a rank that dies is noticed at once."""
+    rollout_timeout_s: Optional[float] = None
+    """How long the ranks wait for each other's rollouts (and evaluation samples): the
+    collectives of those phases, where the fastest DP rank waits for the slowest engine. None =
+    `rollout_timeout`'s bound from the longest response, never below ``distributed_timeout_s``."""
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     """Model and training parallelism."""
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -138,7 +142,9 @@ class TrainerConfig:
             check_at_least(self, 1, "eval_max_response_len")
         if not (0 <= self.eval_temperature and math.isfinite(self.eval_temperature)):
             raise ValueError(f"eval_temperature must be finite and >= 0 (0 = greedy), got {self.eval_temperature}")
-        for name in ("reward_timeout_s", "init_timeout_s", "distributed_timeout_s"):
+        for name in ("reward_timeout_s", "init_timeout_s", "distributed_timeout_s", "rollout_timeout_s"):
+            if name == "rollout_timeout_s" and self.rollout_timeout_s is None:
+                continue
             if not (0 < getattr(self, name) and math.isfinite(getattr(self, name))):
                 raise ValueError(f"{name} must be finite and > 0, got {getattr(self, name)}")
         self.eval_sets = eval_set_configs(self.eval_sets)
@@ -160,6 +166,22 @@ class TrainerConfig:
                 f"the loss must see the distribution the responses were sampled from; set both "
                 f"(rollout.temperature={self.rollout.temperature} loss.temperature={self.rollout.temperature})"
             )
+
+    def rollout_timeout(self) -> float:
+        """The collective timeout of the rollout and evaluation phases, in seconds:
+        ``rollout_timeout_s``, or ``SECONDS_PER_RESPONSE_TOKEN`` x the longest response
+        (training or evaluation) but at least ``distributed_timeout_s``."""
+        if self.rollout_timeout_s is not None:
+            return self.rollout_timeout_s
+        longest = max(self.rollout.max_response_len, self.eval_max_response_len or 0)
+        return max(self.distributed_timeout_s, SECONDS_PER_RESPONSE_TOKEN * longest)
+
+
+SECONDS_PER_RESPONSE_TOKEN = 0.2
+"""A bound on the wall time per decoded token of the slowest sequence, for the derived
+`TrainerConfig.rollout_timeout`: a decode step of a 14B engine with a DP rank's 128 sequences
+takes some 25-60 ms on an H100 (eager mode at the upper end), so the 15,360-token paper responses
+get 3072 s (4x headroom over ~770 s) and the 20,480-token evaluation 4096 s."""
 
 
 def eval_set_configs(sets: Any) -> List[EvalSetConfig]:

@@ -27,7 +27,7 @@ from stapo_megatron.rewards.functions import get_reward
 from stapo_megatron.rewards.scorer import RewardScorer
 from stapo_megatron.rollout.base import generate_for_group
 from stapo_megatron.rollout.registry import build_engine
-from stapo_megatron.rollout.weight_sync import sync_weights
+from stapo_megatron.rollout.weight_sync import sync_weights, wake_and_sync
 from stapo_megatron.runlog.metrics import RunLogger
 from stapo_megatron.runlog.plots import plot_run
 from stapo_megatron.runlog.progress import Progress
@@ -116,6 +116,9 @@ class Trainer:
             # the engine must run the dtype the trainer trains in, whatever the folder was saved in
             dtype="bfloat16" if self.cfg.model.bf16 else "float32",
             enable_sleep_mode=r.sleep_during_training and torch.cuda.is_available(),
+            # asleep, the weights are dropped (wake_and_sync rewrites them); run() syncs before any generate
+            sleep_level=2, load_format="dummy",
+            enforce_eager=r.enforce_eager,
         ))
         self.scorer = RewardScorer(num_workers=self.cfg.reward_workers, timeout_s=self.cfg.reward_timeout_s,
                                    score_fn=reward.score_fn, failure_reward=reward.failure_reward)
@@ -147,10 +150,7 @@ class Trainer:
         with timer("train"):
             updates = [policy_update(ctx, self.optimizer, mini, self.cfg.loss) for mini in minis]
         with timer("weight_sync"):
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()  # hand PyTorch's cached training memory back for vLLM
-            self.engine.wake_up()
-            sync_weights(self.model, self.hf_config, self.groups, self.engine)
+            wake_and_sync(self.model, self.hf_config, self.groups, self.engine)
         row = step_row(step, updates, rewards_PG, num_flat, samples, logprob_diff, reward_info,
                        self.cfg.loss.tau_h_source, self.optimizer.param_groups[0]["lr"], self.groups, self.dp_device)
         row.update(timer.seconds)
@@ -165,10 +165,10 @@ class Trainer:
     def _rollout(self, prompts: List[List[int]], step: int) -> List[List]:
         """G samples per prompt (``Sample`` lists), the same on every rank of a model-parallel group."""
         r = self.cfg.rollout
-        # global sample indices: DP ranks draw distinct noise, and the same as one rank would
-        first_sample = self.dp_rank * len(prompts) * r.group_size
+        # distinct seeds per DP rank; the wait for the slowest rank's engine is inside, under the rollout timeout
         return generate_for_group(self.engine, self.groups.mp, prompts, r.group_size, r.temperature, r.top_p,
-                                  r.max_response_len, seed=self.seeds.rollout(step, first_sample))
+                                  r.max_response_len, seed=self.seeds.rollout(step, self.dp_rank, len(prompts) * r.group_size),
+                                  wait_timeout_s=self.cfg.rollout_timeout())
 
     def _score(self, samples: List[List], answers: List[str]) -> Tuple[torch.Tensor, Dict]:
         """Rewards [P, G] of the samples against their prompts' answers, and the scorer's info."""

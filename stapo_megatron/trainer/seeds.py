@@ -14,11 +14,10 @@ Which stream seeds what (``seed`` = ``TrainerConfig.seed``, k = the training ste
     engine(dp)                  seed + dp                                      the sampler's global RNG of
                                                                                DP rank dp's engine (used only
                                                                                without a per-call seed)
-    rollout(k, first)           seed x 1_000_003 + k + first                   step k's samples; prompt i,
+    rollout(k, dp, m)           seed x 1_000_003 + k + dp x m                  step k's samples on DP rank dp
+                                                                               (m samples per rank); prompt i,
                                                                                sample j: that + i n + j
-                                                                               (rollout engines); ``first``
-                                                                               = the rank's first global
-                                                                               sample, dp x prompts x n
+                                                                               (rollout engines)
     evaluation                  seed + 7                                       every evaluation: the held-out
                                                                                set and each named set and
                                                                                decoding (eval_sets)
@@ -85,11 +84,12 @@ class Seeds:
         share the seed, as vLLM requires."""
         return self.seed + dp_rank
 
-    def rollout(self, step: int, first_sample: int = 0) -> int:
-        """The samples of training step ``step`` (0-based) on a rank whose first sample is
-        global sample ``first_sample`` (DP rank r: r x prompts per rank x n): every sample of
-        the step gets its own seed, the same one whatever the DP size."""
-        return self.seed * 1_000_003 + step + first_sample
+    def rollout(self, step: int, dp_rank: int = 0, samples_per_rank: int = 0) -> int:
+        """The samples of training step ``step`` (0-based) on DP rank ``dp_rank``, which draws
+        ``samples_per_rank`` samples: the rank's first sample is global sample dp_rank x
+        samples_per_rank, so every sample of the step gets its own seed, the same one whatever
+        the DP size."""
+        return self.seed * 1_000_003 + step + dp_rank * samples_per_rank
 
     @property
     def evaluation(self) -> int:
