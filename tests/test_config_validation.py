@@ -88,3 +88,49 @@ def test_overrides_are_checked_when_the_config_is_built():
         build_config("tiny", loss={"tau_p": 2.0})
     cfg, _ = build_config("tiny", rollout={"temperature": 0.7}, loss={"temperature": 0.7})
     assert cfg.rollout.temperature == cfg.loss.temperature == 0.7
+
+
+def test_vllm_tp_must_divide_megatron_tp():
+    # vLLM TP 4 over Megatron TP 2: one engine would span the ranks of two DP replicas
+    with pytest.raises(ValueError, match=r"vLLM TP 4 must divide Megatron TP 2 \(rollout.tensor_parallel_size=4, "
+                                         r"model.tensor_model_parallel_size=2\): a vLLM engine must not span two DP"):
+        TrainerConfig(model=ModelConfig(tensor_model_parallel_size=2), rollout=RolloutSampling(tensor_parallel_size=4))
+    with pytest.raises(ValueError, match="vLLM TP 3 must divide Megatron TP 4"):
+        dataclasses.replace(TrainerConfig(model=ModelConfig(tensor_model_parallel_size=4)),
+                            rollout=RolloutSampling(tensor_parallel_size=3))
+    for tp, vtp in ((4, 4), (4, 2), (4, 1), (2, 1)):
+        cfg = TrainerConfig(model=ModelConfig(tensor_model_parallel_size=tp), rollout=RolloutSampling(tensor_parallel_size=vtp))
+        assert cfg.rollout.tensor_parallel_size == vtp
+
+
+def test_rollout_timeout_fits_the_longest_response():
+    from stapo_megatron.config.tree import SECONDS_PER_RESPONSE_TOKEN
+    from stapo_megatron.recipes import paper
+
+    # the paper: 15,360-token rollouts, 20,480-token evaluation; never below the collective timeout
+    assert paper.qwen3_14b().rollout_timeout() == SECONDS_PER_RESPONSE_TOKEN * 20480 == 4096
+    assert TrainerConfig().rollout_timeout() == SECONDS_PER_RESPONSE_TOKEN * 15360 > TrainerConfig().distributed_timeout_s
+    short = TrainerConfig(rollout=RolloutSampling(max_response_len=64))
+    assert short.rollout_timeout() == short.distributed_timeout_s == 600
+    assert TrainerConfig(rollout_timeout_s=7200.0).rollout_timeout() == 7200.0
+    for bad in (0.0, -1.0, NAN, INF):
+        with pytest.raises(ValueError, match=f"rollout_timeout_s must be finite and > 0, got {bad}"):
+            TrainerConfig(rollout_timeout_s=bad)
+
+
+def test_collective_timeout_is_set_for_the_phase_and_restored():
+    import torch.distributed as dist
+
+    from stapo_megatron.train.parallel import collective_timeout, group_timeout, init_process_group
+    from tests.dist_utils import single_process_env
+
+    with single_process_env():
+        init_process_group(init_timeout_s=30.0, timeout_s=600.0, backend="gloo")
+        try:
+            other = dist.new_group([0], timeout=__import__("datetime").timedelta(seconds=120))
+            with collective_timeout(3072.0, [None, other, None]):
+                assert group_timeout() == group_timeout(other) == 3072.0
+                dist.barrier()
+            assert (group_timeout(), group_timeout(other)) == (600.0, 120.0)
+        finally:
+            dist.destroy_process_group()

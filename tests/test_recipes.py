@@ -171,7 +171,10 @@ def test_overrides_reach_nested_fields():
     (dict(method="ppo"), "method must be one of"),
     (dict(recipe="qwen3_70b"), "recipe must be one of"),
     (dict(warmstart={"steps": 3}), "recipe qwen3_14b has no warm-start"),
-    (dict(model={"tensor_model_parallel_size": 3}), "num_attention_heads 40 is not divisible by tensor_model_parallel_size 3"),
+    (dict(model={"tensor_model_parallel_size": 3}, rollout={"tensor_parallel_size": 1}),
+     "num_attention_heads 40 is not divisible by tensor_model_parallel_size 3"),
+    # the trainer's own config refuses it before the layout check (vLLM TP 4 of the recipe)
+    (dict(model={"tensor_model_parallel_size": 3}), "vLLM TP 4 must divide Megatron TP 3"),
     (dict(rollout={"tensor_parallel_size": 8}), "vLLM TP 8 must divide Megatron TP 4"),
     (dict(rollout={"gpu_memory_utilization": 0.6}), "exceeds 80 GB"),
     (dict(minibatch_prompts=48), "prompts_per_step 256 is not divisible by minibatch_prompts 48"),
@@ -211,9 +214,9 @@ def test_memory_settings_reach_megatron_transformer_config():
     tc = transformer_config_from_spec(paper.ARCHITECTURES["qwen3_14b"], cfg.model.tensor_model_parallel_size,
                                       cfg.model.pipeline_model_parallel_size, **settings)
     assert tc.sequence_parallel and tc.recompute_granularity == "full" and tc.recompute_num_layers == 1
-    bad = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, tensor_model_parallel_size=1))
+    bad = dataclasses.replace(cfg.model, tensor_model_parallel_size=1)
     with pytest.raises(ValueError, match="sequence_parallel needs tensor_model_parallel_size > 1"):
-        bad.model.memory_settings()
+        bad.memory_settings()
 
 
 def test_prepare_tiny_model_refuses_a_foreign_folder(tmp_path):

@@ -5,7 +5,7 @@ from stapo_megatron.trainer.seeds import Seeds
 
 def test_seed_streams_keep_their_values():
     seeds = Seeds(1234)
-    assert (seeds.model_init, seeds.data_split, seeds.data_order, seeds.engine) == (1234, 1234, 1234, 1234)
+    assert (seeds.model_init, seeds.data_split, seeds.data_order, seeds.engine()) == (1234, 1234, 1234, 1234)
     assert (seeds.warmstart_order, seeds.evaluation) == (1234 + 99, 1234 + 7)
     assert seeds.rollout(5) == 1234 * 1_000_003 + 5
     assert Seeds.microbatches(step=3, first_sequence=64, dp_rank=1) == 3 * 100_003 + 64 + 10_007
@@ -17,6 +17,19 @@ def test_streams_of_steps_and_ranks_do_not_collide():
     rollouts = {seeds.rollout(k) for k in range(1000)}
     micro = {Seeds.microbatches(k, s, dp) for k in range(100) for s in range(0, 512, 128) for dp in range(8)}
     assert len(rollouts) == 1000 and len(micro) == 100 * 4 * 8
+
+
+def test_each_dp_rank_samples_with_its_own_noise():
+    seeds = Seeds(1234)
+    # the engines' own RNGs: DP rank r gets seed + r (deterministic, distinct per rank)
+    assert [seeds.engine(r) for r in range(4)] == [1234, 1235, 1236, 1237]
+    # the per-sample seeds: rank r's prompt i, sample j is global sample (r P + i) n + j, so
+    # no two samples of a step share a seed, and DP=2 draws what DP=1 draws for the same prompts
+    P, n, step = 4, 8, 3  # prompts per rank, samples per prompt
+    per_rank = [[seeds.rollout(step, r, P * n) + i * n + j for i in range(P) for j in range(n)] for r in range(2)]
+    assert len(set(per_rank[0]) | set(per_rank[1])) == 2 * P * n
+    one_rank = [seeds.rollout(step) + i * n + j for i in range(2 * P) for j in range(n)]
+    assert per_rank[0] + per_rank[1] == one_rank
 
 
 def test_fixed_warmstart_and_data_seeds_leave_only_rl_streams_to_the_run_seed():

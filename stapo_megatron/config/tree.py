@@ -126,6 +126,10 @@ class TrainerConfig:
     distributed_timeout_s: float = 600.0
     """How long a collective waits for a rank that stopped answering once the group has formed
     (Megatron's ``--distributed-timeout-minutes``, 10); a rank that dies is noticed at once."""
+    rollout_timeout_s: Optional[float] = None
+    """How long the ranks wait for each other's rollouts (and evaluation samples): the
+    collectives of those phases, where the fastest DP rank waits for the slowest engine. None =
+    `rollout_timeout`'s bound from the longest response, never below ``distributed_timeout_s``."""
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     """Model and training parallelism."""
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
@@ -152,11 +156,22 @@ class TrainerConfig:
             check_at_least(self, 1, "eval_max_response_len")
         if not (0 <= self.eval_temperature and math.isfinite(self.eval_temperature)):
             raise ValueError(f"eval_temperature must be finite and >= 0 (0 = greedy), got {self.eval_temperature}")
-        for name in ("reward_timeout_s", "init_timeout_s", "distributed_timeout_s"):
+        for name in ("reward_timeout_s", "init_timeout_s", "distributed_timeout_s", "rollout_timeout_s"):
+            if name == "rollout_timeout_s" and self.rollout_timeout_s is None:
+                continue
             if not (0 < getattr(self, name) and math.isfinite(getattr(self, name))):
                 raise ValueError(f"{name} must be finite and > 0, got {getattr(self, name)}")
         self.eval_sets = eval_set_configs(self.eval_sets)
         self._check_packing()
+        # vLLM's external launcher forms an engine from consecutive ranks, and Megatron's TP
+        # groups are consecutive ranks too (TP is the innermost dimension); an engine wider than
+        # a TP group would span two DP ranks, which sample different prompts.
+        tp, vtp = self.model.tensor_model_parallel_size, self.rollout.tensor_parallel_size
+        if tp % vtp:
+            raise ValueError(
+                f"vLLM TP {vtp} must divide Megatron TP {tp} (rollout.tensor_parallel_size={vtp}, "
+                f"model.tensor_model_parallel_size={tp}): a vLLM engine must not span two DP ranks"
+            )
         # The loss recomputes pi_old and pi_theta at loss.temperature; sampling at another
         # temperature would make every ratio, entropy and S2T decision refer to a distribution
         # the responses were not drawn from.
@@ -166,7 +181,6 @@ class TrainerConfig:
                 f"the loss must see the distribution the responses were sampled from; set both "
                 f"(rollout.temperature={self.rollout.temperature} loss.temperature={self.rollout.temperature})"
             )
-
 
     def _check_packing(self) -> None:
         modes = ("off", "fixed", "budget")  # train.packing.PACKING_MODES (no torch import here)
@@ -186,6 +200,22 @@ class TrainerConfig:
                     f"max_tokens_per_microbatch {self.max_tokens_per_microbatch} < the longest sequence "
                     f"data.max_prompt_len + rollout.max_response_len = {self.data.max_prompt_len} + "
                     f"{self.rollout.max_response_len} = {longest} (a sequence is never split)")
+
+    def rollout_timeout(self) -> float:
+        """The collective timeout of the rollout and evaluation phases, in seconds:
+        ``rollout_timeout_s``, or ``SECONDS_PER_RESPONSE_TOKEN`` x the longest response
+        (training or evaluation) but at least ``distributed_timeout_s``."""
+        if self.rollout_timeout_s is not None:
+            return self.rollout_timeout_s
+        longest = max(self.rollout.max_response_len, self.eval_max_response_len or 0)
+        return max(self.distributed_timeout_s, SECONDS_PER_RESPONSE_TOKEN * longest)
+
+
+SECONDS_PER_RESPONSE_TOKEN = 0.2
+"""A bound on the wall time per decoded token of the slowest sequence, for the derived
+`TrainerConfig.rollout_timeout`: a decode step of a 14B engine with a DP rank's 128 sequences
+takes some 25-60 ms on an H100 (eager mode at the upper end), so the 15,360-token paper responses
+get 3072 s (4x headroom over ~770 s) and the 20,480-token evaluation 4096 s."""
 
 
 def eval_set_configs(sets: Any) -> List[EvalSetConfig]:

@@ -86,7 +86,8 @@ class Evaluator:
         ``samples_out``, if given, gets this rank's samples (prompt, response, answer, reward)."""
         idx = list(range(self.dp_rank, len(prompt_ids), self.dp_size))
         samples = generate_for_group(self.engine, self.groups.mp, [prompt_ids[i] for i in idx], k,
-                                     decoding.temperature, decoding.top_p, eval_max_len(self.cfg), seed=self.seed)
+                                     decoding.temperature, decoding.top_p, eval_max_len(self.cfg), seed=self.seed,
+                                     wait_timeout_s=self.cfg.rollout_timeout())
         texts = [[s.text for s in group] for group in samples]
         rewards: List[float] = []
         counts = score_responses(texts, [examples[i] for i in idx], k, self.scorer, rewards)

@@ -7,12 +7,15 @@ An engine is built from an HF folder and a `stapo_megatron.rollout.config.Rollou
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from typing import Iterable, Optional, Protocol, Tuple
+from typing import Iterable, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+
+from stapo_megatron.train.parallel import barrier, collective_timeout
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 """Any of these in an HF folder means it carries a tokenizer (else ``Sample.text`` is "")."""
@@ -47,8 +50,9 @@ class RolloutEngine(Protocol):
     def sleep(self) -> None:
         """Free the engine's device memory for training (a no-op where unsupported)."""
 
-    def wake_up(self) -> None:
-        """Take the memory back before the weight sync."""
+    def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Take the memory back: all of it (``tags`` None), or only ``("weights",)`` (before the
+        weight sync) or ``("kv_cache",)`` (after it), vLLM's tags."""
 
     def shutdown(self) -> None:
         """Release the engine (without destroying the default process group)."""
@@ -71,12 +75,22 @@ def check_generate_args(prompt_token_ids, n: int, temperature: float, top_p: flo
 
 
 def generate_for_group(engine: RolloutEngine, mp_group: Optional[dist.ProcessGroup], prompt_token_ids, n: int,
-                       temperature: float, top_p: float, max_tokens: int, seed: Optional[int]) -> list[list[Sample]]:
+                       temperature: float, top_p: float, max_tokens: int, seed: Optional[int],
+                       wait_timeout_s: Optional[float] = None) -> list[list[Sample]]:
     """``engine.generate``, then the group's first rank's samples broadcast over ``mp_group``:
-    every rank of a model-parallel group must train (and be scored) on identical samples."""
-    samples = engine.generate(prompt_token_ids, n, temperature, top_p, max_tokens, seed=seed)
-    if mp_group is not None and dist.get_world_size(mp_group) > 1:
-        box = [samples]
-        dist.broadcast_object_list(box, src=dist.get_process_group_ranks(mp_group)[0], group=mp_group)
-        samples = box[0]
+    every rank of a model-parallel group must train (and be scored) on identical samples.
+
+    ``wait_timeout_s``: every rank of the job (all must call this) then waits here for all the
+    others' samples, and this call's collectives wait up to ``wait_timeout_s`` instead of the
+    groups' own timeout: the wait for the slowest engine (a 15k-token response) happens here,
+    not in the next collective under ``TrainerConfig.distributed_timeout_s``."""
+    waiting = wait_timeout_s is not None and dist.is_initialized()
+    with collective_timeout(wait_timeout_s, [None, mp_group]) if waiting else contextlib.nullcontext():
+        samples = engine.generate(prompt_token_ids, n, temperature, top_p, max_tokens, seed=seed)
+        if mp_group is not None and dist.get_world_size(mp_group) > 1:
+            box = [samples]
+            dist.broadcast_object_list(box, src=dist.get_process_group_ranks(mp_group)[0], group=mp_group)
+            samples = box[0]
+        if waiting:
+            barrier()
     return samples

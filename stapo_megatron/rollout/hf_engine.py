@@ -167,7 +167,7 @@ class HFEngine:
     def sleep(self) -> None:
         """No-op (the HF engine keeps its weights; it has no KV cache between calls)."""
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags=None) -> None:
         """No-op (see `sleep`)."""
 
     def shutdown(self) -> None:

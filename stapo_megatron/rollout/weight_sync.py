@@ -168,3 +168,20 @@ def sync_weights(model, hf_config: Union[QwenSpec, dict, Any], groups, engine) -
 
     engine.update_weights(counted())
     return {"bytes": total[0], "seconds": time.perf_counter() - start}
+
+
+def wake_and_sync(model, hf_config: Union[QwenSpec, dict, Any], groups, engine) -> dict:
+    """Bring a sleeping engine back with the model's current weights, in the order verl,
+    NeMo-RL and slime use: wake the weights only, sync, hand the sync's and training's cached
+    memory back, then wake the KV cache. The KV cache (the largest allocation) is mapped only
+    after the sync's temporaries (the gathered full tensors) and PyTorch's cached training
+    blocks are released, so they are never resident together. Returns `sync_weights`'s
+    statistics."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # training's cached blocks, for the weights
+    engine.wake_up(tags=("weights",))
+    stats = sync_weights(model, hf_config, groups, engine)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the gathered full tensors and training's cached blocks
+    engine.wake_up(tags=("kv_cache",))
+    return stats

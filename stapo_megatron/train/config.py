@@ -24,6 +24,10 @@ class OptimConfig:
     """Adam beta2."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state over DP (Megatron DistributedOptimizer)."""
+    overlap_grad_reduce: bool = False
+    """Reduce gradient buckets over DP during the last micro-batch's backward instead of after
+    it (Megatron DDP's ``overlap_grad_reduce``; `train.step.wrap_ddp` sets the schedule's
+    ``no_sync_func`` / ``grad_sync_func`` for it). The same gradients, earlier."""
     optimizer: str = "adam"
     """"adam" (AdamW) or "sgd" (plain SGD, momentum 0: used by the parity tests, where Adam
     would amplify fp32 reduction-order noise on near-zero gradients)."""

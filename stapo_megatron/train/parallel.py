@@ -7,11 +7,12 @@ groups a training step needs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import math
 import os
-from typing import Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -123,6 +124,36 @@ def collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.device
     if dist.is_initialized() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def group_timeout(group: Optional[dist.ProcessGroup] = None) -> float:
+    """The timeout, in seconds, of collectives over ``group`` (None: the default group)."""
+    group = group or dist.group.WORLD
+    return group._get_backend(collective_device(group)).options._timeout.total_seconds()
+
+
+@contextlib.contextmanager
+def collective_timeout(timeout_s: float, groups: Sequence[Optional[dist.ProcessGroup]]) -> Iterator[None]:
+    """Collectives over ``groups`` (None: the default group) wait up to ``timeout_s`` inside the
+    block; each group's own timeout is back afterwards. For phases in which ranks legitimately
+    wait long for each other (rollouts of 15k-token responses), so that the rest of the step
+    keeps ``distributed_timeout_s``. torch's ``_set_pg_timeout`` (torch >= 2.3) applies to the
+    collectives issued after it, NCCL's watchdog included."""
+    groups = list(dict.fromkeys(g or dist.group.WORLD for g in groups))  # unique, in order
+    before = [group_timeout(g) for g in groups]
+    for g in groups:
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s), g)
+    try:
+        yield
+    finally:
+        for g, seconds in zip(groups, before):
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), g)
+
+
+def barrier(group: Optional[dist.ProcessGroup] = None) -> None:
+    """``dist.barrier`` on the backend's device (NCCL: the current CUDA device)."""
+    device = collective_device(group)
+    dist.barrier(group=group, device_ids=[device.index] if device.type == "cuda" else None)
 
 
 def current_groups() -> Groups:

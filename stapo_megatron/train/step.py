@@ -23,13 +23,20 @@ from stapo_megatron.train.loss_metrics import reduce_metrics
 from stapo_megatron.train.schedule import PassContext, compute_logprob_entropy, run_microbatches
 
 
-def wrap_ddp(model: torch.nn.Module, use_distributed_optimizer: bool = False):
+def wrap_ddp(model: torch.nn.Module, use_distributed_optimizer: bool = False, overlap_grad_reduce: bool = False):
     """Wrap a Megatron GPTModel in Megatron DDP (parameters broadcast from DP rank 0) and
-    install ``finalize_model_grads``.
+    install the schedule's gradient hooks on its TransformerConfig.
 
     With ``calculate_per_token_loss`` Megatron's ``finalize_model_grads`` divides the gradients
     by the mini-batch's total token count (here: kept tokens), all-reduced over DP and
     broadcast from the last PP stage: the STAPO renormalisation.
+
+    ``overlap_grad_reduce``: reduce each gradient bucket over DP as soon as the last
+    micro-batch's backward has filled it, overlapping communication with the rest of the
+    backward. The schedule then needs ``config.no_sync_func`` (DDP's ``no_sync``, holding the
+    reduction back during the earlier micro-batches, whose gradients only accumulate) and
+    ``config.grad_sync_func`` (``start_grad_sync``, with which the pipeline schedules launch a
+    model chunk's reduction early), set as Megatron-LM's ``training.py`` sets them.
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed import finalize_model_grads
@@ -39,11 +46,15 @@ def wrap_ddp(model: torch.nn.Module, use_distributed_optimizer: bool = False):
         raise ValueError("the STAPO loss needs TransformerConfig(calculate_per_token_loss=True)")
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=overlap_grad_reduce,
         use_distributed_optimizer=use_distributed_optimizer,
     )
     config.finalize_model_grads_func = finalize_model_grads
     ddp_model = DistributedDataParallel(config, ddp_config, model)
+    # Without overlap the schedule's defaults (no context, no early sync) are right: the one
+    # reduction runs in finalize_model_grads after the last micro-batch.
+    config.no_sync_func = ddp_model.no_sync if overlap_grad_reduce else None
+    config.grad_sync_func = ddp_model.start_grad_sync if overlap_grad_reduce else None
     # Megatron DDP does not synchronise the replicas' initial weights. init_parallel seeds
     # every DP rank alike, so they already agree; the broadcast from DP rank 0 keeps that true
     # for models built or loaded any other way (one broadcast per parameter, once per run).
@@ -73,7 +84,7 @@ def build_optimizer(ddp_model, optim: OptimConfig):
 
 def wrap_model_and_optimizer(model: torch.nn.Module, optim: OptimConfig):
     """``wrap_ddp`` then ``build_optimizer``: (ddp_model, optimizer)."""
-    ddp_model = wrap_ddp(model, optim.use_distributed_optimizer)
+    ddp_model = wrap_ddp(model, optim.use_distributed_optimizer, optim.overlap_grad_reduce)
     return ddp_model, build_optimizer(ddp_model, optim)
 
 

@@ -24,7 +24,7 @@ import json
 import os
 import socket
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch.distributed as dist
 

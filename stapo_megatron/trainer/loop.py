@@ -1,11 +1,10 @@
 """The STAPO training loop (docs/design.md, "One training step"), SPMD: one process per device.
 
-Per step: (1) this DP rank's prompts; (2) G rollouts per prompt in this process (the engine of
-``RolloutSampling.engine``); (3) rewards; (4) group advantages (groups stay whole on one DP rank)
-packed into `MicroBatch` objects; (5) pi_old log-probs (``schedule.old_policy_pass``); (6) per
-PPO mini-batch the loss through Megatron's forward_backward and an optimizer step; (7) weight
-sync into the engine; (8) metrics, evaluation (`Evaluator`), checkpoint. The warm-start is a
-component too (`WarmStart`). Started by torchrun (or srun through NeMo-Run): ``train(config)``.
+Per step: (1) this DP rank's prompts; (2) G rollouts per prompt (``RolloutSampling.engine``);
+(3) rewards; (4) group advantages in `MicroBatch` objects (padded, or packed to a token budget
+balanced over DP); (5) pi_old log-probs (``schedule.old_policy_pass``); (6) per PPO mini-batch a
+Megatron forward_backward and an optimizer step; (7) weight sync into the engine; (8) metrics,
+evaluation (`Evaluator`), checkpoint. Warm-start: `WarmStart`. Started by torchrun: ``train(config)``.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from stapo_megatron.rewards.functions import get_reward
 from stapo_megatron.rewards.scorer import RewardScorer
 from stapo_megatron.rollout.base import generate_for_group
 from stapo_megatron.rollout.registry import build_engine
-from stapo_megatron.rollout.weight_sync import sync_weights
+from stapo_megatron.rollout.weight_sync import sync_weights, wake_and_sync
 from stapo_megatron.runlog.metrics import RunLogger
 from stapo_megatron.runlog.plots import plot_run
 from stapo_megatron.runlog.progress import Progress
@@ -98,7 +97,7 @@ class Trainer:
         # created on the backend's device (the same CUDA device under NCCL, the CPU under gloo).
         self.device = next(model.parameters()).device
         self.dp_device = collective_device(self.groups.dp)
-        self.model = wrap_ddp(model, cfg.optim.use_distributed_optimizer)
+        self.model = wrap_ddp(model, cfg.optim.use_distributed_optimizer, cfg.optim.overlap_grad_reduce)
         self.optimizer = build_optimizer(self.model, cfg.optim)
 
     def context(self, seq_length: int, model=None) -> PassContext:
@@ -112,10 +111,12 @@ class Trainer:
         reward = get_reward(self.cfg.reward)  # before the engine: a bad name fails fast
         self.engine = build_engine(r.engine, self.cfg.model.hf_dir, r.engine_config(
             max_model_len=pad_to(self.cfg.data.max_prompt_len + max(r.max_response_len, eval_max_len(self.cfg))),
-            seed=self.seeds.engine,
+            seed=self.seeds.engine(self.dp_rank),
             # the engine must run the dtype the trainer trains in, whatever the folder was saved in
             dtype="bfloat16" if self.cfg.model.bf16 else "float32",
             enable_sleep_mode=r.sleep_during_training and torch.cuda.is_available(),
+            # asleep, the weights are dropped (wake_and_sync rewrites them); run() syncs before any generate
+            sleep_level=2, load_format="dummy", enforce_eager=r.enforce_eager,
         ))
         self.scorer = RewardScorer(num_workers=self.cfg.reward_workers, timeout_s=self.cfg.reward_timeout_s,
                                    score_fn=reward.score_fn, failure_reward=reward.failure_reward)
@@ -148,10 +149,7 @@ class Trainer:
         with timer("train"):
             updates = [policy_update(ctx, self.optimizer, mini, self.cfg.loss) for mini in minis]
         with timer("weight_sync"):
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()  # hand PyTorch's cached training memory back for vLLM
-            self.engine.wake_up()
-            sync_weights(self.model, self.hf_config, self.groups, self.engine)
+            wake_and_sync(self.model, self.hf_config, self.groups, self.engine)
         row = step_row(step, updates, rewards_PG, num_flat, samples, mismatch, reward_info,
                        self.cfg.loss.tau_h_source, self.optimizer.param_groups[0]["lr"], self.groups, self.dp_device)
         row.update(timer.seconds)
@@ -166,8 +164,10 @@ class Trainer:
     def _rollout(self, prompts: List[List[int]], step: int) -> List[List]:
         """G samples per prompt (``Sample`` lists), the same on every rank of a model-parallel group."""
         r = self.cfg.rollout
+        # distinct seeds per DP rank; the wait for the slowest rank's engine is inside, under the rollout timeout
         return generate_for_group(self.engine, self.groups.mp, prompts, r.group_size, r.temperature, r.top_p,
-                                  r.max_response_len, seed=self.seeds.rollout(step))
+                                  r.max_response_len, seed=self.seeds.rollout(step, self.dp_rank, len(prompts) * r.group_size),
+                                  wait_timeout_s=self.cfg.rollout_timeout())
 
     def _score(self, samples: List[List], answers: List[str]) -> Tuple[torch.Tensor, Dict]:
         """Rewards [P, G] of the samples against their prompts' answers, and the scorer's info."""

@@ -11,10 +11,11 @@ Which stream seeds what (``seed`` = ``TrainerConfig.seed``, k = the training ste
     data_order                  seed (+ epoch)                                 the prompt permutation of
                                                                                each epoch
     warmstart_order             ws + 99 (+ epoch)                              the warm-start's permutation
-    engine                      seed                                           the sampler's global RNG
-                                                                               (used only without a per-call
-                                                                               seed)
-    rollout(k)                  seed x 1_000_003 + k                           step k's samples; prompt i,
+    engine(dp)                  seed + dp                                      the sampler's global RNG of
+                                                                               DP rank dp's engine (used only
+                                                                               without a per-call seed)
+    rollout(k, dp, m)           seed x 1_000_003 + k + dp x m                  step k's samples on DP rank dp
+                                                                               (m samples per rank); prompt i,
                                                                                sample j: that + i n + j
                                                                                (rollout engines)
     evaluation                  seed + 7                                       every evaluation: the held-out
@@ -76,14 +77,19 @@ class Seeds:
         """The warm-start prompts' permutation of epoch e is seeded with this + e."""
         return self._ws + 99
 
-    @property
-    def engine(self) -> int:
-        """The rollout engine's own seed."""
-        return self.seed
+    def engine(self, dp_rank: int = 0) -> int:
+        """The rollout engine's own seed on DP rank ``dp_rank``: the ranks' engines are
+        independent samplers and must not draw the same noise. The ranks of one vLLM TP group
+        share a DP rank (`TrainerConfig` checks that vLLM TP divides Megatron TP), so they
+        share the seed, as vLLM requires."""
+        return self.seed + dp_rank
 
-    def rollout(self, step: int) -> int:
-        """The samples of training step ``step`` (0-based)."""
-        return self.seed * 1_000_003 + step
+    def rollout(self, step: int, dp_rank: int = 0, samples_per_rank: int = 0) -> int:
+        """The samples of training step ``step`` (0-based) on DP rank ``dp_rank``, which draws
+        ``samples_per_rank`` samples: the rank's first sample is global sample dp_rank x
+        samples_per_rank, so every sample of the step gets its own seed, the same one whatever
+        the DP size."""
+        return self.seed * 1_000_003 + step + dp_rank * samples_per_rank
 
     @property
     def evaluation(self) -> int:
