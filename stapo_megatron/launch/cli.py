@@ -185,7 +185,7 @@ class CheckedRunContext(cli_api.RunContext):
                 problems.append(str(e))
             else:
                 problems += self._resolved(cfg, warmstart, kwargs["recipe"], executor)
-                problems += self._paths(cfg, kwargs.get("config"), executor)
+                problems += self._paths(cfg, kwargs.get("config"), executor, kwargs["recipe"])
         if not self.emit_sbatch:
             problems += self._code(self.executor)
         if problems:
@@ -240,13 +240,16 @@ class CheckedRunContext(cli_api.RunContext):
             problems += _step_time_report(cfg, recipe, executor)
         return self._refuse_or_show(problems)
 
-    def _paths(self, cfg, config_file: Optional[str], executor) -> List[str]:
-        """The login-node check of every path the job reads (`stapo_megatron.launch.paths`)."""
+    def _paths(self, cfg, config_file: Optional[str], executor, recipe: str) -> List[str]:
+        """The login-node check of every path the job reads (`stapo_megatron.launch.paths`); the
+        tiny recipe's model folder is not read but written, by the job (`entry.run_recipe`)."""
         from stapo_megatron.launch import paths
 
         slurm = isinstance(executor, run.SlurmExecutor)
+        read = [(setting, path) for setting, path in paths.paths_read(cfg, config_file)
+                if not (recipe == "tiny" and setting == "model.hf_dir")]
         problems = paths.path_problems(
-            paths.paths_read(cfg, config_file), dict(getattr(executor, "env_vars", None) or {}),
+            read, dict(getattr(executor, "env_vars", None) or {}),
             getattr(executor, "container_mounts", None) or [] if slurm else [], needs_absolute=slurm)
         return self._refuse_or_show(problems)
 
