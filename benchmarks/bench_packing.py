@@ -3,7 +3,7 @@
 Rollout lengths follow the paper's regime, scaled down for the CPU by ``--scale`` (default 32):
 prompt uniform in [100, 1024] tokens, response log-normal with median 3000 and sigma 0.9,
 capped at 15360; each length is divided by the scale (prompt 3-32, response median ~94, cap 480).
-Padded is the trainer's "off" mode with the paper recipes' micro_batch_size 1: every sequence
+Padded is the trainer's "padded" mode with the paper recipes' micro_batch_size 1: every sequence
 right-padded to the step's longest. Packed is "budget" with max_tokens_per_microbatch = the
 padded micro-batch's tokens (the longest possible sequence), so both bound a micro-batch alike.
 
@@ -61,7 +61,7 @@ def microbatches(mode: str, data, cap: int):
     from stapo_megatron.train.packing import rank_microbatches
 
     seq = -(-max(len(p) + len(r) for p, r in zip(data[0], data[1])) // 8) * 8
-    return rank_microbatches(*data, 0, packing="off" if mode == "padded" else "budget", micro_batch_size=1,
+    return rank_microbatches(*data, 0, packing="padded" if mode == "padded" else "budget", micro_batch_size=1,
                              max_tokens=cap, seq_length=seq, seed=0, align=8)
 
 

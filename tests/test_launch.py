@@ -159,12 +159,13 @@ def test_dryrun_prints_and_saves_the_config_a_launch_takes_back(tmp_path):
     from stapo_megatron.config.yaml_io import load_config
 
     first, second = tmp_path / "first.yaml", tmp_path / "second.yaml"
+    # packing=padded: a mode name NeMo-Run's parser keeps as text (it reads "off" as False)
     code, out = nemo_run(tmp_path, "launch/stapo_tiny.py", "--dryrun", "steps=3", "loss.tau_p=0.01",
-                         "--save-config", str(first))
+                         "packing=padded", "--save-config", str(first))
     assert code == 0, out
     assert "# ---- resolved configuration (dry run) ----" in out and "    tau_p: 0.01\n" in out
     recipe, cfg, warmstart = load_config(str(first))
-    assert (recipe, cfg.steps, cfg.loss.tau_p, warmstart.steps) == ("tiny", 3, 0.01, 300)
+    assert (recipe, cfg.steps, cfg.loss.tau_p, cfg.packing, warmstart.steps) == ("tiny", 3, 0.01, "padded", 300)
 
     code, out = nemo_run(tmp_path, "launch/stapo_tiny.py", "--dryrun", f"config={first}", "optim.lr=0.001",
                          f"--save-config={second}")

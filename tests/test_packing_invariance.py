@@ -19,7 +19,7 @@ from tests.dist_utils import run_distributed
 pytestmark = pytest.mark.slow
 
 VOCAB, NUM_PROMPTS, GROUP, BUDGET = 512, 4, 4, 64
-MODES = ("off", "fixed", "budget")
+MODES = ("padded", "fixed", "budget")
 COUNTS = ("num_kept", "num_response_tokens", "silenced_count", "candidate_count")
 VALUES = ("loss", "tau_h", "entropy_mean", "approx_kl", "grad_norm", "clip_fraction", "silenced_fraction")
 
@@ -88,21 +88,21 @@ def _check_same(results, reference, mode, tp=1):
     """``mode``'s run of ``results`` against the padded run of ``reference``: metrics and the
     S2T mask (the TP ranks of one DP rank report the same silenced tokens: count one)."""
     for res in results:
-        for got, want in zip(res[mode][0], reference[0]["off"][0]):
+        for got, want in zip(res[mode][0], reference[0]["padded"][0]):
             for key in COUNTS:
                 assert got[key] == want[key], (mode, key)
             for key in VALUES:
                 assert got[key] == pytest.approx(want[key], rel=2e-5, abs=1e-7), (mode, key)
     for update in range(2):
-        got, want = _silenced(results[::tp], mode, update), _silenced(reference, "off", update)
+        got, want = _silenced(results[::tp], mode, update), _silenced(reference, "padded", update)
         assert got.shape == want.shape and len(want) > 0, "the S2T mask must be exercised"
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_dp1_padded_fixed_budget_agree(dp1):
-    ref = dp1[0]["off"]
+    ref = dp1[0]["padded"]
     assert ref[0][1]["clip_fraction"] > 0, "the second update must be off-policy and clip"
-    assert dp1[0]["budget"][2][0] < dp1[0]["off"][2][0], "the budget packs more than 2 sequences"
+    assert dp1[0]["budget"][2][0] < dp1[0]["padded"][2][0], "the budget packs more than 2 sequences"
     for mode in ("fixed", "budget"):
         _check_same(dp1, dp1, mode)
         for name, want in ref[1].items():
@@ -117,7 +117,7 @@ def test_dp2_and_tp2_agree_with_dp1(dp1, tp):
     for mode in MODES:
         _check_same(results, dp1, mode, tp)
         for res in results:
-            for name, want in res["off"][1].items():
+            for name, want in res["padded"][1].items():
                 torch.testing.assert_close(res[mode][1][name], want, atol=1e-6, rtol=0, msg=f"{mode} {name}")
     if tp == 1:
         tokens = [sum(res["budget"][2][1]) for res in results]

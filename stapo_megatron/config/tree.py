@@ -71,9 +71,9 @@ class TrainerConfig:
     minibatch_prompts: int = 64
     """Prompts per PPO mini-batch (the paper: 64, so 4 optimizer steps per rollout batch)."""
     micro_batch_size: int = 1
-    """Sequences per micro-batch (padded, ``packing="off"``, and ``packing="fixed"``)."""
-    packing: str = "off"
-    """How a mini-batch becomes micro-batches (`stapo_megatron.train.packing`): "off" right-pads
+    """Sequences per micro-batch (padded, ``packing="padded"``, and ``packing="fixed"``)."""
+    packing: str = "padded"
+    """How a mini-batch becomes micro-batches (`stapo_megatron.train.packing`): "padded" right-pads
     ``micro_batch_size`` sequences to the step's longest ([N, S] rows); "fixed" packs the same
     sequences end to end (THD, no padding); "budget" packs whole sequences up to
     ``max_tokens_per_microbatch`` tokens per micro-batch, the same number of micro-batches on every
@@ -183,13 +183,13 @@ class TrainerConfig:
             )
 
     def _check_packing(self) -> None:
-        modes = ("off", "fixed", "budget")  # train.packing.PACKING_MODES (no torch import here)
+        modes = ("padded", "fixed", "budget")  # train.packing.PACKING_MODES (no torch import here)
         if self.packing not in modes:
             raise ValueError(f"packing must be one of {modes}, got {self.packing!r}")
-        if self.packing != "off" and self.model.pipeline_model_parallel_size > 1:
+        if self.packing != "padded" and self.model.pipeline_model_parallel_size > 1:
             raise ValueError(f"packing={self.packing!r} is not supported with pipeline parallelism yet "
                              f"(model.pipeline_model_parallel_size {self.model.pipeline_model_parallel_size}); "
-                             f"use packing=off")
+                             f"use packing=padded")
         if self.packing == "budget":
             longest = self.data.max_prompt_len + self.rollout.max_response_len
             if self.max_tokens_per_microbatch <= 0:

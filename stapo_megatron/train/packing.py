@@ -189,8 +189,8 @@ def imbalance(plan: List[List[List[int]]], lengths: Sequence[int]) -> float:
     return max(per_rank) / (sum(per_rank) / len(per_rank))
 
 
-PACKING_MODES = ("off", "fixed", "budget")
-"""How a mini-batch becomes micro-batches: "off" padded [N, S] rows of ``micro_batch_size``;
+PACKING_MODES = ("padded", "fixed", "budget")
+"""How a mini-batch becomes micro-batches: "padded": [N, S] rows of ``micro_batch_size``;
 "fixed" the same sequences per micro-batch, packed; "budget" packed to a token budget."""
 
 
@@ -213,8 +213,8 @@ def rank_microbatches(
 ) -> List[MicroBatch]:
     """This DP rank's micro-batches of one mini-batch given as all ranks' sequences.
 
-    "off" and "fixed": rank r takes the r-th contiguous share, cut into micro-batches of
-    ``micro_batch_size`` sequences ("off" right-pads them to ``seq_length``); "budget": the
+    "padded" and "fixed": rank r takes the r-th contiguous share, cut into micro-batches of
+    ``micro_batch_size`` sequences ("padded" right-pads them to ``seq_length``); "budget": the
     `plan_token_budget` plan (``max_tokens``, ``seed``). The micro-batch with first sequence i
     gets seed ``seed + i`` (the random-control masks).
     """
@@ -229,7 +229,7 @@ def rank_microbatches(
     out = []
     for idx in plan[rank]:
         args = (pick(prompts, idx), pick(responses, idx), pick(advantages, idx), pick(rollout_logprobs, idx), pad_id)
-        if packing == "off":
+        if packing == "padded":
             mb = pack_sequences(*args, seq_length=seq_length or -(-max(lengths) // align) * align, device=device)
             mb.seed = seed + idx[0]
         else:

@@ -93,8 +93,8 @@ def run_microbatches(model, microbatches: List[MicroBatch], seq_length: int,
     if any(mb.is_packed for mb in microbatches):
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         if pp > 1:
-            raise ValueError(f"packed micro-batches (packing != 'off') are not supported with pipeline "
-                             f"parallelism yet (pipeline_model_parallel_size {pp}); use packing='off'")
+            raise ValueError(f"packed micro-batches (packing != 'padded') are not supported with pipeline "
+                             f"parallelism yet (pipeline_model_parallel_size {pp}); use packing='padded'")
     return get_forward_backward_func()(
         forward_step_func=forward_step_func(make_loss),
         data_iterator=iter(microbatches),

@@ -83,7 +83,7 @@ class Trainer:
         cfg = self.cfg
         build = partial(build_gpt_model, self.hf_config, params_dtype=torch.bfloat16 if cfg.model.bf16 else torch.float32,
                         calculate_per_token_loss=True, bf16=cfg.model.bf16, **cfg.model.memory_settings(),
-                        core_attention="sdpa" if cfg.packing != "off" else None)  # packed: SDPAttention
+                        core_attention="sdpa" if cfg.packing != "padded" else None)  # packed: SDPAttention
         model = build()
         # sequence parallelism splits the sequence over TP: pad lengths to a multiple of it
         self.seq_multiple = math.lcm(8, cfg.model.tensor_model_parallel_size if cfg.model.sequence_parallel else 1)
@@ -180,7 +180,7 @@ class Trainer:
                      adv_PG: torch.Tensor) -> Tuple[List[List[MicroBatch]], int]:
         """The samples with their advantages packed into label-aligned micro-batches per PPO
         mini-batch, and the padded sequence length."""
-        if self.cfg.packing != "off":
+        if self.cfg.packing != "padded":
             return packed_batches.packed_minibatches(self, step, prompts, samples, adv_PG)
         G = self.cfg.rollout.group_size
         flat = [s for group in samples for s in group]

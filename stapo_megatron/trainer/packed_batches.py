@@ -1,4 +1,4 @@
-"""A step's packed mini-batches (``TrainerConfig.packing`` "fixed" or "budget"; "off" stays in
+"""A step's packed mini-batches (``TrainerConfig.packing`` "fixed" or "budget"; "padded" stays in
 ``trainer.loop``): every DP rank's sequences are exchanged so that each mini-batch is split over
 all ranks at once (`stapo_megatron.train.packing.rank_microbatches`), balancing tokens per rank.
 

@@ -59,7 +59,7 @@ def cache_key(cfg: TrainerConfig, warmstart: WarmStartConfig, seed: int, data_se
                  bf16=cfg.model.bf16, config=_file_digest(os.path.join(cfg.model.hf_dir, "config.json")),
                  tokenizer=_file_digest(os.path.join(cfg.model.hf_dir, "tokenizer.json")),
                  megatron_ckpt=cfg.model.megatron_ckpt)
-    if cfg.packing != "off":  # packing trains on the SDPA core attention (padded keys stay as they were)
+    if cfg.packing != "padded":  # packing trains on the SDPA core attention (padded keys stay as they were)
         model["core_attention"] = "sdpa"
     data = dataclasses.asdict(dataclasses.replace(cfg.data, seed=None))
     payload = dict(format=_FORMAT, warmstart=ws, seed=seed, data=data, data_seed=data_seed, model=model,
