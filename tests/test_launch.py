@@ -165,7 +165,7 @@ def test_dryrun_prints_and_saves_the_config_a_launch_takes_back(tmp_path):
     assert code == 0, out
     assert "# ---- resolved configuration (dry run) ----" in out and "    tau_p: 0.01\n" in out
     recipe, cfg, warmstart = load_config(str(first))
-    assert (recipe, cfg.steps, cfg.loss.tau_p, cfg.packing, warmstart.steps) == ("tiny", 3, 0.01, "padded", 300)
+    assert (recipe, cfg.steps, cfg.loss.tau_p, cfg.packing, warmstart.steps) == ("tiny", 3, 0.01, "padded", 250)
 
     code, out = nemo_run(tmp_path, "launch/stapo_tiny.py", "--dryrun", f"config={first}", "optim.lr=0.001",
                          f"--save-config={second}")
