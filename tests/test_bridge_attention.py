@@ -10,20 +10,10 @@ import pytest
 import torch
 
 from stapo_megatron.bridge.tiny import tiny_config
-from tests.dist_utils import single_process_env
 from tests.test_rollout_engine import randomize
 
 LOGIT_ATOL = 2e-5
 GRAD_RTOL = 2e-5
-
-
-@pytest.fixture(scope="module")
-def parallel():
-    from stapo_megatron.train.parallel import destroy_parallel, init_parallel
-
-    with single_process_env():
-        yield init_parallel(1, 1)
-        destroy_parallel()
 
 
 def _pair(variant):

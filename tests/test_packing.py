@@ -15,20 +15,10 @@ import torch
 from stapo_megatron.bridge.tiny import tiny_config
 from stapo_megatron.train.batching import MicroBatch, pack_sequences
 from stapo_megatron.train.packing import imbalance, pack_thd, plan_fixed_count, plan_token_budget, sequence_ids
-from tests.dist_utils import single_process_env
 from tests.test_rollout_engine import randomize
 
 LOGIT_ATOL = 2e-5
 GRAD_RTOL = 2e-5
-
-
-@pytest.fixture(scope="module")
-def parallel():
-    from stapo_megatron.train.parallel import destroy_parallel, init_parallel
-
-    with single_process_env():
-        yield init_parallel(1, 1)
-        destroy_parallel()
 
 
 def _rollouts(lengths, vocab=300, seed=0):
