@@ -14,7 +14,7 @@ Per shape and length it prints:
   (3 x 2 x s x q_size per token and layer), recomputation not counted (the usual MFU convention),
 - the bf16 matmul rate measured in the same run (a large torch.matmul) and the ratio,
 - peak memory (torch.cuda.max_memory_allocated / reserved) beside the recipe's per-GPU memory
-  estimate (`stapo_megatron.recipes.paper.memory_estimate`, training part, for this layout),
+  estimate (`stapo_megatron.recipes.memory.memory_estimate`, training part, for this layout),
 - the STAPO / JustRL time ratio (median of per-round ratios).
 
     source .whl/gpu-env.sh && python3 benchmarks/bench_gpu_step.py            # the H100 run
@@ -91,7 +91,7 @@ def bench_one(name, hf_config, seq_len, args, device, dtype, rate):
     from stapo_megatron.method.config import LossConfig
     from stapo_megatron.train.schedule import PassContext, old_policy_pass
     from stapo_megatron.train.parallel import current_groups
-    from stapo_megatron.recipes.paper import Layout, memory_estimate
+    from stapo_megatron.recipes.memory import Layout, memory_estimate
     from stapo_megatron.train.config import OptimConfig
     from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
 

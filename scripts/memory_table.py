@@ -1,4 +1,4 @@
-"""The README's per-GPU memory table of the paper recipes, from `recipes.paper.memory_estimate`.
+"""The README's per-GPU memory table of the paper recipes, from `recipes.memory.memory_estimate`.
 
     python scripts/memory_table.py            # rewrite the block in README.md
     python scripts/memory_table.py --print    # print it
@@ -14,7 +14,7 @@ import argparse
 import os
 import re
 
-from stapo_megatron.recipes import paper
+from stapo_megatron.recipes import memory, paper
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 BEGIN, END = "<!-- memory-table:begin -->", "<!-- memory-table:end -->"
@@ -29,17 +29,17 @@ def table() -> str:
     for size in paper.LAYOUTS:
         spec = paper.ARCHITECTURES[size]
         layout = paper.layout_for(size, paper.paper_recipe(size))
-        est = paper.memory_estimate(spec, layout)
+        est = memory.memory_estimate(spec, layout)
         gb = est.as_gb()
-        grpo = paper.memory_estimate(spec, paper.layout_for(size, paper.paper_recipe(size, "grpo")))
+        grpo = memory.memory_estimate(spec, paper.layout_for(size, paper.paper_recipe(size, "grpo")))
         tokens = est.vllm_kv_tokens
         rows.append(
             f"| `{size}` | {layout.num_nodes} x {layout.gpus_per_node} | {layout.tensor_model_parallel_size} / "
             f"{layout.pipeline_model_parallel_size} / {layout.data_parallel_size} | "
             f"{layout.vllm_tensor_parallel_size}, {layout.vllm_gpu_memory_utilization} | "
             + " | ".join(f"{gb[c]:.1f}" for c in COLUMNS)
-            + f" | **{gb['total']:.1f}** | {grpo.total / paper.GB:.1f} | "
-            f"{tokens / 1000:.0f}k tokens ({tokens // paper.SEQ_LEN} x 16k) |")
+            + f" | **{gb['total']:.1f}** | {grpo.total / memory.GB:.1f} | "
+            f"{tokens / 1000:.0f}k tokens ({tokens // memory.SEQ_LEN} x 16k) |")
     return "\n".join(rows)
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from stapo_megatron.data.examples import SUFFIX
 from stapo_megatron.launch.entry import build_config
-from stapo_megatron.recipes import paper
+from stapo_megatron.recipes import memory, paper
 from stapo_megatron.recipes.tiny import tiny_demo
 
 SIZES = sorted(paper.LAYOUTS)
@@ -35,7 +35,7 @@ def test_recipe_is_consistent_with_its_layout(size):
     assert layout.gpus_per_node % vtp == 0 and layout.world_size % vtp == 0 and tp % vtp == 0
     assert cfg.model.sequence_parallel == (tp > 1)
     assert cfg.model.recompute_granularity == "full"
-    assert paper.memory_estimate(spec, layout).total < paper.GPU_MEMORY_BYTES
+    assert memory.memory_estimate(spec, layout).total < memory.GPU_MEMORY_BYTES
     assert paper.layout_problems(spec, layout, cfg) == []
 
 
@@ -52,13 +52,13 @@ def test_parameter_counts_match_the_model_cards(size, total, non_embedding):
     spec = paper.ARCHITECTURES[size]
     embeddings = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
     # the model cards give one decimal (8B: 6.95B non-embedding)
-    assert round(paper.num_params(spec) / 1e9, 1) == total
-    assert round((paper.num_params(spec) - embeddings) / 1e9, 1) == non_embedding
+    assert round(memory.num_params(spec) / 1e9, 1) == total
+    assert round((memory.num_params(spec) - embeddings) / 1e9, 1) == non_embedding
 
 
 def test_memory_estimate_of_14b_by_hand():
     spec, layout = paper.ARCHITECTURES["qwen3_14b"], paper.LAYOUTS["qwen3_14b"]  # TP=4, DP=16
-    est = paper.memory_estimate(spec, layout)
+    est = memory.memory_estimate(spec, layout)
     layer = 5120 * (5120 + 2 * 1024) + 5120 * 5120 + 3 * 5120 * 17408 + 2 * 5120 + 2 * 128
     vocab = 152064  # 151936 padded to a multiple of 128 x TP
     params = 40 * layer // 4 + 2 * vocab // 4 * 5120 + 5120  # untied: embedding + output layer
@@ -71,7 +71,7 @@ def test_memory_estimate_of_14b_by_hand():
     assert est.activations == pytest.approx(kept + 2 * one_layer)
     card = 80 * 2**30  # vLLM's fraction is of the card's total memory (85.9e9 bytes), not of 80e9
     assert est.vllm == 0.4 * card
-    assert est.vllm_kv_tokens == int((0.4 * card - 2 * paper.num_params(spec) / 4 - 2e9) / (2 * 40 * 1024 * 2 / 4))
+    assert est.vllm_kv_tokens == int((0.4 * card - 2 * memory.num_params(spec) / 4 - 2e9) / (2 * 40 * 1024 * 2 / 4))
     assert est.reference == 0
 
 
@@ -81,11 +81,11 @@ def test_grpo_reference_model_fits_within_the_budget(size):
     share leaves room for it."""
     cfg = paper.paper_recipe(size, "grpo")
     layout = paper.layout_for(size, cfg)
-    est = paper.memory_estimate(paper.ARCHITECTURES[size], layout)
+    est = memory.memory_estimate(paper.ARCHITECTURES[size], layout)
     assert layout.reference_model and est.reference == est.weights
-    assert est.total < paper.GPU_MEMORY_BYTES
+    assert est.total < memory.GPU_MEMORY_BYTES
     assert paper.layout_problems(paper.ARCHITECTURES[size], layout, cfg) == []
-    assert est.total - paper.memory_estimate(paper.ARCHITECTURES[size], paper.layout_for(size, paper.paper_recipe(
+    assert est.total - memory.memory_estimate(paper.ARCHITECTURES[size], paper.layout_for(size, paper.paper_recipe(
         size))).total == pytest.approx(est.reference)
 
 

@@ -79,7 +79,7 @@ def build_config(
             recipe. The overrides apply on top of it.
         check_paths: paper recipes: require the model and data paths (False for a dry run).
         num_nodes, gpus_per_node: paper recipes: the job's GPUs, to check the layout against
-            (default: the recipe's own `paper.Layout`).
+            (default: the recipe's own `memory.Layout`).
         overrides: TrainerConfig fields; the `SECTIONS` as dicts (None or {} = unchanged).
     Raises:
         ValueError: unknown recipe, method, field or value type; for paper recipes every

@@ -51,11 +51,11 @@ class StepTime:
 
 
 def estimate_step_time(spec, layout, cfg) -> StepTime:
-    """The step time of ``cfg`` on ``layout`` (a `paper.Layout` after overrides) for ``spec``.
+    """The step time of ``cfg`` on ``layout`` (a `memory.Layout` after overrides) for ``spec``.
 
     Evaluation (every ``eval_every`` steps) and the weight sync are not included.
     """
-    from stapo_megatron.recipes.paper import memory_estimate, num_params
+    from stapo_megatron.recipes.memory import memory_estimate, num_params
 
     n = num_params(spec)
     sequences = cfg.prompts_per_step * cfg.rollout.group_size
