@@ -65,6 +65,10 @@ class Layout:
     """Full recompute of groups of `recompute_num_layers` layers."""
     recompute_num_layers: Optional[int] = 1
     """Layers per recompute group."""
+    context_parallel_size: int = 1
+    """Megatron CP (each sequence split over it)."""
+    expert_model_parallel_size: int = 1
+    """MoE: Megatron EP (experts split over it)."""
 
     @property
     def world_size(self) -> int:
@@ -73,8 +77,9 @@ class Layout:
 
     @property
     def data_parallel_size(self) -> int:
-        """DP = world / (TP x PP x CP), with CP = 1."""
-        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+        """DP = world / (TP x PP x CP)."""
+        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                                   * self.context_parallel_size)
 
 
 FRAMEWORK_OVERHEAD_BYTES = 4 * GB

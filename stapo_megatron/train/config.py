@@ -76,9 +76,20 @@ class ModelConfig:
     kept) or "block" (recompute only the first ``recompute_num_layers`` layers of a stage)."""
     recompute_num_layers: Optional[int] = None
     """With "full": layers per group ("uniform") or recomputed layers per stage ("block")."""
+    context_parallel_size: int = 1
+    """Training CP: each packed sequence is split over CP ranks in 2 x CP load-balanced chunks
+    (DP = world / (TP x PP x CP))."""
+    cp_comm_type: str = "p2p"
+    """How attention exchanges K/V over CP on the transformer-engine spec (Megatron's
+    ``cp_comm_type``: "p2p", "all_gather", "a2a", "a2a+p2p"); the local spec all-gathers."""
+    expert_model_parallel_size: int = 1
+    """MoE: EP, the experts of each layer split over it (carved out of DP x CP)."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """MoE: TP inside each expert (None: Megatron's default, the dense TP)."""
 
     def __post_init__(self):
-        check_at_least(self, 1, "tensor_model_parallel_size", "pipeline_model_parallel_size")
+        check_at_least(self, 1, "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                       "context_parallel_size", "expert_model_parallel_size")
 
     def memory_settings(self) -> Dict[str, Any]:
         """Sequence parallelism / recomputation as Megatron TransformerConfig fields."""

@@ -37,6 +37,14 @@ class Groups:
     mp: Optional[dist.ProcessGroup] = None
     """Model-parallel group (TP x PP): its ranks train on the same samples (the trainer
     broadcasts its first rank's rollouts over it)."""
+    cp: Optional[dist.ProcessGroup] = None
+    """Context-parallel group: its ranks hold different chunks of the same sequences."""
+    dp_cp: Optional[dist.ProcessGroup] = None
+    """Data x context parallel group: the ranks over which a mini-batch's tokens are spread, so
+    the ones its token statistics (tau_H, the kept-token normaliser, metrics) are reduced over.
+    Equal to ``dp`` in membership when CP = 1."""
+    ep: Optional[dist.ProcessGroup] = None
+    """Expert-model-parallel group (MoE: the experts of a layer are split over it)."""
 
 
 INIT_TIMEOUT_S = 180.0
@@ -78,6 +86,9 @@ def init_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     seed: int = 1234,
+    context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: Optional[int] = None,
     backend: Optional[str] = None,
     init_timeout_s: float = INIT_TIMEOUT_S,
     timeout_s: float = DISTRIBUTED_TIMEOUT_S,
@@ -86,13 +97,17 @@ def init_parallel(
 
     Args:
         tensor_model_parallel_size: TP size.
-        pipeline_model_parallel_size: PP size; DP is world_size / (TP * PP).
+        pipeline_model_parallel_size: PP size; DP is world_size / (TP * PP * CP).
         seed: RNG seed. Every data-parallel replica must start from the same weights, and
             Megatron draws them from torch's global generators (the CPU one under
             ``use_cpu_initialization``, the CUDA one and the model-parallel tracker on GPU), so
             both are seeded with ``seed + 100 * pp_rank`` (Megatron's own ``_set_random_seed``:
             equal on all DP and TP ranks, distinct per pipeline stage), then the TP-dependent
             streams by ``model_parallel_cuda_manual_seed``.
+        context_parallel_size: CP size (each sequence is split over CP ranks).
+        expert_model_parallel_size: EP size (MoE experts split over it; Megatron carves it out
+            of DP x CP).
+        expert_tensor_parallel_size: TP of the experts (None: Megatron's default, TP).
         backend: "nccl" or "gloo"; default nccl when CUDA is available, else gloo.
         init_timeout_s, timeout_s: see `init_process_group` (used when the group is not formed
             yet); ``timeout_s`` is also the timeout of Megatron's groups (whole minutes).
@@ -102,14 +117,18 @@ def init_parallel(
     cpu_compat.apply()
     init_process_group(init_timeout_s, timeout_s, backend)
     world = dist.get_world_size()
-    if world % (tensor_model_parallel_size * pipeline_model_parallel_size):
+    if world % (tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size):
         raise ValueError(
             f"world size {world} is not divisible by tensor_model_parallel_size "
-            f"{tensor_model_parallel_size} x pipeline_model_parallel_size {pipeline_model_parallel_size}"
+            f"{tensor_model_parallel_size} x pipeline_model_parallel_size {pipeline_model_parallel_size} "
+            f"x context_parallel_size {context_parallel_size}"
         )
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
+        context_parallel_size=context_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+        expert_tensor_parallel_size=expert_tensor_parallel_size,
         distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
     )
     stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
@@ -167,6 +186,9 @@ def current_groups() -> Groups:
         is_last_stage=ps.is_pipeline_last_stage(),
         pp_last_rank=ps.get_pipeline_model_parallel_last_rank(),
         mp=ps.get_model_parallel_group(),
+        cp=ps.get_context_parallel_group(),
+        dp_cp=ps.get_data_parallel_group(with_context_parallel=True),
+        ep=ps.get_expert_model_parallel_group(),
     )
 
 
