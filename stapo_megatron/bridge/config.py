@@ -63,6 +63,17 @@ class QwenSpec:
     """lm_head shares the input embedding (no separate output weight in the checkpoint)."""
     init_method_std: float
     """HF ``initializer_range``; only affects freshly initialised weights."""
+    num_moe_experts: Optional[int] = None
+    """Mixture of experts: routed experts of every MoE layer (HF ``num_experts``); None for a
+    dense model."""
+    moe_router_topk: int = 0
+    """MoE: experts each token is routed to (HF ``num_experts_per_tok``)."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """MoE: width of each expert's gate_proj / up_proj (HF ``moe_intermediate_size``)."""
+    norm_topk_prob: bool = True
+    """MoE: the top-k routing probabilities are renormalised to sum to 1 (HF ``norm_topk_prob``)."""
+    moe_aux_loss_coeff: float = 0.0
+    """MoE: load-balancing auxiliary loss coefficient (HF ``router_aux_loss_coef``)."""
 
     @property
     def q_size(self) -> int:
@@ -73,6 +84,11 @@ class QwenSpec:
     def kv_size(self) -> int:
         """Rows of each of k_proj / v_proj."""
         return self.num_query_groups * self.kv_channels
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the MLPs are mixtures of experts."""
+        return self.num_moe_experts is not None
 
 
 HF_SUBDIR = "hf"
