@@ -95,8 +95,14 @@ test-mcore019: $(STAMP) $(MCORE019)/megatron/core/__init__.py
 test-fast: $(STAMP)
 	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
 
-bench: $(STAMP)
-	LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 \
+# The CPU benchmarks' allocator (benchmarks/RESULTS.md says why): Debian's libjemalloc2. A
+# missing library would be skipped by the loader with only a warning, so it is installed here.
+JEMALLOC := /usr/lib/x86_64-linux-gnu/libjemalloc.so.2
+$(JEMALLOC):
+	apt-get install -y -q libjemalloc2 || (apt-get update -q && apt-get install -y -q libjemalloc2)
+
+bench: $(STAMP) $(JEMALLOC)
+	LD_PRELOAD=$(JEMALLOC) \
 	MALLOC_CONF="retain:true,dirty_decay_ms:-1,muzzy_decay_ms:-1" \
 	$(PY) benchmarks/bench_logprob_entropy.py
 

@@ -397,8 +397,11 @@ def main():
     if args.worker:
         args.what = args.worker
         return _worker_main(args)
-    if "jemalloc" not in os.environ.get("LD_PRELOAD", ""):
-        print("warning: not running under jemalloc; timings will be dominated by page faults")
+    # the loader skips a missing LD_PRELOAD library with a warning only: check it is mapped
+    with open("/proc/self/maps") as maps:
+        if "libjemalloc" not in maps.read():
+            print("warning: jemalloc is not loaded (`make bench` installs and preloads it); "
+                  "timings will be dominated by page faults")
     rows = []
     for tp in (1, 2):
         for dtype in ("float32", "bfloat16"):
