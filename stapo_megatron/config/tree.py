@@ -192,14 +192,19 @@ class TrainerConfig:
                              f"use packing=padded")
         if self.packing == "budget":
             longest = self.data.max_prompt_len + self.rollout.max_response_len
+            cp = self.model.context_parallel_size
+            # with CP the budget is one rank's tokens: its 2 of the sequence's 2 x CP chunks
+            per_rank = longest if cp == 1 else 2 * -(-longest // (2 * cp))
             if self.max_tokens_per_microbatch <= 0:
                 raise ValueError(f"max_tokens_per_microbatch must be > 0 with packing='budget', "
                                  f"got {self.max_tokens_per_microbatch}")
-            if self.max_tokens_per_microbatch < longest:
+            if self.max_tokens_per_microbatch < per_rank:
                 raise ValueError(
                     f"max_tokens_per_microbatch {self.max_tokens_per_microbatch} < the longest sequence "
                     f"data.max_prompt_len + rollout.max_response_len = {self.data.max_prompt_len} + "
-                    f"{self.rollout.max_response_len} = {longest} (a sequence is never split)")
+                    f"{self.rollout.max_response_len} = {longest}"
+                    + (f" over context_parallel_size {cp} = {per_rank} tokens per rank" if cp > 1 else "")
+                    + " (a sequence is never split between micro-batches)")
 
     def rollout_timeout(self) -> float:
         """The collective timeout of the rollout and evaluation phases, in seconds:
