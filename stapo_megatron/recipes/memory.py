@@ -337,3 +337,17 @@ def memory_estimate(spec: QwenSpec, layout: Layout, seq_len: Optional[int] = Non
         activations=activations, logits=logits, overhead=FRAMEWORK_OVERHEAD_BYTES, vllm=vllm, reference=reference,
         vllm_kv_tokens=int(max(0.0, vllm - vllm_weights - VLLM_RUNTIME_BYTES) / kv_bytes_per_token),
     )
+
+
+def describe(spec: QwenSpec, layout: Layout) -> str:
+    """One line for the launcher's dry run: the parallel sizes, sequence and recomputation, vLLM,
+    and the estimate's total against the budget."""
+    est = memory_estimate(spec, layout)
+    experts = (f" EP={layout.expert_model_parallel_size} ETP={layout.expert_tensor_size}" if spec.is_moe else "")
+    return (f"{layout.num_nodes} x {layout.gpus_per_node} GPUs: TP={layout.tensor_model_parallel_size} "
+            f"PP={layout.pipeline_model_parallel_size} CP={layout.context_parallel_size}{experts} "
+            f"DP={layout.data_parallel_size}; {layout.seq_len}-token sequences ("
+            f"{rank_tokens(layout.seq_len, layout.context_parallel_size)} per CP rank), recompute "
+            f"{layout.recompute_granularity or 'none'}; vLLM TP={layout.vllm_tensor_parallel_size} at "
+            f"{layout.vllm_gpu_memory_utilization} of the card; {est.training / GB:.1f} GB training + "
+            f"{est.vllm / GB:.1f} GB vLLM = {est.total / GB:.1f} GB of {GPU_MEMORY_BYTES / GB:.0f} GB")
