@@ -83,7 +83,8 @@ class TrainerConfig:
     max_tokens_per_microbatch: int = 0
     """With ``packing="budget"``: the token budget of one micro-batch (prompt + response tokens
     of whole sequences; at least ``data.max_prompt_len + rollout.max_response_len``, a sequence is
-    never split). The peers' names: verl ``ppo_max_token_len_per_gpu`` (``use_dynamic_bsz``),
+    never split between micro-batches). With ``model.context_parallel_size`` CP > 1 it counts the
+    tokens one CP rank holds: a sequence of L tokens takes 2 x ceil(L / (2 CP)). The peers' names: verl ``ppo_max_token_len_per_gpu`` (``use_dynamic_bsz``),
     NeMo-RL ``dynamic_batching.train_mb_tokens`` / ``sequence_packing.train_mb_tokens``, slime
     ``--max-tokens-per-gpu``."""
     lr_warmup_steps: int = 10
