@@ -404,3 +404,15 @@ def test_readme_memory_table_is_current():
     spec.loader.exec_module(module)
     with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
         assert module.block() in f.read(), "README.md's memory table is stale: run python scripts/memory_table.py"
+
+
+def test_layout_problems_checks_the_per_rank_budget_itself():
+    """layout_problems names a budget below one CP rank's share of the longest sequence even for a
+    config changed after construction (TrainerConfig refuses it when it is built)."""
+    cfg = paper.qwen3_8b()
+    cfg.max_tokens_per_microbatch = 4000
+    problems = paper.layout_problems(paper.ARCHITECTURES["qwen3_8b"], paper.layout_for("qwen3_8b", cfg), cfg)
+    assert problems == ["max_tokens_per_microbatch 4000 < the 8192 tokens one CP rank holds of the longest sequence "
+                        "(16384 tokens over CP 2, in 2 x CP chunks)"]
+    # an odd length rounds up to whole 2 x CP chunks: 16385 tokens over CP 4 -> 8 chunks of 2049
+    assert memory.rank_tokens(16385, 4) == 2 * 2049 and memory.rank_tokens(16385, 1) == 16385
