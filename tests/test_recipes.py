@@ -416,3 +416,13 @@ def test_layout_problems_checks_the_per_rank_budget_itself():
                         "(16384 tokens over CP 2, in 2 x CP chunks)"]
     # an odd length rounds up to whole 2 x CP chunks: 16385 tokens over CP 4 -> 8 chunks of 2049
     assert memory.rank_tokens(16385, 4) == 2 * 2049 and memory.rank_tokens(16385, 1) == 16385
+
+
+def test_dry_run_layout_line_shows_cp_and_ep():
+    """The line the launcher's dry run prints (`memory.describe`)."""
+    line = memory.describe(paper.ARCHITECTURES["qwen3_14b"], paper.LAYOUTS["qwen3_14b"])
+    assert line.startswith("8 x 8 GPUs: TP=4 PP=1 CP=4 DP=4; 16384-token sequences (4096 per CP rank), "
+                           "recompute none; vLLM TP=4 at 0.35 of the card; ")
+    assert line.endswith(" = 74.8 GB of 80 GB")
+    line = memory.describe(paper.ARCHITECTURES["qwen3_30b_a3b"], paper.LAYOUTS["qwen3_30b_a3b"])
+    assert "TP=4 PP=1 CP=1 EP=16 ETP=1 DP=8;" in line and "recompute full" in line
