@@ -246,7 +246,7 @@ def kept_layer_bytes(spec: QwenSpec, layout: Layout) -> float:
 
     h-sized terms are split over TP with sequence parallelism, q/kv/ffn over TP. Checked on the
     H100 (benchmarks/RESULTS.md): Qwen3-1.7B, 4 x 8192 tokens, no recomputation, 69.8 GB
-    allocated against `memory_estimate`'s 70.6 GB without its allowance (+1.1%).
+    allocated against `memory_estimate`'s 70.5 GB without its allowance (+1.0%).
     """
     tp = layout.tensor_model_parallel_size
     sp = tp if layout.sequence_parallel else 1

@@ -1,6 +1,7 @@
-"""The paper's setups: Qwen3-1.7B/8B/14B-Base, JustRL hyperparameters + S2T, on 80 GB GPUs.
+"""The paper's setups: Qwen3-1.7B/8B/14B-Base (and Qwen3-30B-A3B-Base), JustRL + S2T, on 80 GB GPUs.
 
-``qwen3_1p7b``, ``qwen3_8b`` and ``qwen3_14b`` return the trainer's `TrainerConfig` for
+``qwen3_1p7b``, ``qwen3_8b``, ``qwen3_8b_32k``, ``qwen3_14b`` and ``qwen3_30b_a3b`` return the
+trainer's `TrainerConfig` for
 DAPO-Math-17k (paths are the user's: ``data.train_path`` / ``data.eval_path``), with the method
 as a one-word switch (a name of `stapo_megatron.method.registry.METHODS`, `method_loss`).
 
