@@ -120,9 +120,13 @@ def bench_one(name, hf_config, seq_len, args, device, dtype, rate):
     t = statistics.median(times["stapo"])
     ratio = statistics.median(a / b for a, b in zip(times["stapo"], times["justrl"]))
     tflops = model_flops(spec, seq_len * args.num_microbatches, seq_len) / t / 1e12
+    # the memory model of every recompute mode ("selective" is counted as none there)
     layout = Layout(num_nodes=1, gpus_per_node=1, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                    vllm_tensor_parallel_size=1, vllm_gpu_memory_utilization=0.0, sequence_parallel=False)
-    estimate = memory_estimate(spec, layout, seq_len=seq_len) if args.recompute == "full" else None
+                    vllm_tensor_parallel_size=1, vllm_gpu_memory_utilization=0.0, sequence_parallel=False,
+                    recompute_granularity=recompute.get("recompute_granularity"),
+                    recompute_method=recompute.get("recompute_method"),
+                    recompute_num_layers=recompute.get("recompute_num_layers"))
+    estimate = memory_estimate(spec, layout, seq_len=seq_len)
     peak = torch.cuda.max_memory_allocated() / GB if device.type == "cuda" else float("nan")
     reserved = torch.cuda.max_memory_reserved() / GB if device.type == "cuda" else float("nan")
     print(f"{name:>11} {seq_len:>6} {t * 1e3:>9.1f} {tflops:>8.3g} {tflops / rate:>7.1%} {peak:>8.1f} {reserved:>8.1f} "

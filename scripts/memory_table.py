@@ -23,23 +23,27 @@ COLUMNS = ("weights", "grads", "optimizer", "activations", "logits", "overhead",
 
 def table() -> str:
     """The markdown table, one row per paper recipe (STAPO; GRPO adds its reference model)."""
-    rows = ["| recipe | nodes x GPUs | TP / PP / DP | vLLM TP, share | " + " | ".join(COLUMNS)
-            + " | **total** | GRPO total (+ reference) | KV cache per engine |",
-            "| --- " * (len(COLUMNS) + 7) + "|"]
+    rows = ["| recipe | nodes x GPUs | TP / PP / CP / EP / DP | sequence, recompute | vLLM TP, share | "
+            + " | ".join(COLUMNS) + " | **total** | GRPO total (+ reference) | KV cache per engine |",
+            "| --- " * (len(COLUMNS) + 8) + "|"]
     for size in paper.LAYOUTS:
         spec = paper.ARCHITECTURES[size]
         layout = paper.layout_for(size, paper.paper_recipe(size))
         est = memory.memory_estimate(spec, layout)
         gb = est.as_gb()
-        grpo = memory.memory_estimate(spec, paper.layout_for(size, paper.paper_recipe(size, "grpo")))
+        grpo_cfg = paper.paper_recipe(size, "grpo")
+        grpo = memory.memory_estimate(spec, paper.layout_for(size, grpo_cfg))
         tokens = est.vllm_kv_tokens
+        seq_k = layout.seq_len // 1024
         rows.append(
             f"| `{size}` | {layout.num_nodes} x {layout.gpus_per_node} | {layout.tensor_model_parallel_size} / "
-            f"{layout.pipeline_model_parallel_size} / {layout.data_parallel_size} | "
+            f"{layout.pipeline_model_parallel_size} / {layout.context_parallel_size} / "
+            f"{layout.expert_model_parallel_size} / {layout.data_parallel_size} | "
+            f"{seq_k}k, {layout.recompute_granularity or 'none'} | "
             f"{layout.vllm_tensor_parallel_size}, {layout.vllm_gpu_memory_utilization} | "
             + " | ".join(f"{gb[c]:.1f}" for c in COLUMNS)
-            + f" | **{gb['total']:.1f}** | {grpo.total / memory.GB:.1f} | "
-            f"{tokens / 1000:.0f}k tokens ({tokens // memory.SEQ_LEN} x 16k) |")
+            + f" | **{gb['total']:.1f}** | {grpo.total / memory.GB:.1f} (vLLM {grpo_cfg.rollout.gpu_memory_utilization}) | "
+            f"{tokens / 1000:.0f}k tokens ({tokens // layout.seq_len} x {seq_k}k) |")
     return "\n".join(rows)
 
 

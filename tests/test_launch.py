@@ -67,7 +67,7 @@ def paper_signal_and_retries(size):
 
 
 @pytest.mark.parametrize("short, nodes, settings", [
-    ("14b", 8, "overrides"), ("8b", 4, "environment"), ("1p7b", 2, "overrides")])
+    ("14b", 8, "overrides"), ("8b", 4, "environment"), ("1p7b", 2, "overrides"), ("30b_a3b", 4, "overrides")])
 def test_dryrun_renders_the_sbatch_script(tmp_path, short, nodes, settings):
     """Cluster settings from run.executor.* overrides or STAPO_* variables end up in the script."""
     args = OVERRIDES if settings == "overrides" else []
@@ -196,14 +196,28 @@ def test_slurm_output_dir_is_refused_at_submission_not_in_the_dry_run(tmp_path):
     assert not (home / "nemo_run_home" / "experiments").exists()
 
 
-@pytest.mark.parametrize("short", ["14b", "8b", "1p7b"])
+# the layout line of each paper dry run: its parallel sizes as recipes/paper.py sets them
+LAYOUT_LINES = {
+    "14b": r"# 8 x 8 GPUs: TP=4 PP=1 CP=4 DP=4; 16384-token sequences \(4096 per CP rank\), recompute none; "
+           r"vLLM TP=4 at 0\.35 of the card; [\d.]+ GB training \+ [\d.]+ GB vLLM = [\d.]+ GB of 80 GB",
+    "8b": r"# 4 x 8 GPUs: TP=4 PP=1 CP=2 DP=4; 16384-token sequences \(8192 per CP rank\), recompute none;",
+    "8b_32k": r"# 4 x 8 GPUs: TP=4 PP=1 CP=4 DP=2; 32768-token sequences \(8192 per CP rank\), recompute none;",
+    "1p7b": r"# 2 x 8 GPUs: TP=2 PP=1 CP=1 DP=8; 16384-token sequences \(16384 per CP rank\), recompute full;",
+    "30b_a3b": r"# 4 x 8 GPUs: TP=4 PP=1 CP=1 EP=16 ETP=1 DP=8; 16384-token sequences \(16384 per CP rank\), "
+               r"recompute full; vLLM TP=4 at 0\.4 of the card;",
+}
+
+
+@pytest.mark.parametrize("short", sorted(LAYOUT_LINES))
 def test_documented_paper_dryrun_renders_with_a_placeholder_output_dir(tmp_path, short):
-    """`nemo-run launch/stapo_14b.py --dryrun`, as the README and the launch files write it."""
+    """`nemo-run launch/stapo_14b.py --dryrun`, as the README and the launch files write it: the
+    script, the layout with CP / EP and the memory estimate, the step time."""
     code, out = nemo_run(tmp_path, f"launch/stapo_{short}.py", "--dryrun")
     assert code == 0, out
     assert "run_dir: <unset:output_dir>" in out
     assert re.search(r"│ output_dir\s+│ '<unset:output_dir>'\s+│", out) and sbatch_script(out)
     assert "- output_dir is not set: give an absolute path on a shared file system" in out
+    assert re.search(r"^# ---- layout and memory per GPU .*\n" + LAYOUT_LINES[short], out, re.M), out
     assert re.search(r"# one step ~\d+\.\d min \(rollout", out), out
 
 

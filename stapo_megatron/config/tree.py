@@ -83,7 +83,8 @@ class TrainerConfig:
     max_tokens_per_microbatch: int = 0
     """With ``packing="budget"``: the token budget of one micro-batch (prompt + response tokens
     of whole sequences; at least ``data.max_prompt_len + rollout.max_response_len``, a sequence is
-    never split). The peers' names: verl ``ppo_max_token_len_per_gpu`` (``use_dynamic_bsz``),
+    never split between micro-batches). With ``model.context_parallel_size`` CP > 1 it counts the
+    tokens one CP rank holds: a sequence of L tokens takes 2 x ceil(L / (2 CP)). The peers' names: verl ``ppo_max_token_len_per_gpu`` (``use_dynamic_bsz``),
     NeMo-RL ``dynamic_batching.train_mb_tokens`` / ``sequence_packing.train_mb_tokens``, slime
     ``--max-tokens-per-gpu``."""
     lr_warmup_steps: int = 10
@@ -192,14 +193,19 @@ class TrainerConfig:
                              f"use packing=padded")
         if self.packing == "budget":
             longest = self.data.max_prompt_len + self.rollout.max_response_len
+            cp = self.model.context_parallel_size
+            # with CP the budget is one rank's tokens: its 2 of the sequence's 2 x CP chunks
+            per_rank = longest if cp == 1 else 2 * -(-longest // (2 * cp))
             if self.max_tokens_per_microbatch <= 0:
                 raise ValueError(f"max_tokens_per_microbatch must be > 0 with packing='budget', "
                                  f"got {self.max_tokens_per_microbatch}")
-            if self.max_tokens_per_microbatch < longest:
+            if self.max_tokens_per_microbatch < per_rank:
                 raise ValueError(
                     f"max_tokens_per_microbatch {self.max_tokens_per_microbatch} < the longest sequence "
                     f"data.max_prompt_len + rollout.max_response_len = {self.data.max_prompt_len} + "
-                    f"{self.rollout.max_response_len} = {longest} (a sequence is never split)")
+                    f"{self.rollout.max_response_len} = {longest}"
+                    + (f" over context_parallel_size {cp} = {per_rank} tokens per rank" if cp > 1 else "")
+                    + " (a sequence is never split between micro-batches)")
 
     def rollout_timeout(self) -> float:
         """The collective timeout of the rollout and evaluation phases, in seconds:

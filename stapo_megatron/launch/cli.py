@@ -304,14 +304,16 @@ shows it in the job; a submission is refused)."""
 def _step_time_report(cfg, recipe: str, executor) -> List[str]:
     """Print the recipe's estimated step time and what it means at the executor's time limit;
     the problems a submission would have (a save signal shorter than a step, too few requeues)."""
-    from stapo_megatron.recipes import paper, step_time
+    from stapo_megatron.recipes import memory, paper, step_time
 
     layout = dataclasses.replace(paper.layout_for(recipe, cfg), num_nodes=executor.nodes,
                                  gpus_per_node=executor.gpus_per_node)
     step = step_time.estimate_step_time(paper.ARCHITECTURES[recipe], layout, cfg)
     signal_s = int(str(executor.signal or "USR1@0").rpartition("@")[2])
     limit_s = step_time.parse_slurm_time(executor.time)
-    print(f"# ---- time (an estimate, recipes/step_time.py: not measured) ----\n"
+    print(f"# ---- layout and memory per GPU (recipes/memory.py: an estimate) ----\n"
+          f"# {memory.describe(paper.ARCHITECTURES[recipe], layout)}\n"
+          f"# ---- time (an estimate, recipes/step_time.py: not measured) ----\n"
           f"# one step ~{step.total_s / 60:.1f} min (rollout {step.rollout_s / 60:.1f}, training "
           f"{step.training_s / 60:.1f}); {cfg.steps} steps ~{cfg.steps * step.total_s / 3600:.0f} h of "
           f"{layout.world_size} GPUs", flush=True)

@@ -9,6 +9,7 @@ dry run prints it, and ``scripts/memory_table.py`` writes the README's table fro
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Dict, Optional
 
 from stapo_megatron.bridge.config import QwenSpec, padded_vocab_size
@@ -60,15 +61,25 @@ class Layout:
     sequence_parallel: bool = True
     """Megatron sequence parallelism (needs TP > 1)."""
     recompute_granularity: Optional[str] = "full"
-    """Activation recomputation ("full": only layer inputs are kept)."""
+    """Activation recomputation: "full" (only layer inputs are kept), "selective" or None
+    (every layer's activations kept; `memory_estimate`)."""
     recompute_method: Optional[str] = "uniform"
     """Full recompute of groups of `recompute_num_layers` layers."""
     recompute_num_layers: Optional[int] = 1
     """Layers per recompute group."""
     context_parallel_size: int = 1
-    """Megatron CP (each sequence split over it)."""
+    """Megatron CP: each sequence split over it in 2 x CP load-balanced chunks, so a rank holds
+    1/CP of every sequence's tokens (`rank_tokens`)."""
+    cp_comm_type: str = "p2p"
+    """How attention exchanges K/V over CP (`ModelConfig.cp_comm_type`): "all_gather" (and the
+    local spec) keeps each layer's gathered K and V of the whole sequence for the backward."""
     expert_model_parallel_size: int = 1
-    """MoE: Megatron EP (experts split over it)."""
+    """MoE: Megatron EP (the experts of each layer split over it)."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """MoE: TP inside each expert (None: the dense TP, Megatron's default)."""
+    seq_len: int = SEQ_LEN
+    """Longest training sequence (prompt + response) in tokens: the activations and logits of a
+    micro-batch are ``micro_batch_size`` such sequences."""
 
     @property
     def world_size(self) -> int:
@@ -80,6 +91,26 @@ class Layout:
         """DP = world / (TP x PP x CP)."""
         return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
                                    * self.context_parallel_size)
+
+    @property
+    def expert_tensor_size(self) -> int:
+        """ETP: `expert_tensor_parallel_size`, else the dense TP."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """Megatron's expert data-parallel size, world / (ETP x EP x PP): the ranks over which the
+        distributed optimizer shards the expert parameters (the dense ones: DP x CP)."""
+        return self.world_size // (self.expert_tensor_size * self.expert_model_parallel_size
+                                   * self.pipeline_model_parallel_size)
+
+
+def rank_tokens(seq_len: int, context_parallel_size: int) -> int:
+    """Tokens one CP rank holds of a ``seq_len``-token sequence: the sequence is padded to a
+    multiple of 2 x CP and each rank takes 2 of its 2 x CP chunks (``seq_len`` at CP = 1)."""
+    if context_parallel_size == 1:
+        return seq_len
+    return 2 * math.ceil(seq_len / (2 * context_parallel_size))
 
 
 FRAMEWORK_OVERHEAD_BYTES = 4 * GB
@@ -98,10 +129,12 @@ class MemoryEstimate:
     grads: float
     """Megatron DDP's fp32 gradient buffer (``grad_reduce_in_fp32=True``, 4 B/param)."""
     optimizer: float
-    """Distributed optimizer: fp32 master weights + Adam m and v (12 B/param) / DP."""
+    """Distributed optimizer: fp32 master weights + Adam m and v (12 B/param), the dense
+    parameters' / (DP x CP), the experts' / the expert data-parallel size."""
     activations: float
-    """Full recompute with sequence parallelism: every layer's bf16 input (kept), plus one
-    layer's full activations and their gradients while it is recomputed."""
+    """What the backward needs of this rank's 1/CP of the micro-batch: with full recomputation
+    every layer's bf16 input plus one layer's activations and their gradients, without it every
+    layer's activations (`memory_estimate`)."""
     logits: float
     """The loss on TP-sharded logits: the bf16 output and its bf16 gradient (4 B per token and
     local vocabulary entry). On CUDA the op runs its Triton kernels, which keep the fp32 softmax
@@ -135,74 +168,186 @@ class MemoryEstimate:
         return {name: round(getattr(self, name) / GB, 1) for name in names}
 
 
-def _layer_params(spec: QwenSpec) -> int:
-    """Parameters of one decoder layer (q/k/v/o, gate/up/down, two RMSNorms, q/k norms)."""
+def _dense_layer_params(spec: QwenSpec) -> int:
+    """Parameters of one decoder layer outside its experts: q/k/v/o, the two RMSNorms, the q/k
+    norms, and the dense gate/up/down (a dense model) or the router (an MoE layer)."""
     h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
     attention = h * (q + 2 * kv) + q * h
-    mlp = 3 * h * spec.ffn_hidden_size
+    mlp = h * spec.num_moe_experts if spec.is_moe else 3 * h * spec.ffn_hidden_size
     norms = 2 * h + (2 * spec.kv_channels if spec.qk_layernorm else 0)
     return attention + mlp + norms
 
 
+def _expert_params(spec: QwenSpec) -> int:
+    """Parameters of one expert (gate/up/down of width ``moe_ffn_hidden_size``); 0 for a dense model."""
+    return 3 * spec.hidden_size * spec.moe_ffn_hidden_size if spec.is_moe else 0
+
+
 def num_params(spec: QwenSpec) -> int:
-    """Parameters of the HF model (unpadded vocabulary)."""
+    """Parameters of the HF model (unpadded vocabulary; every expert of an MoE)."""
     embeddings = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
-    return spec.num_layers * _layer_params(spec) + embeddings + spec.hidden_size
+    experts = (spec.num_moe_experts or 0) * _expert_params(spec)
+    return spec.num_layers * (_dense_layer_params(spec) + experts) + embeddings + spec.hidden_size
+
+
+def num_active_params(spec: QwenSpec) -> int:
+    """Parameters one token passes through: `num_params` with ``moe_router_topk`` experts per MoE
+    layer instead of all of them (= `num_params` for a dense model)."""
+    if not spec.is_moe:
+        return num_params(spec)
+    idle = spec.num_moe_experts - spec.moe_router_topk
+    return num_params(spec) - spec.num_layers * idle * _expert_params(spec)
+
+
+def expert_params_per_gpu(spec: QwenSpec, layout: Layout) -> int:
+    """Expert parameters on one rank: its layers' experts / EP, each split over ETP."""
+    if not spec.is_moe:
+        return 0
+    local_experts = spec.num_moe_experts // layout.expert_model_parallel_size
+    per_stage = spec.num_layers // layout.pipeline_model_parallel_size
+    return per_stage * local_experts * _expert_params(spec) // layout.expert_tensor_size
 
 
 def params_per_gpu(spec: QwenSpec, layout: Layout) -> int:
     """Parameters on the most loaded rank: its layers / TP plus the padded embedding and (for
-    untied models, or any model with PP > 1) the output layer / TP on the stages holding them."""
+    untied models, or any model with PP > 1) the output layer / TP on the stages holding them,
+    plus its experts (`expert_params_per_gpu`)."""
     tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
-    layers = spec.num_layers // pp * _layer_params(spec) // tp
+    layers = spec.num_layers // pp * _dense_layer_params(spec) // tp
     vocab_rows = padded_vocab_size(spec.vocab_size, tp) // tp * spec.hidden_size
     # PP = 1: the one stage holds the embedding and, untied, the output layer. PP > 1: the
     # first stage holds the embedding, the last the output layer (a copy when tied).
     tables = (1 if spec.tie_word_embeddings else 2) if pp == 1 else 1
-    return layers + tables * vocab_rows + spec.hidden_size
+    return layers + tables * vocab_rows + spec.hidden_size + expert_params_per_gpu(spec, layout)
 
 
-def memory_estimate(spec: QwenSpec, layout: Layout, seq_len: int = SEQ_LEN,
+RECOMPUTE_MODES = ("full", "selective", None)
+"""The recomputation settings `memory_estimate` models (`Layout.recompute_granularity`)."""
+MOE_ROUTING_IMBALANCE = 1.5
+"""MoE: tokens the most loaded expert rank receives over its even share (dropless routing, no
+capacity factor). An allowance, not derived: the aux loss pulls it towards 1, and the expert
+load metrics of a run (max / mean tokens per expert) say what it is."""
+
+
+def kept_layer_bytes(spec: QwenSpec, layout: Layout) -> float:
+    """Bytes per token that one decoder layer keeps for its backward without recomputation
+    (local spec, SDPA / flash attention, bf16), counted op by op from the tensors autograd saves
+    (``torch.autograd.graph.saved_tensors_hooks`` on a Qwen3-1.7B-shaped layer, CPU):
+
+    - each of the two RMSNorms: its fp32 input copy and fp32 normalised output (torch's RMSNorm
+      computes in fp32) and the bf16 output the next linear saves: 10 h bytes;
+    - q/k norms: two fp32 copies of q and k: 8 (q + kv);
+    - attention: the fused QKV output (v is a view of it), q and k after RoPE, the output
+      (kept by flash attention and by the output projection): 6 (q + kv) [+ 4 kv x (CP - 1) for
+      the K and V gathered over CP with ``cp_comm_type="all_gather"``];
+    - dense MLP: gate/up output, silu(gate), its product with up: 10 ffn. MoE: the router's fp32
+      logits and probabilities (8 E), then per routed copy (top-k, x `MOE_ROUTING_IMBALANCE`)
+      the permuted input and expert output (4 h) and the expert MLP (10 moe_ffn / ETP).
+
+    h-sized terms are split over TP with sequence parallelism, q/kv/ffn over TP. Checked on the
+    H100 (benchmarks/RESULTS.md): Qwen3-1.7B, 4 x 8192 tokens, no recomputation, 69.8 GB
+    allocated against `memory_estimate`'s 70.5 GB without its allowance (+1.0%).
+    """
+    tp = layout.tensor_model_parallel_size
+    sp = tp if layout.sequence_parallel else 1
+    h, q, kv, cp = spec.hidden_size, spec.q_size, spec.kv_size, layout.context_parallel_size
+    gathered = 4 * kv * (cp - 1) if layout.cp_comm_type == "all_gather" else 0
+    attention = 10 * h / sp + (14 * (q + kv) + gathered) / tp
+    if spec.is_moe:
+        copies = spec.moe_router_topk * MOE_ROUTING_IMBALANCE
+        mlp = 10 * h / sp + 8 * spec.num_moe_experts / sp + copies * (
+            4 * h / sp + 10 * spec.moe_ffn_hidden_size / layout.expert_tensor_size)
+    else:
+        mlp = 10 * h / sp + 10 * spec.ffn_hidden_size / tp
+    return attention + mlp
+
+
+def _recompute_layer_bytes(spec: QwenSpec, layout: Layout) -> float:
+    """bf16 bytes per token of the one layer full recomputation rebuilds: LN inputs/outputs and
+    the two residual inputs (4h, split over TP only with sequence parallelism), q/k/v and the
+    attention output (2q + 2kv), gate/up outputs and the SwiGLU output (3 ffn; an MoE: 3
+    moe_ffn / ETP and the permuted input per routed copy), all split over TP."""
+    tp = layout.tensor_model_parallel_size
+    sp = tp if layout.sequence_parallel else 1
+    h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
+    if spec.is_moe:
+        mlp = spec.moe_router_topk * MOE_ROUTING_IMBALANCE * (
+            3 * spec.moe_ffn_hidden_size / layout.expert_tensor_size + h / sp)
+    else:
+        mlp = 3 * spec.ffn_hidden_size / tp
+    return 2 * (4 * h / sp + (2 * q + 2 * kv) / tp + mlp)
+
+
+def memory_estimate(spec: QwenSpec, layout: Layout, seq_len: Optional[int] = None,
                     gpu_bytes: float = GPU_TOTAL_BYTES) -> MemoryEstimate:
     """Per-GPU memory of colocated STAPO training (Megatron) and rollouts (vLLM).
 
     Assumptions: bf16 weights, fp32 gradient buffer, Megatron's distributed optimizer (fp32
-    master + Adam states sharded over DP), micro-batches of ``micro_batch_size`` sequences of
-    ``seq_len`` tokens, full recomputation of every layer (uniform, 1 layer per group) with
-    sequence parallelism (activations split over TP), flash attention (no s x s scores), 1F1B
-    pipelining (the first stage keeps PP micro-batches in flight: L layer inputs in total),
-    the STAPO loss on vocabulary-sharded logits, and vLLM's whole share on top (it sleeps during
-    the update, but wakes while PyTorch's cache still holds the training memory).
+    master + Adam states of the dense parameters sharded over DP x CP, Megatron's data-parallel
+    group with context parallelism; those of the experts over the expert data-parallel group,
+    world / (ETP x EP x PP)), micro-batches of ``micro_batch_size`` sequences of ``seq_len``
+    tokens of which each CP rank holds 1/CP (`rank_tokens`: activations, logits and the
+    recomputation buffers shrink with CP, weights and gradients do not), sequence parallelism
+    (h-sized activations split over TP), flash attention (no s x s scores), 1F1B pipelining
+    (the first stage keeps PP micro-batches in flight: L layers' activations in total), the
+    STAPO loss on vocabulary-sharded logits, and vLLM's whole share on top (it sleeps during the
+    update, but wakes while PyTorch's cache still holds the training memory).
+
+    Recomputation (`Layout.recompute_granularity`): "full" (uniform, 1 layer per group) keeps
+    every layer's bf16 input plus one layer's activations and their gradients while it is
+    recomputed; None keeps every layer's activations (`kept_layer_bytes`) plus one layer's
+    gradients; "selective" is counted as None: Megatron's selective recomputation rebuilds the
+    core attention, whose inputs it keeps, and with flash attention that saves only the
+    softmax statistics (the H100 run of Qwen3-1.7B at 16k was out of memory with both).
+    MoE: experts / EP per rank, each split over ETP; the routed copies of each token through
+    its experts (balanced routing times `MOE_ROUTING_IMBALANCE`).
 
     Args:
+        seq_len: the longest training sequence (None: `Layout.seq_len`).
         gpu_bytes: the card's total memory, of which vLLM takes its fraction (`GPU_TOTAL_BYTES`).
 
     Returns the components of `MemoryEstimate`; `MemoryEstimate.total` must stay below the
     budget `GPU_MEMORY_BYTES`.
     """
-    if layout.recompute_granularity != "full" or layout.recompute_num_layers != 1:
-        raise ValueError(
-            f"memory_estimate models full recomputation of single layers, got recompute_granularity "
-            f"{layout.recompute_granularity!r}, recompute_num_layers {layout.recompute_num_layers}"
-        )
-    tp, dp = layout.tensor_model_parallel_size, layout.data_parallel_size
-    h, q, kv, ffn = spec.hidden_size, spec.q_size, spec.kv_size, spec.ffn_hidden_size
-    tokens = seq_len * layout.micro_batch_size
+    if layout.recompute_granularity not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute_granularity must be one of {RECOMPUTE_MODES}, got {layout.recompute_granularity!r}")
+    if layout.recompute_granularity == "full" and (layout.recompute_method, layout.recompute_num_layers) != (
+            "uniform", 1):
+        raise ValueError(f"memory_estimate models full recomputation of single layers (recompute_method 'uniform', "
+                         f"recompute_num_layers 1), got {layout.recompute_method!r}, {layout.recompute_num_layers}")
+    tp = layout.tensor_model_parallel_size
     sp = tp if layout.sequence_parallel else 1
+    tokens = rank_tokens(seq_len or layout.seq_len, layout.context_parallel_size) * layout.micro_batch_size
     params = params_per_gpu(spec, layout)
-    # bf16 bytes per token of one layer's activations: LN inputs/outputs and the two residual
-    # inputs (4h, split over TP only with sequence parallelism), q/k/v and the attention output
-    # (2q + 2kv), gate/up outputs and the SwiGLU output (3 ffn), all split over TP.
-    layer_bytes = 2 * (4 * h / sp + (2 * q + 2 * kv + 3 * ffn) / tp)
-    kept_inputs = 2 * h / sp * tokens * spec.num_layers
-    activations = kept_inputs + 2 * layer_bytes * tokens
+    experts = expert_params_per_gpu(spec, layout)
+    dense_shards = layout.data_parallel_size * layout.context_parallel_size
+    optimizer = 12 * ((params - experts) / dense_shards + experts / max(1, layout.expert_data_parallel_size))
+    if layout.recompute_granularity == "full":
+        kept_inputs = 2 * spec.hidden_size / sp * tokens * spec.num_layers
+        activations = kept_inputs + 2 * _recompute_layer_bytes(spec, layout) * tokens
+    else:
+        activations = (spec.num_layers + 1) * kept_layer_bytes(spec, layout) * tokens
     logits = tokens * padded_vocab_size(spec.vocab_size, tp) / tp * (2 + 2)
     vllm = layout.vllm_gpu_memory_utilization * gpu_bytes
     reference = 2 * params if layout.reference_model else 0.0
     vllm_weights = 2 * num_params(spec) / layout.vllm_tensor_parallel_size
     kv_bytes_per_token = 2 * spec.num_layers * spec.kv_size * 2 / layout.vllm_tensor_parallel_size
     return MemoryEstimate(
-        weights=2 * params, grads=4 * params, optimizer=12 * params / dp,
+        weights=2 * params, grads=4 * params, optimizer=optimizer,
         activations=activations, logits=logits, overhead=FRAMEWORK_OVERHEAD_BYTES, vllm=vllm, reference=reference,
         vllm_kv_tokens=int(max(0.0, vllm - vllm_weights - VLLM_RUNTIME_BYTES) / kv_bytes_per_token),
     )
+
+
+def describe(spec: QwenSpec, layout: Layout) -> str:
+    """One line for the launcher's dry run: the parallel sizes, sequence and recomputation, vLLM,
+    and the estimate's total against the budget."""
+    est = memory_estimate(spec, layout)
+    experts = (f" EP={layout.expert_model_parallel_size} ETP={layout.expert_tensor_size}" if spec.is_moe else "")
+    return (f"{layout.num_nodes} x {layout.gpus_per_node} GPUs: TP={layout.tensor_model_parallel_size} "
+            f"PP={layout.pipeline_model_parallel_size} CP={layout.context_parallel_size}{experts} "
+            f"DP={layout.data_parallel_size}; {layout.seq_len}-token sequences ("
+            f"{rank_tokens(layout.seq_len, layout.context_parallel_size)} per CP rank), recompute "
+            f"{layout.recompute_granularity or 'none'}; vLLM TP={layout.vllm_tensor_parallel_size} at "
+            f"{layout.vllm_gpu_memory_utilization} of the card; {est.training / GB:.1f} GB training + "
+            f"{est.vllm / GB:.1f} GB vLLM = {est.total / GB:.1f} GB of {GPU_MEMORY_BYTES / GB:.0f} GB")

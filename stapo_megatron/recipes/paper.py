@@ -1,15 +1,17 @@
-"""The paper's setups: Qwen3-1.7B/8B/14B-Base, JustRL hyperparameters + S2T, on 80 GB GPUs.
+"""The paper's setups: Qwen3-1.7B/8B/14B-Base (and Qwen3-30B-A3B-Base), JustRL + S2T, on 80 GB GPUs.
 
-``qwen3_1p7b``, ``qwen3_8b`` and ``qwen3_14b`` return the trainer's `TrainerConfig` for
+``qwen3_1p7b``, ``qwen3_8b``, ``qwen3_8b_32k``, ``qwen3_14b`` and ``qwen3_30b_a3b`` return the
+trainer's `TrainerConfig` for
 DAPO-Math-17k (paths are the user's: ``data.train_path`` / ``data.eval_path``), with the method
 as a one-word switch (a name of `stapo_megatron.method.registry.METHODS`, `method_loss`).
 
-Each size has a `Layout` (nodes, TP/PP/DP, vLLM TP and memory share, micro-batch, recompute,
-sequence parallelism) chosen with `memory_estimate`, the written per-GPU memory model of
-`stapo_megatron.recipes.memory` (its assumptions are in the function's docstring). Context parallelism stays 1: the STAPO
-loss path here (``ops.vocab_parallel_logprob_entropy``, the S2T mini-batch quantile and the
-packing in ``batching.py``) assumes every rank of a TP group holds whole sequences, so long
-sequences are handled with sequence parallelism + full activation recomputation instead.
+Each recipe has a `Layout` (nodes, TP/PP/CP/EP/DP, vLLM TP and memory share, micro-batch,
+recompute, sequence parallelism, sequence length) chosen with `memory_estimate`, the written
+per-GPU memory model of `stapo_megatron.recipes.memory` (its assumptions are in the function's
+docstring). Context parallelism splits each packed sequence over CP ranks (2 x CP load-balanced
+chunks): the 8B and 14B recipes use it to drop full recomputation, ``qwen3_8b_32k`` to train
+32k-token sequences. ``qwen3_30b_a3b`` is the mixture-of-experts model with expert parallelism
+(EP); the layout checks of every recipe are `layout_problems`.
 """
 
 from __future__ import annotations
@@ -21,9 +23,7 @@ from stapo_megatron.bridge.config import QwenSpec
 from stapo_megatron.config import DataConfig, LossConfig, ModelConfig, OptimConfig, RolloutSampling, TrainerConfig
 from stapo_megatron.data.examples import JUSTRL_PROMPT_TEMPLATE
 from stapo_megatron.method.config import method_loss_config
-from stapo_megatron.recipes.memory import (
-    GB, GPU_MEMORY_BYTES, MAX_PROMPT_LEN, MAX_RESPONSE_LEN, SEQ_LEN, Layout, memory_estimate,
-)
+from stapo_megatron.recipes.memory import GB, GPU_MEMORY_BYTES, MAX_PROMPT_LEN, Layout, memory_estimate, rank_tokens
 
 
 def _qwen3(num_layers, hidden, heads, ffn, tied) -> QwenSpec:
@@ -37,31 +37,66 @@ def _qwen3(num_layers, hidden, heads, ffn, tied) -> QwenSpec:
     )
 
 
+QWEN3_30B_A3B = QwenSpec(
+    architecture="Qwen3MoeForCausalLM", num_layers=48, hidden_size=2048, ffn_hidden_size=6144,
+    num_attention_heads=32, num_query_groups=4, kv_channels=128, vocab_size=151936,
+    max_position_embeddings=40960, rotary_base=1_000_000.0, layernorm_epsilon=1e-6, add_qkv_bias=False,
+    qk_layernorm=True, tie_word_embeddings=False, init_method_std=0.02, num_moe_experts=128,
+    moe_router_topk=8, moe_ffn_hidden_size=768, norm_topk_prob=True, moe_aux_loss_coeff=0.001,
+)
+"""Qwen3-30B-A3B-Base as in its HF config.json: every layer an MoE of 128 experts (top-8, width
+768, normalised top-k probabilities, aux loss 0.001), no shared experts; ``ffn_hidden_size`` is
+the config's unused dense ``intermediate_size``. 30.5B parameters, 3.3B active per token."""
+
 ARCHITECTURES: Dict[str, QwenSpec] = {
     "qwen3_1p7b": _qwen3(28, 2048, 16, 6144, tied=True),
     "qwen3_8b": _qwen3(36, 4096, 32, 12288, tied=False),
+    "qwen3_8b_32k": _qwen3(36, 4096, 32, 12288, tied=False),
     "qwen3_14b": _qwen3(40, 5120, 40, 17408, tied=False),
+    "qwen3_30b_a3b": QWEN3_30B_A3B,
 }
-"""Qwen3-{1.7B,8B,14B}-Base architectures (the training memory model and consistency checks
-use them; the trainer itself reads the architecture from ``model.hf_dir``)."""
-DISPLAY_NAMES = {"qwen3_1p7b": "Qwen3-1.7B-Base", "qwen3_8b": "Qwen3-8B-Base", "qwen3_14b": "Qwen3-14B-Base"}
+"""The architecture of each recipe: Qwen3-{1.7B,8B,14B,30B-A3B}-Base (the training memory model
+and consistency checks use them; the trainer itself reads the architecture from ``model.hf_dir``)."""
+DISPLAY_NAMES = {"qwen3_1p7b": "Qwen3-1.7B-Base", "qwen3_8b": "Qwen3-8B-Base", "qwen3_8b_32k": "Qwen3-8B-Base",
+                 "qwen3_14b": "Qwen3-14B-Base", "qwen3_30b_a3b": "Qwen3-30B-A3B-Base"}
 """The HF model each recipe starts from."""
 
+
+_NO_RECOMPUTE = dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
+"""Layout fields of a recipe that keeps every layer's activations (CP makes room for them)."""
 
 LAYOUTS: Dict[str, Layout] = {
     # 2 nodes: TP=2 halves the 151936-wide logits and their gradient (5 GB instead of 10 GB at TP=1).
     "qwen3_1p7b": Layout(num_nodes=2, tensor_model_parallel_size=2, pipeline_model_parallel_size=1,
                          vllm_tensor_parallel_size=2, vllm_gpu_memory_utilization=0.55),
-    # 4 nodes: TP=4 (at TP=2 training and vLLM's share exceed the budget); README's memory table
-    # (scripts/memory_table.py) gives the components.
+    # 4 nodes: TP=4 (at TP=2 training and vLLM's share exceed the budget), CP=2 inside the node
+    # (TP x CP = 8 GPUs): each rank holds 8k of a 16k sequence, which pays for keeping every
+    # layer's activations (21 GB) instead of full recomputation; vLLM's share goes from 0.5 to
+    # 0.4 for it (0.35 with GRPO's reference). README's memory table gives the components.
     "qwen3_8b": Layout(num_nodes=4, tensor_model_parallel_size=4, pipeline_model_parallel_size=1,
-                       vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.5),
-    # 8 nodes (the design's target): TP=4 within a node, PP=1, DP=16; one vLLM TP=4 engine per
-    # TP group (KV cache per engine: README's memory table).
-    # GRPO's reference model (+7.4 GB) fits beside the same vLLM share (the logits cost 4 B per
-    # entry with the Triton op, measured on the H100: benchmarks/RESULTS.md).
+                       vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.4,
+                       vllm_gpu_memory_utilization_with_reference=0.35, context_parallel_size=2, **_NO_RECOMPUTE),
+    # 32k-token sequences (1024 prompt + 31744 response: the model's 32768 positions) on the
+    # 8B's 4 nodes: CP=4 (two nodes per model replica, DP=2) keeps a rank at 8k tokens, the
+    # same activations as qwen3_8b without recomputation.
+    "qwen3_8b_32k": Layout(num_nodes=4, tensor_model_parallel_size=4, pipeline_model_parallel_size=1,
+                           vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.4,
+                           vllm_gpu_memory_utilization_with_reference=0.35, context_parallel_size=4,
+                           seq_len=32768, **_NO_RECOMPUTE),
+    # 8 nodes (the design's target): TP=4 within a node, CP=4 (two nodes per model replica,
+    # DP=4): 4k tokens of a 16k sequence per rank, without recomputation; one vLLM TP=4 engine
+    # per TP group at 0.35 of the card (0.3 beside GRPO's reference, +7.4 GB).
     "qwen3_14b": Layout(num_nodes=8, tensor_model_parallel_size=4, pipeline_model_parallel_size=1,
-                        vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.4),
+                        vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.35,
+                        vllm_gpu_memory_utilization_with_reference=0.3, context_parallel_size=4, **_NO_RECOMPUTE),
+    # MoE, 4 nodes: TP=4 (the 4 KV heads; vLLM TP=4 holds 15 GB of the 61 GB of bf16 weights),
+    # EP=16 with ETP=1 (8 whole experts per rank; the expert optimizer shards over world /
+    # (ETP x EP) = 2), full recomputation. The peers: verl TP=4 PP=2 EP=4 on 4 nodes, NeMo-RL
+    # TP=2 EP=8 ETP=1 on 8 nodes with vLLM TP=4, slime TP=4 EP=8 ETP=1 on one node with CPU Adam
+    # (README, the model table). At EP=8 on 4 nodes the estimate is 79.7 GB.
+    "qwen3_30b_a3b": Layout(num_nodes=4, tensor_model_parallel_size=4, pipeline_model_parallel_size=1,
+                            vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.4,
+                            expert_model_parallel_size=16, expert_tensor_parallel_size=1),
 }
 """The parallel layout of each paper recipe (see `memory_estimate` and the README table)."""
 
@@ -93,7 +128,8 @@ TRAIN_STEPS = 3000
 EVAL_EVERY = 20
 """Held-out evaluation every this many training steps."""
 EVAL_MAX_RESPONSE_LEN = 20480
-"""Maximum response tokens at evaluation (training: `MAX_RESPONSE_LEN`)."""
+"""Maximum response tokens at evaluation (training: `memory.MAX_RESPONSE_LEN`; a long-response
+recipe evaluates at least as long as it trains)."""
 SAVE_EVERY = 10
 """Checkpoint every this many steps: a requeued or failed job repeats at most this many."""
 KEEP_LAST = 3
@@ -104,12 +140,13 @@ LR_WARMUP_STEPS = 10
 
 
 def paper_recipe(size: str, method: str = "stapo", run_dir: Optional[str] = None) -> TrainerConfig:
-    """JustRL + S2T for one Qwen3 size ("qwen3_1p7b" | "qwen3_8b" | "qwen3_14b").
+    """JustRL + S2T for one recipe of `LAYOUTS` ("qwen3_1p7b" | "qwen3_8b" | "qwen3_8b_32k" |
+    "qwen3_14b" | "qwen3_30b_a3b").
 
     3000 training steps; AdamW lr 1e-6 (linear warm-up from 0 over 10 training steps, then
     constant), weight decay 0.1, grad clip 1.0; 256 prompts x 8 rollouts per step, PPO
     mini-batches of 64 prompts; prompts <= 1024 tokens in JustRL's prompt wrapper, responses
-    <= 15360; sampling T=1.0, top-p 1.0; clip 0.2/0.28 with dual clip 10; no KL, no entropy
+    <= 15360 (``qwen3_8b_32k``: 31744); sampling T=1.0, top-p 1.0; clip 0.2/0.28 with dual clip 10; no KL, no entropy
     bonus; the +1/-1 boxed exact-match reward; held-out evaluation every 20 steps with responses
     <= 20480 tokens. The README's fidelity table lists each setting against the paper.
     ``model.hf_dir``, ``model.megatron_ckpt`` and ``data.train_path`` / ``data.eval_path``
@@ -118,6 +155,7 @@ def paper_recipe(size: str, method: str = "stapo", run_dir: Optional[str] = None
     if size not in LAYOUTS:
         raise ValueError(f"size must be one of {sorted(LAYOUTS)}, got {size!r}")
     layout = LAYOUTS[size]
+    max_response_len = layout.seq_len - MAX_PROMPT_LEN
     loss = method_loss(method)
     vllm_share = layout.vllm_gpu_memory_utilization
     if loss.kl_coef > 0 and layout.vllm_gpu_memory_utilization_with_reference is not None:
@@ -128,15 +166,15 @@ def paper_recipe(size: str, method: str = "stapo", run_dir: Optional[str] = None
         prompts_per_step=256,
         minibatch_prompts=64,
         micro_batch_size=layout.micro_batch_size,
-        # whole sequences packed up to one longest sequence's tokens per micro-batch: the
-        # memory estimate's seq_len x micro_batch_size tokens, with no padding computed
+        # whole sequences packed up to one longest sequence's tokens per micro-batch (per CP
+        # rank: its 1/CP share): the memory estimate's tokens, with no padding computed
         packing="budget",
-        max_tokens_per_microbatch=SEQ_LEN * layout.micro_batch_size,
+        max_tokens_per_microbatch=rank_tokens(layout.seq_len, layout.context_parallel_size) * layout.micro_batch_size,
         lr_warmup_steps=LR_WARMUP_STEPS,
         eval_every=EVAL_EVERY,
         eval_temperature=1.0,
         eval_samples=4,
-        eval_max_response_len=EVAL_MAX_RESPONSE_LEN,
+        eval_max_response_len=max(EVAL_MAX_RESPONSE_LEN, max_response_len),
         save_every=SAVE_EVERY,
         keep_last=KEEP_LAST,
         reward="boxed_exact_match",
@@ -149,11 +187,15 @@ def paper_recipe(size: str, method: str = "stapo", run_dir: Optional[str] = None
             recompute_granularity=layout.recompute_granularity,
             recompute_method=layout.recompute_method,
             recompute_num_layers=layout.recompute_num_layers,
+            context_parallel_size=layout.context_parallel_size,
+            cp_comm_type=layout.cp_comm_type,
+            expert_model_parallel_size=layout.expert_model_parallel_size,
+            expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
         ),
         data=DataConfig(max_prompt_len=MAX_PROMPT_LEN, use_chat_template=True, dedupe=True,
                         prompt_template=JUSTRL_PROMPT_TEMPLATE),
         rollout=RolloutSampling(
-            group_size=8, temperature=1.0, top_p=1.0, max_response_len=MAX_RESPONSE_LEN,
+            group_size=8, temperature=1.0, top_p=1.0, max_response_len=max_response_len,
             tensor_parallel_size=layout.vllm_tensor_parallel_size,
             gpu_memory_utilization=vllm_share,
         ),
@@ -169,34 +211,73 @@ def qwen3_1p7b(method: str = "stapo", run_dir: Optional[str] = None) -> TrainerC
 
 
 def qwen3_8b(method: str = "stapo", run_dir: Optional[str] = None) -> TrainerConfig:
-    """Qwen3-8B-Base: 4 nodes x 8 GPUs, TP=4, DP=8, vLLM TP=4."""
+    """Qwen3-8B-Base: 4 nodes x 8 GPUs, TP=4, CP=2, DP=4, no recomputation, vLLM TP=4."""
     return paper_recipe("qwen3_8b", method, run_dir)
 
 
+def qwen3_8b_32k(method: str = "stapo", run_dir: Optional[str] = None) -> TrainerConfig:
+    """Qwen3-8B-Base with 32k-token sequences (responses <= 31744): 4 nodes, TP=4, CP=4, DP=2."""
+    return paper_recipe("qwen3_8b_32k", method, run_dir)
+
+
 def qwen3_14b(method: str = "stapo", run_dir: Optional[str] = None) -> TrainerConfig:
-    """Qwen3-14B-Base: 8 nodes x 8 GPUs, TP=4, DP=16, vLLM TP=4."""
+    """Qwen3-14B-Base: 8 nodes x 8 GPUs, TP=4, CP=4, DP=4, no recomputation, vLLM TP=4."""
     return paper_recipe("qwen3_14b", method, run_dir)
+
+
+def qwen3_30b_a3b(method: str = "stapo", run_dir: Optional[str] = None) -> TrainerConfig:
+    """Qwen3-30B-A3B-Base (MoE): 4 nodes x 8 GPUs, TP=4, EP=16, ETP=1, DP=8, vLLM TP=4."""
+    return paper_recipe("qwen3_30b_a3b", method, run_dir)
 
 
 def layout_problems(spec: QwenSpec, layout: Layout, cfg: TrainerConfig) -> List[str]:
     """Why ``cfg`` cannot run on ``layout`` (empty when it can): divisibility of heads, layers,
-    GPUs and batches, vLLM groups, and the memory estimate."""
+    experts, GPUs and batches over TP/PP/CP/EP/DP, the node topology, the CP token budget, vLLM
+    groups, and the memory estimate."""
     tp, pp = cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size
-    vtp = cfg.rollout.tensor_parallel_size
+    cp = cfg.model.context_parallel_size
     world = layout.world_size
-    problems = []
-    for name, count in (("num_attention_heads", spec.num_attention_heads),
-                        ("num_query_groups", spec.num_query_groups)):
-        if count % tp:
-            problems.append(f"{name} {count} is not divisible by tensor_model_parallel_size {tp}")
+    problems = _head_problems(spec, cfg)
     if spec.num_layers % pp:
         problems.append(f"num_layers {spec.num_layers} is not divisible by pipeline_model_parallel_size {pp}")
-    if world % (tp * pp):
-        problems.append(f"{world} GPUs are not divisible by TP {tp} x PP {pp}")
+    if world % (tp * pp * cp):
+        problems.append(f"{world} GPUs are not divisible by TP {tp} x PP {pp} x CP {cp}")
         return problems
-    dp = world // (tp * pp)
     if tp > layout.gpus_per_node or layout.gpus_per_node % tp:
         problems.append(f"TP {tp} must divide the {layout.gpus_per_node} GPUs of a node")
+    elif layout.gpus_per_node % (tp * cp) and (tp * cp) % layout.gpus_per_node:
+        problems.append(f"TP {tp} x CP {cp} must divide the {layout.gpus_per_node} GPUs of a node or span whole "
+                        f"nodes (Megatron places TP, then CP ranks next to each other)")
+    problems += _batch_problems(cfg, world // (tp * pp * cp)) + _moe_problems(spec, layout, cfg)
+    if cfg.model.sequence_parallel and tp == 1:
+        problems.append("sequence_parallel needs tensor_model_parallel_size > 1")
+    estimate = memory_estimate(spec, layout)  # layout_for: with the reference model if kl_coef > 0
+    if estimate.total >= GPU_MEMORY_BYTES:
+        problems.append(f"estimated {estimate.total / GB:.1f} GB per GPU exceeds {GPU_MEMORY_BYTES / GB:.0f} GB: {estimate.as_gb()}")
+    return problems
+
+
+def _head_problems(spec: QwenSpec, cfg: TrainerConfig) -> List[str]:
+    """Heads and KV heads over Megatron's TP (x CP for the all-to-all CP exchanges) and vLLM's TP."""
+    tp, cp, vtp = cfg.model.tensor_model_parallel_size, cfg.model.context_parallel_size, cfg.rollout.tensor_parallel_size
+    # "a2a" CP scatters heads over the CP ranks (Ulysses), so heads must split over TP x CP
+    split = tp * cp if cfg.model.cp_comm_type.startswith("a2a") else tp
+    what = f"TP {tp} x CP {cp} (cp_comm_type {cfg.model.cp_comm_type!r})" if split != tp else \
+        f"tensor_model_parallel_size {tp}"
+    problems = [f"{name} {count} is not divisible by {what}"
+                for name, count in (("num_attention_heads", spec.num_attention_heads),
+                                    ("num_query_groups", spec.num_query_groups)) if count % split]
+    if tp % vtp:
+        problems.append(f"vLLM TP {vtp} must divide Megatron TP {tp} (an engine must not span two DP ranks)")
+    if spec.num_query_groups % vtp:
+        problems.append(f"num_query_groups {spec.num_query_groups} is not divisible by vLLM TP {vtp}")
+    return problems
+
+
+def _batch_problems(cfg: TrainerConfig, dp: int) -> List[str]:
+    """Prompts and sequences over DP (which excludes CP: the CP ranks of a DP rank share its
+    sequences), and the per-rank token budget against the longest sequence."""
+    problems = []
     if cfg.prompts_per_step % cfg.minibatch_prompts:
         problems.append(f"prompts_per_step {cfg.prompts_per_step} is not divisible by minibatch_prompts {cfg.minibatch_prompts}")
     if cfg.minibatch_prompts % dp:
@@ -204,17 +285,35 @@ def layout_problems(spec: QwenSpec, layout: Layout, cfg: TrainerConfig) -> List[
     mini_sequences = cfg.minibatch_prompts * cfg.rollout.group_size
     if mini_sequences % (dp * cfg.micro_batch_size):
         problems.append(f"{mini_sequences} sequences per mini-batch are not divisible by DP {dp} x micro_batch_size {cfg.micro_batch_size}")
-    if layout.gpus_per_node % vtp or world % vtp:
-        problems.append(f"vLLM TP {vtp} must divide the {layout.gpus_per_node} GPUs per node and the {world} GPUs")
-    if tp % vtp:
-        problems.append(f"vLLM TP {vtp} must divide Megatron TP {tp} (an engine must not span two DP ranks)")
-    if spec.num_query_groups % vtp:
-        problems.append(f"num_query_groups {spec.num_query_groups} is not divisible by vLLM TP {vtp}")
-    if cfg.model.sequence_parallel and tp == 1:
-        problems.append("sequence_parallel needs tensor_model_parallel_size > 1")
-    estimate = memory_estimate(spec, layout)  # layout_for: with the reference model if kl_coef > 0
-    if estimate.total >= GPU_MEMORY_BYTES:
-        problems.append(f"estimated {estimate.total / GB:.1f} GB per GPU exceeds {GPU_MEMORY_BYTES / GB:.0f} GB: {estimate.as_gb()}")
+    cp = cfg.model.context_parallel_size
+    if cp > 1 and cfg.packing == "padded":
+        problems.append(f"packing 'padded' does not support context_parallel_size {cp}: use packing=budget")
+    longest = cfg.data.max_prompt_len + cfg.rollout.max_response_len
+    if cfg.packing == "budget" and cfg.max_tokens_per_microbatch < rank_tokens(longest, cp):
+        problems.append(f"max_tokens_per_microbatch {cfg.max_tokens_per_microbatch} < the {rank_tokens(longest, cp)} "
+                        f"tokens one CP rank holds of the longest sequence ({longest} tokens over CP {cp}, in "
+                        f"2 x CP chunks)")
+    return problems
+
+
+def _moe_problems(spec: QwenSpec, layout: Layout, cfg: TrainerConfig) -> List[str]:
+    """Experts over EP, expert widths over ETP, and the expert groups over the GPUs."""
+    ep, etp = cfg.model.expert_model_parallel_size, cfg.model.expert_tensor_parallel_size
+    if not spec.is_moe:
+        return [] if ep == 1 and etp in (None, 1) else [
+            f"expert_model_parallel_size {ep} / expert_tensor_parallel_size {etp} need an MoE model "
+            f"({spec.architecture} has no experts)"]
+    etp = etp or cfg.model.tensor_model_parallel_size
+    pp = cfg.model.pipeline_model_parallel_size
+    problems = []
+    if spec.num_moe_experts % ep:
+        problems.append(f"num_moe_experts {spec.num_moe_experts} is not divisible by expert_model_parallel_size {ep}")
+    if spec.moe_ffn_hidden_size % etp:
+        problems.append(f"moe_ffn_hidden_size {spec.moe_ffn_hidden_size} is not divisible by "
+                        f"expert_tensor_parallel_size {etp}")
+    if layout.world_size % (etp * ep * pp):
+        problems.append(f"{layout.world_size} GPUs are not divisible by ETP {etp} x EP {ep} x PP {pp} "
+                        f"(Megatron's expert groups)")
     return problems
 
 
@@ -224,6 +323,10 @@ def layout_for(size: str, cfg: TrainerConfig) -> Layout:
         LAYOUTS[size],
         tensor_model_parallel_size=cfg.model.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.model.pipeline_model_parallel_size,
+        context_parallel_size=cfg.model.context_parallel_size,
+        cp_comm_type=cfg.model.cp_comm_type,
+        expert_model_parallel_size=cfg.model.expert_model_parallel_size,
+        expert_tensor_parallel_size=cfg.model.expert_tensor_parallel_size,
         vllm_tensor_parallel_size=cfg.rollout.tensor_parallel_size,
         vllm_gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
         micro_batch_size=cfg.micro_batch_size,
@@ -232,6 +335,7 @@ def layout_for(size: str, cfg: TrainerConfig) -> Layout:
         recompute_method=cfg.model.recompute_method,
         recompute_num_layers=cfg.model.recompute_num_layers,
         reference_model=cfg.loss.kl_coef > 0,
+        seq_len=cfg.data.max_prompt_len + cfg.rollout.max_response_len,
     )
 
 

@@ -8,7 +8,8 @@ signal) are derived from a stated number and a dry run can show it. A real run's
 Step = rollout (vLLM decode, memory-bandwidth bound) + training (Megatron, FLOP bound):
     rollout  = decode steps x (this GPU's weight shard + the KV cache read per decode step) / HBM
     training = (old-logprob forward + exact tau_H forward + reference forward + forward, backward
-               and full recompute) FLOPs of all sampled tokens / (GPUs x peak x MFU)
+               and, with full recomputation, the recomputed forward) FLOPs of all sampled tokens
+               / (GPUs x peak x MFU); an MoE counts its active parameters (top-k experts)
 """
 
 from __future__ import annotations
@@ -55,9 +56,9 @@ def estimate_step_time(spec, layout, cfg) -> StepTime:
 
     Evaluation (every ``eval_every`` steps) and the weight sync are not included.
     """
-    from stapo_megatron.recipes.memory import memory_estimate, num_params
+    from stapo_megatron.recipes.memory import memory_estimate, num_active_params, num_params
 
-    n = num_params(spec)
+    n = num_params(spec)  # decode reads every weight (a batch of sequences touches every expert)
     sequences = cfg.prompts_per_step * cfg.rollout.group_size
     mean_response = MEAN_RESPONSE_FRACTION * cfg.rollout.max_response_len
     mean_seq = MEAN_PROMPT_TOKENS + mean_response
@@ -71,11 +72,12 @@ def estimate_step_time(spec, layout, cfg) -> StepTime:
     kv_bytes_per_token = 2 * spec.num_layers * spec.kv_size * 2 / vtp
     bytes_per_decode = 2 * n / vtp + concurrent * (mean_seq / 2) * kv_bytes_per_token
     rollout_s = decode_steps * bytes_per_decode / (HBM_BYTES_PER_S * DECODE_EFFICIENCY)
-    # training: 2N per token and forward pass (+ causal attention), 3 passes for forward,
-    # backward and the recomputed forward of the update
-    forwards = 1 + (cfg.loss.tau_h_source == "exact") + (cfg.loss.kl_coef > 0) + 4
+    # training: 2N (active) per token and forward pass (+ causal attention); the update is a
+    # forward and a backward of twice its FLOPs, plus the recomputed forward with full recompute
+    update = 3 + (cfg.model.recompute_granularity == "full")
+    forwards = 1 + (cfg.loss.tau_h_source == "exact") + (cfg.loss.kl_coef > 0) + update
     attention = 2 * 2 * spec.num_layers * (mean_seq / 2) * spec.q_size
-    flops = forwards * (2 * n + attention) * sequences * mean_seq
+    flops = forwards * (2 * num_active_params(spec) + attention) * sequences * mean_seq
     training_s = flops / (layout.world_size * PEAK_BF16_FLOPS * TRAIN_MFU)
     return StepTime(rollout_s=rollout_s, training_s=training_s)
 
