@@ -81,9 +81,12 @@ class TrainerConfig:
     The statistics (kept-token normaliser, tau_H) are over the whole mini-batch in every mode.
     Packing needs no pipeline parallelism (not supported yet)."""
     max_tokens_per_microbatch: int = 0
-    """With ``packing="budget"``: the token budget of one micro-batch (prompt + response tokens
-    of whole sequences; at least ``data.max_prompt_len + rollout.max_response_len``, a sequence is
-    never split). The peers' names: verl ``ppo_max_token_len_per_gpu`` (``use_dynamic_bsz``),
+    """With ``packing="budget"``: the token budget of one micro-batch on one rank (prompt +
+    response tokens of whole sequences, a sequence is never split over micro-batches). With
+    context parallelism it counts the tokens one CP rank holds after the split: a micro-batch
+    packs up to this x ``model.context_parallel_size`` tokens (sequences padded to 2 x CP
+    chunks), so a sequence longer than the budget trains. At least ``(data.max_prompt_len +
+    rollout.max_response_len) / model.context_parallel_size``. The peers' names: verl ``ppo_max_token_len_per_gpu`` (``use_dynamic_bsz``),
     NeMo-RL ``dynamic_batching.train_mb_tokens`` / ``sequence_packing.train_mb_tokens``, slime
     ``--max-tokens-per-gpu``."""
     lr_warmup_steps: int = 10
@@ -190,16 +193,21 @@ class TrainerConfig:
             raise ValueError(f"packing={self.packing!r} is not supported with pipeline parallelism yet "
                              f"(model.pipeline_model_parallel_size {self.model.pipeline_model_parallel_size}); "
                              f"use packing=padded")
+        cp = self.model.context_parallel_size
+        if cp > 1 and self.packing == "padded":
+            raise ValueError(f"model.context_parallel_size {cp} needs packed micro-batches: packing='fixed' or "
+                             f"'budget', got packing='padded'")
         if self.packing == "budget":
             longest = self.data.max_prompt_len + self.rollout.max_response_len
             if self.max_tokens_per_microbatch <= 0:
                 raise ValueError(f"max_tokens_per_microbatch must be > 0 with packing='budget', "
                                  f"got {self.max_tokens_per_microbatch}")
-            if self.max_tokens_per_microbatch < longest:
+            if self.max_tokens_per_microbatch * cp < longest:
                 raise ValueError(
-                    f"max_tokens_per_microbatch {self.max_tokens_per_microbatch} < the longest sequence "
-                    f"data.max_prompt_len + rollout.max_response_len = {self.data.max_prompt_len} + "
-                    f"{self.rollout.max_response_len} = {longest} (a sequence is never split)")
+                    f"max_tokens_per_microbatch {self.max_tokens_per_microbatch} x model.context_parallel_size {cp} "
+                    f"< the longest sequence data.max_prompt_len + rollout.max_response_len = "
+                    f"{self.data.max_prompt_len} + {self.rollout.max_response_len} = {longest} (a sequence is never "
+                    f"split over micro-batches; context parallelism splits it over its ranks)")
 
     def rollout_timeout(self) -> float:
         """The collective timeout of the rollout and evaluation phases, in seconds:
