@@ -10,6 +10,7 @@ and in another order (the invariance test's tolerances; measured ~1e-7).
 """
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -25,14 +26,14 @@ VALUES = ("loss", "tau_h", "entropy_mean", "approx_kl", "grad_norm", "clip_fract
 FIELDS = ("tokens", "position_ids", "labels", "response_mask", "advantages", "rollout_logprob")
 
 
-def _rollouts(max_response=25, seed=7):
+def _rollouts(max_response=25, seed=7, vocab=VOCAB):
     """16 sequences of uneven lengths (prompt 3-8, response 2-24) with group advantages."""
     from stapo_megatron.train.batching import group_advantages
 
     gen = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(1, VOCAB, (int(n),), generator=gen).tolist()
+    prompts = [torch.randint(1, vocab, (int(n),), generator=gen).tolist()
                for n in torch.randint(3, 9, (NUM_PROMPTS,), generator=gen)]
-    seqs = [(prompts[p], torch.randint(1, VOCAB, (int(torch.randint(2, max_response, (1,), generator=gen)),),
+    seqs = [(prompts[p], torch.randint(1, vocab, (int(torch.randint(2, max_response, (1,), generator=gen)),),
                                        generator=gen).tolist())
             for p in range(NUM_PROMPTS) for _ in range(GROUP)]
     adv = group_advantages((torch.rand(NUM_PROMPTS, GROUP, generator=gen) < 0.5).float())[0].reshape(-1).tolist()
@@ -235,3 +236,97 @@ def test_cp2_trains_as_cp1(tp):
     results = run_distributed(2 * tp, _train_worker, tp, (1, 2), (48, 24))
     assert max(res[2]["tokens"] for res in results) <= 24
     _check_same(results, 2)
+
+
+def _checkpoint_worker(hf_dir, run_cp2, run_cp1):
+    """CP=2 trains one update and saves; CP=1 (DP=2) resumes it and takes the next update, as
+    CP=2 does from its own state; CP=1 saves and CP=2 resumes that. Adam: its moments must
+    travel through the checkpoint too."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from stapo_megatron.bridge import build_gpt_model
+    from stapo_megatron.bridge.tiny import tiny_config
+    from stapo_megatron.method.config import LossConfig
+    from stapo_megatron.train import checkpoint as ckpt
+    from stapo_megatron.train.config import OptimConfig
+    from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.train.schedule import PassContext, old_policy_pass
+    from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
+
+    spec = tiny_config("qwen3")
+    data = [_rollouts(seed=s, vocab=spec["vocab_size"]) for s in (1, 2)]
+
+    def layout(cp):
+        groups = init_parallel(1, 1, context_parallel_size=cp)
+        model = build_gpt_model(spec, params_dtype=torch.float32, calculate_per_token_loss=True, core_attention="sdpa")
+        model, optimizer = wrap_model_and_optimizer(model, OptimConfig(lr=1e-3, weight_decay=0.0))
+        return groups, model, optimizer
+
+    def update(groups, model, optimizer, rollouts):
+        cp = groups.cp_size
+        mbs = rank_microbatches(*rollouts, 0, packing="budget", max_tokens=48 // cp,
+                                num_ranks=dist.get_world_size(groups.dp), rank=dist.get_rank(groups.dp), seed=0,
+                                align=8, context_parallel_size=cp, cp_rank=dist.get_rank(groups.cp), seq_align=2 * cp)
+        ctx = PassContext(model, max(mb.tokens.shape[1] for mb in mbs), groups=groups)
+        old_policy_pass(ctx, [mbs])
+        return policy_update(ctx, optimizer, mbs, LossConfig(tau_p=0.003))["loss"]
+
+    params = lambda model: {n: p.detach().clone() for n, p in model.module.named_parameters()}  # noqa: E731
+    out = {}
+    groups, model, optimizer = layout(2)
+    update(groups, model, optimizer, data[0])
+    ckpt.save_checkpoint(run_cp2, 1, model, optimizer, {"layout": "cp2"})
+    out["saved_cp2"] = params(model)
+    out["loss_cp2"] = update(groups, model, optimizer, data[1])
+    out["next_cp2"] = params(model)
+    parallel_state.destroy_model_parallel()
+
+    groups, model, optimizer = layout(1)
+    out["state"] = ckpt.load_checkpoint(ckpt.find_latest(run_cp2), model, optimizer)
+    out["loaded_cp1"] = params(model)
+    out["loss_cp1"] = update(groups, model, optimizer, data[1])
+    out["next_cp1"] = params(model)
+    ckpt.save_checkpoint(run_cp1, 2, model, optimizer, {"layout": "cp1"})
+    parallel_state.destroy_model_parallel()
+
+    groups, model, optimizer = layout(2)
+    ckpt.load_checkpoint(ckpt.find_latest(run_cp1), model, optimizer)
+    out["loaded_cp2"] = params(model)
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.slow
+def test_checkpoint_cp2_resumes_at_cp1_and_back_and_exports(tmp_path):
+    """A checkpoint saved at CP=2 loads at CP=1 (weights bit-equal) and the next update there
+    equals CP=2's own next update (Adam moments restored; 1e-6 absolute at lr 1e-3: reduction
+    order, as above); CP=1's save loads at CP=2 bit-equal; the CP-trained run exports to HF
+    (`stapo-convert mcore-to-hf`) with the weights it trained."""
+    from safetensors.torch import load_file
+
+    from stapo_megatron.bridge.tiny import save_tiny_hf_model
+    from stapo_megatron.conversion.cli import main
+
+    hf, run_cp2, run_cp1 = str(tmp_path / "hf"), str(tmp_path / "cp2"), str(tmp_path / "cp1")
+    save_tiny_hf_model(hf, "qwen3", dtype=torch.float32)
+    results = run_distributed(2, _checkpoint_worker, hf, run_cp2, run_cp1)
+    for res in results:
+        assert res["state"] == {"layout": "cp2", "step": 1}
+        for name, want in res["saved_cp2"].items():
+            assert torch.equal(res["loaded_cp1"][name], want), name
+            torch.testing.assert_close(res["next_cp1"][name], res["next_cp2"][name], atol=1e-6, rtol=0, msg=name)
+            assert torch.equal(res["loaded_cp2"][name], res["next_cp1"][name]), name
+        assert all(not torch.equal(res["next_cp2"][n], w) for n, w in res["saved_cp2"].items()), "the update moves"
+        assert res["loss_cp1"] == pytest.approx(res["loss_cp2"], rel=2e-5)
+    exported = str(tmp_path / "exported")
+    assert main(["mcore-to-hf", "--ckpt", run_cp2, "--out", exported, "--hf-config", hf]) == 0
+    tensors = {}
+    for name in os.listdir(exported):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(exported, name)))
+    saved = results[0]["saved_cp2"]
+    vocab = tensors["model.embed_tokens.weight"].shape[0]
+    assert torch.equal(tensors["model.embed_tokens.weight"], saved["embedding.word_embeddings.weight"][:vocab])
+    assert torch.equal(tensors["model.layers.0.mlp.down_proj.weight"],
+                       saved["decoder.layers.0.mlp.linear_fc2.weight"])
