@@ -172,13 +172,9 @@ class SDPAttention(MegatronModule):
         (``train.context_parallel``: chunks r and 2 CP - 1 - r, ``cu_seqlens`` global).
 
         K and V are all-gathered over the CP group (Llama 3's all-gather CP; their gradients
-        are summed back over CP and this rank's part kept, a reduce-scatter), put in global
-        order, and each query chunk k of a sequence attends to the sequence's keys [0, (k + 1) c)
-        with a lower-right-aligned causal mask: query i of the chunk sees keys up to its own
-        global position. Exact: every query sees the keys it sees without CP."""
+        are summed back over CP and this rank's part kept, a reduce-scatter) and put in global
+        order; then `chunk_attention`. Exact: every query sees the keys it sees without CP."""
         cp = dist.get_world_size(self.cp_group)
-        rank = dist.get_rank(self.cp_group)
-        bounds = cu_seqlens.tolist()
         # the gathered [CP, t] tokens in global order: position p of the row is gathered[order[p]]
         where = torch.cat([local_positions(cu_seqlens.cpu(), cp, j) for j in range(cp)])
         order = torch.empty_like(where)
@@ -186,12 +182,25 @@ class SDPAttention(MegatronModule):
         order = order.to(query.device)
         key_all, value_all = (all_gather_sequence(t, self.cp_group).flatten(0, 1).index_select(0, order)
                               for t in (key, value))
-        outs, local = [], 0
-        for start, end in zip(bounds, bounds[1:]):
-            c = (end - start) // (2 * cp)
-            for k, q0 in ((rank, local), (2 * cp - 1 - rank, local + c)):
-                keys = slice(start, start + (k + 1) * c)
-                q, kk, vv = (t.transpose(0, 1)[None] for t in (query[q0:q0 + c], key_all[keys], value_all[keys]))
-                outs.append(self._sdpa(q, kk, vv, causal_lower_right(c, kk.shape[2]), False)[0])
-            local += 2 * c
-        return torch.cat(outs, dim=1).transpose(0, 1).reshape(query.shape[0], -1)
+        return chunk_attention(self._sdpa, query, key_all, value_all, cu_seqlens, cp, dist.get_rank(self.cp_group))
+
+
+def chunk_attention(sdpa, query, key_all, value_all, cu_seqlens, cp: int, rank: int) -> torch.Tensor:
+    """CP rank ``rank``'s attention: query [t, np, hn] (its chunks, local order), key_all /
+    value_all [T, ng, hn] (the whole row, global order) -> [t, np * hn].
+
+    Query chunk k of a sequence (c tokens at global positions k c .. (k + 1) c - 1 of it)
+    attends to the sequence's keys [0, (k + 1) c) with a lower-right-aligned causal mask
+    (``causal_lower_right``: query i sees keys up to its own global position), which flash
+    and memory-efficient kernels take without a materialised mask on CUDA. ``sdpa(q, k, v,
+    mask, is_causal)`` is `SDPAttention._sdpa` (scale, GQA, dropout)."""
+    bounds = cu_seqlens.tolist()
+    outs, local = [], 0
+    for start, end in zip(bounds, bounds[1:]):
+        c = (end - start) // (2 * cp)
+        for k, q0 in ((rank, local), (2 * cp - 1 - rank, local + c)):
+            keys = slice(start, start + (k + 1) * c)
+            q, kk, vv = (t.transpose(0, 1)[None] for t in (query[q0:q0 + c], key_all[keys], value_all[keys]))
+            outs.append(sdpa(q, kk, vv, causal_lower_right(c, kk.shape[2]), False)[0])
+        local += 2 * c
+    return torch.cat(outs, dim=1).transpose(0, 1).reshape(query.shape[0], -1)

@@ -204,8 +204,8 @@ class TrainerConfig:
                                  f"got {self.max_tokens_per_microbatch}")
             if self.max_tokens_per_microbatch * cp < longest:
                 raise ValueError(
-                    f"max_tokens_per_microbatch {self.max_tokens_per_microbatch} x model.context_parallel_size {cp} "
-                    f"< the longest sequence data.max_prompt_len + rollout.max_response_len = "
+                    f"max_tokens_per_microbatch {self.max_tokens_per_microbatch}"
+                    f"{f' x model.context_parallel_size {cp}' if cp > 1 else ''} < the longest sequence data.max_prompt_len + rollout.max_response_len = "
                     f"{self.data.max_prompt_len} + {self.rollout.max_response_len} = {longest} (a sequence is never "
                     f"split over micro-batches; context parallelism splits it over its ranks)")
 

@@ -70,8 +70,8 @@ class MicroBatch:
         cu = self.cu_seqlens.tolist()
         total = self.tokens.shape[1] * self.cp_size
         if len(cu) < 2 or cu[0] != 0 or cu[-1] != total or any(b <= a for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"cu_seqlens must rise strictly from 0 to the packed length {total} "
-                             f"(tokens x cp_size {self.cp_size}), got {cu}")
+            split = f" (tokens x cp_size {self.cp_size})" if self.cp_size > 1 else ""
+            raise ValueError(f"cu_seqlens must rise strictly from 0 to the packed length {total}{split}, got {cu}")
         longest = max(b - a for a, b in zip(cu, cu[1:]))
         if self.max_seqlen != longest:
             raise ValueError(f"max_seqlen {self.max_seqlen} != the longest sequence of cu_seqlens {longest}")
