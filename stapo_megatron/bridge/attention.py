@@ -18,9 +18,23 @@ key/value [t, ng, hn], causal within each sequence of ``cu_seqlens``, nothing ac
 Packed paths: on CUDA in fp16/bf16 without dropout, ``torch.nn.attention.varlen.varlen_attn``
 (flash attention over ``cu_seqlens``, no t x t mask) where the installed torch has it; otherwise
 (the CPU, fp32, dropout, older torch) the reference path: SDPA over each sequence alone, which is
-what the padded batch computed for it (its pad keys were masked out by causality). Not supported
-(ValueError): attention bias, sliding windows, non-vanilla softmax, context parallelism -- none
-of which the Qwen dense models here use.
+what the padded batch computed for it (its pad keys were masked out by causality).
+
+Context parallelism (``context_parallel_size`` > 1, packed rows only): the THD row holds this
+CP rank's two chunks of every sequence (``stapo_megatron.train.context_parallel``: chunks r and
+2 CP - 1 - r, ``cu_seqlens`` those of the whole row), as Megatron lays it out for TE. K and V
+are all-gathered over the CP group (Llama 3's all-gather CP; the backward sums their gradients
+over CP and keeps this rank's slice: a reduce-scatter) and put back in each sequence's global
+order; each query chunk then attends to its sequence's keys up to the chunk's end with a
+lower-right-aligned causal mask (`chunk_attention`), so every query sees exactly the keys it
+sees without CP. Cost per rank: the whole row's K and V per layer (ng x hn per token, kept for
+backward), and two SDPA calls per sequence; with GQA the gathered K/V are repeated to the
+query heads for the flash path (torch 2.13's lower-right dispatch ignores ``enable_gqa``). On
+the transformer-engine spec Megatron's TE attention does CP instead (``cp_comm_type``); that
+path needs a GPU with TE and has not run here.
+
+Not supported (ValueError): attention bias, sliding windows, non-vanilla softmax, context
+parallelism on padded [s, b] batches -- none of which the trainer's CP path uses.
 """
 
 from __future__ import annotations

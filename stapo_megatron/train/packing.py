@@ -21,9 +21,17 @@ bins are then filled longest-first into the lightest bin (LPT, a greedy cousin o
 Karmarkar-Karp partition verl and slime use), and the bins are dealt to the ranks the same way.
 Ties are broken by a seeded permutation, so a seed fixes the plan.
 
+Context parallelism (``context_parallel_size`` > 1): `rank_microbatches` pads every sequence to a
+multiple of 2 x CP tokens (``pack_thd``'s ``seq_align``: after its real tokens, no loss), plans
+the micro-batches with a budget of ``max_tokens`` x CP tokens of whole sequences (the budget is
+what one rank holds after the split), and keeps this CP rank's chunks of each packed row
+(`stapo_megatron.train.context_parallel`). The CP ranks of a DP replica plan the same
+micro-batches from the same sequences.
+
 How a mini-batch is split never changes its statistics: the kept-token normaliser is summed by
 Megatron over all micro-batches and DP ranks, and tau_H is the quantile over all candidates of
-all ranks (``method.masks``); ``tests/test_packing_invariance.py`` checks it.
+all ranks (``method.masks``), DP x CP under context parallelism; ``tests/test_packing_invariance.py``
+and ``tests/test_context_parallel.py`` check it.
 
 Legend: T = tokens of a packed row; L_i = length (prompt + response) of sequence i.
 """
