@@ -6,8 +6,10 @@ Memory (default): one packed sequence of ``--tokens`` tokens through a small Qwe
 CP = 1, 2, 4 (``--cp``), one gloo process per CP rank. Every tensor autograd saves for backward
 during the forward is counted with ``torch.autograd.graph.saved_tensors_hooks`` (bytes of the
 distinct storages, parameters excluded): deterministic, no timing. Reported per CP size: the
-largest rank's bytes and their ratio to CP=1. The all-gather CP keeps the whole sequence's K
-and V per layer (Llama 3's trade-off), so the ratio is a little above 1/CP.
+largest rank's bytes and their ratio to CP=1, and the same without the causal masks the CPU
+path materialises (fp32 [c, keys] per later chunk and layer, kept by torch's CPU SDPA; O(T^2 /
+CP), absent on CUDA where the flash dispatch takes none). The all-gather CP keeps the whole
+sequence's K and V per layer (Llama 3's trade-off), so the ratio is a little above 1/CP.
 
 Kernel time (``--device cuda``, one GPU, no process group): CP rank r's attention -- its two
 chunks of the sequence against the keys they see, `bridge.attention.chunk_attention` on the
@@ -85,7 +87,12 @@ def _memory_rank(rank: int, cp: int, tokens: int, port: int, queue) -> None:
         logprob, entropy = vocab_parallel_logprob_entropy(logits, batch.labels)
         torch.where(batch.response_mask, logprob, 0.0).sum().backward()  # the graph is complete and runs
 
-    queue.put((rank, _saved_bytes(forward, params), batch.tokens.shape[1]))
+    # The CPU reference path materialises each later chunk's lower-right causal mask, which
+    # torch's CPU SDPA keeps for backward as fp32 [c, keys] (measured; CUDA's flash dispatch
+    # takes none): counted here to report it apart.
+    rank_cp, c = (dist.get_rank(groups.cp) if cp > 1 else 0), tokens // (2 * cp)
+    mask = sum(c * (k + 1) * c * 4 for k in (rank_cp, 2 * cp - 1 - rank_cp) if k > 0) * model.config.num_layers
+    queue.put((rank, _saved_bytes(forward, params), batch.tokens.shape[1], mask))
     destroy_parallel()
 
 
@@ -103,10 +110,11 @@ def memory(tokens: int, sizes) -> list:
         results = [queue.get(timeout=1800) for _ in procs]
         for p in procs:
             p.join()
-        peak = max(b for _, b, _ in results)
+        _, peak, local, mask = max(results, key=lambda r: r[1])
         base = base or peak
-        rows.append(dict(cp=cp, tokens_per_rank=results[0][2], saved_mib=round(peak / 2**20, 1),
-                         ratio_to_cp1=round(peak / base, 3), ideal=round(1 / cp, 3)))
+        rows.append(dict(cp=cp, tokens_per_rank=local, saved_mib=round(peak / 2**20, 1),
+                         ratio_to_cp1=round(peak / base, 3), cpu_mask_mib=round(mask / 2**20, 1),
+                         ratio_without_cpu_mask=round((peak - mask) / base, 3), ideal=round(1 / cp, 3)))
         print(json.dumps(rows[-1]), flush=True)
     return rows
 

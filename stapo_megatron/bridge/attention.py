@@ -144,9 +144,12 @@ class SDPAttention(MegatronModule):
         """SDPA on [b, h, s, d] with this layer's scale, GQA and dropout."""
         dropout_p = self.dropout_p if self.training else 0.0
         gqa = self.num_heads_per_partition != self.num_groups_per_partition
-        if gqa and isinstance(attn_mask, CausalBias):  # its flash dispatch ignores enable_gqa (torch 2.13)
-            rep = self.num_heads_per_partition // self.num_groups_per_partition
-            k, v, gqa = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), False
+        if isinstance(attn_mask, CausalBias):  # context parallelism's lower-right causal mask
+            if not q.is_cuda:  # no flash dispatch on the CPU: an explicit boolean mask keeps enable_gqa
+                attn_mask = attn_mask._materialize(q.device)
+            elif gqa:  # the flash dispatch ignores enable_gqa (torch 2.13)
+                rep = self.num_heads_per_partition // self.num_groups_per_partition
+                k, v, gqa = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), False
         if dropout_p > 0 and not self.config.sequence_parallel:
             from megatron.core import tensor_parallel
 
@@ -215,6 +218,8 @@ def chunk_attention(sdpa, query, key_all, value_all, cu_seqlens, cp: int, rank: 
         for k, q0 in ((rank, local), (2 * cp - 1 - rank, local + c)):
             keys = slice(start, start + (k + 1) * c)
             q, kk, vv = (t.transpose(0, 1)[None] for t in (query[q0:q0 + c], key_all[keys], value_all[keys]))
-            outs.append(sdpa(q, kk, vv, causal_lower_right(c, kk.shape[2]), False)[0])
+            # chunk 0 sees only itself: plain causal; later chunks: lower-right aligned
+            outs.append(sdpa(q, kk, vv, None, True)[0] if k == 0 else
+                        sdpa(q, kk, vv, causal_lower_right(c, kk.shape[2]), False)[0])
         local += 2 * c
     return torch.cat(outs, dim=1).transpose(0, 1).reshape(query.shape[0], -1)
