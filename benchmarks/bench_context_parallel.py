@@ -91,7 +91,8 @@ def _memory_rank(rank: int, cp: int, tokens: int, port: int, queue) -> None:
     # torch's CPU SDPA keeps for backward as fp32 [c, keys] (measured; CUDA's flash dispatch
     # takes none): counted here to report it apart.
     rank_cp, c = (dist.get_rank(groups.cp) if cp > 1 else 0), tokens // (2 * cp)
-    mask = 0 if cp == 1 else sum(c * (k + 1) * c * 4 for k in (rank_cp, 2 * cp - 1 - rank_cp) if k > 0) * model.config.num_layers
+    chunks = (rank_cp, 2 * cp - 1 - rank_cp) if cp > 1 else ()
+    mask = sum(c * (k + 1) * c * 4 for k in chunks if k > 0) * model.config.num_layers
     queue.put((rank, _saved_bytes(forward, params), batch.tokens.shape[1], mask))
     destroy_parallel()
 
