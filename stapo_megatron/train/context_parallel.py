@@ -30,6 +30,11 @@ import torch.distributed as dist
 from stapo_megatron.train.batching import MicroBatch
 
 
+CP_SEED_STRIDE = 1_000_003
+"""CP rank r's part of a micro-batch seeded ``seed + r x CP_SEED_STRIDE`` (the random controls
+silence as many tokens as S2T does in the rank's chunks, drawn there)."""
+
+
 def sequence_multiple(context_parallel_size: int, tensor_parallel_size: int = 1,
                       sequence_parallel: bool = False) -> int:
     """What every sequence's length is padded to a multiple of: 2 x CP chunks, each rank's part
@@ -74,7 +79,9 @@ def split_for_context_parallel(batch: MicroBatch, cp_size: int, cp_rank: int) ->
     idx = local_positions(batch.cu_seqlens.cpu(), cp_size, cp_rank).to(batch.tokens.device)
     fields = {name: getattr(batch, name).index_select(1, idx) for name in batch._tensor_fields()
               if name != "cu_seqlens"}
-    return dataclasses.replace(batch, cp_size=cp_size, **fields)
+    # the random-control masks draw per rank from its own chunks: distinct seeds per CP rank
+    seed = None if batch.seed is None else batch.seed + cp_rank * CP_SEED_STRIDE
+    return dataclasses.replace(batch, cp_size=cp_size, seed=seed, **fields)
 
 
 def unsplit(pieces: List[torch.Tensor], cu_seqlens: torch.Tensor) -> torch.Tensor:
