@@ -44,7 +44,8 @@ def _rollouts(max_response=25, seed=7, vocab=VOCAB):
 def test_split_round_trip_chunks_and_padding(cp):
     prompts, responses, adv, lps = _rollouts()
     seq_align = sequence_multiple(cp)
-    whole = pack_thd(prompts[:5], responses[:5], adv[:5], lps[:5], pad_id=0, align=8 * seq_align, seq_align=seq_align)
+    whole = pack_thd(prompts[:5], responses[:5], adv[:5], lps[:5], pad_id=0, align=8 * seq_align, seq_align=seq_align,
+                     seed=5)
     unpadded = pack_thd(prompts[:5], responses[:5], adv[:5], lps[:5], pad_id=0)
     bounds, plain = whole.cu_seqlens.tolist(), unpadded.cu_seqlens.tolist()
     for i in range(5):  # each sequence: its real tokens as without CP, then padding without loss
@@ -62,6 +63,7 @@ def test_split_round_trip_chunks_and_padding(cp):
         c = bounds[1] // (2 * cp)
         want = list(range(r * c, (r + 1) * c)) + list(range((2 * cp - 1 - r) * c, (2 * cp - r) * c))
         assert local_positions(whole.cu_seqlens, cp, r)[:2 * c].tolist() == want
+    assert len({p.seed for p in parts}) == cp and parts[0].seed == 5  # the random controls draw per rank
     for f in FIELDS:  # un-splitting the ranks' pieces gives the packed row back
         assert torch.equal(unsplit([getattr(p, f) for p in parts], whole.cu_seqlens), getattr(whole, f)), f
 
