@@ -121,7 +121,6 @@ def memory(tokens: int, sizes) -> list:
 
 
 def kernel_time(tokens: int, sizes, repeats: int) -> list:
-    from torch.nn.attention.bias import causal_lower_right  # noqa: F401  (the CP path's mask)
 
     from stapo_megatron.bridge.attention import chunk_attention
     from stapo_megatron.train.context_parallel import local_positions
