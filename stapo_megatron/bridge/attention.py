@@ -95,6 +95,10 @@ class SDPAttention(MegatronModule):
         tp_size = pg_collection.tp.size()
         # context parallelism: this rank holds 2 chunks of every sequence (train.context_parallel)
         self.cp_group = getattr(pg_collection, "cp", None) if config.context_parallel_size > 1 else None
+        if self.cp_group is not None and self.cp_group.size() != config.context_parallel_size or (
+                config.context_parallel_size > 1 and self.cp_group is None):
+            raise ValueError(f"context_parallel_size {config.context_parallel_size} needs a CP group of that size "
+                             f"(pg_collection.cp or parallel_state's), got {self.cp_group}")
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.num_heads_per_partition = divide(config.num_attention_heads, tp_size)
