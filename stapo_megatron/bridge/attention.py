@@ -18,9 +18,23 @@ key/value [t, ng, hn], causal within each sequence of ``cu_seqlens``, nothing ac
 Packed paths: on CUDA in fp16/bf16 without dropout, ``torch.nn.attention.varlen.varlen_attn``
 (flash attention over ``cu_seqlens``, no t x t mask) where the installed torch has it; otherwise
 (the CPU, fp32, dropout, older torch) the reference path: SDPA over each sequence alone, which is
-what the padded batch computed for it (its pad keys were masked out by causality). Not supported
-(ValueError): attention bias, sliding windows, non-vanilla softmax, context parallelism -- none
-of which the Qwen dense models here use.
+what the padded batch computed for it (its pad keys were masked out by causality).
+
+Context parallelism (``context_parallel_size`` > 1, packed rows only): the THD row holds this
+CP rank's two chunks of every sequence (``stapo_megatron.train.context_parallel``: chunks r and
+2 CP - 1 - r, ``cu_seqlens`` those of the whole row), as Megatron lays it out for TE. K and V
+are all-gathered over the CP group (Llama 3's all-gather CP; the backward sums their gradients
+over CP and keeps this rank's slice: a reduce-scatter) and put back in each sequence's global
+order; each query chunk then attends to its sequence's keys up to the chunk's end with a
+lower-right-aligned causal mask (`chunk_attention`), so every query sees exactly the keys it
+sees without CP. Cost per rank: the whole row's K and V per layer (ng x hn per token, kept for
+backward), and two SDPA calls per sequence; with GQA the gathered K/V are repeated to the
+query heads for the flash path (torch 2.13's lower-right dispatch ignores ``enable_gqa``). On
+the transformer-engine spec Megatron's TE attention does CP instead (``cp_comm_type``); that
+path needs a GPU with TE and has not run here.
+
+Not supported (ValueError): attention bias, sliding windows, non-vanilla softmax, context
+parallelism on padded [s, b] batches -- none of which the trainer's CP path uses.
 """
 
 from __future__ import annotations
@@ -30,10 +44,14 @@ import math
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+
+from stapo_megatron.train.context_parallel import all_gather_sequence, local_positions
 
 try:  # torch >= 2.10 (a prototype there)
     from torch.nn.attention.varlen import varlen_attn
@@ -68,15 +86,19 @@ class SDPAttention(MegatronModule):
         from megatron.core.utils import divide
 
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError(f"SDPAttention does not support context_parallel_size {config.context_parallel_size}")
         if getattr(config, "window_size", None) is not None:
             raise ValueError(f"SDPAttention does not support sliding-window attention (window_size {config.window_size})")
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise ValueError(f"SDPAttention supports softmax_type 'vanilla' only, got {config.softmax_type!r}")
         if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         tp_size = pg_collection.tp.size()
+        # context parallelism: this rank holds 2 chunks of every sequence (train.context_parallel)
+        self.cp_group = getattr(pg_collection, "cp", None) if config.context_parallel_size > 1 else None
+        if self.cp_group is not None and self.cp_group.size() != config.context_parallel_size or (
+                config.context_parallel_size > 1 and self.cp_group is None):
+            raise ValueError(f"context_parallel_size {config.context_parallel_size} needs a CP group of that size "
+                             f"(pg_collection.cp or parallel_state's), got {self.cp_group}")
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.num_heads_per_partition = divide(config.num_attention_heads, tp_size)
@@ -104,6 +126,10 @@ class SDPAttention(MegatronModule):
                 raise ValueError(f"SDPAttention packs qkv_format 'thd' with attention_mask None only, got "
                                  f"{packed_seq_params.qkv_format!r} and a mask: {attention_mask is not None}")
             return self._packed(query, key, value, packed_seq_params)
+        if self.cp_group is not None:
+            raise ValueError(f"SDPAttention with context_parallel_size {self.config.context_parallel_size} needs "
+                             f"packed micro-batches (PackedSeqParams qkv_format 'thd'; TrainerConfig.packing "
+                             f"'fixed' or 'budget')")
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         # [s, b, h, d] -> [b, h, s, d]: a strided view; SDPA kernels need only the last dim dense.
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
@@ -122,6 +148,12 @@ class SDPAttention(MegatronModule):
         """SDPA on [b, h, s, d] with this layer's scale, GQA and dropout."""
         dropout_p = self.dropout_p if self.training else 0.0
         gqa = self.num_heads_per_partition != self.num_groups_per_partition
+        if isinstance(attn_mask, CausalBias):  # context parallelism's lower-right causal mask
+            if not q.is_cuda:  # no flash dispatch on the CPU: an explicit boolean mask keeps enable_gqa
+                attn_mask = attn_mask._materialize(q.device)
+            elif gqa:  # the flash dispatch ignores enable_gqa (torch 2.13)
+                rep = self.num_heads_per_partition // self.num_groups_per_partition
+                k, v, gqa = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), False
         if dropout_p > 0 and not self.config.sequence_parallel:
             from megatron.core import tensor_parallel
 
@@ -137,6 +169,8 @@ class SDPAttention(MegatronModule):
         cu = params.cu_seqlens_q
         if not torch.equal(cu, params.cu_seqlens_kv):
             raise ValueError("SDPAttention packs self-attention only (cu_seqlens_q == cu_seqlens_kv)")
+        if self.cp_group is not None:
+            return self._packed_context_parallel(query, key, value, cu)
         dropout_p = self.dropout_p if self.training else 0.0
         if (varlen_attn is not None and query.is_cuda and dropout_p == 0
                 and query.dtype in (torch.float16, torch.bfloat16)):
@@ -153,3 +187,43 @@ class SDPAttention(MegatronModule):
         outs = [self._sdpa(*(t[a:b].transpose(0, 1)[None] for t in (query, key, value)), None, True)[0]
                 for a, b in zip(bounds, bounds[1:])]
         return torch.cat(outs, dim=1).transpose(0, 1).reshape(query.shape[0], -1)
+
+    def _packed_context_parallel(self, query, key, value, cu_seqlens) -> torch.Tensor:
+        """Causal attention of this CP rank's two chunks of every sequence of a THD row
+        (``train.context_parallel``: chunks r and 2 CP - 1 - r, ``cu_seqlens`` global).
+
+        K and V are all-gathered over the CP group (Llama 3's all-gather CP; their gradients
+        are summed back over CP and this rank's part kept, a reduce-scatter) and put in global
+        order; then `chunk_attention`. Exact: every query sees the keys it sees without CP."""
+        cp = dist.get_world_size(self.cp_group)
+        # the gathered [CP, t] tokens in global order: position p of the row is gathered[order[p]]
+        where = torch.cat([local_positions(cu_seqlens.cpu(), cp, j) for j in range(cp)])
+        order = torch.empty_like(where)
+        order[where] = torch.arange(where.numel())
+        order = order.to(query.device)
+        key_all, value_all = (all_gather_sequence(t, self.cp_group).flatten(0, 1).index_select(0, order)
+                              for t in (key, value))
+        return chunk_attention(self._sdpa, query, key_all, value_all, cu_seqlens, cp, dist.get_rank(self.cp_group))
+
+
+def chunk_attention(sdpa, query, key_all, value_all, cu_seqlens, cp: int, rank: int) -> torch.Tensor:
+    """CP rank ``rank``'s attention: query [t, np, hn] (its chunks, local order), key_all /
+    value_all [T, ng, hn] (the whole row, global order) -> [t, np * hn].
+
+    Query chunk k of a sequence (c tokens at global positions k c .. (k + 1) c - 1 of it)
+    attends to the sequence's keys [0, (k + 1) c) with a lower-right-aligned causal mask
+    (``causal_lower_right``: query i sees keys up to its own global position), which flash
+    and memory-efficient kernels take without a materialised mask on CUDA. ``sdpa(q, k, v,
+    mask, is_causal)`` is `SDPAttention._sdpa` (scale, GQA, dropout)."""
+    bounds = cu_seqlens.tolist()
+    outs, local = [], 0
+    for start, end in zip(bounds, bounds[1:]):
+        c = (end - start) // (2 * cp)
+        for k, q0 in ((rank, local), (2 * cp - 1 - rank, local + c)):
+            keys = slice(start, start + (k + 1) * c)
+            q, kk, vv = (t.transpose(0, 1)[None] for t in (query[q0:q0 + c], key_all[keys], value_all[keys]))
+            # chunk 0 sees only itself: plain causal; later chunks: lower-right aligned
+            outs.append(sdpa(q, kk, vv, None, True)[0] if k == 0 else
+                        sdpa(q, kk, vv, causal_lower_right(c, kk.shape[2]), False)[0])
+        local += 2 * c
+    return torch.cat(outs, dim=1).transpose(0, 1).reshape(query.shape[0], -1)

@@ -106,6 +106,9 @@ def build_gpt_model(
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     use_te = use_transformer_engine(use_te)
+    cp = ps.get_context_parallel_world_size()
+    if cp > 1:  # the split itself is the caller's (train.context_parallel); attention and RoPE read this
+        config_overrides.setdefault("context_parallel_size", cp)
     config = transformer_config_from_spec(spec, tp, pp, params_dtype, use_te=use_te, **config_overrides)
     vocab = padded_vocab_size(spec.vocab_size, tp, make_vocab_size_divisible_by)
     model = GPTModel(

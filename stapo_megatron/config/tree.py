@@ -81,10 +81,12 @@ class TrainerConfig:
     The statistics (kept-token normaliser, tau_H) are over the whole mini-batch in every mode.
     Packing needs no pipeline parallelism (not supported yet)."""
     max_tokens_per_microbatch: int = 0
-    """With ``packing="budget"``: the token budget of one micro-batch (prompt + response tokens
-    of whole sequences; at least ``data.max_prompt_len + rollout.max_response_len``, a sequence is
-    never split between micro-batches). With ``model.context_parallel_size`` CP > 1 it counts the
-    tokens one CP rank holds: a sequence of L tokens takes 2 x ceil(L / (2 CP)). The peers' names: verl ``ppo_max_token_len_per_gpu`` (``use_dynamic_bsz``),
+    """With ``packing="budget"``: the token budget of one micro-batch on one rank (prompt +
+    response tokens of whole sequences, a sequence is never split over micro-batches). With
+    context parallelism it counts the tokens one CP rank holds after the split: a sequence of L
+    tokens is padded to a multiple m of 2 x CP (x TP with sequence parallelism) and each rank
+    holds L_padded / CP of it, so a sequence longer than the budget trains. At least that for
+    ``data.max_prompt_len + rollout.max_response_len``. The peers' names: verl ``ppo_max_token_len_per_gpu`` (``use_dynamic_bsz``),
     NeMo-RL ``dynamic_batching.train_mb_tokens`` / ``sequence_packing.train_mb_tokens``, slime
     ``--max-tokens-per-gpu``."""
     lr_warmup_steps: int = 10
@@ -191,11 +193,17 @@ class TrainerConfig:
             raise ValueError(f"packing={self.packing!r} is not supported with pipeline parallelism yet "
                              f"(model.pipeline_model_parallel_size {self.model.pipeline_model_parallel_size}); "
                              f"use packing=padded")
+        cp = self.model.context_parallel_size
+        if cp > 1 and self.packing == "padded":
+            raise ValueError(f"model.context_parallel_size {cp} needs packed micro-batches: packing='fixed' or "
+                             f"'budget', got packing='padded'")
         if self.packing == "budget":
             longest = self.data.max_prompt_len + self.rollout.max_response_len
-            cp = self.model.context_parallel_size
-            # with CP the budget is one rank's tokens: its 2 of the sequence's 2 x CP chunks
-            per_rank = longest if cp == 1 else 2 * -(-longest // (2 * cp))
+            # with CP the budget is one rank's tokens: the sequence padded to whole chunks, over CP
+            # (train.context_parallel.sequence_multiple; not imported: the config tree stays torch-free)
+            multiple = 1 if cp == 1 else 2 * cp * (self.model.tensor_model_parallel_size
+                                                   if self.model.sequence_parallel else 1)
+            per_rank = -(-longest // multiple) * multiple // cp
             if self.max_tokens_per_microbatch <= 0:
                 raise ValueError(f"max_tokens_per_microbatch must be > 0 with packing='budget', "
                                  f"got {self.max_tokens_per_microbatch}")
@@ -204,8 +212,9 @@ class TrainerConfig:
                     f"max_tokens_per_microbatch {self.max_tokens_per_microbatch} < the longest sequence "
                     f"data.max_prompt_len + rollout.max_response_len = {self.data.max_prompt_len} + "
                     f"{self.rollout.max_response_len} = {longest}"
-                    + (f" over context_parallel_size {cp} = {per_rank} tokens per rank" if cp > 1 else "")
-                    + " (a sequence is never split between micro-batches)")
+                    + (f", padded to a multiple of {multiple}, over context_parallel_size {cp} = {per_rank} tokens "
+                       f"per rank" if cp > 1 else "")
+                    + " (a sequence is never split between micro-batches; context parallelism splits it over its ranks)")
 
     def rollout_timeout(self) -> float:
         """The collective timeout of the rollout and evaluation phases, in seconds:

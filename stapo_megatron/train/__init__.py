@@ -2,6 +2,8 @@
 
 - ``ops`` (+ ``kernels/``): log-prob and entropy on TP-sharded logits (torch and Triton paths).
 - ``batching``: `MicroBatch`, group advantages, packing rollouts into label-aligned micro-batches.
+- ``packing`` / ``context_parallel``: packed (THD) micro-batches and token budgets; the split of
+  packed rows over context-parallel ranks (2 x CP chunks) and the K/V all-gather.
 - ``schedule``: the one micro-batch runner on Megatron's schedules; `PassContext`; the no-grad
   log-prob pass and `old_policy_pass`, which fills each micro-batch's pi_old log-probs.
 - ``loss`` / ``loss_metrics``: the STAPO loss in Megatron's schedule and its reduced metrics.

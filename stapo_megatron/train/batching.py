@@ -57,6 +57,10 @@ class MicroBatch:
     row (0, end of the first, ..., T; an alignment tail is a sequence of its own); None: padded."""
     max_seqlen: Optional[int] = None
     """Packed only: the longest sequence of ``cu_seqlens`` (Megatron's ``max_seqlen_q``)."""
+    cp_size: int = 1
+    """Packed only: the context-parallel ranks the row is split over. With ``cp_size`` > 1 the
+    tensors hold this rank's 1 / cp_size of every sequence (``train.context_parallel``) while
+    ``cu_seqlens`` and ``max_seqlen`` stay those of the whole row (Megatron's convention)."""
 
     def __post_init__(self):
         if self.cu_seqlens is None:
@@ -64,9 +68,10 @@ class MicroBatch:
         if self.tokens.dim() != 2 or self.tokens.shape[0] != 1:
             raise ValueError(f"a packed micro-batch is one row [1, T], got tokens {list(self.tokens.shape)}")
         cu = self.cu_seqlens.tolist()
-        total = self.tokens.shape[1]
+        total = self.tokens.shape[1] * self.cp_size
         if len(cu) < 2 or cu[0] != 0 or cu[-1] != total or any(b <= a for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"cu_seqlens must rise strictly from 0 to the packed length {total}, got {cu}")
+            split = f" (tokens x cp_size {self.cp_size})" if self.cp_size > 1 else ""
+            raise ValueError(f"cu_seqlens must rise strictly from 0 to the packed length {total}{split}, got {cu}")
         longest = max(b - a for a, b in zip(cu, cu[1:]))
         if self.max_seqlen != longest:
             raise ValueError(f"max_seqlen {self.max_seqlen} != the longest sequence of cu_seqlens {longest}")

@@ -49,6 +49,10 @@ class OptimConfig:
             raise ValueError(f'OptimConfig.optimizer must be "adam" or "sgd", got {self.optimizer!r}')
 
 
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+"""Megatron's ``cp_comm_type`` values (TransformerConfig)."""
+
+
 @dataclasses.dataclass
 class ModelConfig:
     """Which model, at which parallel layout."""
@@ -77,11 +81,16 @@ class ModelConfig:
     recompute_num_layers: Optional[int] = None
     """With "full": layers per group ("uniform") or recomputed layers per stage ("block")."""
     context_parallel_size: int = 1
-    """Training CP: each packed sequence is split over CP ranks in 2 x CP load-balanced chunks
-    (DP = world / (TP x PP x CP))."""
+    """Training CP: each packed sequence is padded to a multiple of 2 x CP tokens and split over
+    the CP ranks in 2 x CP load-balanced chunks (rank r: chunks r and 2 CP - 1 - r;
+    `stapo_megatron.train.context_parallel`), DP = world / (TP x PP x CP). Needs packed
+    micro-batches (``TrainerConfig.packing`` "fixed" or "budget") and so PP = 1; the S2T
+    statistics and the normaliser are reduced over DP x CP. Not with GRPO's sequence-mean loss or
+    the ``seq_mask`` rollout correction (they need whole sequences on one rank)."""
     cp_comm_type: str = "p2p"
     """How attention exchanges K/V over CP on the transformer-engine spec (Megatron's
-    ``cp_comm_type``: "p2p", "all_gather", "a2a", "a2a+p2p"); the local spec all-gathers."""
+    ``cp_comm_type``: "p2p", "all_gather", "a2a", "a2a+p2p"); the local spec
+    (`bridge.attention.SDPAttention`) always all-gathers K and V."""
     expert_model_parallel_size: int = 1
     """MoE: EP, the experts of each layer split over it (carved out of DP x CP)."""
     expert_tensor_parallel_size: Optional[int] = None
@@ -90,6 +99,18 @@ class ModelConfig:
     def __post_init__(self):
         check_at_least(self, 1, "tensor_model_parallel_size", "pipeline_model_parallel_size",
                        "context_parallel_size", "expert_model_parallel_size")
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"model.cp_comm_type must be one of {CP_COMM_TYPES}, got {self.cp_comm_type!r}")
+        if self.context_parallel_size > 1 and self.pipeline_model_parallel_size > 1:
+            raise ValueError(f"model.context_parallel_size {self.context_parallel_size} with "
+                             f"pipeline_model_parallel_size {self.pipeline_model_parallel_size}: context "
+                             f"parallelism needs packed micro-batches, which pipelining does not support yet")
+
+    def context_parallel_settings(self) -> Dict[str, Any]:
+        """CP as Megatron TransformerConfig fields ({} without CP): TE's CP attention reads them."""
+        if self.context_parallel_size == 1:
+            return {}
+        return dict(context_parallel_size=self.context_parallel_size, cp_comm_type=self.cp_comm_type)
 
     def memory_settings(self) -> Dict[str, Any]:
         """Sequence parallelism / recomputation as Megatron TransformerConfig fields."""

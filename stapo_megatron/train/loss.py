@@ -75,6 +75,19 @@ def minibatch_threshold(
     return method.threshold(config, logprob, entropy, advantages, response_mask, dp_group)
 
 
+def check_context_parallel(config: LossConfig, cp_size: int) -> None:
+    """Refuse (ValueError) what needs whole sequences on one rank under context parallelism:
+    GRPO's per-sequence mean and the ``seq_mask`` correction's geometric-mean ratio."""
+    if cp_size == 1:
+        return
+    if get_method(config.method).loss_agg != "token_mean":
+        raise ValueError(f"loss.method={config.method!r} averages per sequence ({get_method(config.method).loss_agg}), "
+                         f"which context_parallel_size {cp_size} does not support (a sequence is split over ranks)")
+    if config.rollout_correction.mode == "seq_mask":
+        raise ValueError(f"loss.rollout_correction.mode='seq_mask' needs whole sequences; context_parallel_size "
+                         f"{cp_size} splits them (use 'icepop' or 'tis')")
+
+
 def loss_func(
     config: LossConfig,
     batch: MicroBatch,
@@ -103,7 +116,9 @@ def loss_func(
     )
     # Rollout correction (verl's decoupled mode): rejected tokens leave the response mask, so the
     # loss and its normaliser; the truncated IS weight multiplies the clipped surrogate only.
-    seq_ids = sequence_ids(batch.cu_seqlens)[None] if batch.is_packed else None  # a packed row's sequences
+    check_context_parallel(config, batch.cp_size)
+    # a packed row's sequences (with CP: this rank's two chunks of each)
+    seq_ids = sequence_ids(batch.cu_seqlens, batch.cp_size)[None] if batch.is_packed else None
     is_weight, rejected = rc.correction(config.rollout_correction, old_logprob, batch.rollout_logprob, response_mask,
                                         seq_ids)
     trained_mask = response_mask & ~rejected

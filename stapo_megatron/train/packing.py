@@ -21,9 +21,17 @@ bins are then filled longest-first into the lightest bin (LPT, a greedy cousin o
 Karmarkar-Karp partition verl and slime use), and the bins are dealt to the ranks the same way.
 Ties are broken by a seeded permutation, so a seed fixes the plan.
 
+Context parallelism (``context_parallel_size`` > 1): `rank_microbatches` pads every sequence to a
+multiple of 2 x CP tokens (``pack_thd``'s ``seq_align``: after its real tokens, no loss), plans
+the micro-batches with a budget of ``max_tokens`` x CP tokens of whole sequences (the budget is
+what one rank holds after the split), and keeps this CP rank's chunks of each packed row
+(`stapo_megatron.train.context_parallel`). The CP ranks of a DP replica plan the same
+micro-batches from the same sequences.
+
 How a mini-batch is split never changes its statistics: the kept-token normaliser is summed by
 Megatron over all micro-batches and DP ranks, and tau_H is the quantile over all candidates of
-all ranks (``method.masks``); ``tests/test_packing_invariance.py`` checks it.
+all ranks (``method.masks``), DP x CP under context parallelism; ``tests/test_packing_invariance.py``
+and ``tests/test_context_parallel.py`` check it.
 
 Legend: T = tokens of a packed row; L_i = length (prompt + response) of sequence i.
 """
@@ -37,6 +45,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from stapo_megatron.train.batching import MicroBatch, pack_sequences
+from stapo_megatron.train.context_parallel import split_for_context_parallel
 
 
 def pack_thd(
@@ -48,15 +57,19 @@ def pack_thd(
     align: int = 1,
     device: Optional[torch.device] = None,
     seed: Optional[int] = None,
+    seq_align: int = 1,
 ) -> MicroBatch:
     """One packed `MicroBatch` [1, T] of the (prompt, response) pairs, T = sum L_i rounded up to
     ``align``.
 
     Per token the fields equal those of ``batching.pack_sequences`` on each pair alone (its
-    first L_i positions), positions restart at 0 per sequence.
+    first L_i positions), positions restart at 0 per sequence. ``seq_align`` > 1 (context
+    parallelism: 2 x CP, `context_parallel.sequence_multiple`) pads every sequence to a
+    multiple of it after its real tokens (pad tokens, no loss, positions running on); ``align``
+    must then be a multiple of it.
     """
-    if align < 1:
-        raise ValueError(f"align must be >= 1, got {align}")
+    if align < 1 or seq_align < 1 or align % seq_align:
+        raise ValueError(f"align ({align}) and seq_align ({seq_align}) must be >= 1 and seq_align must divide align")
     if not len(prompts):
         raise ValueError("pack_thd needs at least one sequence")
     tokens, labels, mask, lp, adv, pos, lengths = [], [], [], [], [], [], []
@@ -72,8 +85,14 @@ def pack_thd(
         mask += [False] * start + [True] * len(response) + [False]
         lp += [0.0] * start + [float(x) for x in rollout_logprobs[i]] + [0.0]
         adv += [float(advantages[i])] * n
-        pos += range(n)
-        lengths.append(n)
+        pad = -n % seq_align  # context parallelism: whole 2 x CP chunks, the padding after the real tokens
+        tokens += [pad_id] * pad
+        labels += [0] * pad
+        mask += [False] * pad
+        lp += [0.0] * pad
+        adv += [0.0] * pad
+        pos += range(n + pad)
+        lengths.append(n + pad)
     tail = -len(tokens) % align
     if tail:  # the alignment tail: its own sequence, no loss tokens
         tokens += [pad_id] * tail
@@ -98,9 +117,10 @@ def pack_thd(
     return batch if device is None else batch.to(device)
 
 
-def sequence_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """[T] index of the sequence each token of a packed row belongs to."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+def sequence_ids(cu_seqlens: torch.Tensor, cp_size: int = 1) -> torch.Tensor:
+    """[T] index of the sequence each token of a packed row belongs to ([T / cp_size] for one
+    context-parallel rank's part: each sequence's two chunks are contiguous there)."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long() // cp_size
     return torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths)
 
 
@@ -210,6 +230,9 @@ def rank_microbatches(
     align: int = 1,
     seq_length: Optional[int] = None,
     device: Optional[torch.device] = None,
+    context_parallel_size: int = 1,
+    cp_rank: int = 0,
+    seq_align: int = 1,
 ) -> List[MicroBatch]:
     """This DP rank's micro-batches of one mini-batch given as all ranks' sequences.
 
@@ -217,12 +240,28 @@ def rank_microbatches(
     ``micro_batch_size`` sequences ("padded" right-pads them to ``seq_length``); "budget": the
     `plan_token_budget` plan (``max_tokens``, ``seed``). The micro-batch with first sequence i
     gets seed ``seed + i`` (the random-control masks).
+
+    Context parallelism (``context_parallel_size`` > 1, packed modes only): every sequence is
+    padded to a multiple of ``seq_align`` (`context_parallel.sequence_multiple`) and each packed
+    row is split, CP rank ``cp_rank`` keeping its part (`context_parallel.split_for_context_parallel`).
+    ``max_tokens`` then counts the tokens one rank holds after the split: the plan packs up to
+    ``max_tokens x context_parallel_size`` tokens of whole (padded) sequences per micro-batch,
+    so a sequence longer than ``max_tokens`` trains.
     """
     if packing not in PACKING_MODES:
         raise ValueError(f"packing must be one of {PACKING_MODES}, got {packing!r}")
+    if context_parallel_size > 1 and packing == "padded":
+        raise ValueError(f"context_parallel_size {context_parallel_size} needs packed micro-batches "
+                         f"(packing 'fixed' or 'budget'), got packing='padded'")
+    align = math.lcm(align, seq_align)
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
     if packing == "budget":
-        plan = plan_token_budget(lengths, max_tokens, num_ranks, seed, align)
+        padded = [-(-n // seq_align) * seq_align for n in lengths]
+        cp_budget = max_tokens * context_parallel_size
+        if context_parallel_size > 1 and max(padded) > cp_budget:
+            raise ValueError(f"a sequence of {max(lengths)} tokens (padded to {max(padded)}) > max_tokens_per_microbatch "
+                             f"{max_tokens} x context_parallel_size {context_parallel_size} = {cp_budget}")
+        plan = plan_token_budget(padded, cp_budget, num_ranks, seed, align)
     else:
         plan = plan_fixed_count(len(lengths), micro_batch_size, num_ranks)
     pick = lambda xs, idx: [xs[i] for i in idx]  # noqa: E731
@@ -233,6 +272,7 @@ def rank_microbatches(
             mb = pack_sequences(*args, seq_length=seq_length or -(-max(lengths) // align) * align, device=device)
             mb.seed = seed + idx[0]
         else:
-            mb = pack_thd(*args, align=align, device=device, seed=seed + idx[0])
+            mb = pack_thd(*args, align=align, device=device, seed=seed + idx[0], seq_align=seq_align)
+            mb = split_for_context_parallel(mb, context_parallel_size, cp_rank)
         out.append(mb)
     return out

@@ -46,6 +46,19 @@ class Groups:
     ep: Optional[dist.ProcessGroup] = None
     """Expert-model-parallel group (MoE: the experts of a layer are split over it)."""
 
+    @property
+    def tokens(self) -> Optional[dist.ProcessGroup]:
+        """The group a mini-batch's tokens are spread over: ``dp_cp`` (DP x CP), or ``dp`` when
+        that is not set (groups built by hand). Token statistics reduce over it: tau_H's
+        candidates, the kept-token normaliser (Megatron's ``finalize_model_grads`` does the
+        same), the loss metrics."""
+        return self.dp_cp if self.dp_cp is not None else self.dp
+
+    @property
+    def cp_size(self) -> int:
+        """Context-parallel ranks (1 without a CP group)."""
+        return dist.get_world_size(self.cp) if self.cp is not None else 1
+
 
 INIT_TIMEOUT_S = 180.0
 """Default of `init_process_group`'s ``init_timeout_s`` (`TrainerConfig.init_timeout_s`)."""

@@ -37,7 +37,13 @@ def packed_seq_params(batch: MicroBatch):
         return None
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    # Context parallelism: the tensors are this rank's chunks, cu_seqlens / max_seqlen the whole
+    # row's (Megatron's RoPE picks each sequence's chunks of the global positions from them).
+    # The sequences are already padded to 2 x CP chunks, so the "padded" offsets TE's CP
+    # attention reads are the same ones.
+    padded = batch.cu_seqlens if batch.cp_size > 1 else None
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=batch.cu_seqlens, cu_seqlens_kv=batch.cu_seqlens,
+                           cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
                            max_seqlen_q=batch.max_seqlen, max_seqlen_kv=batch.max_seqlen)
 
 

@@ -70,7 +70,7 @@ def sft_step(ctx: PassContext, optimizer, microbatches: List[MicroBatch],
     optimizer.step()
     if not out:
         return None
-    dp_group = ctx.groups.dp if ctx.groups is not None else None
+    dp_group = ctx.groups.tokens if ctx.groups is not None else None  # DP x CP: ranks with disjoint tokens
     sums = torch.stack([o["sft"] for o in out]).sum(0).to(collective_device(dp_group))
     if dp_group is not None:
         dist.all_reduce(sums, group=dp_group)

@@ -128,7 +128,7 @@ def policy_update(
             torch.cat([h.reshape(-1) for _, h in stats]),
             cat("advantages"),
             cat("response_mask"),
-            groups.dp,
+            groups.tokens,  # every candidate of the mini-batch: DP x CP ranks hold disjoint tokens
         )
     ctx.model.zero_grad_buffer()
     optimizer.zero_grad()
@@ -136,7 +136,7 @@ def policy_update(
         ctx.model, microbatches, ctx.seq_length,
         lambda batch: partial(loss_func, loss_config, batch, threshold, ctx.tp_group, ctx.vocab_size),
     )
-    metrics = reduce_metrics(losses_reduced, threshold, groups.dp, groups.pp, groups.pp_last_rank)
+    metrics = reduce_metrics(losses_reduced, threshold, groups.tokens, groups.pp, groups.pp_last_rank)
     # The optimizer step by hand (what MegatronOptimizer.step does) so that a NaN/Inf loss or
     # gradient skips the update on every rank alike instead of corrupting the weights.
     found_inf = optimizer.prepare_grads()

@@ -2,6 +2,8 @@
 
 - ``loop``: `Trainer` (the step's phases) and `train`, the entry point.
 - ``warmstart``: the supervised warm-start component and its cache.
+- ``layout``: process groups from `ModelConfig` (TP, PP, CP, EP), length alignments, rollouts
+  shared over context-parallel ranks.
 - ``seeds``, ``preemption``, ``faults``: seeds of every random choice, the save-on-signal
   requeue, and failure records.
 - ``config``: `WarmStartConfig`.

@@ -9,7 +9,6 @@ evaluation (`Evaluator`), checkpoint. Warm-start: `WarmStart`. Started by torchr
 
 from __future__ import annotations
 
-import math
 import os
 from functools import partial
 from typing import Dict, List, Optional, Tuple
@@ -24,7 +23,6 @@ from stapo_megatron.config import TrainerConfig, WarmStartConfig
 from stapo_megatron.eval.evaluator import Evaluator, eval_max_len, load_eval_sets
 from stapo_megatron.rewards.functions import get_reward
 from stapo_megatron.rewards.scorer import RewardScorer
-from stapo_megatron.rollout.base import generate_for_group
 from stapo_megatron.rollout.registry import build_engine
 from stapo_megatron.rollout.weight_sync import sync_weights, wake_and_sync
 from stapo_megatron.runlog.metrics import RunLogger
@@ -33,11 +31,11 @@ from stapo_megatron.runlog.progress import Progress
 from stapo_megatron.runlog.provenance import RunProvenance
 from stapo_megatron.train import checkpoint as ckpt
 from stapo_megatron.train.batching import MicroBatch, group_advantages, pack_sequences, split_microbatches
-from stapo_megatron.train.parallel import collective_device, destroy_parallel, init_parallel
+from stapo_megatron.train.parallel import collective_device, destroy_parallel
 from stapo_megatron.train.reference import add_reference_logprobs, frozen_copy, reset_reference
 from stapo_megatron.train.schedule import PassContext, old_policy_pass
 from stapo_megatron.train.step import build_optimizer, policy_update, wrap_ddp
-from stapo_megatron.trainer import faults, packed_batches
+from stapo_megatron.trainer import faults, layout, packed_batches
 from stapo_megatron.trainer.preemption import SaveOnSignal, StoppedForRequeue
 from stapo_megatron.trainer.prompts import load_prompts, pad_to, step_prompt_indices
 from stapo_megatron.trainer.seeds import Seeds
@@ -56,10 +54,7 @@ class Trainer:
             )
         self.cfg, self.warmstart = cfg, warmstart
         self.seeds = Seeds(cfg.seed, warmstart.seed if warmstart else None, cfg.data.seed)
-        self.groups = init_parallel(
-            cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size, seed=self.seeds.model_init,
-            init_timeout_s=cfg.init_timeout_s, timeout_s=cfg.distributed_timeout_s,
-        )
+        self.groups = layout.init_groups(cfg, self.seeds.model_init)  # TP, PP, CP, EP from cfg.model
         self.rank = dist.get_rank()
         self.dp_size, self.dp_rank = dist.get_world_size(self.groups.dp), dist.get_rank(self.groups.dp)
         if cfg.minibatch_prompts % self.dp_size:
@@ -83,10 +78,11 @@ class Trainer:
         cfg = self.cfg
         build = partial(build_gpt_model, self.hf_config, params_dtype=torch.bfloat16 if cfg.model.bf16 else torch.float32,
                         calculate_per_token_loss=True, bf16=cfg.model.bf16, **cfg.model.memory_settings(),
-                        core_attention="sdpa" if cfg.packing != "padded" else None)  # packed: SDPAttention
+                        **cfg.model.context_parallel_settings(),
+                        core_attention="sdpa" if cfg.packing != "padded" else None)  # packed (and CP): SDPAttention
         model = build()
-        # sequence parallelism splits the sequence over TP: pad lengths to a multiple of it
-        self.seq_multiple = math.lcm(8, cfg.model.tensor_model_parallel_size if cfg.model.sequence_parallel else 1)
+        # lengths: sequence parallelism splits them over TP, context parallelism into 2 x CP chunks
+        self.seq_multiple, self.seq_align = layout.seq_multiple(cfg), layout.seq_align(cfg)
         if cfg.model.megatron_ckpt:
             load_checkpoint(model, cfg.model.megatron_ckpt)
         # the output layer is padded to a multiple of 128 x TP; the softmax must not see it
@@ -165,9 +161,9 @@ class Trainer:
         """G samples per prompt (``Sample`` lists), the same on every rank of a model-parallel group."""
         r = self.cfg.rollout
         # distinct seeds per DP rank; the wait for the slowest rank's engine is inside, under the rollout timeout
-        return generate_for_group(self.engine, self.groups.mp, prompts, r.group_size, r.temperature, r.top_p,
-                                  r.max_response_len, seed=self.seeds.rollout(step, self.dp_rank, len(prompts) * r.group_size),
-                                  wait_timeout_s=self.cfg.rollout_timeout())
+        return layout.replica_rollout(self.engine, self.groups, prompts, r.group_size, r.temperature, r.top_p,
+                                      r.max_response_len, self.seeds.rollout(step, self.dp_rank, len(prompts) * r.group_size),
+                                      self.cfg.rollout_timeout())
 
     def _score(self, samples: List[List], answers: List[str]) -> Tuple[torch.Tensor, Dict]:
         """Rewards [P, G] of the samples against their prompts' answers, and the scorer's info."""

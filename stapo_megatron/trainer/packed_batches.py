@@ -2,6 +2,10 @@
 ``trainer.loop``): every DP rank's sequences are exchanged so that each mini-batch is split over
 all ranks at once (`stapo_megatron.train.packing.rank_microbatches`), balancing tokens per rank.
 
+Context parallelism: the CP ranks of one DP replica hold the same sequences (`trainer.layout`
+shares the replica's rollouts over CP) and build the same plan; each keeps its chunks of every
+packed row (``train.context_parallel``), so the token budget is per rank after the split.
+
 Which sequences a rank trains does not change the update: the loss's normaliser and tau_H are
 mini-batch statistics summed / taken over all DP ranks (``train.loss``).
 """
@@ -24,7 +28,8 @@ def packed_minibatches(trainer, step: int, prompts: List[List[int]], samples: Li
     Args:
         trainer: the `Trainer` (its cfg: packing, micro_batch_size, max_tokens_per_microbatch,
             minibatch_prompts, rollout.group_size; groups, seeds, tokenizer, device, and
-            seq_multiple, the alignment of a packed row: sequence parallelism splits it over TP).
+            seq_multiple, the alignment of a packed row: sequence parallelism splits it over TP;
+            seq_align, every sequence's: 2 x CP chunks).
         prompts, samples, adv_PG: this DP rank's prompts, their G samples and advantages [P, G].
     """
     cfg, groups, seeds = trainer.cfg, trainer.groups, trainer.seeds
@@ -44,5 +49,7 @@ def packed_minibatches(trainer, step: int, prompts: List[List[int]], samples: Li
         minis.append(rank_microbatches(
             p, r, a, lp, pad_id, packing=cfg.packing, micro_batch_size=cfg.micro_batch_size,
             max_tokens=cfg.max_tokens_per_microbatch, num_ranks=dp_size, rank=dp_rank,
-            seed=seeds.microbatches(step, start, 0), align=align, device=device))
-    return minis, max(mb.tokens.shape[1] for mini in minis for mb in mini)
+            seed=seeds.microbatches(step, start, 0), align=align, device=device,
+            context_parallel_size=groups.cp_size, cp_rank=dist.get_rank(groups.cp) if groups.cp_size > 1 else 0,
+            seq_align=trainer.seq_align))
+    return minis, max(mb.tokens.shape[1] for mini in minis for mb in mini)  # this rank's tokens (after a CP split)

@@ -15,6 +15,7 @@ from stapo_megatron.method.masks import gather_values, quantile_linear
 from stapo_megatron.method.rollout_correction import RolloutCorrectionConfig
 from stapo_megatron.runlog.progress import describe
 from stapo_megatron.train.batching import MicroBatch
+from stapo_megatron.train.context_parallel import gather_row
 from stapo_megatron.train.packing import sequence_ids
 from stapo_megatron.train.parallel import Groups
 
@@ -47,25 +48,38 @@ def reduce_from_last_stage(values: torch.Tensor, groups: Groups) -> torch.Tensor
     return values
 
 
+def _whole_sequences(mb: MicroBatch, groups: Groups):
+    """(old log-probs, rollout log-probs, response mask, sequence ids) of a micro-batch's whole
+    sequences. Under context parallelism the sequence metrics need whole sequences: the fields
+    are gathered over CP and counted on CP rank 0 (the others' mask is empty), so a reduction
+    over DP x CP counts every token and sequence once."""
+    if not mb.is_packed:
+        return mb.old_logprob, mb.rollout_logprob, mb.response_mask, None
+    if mb.cp_size == 1:
+        return mb.old_logprob, mb.rollout_logprob, mb.response_mask, sequence_ids(mb.cu_seqlens)[None]
+    whole = [gather_row(t, mb.cu_seqlens, groups.cp) for t in (mb.old_logprob, mb.rollout_logprob, mb.response_mask)]
+    if dist.get_rank(groups.cp) != 0:
+        whole[2] = torch.zeros_like(whole[2])
+    return (*whole, sequence_ids(mb.cu_seqlens)[None])
+
+
 def rollout_mismatch(minis: List[List[MicroBatch]], config: RolloutCorrectionConfig, groups: Groups,
                      dp_device) -> Dict[str, float]:
     """The step's rollout/training mismatch over its response tokens (after the pi_old pass),
-    reduced over DP and the same on every rank (``method.rollout_correction``): mean and max
+    reduced over DP x CP and the same on every rank (``method.rollout_correction``): mean and max
     |log pi_old - log pi_rollout|, the k3 estimate of KL(pi_rollout || pi_old), quantiles of
     rho = pi_old / pi_rollout, and the fractions of tokens and sequences outside the bounds."""
     num_q = len(rc.RATIO_QUANTILES)
     packed = torch.zeros(len(rc.MISMATCH_SUMS) + 1 + num_q, dtype=torch.float64, device=dp_device)
     if groups.is_last_stage:
-        parts = [rc.mismatch_sums(config, mb.old_logprob, mb.rollout_logprob, mb.response_mask,
-                                  sequence_ids(mb.cu_seqlens)[None] if mb.is_packed else None)
-                 for mini in minis for mb in mini]
+        parts = [rc.mismatch_sums(config, *_whole_sequences(mb, groups)) for mini in minis for mb in mini]
         sums = torch.stack([p[0] for p in parts]).sum(0).to(dp_device)
         max_abs = torch.stack([p[1] for p in parts]).max().reshape(1).to(dp_device)
         ratios = torch.cat([p[2] for p in parts]).to(dp_device)
-        if groups.dp is not None:
-            dist.all_reduce(sums, group=groups.dp)
-            dist.all_reduce(max_abs, op=dist.ReduceOp.MAX, group=groups.dp)
-        pooled = gather_values(ratios, groups.dp)
+        if groups.tokens is not None:
+            dist.all_reduce(sums, group=groups.tokens)
+            dist.all_reduce(max_abs, op=dist.ReduceOp.MAX, group=groups.tokens)
+        pooled = gather_values(ratios, groups.tokens)
         quantiles = torch.stack([quantile_linear(pooled, q) for q in rc.RATIO_QUANTILES]).double().to(dp_device)
         packed = torch.cat([sums, max_abs, quantiles])
     if groups.pp is not None and dist.get_world_size(groups.pp) > 1:

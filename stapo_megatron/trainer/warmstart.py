@@ -19,17 +19,19 @@ import hashlib
 import json
 import os
 import warnings
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch.distributed as dist
 
 from stapo_megatron.bridge.model import load_checkpoint
 from stapo_megatron.config import TrainerConfig, WarmStartConfig
 from stapo_megatron.train import checkpoint as ckpt
-from stapo_megatron.train.batching import pack_sequences, split_microbatches
+from stapo_megatron.train.batching import MicroBatch, pack_sequences, split_microbatches
+from stapo_megatron.train.packing import rank_microbatches
 from stapo_megatron.train.schedule import PassContext
 from stapo_megatron.train.sft import sft_step
 from stapo_megatron.train.step import build_optimizer
+from stapo_megatron.trainer.layout import seq_align
 from stapo_megatron.trainer.prompts import pad_to, step_prompt_indices
 from stapo_megatron.trainer.seeds import Seeds
 from stapo_megatron.utils import load_dotted
@@ -61,6 +63,8 @@ def cache_key(cfg: TrainerConfig, warmstart: WarmStartConfig, seed: int, data_se
                  megatron_ckpt=cfg.model.megatron_ckpt)
     if cfg.packing != "padded":  # packing trains on the SDPA core attention (padded keys stay as they were)
         model["core_attention"] = "sdpa"
+    if cfg.model.context_parallel_size > 1:  # packed, split SFT batches (CP = 1 keys stay as they were)
+        model["cp"] = cfg.model.context_parallel_size
     data = dataclasses.asdict(dataclasses.replace(cfg.data, seed=None))
     payload = dict(format=_FORMAT, warmstart=ws, seed=seed, data=data, data_seed=data_seed, model=model,
                    optim=optim, micro_batch_size=cfg.micro_batch_size, world_size=world_size)
@@ -112,13 +116,25 @@ class WarmStart:
             prompts = [self.train_ids[i] for i in idx]
             targets = [self.tokenizer.encode(target(self.train_examples[i]), add_special_tokens=False) + [eos]
                        for i in idx]
-            seq = pad_to(max(len(p) + len(t) for p, t in zip(prompts, targets)), self.seq_multiple)
-            batch = pack_sequences(prompts, targets, [0.0] * len(idx), [[0.0] * len(t) for t in targets],
-                                   self.tokenizer.pad_token_id, seq, device=next(ctx.model.parameters()).device)
-            mbs = split_microbatches(batch, self.cfg.micro_batch_size, seed=self.seeds.warmstart_microbatches(step))
+            mbs, seq = self._microbatches(step, prompts, targets, groups, next(ctx.model.parameters()).device)
             nll = sft_step(dataclasses.replace(ctx, seq_length=seq), optimizer, mbs, ws.label_smoothing)
             if step % 10 == 0 or step == ws.steps - 1:
                 self._log(f"step {step}/{ws.steps} nll {nll:.4f}")
+
+    def _microbatches(self, step: int, prompts, targets, groups, device) -> Tuple[List[MicroBatch], int]:
+        """The SFT micro-batches of one step and their length: padded rows of
+        ``micro_batch_size`` sequences, or under context parallelism the same sequences packed
+        and split over CP (CP trains packed rows only)."""
+        args = (prompts, targets, [0.0] * len(prompts), [[0.0] * len(t) for t in targets], self.tokenizer.pad_token_id)
+        seed = self.seeds.warmstart_microbatches(step)
+        if groups.cp_size > 1:
+            mbs = rank_microbatches(*args, packing="fixed", micro_batch_size=self.cfg.micro_batch_size, seed=seed,
+                                    align=self.seq_multiple, device=device, context_parallel_size=groups.cp_size,
+                                    cp_rank=dist.get_rank(groups.cp), seq_align=seq_align(self.cfg))
+            return mbs, max(mb.tokens.shape[1] for mb in mbs)
+        seq = pad_to(max(len(p) + len(t) for p, t in zip(prompts, targets)), self.seq_multiple)
+        batch = pack_sequences(*args, seq, device=device)
+        return split_microbatches(batch, self.cfg.micro_batch_size, seed=seed), seq
 
     def apply(self, ctx: PassContext, rl_optimizer) -> None:
         """Warm-start ``ctx.model`` (DDP-wrapped), or load the cached weights; then tell the RL

@@ -1,0 +1,78 @@
+"""The parallel layout a run trains on: Megatron's process groups from `ModelConfig` (TP, PP, CP,
+EP), the checks that need the world size, the alignments a packed row needs, and how the
+context-parallel (CP) ranks of one data-parallel replica share its rollouts.
+
+Rollouts under CP: the CP ranks of a DP replica train the same sequences (each its chunks of
+them), so they need the same samples. Rather than every CP rank's engine sampling all of the
+replica's prompts (CP - 1 of them wasted), CP rank c samples the c-th 1/CP of the replica's
+prompts (with the seeds those samples have without CP), and the parts are all-gathered over the
+CP group: generation is spread over DP x CP, at the cost of one object all-gather of the
+samples per step. Evaluation is not spread (each CP rank scores its replica's problems; the
+counts are reduced over DP only, so they are counted once).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional
+
+import torch.distributed as dist
+
+from stapo_megatron.config import TrainerConfig
+from stapo_megatron.rollout.base import generate_for_group
+from stapo_megatron.train.context_parallel import sequence_multiple
+from stapo_megatron.train.loss import check_context_parallel
+from stapo_megatron.train.parallel import Groups, init_parallel
+
+
+def init_groups(cfg: TrainerConfig, seed: int) -> Groups:
+    """Initialise torch.distributed and Megatron's parallel state for ``cfg.model``'s layout,
+    after the checks that need no process group (ValueError naming the fields)."""
+    m = cfg.model
+    check_context_parallel(cfg.loss, m.context_parallel_size)
+    groups = init_parallel(
+        m.tensor_model_parallel_size, m.pipeline_model_parallel_size, seed=seed,
+        context_parallel_size=m.context_parallel_size, expert_model_parallel_size=m.expert_model_parallel_size,
+        expert_tensor_parallel_size=m.expert_tensor_parallel_size,
+        init_timeout_s=cfg.init_timeout_s, timeout_s=cfg.distributed_timeout_s,
+    )
+    dp = dist.get_world_size(groups.dp)
+    per_replica = cfg.prompts_per_step // dp
+    if cfg.prompts_per_step % dp == 0 and per_replica % m.context_parallel_size:
+        raise ValueError(f"prompts_per_step {cfg.prompts_per_step} / DP {dp} = {per_replica} prompts per replica "
+                         f"must be a multiple of model.context_parallel_size {m.context_parallel_size} (its CP ranks "
+                         f"share the sampling)")
+    return groups
+
+
+def seq_align(cfg: TrainerConfig) -> int:
+    """Every packed sequence's length is padded to a multiple of this (2 x CP chunks, each
+    rank's part split over TP by sequence parallelism; 1 without CP)."""
+    m = cfg.model
+    return sequence_multiple(m.context_parallel_size, m.tensor_model_parallel_size, m.sequence_parallel)
+
+
+def seq_multiple(cfg: TrainerConfig) -> int:
+    """A padded batch's length, or a packed row's, is a multiple of this: 8, times TP under
+    sequence parallelism (it splits the sequence over TP), and whole CP chunks."""
+    m = cfg.model
+    return math.lcm(8, m.tensor_model_parallel_size if m.sequence_parallel else 1, seq_align(cfg))
+
+
+def replica_rollout(engine, groups: Groups, prompts: List[List[int]], n: int, temperature: float, top_p: float,
+                    max_tokens: int, seed: int, wait_timeout_s: Optional[float]) -> List[List]:
+    """G samples for each of this DP replica's prompts, identical on all its ranks.
+
+    Without CP: `generate_for_group` (model-parallel rank 0's samples broadcast). With CP:
+    CP rank c samples prompts [c P / CP, (c + 1) P / CP) (first sample seed ``seed + c P / CP
+    x n``, as without CP), then the parts are all-gathered over CP in rank order."""
+    cp = groups.cp_size
+    if cp == 1:
+        return generate_for_group(engine, groups.mp, prompts, n, temperature, top_p, max_tokens, seed=seed,
+                                  wait_timeout_s=wait_timeout_s)
+    share, rank = len(prompts) // cp, dist.get_rank(groups.cp)
+    mine = generate_for_group(engine, groups.mp, prompts[rank * share:(rank + 1) * share], n, temperature, top_p,
+                              max_tokens, seed=seed + rank * share * n, wait_timeout_s=wait_timeout_s)
+    parts: List[Optional[List]] = [None] * cp
+    dist.all_gather_object(parts, mine, group=groups.cp)
+    return [group for part in parts for group in part]
