@@ -102,7 +102,7 @@ def test_config_refuses_unsupported_context_parallel():
     cp2 = ModelConfig(context_parallel_size=2)
     with pytest.raises(ValueError, match="context_parallel_size 2 needs packed micro-batches: packing='fixed'"):
         TrainerConfig(model=cp2, packing="padded")
-    with pytest.raises(ValueError, match=r"max_tokens_per_microbatch 100 x model.context_parallel_size 2 < the longest"):
+    with pytest.raises(ValueError, match=r"max_tokens_per_microbatch 100 < the longest sequence .* over context_parallel_size 2 = \d+ tokens per rank"):
         TrainerConfig(model=cp2, packing="budget", max_tokens_per_microbatch=100)
     defaults = TrainerConfig()
     half = (defaults.data.max_prompt_len + defaults.rollout.max_response_len) // 2

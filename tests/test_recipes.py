@@ -295,10 +295,11 @@ def test_overrides_reach_nested_fields():
     (dict(method="ppo"), "method must be one of"),
     (dict(recipe="qwen3_70b"), "recipe must be one of"),
     (dict(warmstart={"steps": 3}), "recipe qwen3_14b has no warm-start"),
-    (dict(model={"tensor_model_parallel_size": 3}, rollout={"tensor_parallel_size": 1}),
+    # (TP 3 with sequence parallelism pads a sequence to a multiple of 2 x CP 4 x 3 = 24: 4098 per rank)
+    (dict(model={"tensor_model_parallel_size": 3}, rollout={"tensor_parallel_size": 1}, max_tokens_per_microbatch=4098),
      "num_attention_heads 40 is not divisible by tensor_model_parallel_size 3"),
     # the trainer's own config refuses it before the layout check (vLLM TP 4 of the recipe)
-    (dict(model={"tensor_model_parallel_size": 3}), "vLLM TP 4 must divide Megatron TP 3"),
+    (dict(model={"tensor_model_parallel_size": 3}, max_tokens_per_microbatch=4098), "vLLM TP 4 must divide Megatron TP 3"),
     (dict(rollout={"tensor_parallel_size": 8}), "vLLM TP 8 must divide Megatron TP 4"),
     (dict(rollout={"gpu_memory_utilization": 0.6}), "exceeds 80 GB"),
     (dict(minibatch_prompts=48), "prompts_per_step 256 is not divisible by minibatch_prompts 48"),
@@ -331,14 +332,15 @@ def test_layout_is_checked_on_the_gpus_of_the_job():
 
 @pytest.mark.parametrize("recipe, overrides, message", [
     # CP: the GPUs, the node topology, the packing, the per-rank budget, DP without CP
-    ("qwen3_14b", dict(model={"context_parallel_size": 3}, max_tokens_per_microbatch=5462), "64 GPUs are not divisible by TP 4 x PP 1 x CP 3"),
+    ("qwen3_14b", dict(model={"context_parallel_size": 3}, max_tokens_per_microbatch=5464), "64 GPUs are not divisible by TP 4 x PP 1 x CP 3"),
     # CP = 2 leaves 8k tokens per rank: without recomputation the 14B does not fit
     ("qwen3_14b", dict(model={"context_parallel_size": 2}, max_tokens_per_microbatch=8192), "exceeds 80 GB"),
-    ("qwen3_8b", dict(packing="padded"), "packing 'padded' does not support context_parallel_size 2"),
+    # (the trainer's config refuses it first)
+    ("qwen3_8b", dict(packing="padded"), "model.context_parallel_size 2 needs packed micro-batches: packing='fixed'"),
     ("qwen3_8b", dict(max_tokens_per_microbatch=8000),
      "max_tokens_per_microbatch 8000 < the longest sequence data.max_prompt_len + rollout.max_response_len = "
-     "1024 + 15360 = 16384 over context_parallel_size 2 = 8192 tokens per rank"),
-    ("qwen3_8b", dict(model={"context_parallel_size": 3}, max_tokens_per_microbatch=5462, num_nodes=3),
+     "1024 + 15360 = 16384, padded to a multiple of 16, over context_parallel_size 2 = 8192 tokens per rank"),
+    ("qwen3_8b", dict(model={"context_parallel_size": 3}, max_tokens_per_microbatch=5464, num_nodes=3),
      "TP 4 x CP 3 must divide the 8 GPUs of a node or span whole nodes"),
     ("qwen3_14b", dict(minibatch_prompts=32, prompts_per_step=96, num_nodes=48),
      "minibatch_prompts 32 is not divisible by DP 24"),
