@@ -21,7 +21,8 @@ Corrections (`RolloutCorrectionConfig.mode`), entering the loss of ``method.obje
 
 Mismatch-flagged tokens (metrics and the S2T overlap, whatever the mode): response tokens with
 rho_t outside [token_lower, token_upper]. One row of a [B, S] tensor is one sequence, unless
-``sequence_ids`` split a packed row (as for GRPO's sequence mean in ``method.objective``).
+``sequence_ids`` split a packed row (as for GRPO's sequence mean in ``method.objective``); under
+context parallelism a ``sequence_sum`` adds each sequence's partial sums over the CP ranks.
 
 Legend: [B, S] = micro-batch x sequence, aligned with the labels; ``_B`` per row.
 """

@@ -18,8 +18,15 @@ each sequence contributes its own mean token loss (``stapo_megatron.method.objec
 needs ``ref_logprob`` in the batch: the frozen reference's log-probs (``stapo_megatron.train.reference``).
 The loss function returns (sum of token losses, number of kept tokens, metrics); with
 ``calculate_per_token_loss=True`` Megatron's own ``finalize_model_grads`` all-reduces the token
-count over DP (after broadcasting it from the last pipeline stage) and scales the gradients by
+count over DP x CP (after broadcasting it from the last pipeline stage) and scales the gradients by
 its inverse, which is exactly that renormalisation.
+
+Context parallelism (``batch.cp_size > 1``): every token statistic above is per token or reduced
+over DP x CP, except what needs whole sequences, which `loss_func` sums per sequence over its
+``cp_group`` (``context_parallel.cp_sum``, counts and constants only, no gradient): GRPO's |o_i|
+(each CP rank adds sum over its kept tokens of l_t / |o_i|, the sequence count is counted on CP
+rank 0 only, as Megatron sums the integer normaliser over DP x CP) and the ``seq_mask``
+correction's per-sequence sum and count of log-ratios.
 
 Where tau_H (the mini-batch quantile of candidate entropies) comes from, ``tau_h_source``:
 
