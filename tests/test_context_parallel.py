@@ -6,7 +6,9 @@ causal attention per sequence to 1e-5 absolute at O(1) outputs: the same softmax
 keys, computed in another grouping (queries by chunk, keys gathered), measured ~1e-7. Training:
 counts exact; losses, tau_H and metrics 2e-5 relative; weights 1e-6 absolute on O(0.1) weights
 after lr = 0.5 SGD steps -- the gradients are the same per-token terms summed over other ranks
-and in another order (the invariance test's tolerances; measured ~1e-7).
+and in another order (the invariance test's tolerances; measured ~1e-7). The same tolerances hold
+for GRPO with the seq_mask correction at CP=2: per-sequence counts are summed exactly (integers)
+and the log-ratio sums differ by rounding (~1e-7) from flags 1.4e-4 away.
 """
 
 import dataclasses
