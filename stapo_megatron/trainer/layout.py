@@ -26,7 +26,7 @@ from stapo_megatron.train.parallel import Groups, init_parallel
 
 def init_groups(cfg: TrainerConfig, seed: int) -> Groups:
     """Initialise torch.distributed and Megatron's parallel state for ``cfg.model``'s layout,
-    after the checks that need no process group (ValueError naming the fields)."""
+    then check that the CP ranks can share the replica's prompts (ValueError naming the fields)."""
     m = cfg.model
     groups = init_parallel(
         m.tensor_model_parallel_size, m.pipeline_model_parallel_size, seed=seed,
