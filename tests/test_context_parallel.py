@@ -6,7 +6,9 @@ causal attention per sequence to 1e-5 absolute at O(1) outputs: the same softmax
 keys, computed in another grouping (queries by chunk, keys gathered), measured ~1e-7. Training:
 counts exact; losses, tau_H and metrics 2e-5 relative; weights 1e-6 absolute on O(0.1) weights
 after lr = 0.5 SGD steps -- the gradients are the same per-token terms summed over other ranks
-and in another order (the invariance test's tolerances; measured ~1e-7).
+and in another order (the invariance test's tolerances; measured ~1e-7). The same tolerances hold
+for GRPO with the seq_mask correction at CP=2: per-sequence counts are summed exactly (integers)
+and the log-ratio sums differ by rounding (~1e-7) from flags 1.4e-4 away.
 """
 
 import dataclasses
@@ -95,9 +97,6 @@ def test_split_errors():
 
 def test_config_refuses_unsupported_context_parallel():
     from stapo_megatron.config import ModelConfig, TrainerConfig
-    from stapo_megatron.method.config import LossConfig
-    from stapo_megatron.method.rollout_correction import RolloutCorrectionConfig
-    from stapo_megatron.train.loss import check_context_parallel
 
     cp2 = ModelConfig(context_parallel_size=2)
     with pytest.raises(ValueError, match="context_parallel_size 2 needs packed micro-batches: packing='fixed'"):
@@ -113,11 +112,19 @@ def test_config_refuses_unsupported_context_parallel():
         ModelConfig(cp_comm_type="ring")
     assert cp2.context_parallel_settings() == dict(context_parallel_size=2, cp_comm_type="p2p")
     assert ModelConfig().context_parallel_settings() == {}
-    with pytest.raises(ValueError, match="loss.method='grpo' averages per sequence"):
-        check_context_parallel(LossConfig(method="grpo", kl_coef=0.0), 2)
-    with pytest.raises(ValueError, match="mode='seq_mask' needs whole sequences"):
-        check_context_parallel(LossConfig(rollout_correction=RolloutCorrectionConfig(mode="seq_mask")), 2)
-    check_context_parallel(LossConfig(method="grpo", kl_coef=0.0), 1)
+
+
+def test_loss_func_needs_the_cp_group_of_a_split_batch():
+    from stapo_megatron.method.config import LossConfig
+    from stapo_megatron.train.loss import loss_func
+
+    prompts, responses, adv, lps = _rollouts()
+    packed = pack_thd(prompts[:2], responses[:2], adv[:2], lps[:2], pad_id=0, align=8, seq_align=4)
+    part = split_for_context_parallel(packed, 2, 0)
+    part.old_logprob = part.rollout_logprob
+    logits = torch.zeros(part.tokens.shape[1], 1, VOCAB)
+    with pytest.raises(ValueError, match="split over 2 context-parallel ranks but loss_func's cp_group has 1"):
+        loss_func(LossConfig(method="justrl"), part, torch.tensor(float("nan")), None, None, logits)
 
 
 def _attention_worker(cp):
@@ -169,13 +176,43 @@ def test_cp_attention_equals_causal_attention():
             torch.testing.assert_close(g, w, atol=ATTN_ATOL, rtol=0, msg=f"d{name}")
 
 
-def _train_worker(tp, layouts, budgets):
+def _loss_config(method):
+    """"stapo" (S2T exercised), or "grpo_seq_mask": GRPO (sequence mean, k3 KL 0.04 to a
+    reference model) with the ``seq_mask`` correction, bounds exp(+-0.1) (`_sequence_inputs`)."""
+    from stapo_megatron.method.config import LossConfig, method_loss_config
+    from stapo_megatron.method.rollout_correction import RolloutCorrectionConfig
+
+    if method == "stapo":
+        return LossConfig(method="stapo", tau_p=0.0015)
+    correction = RolloutCorrectionConfig(mode="seq_mask", seq_lower=0.9, seq_upper=1.1)
+    return method_loss_config("grpo", rollout_correction=correction)
+
+
+def _sequence_inputs(config, model, groups, mbs):
+    """GRPO's and seq_mask's inputs, the same per token whatever the layout: ``ref_logprob`` from
+    a real reference model (another tiny GPT, built after the policy, so other weights), and
+    sampler log-probs log pi_old - 0.3 (label mod 3 - 1), so a sequence's mean log-ratio lies in
+    [-0.3, 0.3] and the +-0.1 bounds reject some sequences and keep others (0.3 k / n for n <= 24
+    response tokens stays 1.4e-4 from both bounds; fp32 rounding of the sums is ~1e-6, so the
+    CP sums cannot flip a flag). Returns max |ref - old| log-prob (the KL term is exercised)."""
+    from stapo_megatron.train.reference import add_reference_logprobs
+    from stapo_megatron.train.schedule import PassContext
+    from stapo_megatron.train.synthetic import build_tiny_gpt
+
+    reference = build_tiny_gpt(config, VOCAB, 64, seed=4321, core_attention="sdpa")
+    add_reference_logprobs(PassContext(reference, max(mb.tokens.shape[1] for mb in mbs), groups=groups), [mbs])
+    for mb in mbs:
+        mb.rollout_logprob = mb.old_logprob - 0.3 * (mb.labels % 3 - 1).float()
+    return max(float((mb.ref_logprob - mb.old_logprob)[mb.response_mask.bool()].abs().max()) for mb in mbs)
+
+
+def _train_worker(tp, layouts, budgets, method="stapo"):
     """For each CP size of ``layouts`` (same processes, parallel state rebuilt): two SGD updates
-    on the same mini-batch with the token budget per rank of ``budgets``."""
+    on the same mini-batch with the token budget per rank of ``budgets`` and the loss of
+    `_loss_config` (``method``)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from stapo_megatron.method.config import LossConfig
     from stapo_megatron.train.config import OptimConfig
     from stapo_megatron.train.parallel import init_parallel
     from stapo_megatron.train.schedule import PassContext, old_policy_pass
@@ -183,6 +220,7 @@ def _train_worker(tp, layouts, budgets):
     from stapo_megatron.train.synthetic import build_tiny_gpt, tiny_gpt_config
 
     prompts, responses, adv, lps = _rollouts()
+    loss_config = _loss_config(method)
     out = {}
     for cp, budget in zip(layouts, budgets):
         groups = init_parallel(tp, 1, context_parallel_size=cp)
@@ -196,10 +234,11 @@ def _train_worker(tp, layouts, budgets):
                                 context_parallel_size=cp, cp_rank=dist.get_rank(groups.cp), seq_align=2 * cp)
         ctx = PassContext(model, max(mb.tokens.shape[1] for mb in mbs), groups=groups)
         old_policy_pass(ctx, [mbs])
-        history = [policy_update(ctx, optimizer, mbs, LossConfig(method="stapo", tau_p=0.0015)) for _ in range(2)]
+        ref_gap = _sequence_inputs(config, model, groups, mbs) if method != "stapo" else 0.0
+        history = [policy_update(ctx, optimizer, mbs, loss_config) for _ in range(2)]
         params = {n: p.detach().clone() for n, p in model.module.named_parameters()}
         out[cp] = dict(history=history, params=params, tokens=max(mb.tokens.shape[1] for mb in mbs),
-                       tp_rank=dist.get_rank(groups.tp))
+                       tp_rank=dist.get_rank(groups.tp), ref_gap=ref_gap)
         parallel_state.destroy_model_parallel()
     return out
 
@@ -210,15 +249,17 @@ def _silenced(results, cp, update):
     return torch.tensor(rows)
 
 
-def _check_same(results, cp):
+def _check_same(results, cp, silencing=True):
     for res in results:
         for got, want in zip(res[cp]["history"], res[1]["history"]):
-            for key in COUNTS:
+            for key in COUNTS + ("correction_rejected_count",):
                 assert got[key] == want[key], (cp, key)
             for key in VALUES:
-                assert got[key] == pytest.approx(want[key], rel=2e-5, abs=1e-7), (cp, key)
+                assert got[key] == pytest.approx(want[key], rel=2e-5, abs=1e-7, nan_ok=True), (cp, key)
         for name, want in res[1]["params"].items():
             torch.testing.assert_close(res[cp]["params"][name], want, atol=1e-6, rtol=0, msg=f"cp {cp} {name}")
+    if not silencing:
+        return
     for update in range(2):
         got, want = _silenced(results, cp, update), _silenced(results, 1, update)
         assert got.shape == want.shape and len(want) > 0, "the S2T mask must be exercised"
@@ -238,6 +279,21 @@ def test_cp2_trains_as_cp1(tp):
     results = run_distributed(2 * tp, _train_worker, tp, (1, 2), (48, 24))
     assert max(res[2]["tokens"] for res in results) <= 24
     _check_same(results, 2)
+
+
+@pytest.mark.slow
+def test_cp2_grpo_with_seq_mask_trains_as_cp1():
+    """GRPO (sequence mean, k3 KL 0.04 to a reference model) with the seq_mask correction: CP=2
+    splits every sequence, so |o_i|, the sequence count and each sequence's geometric-mean ratio
+    need the CP group; the same loss (sum over sequences of their token means / sequence count),
+    rejected tokens, metrics and weights as CP=1 (`_check_same`'s tolerances, same reason)."""
+    results = run_distributed(2, _train_worker, 1, (1, 2), (48, 24), "grpo_seq_mask")
+    _check_same(results, 2, silencing=False)
+    first = results[0][1]["history"][0]
+    # some sequences rejected, some trained; the reference differs from the policy (KL acts)
+    assert 0 < first["correction_rejected_count"] < first["num_response_tokens"]
+    assert first["num_kept"] > 0 and results[0][1]["ref_gap"] > 0.1
+    assert results[0][1]["history"][1]["clip_fraction"] > 0, "the second update must be off-policy and clip"
 
 
 def _checkpoint_worker(hf_dir, run_cp2, run_cp1):

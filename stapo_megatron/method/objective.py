@@ -25,9 +25,13 @@ Legend: [B, S] = micro-batch x sequence, aligned with the labels.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
+
+SequenceSum = Callable[[torch.Tensor], torch.Tensor]
+"""Sums a per-sequence tensor [N] over the ranks that hold the other parts of the same sequences
+(context parallelism: an all-reduce over the CP group, ``train.context_parallel.cp_sum``)."""
 
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
 """How token losses are averaged: over all kept tokens of the mini-batch (DAPO/JustRL, STAPO) or
@@ -69,6 +73,8 @@ def stapo_loss(
     loss_agg: str = "token_mean",
     is_weight: Optional[torch.Tensor] = None,
     sequence_ids: Optional[torch.Tensor] = None,
+    sequence_sum: Optional[SequenceSum] = None,
+    count_sequences: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Sum of STAPO token losses over kept tokens, and the number of kept tokens.
 
@@ -92,6 +98,13 @@ def stapo_loss(
             None = 1.
         sequence_ids: for a packed row (several sequences in one row), the sequence index of
             every token (``train.packing.sequence_ids``); only "seq_mean_token_mean" reads it.
+        sequence_sum, count_sequences: context parallelism ("seq_mean_token_mean" with
+            ``sequence_ids``): the rows hold only this rank's part of every sequence.
+            ``sequence_sum`` adds the per-sequence kept-token counts over the ranks holding the
+            other parts, so |o_i| is the whole sequence's and the rank's loss sum is its share
+            of sum_i 1/|o_i| sum_t l_t; the normaliser counts the sequences only where
+            ``count_sequences`` (one rank of the group), so a sum over the group counts each
+            once. None / True: the rows hold whole sequences.
 
     Returns:
         (loss_sum: 0-dim, fp32 or (float64 inputs) float64, differentiable; the normaliser: 0-dim int64, the number of kept
@@ -144,8 +157,13 @@ def stapo_loss(
         sums_N = loss_BS.new_zeros(num_seq).index_add(0, ids_T, loss_BS.reshape(-1))
         num_kept_N = torch.zeros(num_seq, dtype=torch.long, device=ids_T.device).index_add(
             0, ids_T, keep.reshape(-1).long())
-        return (sums_N / num_kept_N.clamp(min=1)).sum(), (num_kept_N > 0).sum()
+        if sequence_sum is not None:  # counts only: no gradient flows through |o_i|
+            num_kept_N = sequence_sum(num_kept_N)
+        num_seq_kept = (num_kept_N > 0).sum() if count_sequences else num_kept_N.new_zeros(())
+        return (sums_N / num_kept_N.clamp(min=1)).sum(), num_seq_kept
     if loss_agg == "seq_mean_token_mean":
+        if sequence_sum is not None:
+            raise ValueError("sequence_sum (a sequence split over ranks) needs the packed row's sequence_ids")
         num_kept_B = keep.sum(dim=-1)
         has_kept_B = num_kept_B > 0
         # clamp: a row without kept tokens has a zero sum; dividing it by 1 keeps it zero, not NaN

@@ -21,7 +21,8 @@ Corrections (`RolloutCorrectionConfig.mode`), entering the loss of ``method.obje
 
 Mismatch-flagged tokens (metrics and the S2T overlap, whatever the mode): response tokens with
 rho_t outside [token_lower, token_upper]. One row of a [B, S] tensor is one sequence, unless
-``sequence_ids`` split a packed row (as for GRPO's sequence mean in ``method.objective``).
+``sequence_ids`` split a packed row (as for GRPO's sequence mean in ``method.objective``); under
+context parallelism a ``sequence_sum`` adds each sequence's partial sums over the CP ranks.
 
 Legend: [B, S] = micro-batch x sequence, aligned with the labels; ``_B`` per row.
 """
@@ -33,6 +34,8 @@ import math
 from typing import Optional, Tuple
 
 import torch
+
+from stapo_megatron.method.objective import SequenceSum
 
 CORRECTION_MODES = ("none", "tis", "icepop", "seq_mask")
 """`RolloutCorrectionConfig.mode` values."""
@@ -101,16 +104,22 @@ def segments(response_mask: torch.Tensor, sequence_ids: Optional[torch.Tensor] =
 
 
 def sequence_log_ratio(delta_BS: torch.Tensor, response_mask: torch.Tensor,
-                       sequence_ids: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                       sequence_ids: Optional[torch.Tensor] = None,
+                       sequence_sum: Optional[SequenceSum] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(log of each sequence's geometric-mean ratio: the mean of delta over its response tokens,
     0 for a sequence without any; whether it has a response token), both [K] over the
-    `segments` of the micro-batch."""
+    `segments` of the micro-batch. ``sequence_sum``: the rows hold only this rank's part of each
+    sequence (context parallelism); the per-sequence sums of delta and counts are added over the
+    ranks holding the rest (``method.objective.SequenceSum``), so the mean is the whole
+    sequence's."""
     mask = response_mask.bool()
     seg = segments(mask, sequence_ids).reshape(-1)
     num = int(seg.max()) + 1 if seg.numel() else 0
     total = torch.zeros(num, dtype=delta_BS.dtype, device=delta_BS.device)
     total.index_add_(0, seg, torch.where(mask, delta_BS, 0.0).reshape(-1))
     count = torch.zeros(num, dtype=torch.long, device=delta_BS.device).index_add_(0, seg, mask.reshape(-1).long())
+    if sequence_sum is not None:
+        total, count = sequence_sum(total), sequence_sum(count)
     return total / count.clamp(min=1), count > 0
 
 
@@ -125,10 +134,11 @@ def token_flags(config: RolloutCorrectionConfig, delta_BS, response_mask) -> tor
 
 
 def sequence_flags(config: RolloutCorrectionConfig, delta_BS, response_mask,
-                   sequence_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   sequence_ids: Optional[torch.Tensor] = None,
+                   sequence_sum: Optional[SequenceSum] = None) -> torch.Tensor:
     """[K] bool over the `segments`: sequences with a response token whose geometric-mean ratio
-    is outside [seq_lower, seq_upper]."""
-    log_ratio_K, has_response = sequence_log_ratio(delta_BS, response_mask, sequence_ids)
+    is outside [seq_lower, seq_upper] (``sequence_sum``: see `sequence_log_ratio`)."""
+    log_ratio_K, has_response = sequence_log_ratio(delta_BS, response_mask, sequence_ids, sequence_sum)
     return has_response & _outside(log_ratio_K, config.seq_lower, config.seq_upper)
 
 
@@ -138,10 +148,13 @@ def correction(
     rollout_logprob: Optional[torch.Tensor],
     response_mask: torch.Tensor,
     sequence_ids: Optional[torch.Tensor] = None,
+    sequence_sum: Optional[SequenceSum] = None,
 ) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
     """The configured correction of one micro-batch: (importance weight [B, S] or None, rejected
     [B, S] bool). Both are constants (no gradient: pi_old and pi_rollout are data).
-    ``sequence_ids``: a packed row's sequences (see `segments`), for "seq_mask".
+    ``sequence_ids``: a packed row's sequences (see `segments`), for "seq_mask";
+    ``sequence_sum``: its sequences are split over context-parallel ranks (see
+    `sequence_log_ratio`). Every rank of that group must call it (a collective for "seq_mask").
 
     The weight is min(rho, tis_cap) on response tokens (1 elsewhere); rejected tokens leave the
     loss and its normaliser. Raises ValueError when a correction is asked for without the
@@ -159,7 +172,7 @@ def correction(
         return weight.detach(), torch.zeros_like(mask)
     if config.mode == "icepop":
         return None, token_flags(config, delta, mask)
-    flagged_K = sequence_flags(config, delta, mask, sequence_ids)
+    flagged_K = sequence_flags(config, delta, mask, sequence_ids, sequence_sum)
     return None, mask & flagged_K[segments(mask, sequence_ids)]
 
 

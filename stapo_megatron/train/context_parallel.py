@@ -22,7 +22,7 @@ Legend: T = tokens of the whole packed row; t = T / CP tokens of one rank; c = c
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -103,6 +103,22 @@ def gather_row(values: torch.Tensor, cu_seqlens: torch.Tensor, cp_group: Optiona
     pieces = [torch.empty_like(values) for _ in range(dist.get_world_size(cp_group))]
     dist.all_gather(pieces, values.contiguous(), group=cp_group)
     return unsplit(pieces, cu_seqlens)
+
+
+def cp_sum(cp_group: Optional[dist.ProcessGroup]) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """The ``sequence_sum`` of the per-sequence statistics (``method.objective.SequenceSum``):
+    a tensor [N] over a micro-batch's sequences summed over ``cp_group``, whose ranks hold the
+    other chunks of the same sequences (None without CP). A collective; no gradient (it adds
+    counts and sums of constants: GRPO's |o_i|, the ``seq_mask`` correction's log-ratios)."""
+    if cp_group is None or dist.get_world_size(cp_group) == 1:
+        return None
+
+    def total(values: torch.Tensor) -> torch.Tensor:
+        out = values.detach().clone()
+        dist.all_reduce(out, group=cp_group)
+        return out
+
+    return total
 
 
 class _AllGatherSequence(torch.autograd.Function):

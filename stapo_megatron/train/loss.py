@@ -18,8 +18,15 @@ each sequence contributes its own mean token loss (``stapo_megatron.method.objec
 needs ``ref_logprob`` in the batch: the frozen reference's log-probs (``stapo_megatron.train.reference``).
 The loss function returns (sum of token losses, number of kept tokens, metrics); with
 ``calculate_per_token_loss=True`` Megatron's own ``finalize_model_grads`` all-reduces the token
-count over DP (after broadcasting it from the last pipeline stage) and scales the gradients by
+count over DP x CP (after broadcasting it from the last pipeline stage) and scales the gradients by
 its inverse, which is exactly that renormalisation.
+
+Context parallelism (``batch.cp_size > 1``): every token statistic above is per token or reduced
+over DP x CP, except what needs whole sequences, which `loss_func` sums per sequence over its
+``cp_group`` (``context_parallel.cp_sum``, counts and constants only, no gradient): GRPO's |o_i|
+(each CP rank adds sum over its kept tokens of l_t / |o_i|, the sequence count is counted on CP
+rank 0 only, as Megatron sums the integer normaliser over DP x CP) and the ``seq_mask``
+correction's per-sequence sum and count of log-ratios.
 
 Where tau_H (the mini-batch quantile of candidate entropies) comes from, ``tau_h_source``:
 
@@ -49,6 +56,7 @@ from stapo_megatron.method.objective import stapo_loss, token_objective
 from stapo_megatron.method.registry import get_method
 from stapo_megatron.method import rollout_correction as rc
 from stapo_megatron.train.batching import MicroBatch
+from stapo_megatron.train.context_parallel import cp_sum
 from stapo_megatron.train.loss_metrics import metric_sums
 from stapo_megatron.train.ops import vocab_parallel_logprob_entropy
 from stapo_megatron.train.packing import sequence_ids
@@ -75,17 +83,14 @@ def minibatch_threshold(
     return method.threshold(config, logprob, entropy, advantages, response_mask, dp_group)
 
 
-def check_context_parallel(config: LossConfig, cp_size: int) -> None:
-    """Refuse (ValueError) what needs whole sequences on one rank under context parallelism:
-    GRPO's per-sequence mean and the ``seq_mask`` correction's geometric-mean ratio."""
-    if cp_size == 1:
+def _check_cp_group(batch: MicroBatch, cp_group: Optional[dist.ProcessGroup]) -> None:
+    """A batch split over CP ranks needs their group, of that size (ValueError otherwise)."""
+    if batch.cp_size == 1:
         return
-    if get_method(config.method).loss_agg != "token_mean":
-        raise ValueError(f"loss.method={config.method!r} averages per sequence ({get_method(config.method).loss_agg}), "
-                         f"which context_parallel_size {cp_size} does not support (a sequence is split over ranks)")
-    if config.rollout_correction.mode == "seq_mask":
-        raise ValueError(f"loss.rollout_correction.mode='seq_mask' needs whole sequences; context_parallel_size "
-                         f"{cp_size} splits them (use 'icepop' or 'tis')")
+    size = 1 if cp_group is None else dist.get_world_size(cp_group)
+    if size != batch.cp_size:
+        raise ValueError(f"the micro-batch is split over {batch.cp_size} context-parallel ranks but loss_func's "
+                         f"cp_group has {size} (pass the CP group: Groups.cp)")
 
 
 def loss_func(
@@ -95,12 +100,16 @@ def loss_func(
     tp_group: Optional[dist.ProcessGroup],
     vocab_size: Optional[int],
     logits: torch.Tensor,
+    cp_group: Optional[dist.ProcessGroup] = None,
 ):
     """Megatron ``loss_func`` (last pipeline stage): returns (loss_sum, num_kept, metrics).
 
     ``batch`` needs ``old_logprob`` (``schedule.old_policy_pass``) and ``advantages``;
-    ``ref_logprob`` when ``kl_coef > 0``; ``seed`` for the random masks.
+    ``ref_logprob`` when ``kl_coef > 0``; ``seed`` for the random masks. ``cp_group``: the
+    context-parallel group a split batch (``batch.cp_size > 1``) is spread over (required then);
+    GRPO's sequence mean and the ``seq_mask`` correction add their per-sequence statistics over it.
     """
+    _check_cp_group(batch, cp_group)
     logprob, entropy = vocab_parallel_logprob_entropy(
         logits, batch.labels, tp_group=tp_group, temperature=config.temperature, vocab_size=vocab_size
     )
@@ -116,18 +125,22 @@ def loss_func(
     )
     # Rollout correction (verl's decoupled mode): rejected tokens leave the response mask, so the
     # loss and its normaliser; the truncated IS weight multiplies the clipped surrogate only.
-    check_context_parallel(config, batch.cp_size)
-    # a packed row's sequences (with CP: this rank's two chunks of each)
+    # a packed row's sequences (with CP: this rank's two chunks of each, their statistics summed
+    # over the CP group so that |o_i| and the geometric-mean ratio are the whole sequence's)
     seq_ids = sequence_ids(batch.cu_seqlens, batch.cp_size)[None] if batch.is_packed else None
+    seq_sum = cp_sum(cp_group) if batch.cp_size > 1 else None
     is_weight, rejected = rc.correction(config.rollout_correction, old_logprob, batch.rollout_logprob, response_mask,
-                                        seq_ids)
+                                        seq_ids, seq_sum)
     trained_mask = response_mask & ~rejected
-    # normaliser: kept tokens ("token_mean") or sequences with a kept token (GRPO's sequence mean)
+    # normaliser: kept tokens ("token_mean") or sequences with a kept token (GRPO's sequence
+    # mean), the latter counted on CP rank 0 only: Megatron sums it over DP x CP (an integer, so
+    # a 1/CP share per rank would not do), and every CP rank holds part of every sequence
     loss_sum, normaliser = stapo_loss(
         logprob, old_logprob, advantages, trained_mask, silenced,
         config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio_c,
         batch.ref_logprob, config.kl_coef, method.loss_agg, is_weight=is_weight,
-        sequence_ids=seq_ids,
+        sequence_ids=seq_ids, sequence_sum=seq_sum,
+        count_sequences=seq_sum is None or dist.get_rank(cp_group) == 0,
     )
     with torch.no_grad():
         _, is_clipped = token_objective(
@@ -156,6 +169,7 @@ def make_forward_step(
     threshold: Optional[torch.Tensor] = None,
     tp_group: Optional[dist.ProcessGroup] = None,
     vocab_size: Optional[int] = None,
+    cp_group: Optional[dist.ProcessGroup] = None,
 ) -> Callable:
     """A ``forward_step_func`` for ``get_forward_backward_func()`` with the STAPO loss.
 
@@ -171,10 +185,12 @@ def make_forward_step(
             random, the entropy cut for entropy20; ignored by methods without one).
         tp_group: the tensor-parallel group the output vocabulary is sharded over.
         vocab_size: the real vocabulary size if the output layer is padded (see ops).
+        cp_group: the context-parallel group of CP-split micro-batches (see `loss_func`).
     """
     if threshold is None:
         if get_method(config.method).needs_entropy:
             raise ValueError(f"method {config.method!r} needs the mini-batch threshold")
         threshold = torch.tensor(float("nan"))
 
-    return forward_step_func(lambda batch: partial(loss_func, config, batch, threshold, tp_group, vocab_size))
+    return forward_step_func(lambda batch: partial(loss_func, config, batch, threshold, tp_group, vocab_size,
+                                                   cp_group=cp_group))

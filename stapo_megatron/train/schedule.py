@@ -68,6 +68,11 @@ class PassContext:
         return self.groups.tp if self.groups is not None else None
 
     @property
+    def cp_group(self) -> Optional[dist.ProcessGroup]:
+        """The context-parallel group (None: no CP group), for losses with per-sequence statistics."""
+        return self.groups.cp if self.groups is not None else None
+
+    @property
     def is_last_stage(self) -> bool:
         return self.groups.is_last_stage if self.groups is not None else True
 

@@ -134,7 +134,8 @@ def policy_update(
     optimizer.zero_grad()
     losses_reduced = run_microbatches(
         ctx.model, microbatches, ctx.seq_length,
-        lambda batch: partial(loss_func, loss_config, batch, threshold, ctx.tp_group, ctx.vocab_size),
+        lambda batch: partial(loss_func, loss_config, batch, threshold, ctx.tp_group, ctx.vocab_size,
+                              cp_group=ctx.cp_group),
     )
     metrics = reduce_metrics(losses_reduced, threshold, groups.tokens, groups.pp, groups.pp_last_rank)
     # The optimizer step by hand (what MegatronOptimizer.step does) so that a NaN/Inf loss or

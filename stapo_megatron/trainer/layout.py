@@ -21,15 +21,13 @@ import torch.distributed as dist
 from stapo_megatron.config import TrainerConfig
 from stapo_megatron.rollout.base import generate_for_group
 from stapo_megatron.train.context_parallel import sequence_multiple
-from stapo_megatron.train.loss import check_context_parallel
 from stapo_megatron.train.parallel import Groups, init_parallel
 
 
 def init_groups(cfg: TrainerConfig, seed: int) -> Groups:
     """Initialise torch.distributed and Megatron's parallel state for ``cfg.model``'s layout,
-    after the checks that need no process group (ValueError naming the fields)."""
+    then check that the CP ranks can share the replica's prompts (ValueError naming the fields)."""
     m = cfg.model
-    check_context_parallel(cfg.loss, m.context_parallel_size)
     groups = init_parallel(
         m.tensor_model_parallel_size, m.pipeline_model_parallel_size, seed=seed,
         context_parallel_size=m.context_parallel_size, expert_model_parallel_size=m.expert_model_parallel_size,
