@@ -1,5 +1,6 @@
 """Tier b: the tiny Qwen3-MoE on 2 gloo processes. Megatron logits from a converted checkpoint
-equal transformers' at (TP, EP, expert-TP) = (2, 1, 2), (1, 2, 1), (2, 2, 1); a checkpoint
+equal transformers' at (TP, PP, EP, expert-TP) = (2, 1, 1, 2), (1, 1, 2, 1), (2, 1, 2, 1),
+(1, 2, 1, 1); a checkpoint
 Megatron saves at EP=2 loads at EP=1 (global expert index keys) with the same logits and
 exports back to the HF weights bit-exactly.
 """
@@ -16,8 +17,8 @@ from tests.dist_utils import run_distributed
 from tests.test_conversion_roundtrip import _assert_bit_exact
 
 VARIANT = "qwen3-moe"
-LAYOUTS = [(2, 1, 2), (1, 2, 1), (2, 2, 1)]
-"""(tensor, expert, expert-tensor) parallel sizes on 2 ranks."""
+LAYOUTS = [(2, 1, 1, 2), (1, 1, 2, 1), (2, 1, 2, 1), (1, 2, 1, 1)]
+"""(tensor, pipeline, expert, expert-tensor) parallel sizes on 2 ranks."""
 
 
 def _moe_worker(ckpt, tokens_BS, save_dir):
@@ -32,17 +33,18 @@ def _moe_worker(ckpt, tokens_BS, save_dir):
     def logits(model):
         model.eval()
         with torch.no_grad():
-            out = _megatron_forward(model, tokens_BS)
-        return out[..., : model.qwen_spec.vocab_size]
+            out = _megatron_forward(model, tokens_BS)  # every stage takes part; the last has logits
+        return None if out is None else out[..., : model.qwen_spec.vocab_size]
 
     out = {}
-    for tp, ep, etp in LAYOUTS:
-        init_parallel(tp, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    for layout in LAYOUTS:
+        tp, pp, ep, etp = layout
+        init_parallel(tp, pp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
         model = build_gpt_model(tiny_config(VARIANT), params_dtype=torch.float32, parallel_output=False)
-        out[(tp, ep, etp, "experts")] = len(model.decoder.layers[0].mlp.experts.local_experts)
+        out[layout + ("experts",)] = len(model.decoder.layers[0].mlp.experts.local_experts)
         load_checkpoint(model, ckpt)
-        out[(tp, ep, etp)] = logits(model)
-        if (tp, ep, etp) == (1, 2, 1):
+        out[layout] = logits(model)
+        if layout == (1, 1, 2, 1):
             # What a trainer does at EP=2: Megatron's own sharded save (each rank its 2 experts).
             if dist.get_rank() == 0:
                 os.makedirs(save_dir)
@@ -69,12 +71,15 @@ def test_moe_logits_equal_transformers_across_tp_ep_and_reshard(tmp_path):
     results = run_distributed(2, _moe_worker, ckpt, tokens_BS, saved)
     scale = max(1.0, ref.abs().max().item())
     for rank, r in enumerate(results):
-        for tp, ep, etp in LAYOUTS:
-            assert r[(tp, ep, etp, "experts")] == 4 // ep
-            diff = (r[(tp, ep, etp)] - ref).abs().max().item()
+        for layout in LAYOUTS:
+            assert r[layout + ("experts",)] == 4 // layout[2]
+            if r[layout] is None:  # first pipeline stage: no logits
+                assert layout[1] == 2 and rank == 0
+                continue
+            diff = (r[layout] - ref).abs().max().item()
             # Same function, different kernels and reduction orders: fp32 ulps (verify.py).
-            assert diff <= FP32_LOGIT_TOL * scale, (rank, tp, ep, etp, diff)
-            assert torch.equal(r[(tp, ep, etp)].argmax(-1), ref.argmax(-1))
+            assert diff <= FP32_LOGIT_TOL * scale, (rank, layout, diff)
+            assert torch.equal(r[layout].argmax(-1), ref.argmax(-1))
         diff = (r["resumed_ep1"] - ref).abs().max().item()
         assert diff <= FP32_LOGIT_TOL * scale, (rank, "resumed at EP=1", diff)
     # The EP=2 save holds every expert at its global index: it exports to the original weights.
