@@ -68,7 +68,7 @@ def test_qwen3_head_dim_differs_from_hidden_over_heads():
     assert s.kv_channels == 32 and s.hidden_size // s.num_attention_heads == 16
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"])
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM"])
 def test_unsupported_architecture_lists_supported(arch):
     cfg = {**QWEN3_14B, "architectures": [arch]}
     with pytest.raises(ValueError, match="unsupported architecture") as e:

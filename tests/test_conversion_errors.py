@@ -49,11 +49,11 @@ def _edit_config(hf_dir, **changes):
         json.dump(cfg, f)
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3MoeForCausalLM"])
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2MoeForCausalLM"])
 def test_unsupported_architecture(capsys, hf, tmp_path, arch):
     _edit_config(hf, architectures=[arch])
     _fails(capsys, ["hf-to-mcore", "--hf-dir", hf, "--out", str(tmp_path / "out")],
-           f"unsupported architecture ['{arch}']", "Qwen2ForCausalLM, Qwen3ForCausalLM")
+           f"unsupported architecture ['{arch}']", "Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM")
     assert not os.path.exists(tmp_path / "out")
 
 

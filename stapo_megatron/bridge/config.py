@@ -4,9 +4,17 @@ This module is the one place that reads an HF Qwen ``config.json``. Every field 
 the computation is mapped explicitly; Megatron's defaults are never relied on because several
 differ from Qwen (layernorm eps 1e-5 vs 1e-6, rotary base 10000 vs 1e6, dropout 0.1 vs 0).
 
-Supported: ``Qwen2ForCausalLM`` (Qwen2, Qwen2.5: qkv bias, no q/k norm) and
+Supported: ``Qwen2ForCausalLM`` (Qwen2, Qwen2.5: qkv bias, no q/k norm),
 ``Qwen3ForCausalLM`` (dense Qwen3: q/k RMSNorm, no bias, head_dim may differ from
-hidden_size / num_attention_heads). Tied and untied embeddings.
+hidden_size / num_attention_heads) and ``Qwen3MoeForCausalLM`` (Qwen3 attention, every MLP a
+mixture of routed experts: softmax router, top-k, optional top-k renormalisation, no shared
+expert). Tied and untied embeddings.
+
+MoE routing equivalence (HF ``Qwen3MoeTopKRouter`` vs Megatron ``topk_softmax_with_capacity``):
+HF takes softmax over all expert logits, keeps the top k and, with ``norm_topk_prob``, divides
+them by their sum. Renormalised top-k softmax probabilities equal a softmax over the top-k
+logits, which is Megatron's ``moe_router_pre_softmax=False``; without renormalisation HF's
+weights are the raw top-k of the full softmax, Megatron's ``moe_router_pre_softmax=True``.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 """HF ``architectures`` entries this bridge converts (Qwen2.5 checkpoints use Qwen2ForCausalLM)."""
 
 DEFAULT_VOCAB_DIVISOR = 128
@@ -137,7 +145,8 @@ def _rope_theta(cfg: dict) -> float:
     return float(theta)
 
 
-ARCHITECTURE_OF_MODEL_TYPE = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURE_OF_MODEL_TYPE = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                              "qwen3_moe": "Qwen3MoeForCausalLM"}
 """The architecture of a config without ``architectures`` (saved from a bare ``PretrainedConfig``
 or edited by hand), from its ``model_type``, as transformers' AutoModelForCausalLM resolves it."""
 
@@ -161,12 +170,45 @@ def check_architecture(hf_config: Union[Mapping[str, Any], Any]) -> str:
     return _architecture(_as_dict(hf_config))
 
 
+def _moe_fields(cfg: dict) -> dict:
+    """QwenSpec's MoE fields of a Qwen3MoeForCausalLM config; ValueError naming the field for a
+    variant the Megatron MoE layer here would not reproduce."""
+    # transformers 5 saves ``num_local_experts`` (``num_experts`` is its attribute alias); the
+    # released Qwen3-MoE checkpoints spell it ``num_experts``.
+    names = [n for n in ("num_experts", "num_local_experts") if cfg.get(n) is not None]
+    values = {cfg[n] for n in names}
+    if not names:
+        raise ValueError("Qwen3MoeForCausalLM config has neither num_experts nor num_local_experts")
+    if len(values) > 1:
+        raise ValueError(f"num_experts {cfg['num_experts']} and num_local_experts {cfg['num_local_experts']} differ")
+    if cfg.get("shared_expert_intermediate_size"):
+        raise ValueError(f"shared_expert_intermediate_size {cfg['shared_expert_intermediate_size']} is not "
+                         "supported (no shared expert in the Megatron MoE layer built here)")
+    if int(cfg.get("decoder_sparse_step", 1)) != 1:
+        raise ValueError(f"decoder_sparse_step {cfg['decoder_sparse_step']} is not supported "
+                         "(only every layer a MoE layer, decoder_sparse_step=1)")
+    if cfg.get("mlp_only_layers"):
+        raise ValueError(f"mlp_only_layers {cfg['mlp_only_layers']} is not supported (mixed dense/MoE layers)")
+    for field, supported in (("scoring_func", "softmax"), ("topk_method", "greedy")):
+        if cfg.get(field, supported) != supported:  # DeepSeek-style router fields
+            raise ValueError(f"{field} {cfg[field]!r} is not supported (Qwen3-MoE's router: {supported!r})")
+    num_experts, topk = int(values.pop()), int(cfg["num_experts_per_tok"])
+    if not 1 <= topk <= num_experts:
+        raise ValueError(f"num_experts_per_tok {topk} must be in [1, num_experts {num_experts}]")
+    return dict(num_moe_experts=num_experts, moe_router_topk=topk,
+                moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]),
+                # transformers' Qwen3MoeConfig defaults norm_topk_prob to False; the released
+                # checkpoints set it True.
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                moe_aux_loss_coeff=float(cfg.get("router_aux_loss_coef", 0.001)))
+
+
 def spec_from_hf_config(hf_config: Union[Mapping[str, Any], Any]) -> QwenSpec:
-    """Map an HF Qwen2/Qwen3 config (dict or PretrainedConfig) to a `QwenSpec`.
+    """Map an HF Qwen2/Qwen3/Qwen3-MoE config (dict or PretrainedConfig) to a `QwenSpec`.
 
     Raises ValueError for architectures or features the Megatron GPTModel here does not
-    reproduce exactly (other models, MoE, scaled RoPE, sliding windows, non-SiLU MLPs,
-    Qwen3 output-projection bias).
+    reproduce exactly (other models, scaled RoPE, sliding windows, non-SiLU MLPs, Qwen3
+    output-projection bias; for MoE shared experts, mixed dense/MoE layers, other routers).
     """
     cfg = _as_dict(hf_config)
     arch = _architecture(cfg)
@@ -182,12 +224,14 @@ def spec_from_hf_config(hf_config: Union[Mapping[str, Any], Any]) -> QwenSpec:
         if cfg.get("attention_bias", False):
             # Qwen3's attention_bias also adds an o_proj bias, which Megatron can only express
             # with add_bias_linear (which would add MLP biases too).
-            raise ValueError("Qwen3 with attention_bias=True is not supported (o_proj bias)")
+            raise ValueError(f"{arch} with attention_bias=True is not supported (o_proj bias)")
         qkv_bias, qk_norm = False, True
+    moe = _moe_fields(cfg) if arch == "Qwen3MoeForCausalLM" else {}
     return QwenSpec(
         architecture=arch,
         num_layers=int(cfg["num_hidden_layers"]),
         hidden_size=int(cfg["hidden_size"]),
+        # MoE: the dense width is unused (every layer is MoE) but kept for the record.
         ffn_hidden_size=int(cfg["intermediate_size"]),
         num_attention_heads=heads,
         num_query_groups=int(cfg.get("num_key_value_heads") or heads),
@@ -201,19 +245,29 @@ def spec_from_hf_config(hf_config: Union[Mapping[str, Any], Any]) -> QwenSpec:
         qk_layernorm=qk_norm,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         init_method_std=float(cfg.get("initializer_range", 0.02)),
+        **moe,
     )
 
 
-def check_parallel_sizes(spec: QwenSpec, tensor_model_parallel_size: int, pipeline_model_parallel_size: int = 1) -> None:
-    """Raise ValueError unless the model can be split at this TP/PP size."""
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    for name, value in (
-        ("num_attention_heads", spec.num_attention_heads),
-        ("num_query_groups (num_key_value_heads)", spec.num_query_groups),
-        ("ffn_hidden_size (intermediate_size)", spec.ffn_hidden_size),
-    ):
-        if value % tp:
-            raise ValueError(f"tensor_model_parallel_size {tp} does not divide {name} {value}")
+def check_parallel_sizes(spec: QwenSpec, tensor_model_parallel_size: int, pipeline_model_parallel_size: int = 1,
+                         expert_model_parallel_size: int = 1, expert_tensor_parallel_size: Optional[int] = None) -> None:
+    """Raise ValueError unless the model can be split at this TP/PP (and, for MoE, EP/expert-TP)
+    size. ``expert_tensor_parallel_size`` None means equal to TP (megatron-core's default)."""
+    tp, pp, ep = tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size
+    etp = tp if expert_tensor_parallel_size is None else expert_tensor_parallel_size
+    checks = [(tp, "tensor_model_parallel_size", "num_attention_heads", spec.num_attention_heads),
+              (tp, "tensor_model_parallel_size", "num_query_groups (num_key_value_heads)", spec.num_query_groups)]
+    if spec.is_moe:
+        checks += [(ep, "expert_model_parallel_size", "num_moe_experts (num_experts)", spec.num_moe_experts),
+                   (etp, "expert_tensor_parallel_size", "moe_ffn_hidden_size (moe_intermediate_size)",
+                    spec.moe_ffn_hidden_size)]
+    else:
+        checks.append((tp, "tensor_model_parallel_size", "ffn_hidden_size (intermediate_size)", spec.ffn_hidden_size))
+        if ep != 1:
+            raise ValueError(f"expert_model_parallel_size {ep} needs a MoE model; {spec.architecture} is dense")
+    for size, size_name, name, value in checks:
+        if value % size:
+            raise ValueError(f"{size_name} {size} does not divide {name} {value}")
     if spec.num_layers % pp:
         raise ValueError(f"pipeline_model_parallel_size {pp} does not divide num_layers {spec.num_layers}")
 
@@ -285,6 +339,34 @@ def fused_kernel_settings(use_te: bool, cuda: Optional[bool] = None,
     )
 
 
+def moe_settings(spec: QwenSpec, use_te: bool) -> dict:
+    """TransformerConfig's MoE fields for a Qwen3-MoE spec (Megatron-Bridge's Qwen3 MoE provider
+    uses the same router settings).
+
+    Routing: see the module docstring (``moe_router_pre_softmax = not norm_topk_prob``).
+    Aux loss: megatron-core's per-layer switch load-balancing loss with HF's coefficient. It is
+    HF's ``load_balancing_loss_func`` of that layer divided by top-k (Megatron normalises the
+    expert counts by tokens x top-k, HF by tokens); HF pools all layers into one loss and adds
+    it only with ``output_router_logits=True``. Dispatcher: "alltoall" (all_to_all_single,
+    which gloo implements with uneven splits; the "allgather" dispatcher reduce-scatters, which
+    gloo does not). Grouped GEMM: transformer-engine's grouped linear, only with the TE spec.
+    """
+    return dict(
+        num_moe_experts=spec.num_moe_experts,
+        moe_router_topk=spec.moe_router_topk,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not spec.norm_topk_prob,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=spec.moe_aux_loss_coeff,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=use_te,
+        moe_shared_expert_intermediate_size=None,
+        moe_router_enable_expert_bias=False,
+        moe_expert_capacity_factor=None,  # dropless, as HF
+    )
+
+
 def transformer_config_from_spec(
     spec: QwenSpec,
     tensor_model_parallel_size: int = 1,
@@ -299,11 +381,15 @@ def transformer_config_from_spec(
     `use_transformer_engine`); it decides which fused kernels are switched on.
     ``overrides`` are passed to TransformerConfig last (e.g. recompute or sequence-parallel
     settings of a training recipe); they must not change the architecture.
+    For a MoE spec the expert-parallel sizes come in ``overrides``
+    (``expert_model_parallel_size``, ``expert_tensor_parallel_size``) and are checked here.
     """
     from megatron.core.transformer import TransformerConfig
 
-    check_parallel_sizes(spec, tensor_model_parallel_size, pipeline_model_parallel_size)
+    check_parallel_sizes(spec, tensor_model_parallel_size, pipeline_model_parallel_size,
+                         overrides.get("expert_model_parallel_size", 1), overrides.get("expert_tensor_parallel_size"))
     on_gpu = torch.cuda.is_available()
+    use_te = use_transformer_engine(use_te)
     kwargs = dict(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -328,7 +414,9 @@ def transformer_config_from_spec(
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=not on_gpu,
-        **fused_kernel_settings(use_transformer_engine(use_te)),
+        **fused_kernel_settings(use_te),
     )
+    if spec.is_moe:
+        kwargs.update(moe_settings(spec, use_te))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)

@@ -41,12 +41,25 @@ def layer_spec(spec: QwenSpec, use_te: Optional[bool] = None, core_attention: Op
     names), so a checkpoint is interchangeable between them. ``core_attention`` picks the
     local spec's attention kernel (CORE_ATTENTIONS; None = `default_core_attention`); the TE
     spec always uses TE's own.
+
+    MoE (``spec.is_moe``): every layer's MLP is Megatron's MoELayer (router + experts), with
+    transformer-engine's grouped-GEMM experts under the TE spec and ``SequentialMLP`` (one
+    ColumnParallel/RowParallel MLP per local expert, runs on the CPU) under the local spec. The
+    MoE layer has its own pre-MLP norm in both specs; its checkpoint key is the TE spelling
+    ``pre_mlp_layernorm.weight`` (the local spec's key map would file it under
+    ``mlp.linear_fc1.layer_norm_weight``, a name the TE MoE layer does not have).
     """
     from megatron.core.models.gpt import gpt_layer_specs
 
+    num_experts = spec.num_moe_experts
     if use_transformer_engine(use_te):
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
-    layer = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=spec.is_moe, qk_layernorm=spec.qk_layernorm)
+    layer = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                                     qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
+    if spec.is_moe:
+        layer.submodules.sharded_state_dict_keys_map = {
+            k: v for k, v in layer.submodules.sharded_state_dict_keys_map.items() if k != "pre_mlp_layernorm."}
     use_torch_norm(layer)  # sequence parallelism without transformer-engine (bridge/norm.py)
     core_attention = core_attention or default_core_attention()
     if core_attention not in CORE_ATTENTIONS:
@@ -103,9 +116,16 @@ def build_gpt_model(
 
     cpu_compat.apply()
     spec = hf_config if isinstance(hf_config, QwenSpec) else spec_from_hf_config(hf_config)
+    if spec.is_moe:
+        cpu_compat.define_missing_te_names()
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     use_te = use_transformer_engine(use_te)
+    if spec.is_moe:
+        # The expert layout is the one the parallel state was built with (init_parallel).
+        config_overrides = {"expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
+                            "expert_tensor_parallel_size": ps.get_expert_tensor_parallel_world_size(),
+                            **config_overrides}
     config = transformer_config_from_spec(spec, tp, pp, params_dtype, use_te=use_te, **config_overrides)
     vocab = padded_vocab_size(spec.vocab_size, tp, make_vocab_size_divisible_by)
     model = GPTModel(

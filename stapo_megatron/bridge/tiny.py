@@ -32,7 +32,18 @@ TINY_CONFIGS = {
                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=300,
                        tie_word_embeddings=True, attention_bias=False,
                        rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"}),
+    # Qwen3-MoE (as Qwen3-30B-A3B: every layer MoE, renormalised top-k, no shared expert): 4 experts
+    # (EP=2 gives 2 per rank), top-2, expert width 32 (expert-TP=2), untied; saved with the
+    # released checkpoints' ``num_experts`` spelling and per-expert gate/up/down tensors.
+    "qwen3-moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=64,
+                      intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                      norm_topk_prob=True, router_aux_loss_coef=0.001, decoder_sparse_step=1, mlp_only_layers=[],
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=300,
+                      tie_word_embeddings=False, attention_bias=False,
+                      rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"}),
 }
+
+_CONFIG_CLASSES = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig"}
 
 
 def tiny_config(variant: str) -> dict:
@@ -47,21 +58,22 @@ def save_tiny_hf_model(path: str, variant: str, dtype: torch.dtype = torch.bfloa
     """Build a tiny transformers model with O(1) logits and save it with ``save_pretrained``.
 
     HF's initializer_range=0.02 would make every logit ~0 and top-1 comparisons meaningless, so
-    weights are redrawn at unit scale: matrices N(0, 1/fan_in), norms 1 + N(0, 0.1^2), biases
-    N(0, 0.1^2).
+    weights are redrawn at unit scale: matrices (and transformers-5's stacked expert tensors)
+    N(0, 1/fan_in), norms 1 + N(0, 0.1^2), biases N(0, 0.1^2). The router is a matrix too, so
+    routing logits are O(1) and top-k choices are not ties.
     """
     import transformers
 
     cfg_dict = tiny_config(variant)
-    config_cls = transformers.Qwen2Config if cfg_dict["model_type"] == "qwen2" else transformers.Qwen3Config
+    config_cls = getattr(transformers, _CONFIG_CLASSES[cfg_dict["model_type"]])
     config = config_cls(**{k: v for k, v in cfg_dict.items() if k not in ("architectures", "model_type")})
     config.architectures = cfg_dict["architectures"]
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.ndim == 2:
-                p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))  # embeddings too: tied logits stay O(1)
+            if p.ndim >= 2:
+                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))  # embeddings too: tied logits stay O(1)
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.1)
             else:

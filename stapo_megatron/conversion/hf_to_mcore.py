@@ -46,12 +46,15 @@ META_NAME = "stapo_conversion.json"
 """Conversion record inside a converted checkpoint."""
 # Linear modules of the local layer spec; each carries an (empty) `_extra_state` ShardedObject.
 _LINEAR_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+_EXPERT_LINEAR_MODULES = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
 
 
 # config.json fields spec_from_hf_config reads as integers: required, and optional (null allowed).
 _INT_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size",
                "max_position_embeddings")
 _OPTIONAL_INT_FIELDS = ("num_key_value_heads", "head_dim")
+_MOE_INT_FIELDS = ("moe_intermediate_size", "num_experts_per_tok")
+_MOE_EXPERT_FIELDS = ("num_experts", "num_local_experts")  # either spelling (bridge/config.py)
 
 
 def load_spec(hf_dir: str) -> tuple[dict, QwenSpec]:
@@ -65,12 +68,19 @@ def load_spec(hf_dir: str) -> tuple[dict, QwenSpec]:
     if not isinstance(cfg, dict):
         raise ValueError(f"{path}: not a JSON object")
     try:
-        check_architecture(cfg)
+        arch = check_architecture(cfg)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
-    for field in _INT_FIELDS + _OPTIONAL_INT_FIELDS:
+    optional = _OPTIONAL_INT_FIELDS
+    required = _INT_FIELDS
+    if arch == "Qwen3MoeForCausalLM":
+        required += _MOE_INT_FIELDS
+        optional += _MOE_EXPERT_FIELDS
+        if all(cfg.get(f) is None for f in _MOE_EXPERT_FIELDS):
+            raise ValueError(f"{path}: required field 'num_experts' (or 'num_local_experts') is missing")
+    for field in required + optional:
         value = cfg.get(field)
-        if value is None and field in _OPTIONAL_INT_FIELDS:
+        if value is None and field in optional:
             continue
         if field not in cfg:
             raise ValueError(f"{path}: required field {field!r} is missing")
@@ -145,14 +155,15 @@ def _merged_qkv(infos: list[TensorInfo], names: list[str], spec: QwenSpec) -> to
 
 
 def plan_chunks(spec: QwenSpec, infos: dict[str, TensorInfo], padded_vocab: int, dtype: torch.dtype) -> list[Chunk]:
-    """The Megatron checkpoint as chunks of HF tensors, in mapping-table order."""
+    """The Megatron checkpoint as chunks of HF tensors, in mapping-table order. Per-layer
+    tensors have a leading layer axis, per-expert tensors (MoE) leading (layer, global expert)
+    axes, as megatron-core's sharded state dict keys them."""
     chunks = []
     for m in mappings_for(spec):
         shape = megatron_shape(m, spec, padded_vocab)
-        global_shape = ((spec.num_layers,) if m.per_layer else ()) + shape
-        for layer in range(spec.num_layers) if m.per_layer else [None]:
-            lead = () if layer is None else (layer,)
-            names = m.hf_names(layer)
+        global_shape = m.checkpoint_lead(spec) + shape
+        for lead in m.indices(spec):
+            names = m.hf_names(*lead)
             srcs = [infos[n] for n in names]
             key = m.checkpoint_key
             if m.transform == "qkv":
@@ -199,10 +210,18 @@ def failed_writes_named(out: str) -> Iterator[None]:
 
 
 def extra_state_objects(spec: QwenSpec) -> list[BytesObject]:
-    """The `_extra_state` ShardedObjects megatron-core writes for local-spec linears (value [None])."""
+    """The `_extra_state` ShardedObjects megatron-core writes for local-spec linears (value [None]),
+    keyed as ``ShardedObject.unique_key``: ``<key>/shard_<offsets>_<shape>`` (dot-joined), with
+    (layer, global expert) offsets for the experts' linears."""
     L = spec.num_layers
-    return [BytesObject(f"{LAYER_PREFIX}{mod}._extra_state/shard_{layer}_{L}", [None])
-            for mod in _LINEAR_MODULES for layer in range(L)]
+    objects = [BytesObject(f"{LAYER_PREFIX}{mod}._extra_state/shard_{layer}_{L}", [None])
+               for mod in _LINEAR_MODULES[:2] for layer in range(L)]
+    if not spec.is_moe:
+        return objects + [BytesObject(f"{LAYER_PREFIX}{mod}._extra_state/shard_{layer}_{L}", [None])
+                          for mod in _LINEAR_MODULES[2:] for layer in range(L)]
+    E = spec.num_moe_experts
+    return objects + [BytesObject(f"{LAYER_PREFIX}{mod}._extra_state/shard_{layer}.{e}_{L}.{E}", [None])
+                      for mod in _EXPERT_LINEAR_MODULES for layer in range(L) for e in range(E)]
 
 
 def convert_hf_to_mcore(

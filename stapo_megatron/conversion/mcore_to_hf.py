@@ -87,7 +87,7 @@ def check_stored(spec: QwenSpec, stored: dict, padded_vocab_hint: int) -> None:
                 f"checkpoint tensor {m.checkpoint_key} has dtype {stored_dtype}; weights must be floating-point"
             )
         got = tuple(stored[m.checkpoint_key].size)
-        want = ((spec.num_layers,) if m.per_layer else ()) + megatron_shape(m, spec, padded_vocab_hint)
+        want = m.checkpoint_lead(spec) + megatron_shape(m, spec, padded_vocab_hint)
         if m.transform == "vocab":
             if got[1:] != want[1:] or got[0] < spec.vocab_size:
                 raise ValueError(
@@ -98,12 +98,14 @@ def check_stored(spec: QwenSpec, stored: dict, padded_vocab_hint: int) -> None:
             raise ValueError(f"checkpoint tensor {m.checkpoint_key} has shape {got} but the config implies {want}")
 
 
-def _read_layer(reader: CheckpointReader, m: ParamMapping, layer: int, shape: tuple, row0: int = 0,
+def _read_layer(reader: CheckpointReader, m: ParamMapping, lead: tuple, shape: tuple, row0: int = 0,
                 rows: Optional[int] = None) -> torch.Tensor:
-    """Rows ``[row0, row0 + rows)`` of one layer's slice of a layer-stacked tensor."""
+    """Rows ``[row0, row0 + rows)`` of one layer's (or one layer's one expert's, ``lead`` =
+    (layer, expert)) slice of a layer-stacked tensor."""
     rows = shape[0] - row0 if rows is None else rows
-    offsets = (layer, row0) + (0,) * (len(shape) - 1)
-    return reader.read({m.checkpoint_key: (offsets, (1, rows) + shape[1:])})[m.checkpoint_key][0]
+    offsets = lead + (row0,) + (0,) * (len(shape) - 1)
+    region = reader.read({m.checkpoint_key: (offsets, (1,) * len(lead) + (rows,) + shape[1:])})[m.checkpoint_key]
+    return region.reshape((rows,) + shape[1:])
 
 
 def _row_blocks(reader: CheckpointReader, key: str, rows: int, row_shape: tuple) -> Iterator[torch.Tensor]:
@@ -115,23 +117,24 @@ def _row_blocks(reader: CheckpointReader, key: str, rows: int, row_shape: tuple)
         yield reader.read({key: ((lo,) + (0,) * len(row_shape), (hi - lo,) + row_shape)})[key]
 
 
-def hf_tensors(reader: CheckpointReader, m: ParamMapping, layer: Optional[int],
+def hf_tensors(reader: CheckpointReader, m: ParamMapping, lead: tuple,
                spec: QwenSpec) -> list[tuple[str, Iterator[torch.Tensor]]]:
-    """The HF tensors of one mapping row (one layer), each as an iterator of contiguous pieces
+    """The HF tensors of one mapping row at one index ``lead`` (``()``, ``(layer,)`` or
+    ``(layer, expert)``, see `ParamMapping.indices`), each as an iterator of contiguous pieces
     whose concatenation along dim 0 is the tensor (so no piece is copied to be written)."""
-    names = m.hf_names(layer)
+    names = m.hf_names(*lead)
     if m.per_layer:
         shape = megatron_shape(m, spec, spec.vocab_size)
         if m.transform == "qkv":
-            full = _read_layer(reader, m, layer, shape)
+            full = _read_layer(reader, m, lead, shape)
             parts = split_qkv_pieces(full, spec.num_attention_heads, spec.num_query_groups, spec.kv_channels)
         elif m.transform == "gate_up":
             # Stored in the TP=1 layout [gate; up]; reading the halves separately matches the
             # chunks hf-to-mcore writes (one read each instead of a read into a merged buffer).
             ffn = shape[0] // 2
-            parts = [[_read_layer(reader, m, layer, shape, 0, ffn)], [_read_layer(reader, m, layer, shape, ffn, ffn)]]
+            parts = [[_read_layer(reader, m, lead, shape, 0, ffn)], [_read_layer(reader, m, lead, shape, ffn, ffn)]]
         else:
-            parts = [[_read_layer(reader, m, layer, shape)]]
+            parts = [[_read_layer(reader, m, lead, shape)]]
         return [(n, iter(p)) for n, p in zip(names, parts)]
     shape = hf_shapes(spec)[names[0]]
     # Vocabulary rows beyond vocab_size are Megatron's padding; they are simply not read.
@@ -187,8 +190,8 @@ def convert_mcore_to_hf(
     dtype = dtype or stored["embedding.word_embeddings.weight"].properties.dtype
     itemsize = torch.empty((), dtype=dtype).element_size()
     shapes = hf_shapes(spec)
-    jobs = [(m, layer) for m in mappings_for(spec) for layer in (range(spec.num_layers) if m.per_layer else [None])]
-    order = [n for m, layer in jobs for n in m.hf_names(layer)]
+    jobs = [(m, lead) for m in mappings_for(spec) for lead in m.indices(spec)]
+    order = [n for m, lead in jobs for n in m.hf_names(*lead)]
     shards = _shard_plan([(n, dtype, shapes[n]) for n in order], max_shard_bytes)
     files = [SINGLE_NAME] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
@@ -197,8 +200,8 @@ def convert_mcore_to_hf(
     with staged_output(out, overwrite, inputs) as tmp:
         writers = iter([(f, shard) for f, shard in zip(files, shards)])
         writer, remaining = None, 0
-        for m, layer in jobs:
-            for name, blocks in hf_tensors(reader, m, layer, spec):
+        for m, lead in jobs:
+            for name, blocks in hf_tensors(reader, m, lead, spec):
                 if remaining == 0:
                     if writer is not None:
                         writer.close()

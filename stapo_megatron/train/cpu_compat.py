@@ -36,6 +36,13 @@ _CUDA_ALLOCATING_MODULES = (
     "megatron.core.distributed.param_and_grad_buffer",  # warm-up tensor on "cuda"
     "megatron.core.tensor_parallel.data",  # broadcast_data size tensor on "cuda"
     "megatron.core.utils",  # local_multi_tensor_l2_norm (no TE/apex) returns a "cuda" tensor
+    # MoE (0.16.1 and 0.19.2): the alltoall dispatcher creates a device-to-host copy stream
+    # (token_dispatcher.py MoEAlltoAllTokenDispatcher.__init__ ``torch.cuda.Stream()``) and runs
+    # its split-size copies on it (``_maybe_dtoh_and_synchronize``: current_stream, stream(),
+    # record_event, event.synchronize); moe_utils.py ``save_to_aux_losses_tracker`` allocates
+    # the per-layer aux-loss tracker on "cuda".
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.moe_utils",
 )
 
 _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_like")
@@ -49,6 +56,16 @@ def _cpu_device(device):
     return device
 
 
+class _NullEvent:
+    """An event on the CPU's one stream: already complete."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+
 class _NullStream:
     """The CPU's one "stream": every operation is already ordered, so waits and records do nothing."""
 
@@ -59,10 +76,13 @@ class _NullStream:
         pass
 
     def record_event(self, event=None):
-        return event
+        return _NullEvent() if event is None else event
 
     def synchronize(self) -> None:
         pass
+
+
+_NULL_STREAM = _NullStream()
 
 
 class _CpuCuda(types.ModuleType):
@@ -74,7 +94,13 @@ class _CpuCuda(types.ModuleType):
         super().__init__("torch.cuda")
 
     def current_stream(self, device=None) -> _NullStream:
-        return _NullStream()
+        return _NULL_STREAM
+
+    def Stream(self, *args, **kwargs) -> _NullStream:  # noqa: N802 (torch.cuda's spelling)
+        return _NULL_STREAM
+
+    def stream(self, stream=None) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
@@ -212,3 +238,22 @@ class _CpuTorchCudaSeed(_CpuTorch):
                 CUDAGraph=torch.cuda.CUDAGraph,
             )
         return super().__getattr__(name)
+
+
+def define_missing_te_names() -> None:
+    """megatron-core 0.16.1 ``transformer/moe/moe_utils.py`` imports ``te_general_gemm`` (and the
+    fused MoE kernels) only when transformer-engine imports, yet the router's
+    ``RouterGatingLinearFunction`` tests ``te_general_gemm is not None`` unconditionally: without
+    transformer-engine (the CPU, or a GPU with a plain pip install) every MoE forward fails with
+    NameError. 0.19.2 binds the names to None in that case; this does the same for 0.16.1.
+    Not a CUDA shim, so it is applied with or without CUDA (by `bridge.model.build_gpt_model`
+    for MoE models), and only fills names that are missing."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if getattr(moe_utils, "HAVE_TE", True):
+        return
+    for name in ("te_general_gemm", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+                 "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
+                 "fused_topk_with_score_function", "fused_unpermute"):
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
