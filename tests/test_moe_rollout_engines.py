@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from tests.moe_utils import save_tiny_moe
+from stapo_megatron.bridge.tiny import save_tiny_hf_model
 
 LOGPROB_ATOL = 1e-4
 """Absolute per-token tolerance between engines, both fp32: vLLM's and HF's attention, RMSNorm
@@ -25,7 +25,7 @@ PROMPTS = [[5, 17, 200, 3], [42] * 6, [1, 2, 3, 4, 5, 6, 7, 8, 9]]
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("moe") / "hf")
-    save_tiny_moe(path, seed=0)
+    save_tiny_hf_model(path, "qwen3-moe", dtype=torch.float32, seed=0)
     return path
 
 

@@ -1,0 +1,95 @@
+"""Tier b: the streamed weight sync of a Qwen3-MoE policy at EP=2, and the routing disagreement.
+
+Two gloo ranks build the tiny Qwen3-MoE (4 experts, top-2) as a Megatron GPTModel with expert
+parallelism 2 (2 local experts per rank, each rank's drawn from its own generator, so a wrong
+local -> global expert index shows) and random weights B; each rank holds an `HFEngine` loaded
+with weights A and syncs B into it. Then per rank:
+
+- the engine's log-probs of fixed sequences equal Megatron's (LOGPROB_ATOL; before the sync
+  they differ by O(1)), so every expert, router and norm arrived under the right name;
+- the engine's samples carry the routes it generated with, and `routing_counts` (a Megatron
+  pass with router hooks, summed over both ranks) finds no (token, layer) whose top-2 set
+  differs: both sides are fp32 and the router logits of random O(1) weights are far apart
+  compared with the ~1e-6 kernel differences.
+"""
+
+import math
+
+import pytest
+import torch
+
+from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
+from tests.dist_utils import run_distributed
+
+LOGPROB_ATOL = 1e-4
+"""Per token, fp32 on both sides (HF's eager experts and SDPA vs Megatron's SequentialMLP and
+local spec round differently, ~1e-6); a swapped expert or gate/up moves log-probs by O(0.1)."""
+
+VARIANT = "qwen3-moe"
+PROMPTS = [[5, 17, 200, 3], [42] * 6]
+
+
+def randomize_experts(model, seed: int) -> None:
+    """O(1)-logit weights (matrices N(0, 1/fan_in), norms 1 + N(0, 0.1^2)): expert parameters
+    from a generator of this EP rank, every other parameter alike on all ranks (EP is carved
+    out of DP, whose replicas must agree)."""
+    from megatron.core import parallel_state as ps
+
+    shared = torch.Generator().manual_seed(seed)
+    own = torch.Generator().manual_seed(seed + 1000 * (1 + ps.get_expert_model_parallel_rank()))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            gen = own if ".experts." in name else shared
+            if p.ndim == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+            else:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+
+
+def _ep2_worker(hf_dir: str, tokens_BS: torch.Tensor) -> dict:
+    import torch.distributed as dist
+
+    from stapo_megatron.bridge import build_gpt_model
+    from stapo_megatron.rollout.config import RolloutConfig
+    from stapo_megatron.rollout.hf_engine import HFEngine
+    from stapo_megatron.rollout.weight_sync import sync_weights
+    from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.trainer.routing import routing_counts
+    from tests.test_rollout_engine import megatron_logprobs
+    from tests.test_rollout_hf_engine import hf_logprobs
+
+    groups = init_parallel(1, 1, expert_model_parallel_size=2)
+    model = build_gpt_model(tiny_config(VARIANT), params_dtype=torch.float32)
+    randomize_experts(model, seed=5)
+    model.eval()
+    engine = HFEngine(hf_dir, RolloutConfig(dtype="float32", return_routed_experts=True))
+    before = hf_logprobs(engine, tokens_BS)
+    stats = sync_weights(model, tiny_config(VARIANT), groups, engine)
+    after = hf_logprobs(engine, tokens_BS)
+    megatron = megatron_logprobs(model, tokens_BS, groups.tp, 1.0)
+    # each rank its own samples (different seeds), as DP ranks have
+    samples = engine.generate(PROMPTS, n=2, temperature=1.0, top_p=1.0, max_tokens=6, seed=dist.get_rank())
+    flat = [s for g in samples for s in g]
+    counts = routing_counts(model, [p for p in PROMPTS for _ in range(2)], flat, 4, micro_batch_size=2, pad_id=0)
+    dist.all_reduce(counts)
+    local_experts = sorted({n.split(".local_experts.")[1].split(".")[0] for n, _ in model.named_parameters()
+                            if ".local_experts." in n})
+    return dict(before=before, after=after, megatron=megatron, stats=stats, counts=counts, local_experts=local_experts,
+                routed_tokens=sum(s.routed_experts.shape[0] for s in flat))
+
+
+@pytest.mark.slow
+def test_ep2_sync_and_routing_agreement(tmp_path):
+    hf_dir = str(tmp_path / "hf_a")
+    save_tiny_hf_model(hf_dir, VARIANT, dtype=torch.float32, seed=0)
+    tokens_BS = torch.randint(0, 300, (3, 20), generator=torch.Generator().manual_seed(0))
+    results = run_distributed(2, _ep2_worker, hf_dir, tokens_BS)
+    routed = sum(r["routed_tokens"] for r in results)
+    for rank, r in enumerate(results):
+        assert r["local_experts"] == ["0", "1"]  # 2 of the 4 experts live on each rank
+        assert (r["before"] - r["megatron"]).abs().max() > 0.1, rank  # weights A really differ from B
+        assert (r["after"] - r["megatron"]).abs().max().item() <= LOGPROB_ATOL, rank
+        assert r["stats"]["bytes"] > 0
+        differ_L, missed_L, tokens_L = r["counts"]
+        assert tokens_L.tolist() == [routed] * 4  # every forwarded token of both ranks, each of 4 layers
+        assert differ_L.sum() == 0 and missed_L.sum() == 0, rank
