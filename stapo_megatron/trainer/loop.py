@@ -1,10 +1,9 @@
 """The STAPO training loop (docs/design.md, "One training step"), SPMD: one process per device.
 
-Per step: (1) this DP rank's prompts; (2) G rollouts per prompt (``RolloutSampling.engine``); (3) rewards;
-(4) group advantages in `MicroBatch` objects (padded, or packed to a token budget balanced over DP); (5) pi_old
-log-probs (``schedule.old_policy_pass``; MoE: routing disagreement, `RoutingMonitor`); (6) per PPO mini-batch a
-Megatron forward_backward and an optimizer step; (7) weight sync into the engine; (8) metrics, evaluation
-(`Evaluator`), checkpoint. Warm-start: `WarmStart`. Started by torchrun: ``train(config)``."""
+Per step: (1) this DP rank's prompts; (2) G rollouts per prompt; (3) rewards; (4) group advantages in `MicroBatch`
+objects (padded, or packed balanced over DP); (5) pi_old log-probs (``schedule.old_policy_pass``; MoE: RoutingMonitor);
+(6) per PPO mini-batch a Megatron forward_backward and an optimizer step; (7) weight sync into the engine; (8) metrics,
+evaluation (`Evaluator`), checkpoint. Warm-start: `WarmStart`. Started by torchrun: ``train(config)``."""
 
 from __future__ import annotations
 
@@ -58,7 +57,8 @@ class Trainer:
         self.groups = init_parallel(
             cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size, seed=self.seeds.model_init,
             init_timeout_s=cfg.init_timeout_s, timeout_s=cfg.distributed_timeout_s,
-        )
+            expert_model_parallel_size=cfg.model.expert_model_parallel_size,
+            expert_tensor_parallel_size=cfg.model.expert_tensor_parallel_size)
         self.rank = dist.get_rank()
         self.dp_size, self.dp_rank = dist.get_world_size(self.groups.dp), dist.get_rank(self.groups.dp)
         if cfg.minibatch_prompts % self.dp_size:
