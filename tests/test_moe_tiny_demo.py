@@ -33,6 +33,17 @@ def test_route_disagreement_counts_sets_not_orders():
         route_disagreement(rollout, train[:2], 4)
 
 
+def test_rollout_expert_load_counts_every_routed_token():
+    from stapo_megatron.rollout.base import Sample
+    from stapo_megatron.trainer.routing import rollout_expert_load
+
+    routes = torch.tensor([[[0, 1], [2, 3]], [[1, 0], [0, 2]], [[3, 2], [1, 3]]])
+    sample = Sample(token_ids=[1], logprobs=[0.0], text="", finish_reason="stop", routed_experts=routes)
+    load = rollout_expert_load([sample, sample], 4)
+    # layer 0 sends tokens to {0,1}, {0,1}, {2,3}; layer 1 to {2,3}, {0,2}, {1,3}; two samples
+    assert load.tolist() == [[4, 4, 2, 2], [2, 2, 4, 4]]
+
+
 def test_tiny_moe_recipe_layout():
     from stapo_megatron.launch.entry import build_config
     from stapo_megatron.recipes.tiny import tiny_qwen3_moe_config
@@ -66,4 +77,4 @@ def test_tiny_moe_launch_runs_and_logs_routing(tmp_path):
         # every rank's sequences: 8 prompts x G=8, each at least its prompt's tokens
         assert r["routing_tokens"] >= 64 * 10
         assert r["routing_disagreement_mean"] == 0.0 and r["routing_disagreement_max"] == 0.0
-        assert r["routing_expert_mismatch"] == 0.0
+        assert r["routing_expert_mismatch"] == 0.0 and r["rollout_expert_load_max"] >= 1.0

@@ -15,7 +15,8 @@ last token, `stapo_megatron.rollout.base.Sample.routed_experts`):
     expert_mismatch = sum_{t,l} |topk_rollout(t, l) \\ topk_train(t, l)| / (K * #{(t, l)})
 
 The step logs the mean and the max of disagreement_l over layers and expert_mismatch, summed over
-every rank's samples. The training side is a no-grad forward of this rank's samples through the
+every rank's samples, and the rollout's expert load (``rollout_expert_load_max``: max over layers of
+the busiest expert's token count over the mean count; 1 is balanced). The training side is a no-grad forward of this rank's samples through the
 policy (`RoutingMonitor.measure`, padded micro-batches, any TP/PP/EP layout; context
 parallelism is refused) with forward hooks on the Megatron routers, which return
 ``(probs, routing_map)``, ``routing_map`` [S_local * B, E] boolean over the sequence-major tokens
@@ -151,6 +152,17 @@ def routing_counts(model, prompts: List[List[int]], samples: List, num_experts: 
     return counts_3L
 
 
+def rollout_expert_load(samples: List, num_experts: int) -> torch.Tensor:
+    """[L, E] float64: how many of this rank's forwarded tokens the engine sent to each expert
+    of each layer (from ``Sample.routed_experts``)."""
+    load_LE = torch.zeros(samples[0].routed_experts.shape[1], num_experts, dtype=torch.float64)
+    for s in samples:
+        routes_TLK = s.routed_experts.long()
+        load_LE.scatter_add_(1, routes_TLK.transpose(0, 1).reshape(load_LE.shape[0], -1),
+                             torch.ones(routes_TLK.shape[1], routes_TLK.shape[0] * routes_TLK.shape[2], dtype=torch.float64))
+    return load_LE
+
+
 def routing_metrics(counts_3L: torch.Tensor, top_k: int) -> Dict[str, float]:
     """The logged metrics of world-summed `routing_counts` (module docstring)."""
     differ_L, missed_L, tokens_L = counts_3L
@@ -199,7 +211,11 @@ class RoutingMonitor:
         start = time.perf_counter()
         counts_3L = routing_counts(t.model, flat_prompts, flat, self.num_experts, t.cfg.micro_batch_size,
                                    t.tokenizer.pad_token_id, t.seq_multiple).to(device)
-        dist.all_reduce(counts_3L)
+        load_LE = rollout_expert_load(flat, self.num_experts).to(device)
+        for summed in (counts_3L, load_LE):
+            dist.all_reduce(summed)
         row = routing_metrics(counts_3L.cpu(), flat[0].routed_experts.shape[-1])
+        # the rollout's expert load: the busiest expert's tokens over the mean, worst layer (1 = balanced)
+        row["rollout_expert_load_max"] = float((load_LE.max(-1).values / load_LE.mean(-1).clamp(min=1)).max())
         row["time_routing"] = time.perf_counter() - start
         return row
