@@ -134,7 +134,9 @@ def step_row(step: int, updates: List[Dict], rewards_PG: torch.Tensor, num_flat:
 
 
 def format_row(r: Dict, steps: int) -> str:
-    """The line printed after a training step."""
+    """The line printed after a training step (MoE: with the routing disagreement when measured)."""
+    routing = (f" | routing diff {r['routing_disagreement_mean']:.2%} max {r['routing_disagreement_max']:.2%} "
+               f"load {r['rollout_expert_load_max']:.2f}" if "routing_disagreement_mean" in r else "")
     return (
         f"step {describe(r, steps)} | reward {r['reward_mean']:.3f} | entropy {r['entropy_mean']:.3f} | "
         f"silenced {r['silenced_count']} ({r['silenced_fraction']:.4%}) tau_H {r['tau_h']:.3f} | "
@@ -142,7 +144,7 @@ def format_row(r: Dict, steps: int) -> str:
         f"|dlogp| {r['rollout_train_logprob_diff']:.1e} max {r['mismatch_abs_logprob_diff_max']:.1e} "
         f"flagged {r['mismatch_token_flagged_fraction']:.2%} (silenced {r['silenced_flagged_count']}) | "
         f"rollout {r['time_rollout']:.1f}s reward {r['time_reward']:.1f}s old {r['time_old_logprob']:.1f}s "
-        f"train {r['time_train']:.1f}s sync {r['time_weight_sync']:.1f}s"
+        f"train {r['time_train']:.1f}s sync {r['time_weight_sync']:.1f}s{routing}"
     )
 
 
