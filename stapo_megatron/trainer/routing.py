@@ -36,6 +36,7 @@ from typing import Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
+from stapo_megatron.bridge.config import spec_from_hf_config
 from stapo_megatron.train.batching import pack_sequences, split_microbatches
 from stapo_megatron.train.parallel import collective_device
 from stapo_megatron.train.schedule import run_microbatches
@@ -182,7 +183,7 @@ class RoutingMonitor:
 
     def __init__(self, trainer):
         self.trainer = trainer
-        self.num_experts = int(trainer.hf_config.get("num_experts") or trainer.hf_config.get("num_local_experts") or 0)
+        self.num_experts = spec_from_hf_config(trainer.hf_config).num_moe_experts or 0  # 0: dense
         self.every = trainer.cfg.rollout.routing_every
         self.warned = False
 
