@@ -1,5 +1,8 @@
 """HF Qwen <-> Megatron bridge: config mapping, model builder, mapping table, transforms.
 
+Dense Qwen2/2.5/3 and Qwen3-MoE (`config.py` maps the router and expert fields; `model.py` builds
+the MoE layer spec; `mapping.py` has the router/expert rows with a per-expert wildcard).
+
 Used by the converter (`stapo_megatron/conversion/`), the trainer and the rollout weight sync. Importing it
 does not import megatron-core; the functions that need it import it when called.
 """

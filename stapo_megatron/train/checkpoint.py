@@ -266,6 +266,25 @@ def find_latest(run_dir: str, world_size: Optional[int] = None) -> Optional[str]
     return None
 
 
+def _check_optimizer_layout(path: str, stored, optimizer_sharded) -> None:
+    """ValueError if the optimizer state was saved as one optimizer and is loaded into a chained
+    one (keys ``chained_<i>.``), or the reverse. megatron-core chains a second optimizer for the
+    expert parameters of a MoE model when expert parallelism splits them off (EP > 1), so a
+    checkpoint saved at EP=2 does not load its optimizer state at EP=1 (the model weights do:
+    `stapo_megatron.bridge.load_checkpoint` warm-starts from them)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    saved_chained = any(k.startswith("chained_") for k in stored)
+    keys = [getattr(v, "key", "") for v in nested_values(optimizer_sharded)]
+    want_chained = any(k.startswith("chained_") for k in keys)
+    if keys and saved_chained != want_chained:
+        how = ("a chained optimizer (expert parameters apart: expert_model_parallel_size > 1)", "a single optimizer")
+        raise ValueError(
+            f"checkpoint {path} holds the optimizer state of {how[0] if saved_chained else how[1]}, but this run "
+            f"builds {how[0] if want_chained else how[1]}: resume with the expert_model_parallel_size the checkpoint "
+            "was saved with, or start a new run from its model weights (stapo_megatron.bridge.load_checkpoint)")
+
+
 def load_checkpoint(path: str, model, optimizer) -> Dict[str, Any]:
     """Collective: restore model, optimizer and this rank's RNG; return the trainer state."""
     from megatron.core import dist_checkpointing
@@ -279,10 +298,11 @@ def load_checkpoint(path: str, model, optimizer) -> Dict[str, Any]:
     # Every small file is read first, without executing code: megatron-core's loader unpickles
     # `.metadata` with plain pickle (DCP's FileSystemReader, torch 2.13), so a crafted one is
     # refused here before it runs.
-    read_dcp_metadata(path)
+    stored = read_dcp_metadata(path).state_dict_metadata
     rng_state = _torch_load_weights_only(os.path.join(path, f"rng_rank{_rank():05d}.pt"))
     trainer_state = read_trainer_state(path)
     sharded = _sharded(model, optimizer, is_loading=True)
+    _check_optimizer_layout(path, stored, sharded["optimizer"])
     state = dist_checkpointing.load(sharded, path)
     # Megatron DDP's load_state_dict returns nothing: load into the wrapped module, whose keys
     # lack DDP's "module." prefix, to see what is missing.

@@ -218,20 +218,19 @@ def apply() -> None:
     mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
     mp_random.torch = _CpuTorchCudaSeed()
 
-    # transformer/moe/token_dispatcher.py (0.16.1, 0.19.2): the alltoall dispatcher turns its
-    # split sizes into host numpy arrays with moe_utils.maybe_move_tensor_to_cpu(as_numpy=True),
-    # which converts CUDA tensors only; CPU tensors reach all_to_all_single as tensors, which
-    # torch 2.13 refuses (it wants int sequences): expert parallelism > 1 on gloo fails.
+    # transformer/moe/token_dispatcher.py (0.16.1 and 0.19.2) gets the alltoall split sizes
+    # through moe_utils.maybe_move_tensor_to_cpu(..., as_numpy=True), which converts only CUDA
+    # tensors; a CPU tensor stays a tensor and all_to_all_single refuses it as split sizes.
     from megatron.core.transformer.moe import token_dispatcher
 
-    move = token_dispatcher.maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = _tensor_to_cpu
 
-    def _move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
-        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
-            return tensor.numpy()
-        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
-    token_dispatcher.maybe_move_tensor_to_cpu = _move_tensor_to_cpu
+def _tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """moe_utils.maybe_move_tensor_to_cpu for tensors already on the CPU: numpy when asked."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
 
 
 class _CpuTorchCudaSeed(_CpuTorch):

@@ -20,6 +20,7 @@ from stapo_megatron.train.batching import MicroBatch
 from stapo_megatron.train.config import OptimConfig
 from stapo_megatron.train.loss import loss_func, minibatch_threshold
 from stapo_megatron.train.loss_metrics import reduce_metrics
+from stapo_megatron.train.moe import MoEStepMonitor
 from stapo_megatron.train.schedule import PassContext, compute_logprob_entropy, run_microbatches
 
 
@@ -118,7 +119,8 @@ def policy_update(
             a no-grad pre-pass with the current weights computes them.
     Returns:
         metrics (same on every rank): loss, silenced count/fraction, tau_h, ..., grad_norm,
-        skipped (1.0 when the optimizer skipped the step on a NaN/Inf gradient).
+        skipped (1.0 when the optimizer skipped the step on a NaN/Inf gradient); for a MoE model
+        also per-layer expert load and aux loss (``moe/...``, `stapo_megatron.train.moe`).
     """
     if ctx.temperature != loss_config.temperature:
         raise ValueError(f"PassContext.temperature {ctx.temperature} != loss.temperature {loss_config.temperature}")
@@ -145,11 +147,16 @@ def policy_update(
         )
     ctx.model.zero_grad_buffer()
     optimizer.zero_grad()
-    losses_reduced = run_microbatches(
-        ctx.model, microbatches, ctx.seq_length,
-        lambda batch: partial(loss_func, loss_config, batch, threshold, ctx.tp_group, ctx.vocab_size),
-    )
+    # MoE: expert-load metrics, and the aux loss weighted c x aux whatever the mask keeps (train/moe.py)
+    moe = MoEStepMonitor(ctx.model)
+    with moe:
+        losses_reduced = run_microbatches(
+            ctx.model, microbatches, ctx.seq_length,
+            lambda batch: moe.scaled_loss(partial(loss_func, loss_config, batch, threshold, ctx.tp_group,
+                                                  ctx.vocab_size)),
+        )
     metrics = reduce_metrics(losses_reduced, threshold, groups.dp, groups.pp, groups.pp_last_rank)
+    metrics.update(moe.metrics(groups.dp))
     # The optimizer step by hand (what MegatronOptimizer.step does) so that a NaN/Inf loss or
     # gradient skips the update on every rank alike instead of corrupting the weights.
     found_inf = optimizer.prepare_grads()
