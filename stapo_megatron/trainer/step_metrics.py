@@ -129,8 +129,15 @@ def step_row(step: int, updates: List[Dict], rewards_PG: torch.Tensor, num_flat:
         candidate_count=sum(u["candidate_count"] for u in updates),
         clip_fraction=mean("clip_fraction"), approx_kl=mean("approx_kl"),
         grad_norm=mean("grad_norm"), skipped=sum(u["skipped"] for u in updates),
-        lr=lr, **mismatch, **overlap_metrics(updates),
+        lr=lr, **mismatch, **overlap_metrics(updates), **moe_metrics(updates),
     )
+
+
+def moe_metrics(updates: List[Dict]) -> Dict[str, float]:
+    """MoE models: the mini-batch updates' ``moe/...`` metrics (`stapo_megatron.train.moe`:
+    per-layer expert load and aux loss), averaged over the step's mini-batches; {} when dense."""
+    keys = [k for k in updates[0] if k.startswith("moe/")] if updates else []
+    return {k: sum(u[k] for u in updates) / len(updates) for k in keys}
 
 
 def format_row(r: Dict, steps: int) -> str:
