@@ -5,6 +5,8 @@ parallelism 2 (2 local experts per rank, each rank's drawn from its own generato
 local -> global expert index shows) and random weights B; each rank holds an `HFEngine` loaded
 with weights A and syncs B into it. Then per rank:
 
+- the streamed HF tensors equal `stapo-convert mcore-to-hf`'s export of the same weights saved
+  as an EP=2 dist checkpoint, bit for bit (both only move fp32 values);
 - the engine's log-probs of fixed sequences equal Megatron's (LOGPROB_ATOL; before the sync
   they differ by O(1)), so every expert, router and norm arrived under the right name;
 - the engine's samples carry the routes it generated with, and `routing_counts` (a Megatron
@@ -16,12 +18,16 @@ And in one process: with a bf16 engine the same measurement is nonzero (precisio
 near-ties), which is what the metric exists to show.
 """
 
+import json
 import math
 
 import pytest
 import torch
 
+from stapo_megatron.bridge import hf_shapes, spec_from_hf_config
 from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
+from stapo_megatron.conversion.mcore_to_hf import convert_mcore_to_hf
+from stapo_megatron.conversion.safetensors_io import index_checkpoint, read_rows
 from tests.dist_utils import run_distributed
 
 LOGPROB_ATOL = 1e-4
@@ -49,13 +55,14 @@ def randomize_experts(model, seed: int) -> None:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
 
 
-def _ep2_worker(hf_dir: str, tokens_BS: torch.Tensor) -> dict:
+def _ep2_worker(hf_dir: str, tokens_BS: torch.Tensor, save_dir: str) -> dict:
     import torch.distributed as dist
+    from megatron.core import dist_checkpointing
 
     from stapo_megatron.bridge import build_gpt_model
     from stapo_megatron.rollout.config import RolloutConfig
     from stapo_megatron.rollout.hf_engine import HFEngine
-    from stapo_megatron.rollout.weight_sync import sync_weights
+    from stapo_megatron.rollout.weight_sync import iter_hf_weights, sync_weights
     from stapo_megatron.train.parallel import init_parallel
     from stapo_megatron.trainer.routing import routing_counts
     from tests.test_rollout_engine import megatron_logprobs
@@ -65,6 +72,8 @@ def _ep2_worker(hf_dir: str, tokens_BS: torch.Tensor) -> dict:
     model = build_gpt_model(tiny_config(VARIANT), params_dtype=torch.float32)
     randomize_experts(model, seed=5)
     model.eval()
+    dist_checkpointing.save(model.sharded_state_dict(), save_dir)  # the converter's reference (below)
+    streamed = {name: t.clone() for name, t in iter_hf_weights(model, tiny_config(VARIANT), groups)}
     engine = HFEngine(hf_dir, RolloutConfig(dtype="float32", return_routed_experts=True))
     before = hf_logprobs(engine, tokens_BS)
     stats = sync_weights(model, tiny_config(VARIANT), groups, engine)
@@ -78,7 +87,7 @@ def _ep2_worker(hf_dir: str, tokens_BS: torch.Tensor) -> dict:
     local_experts = sorted({n.split(".local_experts.")[1].split(".")[0] for n, _ in model.named_parameters()
                             if ".local_experts." in n})
     return dict(before=before, after=after, megatron=megatron, stats=stats, counts=counts, local_experts=local_experts,
-                routed_tokens=sum(s.routed_experts.shape[0] for s in flat))
+                routed_tokens=sum(s.routed_experts.shape[0] for s in flat), streamed=streamed)
 
 
 @pytest.mark.slow
@@ -86,8 +95,20 @@ def test_ep2_sync_and_routing_agreement(tmp_path):
     hf_dir = str(tmp_path / "hf_a")
     save_tiny_hf_model(hf_dir, VARIANT, dtype=torch.float32, seed=0)
     tokens_BS = torch.randint(0, 300, (3, 20), generator=torch.Generator().manual_seed(0))
-    results = run_distributed(2, _ep2_worker, hf_dir, tokens_BS)
+    (tmp_path / "saved").mkdir()
+    results = run_distributed(2, _ep2_worker, hf_dir, tokens_BS, str(tmp_path / "saved"))
     routed = sum(r["routed_tokens"] for r in results)
+    # the stream equals the converter's export of the same weights (EP=2 dist checkpoint), bit for bit
+    side = tmp_path / "config"
+    side.mkdir()
+    (side / "config.json").write_text(json.dumps(tiny_config(VARIANT)))
+    convert_mcore_to_hf(str(tmp_path / "saved"), str(tmp_path / "exported"), hf_config_dir=str(side))
+    exported = {name: read_rows(info) for name, info in index_checkpoint(str(tmp_path / "exported")).items()}
+    assert set(exported) == set(hf_shapes(spec_from_hf_config(tiny_config(VARIANT))))
+    for rank, r in enumerate(results):
+        assert set(r["streamed"]) == set(exported), rank
+        for name, tensor in r["streamed"].items():
+            assert torch.equal(tensor, exported[name]), f"rank {rank}: {name}"
     for rank, r in enumerate(results):
         assert r["local_experts"] == ["0", "1"]  # 2 of the 4 experts live on each rank
         assert (r["before"] - r["megatron"]).abs().max() > 0.1, rank  # weights A really differ from B
