@@ -14,7 +14,9 @@ with weights A and syncs B into it. Then per rank:
   differs: both sides are fp32 and the router logits of random O(1) weights are far apart
   compared with the ~1e-6 kernel differences.
 
-And in one process: with a bf16 engine the same measurement is nonzero (precision flips
+At TP=2 with sequence parallelism (experts split over expert-TP) and at PP=2, the same sync and
+route agreement, every (token, layer) counted once over the model-parallel ranks. And in one
+process: with a bf16 engine the same measurement is nonzero (precision flips
 near-ties), which is what the metric exists to show.
 """
 
@@ -29,6 +31,7 @@ from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
 from stapo_megatron.conversion.mcore_to_hf import convert_mcore_to_hf
 from stapo_megatron.conversion.safetensors_io import index_checkpoint, read_rows
 from tests.dist_utils import run_distributed
+from tests.test_rollout_engine import randomize
 
 LOGPROB_ATOL = 1e-4
 """Per token, fp32 on both sides (HF's eager experts and SDPA vs Megatron's SequentialMLP and
@@ -147,3 +150,54 @@ def test_bf16_engine_routes_differ_from_fp32_training(parallel, tmp_path):
         result[dtype] = routing_metrics(counts, top_k=2)
     assert result["float32"]["routing_disagreement_max"] == 0.0
     assert 0.0 < result["bfloat16"]["routing_disagreement_mean"] <= BF16_MAX
+
+
+def _tp2_worker(hf_dir: str, tokens_BS: torch.Tensor, layout: str) -> dict:
+    """TP=2 with sequence parallelism (experts split over expert-TP = 2: the gate/up split per
+    shard, and each TP rank routes half of every sequence) or PP=2 (each stage routes its own
+    layers): sync, then the routes against the engine's."""
+    from stapo_megatron.bridge import build_gpt_model
+    from stapo_megatron.rollout.config import RolloutConfig
+    from stapo_megatron.rollout.hf_engine import HFEngine
+    from stapo_megatron.rollout.weight_sync import sync_weights
+    from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.trainer.routing import routing_counts
+    from tests.test_rollout_engine import megatron_logprobs
+    from tests.test_rollout_hf_engine import hf_logprobs
+    import torch.distributed as dist
+
+    tp2 = layout == "tp2-sp"
+    groups = init_parallel(2, 1) if tp2 else init_parallel(1, 2)
+    model = build_gpt_model(tiny_config(VARIANT), params_dtype=torch.float32,
+                            **(dict(sequence_parallel=True) if tp2 else {}))
+    randomize(model, seed=9)  # TP-sharded experts draw per TP rank
+    model.eval()
+    engine = HFEngine(hf_dir, RolloutConfig(dtype="float32", return_routed_experts=True))
+    sync_weights(model, tiny_config(VARIANT), groups, engine)
+    # the ranks of a model-parallel group train on the same samples (the trainer broadcasts them)
+    flat = [s for g in engine.generate(PROMPTS, n=2, temperature=1.0, top_p=1.0, max_tokens=6, seed=3) for s in g]
+    counts = routing_counts(model, [p for p in PROMPTS for _ in range(2)], flat, 4, micro_batch_size=2, pad_id=0)
+    dist.all_reduce(counts)
+    return dict(counts=counts, routed_tokens=sum(s.routed_experts.shape[0] for s in flat),
+                logprobs=hf_logprobs(engine, tokens_BS),
+                megatron=megatron_logprobs(model, tokens_BS, groups.tp, 1.0) if tp2 else None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2-sp", "pp2"])
+def test_routing_counts_under_tp_and_pp(tmp_path, layout):
+    """Every (token, layer) is counted exactly once over the model-parallel ranks (TP ranks
+    holding halves of each sequence under sequence parallelism; PP stages holding 2 layers
+    each), and the synced engine routes as Megatron does."""
+    hf_dir = str(tmp_path / "hf")
+    save_tiny_hf_model(hf_dir, VARIANT, dtype=torch.float32, seed=0)
+    tokens_BS = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))
+    results = run_distributed(2, _tp2_worker, hf_dir, tokens_BS, layout)
+    # both ranks synced the same full weights and sampled the same tokens
+    assert torch.equal(results[0]["logprobs"], results[1]["logprobs"])
+    for r in results:
+        if r["megatron"] is not None:  # TP=2: the gathered expert-TP shards are the right weights
+            assert (r["logprobs"] - r["megatron"]).abs().max().item() <= LOGPROB_ATOL
+        differ_L, missed_L, tokens_L = r["counts"]
+        assert tokens_L.tolist() == [r["routed_tokens"]] * 4
+        assert differ_L.sum() == 0 and missed_L.sum() == 0
