@@ -80,3 +80,16 @@ def test_moe_logits_equal_transformers_across_tp_ep_and_reshard(tmp_path):
     # The EP=2 save holds every expert at its global index: it exports to the original weights.
     assert main(["mcore-to-hf", "--ckpt", saved, "--out", back, "--hf-config", hf]) == 0
     _assert_bit_exact(hf, back)
+
+
+@pytest.mark.slow
+def test_verify_cli_with_expert_parallelism(tmp_path, capsys):
+    hf, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
+    save_tiny_hf_model(hf, VARIANT)
+    assert main(["hf-to-mcore", "--hf-dir", hf, "--out", ckpt]) == 0
+    # 2 ranks: TP=1, DP=2, the 4 experts split over EP=2
+    assert main(["verify", "--hf-dir", hf, "--ckpt", ckpt, "--ep", "2", "--num-prompts", "2", "--seq-len", "16"]) == 0
+    capsys.readouterr()
+    # EP must divide the expert count
+    assert main(["verify", "--hf-dir", hf, "--ckpt", ckpt, "--ep", "3"]) == 2
+    assert "expert_model_parallel_size 3 does not divide num_moe_experts" in capsys.readouterr().err

@@ -2,7 +2,7 @@
 
     stapo-convert hf-to-mcore --hf-dir HF --out CKPT [--dtype bfloat16] [--tp N --pp M]
     stapo-convert mcore-to-hf --ckpt CKPT --out HF [--dtype bfloat16] [--hf-config DIR]
-    stapo-convert verify --hf-dir HF --ckpt CKPT --tp N --pp M [--tol 1e-5]
+    stapo-convert verify --hf-dir HF --ckpt CKPT --tp N --pp M [--ep E] [--tol 1e-5]
 
 Exit codes: 0 success, 1 verify found a mismatch beyond tolerance, 2 bad input (the message
 names the problem; nothing that looks complete is left at the output path), 130 interrupted
@@ -64,6 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--ckpt", required=True, help="Megatron checkpoint directory")
     c.add_argument("--tp", type=_positive(int), default=1, help="tensor-parallel size")
     c.add_argument("--pp", type=_positive(int), default=1, help="pipeline-parallel size")
+    c.add_argument("--ep", type=_positive(int), default=1, help="expert-parallel size (MoE; carved out of DP)")
     c.add_argument("--num-prompts", type=_positive(int), default=4, help="fixed random prompts")
     c.add_argument("--seq-len", type=_positive(int), default=32, help="tokens per prompt")
     c.add_argument("--tol", type=float, default=None,
@@ -92,7 +93,7 @@ def _run(args: argparse.Namespace) -> int:
 
     tol = FP32_LOGIT_TOL if args.tol is None else args.tol
     rows = verify(args.hf_dir, args.ckpt, [(args.tp, args.pp)],
-                  num_prompts=args.num_prompts, seq_len=args.seq_len)
+                  num_prompts=args.num_prompts, seq_len=args.seq_len, expert_model_parallel_size=args.ep)
     print(format_table(rows, tol))
     return 0 if all(r.ok(tol, args.min_top1) for r in rows) else 1
 

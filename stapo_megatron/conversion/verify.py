@@ -115,9 +115,10 @@ def _megatron_forward(model, tokens_BS: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 def megatron_worker(ckpt_dir: str, hf_config: dict, layouts: Sequence[tuple[int, int]],
-                    tokens_BS: torch.Tensor) -> dict:
+                    tokens_BS: torch.Tensor, expert_model_parallel_size: int = 1) -> dict:
     """One rank: for each layout build, load, run; returns ``{(tp, pp): (prompt_ids, logits)}``
-    from the ranks that hold full logits (last stage, TP rank 0)."""
+    from the ranks that hold full logits (last stage, TP rank 0). A MoE model runs its experts
+    over ``expert_model_parallel_size`` of the data-parallel ranks."""
     from megatron.core import parallel_state as ps
 
     from stapo_megatron.bridge import build_gpt_model, load_checkpoint
@@ -125,7 +126,7 @@ def megatron_worker(ckpt_dir: str, hf_config: dict, layouts: Sequence[tuple[int,
 
     results = {}
     for tp, pp in layouts:
-        init_parallel(tp, pp)
+        init_parallel(tp, pp, expert_model_parallel_size=expert_model_parallel_size)
         model = build_gpt_model(hf_config, params_dtype=torch.float32, parallel_output=False)
         load_checkpoint(model, ckpt_dir)  # reads a trainer checkpoint's ``module.`` keys too
         model.eval()
@@ -169,14 +170,15 @@ def _spawned(rank: int, world: int, port: int, args: tuple, queue) -> None:
 
 
 def megatron_logits(ckpt_dir: str, hf_config: dict, layouts: Sequence[tuple[int, int]],
-                    tokens_BS: torch.Tensor, timeout: float = 1800.0) -> dict:
+                    tokens_BS: torch.Tensor, timeout: float = 1800.0, expert_model_parallel_size: int = 1) -> dict:
     """Spawn the ranks; return ``{(tp, pp): logits [B, S, V]}`` reassembled over DP replicas."""
     import torch.multiprocessing as mp
 
-    world = math.lcm(*(tp * pp for tp, pp in layouts))
+    # EP is carved out of DP: every layout needs tp x pp x ep ranks (expert TP = TP)
+    world = math.lcm(*(tp * pp * expert_model_parallel_size for tp, pp in layouts))
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), _free_port()
-    worker_args = (ckpt_dir, hf_config, list(layouts), tokens_BS)
+    worker_args = (ckpt_dir, hf_config, list(layouts), tokens_BS, expert_model_parallel_size)
     procs = [ctx.Process(target=_spawned, args=(r, world, port, worker_args, queue)) for r in range(world)]
     for p in procs:
         p.start()
@@ -200,8 +202,9 @@ def megatron_logits(ckpt_dir: str, hf_config: dict, layouts: Sequence[tuple[int,
 
 
 def verify(hf_dir: str, ckpt_dir: str, layouts: Sequence[tuple[int, int]], num_prompts: int = 4,
-           seq_len: int = 32, seed: int = 0) -> list[ParityRow]:
-    """Compare the checkpoint under each (TP, PP) layout with transformers on fixed prompts."""
+           seq_len: int = 32, seed: int = 0, expert_model_parallel_size: int = 1) -> list[ParityRow]:
+    """Compare the checkpoint under each (TP, PP) layout with transformers on fixed prompts
+    (a MoE checkpoint with its experts over ``expert_model_parallel_size`` ranks)."""
     from stapo_megatron.conversion.dcp_io import CheckpointReader
     from stapo_megatron.conversion.hf_to_mcore import load_spec
     from stapo_megatron.conversion.mcore_to_hf import resolve_checkpoint_dir
@@ -209,11 +212,11 @@ def verify(hf_dir: str, ckpt_dir: str, layouts: Sequence[tuple[int, int]], num_p
 
     hf_config, spec = load_spec(hf_dir)
     for tp, pp in layouts:
-        check_parallel_sizes(spec, tp, pp)
+        check_parallel_sizes(spec, tp, pp, expert_model_parallel_size)
     ckpt_dir = resolve_checkpoint_dir(ckpt_dir)
     CheckpointReader(ckpt_dir)  # a clear error for a damaged or non-GPT checkpoint before any rank starts
     tokens_BS = fixed_prompts(spec.vocab_size, num_prompts, seq_len, seed)
     # The reference runs (and is freed) before the Megatron ranks start, to keep peak memory low.
     ref_BSV = hf_logits(hf_dir, tokens_BS)
-    got = megatron_logits(ckpt_dir, hf_config, layouts, tokens_BS)
+    got = megatron_logits(ckpt_dir, hf_config, layouts, tokens_BS, expert_model_parallel_size=expert_model_parallel_size)
     return [compare(ref_BSV, got[(tp, pp)], tp, pp) for tp, pp in layouts]

@@ -91,6 +91,7 @@ class MoEStepMonitor:
         self.aux_loss: List[float] = [0.0] * len(self.routers)
         self.num_microbatches = [0] * len(self.routers)
         self.router_tokens = 0
+        self._token_factor = router_token_factor(self.routers[0]) if self.routers else 1
         self._handles = []
         if self.is_moe and self.routers[0].config.pipeline_model_parallel_size > 1:
             warnings.warn("pipeline parallelism with MoE: only the last stage's MoE layers get the aux-loss weight "
@@ -121,7 +122,7 @@ class MoEStepMonitor:
             self.tokens_per_expert[i] = tokens_E if prev is None else prev + tokens_E
             self.aux_loss[i] += float(aux)
             self.num_microbatches[i] += 1
-            self.router_tokens = T * router_token_factor(router)
+            self.router_tokens = T * self._token_factor
 
         return hook
 
@@ -151,9 +152,9 @@ class MoEStepMonitor:
             if tokens_E is None:
                 continue
             layer = self.routers[i].layer_number - 1  # megatron-core numbers layers from 1
-            stats = torch.cat([tokens_E, torch.tensor([self.aux_loss[i] / self.num_microbatches[i]])])
+            aux = torch.tensor([self.aux_loss[i] / self.num_microbatches[i]], device=tokens_E.device)
+            stats = torch.cat([tokens_E, aux])
             if world > 1:
-                stats = stats.to(tokens_E.device)
                 dist.all_reduce(stats, group=dp_group)
             tokens_E, aux = stats[:-1], float(stats[-1]) / world
             mean = float(tokens_E.mean())
