@@ -39,15 +39,6 @@ class Timer:
         return _Ctx()
 
 
-def reduce_from_last_stage(values: torch.Tensor, groups: Groups) -> torch.Tensor:
-    """Sum a last-stage tensor over DP, then broadcast it over PP: the same on every rank."""
-    if groups.is_last_stage and groups.dp is not None:
-        dist.all_reduce(values, group=groups.dp)
-    if groups.pp is not None and dist.get_world_size(groups.pp) > 1:
-        dist.broadcast(values, src=groups.pp_last_rank, group=groups.pp)
-    return values
-
-
 def _whole_sequences(mb: MicroBatch, groups: Groups):
     """(old log-probs, rollout log-probs, response mask, sequence ids) of a micro-batch's whole
     sequences. Under context parallelism the sequence metrics need whole sequences: the fields
