@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stapo-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo demo-seeds demo-synthetic compare test test-fast test-mcore019 bench venv clean gpu-install-plan
+.PHONY: demo demo-moe demo-seeds demo-synthetic compare test test-fast test-mcore019 bench venv clean gpu-install-plan
 
 # CUDA machines (nvidia-smi present): the venv sees the system's packages, so the machine's own
 # CUDA torch stays (pip would otherwise pull another build), megatron-core is 0.19.2
@@ -59,6 +59,10 @@ demo: $(STAMP)
 # come from here. Finished seeds are not run again.
 demo-seeds: $(STAMP)
 	$(PY) examples/demo_seeds.py
+
+# The tiny Qwen3-MoE demo (EP=2 over 2 processes, ~3 min) and README.md's demo-moe table from its metrics.
+demo-moe: $(STAMP)
+	$(PY) examples/demo_moe.py
 
 # The method comparison (stapo / justrl / entropy20 / random x 5 seeds on the tiny task, each run
 # launched as `make demo` is): runs/compare/summary.md, curves.png and README.md's compare block.

@@ -5,11 +5,15 @@
   engine rollouts), its metrics read back from metrics.jsonl.
 """
 
+import importlib.util
 import json
 import math
+import os
 
 import pytest
 import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_route_disagreement_counts_sets_not_orders():
@@ -78,3 +82,10 @@ def test_tiny_moe_launch_runs_and_logs_routing(tmp_path):
         assert r["routing_tokens"] >= 64 * 10
         assert r["routing_disagreement_mean"] == 0.0 and r["routing_disagreement_max"] == 0.0
         assert r["routing_expert_mismatch"] == 0.0 and r["rollout_expert_load_max"] >= 1.0
+    # the README's demo-moe table (examples/demo_moe.py) reads the same rows: one line per step
+    spec = importlib.util.spec_from_file_location("demo_moe", os.path.join(ROOT, "examples", "demo_moe.py"))
+    demo_moe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo_moe)
+    lines = demo_moe.table(rows).splitlines()
+    assert "layers 0-2, 0-based" in lines[0] and len(lines) == 2 + len(train)
+    assert lines[2].startswith(f"| 1 | {train[0]['loss']:+.4f} | {train[0]['reward_mean']:.3f} | 0 / 0 | ")

@@ -165,9 +165,14 @@ def write_checkpoint(path: str, chunks: list[Chunk], objects: list[BytesObject] 
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         try:
             dcp_save({}, storage_writer=writer, planner=planner, no_dist=True)
-        except CheckpointException:
-            if planner.errors:  # the original error, not DCP's wrapper around its traceback
+        except CheckpointException as e:
+            # the original error, not DCP's wrapper around its traceback: the planner's, else the
+            # writer's (e.g. torch.save's RuntimeError on a full disk, which callers name)
+            if planner.errors:
                 raise planner.errors[0] from None
+            originals = [failure[0] for failure in e.failures.values() if isinstance(failure, tuple)]
+            if originals and isinstance(originals[0], Exception):
+                raise originals[0] from None
             raise
     if planner.errors:
         raise planner.errors[0]
