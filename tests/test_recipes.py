@@ -80,6 +80,11 @@ def test_parameter_counts_match_the_model_cards(size, total, non_embedding):
     assert round((memory.num_params(spec) - embeddings) / 1e9, 1) == non_embedding
 
 
+def test_30b_a3b_measures_routing_every_tenth_step():
+    # one more no-grad forward over the step's samples: a diagnostic, not every step at scale
+    assert paper.paper_recipe("qwen3_30b_a3b").rollout.routing_every == paper.ROUTING_EVERY == 10
+
+
 def test_30b_a3b_active_parameters_match_the_model_card():
     """Qwen3-30B-A3B's card: 30.5B in total, 3.3B activated (8 of 128 experts per token)."""
     spec = paper.ARCHITECTURES["qwen3_30b_a3b"]

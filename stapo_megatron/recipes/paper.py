@@ -135,6 +135,8 @@ SAVE_EVERY = 10
 KEEP_LAST = 3
 """Checkpoints kept (older ones are deleted after each save): at 14B one checkpoint with its
 optimizer state is ~200 GB, so keeping all 300 of a 3000-step run would need ~60 TB."""
+ROUTING_EVERY = 10
+"""MoE recipes: steps between routing-disagreement measurements (`RolloutSampling.routing_every`)."""
 LR_WARMUP_STEPS = 10
 """Linear warm-up from lr 0, in training steps (veRL counts its scheduler in training steps)."""
 
@@ -198,6 +200,9 @@ def paper_recipe(size: str, method: str = "stapo", run_dir: Optional[str] = None
             group_size=8, temperature=1.0, top_p=1.0, max_response_len=max_response_len,
             tensor_parallel_size=layout.vllm_tensor_parallel_size,
             gpu_memory_utilization=vllm_share,
+            # MoE: the routing-disagreement pass is one more no-grad forward over the step's
+            # samples (as the pi_old pass); a diagnostic, so every 10th step (dense: ignored)
+            routing_every=ROUTING_EVERY,
         ),
         loss=loss,
         optim=OptimConfig(lr=1e-6, weight_decay=0.1, clip_grad=1.0, use_distributed_optimizer=True),
