@@ -13,7 +13,6 @@ date, commit and wall time.
 """
 
 import argparse
-import json
 import os
 import platform
 import subprocess
@@ -21,14 +20,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _rows(run_dir):
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def run(run_dir):
@@ -67,11 +58,12 @@ def main():
     parser.add_argument("--readme", default=os.path.join(ROOT, "README.md"))
     args = parser.parse_args()
     sys.path.insert(0, ROOT)
+    from stapo_megatron.runlog.plots import read_metrics
     from stapo_megatron.runlog.report import fill_block, runs_commit
 
     run_dir = os.path.join(ROOT, args.out)
     seconds = None if args.no_run else run(args.out)
-    rows = _rows(run_dir)
+    rows = read_metrics(run_dir)
     evals = [r for r in rows if r.get("kind") == "eval"]
     if not evals:
         raise SystemExit(f"{run_dir}/metrics.jsonl has no evaluation rows: did the run finish?")
