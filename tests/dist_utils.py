@@ -30,6 +30,20 @@ def single_process_env():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
+@contextlib.contextmanager
+def one_rank_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1):
+    """This process as a one-rank Megatron job (`single_process_env`, then `init_parallel`):
+    yields its `Groups`; the parallel state and the default process group are destroyed on exit,
+    also when the block (or ``init_parallel`` half-way) raises, so no later test finds them."""
+    from stapo_megatron.train.parallel import destroy_parallel, init_parallel
+
+    with single_process_env():
+        try:
+            yield init_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
+        finally:
+            destroy_parallel()
+
+
 def kill_marked(marker: str, variable: str = "STAPO_TEST_LAUNCH") -> None:
     """Kill every process whose environment has ``variable=marker``: what a launch left behind
     (a rank SIGKILLed in a test orphans the helper processes it had spawned, which never exit)."""

@@ -84,15 +84,13 @@ def test_unfused_rope_equals_transformers_and_vllm_in_bf16():
     freqs = RotaryEmbedding(kv_channels=HEAD_DIM, rotary_percent=1.0, rotary_base=ROPE_THETA,
                             use_cpu_initialization=True).get_emb(SEQ)
     config = TransformerConfig(num_layers=1, hidden_size=512, num_attention_heads=HEADS, apply_rope_fusion=False)
-    if dist.is_initialized():  # a group an earlier test of this process left (the unfused path reads none)
-        megatron_SHD = megatron_rope(q_SHD[:, None], freqs, config=config, cp_group=dist.group.WORLD)[:, 0]
-    else:
-        with single_process_env():
-            dist.init_process_group("gloo")
-            try:
-                megatron_SHD = megatron_rope(q_SHD[:, None], freqs, config=config, cp_group=dist.group.WORLD)[:, 0]
-            finally:
-                dist.destroy_process_group()
+    # a one-rank CP group; no earlier test leaves a default group behind (conftest's guard)
+    with single_process_env():
+        dist.init_process_group("gloo")
+        try:
+            megatron_SHD = megatron_rope(q_SHD[:, None], freqs, config=config, cp_group=dist.group.WORLD)[:, 0]
+        finally:
+            dist.destroy_process_group()
     assert torch.equal(megatron_SHD, hf_SHD) and torch.equal(vllm_SHD, hf_SHD)
     # TE's fused RoPE: the rotation in fp32, one rounding (many elements differ by one ulp)
     cos_SD, sin_SD = freqs.cos()[:, 0], freqs.sin()[:, 0]

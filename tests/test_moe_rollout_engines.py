@@ -102,10 +102,13 @@ def test_vllm_engine_runs_the_moe_policy(moe_dir):
         warnings.simplefilter("always")
         engine = VLLMEngine(moe_dir, RolloutConfig(dtype="float32", max_model_len=64, return_routed_experts=True))
     assert any("Model Runner V2" in str(w.message) for w in caught)
+    # no process group before: vLLM formed a one-rank default group, which its shutdown destroys
+    assert engine.owns_default_group and torch.distributed.is_initialized()
     try:
         samples = engine.generate(PROMPTS, n=2, temperature=1.0, top_p=1.0, max_tokens=6, seed=1)
     finally:
         engine.shutdown()
+    assert not torch.distributed.is_initialized()
     model = _hf_model(moe_dir)
     for prompt, group in zip(PROMPTS, samples):
         for s in group:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
-from tests.dist_utils import single_process_env, run_distributed
+from tests.dist_utils import one_rank_parallel, run_distributed
 
 LOGPROB_ATOL = 1e-4
 """See the module docstring."""
@@ -136,13 +136,11 @@ def hf_dir(tmp_path_factory):
 def tp1(hf_dir):
     """This process as a 1-rank Megatron job with one engine, synced to Megatron weights B."""
     from stapo_megatron.bridge import build_gpt_model
-    from stapo_megatron.train.parallel import destroy_parallel, init_parallel
     from stapo_megatron.rollout.config import RolloutConfig
     from stapo_megatron.rollout.vllm_engine import VLLMEngine
     from stapo_megatron.rollout.weight_sync import sync_weights
 
-    with single_process_env():
-        groups = init_parallel(1, 1)
+    with one_rank_parallel() as groups:
         engine = VLLMEngine(hf_dir, RolloutConfig(**ENGINE_KW))
         model = build_gpt_model(tiny_config(VARIANT), params_dtype=torch.float32)
         randomize(model, seed=3)
@@ -152,7 +150,6 @@ def tp1(hf_dir):
         stats = sync_weights(model, tiny_config(VARIANT), groups, engine)
         yield dict(engine=engine, model=model, groups=groups, tokens=tokens_BS, before=before, stats=stats)
         engine.shutdown()
-        destroy_parallel()
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
-from tests.dist_utils import single_process_env
+from tests.dist_utils import one_rank_parallel
 from tests.test_rollout_engine import fixed_sequences, megatron_logprobs, randomize, recompute_samples
 
 LOGPROB_ATOL = 1e-4
@@ -37,7 +37,6 @@ def hf_logprobs(engine, tokens_BS: torch.Tensor) -> torch.Tensor:
 def synced(tmp_path_factory):
     """This process as a 1-rank Megatron job with an HF engine, synced to Megatron weights B."""
     from stapo_megatron.bridge import build_gpt_model
-    from stapo_megatron.train.parallel import destroy_parallel, init_parallel
     from stapo_megatron.rollout.config import RolloutConfig
     from stapo_megatron.rollout.hf_engine import HFEngine
     from stapo_megatron.rollout.weight_sync import sync_weights
@@ -46,8 +45,7 @@ def synced(tmp_path_factory):
     hf_dir = str(tmp_path_factory.mktemp("hf_engine") / "hf_a")
     save_tiny_hf_model(hf_dir, VARIANT, dtype=torch.float32, seed=0)
     build_char_tokenizer(hf_dir)
-    with single_process_env():
-        groups = init_parallel(1, 1)
+    with one_rank_parallel() as groups:
         engine = HFEngine(hf_dir, RolloutConfig(dtype="float32", seed=0))
         model = build_gpt_model(tiny_config(VARIANT), params_dtype=torch.float32)
         randomize(model, seed=3)
@@ -57,7 +55,6 @@ def synced(tmp_path_factory):
         stats = sync_weights(model, tiny_config(VARIANT), groups, engine)
         yield dict(engine=engine, model=model, groups=groups, tokens=tokens_BS, before=before, stats=stats)
         engine.shutdown()
-        destroy_parallel()
 
 
 def test_logprobs_equal_megatron_after_sync(synced):

@@ -19,7 +19,7 @@ import torch
 from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
 from stapo_megatron.method import rollout_correction as rc
 from stapo_megatron.method.config import LossConfig
-from tests.dist_utils import run_distributed, single_process_env
+from tests.dist_utils import one_rank_parallel, run_distributed
 from tests.test_rollout_engine import randomize
 
 pytestmark = pytest.mark.slow
@@ -52,7 +52,6 @@ def stale_run(tmp_path_factory):
     from stapo_megatron.rollout.hf_engine import HFEngine
     from stapo_megatron.rollout.weight_sync import sync_weights
     from stapo_megatron.train.config import OptimConfig
-    from stapo_megatron.train.parallel import destroy_parallel, init_parallel
     from stapo_megatron.train.schedule import PassContext, old_policy_pass
     from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
     from stapo_megatron.trainer.step_metrics import rollout_mismatch
@@ -62,8 +61,7 @@ def stale_run(tmp_path_factory):
     build_char_tokenizer(hf_dir)
     bounds = rc.RolloutCorrectionConfig()  # the default bounds: ratio [0.5, 2], geometric [0.999, 1.001]
     out = {}
-    with single_process_env():
-        groups = init_parallel(1, 1)
+    with one_rank_parallel() as groups:
         engine = HFEngine(hf_dir, RolloutConfig(dtype="float32", seed=0))
         model = build_gpt_model(tiny_config(VARIANT), params_dtype=torch.float32, calculate_per_token_loss=True)
         randomize(model, seed=3)
@@ -91,7 +89,6 @@ def stale_run(tmp_path_factory):
         sync_weights(model, tiny_config(VARIANT), groups, engine)
         _, out["resynced"] = sample_and_measure(seed=3)
         engine.shutdown()
-        destroy_parallel()
     return out
 
 

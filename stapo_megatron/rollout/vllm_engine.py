@@ -58,6 +58,9 @@ class VLLMEngine:
         world = dist.get_world_size() if dist.is_initialized() else 1
         kwargs = engine_kwargs(config, self.on_gpu, world, self.has_tokenizer)
         self.returns_routes = bool(kwargs.get("enable_return_routed_experts"))
+        # Without a default process group (stapo-eval, a one-process script) vLLM forms one of
+        # its own (world 1); `shutdown` destroys only that one, never the caller's.
+        self.owns_default_group = not dist.is_initialized()
         self.llm = self._build_llm(hf_dir, kwargs, config.vllm_model_runner_v2)
 
     @staticmethod
@@ -143,7 +146,9 @@ class VLLMEngine:
 
         vLLM 0.32's in-process shutdown (also run by a finalizer at exit) ends with
         ``cleanup_dist_env_and_memory``, which destroys the *default* process group too: the
-        trainer's. Here that one call is skipped, so Megatron's groups survive the engine.
+        trainer's. Here that one call is skipped, so Megatron's groups survive the engine. A
+        default group the engine formed itself (`owns_default_group`) is destroyed with it, so
+        the process is left as it was before the engine (a later ``init_process_group`` works).
         """
         real_destroy = dist.destroy_process_group
 
@@ -151,7 +156,8 @@ class VLLMEngine:
             if group is not None:
                 real_destroy(group)
 
-        dist.destroy_process_group = destroy_subgroups_only
+        if not self.owns_default_group:
+            dist.destroy_process_group = destroy_subgroups_only
         try:
             self.llm.llm_engine.engine_core.shutdown()
         finally:
