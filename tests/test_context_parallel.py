@@ -1,5 +1,6 @@
 """Context parallelism: the split of packed rows (tier a) and, on gloo (tier b), the all-gather CP
-attention and whole training updates at CP=2 and TP=2 x CP=2 against CP=1 on the same data.
+attention and whole training updates at CP=2 and TP=2 x CP=2 against CP=1 on the same data, and
+the in-training evaluation spread over CP against CP=1 (exact: same samples, integer counts).
 
 Tolerances (fp32, CPU): the split is exact (integer indexing). The CP attention equals plain
 causal attention per sequence to 1e-5 absolute at O(1) outputs: the same softmax over the same
@@ -419,3 +420,97 @@ def test_trainer_runs_at_cp2(tmp_path):
         assert r["rollout_train_logprob_diff"] < 1e-4
         assert r["mismatch_seq_flagged_fraction"] == 0.0  # sequence statistics from whole, gathered sequences
     assert ckpt.find_latest(str(run_dir), world_size=2).endswith("step_00000002")
+
+
+EVAL_K, SET_K, EVAL_TOKENS, LOGGED = 3, 2, 6, 10
+
+
+def _parity_reward(response: str, answer: str):
+    """1 when the response's first character has an even code point: about half the samples of
+    an untrained model score, so every count is exercised (its text never matches an answer)."""
+    from stapo_megatron.rewards.scorer import STATUS_OK
+
+    return (1.0 if response and ord(response[0]) % 2 == 0 else 0.0), STATUS_OK
+
+
+def _eval_worker(model_dir, held_out_path, bench_path, run_dirs):
+    """The real Evaluator twice on the same engine: at CP=2 (DP=1), then each rank alone as a
+    one-process run is (one-rank groups: DP = CP = 1). Returns both rows, the logged samples
+    and how many prompts this rank's engine was asked to sample at CP=2."""
+    import json
+
+    import torch.distributed as dist
+
+    from stapo_megatron.config import DataConfig, RolloutSampling, TrainerConfig
+    from stapo_megatron.data.examples import load_examples, tokenize_prompts
+    from stapo_megatron.eval.evaluator import Evaluator, load_eval_sets
+    from stapo_megatron.rewards.scorer import RewardScorer
+    from stapo_megatron.rollout.config import RolloutConfig
+    from stapo_megatron.rollout.hf_engine import HFEngine
+    from stapo_megatron.runlog.config import LoggingConfig
+    from stapo_megatron.runlog.metrics import RunLogger
+    from stapo_megatron.train.parallel import Groups, init_parallel
+
+    cp2 = init_parallel(1, 1, context_parallel_size=2)
+    rank = dist.get_rank()
+    alone = [dist.new_group([r]) for r in range(2)][rank]  # every rank creates every group
+    cfg = TrainerConfig(
+        eval_samples=EVAL_K, eval_temperature=1.0, eval_max_response_len=EVAL_TOKENS,
+        rollout=RolloutSampling(max_response_len=EVAL_TOKENS),
+        data=DataConfig(max_prompt_len=256, use_chat_template=False),
+        logging=LoggingConfig(backends=(), num_samples=LOGGED),
+        eval_sets=[{"name": "bench", "path": bench_path, "k": SET_K}],
+    )
+    # one row per generate call: no padding, so a sample does not depend on its batch-mates
+    engine = HFEngine(model_dir, RolloutConfig(dtype="float32", hf_max_batch_size=1, seed=0))
+    generate, asked = engine.generate, []
+    engine.generate = lambda prompts, *a, **k: asked.append(len(prompts)) or generate(prompts, *a, **k)
+    ids, examples, _ = tokenize_prompts(engine.tokenizer, load_examples(held_out_path), 256, use_chat_template=False)
+    sets = load_eval_sets(cfg, engine.tokenizer)
+    out = {}
+    with RewardScorer(num_workers=1, score_fn=_parity_reward) as scorer:
+        layouts = (("cp2", cp2), ("cp1", Groups(tp=None, dp=alone, pp=None, is_last_stage=True, pp_last_rank=rank)))
+        for name, groups in layouts:
+            asked.clear()
+            logger = RunLogger(run_dirs[name], enabled=rank == 0, logging=cfg.logging)
+            out[name] = Evaluator(cfg, (ids, examples), sets, engine, scorer, groups, 11, logger).evaluate(0)
+            logger.close()
+            out[name + "_asked"] = sum(asked)
+            if rank == 0:
+                out[name + "_logged"] = [json.loads(line) for line in open(f"{run_dirs[name]}/samples.jsonl")]
+    return out
+
+
+@pytest.mark.slow
+def test_evaluation_is_spread_over_cp_and_equals_cp1(tmp_path):
+    """CP=2 evaluation: each CP rank samples its own share of the problems (5 held-out problems
+    split 2 + 3, 3 named-set problems 1 + 2 per decoding), every problem counts exactly once,
+    and the row and the logged samples equal CP=1's exactly (the same per-problem seeds, one
+    sequence per forward; the counts are integer sums)."""
+    import json
+
+    from stapo_megatron.recipes.tiny import prepare_tiny_model
+
+    model_dir = str(tmp_path / "model")
+    prepare_tiny_model(model_dir)
+    held_out, bench = tmp_path / "held_out.jsonl", tmp_path / "bench.jsonl"
+    held_out.write_text("".join(json.dumps({"prompt": f"What is {a} + {a}?", "answer": str(2 * a)}) + "\n"
+                                for a in range(1, 6)))
+    bench.write_text("".join(json.dumps({"problem": f"Add {a} and 1.", "answer": str(a + 1)}) + "\n"
+                             for a in range(3)))
+    run_dirs = {name: str(tmp_path / name) for name in ("cp2", "cp1")}
+    results = run_distributed(2, _eval_worker, model_dir, str(held_out), str(bench), run_dirs)
+    decodings = ("T1.0_p1.0", "T0.7_p0.9")
+    # the engines' shares: held-out 2 + 3 problems, then each decoding's 1 + 2
+    assert [r["cp2_asked"] for r in results] == [2 + 2 * 1, 3 + 2 * 2]
+    assert all(r["cp1_asked"] == 5 + 2 * 3 for r in results)  # each one-rank run samples everything
+    for r in results:
+        cp2 = {k: v for k, v in r["cp2"].items() if k != "time_eval"}
+        assert cp2 == {k: v for k, v in r["cp1"].items() if k != "time_eval"}
+        assert cp2["eval_num"] == 5 * EVAL_K  # each held-out problem counted once
+        assert 0 < cp2["eval_accuracy"] < 1, "the parity reward must score some samples and not others"
+        for d in decodings:
+            assert 0 <= cp2[f"eval/bench/{d}/avg@{SET_K}"] <= cp2[f"eval/bench/{d}/pass@{SET_K}"] <= 1
+    logged = results[0]["cp2_logged"]
+    assert len(logged) == 1 and len(logged[0]["samples"]) == LOGGED > 2 * EVAL_K  # rank 0's share has 6
+    assert logged == results[0]["cp1_logged"]

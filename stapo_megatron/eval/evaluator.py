@@ -3,8 +3,15 @@
 It scores the held-out set (``eval_accuracy``: avg@k with k = ``eval_samples`` at
 ``eval_temperature``, a sample correct when its reward is positive, under 1/0 and +1/-1 rewards
 alike) and every named set of ``TrainerConfig.eval_sets`` per decoding
-(``eval/<set>/<decoding>/avg@<k>`` and ``pass@<k>``), each split over the DP ranks, sampled with
-one seed (`Seeds.evaluation`) so that evaluations at different steps differ by the weights only.
+(``eval/<set>/<decoding>/avg@<k>`` and ``pass@<k>``), sampled with one seed (`Seeds.evaluation`)
+so that evaluations at different steps differ by the weights only.
+
+Each set is spread over DP x CP as the training rollouts are (`trainer.layout`): DP replica d
+takes problems d, d + DP, d + 2 DP, ..., and CP rank c of the replica samples and scores the c-th
+contiguous 1/CP of those with the seeds they have without CP
+(`rollout.base.generate_context_parallel_share`); the counts are summed over DP x CP, so each
+problem counts once and the results are those of CP = 1 with the same DP. The logged samples
+(rank 0's) are its replica's first ones, as at CP = 1: gathered over CP.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from stapo_megatron.data.examples import tokenize_prompts
 from stapo_megatron.eval.config import Decoding
 from stapo_megatron.eval.scoring import Counts, EvalSet, load_eval_set, score_responses, summarize
 from stapo_megatron.rewards.scorer import RewardScorer
-from stapo_megatron.rollout.base import RolloutEngine, generate_for_group
+from stapo_megatron.rollout.base import RolloutEngine, generate_context_parallel_share
 from stapo_megatron.train.parallel import Groups, collective_device
 
 
@@ -51,7 +58,7 @@ class Evaluator:
         self.cfg, self.held_out, self.eval_sets = cfg, held_out, eval_sets
         self.engine, self.scorer, self.groups, self.seed, self.logger = engine, scorer, groups, seed, logger
         self.dp_size, self.dp_rank = dist.get_world_size(groups.dp), dist.get_rank(groups.dp)
-        self.dp_device = collective_device(groups.dp)
+        self.device = collective_device(groups.tokens)
         self.rank = dist.get_rank()
 
     def should_evaluate(self, step: int) -> bool:
@@ -81,23 +88,35 @@ class Evaluator:
 
     def _counts(self, prompt_ids: List[List[int]], examples: List, k: int, decoding: Decoding,
                 samples_out: Optional[List[Dict]] = None) -> Counts:
-        """avg@k sums of ``k`` samples per problem, this DP rank's share sampled and scored here
-        (``scoring.score_responses``), then summed over DP (float32, as every metric sum).
-        ``samples_out``, if given, gets this rank's samples (prompt, response, answer, reward)."""
-        idx = list(range(self.dp_rank, len(prompt_ids), self.dp_size))
-        samples = generate_for_group(self.engine, self.groups.mp, [prompt_ids[i] for i in idx], k,
-                                     decoding.temperature, decoding.top_p, eval_max_len(self.cfg), seed=self.seed,
-                                     wait_timeout_s=self.cfg.rollout_timeout())
+        """avg@k sums of ``k`` samples per problem, this rank's share (module docstring) sampled
+        and scored here (``scoring.score_responses``), then summed over DP x CP (float32, as
+        every metric sum). ``samples_out``, if given, gets the first `LoggingConfig.num_samples`
+        samples (prompt, response, answer, reward) of this rank's replica."""
+        replica = list(range(self.dp_rank, len(prompt_ids), self.dp_size))
+        start, samples = generate_context_parallel_share(
+            self.engine, self.groups, [prompt_ids[i] for i in replica], k, decoding.temperature, decoding.top_p,
+            eval_max_len(self.cfg), seed=self.seed, wait_timeout_s=self.cfg.rollout_timeout())
+        idx = replica[start:start + len(samples)]
         texts = [[s.text for s in group] for group in samples]
         rewards: List[float] = []
         counts = score_responses(texts, [examples[i] for i in idx], k, self.scorer, rewards)
         if samples_out is not None:
             flat = [(examples[i], t) for i, group in zip(idx, texts) for t in group]
-            samples_out.extend(dict(prompt=ex.prompt, response=t, answer=ex.answer, reward=r)
-                               for (ex, t), r in zip(flat, rewards))
-        sums = torch.tensor(counts.as_list(), device=self.dp_device)
-        dist.all_reduce(sums, group=self.groups.dp)
+            mine = [dict(prompt=ex.prompt, response=t, answer=ex.answer, reward=r) for (ex, t), r in zip(flat, rewards)]
+            samples_out.extend(self._replica_samples(mine[:self.cfg.logging.num_samples]))
+        sums = torch.tensor(counts.as_list(), device=self.device)
+        dist.all_reduce(sums, group=self.groups.tokens)
         return Counts(*sums)
+
+    def _replica_samples(self, mine: List[Dict]) -> List[Dict]:
+        """The replica's samples in problem order from each CP rank's first ones (``mine``): the
+        CP ranks' shares follow each other, so the first `LoggingConfig.num_samples` are those
+        CP = 1 logs."""
+        if self.groups.cp_size == 1:
+            return mine
+        parts: List[Optional[List[Dict]]] = [None] * self.groups.cp_size
+        dist.all_gather_object(parts, mine, group=self.groups.cp)
+        return [sample for part in parts for sample in part]
 
     def _print(self, r: Dict) -> None:
         if self.rank == 0:

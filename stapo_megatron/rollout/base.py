@@ -19,7 +19,7 @@ from typing import Iterable, Optional, Protocol, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from stapo_megatron.train.parallel import barrier, collective_timeout
+from stapo_megatron.train.parallel import Groups, barrier, collective_timeout
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 """Any of these in an HF folder means it carries a tokenizer (else ``Sample.text`` is "")."""
@@ -104,3 +104,25 @@ def generate_for_group(engine: RolloutEngine, mp_group: Optional[dist.ProcessGro
         if waiting:
             barrier()
     return samples
+
+
+def generate_context_parallel_share(engine: RolloutEngine, groups: Groups, prompt_token_ids, n: int,
+                                    temperature: float, top_p: float, max_tokens: int, seed: Optional[int],
+                                    wait_timeout_s: Optional[float] = None) -> Tuple[int, list[list[Sample]]]:
+    """This context-parallel rank's share of a data-parallel replica's prompts, sampled with the
+    seeds those prompts have without CP (`generate_for_group` over ``groups.mp``).
+
+    The CP ranks of a replica hold the same prompts; rather than each sampling all of them (CP - 1
+    copies wasted), CP rank c of CP samples prompts [c P // CP, (c + 1) P // CP) of the P (shares
+    differ by at most one; one may be empty), prompt i's j-th sample seeded ``seed + i * n + j``
+    as in one call over all P. Without CP that is all P prompts. Every rank of the job calls this.
+
+    Returns:
+        ``(start, samples)``: the index of the share's first prompt in ``prompt_token_ids`` and
+        its samples (``samples[i]`` belongs to prompt ``start + i``).
+    """
+    cp, rank = groups.cp_size, dist.get_rank(groups.cp) if groups.cp is not None else 0
+    start, end = len(prompt_token_ids) * rank // cp, len(prompt_token_ids) * (rank + 1) // cp
+    samples = generate_for_group(engine, groups.mp, prompt_token_ids[start:end], n, temperature, top_p, max_tokens,
+                                 seed=None if seed is None else seed + start * n, wait_timeout_s=wait_timeout_s)
+    return start, samples

@@ -5,10 +5,11 @@ context-parallel (CP) ranks of one data-parallel replica share its rollouts.
 Rollouts under CP: the CP ranks of a DP replica train the same sequences (each its chunks of
 them), so they need the same samples. Rather than every CP rank's engine sampling all of the
 replica's prompts (CP - 1 of them wasted), CP rank c samples the c-th 1/CP of the replica's
-prompts (with the seeds those samples have without CP), and the parts are all-gathered over the
-CP group: generation is spread over DP x CP, at the cost of one object all-gather of the
-samples per step. Evaluation is not spread (each CP rank scores its replica's problems; the
-counts are reduced over DP only, so they are counted once).
+prompts (with the seeds those samples have without CP;
+`stapo_megatron.rollout.base.generate_context_parallel_share`), and the parts are all-gathered
+over the CP group: generation is spread over DP x CP, at the cost of one object all-gather of the
+samples per step. Evaluation is spread the same way (`stapo_megatron.eval.evaluator`), without
+the all-gather: each CP rank scores its share and the counts are reduced over DP x CP.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import List, Optional
 import torch.distributed as dist
 
 from stapo_megatron.config import TrainerConfig
-from stapo_megatron.rollout.base import generate_for_group
+from stapo_megatron.rollout.base import generate_context_parallel_share
 from stapo_megatron.train.context_parallel import sequence_multiple
 from stapo_megatron.train.parallel import Groups, init_parallel
 
@@ -63,14 +64,12 @@ def replica_rollout(engine, groups: Groups, prompts: List[List[int]], n: int, te
 
     Without CP: `generate_for_group` (model-parallel rank 0's samples broadcast). With CP:
     CP rank c samples prompts [c P / CP, (c + 1) P / CP) (first sample seed ``seed + c P / CP
-    x n``, as without CP), then the parts are all-gathered over CP in rank order."""
-    cp = groups.cp_size
-    if cp == 1:
-        return generate_for_group(engine, groups.mp, prompts, n, temperature, top_p, max_tokens, seed=seed,
-                                  wait_timeout_s=wait_timeout_s)
-    share, rank = len(prompts) // cp, dist.get_rank(groups.cp)
-    mine = generate_for_group(engine, groups.mp, prompts[rank * share:(rank + 1) * share], n, temperature, top_p,
-                              max_tokens, seed=seed + rank * share * n, wait_timeout_s=wait_timeout_s)
-    parts: List[Optional[List]] = [None] * cp
+    x n``, as without CP: `generate_context_parallel_share`), then the parts are all-gathered
+    over CP in rank order."""
+    _, mine = generate_context_parallel_share(engine, groups, prompts, n, temperature, top_p, max_tokens, seed,
+                                              wait_timeout_s)
+    if groups.cp_size == 1:
+        return mine
+    parts: List[Optional[List]] = [None] * groups.cp_size
     dist.all_gather_object(parts, mine, group=groups.cp)
     return [group for part in parts for group in part]
