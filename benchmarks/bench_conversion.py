@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from stapo_megatron.conversion.safetensors_io import ShardWriter  # noqa: E402
 from stapo_megatron.bridge import hf_shapes, spec_from_hf_config  # noqa: E402
+from malloc_check import check_jemalloc  # noqa: E402 (benchmarks/, the script's folder)
 
 QWEN3_0_6B = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False, "head_dim": 128,
@@ -101,6 +102,7 @@ def main() -> None:
     p.add_argument("--model", choices=MODELS, default="qwen3-0.6b")
     p.add_argument("--num-layers", type=int, help="override the layer count (smaller file, same tensors)")
     args = p.parse_args()
+    check_jemalloc()  # the timed commands inherit this process's environment
     config = dict(MODELS[args.model])
     if args.num_layers:
         config["num_hidden_layers"] = args.num_layers

@@ -63,6 +63,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from malloc_check import check_jemalloc  # benchmarks/, the script's folder
 
 N_TOKENS, VOCAB = 2048, 151936
 
@@ -397,11 +398,7 @@ def main():
     if args.worker:
         args.what = args.worker
         return _worker_main(args)
-    # the loader skips a missing LD_PRELOAD library with a warning only: check it is mapped
-    with open("/proc/self/maps") as maps:
-        if "libjemalloc" not in maps.read():
-            print("warning: jemalloc is not loaded (`make bench` installs and preloads it); "
-                  "timings will be dominated by page faults")
+    check_jemalloc()  # the workers inherit this process's environment
     rows = []
     for tp in (1, 2):
         for dtype in ("float32", "bfloat16"):

@@ -30,6 +30,8 @@ import time
 
 import torch
 
+from malloc_check import check_jemalloc  # benchmarks/, the script's folder
+
 PROMPT_RANGE, RESPONSE_MEDIAN, RESPONSE_SIGMA, RESPONSE_CAP = (100, 1024), 3000, 0.9, 15360
 VOCAB = 512
 
@@ -129,6 +131,7 @@ def main():
     torch.set_num_threads(1)
     if args.side:
         return child(args)
+    check_jemalloc()  # the RSS children inherit this process's environment
     model, optimizer, groups, data, cap = setup(args)
     sides = {s: microbatches(s, data, cap) for s in ("padded", "packed")}
     real = sum(len(p) + len(r) for p, r in zip(data[0], data[1]))

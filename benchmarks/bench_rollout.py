@@ -22,6 +22,7 @@ import time
 import torch
 
 from stapo_megatron.bridge.tiny import tiny_config
+from malloc_check import check_jemalloc  # benchmarks/, the script's folder
 
 # The bridge's tiny Qwen3 test model (with a longer position range) and a wider sibling, where
 # per-token compute starts to matter.
@@ -108,6 +109,7 @@ def main():
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args()
+    check_jemalloc()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         args.workdir = args.workdir or tmp

@@ -17,6 +17,7 @@ interleaved on the same data, and the medians of per-round ratios against justrl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import time
@@ -30,6 +31,7 @@ from stapo_megatron.train.parallel import destroy_parallel, init_parallel
 from stapo_megatron.train.config import OptimConfig
 from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
 from stapo_megatron.train.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
+from malloc_check import check_jemalloc  # benchmarks/, the script's folder
 
 VARIANTS = {
     "justrl": LossConfig(method="justrl"),
@@ -54,6 +56,7 @@ def main():
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=512)
     args = parser.parse_args()
+    check_jemalloc()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29655")
     os.environ.setdefault("RANK", "0")
@@ -72,7 +75,7 @@ def main():
         mbs, _ = synthetic_rollouts(4, 4, prompt, args.seq - prompt, args.vocab, seed=rnd, micro_batch_size=4)
         this_round = {}
         for name, loss_config in VARIANTS.items():
-            fresh = [dict(mb) for mb in mbs]
+            fresh = [dataclasses.replace(mb) for mb in mbs]  # each variant fills its own pi_old
             seconds, metrics = one_step(model, optimizer, groups, loss_config, fresh, args.seq)
             this_round[name] = seconds
             print(f"round {rnd} {name:12s} {seconds:6.3f} s  silenced {metrics['silenced_count']}", flush=True)

@@ -23,6 +23,7 @@ construction; the table reports mini-batches 2-4.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import time
@@ -37,6 +38,7 @@ from stapo_megatron.train.parallel import destroy_parallel, init_parallel
 from stapo_megatron.train.config import OptimConfig
 from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
 from stapo_megatron.train.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
+from malloc_check import check_jemalloc  # benchmarks/, the script's folder
 
 NUM_MINIBATCHES = 4
 """PPO mini-batches per rollout batch (the paper: 256 / 64 prompts)."""
@@ -87,6 +89,7 @@ def main():
     parser.add_argument("--lr", type=float, default=1e-4, help="AdamW lr: how far each mini-batch moves the policy")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU time is measured)")
     args = parser.parse_args()
+    check_jemalloc()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29656")
@@ -108,7 +111,7 @@ def main():
                                     micro_batch_size=per_mini // 2)
         this_round = {}
         for source, (model, optimizer, loss_config) in variants.items():
-            minis = [[dict(mb) for mb in mbs[k * 2:(k + 1) * 2]] for k in range(NUM_MINIBATCHES)]
+            minis = [[dataclasses.replace(mb) for mb in mbs[k * 2:(k + 1) * 2]] for k in range(NUM_MINIBATCHES)]
             this_round[source] = one_step(model, optimizer, groups, loss_config, minis, args.seq,
                                           compare if (source == "exact" and rnd) else None)
             print(f"round {rnd} {source:6s} {this_round[source]:6.3f} CPU s", flush=True)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from stapo_megatron.bridge.tiny import tiny_config
+from malloc_check import check_jemalloc  # benchmarks/, the script's folder
 
 MODELS = {
     "tiny": tiny_config("qwen3"),
@@ -88,6 +89,8 @@ def main():
     for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", LOCAL_RANK="0",
                            WORLD_SIZE="1").items():
         os.environ.setdefault(key, value)
+    if os.environ["RANK"] == "0":  # one line per run (every torchrun rank has the same environment)
+        check_jemalloc()
     from stapo_megatron.train.parallel import destroy_parallel, init_parallel
 
     groups = init_parallel(args.tp, 1)
