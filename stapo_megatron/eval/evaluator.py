@@ -10,8 +10,9 @@ Each set is spread over DP x CP as the training rollouts are (`trainer.layout`):
 takes problems d, d + DP, d + 2 DP, ..., and CP rank c of the replica samples and scores the c-th
 contiguous 1/CP of those with the seeds they have without CP
 (`rollout.base.generate_context_parallel_share`); the counts are summed over DP x CP, so each
-problem counts once and the results are those of CP = 1 with the same DP. The logged samples
-(rank 0's) are its replica's first ones, as at CP = 1: gathered over CP.
+problem counts once, sampled as at CP = 1 with the same DP (the same results, up to numerics an
+engine's batching may change). The logged samples (rank 0's) are its replica's first ones, as at
+CP = 1: gathered over CP.
 """
 
 from __future__ import annotations
