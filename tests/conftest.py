@@ -1,16 +1,14 @@
 """Fixtures shared by the test modules."""
 
-import sys
-
 import pytest
+import torch.distributed as dist
 
 from tests.dist_utils import one_rank_parallel
 
 
-def _default_group_initialised() -> bool:
-    # a test that never imported torch.distributed cannot have formed a group: no torch import here
-    dist = sys.modules.get("torch.distributed")
-    return dist is not None and dist.is_initialized()
+def _fail_left_group(nodeid: str) -> None:
+    dist.destroy_process_group()  # so that the next test starts clean
+    pytest.fail(f"{nodeid} left a default torch.distributed process group initialised")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -18,9 +16,8 @@ def _no_group_left_by_module(request):
     """Fail the module whose fixtures leave a default process group formed (autouse module
     fixtures are set up first and torn down last, so this runs after `parallel`'s teardown)."""
     yield
-    if _default_group_initialised():
-        sys.modules["torch.distributed"].destroy_process_group()  # the next module starts clean
-        pytest.fail(f"{request.node.nodeid} left a default torch.distributed process group initialised")
+    if dist.is_initialized():
+        _fail_left_group(request.node.nodeid)
 
 
 @pytest.fixture(autouse=True)
@@ -28,11 +25,10 @@ def _no_group_left_by_test(request):
     """Fail the test that forms a default process group in the pytest process and leaves it:
     the next test to call ``init_process_group`` here would fail, or `init_parallel` would
     silently reuse it. Groups of module fixtures (`parallel`) are formed before this runs."""
-    before = _default_group_initialised()
+    before = dist.is_initialized()
     yield
-    if not before and _default_group_initialised():
-        sys.modules["torch.distributed"].destroy_process_group()
-        pytest.fail(f"{request.node.nodeid} left a default torch.distributed process group initialised")
+    if not before and dist.is_initialized():
+        _fail_left_group(request.node.nodeid)
 
 
 @pytest.fixture(scope="module")
