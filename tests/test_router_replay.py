@@ -104,6 +104,25 @@ def test_filler_is_k_distinct_valid_experts_spread_over_positions():
     assert {tuple(filled[t, 0].tolist()) for t in range(1, 6)} == {(2, 3), (0, 1)}  # not all on expert 0
 
 
+def test_replay_config_is_checked():
+    from stapo_megatron.config import ModelConfig, RolloutSampling, TrainerConfig
+    from stapo_megatron.trainer.routing import check_replay_engine
+
+    with pytest.raises(ValueError, match="vllm_model_runner_v2=True"):
+        RolloutSampling(routing_replay=True, engine="vllm")
+    RolloutSampling(routing_replay=True, engine="vllm", vllm_model_runner_v2=True)  # a GPU run may
+    with pytest.raises(ValueError, match="context_parallel_size 2"):
+        TrainerConfig(packing="fixed", model=ModelConfig(context_parallel_size=2),
+                      rollout=RolloutSampling(routing_replay=True, engine="hf"))
+    # the machine: vLLM returns routes only from Model Runner V2 on a GPU; the HF engine always
+    with pytest.raises(ValueError, match="without a GPU"):
+        check_replay_engine("vllm", True, on_gpu=False)
+    with pytest.raises(ValueError, match="vllm_model_runner_v2=False"):
+        check_replay_engine("vllm", False, on_gpu=True)
+    check_replay_engine("vllm", True, on_gpu=True)
+    check_replay_engine("hf", False, on_gpu=False)
+
+
 # ------------------------------------------------------------- one process, real megatron-core
 
 
@@ -414,3 +433,36 @@ def test_trainer_steps_with_routing_replay(tmp_path, packing):
         assert len(res["replayed"]) % (2 * passes) == 0 and min(res["replayed"]) > 0
     # both ranks together replayed every forwarded token of the 16 samples in each pass of a step
     assert sum(sum(res["replayed"]) for res in results) == passes * sum(r["routing_tokens"] for r in train_rows)
+
+
+def _missing_routes_worker():
+    import types
+
+    from stapo_megatron.config import RolloutSampling, TrainerConfig
+    from stapo_megatron.rollout.base import Sample
+    from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.trainer.routing import RoutingMonitor
+
+    import torch.distributed as dist
+
+    init_parallel(1, 1)
+    cfg = TrainerConfig(rollout=RolloutSampling(routing_replay=True, engine="hf", routing_every=0))
+    monitor = RoutingMonitor(types.SimpleNamespace(cfg=cfg, hf_config=tiny_config(VARIANT)))
+    routed = random_routes(4, L).long()
+    good = Sample(token_ids=[1, 2], logprobs=[0.0, 0.0], text="", finish_reason="stop", routed_experts=routed)
+    out = {"enabled": monitor.enabled, "routes": len(monitor.step_routes(0, [[good, good]]))}
+    # rank 1's engine lost the routes of one sample: both ranks stop, neither hangs
+    bad = dataclasses.replace(good, routed_experts=None) if dist.get_rank() == 1 else good
+    try:
+        monitor.step_routes(1, [[good, bad]])
+    except ValueError as error:
+        out["error"] = str(error)
+    return out
+
+
+@pytest.mark.slow
+def test_missing_routes_stop_every_rank_with_replay():
+    results = run_distributed(2, _missing_routes_worker)
+    for rank, r in enumerate(results):
+        assert r["enabled"] and r["routes"] == 2  # replay alone makes the engine record routes
+        assert "returned no routed experts" in r["error"] and f"rank {rank}: {rank} of 2" in r["error"]
