@@ -121,8 +121,9 @@ class RolloutSampling(EngineResources):
     routing with replay on). The engine must return routes: ``engine="hf"`` always does;
     vLLM only with Model Runner V2 on a GPU (``vllm_model_runner_v2=True``), otherwise
     refused. Cost: the engine records [tokens, layers, top-k] expert indices per sample, which
-    the micro-batches carry (int16: 768 bytes a token at 48 layers x top-8, also in the DP
-    exchange of ``packing="budget"``); no extra forward. Not with context parallelism."""
+    the micro-batches carry (int16: 768 bytes a token at 48 layers x top-8; ``packing="budget"``
+    sends each sequence's only to the DP rank that trains it); no extra forward. Not with
+    context parallelism."""
 
     def __post_init__(self):
         # group advantages (r - mean) / std need two responses per prompt

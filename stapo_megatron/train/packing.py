@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 
@@ -245,7 +245,7 @@ def rank_microbatches(
     context_parallel_size: int = 1,
     cp_rank: int = 0,
     seq_align: int = 1,
-    routes: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    routes: Union[None, Sequence[Optional[torch.Tensor]], Callable[[List[List[List[int]]]], Sequence]] = None,
 ) -> List[MicroBatch]:
     """This DP rank's micro-batches of one mini-batch given as all ranks' sequences.
 
@@ -261,7 +261,10 @@ def rank_microbatches(
     ``max_tokens x context_parallel_size`` tokens of whole (padded) sequences per micro-batch,
     so a sequence longer than ``max_tokens`` trains.
 
-    ``routes``: each sequence's ``Sample.routed_experts`` (MoE), carried as ``MicroBatch.routes``.
+    ``routes``: each sequence's ``Sample.routed_experts`` (MoE), carried as ``MicroBatch.routes``;
+    or a function of the plan (plan[rank][microbatch] = sequence indices) returning that list,
+    where only this rank's sequences need routes (the trainer fetches just those from the DP
+    ranks that sampled them: `stapo_megatron.trainer.packed_batches`).
     """
     if packing not in PACKING_MODES:
         raise ValueError(f"packing must be one of {PACKING_MODES}, got {packing!r}")
@@ -279,6 +282,8 @@ def rank_microbatches(
         plan = plan_token_budget(padded, cp_budget, num_ranks, seed, align)
     else:
         plan = plan_fixed_count(len(lengths), micro_batch_size, num_ranks)
+    if callable(routes):
+        routes = routes(plan)
     pick = lambda xs, idx: [xs[i] for i in idx]  # noqa: E731
     out = []
     for idx in plan[rank]:
