@@ -236,10 +236,17 @@ def test_replay_routes_every_token_and_matches_forced_transformers(parallel, syn
         assert replay.router_replay_action is None
 
 
-def _loss_and_grads(model, microbatches, seq):
+def _loss_and_grads(model, microbatches, seq, held=None):
+    """Summed loss and parameter gradients of a replayed pass; ``held`` gets, per micro-batch,
+    how many targets the first router's FIFO holds when its loss runs (after its forward)."""
+    from stapo_megatron.train.router_replay import replay_routers
     from stapo_megatron.train.schedule import run_microbatches
 
+    replay = replay_routers(model)[0][1]
+
     def loss_func(batch, logits):
+        if held is not None:
+            held.append(len(replay.replay_backward_list))
         logp = torch.log_softmax(logits.float(), -1).gather(-1, batch.labels[..., None])[..., 0]
         loss = -(logp * batch.response_mask).sum()
         return loss, batch.response_mask.sum().int(), {"loss": loss.detach()}
@@ -267,10 +274,13 @@ def test_full_recompute_replays_the_same_routes_in_backward(parallel):
         model.train()
         router = model.decoder.layers[0].mlp.router
         router.register_forward_hook(lambda *_, key=id(model): calls.__setitem__(key, calls.get(key, 0) + 1))
-    loss_plain, grads_plain = _loss_and_grads(plain, mbs, 12)
-    loss_recompute, grads_recompute = _loss_and_grads(recompute, mbs, 12)
+    held_plain, held_recompute = [], []
+    loss_plain, grads_plain = _loss_and_grads(plain, mbs, 12, held_plain)
+    loss_recompute, grads_recompute = _loss_and_grads(recompute, mbs, 12, held_recompute)
     # the recomputation really reran the routers: once more per micro-batch, in backward
     assert calls[id(plain)] == 3 and calls[id(recompute)] == 6
+    # only a recomputing model keeps a micro-batch's targets past its forward (until its backward)
+    assert held_plain == [0, 0, 0] and held_recompute == [1, 1, 1]
     assert math.isclose(loss_plain, loss_recompute, rel_tol=GRAD_RTOL)
     assert set(grads_plain) == set(grads_recompute) and any(".router." in n for n in grads_plain)
     for name, g in grads_plain.items():

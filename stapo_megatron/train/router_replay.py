@@ -34,8 +34,11 @@ after later micro-batches' forwards under pipelining. `set_replay_targets` appen
 micro-batch's targets to megatron-core's FIFO (``RouterReplay.replay_backward_list``, filled by
 ``set_target_indices``); `replay_backward` switches the routers to ``REPLAY_BACKWARD`` once the
 micro-batch's forward is done, so the recomputed forward pops that micro-batch's own indices
-(micro-batches' backwards run in their forward order). `clear_replay` empties the targets, the
-FIFO and the action after every pass (without recomputation the FIFO is never popped).
+(micro-batches' backwards run in their forward order). Without recomputation (or without
+gradients) it drops the micro-batch's targets right after its forward instead. `clear_replay`
+empties the targets, the FIFO and the action after every pass (also after an error), so
+nothing grows across micro-batches or steps. With ``recompute_method="block"`` the routers of
+layers past ``recompute_num_layers`` are never rerun and keep their entries until the pass ends.
 
 Legend: B, S as in batching; N = tokens one router sees; L = MoE layers, K = top-k, E = experts.
 """
@@ -127,11 +130,25 @@ def set_replay_targets(model, batch: MicroBatch) -> None:
 
 
 def replay_backward(model) -> None:
-    """After a micro-batch's forward: a recomputation in backward pops its targets in order."""
+    """After a micro-batch's forward: if its backward reruns the routers (activation
+    recomputation with gradients on), a recomputation pops its targets in order; otherwise its
+    targets are dropped at once (they would sit in the FIFO, N x L x K int64 on the device, until
+    the pass ends)."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
+    config = _unwrap_config(model)
+    # full: TransformerBlock checkpoints only in training mode; selective "moe": MoELayer
+    # checkpoints whatever the mode in 0.16.1 (0.19.2 in training mode; keeping the FIFO there
+    # costs memory, not correctness)
+    recomputes = torch.is_grad_enabled() and (
+        (config.recompute_granularity == "full" and model.training)
+        or (config.recompute_granularity == "selective" and "moe" in (config.recompute_modules or ())))
     for _, replay in replay_routers(model):
-        replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+        if recomputes:
+            replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+        else:
+            replay.clear_indices()
+            replay.clear_router_replay_action()
 
 
 def clear_replay(model) -> None:
