@@ -30,11 +30,13 @@ def test_every_field_has_a_docstring(name):
 
 def test_engine_fields_are_declared_once():
     shared = {f.name for f in dataclasses.fields(EngineResources)}
-    assert shared == {"tensor_parallel_size", "gpu_memory_utilization"}
+    # vllm_model_runner_v2: the trainer asks vLLM for routed experts (router replay) only with V2
+    assert shared == {"tensor_parallel_size", "gpu_memory_utilization", "vllm_model_runner_v2"}
     assert issubclass(RolloutSampling, EngineResources) and issubclass(RolloutConfig, EngineResources)
-    sampling = RolloutSampling(tensor_parallel_size=4, gpu_memory_utilization=0.4)
+    sampling = RolloutSampling(tensor_parallel_size=4, gpu_memory_utilization=0.4, vllm_model_runner_v2=True)
     engine = sampling.engine_config(max_model_len=64, seed=3)
     assert (engine.tensor_parallel_size, engine.gpu_memory_utilization, engine.max_model_len, engine.seed) == (4, 0.4, 64, 3)
+    assert engine.vllm_model_runner_v2
     with pytest.raises(ValueError, match=r"RolloutConfig.gpu_memory_utilization must be in \(0, 1\], got 1.5"):
         RolloutConfig(gpu_memory_utilization=1.5)
 

@@ -67,7 +67,7 @@ def _ep2_worker(hf_dir: str, tokens_BS: torch.Tensor, save_dir: str) -> dict:
     from stapo_megatron.rollout.hf_engine import HFEngine
     from stapo_megatron.rollout.weight_sync import iter_hf_weights, sync_weights
     from stapo_megatron.train.parallel import init_parallel
-    from stapo_megatron.trainer.routing import routing_counts
+    from stapo_megatron.trainer.routing import routing_counts, sample_microbatches
     from tests.test_rollout_engine import megatron_logprobs
     from tests.test_rollout_hf_engine import hf_logprobs
 
@@ -85,7 +85,7 @@ def _ep2_worker(hf_dir: str, tokens_BS: torch.Tensor, save_dir: str) -> dict:
     # each rank its own samples (different seeds), as DP ranks have
     samples = engine.generate(PROMPTS, n=2, temperature=1.0, top_p=1.0, max_tokens=6, seed=dist.get_rank())
     flat = [s for g in samples for s in g]
-    counts = routing_counts(model, [p for p in PROMPTS for _ in range(2)], flat, 4, micro_batch_size=2, pad_id=0)
+    counts = routing_counts(model, sample_microbatches([p for p in PROMPTS for _ in range(2)], flat, 2, pad_id=0), 4)
     dist.all_reduce(counts)
     local_experts = sorted({n.split(".local_experts.")[1].split(".")[0] for n, _ in model.named_parameters()
                             if ".local_experts." in n})
@@ -132,7 +132,7 @@ def test_bf16_engine_routes_differ_from_fp32_training(parallel, tmp_path):
     from stapo_megatron.rollout.config import RolloutConfig
     from stapo_megatron.rollout.hf_engine import HFEngine
     from stapo_megatron.rollout.weight_sync import sync_weights
-    from stapo_megatron.trainer.routing import routing_counts, routing_metrics
+    from stapo_megatron.trainer.routing import routing_counts, routing_metrics, sample_microbatches
 
     BF16_MAX = 0.2
     hf_dir = str(tmp_path / "hf")
@@ -146,7 +146,7 @@ def test_bf16_engine_routes_differ_from_fp32_training(parallel, tmp_path):
         engine = HFEngine(hf_dir, RolloutConfig(dtype=dtype, return_routed_experts=True))
         sync_weights(model, tiny_config(VARIANT), parallel, engine)
         flat = [s for g in engine.generate(prompts, n=4, temperature=1.0, top_p=1.0, max_tokens=20, seed=0) for s in g]
-        counts = routing_counts(model, [p for p in prompts for _ in range(4)], flat, 4, 8, pad_id=0)
+        counts = routing_counts(model, sample_microbatches([p for p in prompts for _ in range(4)], flat, 8, pad_id=0), 4)
         result[dtype] = routing_metrics(counts, top_k=2)
     assert result["float32"]["routing_disagreement_max"] == 0.0
     assert 0.0 < result["bfloat16"]["routing_disagreement_mean"] <= BF16_MAX
@@ -161,7 +161,7 @@ def _tp2_worker(hf_dir: str, tokens_BS: torch.Tensor, layout: str) -> dict:
     from stapo_megatron.rollout.hf_engine import HFEngine
     from stapo_megatron.rollout.weight_sync import sync_weights
     from stapo_megatron.train.parallel import init_parallel
-    from stapo_megatron.trainer.routing import routing_counts
+    from stapo_megatron.trainer.routing import routing_counts, sample_microbatches
     from tests.test_rollout_engine import megatron_logprobs
     from tests.test_rollout_hf_engine import hf_logprobs
     import torch.distributed as dist
@@ -176,7 +176,7 @@ def _tp2_worker(hf_dir: str, tokens_BS: torch.Tensor, layout: str) -> dict:
     sync_weights(model, tiny_config(VARIANT), groups, engine)
     # the ranks of a model-parallel group train on the same samples (the trainer broadcasts them)
     flat = [s for g in engine.generate(PROMPTS, n=2, temperature=1.0, top_p=1.0, max_tokens=6, seed=3) for s in g]
-    counts = routing_counts(model, [p for p in PROMPTS for _ in range(2)], flat, 4, micro_batch_size=2, pad_id=0)
+    counts = routing_counts(model, sample_microbatches([p for p in PROMPTS for _ in range(2)], flat, 2, pad_id=0), 4)
     dist.all_reduce(counts)
     return dict(counts=counts, routed_tokens=sum(s.routed_experts.shape[0] for s in flat),
                 logprobs=hf_logprobs(engine, tokens_BS),

@@ -124,6 +124,9 @@ def build_gpt_model(
     cp = ps.get_context_parallel_world_size()
     if cp > 1:  # the split itself is the caller's (train.context_parallel); attention and RoPE read this
         config_overrides.setdefault("context_parallel_size", cp)
+    if config_overrides.get("moe_enable_routing_replay") and not spec.is_moe:
+        raise ValueError(f"moe_enable_routing_replay=True (rollout.routing_replay) needs a mixture-of-experts "
+                         f"model; {spec.architecture} is dense (no router to replay)")
     if spec.is_moe and cp > 1:
         # Not verified: the aux-loss weight fix (train/moe.py) and the routing measurement
         # (trainer/routing.py) count one rank's tokens as whole sequences

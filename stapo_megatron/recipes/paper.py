@@ -231,7 +231,13 @@ def qwen3_14b(method: str = "stapo", run_dir: Optional[str] = None) -> TrainerCo
 
 
 def qwen3_30b_a3b(method: str = "stapo", run_dir: Optional[str] = None) -> TrainerConfig:
-    """Qwen3-30B-A3B-Base (MoE): 4 nodes x 8 GPUs, TP=4, EP=16, ETP=1, DP=8, vLLM TP=4."""
+    """Qwen3-30B-A3B-Base (MoE): 4 nodes x 8 GPUs, TP=4, EP=16, ETP=1, DP=8, vLLM TP=4.
+
+    Router replay (``rollout.routing_replay``) stays off: its vLLM engine returns routed experts
+    only from Model Runner V2 (``rollout.vllm_model_runner_v2=True``), which has not run on a GPU
+    here (nor has its log-prob parity), and the paper trains without replay. To turn it on, set
+    both once a GPU run shows V2's parity; the routing-disagreement metric (every 10th step)
+    says how much it would change."""
     return paper_recipe("qwen3_30b_a3b", method, run_dir)
 
 

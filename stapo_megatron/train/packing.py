@@ -40,11 +40,11 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 
-from stapo_megatron.train.batching import MicroBatch, pack_sequences
+from stapo_megatron.train.batching import NO_ROUTE, MicroBatch, pack_sequences, sequence_routes
 from stapo_megatron.train.context_parallel import split_for_context_parallel
 
 
@@ -58,6 +58,7 @@ def pack_thd(
     device: Optional[torch.device] = None,
     seed: Optional[int] = None,
     seq_align: int = 1,
+    routes: Optional[Sequence[Optional[torch.Tensor]]] = None,
 ) -> MicroBatch:
     """One packed `MicroBatch` [1, T] of the (prompt, response) pairs, T = sum L_i rounded up to
     ``align``.
@@ -66,13 +67,14 @@ def pack_thd(
     first L_i positions), positions restart at 0 per sequence. ``seq_align`` > 1 (context
     parallelism: 2 x CP, `context_parallel.sequence_multiple`) pads every sequence to a
     multiple of it after its real tokens (pad tokens, no loss, positions running on); ``align``
-    must then be a multiple of it.
+    must then be a multiple of it. ``routes`` (each pair's ``Sample.routed_experts``): the
+    row's routes [1, T, L, K], `batching.NO_ROUTE` at each sequence's last token and padding.
     """
     if align < 1 or seq_align < 1 or align % seq_align:
         raise ValueError(f"align ({align}) and seq_align ({seq_align}) must be >= 1 and seq_align must divide align")
     if not len(prompts):
         raise ValueError("pack_thd needs at least one sequence")
-    tokens, labels, mask, lp, adv, pos, lengths = [], [], [], [], [], [], []
+    tokens, labels, mask, lp, adv, pos, lengths, route_parts = [], [], [], [], [], [], [], []
     for i, (prompt, response) in enumerate(zip(prompts, responses)):
         if len(rollout_logprobs[i]) != len(response):
             raise ValueError(
@@ -86,6 +88,8 @@ def pack_thd(
         lp += [0.0] * start + [float(x) for x in rollout_logprobs[i]] + [0.0]
         adv += [float(advantages[i])] * n
         pad = -n % seq_align  # context parallelism: whole 2 x CP chunks, the padding after the real tokens
+        if routes is not None:
+            route_parts.append(_pad_routes(sequence_routes(routes[i], i, n), pad))
         tokens += [pad_id] * pad
         labels += [0] * pad
         mask += [False] * pad
@@ -102,6 +106,8 @@ def pack_thd(
         adv += [0.0] * tail
         pos += range(tail)
         lengths.append(tail)
+        if routes is not None:
+            route_parts.append(_pad_routes(route_parts[-1][:0], tail))
     row = lambda values, dtype: torch.tensor(values, dtype=dtype)[None]  # noqa: E731
     batch = MicroBatch(
         tokens=row(tokens, torch.long),
@@ -113,8 +119,14 @@ def pack_thd(
         seed=seed,
         cu_seqlens=torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32),
         max_seqlen=max(lengths),
+        routes=torch.cat(route_parts)[None] if routes is not None else None,
     )
     return batch if device is None else batch.to(device)
+
+
+def _pad_routes(routes_TLK: torch.Tensor, pad: int) -> torch.Tensor:
+    """``routes_TLK`` followed by ``pad`` positions of `NO_ROUTE`."""
+    return torch.cat([routes_TLK, routes_TLK.new_full((pad, *routes_TLK.shape[1:]), NO_ROUTE)])
 
 
 def sequence_ids(cu_seqlens: torch.Tensor, cp_size: int = 1) -> torch.Tensor:
@@ -233,6 +245,7 @@ def rank_microbatches(
     context_parallel_size: int = 1,
     cp_rank: int = 0,
     seq_align: int = 1,
+    routes: Union[None, Sequence[Optional[torch.Tensor]], Callable[[List[List[List[int]]]], Sequence]] = None,
 ) -> List[MicroBatch]:
     """This DP rank's micro-batches of one mini-batch given as all ranks' sequences.
 
@@ -247,6 +260,11 @@ def rank_microbatches(
     ``max_tokens`` then counts the tokens one rank holds after the split: the plan packs up to
     ``max_tokens x context_parallel_size`` tokens of whole (padded) sequences per micro-batch,
     so a sequence longer than ``max_tokens`` trains.
+
+    ``routes``: each sequence's ``Sample.routed_experts`` (MoE), carried as ``MicroBatch.routes``;
+    or a function of the plan (plan[rank][microbatch] = sequence indices) returning that list,
+    where only this rank's sequences need routes (the trainer fetches just those from the DP
+    ranks that sampled them: `stapo_megatron.trainer.packed_batches`).
     """
     if packing not in PACKING_MODES:
         raise ValueError(f"packing must be one of {PACKING_MODES}, got {packing!r}")
@@ -264,15 +282,19 @@ def rank_microbatches(
         plan = plan_token_budget(padded, cp_budget, num_ranks, seed, align)
     else:
         plan = plan_fixed_count(len(lengths), micro_batch_size, num_ranks)
+    if callable(routes):
+        routes = routes(plan)
     pick = lambda xs, idx: [xs[i] for i in idx]  # noqa: E731
     out = []
     for idx in plan[rank]:
         args = (pick(prompts, idx), pick(responses, idx), pick(advantages, idx), pick(rollout_logprobs, idx), pad_id)
+        mine = None if routes is None else pick(routes, idx)
         if packing == "padded":
-            mb = pack_sequences(*args, seq_length=seq_length or -(-max(lengths) // align) * align, device=device)
+            mb = pack_sequences(*args, seq_length=seq_length or -(-max(lengths) // align) * align, device=device,
+                                routes=mine)
             mb.seed = seed + idx[0]
         else:
-            mb = pack_thd(*args, align=align, device=device, seed=seed + idx[0], seq_align=seq_align)
+            mb = pack_thd(*args, align=align, device=device, seed=seed + idx[0], seq_align=seq_align, routes=mine)
             mb = split_for_context_parallel(mb, context_parallel_size, cp_rank)
         out.append(mb)
     return out

@@ -14,6 +14,10 @@ core attention (TE's, or the local spec's `SDPAttention`) keeps sequences apart.
 differ between micro-batches; without pipelining no schedule reads ``seq_length``; with it the
 p2p buffers would need Megatron's ``variable_seq_lengths``, not wired here (ValueError).
 
+Router replay (``replay_routes``, mixture-of-experts policies): each micro-batch's
+``MicroBatch.routes`` become its routers' targets before its forward and their FIFO for a
+recomputation in backward, cleared after the pass (`stapo_megatron.train.router_replay`).
+
 Legend: [B, S] = micro-batch x sequence, aligned with the labels ([1, T] packed).
 """
 
@@ -29,6 +33,7 @@ import torch.distributed as dist
 from stapo_megatron.train.batching import MicroBatch
 from stapo_megatron.train.ops import vocab_parallel_logprob_entropy
 from stapo_megatron.train.parallel import Groups
+from stapo_megatron.train.router_replay import clear_replay, replay_backward, set_replay_targets
 
 
 def packed_seq_params(batch: MicroBatch):
@@ -62,6 +67,9 @@ class PassContext:
     """This rank's process groups; None: one process (no TP, the last stage)."""
     vocab_size: Optional[int] = None
     """The real vocabulary if the output layer is padded (see ops); None: the layer's width."""
+    replay_routes: bool = False
+    """Router replay: the model's MoE routers take each micro-batch's ``routes`` (the policy's
+    passes with ``rollout.routing_replay``; never the frozen reference: `train.reference`)."""
 
     @property
     def tp_group(self) -> Optional[dist.ProcessGroup]:
@@ -77,24 +85,30 @@ class PassContext:
         return self.groups.is_last_stage if self.groups is not None else True
 
 
-def forward_step_func(make_loss: Callable) -> Callable:
+def forward_step_func(make_loss: Callable, replay_routes: bool = False) -> Callable:
     """A forward_step_func running the GPTModel on a `MicroBatch`; ``make_loss(batch)`` gives
-    the loss function Megatron applies to the last stage's output."""
+    the loss function Megatron applies to the last stage's output. ``replay_routes``: the
+    routers replay the micro-batch's routes (module docstring)."""
 
     def forward_step(data_iterator, model):
         # Micro-batches may be built on the CPU (tests, library users); the model's device is
         # where they are used. A no-op for tensors already there (the trainer's).
         batch = next(data_iterator).to(next(model.parameters()).device, non_blocking=True)
+        if replay_routes:
+            set_replay_targets(model, batch)
         output = model(batch.tokens, batch.position_ids, attention_mask=None,
                        packed_seq_params=packed_seq_params(batch))
+        if replay_routes:  # from here on a router runs only to recompute: this micro-batch's FIFO entry
+            replay_backward(model)
         return output, make_loss(batch)
 
     return forward_step
 
 
 def run_microbatches(model, microbatches: List[MicroBatch], seq_length: int,
-                     make_loss: Callable, forward_only: bool = False) -> list:
-    """Megatron's ``forward_backward_func`` over micro-batches (any PP schedule).
+                     make_loss: Callable, forward_only: bool = False, replay_routes: bool = False) -> list:
+    """Megatron's ``forward_backward_func`` over micro-batches (any PP schedule); with
+    ``replay_routes`` the MoE routers replay the micro-batches' routes.
 
     Returns the loss functions' metric dicts, one per micro-batch, on the last pipeline stage.
     """
@@ -106,15 +120,19 @@ def run_microbatches(model, microbatches: List[MicroBatch], seq_length: int,
         if pp > 1:
             raise ValueError(f"packed micro-batches (packing != 'padded') are not supported with pipeline "
                              f"parallelism yet (pipeline_model_parallel_size {pp}); use packing='padded'")
-    return get_forward_backward_func()(
-        forward_step_func=forward_step_func(make_loss),
-        data_iterator=iter(microbatches),
-        model=model,
-        num_microbatches=len(microbatches),
-        seq_length=seq_length,
-        micro_batch_size=microbatches[0].num_rows,
-        forward_only=forward_only,
-    )
+    try:
+        return get_forward_backward_func()(
+            forward_step_func=forward_step_func(make_loss, replay_routes),
+            data_iterator=iter(microbatches),
+            model=model,
+            num_microbatches=len(microbatches),
+            seq_length=seq_length,
+            micro_batch_size=microbatches[0].num_rows,
+            forward_only=forward_only,
+        )
+    finally:
+        if replay_routes:  # nothing carries over to the next pass (or a model used without replay)
+            clear_replay(model)
 
 
 def _stats_loss_func(temperature, tp_group, vocab_size, batch: MicroBatch, logits):
@@ -135,7 +153,7 @@ def compute_logprob_entropy(ctx: PassContext, microbatches: List[MicroBatch]) ->
         outputs = run_microbatches(
             ctx.model, microbatches, ctx.seq_length,
             lambda batch: partial(_stats_loss_func, ctx.temperature, ctx.tp_group, ctx.vocab_size, batch),
-            forward_only=True,
+            forward_only=True, replay_routes=ctx.replay_routes,
         )
     return [(out["logprob"], out["entropy"]) for out in outputs]
 

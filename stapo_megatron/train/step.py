@@ -154,6 +154,7 @@ def policy_update(
             ctx.model, microbatches, ctx.seq_length,
             lambda batch: moe.scaled_loss(partial(loss_func, loss_config, batch, threshold, ctx.tp_group,
                                                   ctx.vocab_size, cp_group=ctx.cp_group)),
+            replay_routes=ctx.replay_routes,
         )
     metrics = reduce_metrics(losses_reduced, threshold, groups.tokens, groups.pp, groups.pp_last_rank)
     metrics.update(moe.metrics(groups.tokens))

