@@ -14,10 +14,10 @@ COEFF = 0.1
 B, S = 2, 12
 
 
-def _model(coeff=COEFF):
+def _model(coeff=COEFF, **overrides):
     torch.manual_seed(0)
     return build_gpt_model(tiny_config("qwen3-moe"), params_dtype=torch.float32, calculate_per_token_loss=True,
-                           moe_aux_loss_coeff=coeff)
+                           moe_aux_loss_coeff=coeff, **overrides)
 
 
 def _aux_grads(model, tokens):
@@ -92,3 +92,25 @@ def test_expert_load_metrics(parallel):
         assert B * S * k / E <= m[f"moe/layer{layer}/max_load"] <= B * S
         assert m[f"moe/layer{layer}/aux_loss"] >= 1.0 - 1e-6  # switch loss >= 1, 1 when balanced
     assert m["moe/aux_loss"] == pytest.approx(sum(m[f"moe/layer{i}/aux_loss"] for i in range(4)))
+
+
+def test_expert_load_metrics_count_a_recomputed_microbatch_once(parallel):
+    """Full activation recomputation reruns every router in backward; the loads, the aux loss and
+    the aux-loss weight must be those of one forward (they were doubled before the fix)."""
+    tokens = torch.randint(0, 300, (B, S), generator=torch.Generator().manual_seed(3))
+    plain_grads, plain = _step_grads(wrap_ddp(_model()), tokens, 5)
+    recompute = wrap_ddp(_model(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1))
+    calls = []
+    handles = [r.register_forward_hook(lambda *a: calls.append(1)) for r in routers(recompute)]
+    grads, monitor = _step_grads(recompute, tokens, 5)
+    for h in handles:
+        h.remove()
+    assert len(calls) == 2 * len(routers(recompute))  # the routers did run twice: the check can fail
+    got, want = monitor.metrics(), plain.metrics()
+    assert got.keys() == want.keys()
+    for key in want:
+        # the same fp32 forward: the recomputed pass reproduces it bit for bit on the CPU
+        assert got[key] == pytest.approx(want[key], rel=1e-6), key
+    for name, g in plain_grads.items():
+        # recomputation changes no gradient, the aux-loss weight included (same fp32 ops)
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-8, msg=name)

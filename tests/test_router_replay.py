@@ -296,6 +296,8 @@ def test_replay_is_refused_without_routes_or_a_replay_model(parallel):
     tokens_BS = torch.randint(0, 300, (1, 8), generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="dense"):
         build_gpt_model(tiny_config("qwen3"), moe_enable_routing_replay=True)
+    with pytest.raises(ValueError, match="fused router ignores"):
+        build_gpt_model(tiny_config(VARIANT), moe_enable_routing_replay=True, moe_router_fusion=True)
     plain = build_gpt_model(tiny_config(VARIANT), params_dtype=torch.float32)
     ctx = PassContext(plain, 8, 1.0, parallel, 300, replay_routes=True)
     with pytest.raises(ValueError, match="moe_enable_routing_replay"):

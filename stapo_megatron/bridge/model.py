@@ -127,6 +127,10 @@ def build_gpt_model(
     if config_overrides.get("moe_enable_routing_replay") and not spec.is_moe:
         raise ValueError(f"moe_enable_routing_replay=True (rollout.routing_replay) needs a mixture-of-experts "
                          f"model; {spec.architecture} is dense (no router to replay)")
+    if config_overrides.get("moe_enable_routing_replay") and config_overrides.get("moe_router_fusion"):
+        # megatron-core's fused top-k (TE) returns before its replay hook: the replay would be ignored
+        raise ValueError("moe_router_fusion=True with moe_enable_routing_replay=True (rollout.routing_replay): "
+                         "the fused router ignores the replayed routes; turn one of them off")
     if spec.is_moe and cp > 1:
         # Not verified: the aux-loss weight fix (train/moe.py) and the routing measurement
         # (trainer/routing.py) count one rank's tokens as whole sequences

@@ -109,6 +109,11 @@ class MoEStepMonitor:
 
     def _hook(self, i: int) -> Callable:
         def hook(router, inputs, output):
+            if torch._C._current_graph_task_id() != -1:
+                # a forward rerun inside backward (activation recomputation): the micro-batch was
+                # counted at its forward; counting it again doubles the loads (torch's FSDP tells
+                # "in backward" the same way)
+                return
             hidden = inputs[0]
             routing_map_TE = output[1]
             with torch.no_grad():
