@@ -248,3 +248,53 @@ def test_packed_and_context_parallel_attention_on_cuda(dtype):
     for name, (out_err, grad_err) in errors.items():
         print(f"\n{name} {dtype}: output {out_err:.2e}, grad {grad_err:.2e}")
         assert out_err <= tol and grad_err <= 5 * tol, name
+
+
+def _router_replay_worker():
+    """Router replay (R3) on this process's device, fp32: the replayed pass's log-probs and
+    routing maps for random routes, and the loss/gradients of a replayed update with and without
+    full recomputation (`tests/test_router_replay.py`'s checks, on one device)."""
+    from stapo_megatron.train.parallel import init_parallel
+    from tests.test_moe_rollout_weight_sync import randomize_experts
+    from tests.test_router_replay import (L, _loss_and_grads, _microbatch, build_replay_model, expected_maps,
+                                          random_routes, replayed_pass)
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    groups = init_parallel(1, 1)
+    plain = build_replay_model()
+    randomize_experts(plain, seed=7)  # CPU generators: the same weights on either device
+    recompute = build_replay_model(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    recompute.load_state_dict(plain.state_dict())
+    device = str(next(plain.parameters()).device)
+    tokens_BS = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    routes_BSLK = random_routes(2, 16, L, seed=3)
+    plain.eval()
+    logprob, maps = replayed_pass(plain, groups, tokens_BS, routes_BSLK)
+    want = expected_maps(routes_BSLK)
+    maps_equal = all(torch.equal(maps[layer].cpu(), want[:, layer]) for layer in range(L))
+    gen = torch.Generator().manual_seed(4)
+    mbs = [_microbatch(torch.randint(0, 300, (2, 12), generator=gen), random_routes(2, 12, L, seed=10 + i))
+           for i in range(3)]
+    plain.train()
+    recompute.train()
+    results = [_loss_and_grads(m, mbs, 12) for m in (plain, recompute)]
+    return dict(device=device, logprob=logprob.cpu(), maps_equal=maps_equal,
+                losses=[loss for loss, _ in results],
+                grads=[{n: g.cpu() for n, g in grads.items()} for _, grads in results])
+
+
+def test_router_replay_on_cuda_equals_cpu():
+    """R3 on CUDA: every token goes to the replayed experts, the log-probs equal the CPU's (1e-4:
+    fp32, cuBLAS vs MKL reduction orders, ~1e-6 per op) and a full recomputation replays the same
+    routes in backward (its gradients equal the unrecomputed pass's, 1e-5 relative)."""
+    (gpu,) = run_distributed(1, _router_replay_worker)
+    with _cpu_only():
+        (cpu,) = run_distributed(1, _router_replay_worker)
+    assert gpu["device"].startswith("cuda") and cpu["device"] == "cpu"
+    assert gpu["maps_equal"] and cpu["maps_equal"]
+    assert (gpu["logprob"] - cpu["logprob"]).abs().max().item() <= 1e-4
+    plain, recompute = gpu["grads"]
+    assert gpu["losses"][0] == pytest.approx(gpu["losses"][1], rel=1e-5)
+    assert gpu["losses"][0] == pytest.approx(cpu["losses"][0], rel=1e-4)
+    for name, g in plain.items():
+        torch.testing.assert_close(recompute[name], g, rtol=1e-5, atol=1e-7, msg=name)
