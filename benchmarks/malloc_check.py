@@ -7,8 +7,9 @@ with a single line on stderr and runs on. So `check_jemalloc` reads this process
 prints ``jemalloc: true`` or ``jemalloc: false`` as a line of the benchmark's output (recorded with
 its numbers), and when false warns loudly on stderr.
 
-Not checked: benchmarks that count bytes rather than time (bench_context_parallel.py's saved
-activations) or time a GPU (bench_gpu_step.py, bench_logprob_entropy.py --device cuda).
+Not checked: benchmarks that count rather than time (bench_context_parallel.py's saved
+activations, bench_router_replay.py's log-prob mismatch) or time a GPU (bench_gpu_step.py,
+bench_logprob_entropy.py --device cuda).
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ malloc_check = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(malloc_check)
 JEMALLOC = malloc_check.JEMALLOC
 
-NOT_CPU_TIMING = {"bench_context_parallel.py", "bench_gpu_step.py"}
-"""Counts bytes (exact) / times a GPU: no allocator check (malloc_check's docstring)."""
+NOT_CPU_TIMING = {"bench_context_parallel.py", "bench_gpu_step.py", "bench_router_replay.py"}
+"""Counts bytes (exact) / times a GPU / compares log-probs: no allocator check (malloc_check's docstring)."""
 
 
 def _check(ld_preload):
