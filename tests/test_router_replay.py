@@ -175,7 +175,11 @@ def replayed_pass(model, groups, tokens_BS, routes_BSLK, replay=True):
 
 
 def expected_maps(routes_BSLK, tp_rank=0, tp_size=1, sequence_parallel=False):
-    filled_NLK = fill_missing(local_routes(routes_BSLK, tp_rank, tp_size, sequence_parallel), E)
+    B, S = routes_BSLK.shape[:2]
+    # the filler follows each position's index s B + b in the whole micro-batch, not in the TP slice
+    index_N = local_routes((torch.arange(S)[None] * B + torch.arange(B)[:, None])[..., None, None],
+                           tp_rank, tp_size, sequence_parallel).reshape(-1)
+    filled_NLK = fill_missing(local_routes(routes_BSLK, tp_rank, tp_size, sequence_parallel), E, index_N)
     return torch.zeros(*filled_NLK.shape[:2], E, dtype=torch.bool).scatter_(-1, filled_NLK, True)
 
 

@@ -84,6 +84,23 @@ def block_spec(layer, config, use_te: bool, vp_stage: Optional[int] = None):
                                       layer_norm=final_norm())
 
 
+def _check_moe_context_parallel(cp: int, config_overrides: dict) -> None:
+    """MoE with CP is exact for megatron-core's micro-batch switch loss (``aux_loss``; its counts
+    are reduced over TP x CP, and `stapo_megatron.train.moe` weights it over the whole row).
+    Refused: router settings whose statistics stay per CP rank's chunks (a per-sequence or
+    global-batch balance loss, per-rank expert capacity) or whose weight the fix does not set (z-loss)."""
+    balance = config_overrides.get("moe_router_load_balancing_type", "aux_loss")
+    if balance not in ("aux_loss", "none"):
+        raise ValueError(f"moe_router_load_balancing_type={balance!r} with context_parallel_size {cp}: only "
+                         f"'aux_loss' (the micro-batch switch loss) is exact under context parallelism")
+    if config_overrides.get("moe_z_loss_coeff"):
+        raise ValueError(f"moe_z_loss_coeff={config_overrides['moe_z_loss_coeff']} with context_parallel_size {cp}: "
+                         f"the router z-loss's weight is not set by stapo_megatron.train.moe; use 0")
+    if config_overrides.get("moe_expert_capacity_factor") is not None:
+        raise ValueError(f"moe_expert_capacity_factor={config_overrides['moe_expert_capacity_factor']} with "
+                         f"context_parallel_size {cp}: capacity would count one CP rank's chunks; use None (dropless)")
+
+
 def build_gpt_model(
     hf_config: Union[QwenSpec, dict, Any],
     params_dtype: torch.dtype = torch.float32,
@@ -132,10 +149,7 @@ def build_gpt_model(
         raise ValueError("moe_router_fusion=True with moe_enable_routing_replay=True (rollout.routing_replay): "
                          "the fused router ignores the replayed routes; turn one of them off")
     if spec.is_moe and cp > 1:
-        # Not verified: the aux-loss weight fix (train/moe.py) and the routing measurement
-        # (trainer/routing.py) count one rank's tokens as whole sequences
-        raise ValueError(f"{spec.architecture} (MoE) with context_parallel_size {cp} is not supported yet; "
-                         f"use context_parallel_size 1 (expert parallelism splits the experts instead)")
+        _check_moe_context_parallel(cp, config_overrides)
     if spec.is_moe:
         # The expert layout is the one the parallel state was built with (init_parallel).
         config_overrides = {"expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),

@@ -194,9 +194,6 @@ class TrainerConfig:
                              f"(model.pipeline_model_parallel_size {self.model.pipeline_model_parallel_size}); "
                              f"use packing=padded")
         cp = self.model.context_parallel_size
-        if cp > 1 and self.rollout.routing_replay:
-            raise ValueError(f"rollout.routing_replay=True with model.context_parallel_size {cp}: router replay "
-                             f"(like every mixture-of-experts model) does not support context parallelism yet")
         if cp > 1 and self.packing == "padded":
             raise ValueError(f"model.context_parallel_size {cp} needs packed micro-batches: packing='fixed' or "
                              f"'budget', got packing='padded'")

@@ -25,7 +25,33 @@ mean of the micro-batches' aux losses; the weights sum to one whatever the mask 
 Pipeline parallelism: only the last stage runs ``loss_func``; the MoE layers of earlier stages
 keep upstream's weight (warned).
 
-Legend: ``T`` routed tokens of a micro-batch on this rank, ``E`` experts.
+Context parallelism. CP rank r routes only its chunks of every sequence (t = T / CP of the
+micro-batch's T tokens). megatron-core (0.16.1 and 0.19.2, ``_apply_aux_loss``) all-reduces
+the routed counts over the router's ``tp_cp_group`` and takes T_tot = t x |tp_cp| tokens, so
+rank r's loss is its share of the micro-batch's switch loss:
+
+    aux_l^r = E c / (k T_tot^2) sum_e f_e P_e^r,   f_e = routed to e over the whole row,
+    P_e^r = sum of rank r's router probabilities for e;   sum_r aux_l^r = aux_l(mb)
+
+with aux_l(mb) the switch loss of the whole packed row, the same function of its tokens as at
+CP=1 (all of them: prompts, responses, the CP alignment padding and the row's tail, which
+megatron-core routes like any token; only the padding differs from a CP=1 row, which has no
+alignment to 2 x CP). Each rank's backward feeds its own aux_l^r, DDP sums the gradients over
+DP x CP, and ``finalize_model_grads`` divides by N. So the fix needs, on every CP rank, the
+micro-batch's kept count over the whole row, n_mb = sum_r n_mb^r: `scaled_loss` all-reduces
+the loss function's count over CP (one scalar per micro-batch; the count Megatron sees is
+unchanged) and sets the scale to n_mb / n_router^r, giving
+
+    grad_aux = sum_{mb, dp} sum_r (n_mb / N) grad aux_l^r = sum_{mb, dp} (n_mb / N) grad aux_l(mb):
+
+CP=2 gives CP=1's gradient on the same rows (``tests/test_moe_context_parallel.py``). With the
+per-rank n_mb^r the weights would follow each chunk's kept tokens instead. The metrics count the
+same way: `MoEStepMonitor` keeps per micro-batch and layer the routed counts and probability sums
+of this rank's tokens and reduces them over CP before forming the switch loss; expert loads are
+summed over DP x CP.
+
+Legend: ``T`` routed tokens of a micro-batch on this rank, ``E`` experts, ``M`` micro-batches,
+``L`` MoE layers of this stage.
 """
 
 from __future__ import annotations
@@ -78,18 +104,23 @@ class _AuxScaleAtBackward(torch.autograd.Function):
 
 class MoEStepMonitor:
     """Forward hooks on a model's routers: the routed-token count of the current micro-batch
-    (for the aux-loss weight) and, per layer, tokens per expert and the aux loss (Megatron's
-    switch loss without its coefficient), summed over the micro-batches of a step.
+    (for the aux-loss weight) and, per micro-batch and layer, this rank's tokens per expert and
+    router-probability sums (the switch loss's f and P before the CP reduction).
 
-    Use as a context manager around a policy update; ``metrics()`` reduces over ``dp_group``.
+    Use as a context manager around a policy update; ``metrics()`` reduces over the groups.
+
+    Args:
+        model: the (DDP-wrapped) GPTModel.
+        cp_group: the context-parallel group whose ranks hold the other chunks of the same
+            micro-batches (None or size 1: no CP).
     """
 
-    def __init__(self, model):
+    def __init__(self, model, cp_group: Optional[dist.ProcessGroup] = None):
         self.routers = routers(model)
         self.is_moe = bool(self.routers)
-        self.tokens_per_expert: List[Optional[torch.Tensor]] = [None] * len(self.routers)
-        self.aux_loss: List[float] = [0.0] * len(self.routers)
-        self.num_microbatches = [0] * len(self.routers)
+        self.cp_group = cp_group if cp_group is not None and dist.get_world_size(cp_group) > 1 else None
+        # per layer, per micro-batch: [2E + 1] = (tokens per expert, probability sums, tokens)
+        self.stats: List[List[torch.Tensor]] = [[] for _ in self.routers]
         self.router_tokens = 0
         self._token_factor = router_token_factor(self.routers[0]) if self.routers else 1
         self._handles = []
@@ -117,29 +148,27 @@ class MoEStepMonitor:
             hidden = inputs[0]
             routing_map_TE = output[1]
             with torch.no_grad():
-                tokens_E = routing_map_TE.sum(0).float()
                 logits_TE = hidden.reshape(-1, hidden.shape[-1]).float() @ router.weight.float().t()
-                probs_TE = torch.softmax(logits_TE, -1)
-                T, E, k = routing_map_TE.shape[0], routing_map_TE.shape[1], router.topk
-                # megatron-core switch_load_balancing_loss_func without the coefficient
-                aux = E * (probs_TE.sum(0) * tokens_E).sum() / (T * T * k)
-            prev = self.tokens_per_expert[i]
-            self.tokens_per_expert[i] = tokens_E if prev is None else prev + tokens_E
-            self.aux_loss[i] += float(aux)
-            self.num_microbatches[i] += 1
+                T = routing_map_TE.shape[0]
+                self.stats[i].append(torch.cat([routing_map_TE.sum(0).float(), torch.softmax(logits_TE, -1).sum(0),
+                                                torch.tensor([float(T)], device=logits_TE.device)]))
             self.router_tokens = T * self._token_factor
 
         return hook
 
     def scaled_loss(self, loss_fn: Callable) -> Callable:
         """``loss_fn`` (a Megatron loss_func returning (loss_sum, n_mb, metrics)) with the loss
-        routed through the aux-loss weight fix (module docstring); unchanged for dense models."""
+        routed through the aux-loss weight fix (module docstring: n_mb summed over CP); unchanged
+        for dense models."""
         if not self.is_moe:
             return loss_fn
 
         def wrapped(*args, **kwargs):
             loss, n_mb, metrics = loss_fn(*args, **kwargs)
-            ratio = n_mb.detach().float() / float(self.router_tokens)
+            n_row = n_mb.detach().float().clone()
+            if self.cp_group is not None:  # the whole row's kept tokens: every CP rank weights its share alike
+                dist.all_reduce(n_row, group=self.cp_group)
+            ratio = n_row / float(self.router_tokens)
             return _AuxScaleAtBackward.apply(loss, ratio), n_mb, metrics
 
         return wrapped
@@ -147,27 +176,39 @@ class MoEStepMonitor:
     def metrics(self, dp_group: Optional[dist.ProcessGroup] = None) -> Dict[str, float]:
         """Per MoE layer (global 0-based index; with pipeline parallelism each stage reports its
         own layers, and ``moe/aux_loss`` sums this stage's): ``moe/layer{i}/max_load`` and
-        ``mean_load`` (tokens per expert over the step's micro-batches and DP ranks; the mean is
-        tokens x top-k / E), ``max_over_mean`` (1 = perfectly balanced) and ``aux_loss`` (mean
-        over micro-batches and DP ranks); ``moe/aux_loss`` sums the layers."""
+        ``mean_load`` (tokens per expert over the step's micro-batches and the ``dp_group``
+        ranks, DP x CP under CP; the mean is tokens x top-k / E), ``max_over_mean`` (1 =
+        perfectly balanced) and ``aux_loss`` (Megatron's switch loss of each whole micro-batch,
+        without its coefficient, averaged over micro-batches and DP ranks); ``moe/aux_loss``
+        sums the layers. Collective over the CP group (when set) and ``dp_group``."""
         out: Dict[str, float] = {}
+        layers = [i for i, stats in enumerate(self.stats) if stats]
+        if not layers:
+            return out
+        stats_LMX = torch.stack([torch.stack(self.stats[i]) for i in layers])
+        if self.cp_group is not None:  # the whole rows: f and P of every chunk of each micro-batch
+            dist.all_reduce(stats_LMX, group=self.cp_group)
+        E = (stats_LMX.shape[-1] - 1) // 2
+        tokens_LME, probs_LME, T_LM = stats_LMX[..., :E], stats_LMX[..., E:2 * E], stats_LMX[..., -1]
+        k = torch.tensor([float(self.routers[i].topk) for i in layers], device=stats_LMX.device)[:, None]
+        # megatron-core's switch_load_balancing_loss_func without the coefficient, per micro-batch
+        aux_LM = E * (probs_LME * tokens_LME).sum(-1) / (T_LM * T_LM * k)
+        # loads: this rank's own tokens (after the CP reduction every CP rank holds the row's)
+        local_LE = torch.stack([torch.stack(self.stats[i])[:, :E].sum(0) for i in layers])
+        summed = torch.cat([local_LE, aux_LM.mean(1, keepdim=True)], dim=1)
         world = dist.get_world_size(dp_group) if dist.is_initialized() else 1
+        if world > 1:
+            dist.all_reduce(summed, group=dp_group)
         total_aux = 0.0
-        for i, tokens_E in enumerate(self.tokens_per_expert):
-            if tokens_E is None:
-                continue
+        for row, i in zip(summed, layers):
             layer = self.routers[i].layer_number - 1  # megatron-core numbers layers from 1
-            aux = torch.tensor([self.aux_loss[i] / self.num_microbatches[i]], device=tokens_E.device)
-            stats = torch.cat([tokens_E, aux])
-            if world > 1:
-                dist.all_reduce(stats, group=dp_group)
-            tokens_E, aux = stats[:-1], float(stats[-1]) / world
+            # the aux of a micro-batch is the same on its CP ranks: the mean over dp_group's ranks is over DP
+            tokens_E, aux = row[:-1], float(row[-1]) / world
             mean = float(tokens_E.mean())
             out[f"moe/layer{layer}/max_load"] = float(tokens_E.max())
             out[f"moe/layer{layer}/mean_load"] = mean
             out[f"moe/layer{layer}/max_over_mean"] = float(tokens_E.max()) / mean if mean > 0 else float("nan")
             out[f"moe/layer{layer}/aux_loss"] = aux
             total_aux += aux
-        if out:
-            out["moe/aux_loss"] = total_aux
+        out["moe/aux_loss"] = total_aux
         return out

@@ -14,7 +14,9 @@ the routers of every model built in the process (tests build many; a GRPO run bu
 reference whose routers must not replay).
 
 Which positions. Megatron's router flattens its input [S_local, B, H] sequence-major: token
-``s * B + b``. With sequence parallelism a TP rank's routers see its 1/TP slice of the
+``s * B + b``. Under context parallelism the micro-batch is already CP rank r's part of the
+packed row (`stapo_megatron.train.context_parallel.split_for_context_parallel` takes ``routes``
+at the same positions as the tokens), so the routes need no further CP slicing. With sequence parallelism a TP rank's routers see its 1/TP slice of the
 sequence (S_local = S / TP, rank r the r-th slice), without it all of S (every TP rank routes
 every token). Expert parallelism dispatches after routing, so each rank routes its own tokens
 as without EP. A pipeline stage holds only its layers: a router takes layer
@@ -22,8 +24,10 @@ as without EP. A pipeline stage holds only its layers: a router takes layer
 
 The filler. Where the rollout forwarded nothing (`batching.NO_ROUTE`: the last token of each
 sequence, whose output predicts past the end, and padding) a position gets the K distinct experts
-``(t K + j) mod E``, j < K (t: its index in the router's input, which spreads the padding
-over experts and EP ranks instead of piling it onto expert 0). Harmless: no loss term reads
+``(t K + j) mod E``, j < K (t: its index in the whole micro-batch, sequence-major s B + b, or
+its position in the packed row for a context-parallel part (`routed_positions`): the same
+experts whatever the TP/CP split, so the expert loads the filler adds do not depend on the
+layout; spread over experts and EP ranks instead of piled onto expert 0). Harmless: no loss term reads
 those positions (label masked, ``response_mask`` False), and causal attention within a sequence
 (THD keeps sequences apart) means no real token attends to them; the load-balancing aux loss
 is computed by megatron-core from the router's own (unreplayed) top-k, so the filler does not
@@ -45,11 +49,12 @@ Legend: B, S as in batching; N = tokens one router sees; L = MoE layers, K = top
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
 from stapo_megatron.train.batching import NO_ROUTE, MicroBatch
+from stapo_megatron.train.context_parallel import local_positions
 
 
 def replay_routers(model) -> List[Tuple[int, object]]:
@@ -85,15 +90,35 @@ def local_routes(routes_BSLK: torch.Tensor, tp_rank: int = 0, tp_size: int = 1,
     return routes_SBLK.reshape(-1, *routes_SBLK.shape[2:])
 
 
-def fill_missing(routes_NLK: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """int64 routes with every `NO_ROUTE` position given the filler experts (t K + j) mod E."""
+def fill_missing(routes_NLK: torch.Tensor, num_experts: int, index_N: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """int64 routes with every `NO_ROUTE` position given the filler experts (t K + j) mod E, t
+    from ``index_N`` (default: the index in ``routes_NLK``; module docstring)."""
     N, _, K = routes_NLK.shape
     if K > num_experts:
         raise ValueError(f"top-k {K} > {num_experts} experts")
-    filler_NK = (torch.arange(N, device=routes_NLK.device)[:, None] * K
-                 + torch.arange(K, device=routes_NLK.device)) % num_experts
+    t_N = torch.arange(N, device=routes_NLK.device) if index_N is None else index_N.to(routes_NLK.device)
+    filler_NK = (t_N[:, None] * K + torch.arange(K, device=routes_NLK.device)) % num_experts
     routes = routes_NLK.long()
     return torch.where(routes == NO_ROUTE, filler_NK[:, None, :], routes)
+
+
+def routed_positions(batch: MicroBatch, cp_rank: int = 0) -> torch.Tensor:
+    """[B, S] int64: each position's index in the whole micro-batch, sequence-major s B + b; for
+    CP rank ``cp_rank``'s part of a packed row (B = 1), its positions in the row."""
+    B, S = batch.tokens.shape
+    if batch.cp_size > 1:
+        return local_positions(batch.cu_seqlens.cpu(), batch.cp_size, cp_rank)[None]
+    return torch.arange(S)[None] * B + torch.arange(B)[:, None]
+
+
+def replay_indices(batch: MicroBatch, num_experts: int, tp_rank: int = 0, tp_size: int = 1,
+                   sequence_parallel: bool = False, cp_rank: int = 0) -> torch.Tensor:
+    """[N, L, K] int64: the experts a router of this TP / CP rank replays for ``batch``
+    (`local_routes`, `NO_ROUTE` given the filler of `routed_positions`)."""
+    routes_NLK = local_routes(batch.routes, tp_rank, tp_size, sequence_parallel)
+    index_N = local_routes(routed_positions(batch, cp_rank)[..., None, None], tp_rank, tp_size,
+                           sequence_parallel).reshape(-1)
+    return fill_missing(routes_NLK, num_experts, index_N)
 
 
 def set_replay_targets(model, batch: MicroBatch) -> None:
@@ -115,15 +140,16 @@ def set_replay_targets(model, batch: MicroBatch) -> None:
                          f"{tuple(batch.tokens.shape)}")
     replays = replay_routers(model)
     config = _unwrap_config(model)
-    routes_NLK = local_routes(batch.routes, ps.get_tensor_model_parallel_rank(),
-                              ps.get_tensor_model_parallel_world_size(), bool(config.sequence_parallel))
+    routes_NLK = replay_indices(batch, config.num_moe_experts, ps.get_tensor_model_parallel_rank(),
+                                ps.get_tensor_model_parallel_world_size(), bool(config.sequence_parallel),
+                                ps.get_context_parallel_rank())
     num_layers = routes_NLK.shape[1]
     if max(layer for layer, _ in replays) >= num_layers:
         raise ValueError(f"routes cover {num_layers} MoE layers, the model has layer "
                          f"{max(layer for layer, _ in replays)} (0-based)")
     if routes_NLK.shape[2] != config.moe_router_topk:
         raise ValueError(f"routes hold top-{routes_NLK.shape[2]} experts, the model routes top-{config.moe_router_topk}")
-    routes_NLK = fill_missing(routes_NLK.to(batch.tokens.device), config.num_moe_experts)
+    routes_NLK = routes_NLK.to(batch.tokens.device)
     for layer, replay in replays:
         replay.set_target_indices(routes_NLK[:, layer].contiguous())
         replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)

@@ -148,7 +148,7 @@ def policy_update(
     ctx.model.zero_grad_buffer()
     optimizer.zero_grad()
     # MoE: expert-load metrics, and the aux loss weighted c x aux whatever the mask keeps (train/moe.py)
-    moe = MoEStepMonitor(ctx.model)
+    moe = MoEStepMonitor(ctx.model, cp_group=ctx.cp_group)
     with moe:
         losses_reduced = run_microbatches(
             ctx.model, microbatches, ctx.seq_length,
@@ -157,7 +157,7 @@ def policy_update(
             replay_routes=ctx.replay_routes,
         )
     metrics = reduce_metrics(losses_reduced, threshold, groups.tokens, groups.pp, groups.pp_last_rank)
-    metrics.update(moe.metrics(groups.tokens))
+    metrics.update(moe.metrics(groups.tokens))  # loads over DP x CP, each micro-batch's aux over CP first
     # The optimizer step by hand (what MegatronOptimizer.step does) so that a NaN/Inf loss or
     # gradient skips the update on every rank alike instead of corrupting the weights.
     found_inf = optimizer.prepare_grads()

@@ -19,11 +19,14 @@ every rank's samples, and the rollout's expert load (``rollout_expert_load_max``
 the busiest expert's token count over the mean count; 1 is balanced). The training side is a
 no-grad forward of this rank's micro-batches of the step (the packed or padded ones the update
 trains on, carrying the rollout's routes per position: ``MicroBatch.routes``) through the policy
-(`routing_counts`, any TP/PP/EP layout; context parallelism is refused) with forward hooks on the
+(`routing_counts`, any TP/PP/EP/CP layout) with forward hooks on the
 Megatron routers, which return ``(probs, routing_map)``, ``routing_map`` [N, E] boolean over the
 router's tokens (`stapo_megatron.train.router_replay.local_routes` says which positions: S / TP
 per TP rank with sequence parallelism). Only positions with a rollout route count (not the last
-token of a sequence, not padding).
+token of a sequence, not padding). Under context parallelism a micro-batch is CP rank r's part of
+the packed row (`stapo_megatron.train.context_parallel.split_for_context_parallel`, which takes
+``routes`` at the same `local_positions` as the tokens), so each CP rank compares its own
+positions, in the order its routers see them, and the world sum counts every position once.
 
 With router replay on (``rollout.routing_replay``) this pass does not replay: it measures the
 routing training would choose by itself, i.e. how many (token, layer) top-k sets replay
@@ -127,13 +130,11 @@ def routing_counts(model, microbatches: List[MicroBatch], num_experts: int) -> t
         [3, L] float64 on the CPU: per layer the (token, layer) sets that differ, the rollout
         experts training did not pick, and the tokens compared (positions with a rollout route).
         With TP and no sequence parallelism only TP rank 0 counts (every TP rank routes every
-        token).
+        token); every CP rank counts its own positions (micro-batches split over CP carry their
+        routes at the tokens' positions).
     """
     from megatron.core import parallel_state as ps
 
-    if ps.get_context_parallel_world_size() > 1:
-        raise ValueError("routing disagreement does not support context parallelism yet; "
-                         "set rollout.routing_every=0")
     if any(mb.routes is None for mb in microbatches):
         raise ValueError("routing_counts needs micro-batches that carry the rollout's routes (MicroBatch.routes)")
     seq = max(mb.tokens.shape[1] for mb in microbatches)
