@@ -24,14 +24,17 @@ as without EP. A pipeline stage holds only its layers: a router takes layer
 
 The filler. Where the rollout forwarded nothing (`batching.NO_ROUTE`: the last token of each
 sequence, whose output predicts past the end, and padding) a position gets the K distinct experts
-``(t K + j) mod E``, j < K (t: its index in the whole micro-batch, sequence-major s B + b, or
-its position in the packed row for a context-parallel part (`routed_positions`): the same
-experts whatever the TP/CP split, so the expert loads the filler adds do not depend on the
-layout; spread over experts and EP ranks instead of piled onto expert 0). Harmless: no loss term reads
-those positions (label masked, ``response_mask`` False), and causal attention within a sequence
-(THD keeps sequences apart) means no real token attends to them; the load-balancing aux loss
-is computed by megatron-core from the router's own (unreplayed) top-k, so the filler does not
-enter it either.
+``(t K + j) mod E``, j < K, t its index in the whole micro-batch, sequence-major s B + b, or
+its position in the packed row for a context-parallel part (`routed_positions`): spread over
+experts and EP ranks instead of piled onto expert 0, and the same whatever the TP/CP split.
+Harmless for the policy loss: no loss term reads those positions (label masked,
+``response_mask`` False), and causal attention within a sequence (THD keeps sequences apart)
+means no real token attends to them. Not invisible to the load-balancing aux loss: megatron-core
+computes it from every routed token's own (unreplayed) top-k and probabilities, and a filler
+position's expert output enters its later layers' inputs, hence its router probabilities there.
+That is why the filler must not depend on the layout (with each CP rank's local index the
+weights after a replayed update at CP=2 differed from CP=1's, `tests/test_moe_context_parallel.py`);
+the expert-load metrics count it too.
 
 Recomputation. Full activation recomputation reruns each layer's router in the backward pass,
 after later micro-batches' forwards under pipelining. `set_replay_targets` appends each
