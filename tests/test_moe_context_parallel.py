@@ -227,3 +227,15 @@ def test_stapo_update_at_cp2_equals_cp1(results):
         got, want = _merged(results, layout, "after_stapo"), _merged(results, ref, "after_stapo")
         for name, w in want.items():
             torch.testing.assert_close(got[name], w, atol=WEIGHT_ATOL, rtol=0, msg=f"{layout} {name}")
+
+
+def test_model_build_refuses_what_cp_would_make_per_chunk():
+    from stapo_megatron.bridge.model import _check_moe_context_parallel
+
+    _check_moe_context_parallel(2, {"moe_aux_loss_coeff": 0.01})  # the micro-batch switch loss: exact
+    with pytest.raises(ValueError, match="moe_router_load_balancing_type='seq_aux_loss' with context_parallel_size 2"):
+        _check_moe_context_parallel(2, {"moe_router_load_balancing_type": "seq_aux_loss"})
+    with pytest.raises(ValueError, match="moe_z_loss_coeff=0.001 with context_parallel_size 2"):
+        _check_moe_context_parallel(2, {"moe_z_loss_coeff": 0.001})
+    with pytest.raises(ValueError, match="moe_expert_capacity_factor=1.5 with context_parallel_size 4"):
+        _check_moe_context_parallel(4, {"moe_expert_capacity_factor": 1.5})

@@ -403,41 +403,44 @@ def test_pipeline_recompute_pops_each_microbatchs_own_routes(tmp_path):
 # ------------------------------------------------------------------------ slow: the real trainer
 
 
-def _trainer_worker(run_dir, model_dir, packing):
+def _trainer_worker(run_dir, model_dir, packing, context_parallel_size=1):
     import stapo_megatron.train.schedule as schedule
     from stapo_megatron.recipes.tiny import tiny_moe_demo
     from stapo_megatron.trainer.loop import train
 
-    replayed = []
+    replayed, cp_sizes = [], set()
     set_targets = schedule.set_replay_targets
 
     def counting(model, batch):  # every replayed micro-batch's real (routed) positions
         replayed.append(int((batch.routes[..., 0, 0] != NO_ROUTE).sum()))
+        cp_sizes.add(batch.cp_size)
         set_targets(model, batch)
 
     schedule.set_replay_targets = counting
     cfg, warmstart = tiny_moe_demo(run_dir=run_dir)
     cfg = dataclasses.replace(
         cfg, steps=2, prompts_per_step=4, minibatch_prompts=4, micro_batch_size=2, eval_every=0, packing=packing,
-        model=dataclasses.replace(cfg.model, hf_dir=model_dir),
+        model=dataclasses.replace(cfg.model, hf_dir=model_dir, context_parallel_size=context_parallel_size),
         data=dataclasses.replace(cfg.data, num_train=16, num_eval=4),
         rollout=dataclasses.replace(cfg.rollout, routing_replay=True, group_size=4, max_response_len=24))
     rows = train(cfg, dataclasses.replace(warmstart, steps=2, prompts_per_step=4))
-    return dict(rows=rows, replayed=replayed, passes=2 + (cfg.loss.tau_h_source == "exact"))
+    return dict(rows=rows, replayed=replayed, passes=2 + (cfg.loss.tau_h_source == "exact"), cp_sizes=cp_sizes)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("packing", ["budget", "padded"])
-def test_trainer_steps_with_routing_replay(tmp_path, packing):
+@pytest.mark.parametrize("packing,cp", [("budget", 1), ("padded", 1), ("budget", 2)])
+def test_trainer_steps_with_routing_replay(tmp_path, packing, cp):
     """Two RL steps of the tiny MoE recipe (EP=2, HF engine) with ``rollout.routing_replay``:
     the pi_old pass and the update (and an "exact" tau_H pre-pass) replay every micro-batch
     (each rank's share of the 16 samples, every forwarded token), and the step still logs the
-    (unreplayed) routing disagreement: 0 with fp32 on both sides."""
+    (unreplayed) routing disagreement: 0 with fp32 on both sides. With CP=2 (DP=1, EP=2 over
+    the CP ranks) each rank replays and measures its chunks of every sequence: together every
+    token once, and the replayed pi_old equals the engine's log-probs."""
     from stapo_megatron.recipes.tiny import prepare_tiny_model
 
     model_dir = str(tmp_path / "model")
     prepare_tiny_model(model_dir, "tiny_moe")
-    results = run_distributed(2, _trainer_worker, str(tmp_path / "run"), model_dir, packing, timeout=900)
+    results = run_distributed(2, _trainer_worker, str(tmp_path / "run"), model_dir, packing, cp, timeout=900)
     train_rows = [r for r in results[0]["rows"] if r.get("kind") == "train"]
     assert [r["step"] for r in train_rows] == [1, 2]
     for r in train_rows:
@@ -447,6 +450,7 @@ def test_trainer_steps_with_routing_replay(tmp_path, packing):
     passes = results[0]["passes"]  # pi_old, the update, and with tau_h_source "exact" its pre-pass
     for res in results:
         assert len(res["replayed"]) % (2 * passes) == 0 and min(res["replayed"]) > 0
+        assert res["cp_sizes"] == {cp}  # the micro-batches were split over CP
     # both ranks together replayed every forwarded token of the 16 samples in each pass of a step
     assert sum(sum(res["replayed"]) for res in results) == passes * sum(r["routing_tokens"] for r in train_rows)
 
