@@ -14,7 +14,7 @@ the all-reduced token count, which upstream assumes is every token of every micr
 
 The STAPO normaliser N counts kept response tokens only (``train/loss.py``), so upstream's
 weight would be c * (all tokens / kept tokens): larger than c by the prompt, padding and
-silenced share, and moving with the STAPO mask. `scaled_for_moe_aux` fixes it: at the start of
+silenced share, and moving with the STAPO mask. `MoEStepMonitor.scaled_loss` fixes it: at the start of
 a micro-batch's backward (the loss node runs before any MoE layer's) it sets the scale to
 ``n_mb / n_router`` (n_mb: the micro-batch's share of N, what its ``loss_func`` returned), so
 
@@ -30,17 +30,22 @@ micro-batch's T tokens). megatron-core (0.16.1 and 0.19.2, ``_apply_aux_loss``) 
 the routed counts over the router's ``tp_cp_group`` and takes T_tot = t x |tp_cp| tokens, so
 rank r's loss is its share of the micro-batch's switch loss:
 
-    aux_l^r = E c / (k T_tot^2) sum_e f_e P_e^r,   f_e = routed to e over the whole row,
+    aux_l^r = E c / (k T_tot^2) sum_e f_e P_e^r,   f_e = tokens routed to e in the whole row,
     P_e^r = sum of rank r's router probabilities for e;   sum_r aux_l^r = aux_l(mb)
 
-with aux_l(mb) the switch loss of the whole packed row, the same function of its tokens as at
-CP=1 (all of them: prompts, responses, the CP alignment padding and the row's tail, which
-megatron-core routes like any token; only the padding differs from a CP=1 row, which has no
-alignment to 2 x CP). Each rank's backward feeds its own aux_l^r, DDP sums the gradients over
-DP x CP, and ``finalize_model_grads`` divides by N. So the fix needs, on every CP rank, the
-micro-batch's kept count over the whole row, n_mb = sum_r n_mb^r: `scaled_loss` all-reduces
-the loss function's count over CP (one scalar per micro-batch; the count Megatron sees is
-unchanged) and sets the scale to n_mb / n_router^r, giving
+What "the aux loss" is under CP: aux_l(mb), the switch loss of the whole packed row (whole-row
+statistics f and P, not per-chunk ones), the same function of the row's tokens as at CP=1.
+The row itself differs: CP pads every sequence to a multiple of 2 x CP, and megatron-core routes
+and counts that padding like any token (no padding mask is passed), so the aux loss of the same
+sequences packed for CP=1 without that padding is a slightly different number (and with
+``packing="budget"`` a CP run packs rows of up to CP x the per-rank budget, other micro-batches
+than a CP=1 run of the same config: the aux loss is per micro-batch). The target here
+is megatron-core's aux_l(mb) of the row as trained, with total weight exactly c; tested against
+CP=1 on rows padded alike. Each rank's backward feeds its own aux_l^r, DDP sums the gradients
+over DP x CP, and ``finalize_model_grads`` divides by N. So the fix needs, on every CP rank,
+the micro-batch's kept count over the whole row, n_mb = sum_r n_mb^r: `scaled_loss`
+all-reduces the loss function's count over CP (one scalar per micro-batch; the count Megatron
+sees is unchanged) and sets the scale to n_mb / n_router^r, giving
 
     grad_aux = sum_{mb, dp} sum_r (n_mb / N) grad aux_l^r = sum_{mb, dp} (n_mb / N) grad aux_l(mb):
 
