@@ -86,7 +86,9 @@ class ModelConfig:
     `stapo_megatron.train.context_parallel`), DP = world / (TP x PP x CP). Needs packed
     micro-batches (``TrainerConfig.packing`` "fixed" or "budget") and so PP = 1; the S2T
     statistics and the normaliser are reduced over DP x CP. Not with GRPO's sequence-mean loss or
-    the ``seq_mask`` rollout correction (they need whole sequences on one rank)."""
+    the ``seq_mask`` rollout correction (they need whole sequences on one rank). Mixture-of-experts
+    models: the aux loss, its weight and the ``moe/*`` metrics are over whole rows, as at CP=1
+    (`stapo_megatron.train.moe`); EP folds over DP x CP."""
     cp_comm_type: str = "p2p"
     """How attention exchanges K/V over CP on the transformer-engine spec (Megatron's
     ``cp_comm_type``: "p2p", "all_gather", "a2a", "a2a+p2p"); the local spec
