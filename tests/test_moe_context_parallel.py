@@ -111,7 +111,9 @@ def _worker(layouts):
                                 align=16, context_parallel_size=cp, cp_rank=dist.get_rank(groups.cp), seq_align=4,
                                 routes=routes)
         ctx = PassContext(model, max(mb.tokens.shape[1] for mb in mbs), groups=groups, vocab_size=VOCAB)
-        res = dict(num_mbs=len(mbs), tokens=mbs[0].tokens.shape[1])
+        res = dict(num_mbs=len(mbs), tokens=mbs[0].tokens.shape[1],
+                   local_experts=sum(".0.mlp.experts.local_experts." in n and n.endswith("fc1.weight")
+                                     for n, _ in model.named_parameters()))
         # 1. routing disagreement, world-summed
         counts = routing_counts(model, mbs, E)
         dist.all_reduce(counts)
@@ -186,6 +188,7 @@ def test_aux_loss_gradient_at_cp2_equals_cp1(results):
     start, want = _merged(results, ref, "start"), _merged(results, ref, "after_aux")
     router = "decoder.layers.0.mlp.router.weight"
     assert (want[router] - start[router]).abs().max() > 1e-3, "the aux loss must move the router"
+    assert [results[0][layout]["local_experts"] for layout in LAYOUTS] == [E, E, E // 2]  # EP=2 splits them
     for layout in LAYOUTS[1:]:
         # the CP ranks keep different shares of each row: a per-rank weight would differ here
         assert any(a != b for a, b in zip(results[0][layout]["kept_here"], results[1][layout]["kept_here"]))
