@@ -85,8 +85,8 @@ class ModelConfig:
     the CP ranks in 2 x CP load-balanced chunks (rank r: chunks r and 2 CP - 1 - r;
     `stapo_megatron.train.context_parallel`), DP = world / (TP x PP x CP). Needs packed
     micro-batches (``TrainerConfig.packing`` "fixed" or "budget") and so PP = 1; the S2T
-    statistics and the normaliser are reduced over DP x CP. Not with GRPO's sequence-mean loss or
-    the ``seq_mask`` rollout correction (they need whole sequences on one rank). Mixture-of-experts
+    statistics and the normaliser are reduced over DP x CP; GRPO's sequence-mean loss and the
+    ``seq_mask`` rollout correction sum their per-sequence terms over CP (`cp_sum`). Mixture-of-experts
     models: the aux loss, its weight and the ``moe/*`` metrics are over whole rows, as at CP=1
     (`stapo_megatron.train.moe`); EP folds over DP x CP."""
     cp_comm_type: str = "p2p"
