@@ -17,7 +17,7 @@ part() {  # part NAME SECONDS COMMAND...
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/device.txt"
 date -u >> "$OUT/device.txt"
 # the GPU tier: SDPA/varlen packed attention on CUDA bf16, the CP chunk attention, the op, a
-# policy update CUDA vs CPU, the trainer on CUDA with the HF engine
+# policy update CUDA vs CPU, the trainer on CUDA with the HF engine, router replay (MoE) CUDA vs CPU
 part pytest_gpu 240 python3 -m pytest -q -m gpu tests
 # the local-spec CP attention kernel: one rank's chunks vs the whole sequence (one GPU: no all-gather)
 part bench_context_parallel_cuda 60 python3 benchmarks/bench_context_parallel.py --device cuda --tokens 32768
