@@ -160,6 +160,13 @@ def _logprob_rows(results, layout, key):
     return results[0][layout][key]
 
 
+def _assert_same_weights(results, layout, ref, key):
+    """``layout``'s weights (merged over the ranks) at ``key`` equal the reference layout's."""
+    got, want = _merged(results, layout, key), _merged(results, ref, key)
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, atol=WEIGHT_ATOL, rtol=0, msg=f"{layout} {name}")
+
+
 def _check_metrics(got, want, layout, update):
     assert got.keys() == want.keys()
     for key, value in want.items():
@@ -192,9 +199,7 @@ def test_aux_loss_gradient_at_cp2_equals_cp1(results):
     for layout in LAYOUTS[1:]:
         # the CP ranks keep different shares of each row: a per-rank weight would differ here
         assert any(a != b for a, b in zip(results[0][layout]["kept_here"], results[1][layout]["kept_here"]))
-        got = _merged(results, layout, "after_aux")
-        for name, w in want.items():
-            torch.testing.assert_close(got[name], w, atol=WEIGHT_ATOL, rtol=0, msg=f"{layout} {name}")
+        _assert_same_weights(results, layout, ref, "after_aux")
         for res in results:
             _check_metrics(res[layout]["aux_only"], res[ref]["aux_only"], layout, "aux_only")
 
@@ -211,9 +216,7 @@ def test_replay_at_cp2_equals_cp1(results):
     for layout in LAYOUTS[1:]:
         for got, want in zip(_logprob_rows(results, layout, "replayed_logprob"), want_rows):
             torch.testing.assert_close(got, want, atol=LOGPROB_ATOL, rtol=0)
-        got, want = _merged(results, layout, "after_replay"), _merged(results, ref, "after_replay")
-        for name, w in want.items():
-            torch.testing.assert_close(got[name], w, atol=WEIGHT_ATOL, rtol=0, msg=f"{layout} {name}")
+        _assert_same_weights(results, layout, ref, "after_replay")
         for res in results:
             _check_metrics(res[layout]["replay"], res[ref]["replay"], layout, "replay")
 
@@ -227,9 +230,7 @@ def test_stapo_update_at_cp2_equals_cp1(results):
     for layout in LAYOUTS[1:]:
         for res in results:
             _check_metrics(res[layout]["stapo"], res[ref]["stapo"], layout, "stapo")
-        got, want = _merged(results, layout, "after_stapo"), _merged(results, ref, "after_stapo")
-        for name, w in want.items():
-            torch.testing.assert_close(got[name], w, atol=WEIGHT_ATOL, rtol=0, msg=f"{layout} {name}")
+        _assert_same_weights(results, layout, ref, "after_stapo")
 
 
 def test_model_build_refuses_what_cp_would_make_per_chunk():
