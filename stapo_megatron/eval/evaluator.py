@@ -9,7 +9,7 @@ so that evaluations at different steps differ by the weights only.
 Each set is spread over DP x CP as the training rollouts are (`trainer.layout`): DP replica d
 takes problems d, d + DP, d + 2 DP, ..., and CP rank c of the replica samples and scores the c-th
 contiguous 1/CP of those with the seeds they have without CP
-(`rollout.base.generate_context_parallel_share`); the counts are summed over DP x CP, so each
+(`rollout.spmd.generate_context_parallel_share`); the counts are summed over DP x CP, so each
 problem counts once, sampled as at CP = 1 with the same DP (the same results, up to numerics an
 engine's batching may change). The logged samples (rank 0's) are its replica's first ones, as at
 CP = 1: gathered over CP.
@@ -28,7 +28,8 @@ from stapo_megatron.data.examples import tokenize_prompts
 from stapo_megatron.eval.config import Decoding
 from stapo_megatron.eval.scoring import Counts, EvalSet, load_eval_set, score_responses, summarize
 from stapo_megatron.rewards.scorer import RewardScorer
-from stapo_megatron.rollout.base import RolloutEngine, generate_context_parallel_share
+from stapo_megatron.rollout.base import RolloutEngine
+from stapo_megatron.rollout.spmd import generate_context_parallel_share
 from stapo_megatron.train.parallel import Groups, collective_device
 
 

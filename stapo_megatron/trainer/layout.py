@@ -6,7 +6,7 @@ Rollouts under CP: the CP ranks of a DP replica train the same sequences (each i
 them), so they need the same samples. Rather than every CP rank's engine sampling all of the
 replica's prompts (CP - 1 of them wasted), CP rank c samples the c-th 1/CP of the replica's
 prompts (with the seeds those samples have without CP;
-`stapo_megatron.rollout.base.generate_context_parallel_share`), and the parts are all-gathered
+`stapo_megatron.rollout.spmd.generate_context_parallel_share`), and the parts are all-gathered
 over the CP group: generation is spread over DP x CP, at the cost of one object all-gather of the
 samples per step. Evaluation is spread the same way (`stapo_megatron.eval.evaluator`), without
 the all-gather: each CP rank scores its share and the counts are reduced over DP x CP.
@@ -20,7 +20,7 @@ from typing import List, Optional
 import torch.distributed as dist
 
 from stapo_megatron.config import TrainerConfig
-from stapo_megatron.rollout.base import generate_context_parallel_share
+from stapo_megatron.rollout.spmd import generate_context_parallel_share
 from stapo_megatron.train.context_parallel import sequence_multiple
 from stapo_megatron.train.parallel import Groups, init_parallel
 
