@@ -27,6 +27,7 @@ import math
 import textwrap
 from typing import Any, Dict, List, Optional
 
+from stapo_megatron.config.layout import config_problems
 from stapo_megatron.config.overrides import unknown_field_error
 from stapo_megatron.data.config import DataConfig
 from stapo_megatron.eval.config import EvalSetConfig
@@ -73,7 +74,8 @@ class TrainerConfig:
     micro_batch_size: int = 1
     """Sequences per micro-batch (padded, ``packing="padded"``, and ``packing="fixed"``)."""
     packing: str = "padded"
-    """How a mini-batch becomes micro-batches (`stapo_megatron.train.packing`): "padded" right-pads
+    """How a mini-batch becomes micro-batches (`stapo_megatron.config.layout.PACKING_MODES`, built by
+    `stapo_megatron.train.packing`): "padded" right-pads
     ``micro_batch_size`` sequences to the step's longest ([N, S] rows); "fixed" packs the same
     sequences end to end (THD, no padding); "budget" packs whole sequences up to
     ``max_tokens_per_microbatch`` tokens per micro-batch, the same number of micro-batches on every
@@ -165,16 +167,10 @@ class TrainerConfig:
             if not (0 < getattr(self, name) and math.isfinite(getattr(self, name))):
                 raise ValueError(f"{name} must be finite and > 0, got {getattr(self, name)}")
         self.eval_sets = eval_set_configs(self.eval_sets)
-        self._check_packing()
-        # vLLM's external launcher forms an engine from consecutive ranks, and Megatron's TP
-        # groups are consecutive ranks too (TP is the innermost dimension); an engine wider than
-        # a TP group would span two DP ranks, which sample different prompts.
-        tp, vtp = self.model.tensor_model_parallel_size, self.rollout.tensor_parallel_size
-        if tp % vtp:
-            raise ValueError(
-                f"vLLM TP {vtp} must divide Megatron TP {tp} (rollout.tensor_parallel_size={vtp}, "
-                f"model.tensor_model_parallel_size={tp}): a vLLM engine must not span two DP ranks"
-            )
+        # the parallel layout's checks that need no world size (`stapo_megatron.config.layout`)
+        problems = config_problems(self)
+        if problems:
+            raise ValueError(problems[0])
         # The loss recomputes pi_old and pi_theta at loss.temperature; sampling at another
         # temperature would make every ratio, entropy and S2T decision refer to a distribution
         # the responses were not drawn from.
@@ -184,37 +180,6 @@ class TrainerConfig:
                 f"the loss must see the distribution the responses were sampled from; set both "
                 f"(rollout.temperature={self.rollout.temperature} loss.temperature={self.rollout.temperature})"
             )
-
-    def _check_packing(self) -> None:
-        modes = ("padded", "fixed", "budget")  # train.packing.PACKING_MODES (no torch import here)
-        if self.packing not in modes:
-            raise ValueError(f"packing must be one of {modes}, got {self.packing!r}")
-        if self.packing != "padded" and self.model.pipeline_model_parallel_size > 1:
-            raise ValueError(f"packing={self.packing!r} is not supported with pipeline parallelism yet "
-                             f"(model.pipeline_model_parallel_size {self.model.pipeline_model_parallel_size}); "
-                             f"use packing=padded")
-        cp = self.model.context_parallel_size
-        if cp > 1 and self.packing == "padded":
-            raise ValueError(f"model.context_parallel_size {cp} needs packed micro-batches: packing='fixed' or "
-                             f"'budget', got packing='padded'")
-        if self.packing == "budget":
-            longest = self.data.max_prompt_len + self.rollout.max_response_len
-            # with CP the budget is one rank's tokens: the sequence padded to whole chunks, over CP
-            # (train.context_parallel.sequence_multiple; not imported: the config tree stays torch-free)
-            multiple = 1 if cp == 1 else 2 * cp * (self.model.tensor_model_parallel_size
-                                                   if self.model.sequence_parallel else 1)
-            per_rank = -(-longest // multiple) * multiple // cp
-            if self.max_tokens_per_microbatch <= 0:
-                raise ValueError(f"max_tokens_per_microbatch must be > 0 with packing='budget', "
-                                 f"got {self.max_tokens_per_microbatch}")
-            if self.max_tokens_per_microbatch < per_rank:
-                raise ValueError(
-                    f"max_tokens_per_microbatch {self.max_tokens_per_microbatch} < the longest sequence "
-                    f"data.max_prompt_len + rollout.max_response_len = {self.data.max_prompt_len} + "
-                    f"{self.rollout.max_response_len} = {longest}"
-                    + (f", padded to a multiple of {multiple}, over context_parallel_size {cp} = {per_rank} tokens "
-                       f"per rank" if cp > 1 else "")
-                    + " (a sequence is never split between micro-batches; context parallelism splits it over its ranks)")
 
     def rollout_timeout(self) -> float:
         """The collective timeout of the rollout and evaluation phases, in seconds:

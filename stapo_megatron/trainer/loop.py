@@ -46,17 +46,11 @@ class Trainer:
     """Holds the model, optimizer, rollout engine and scorer of one run; ``run()`` trains."""
 
     def __init__(self, cfg: TrainerConfig, warmstart: Optional[WarmStartConfig] = None):
-        if cfg.prompts_per_step % cfg.minibatch_prompts:
-            raise ValueError(
-                f"prompts_per_step {cfg.prompts_per_step} must be a multiple of minibatch_prompts {cfg.minibatch_prompts}"
-            )
         self.cfg, self.warmstart = cfg, warmstart
         self.seeds = Seeds(cfg.seed, warmstart.seed if warmstart else None, cfg.data.seed)
-        self.groups = layout.init_groups(cfg, self.seeds.model_init)  # TP, PP, CP, EP from cfg.model
+        self.groups = layout.init_groups(cfg, self.seeds.model_init)  # TP, PP, CP, EP from cfg.model, checked
         self.rank = dist.get_rank()
         self.dp_size, self.dp_rank = dist.get_world_size(self.groups.dp), dist.get_rank(self.groups.dp)
-        if cfg.minibatch_prompts % self.dp_size:
-            raise ValueError(f"minibatch_prompts {cfg.minibatch_prompts} must divide over DP size {self.dp_size}")
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
         self.hf_config = load_hf_config(cfg.model.hf_dir)
         (self.train_ids, self.train_ex), self.held_out = load_prompts(cfg, self.tokenizer)
