@@ -67,7 +67,7 @@ def test_8b_and_14b_use_cp_to_drop_full_recomputation():
     cfg = paper.qwen3_8b_32k()
     assert cfg.data.max_prompt_len + cfg.rollout.max_response_len == 32768 == paper.ARCHITECTURES[
         "qwen3_8b_32k"].max_position_embeddings
-    assert cfg.eval_max_response_len >= cfg.rollout.max_response_len
+    assert cfg.eval.max_response_len >= cfg.rollout.max_response_len
     assert (cfg.model.context_parallel_size, cfg.max_tokens_per_microbatch) == (4, 8192)
 
 
@@ -240,8 +240,8 @@ def test_retention_and_time_fit_a_3000_step_run():
 def test_justrl_hyperparameters():
     cfg = paper.qwen3_14b()
     assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.clip_grad, cfg.lr_warmup_steps) == (1e-6, 0.1, 1.0, 10)
-    assert (cfg.steps, cfg.eval_every, cfg.eval_max_response_len) == (3000, 20, 20480)
-    assert (cfg.reward, cfg.data.prompt_template) == ("boxed_exact_match", "{question}\n" + SUFFIX)
+    assert (cfg.steps, cfg.eval.every, cfg.eval.max_response_len) == (3000, 20, 20480)
+    assert (cfg.reward.name, cfg.data.prompt_template) == ("boxed_exact_match", "{question}\n" + SUFFIX)
     assert (cfg.loss.clip_ratio_c, cfg.loss.tau_h_source) == (10.0, "exact")
     assert cfg.optim.use_distributed_optimizer and cfg.model.bf16
     assert (cfg.prompts_per_step, cfg.rollout.group_size, cfg.minibatch_prompts) == (256, 8, 64)

@@ -22,7 +22,8 @@ import dataclasses
 from typing import Dict, List, Optional
 
 from stapo_megatron.bridge.config import QwenSpec
-from stapo_megatron.config import DataConfig, LossConfig, ModelConfig, OptimConfig, RolloutSampling, TrainerConfig
+from stapo_megatron.config import (DataConfig, EvalConfig, LossConfig, ModelConfig, OptimConfig, RewardConfig,
+                                   RolloutSampling, TrainerConfig)
 from stapo_megatron.config.layout import Cluster
 from stapo_megatron.config.layout import layout_problems as check_layout
 from stapo_megatron.data.examples import JUSTRL_PROMPT_TEMPLATE
@@ -188,14 +189,11 @@ def paper_recipe(size: str, method: str = "stapo", run_dir: Optional[str] = None
         packing="budget",
         max_tokens_per_microbatch=rank_tokens(layout.seq_len, layout.context_parallel_size) * layout.micro_batch_size,
         lr_warmup_steps=LR_WARMUP_STEPS,
-        eval_every=EVAL_EVERY,
-        eval_temperature=1.0,
-        eval_samples=4,
-        eval_max_response_len=max(EVAL_MAX_RESPONSE_LEN, max_response_len),
         save_every=SAVE_EVERY,
         keep_last=KEEP_LAST,
-        reward="boxed_exact_match",
-        reward_timeout_s=5.0,
+        reward=RewardConfig(name="boxed_exact_match", timeout_s=5.0),
+        eval=EvalConfig(every=EVAL_EVERY, temperature=1.0, samples=4,
+                        max_response_len=max(EVAL_MAX_RESPONSE_LEN, max_response_len)),
         model=dataclasses.replace(layout.model),  # the layout's, as it is (a copy the caller may change)
         data=DataConfig(max_prompt_len=MAX_PROMPT_LEN, use_chat_template=True, dedupe=True,
                         prompt_template=JUSTRL_PROMPT_TEMPLATE),
