@@ -83,7 +83,9 @@ def test_a_plain_mask_function_by_dotted_path_trains_a_loss():
 def test_a_user_method_reaches_the_config_from_the_command_line_and_its_yaml():
     path = f"{PLUGIN}:positive_only"
     cfg, _ = build_config("tiny", **{"loss.method": path})
-    assert cfg.loss.method == path
+    assert (cfg.loss.method, cfg.loss.clip_ratio_high) == (path, 0.28)  # loss.method: the method alone
+    switched, _ = build_config("tiny", f"{PLUGIN}.positive_only")  # method=: with its loss_options
+    assert (switched.loss.method, switched.loss.clip_ratio_high) == (f"{PLUGIN}.positive_only", 0.2)
     _, again, _ = parse_config(dump_config(cfg, recipe="tiny"))
     assert again.loss.method == path
 
