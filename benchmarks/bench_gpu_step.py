@@ -91,6 +91,7 @@ def bench_one(name, hf_config, seq_len, args, device, dtype, rate):
     from stapo_megatron.method.config import LossConfig
     from stapo_megatron.train.schedule import PassContext, old_policy_pass
     from stapo_megatron.train.parallel import current_groups
+    from stapo_megatron.config import ModelConfig
     from stapo_megatron.recipes.memory import Layout, memory_estimate
     from stapo_megatron.train.config import OptimConfig
     from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
@@ -121,11 +122,8 @@ def bench_one(name, hf_config, seq_len, args, device, dtype, rate):
     ratio = statistics.median(a / b for a, b in zip(times["stapo"], times["justrl"]))
     tflops = model_flops(spec, seq_len * args.num_microbatches, seq_len) / t / 1e12
     # the memory model of every recompute mode ("selective" is counted as none there)
-    layout = Layout(num_nodes=1, gpus_per_node=1, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                    vllm_tensor_parallel_size=1, vllm_gpu_memory_utilization=0.0, sequence_parallel=False,
-                    recompute_granularity=recompute.get("recompute_granularity"),
-                    recompute_method=recompute.get("recompute_method"),
-                    recompute_num_layers=recompute.get("recompute_num_layers"))
+    layout = Layout(num_nodes=1, gpus_per_node=1, vllm_tensor_parallel_size=1, vllm_gpu_memory_utilization=0.0,
+                    model=ModelConfig(**recompute))
     estimate = memory_estimate(spec, layout, seq_len=seq_len)
     peak = torch.cuda.max_memory_allocated() / GB if device.type == "cuda" else float("nan")
     reserved = torch.cuda.max_memory_reserved() / GB if device.type == "cuda" else float("nan")

@@ -163,8 +163,8 @@ def main():
                         help="train the warm-start once (first seed) and load it for the others")
     args = parser.parse_args()
     cfg, _ = tiny_demo()
-    eval_desc = ("greedy accuracy" if cfg.eval_temperature == 0
-                 else f"avg@{cfg.eval_samples} at T={cfg.eval_temperature:g}")
+    eval_desc = ("greedy accuracy" if cfg.eval.temperature == 0
+                 else f"avg@{cfg.eval.samples} at T={cfg.eval.temperature:g}")
     results = []
     for seed in args.seeds:
         run_dir = os.path.join(args.out, f"seed_{seed}")

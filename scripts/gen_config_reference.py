@@ -76,11 +76,14 @@ def _section(cls, prefix: str, title: typing.Optional[str] = None) -> typing.Lis
 def render() -> str:
     """The reference's Markdown text."""
     lines = [HEADER] + _section(TrainerConfig, "") + _section(WarmStartConfig, "warmstart.")
-    lines += _section(EvalSetConfig, "", "Each of `eval_sets`: ")
-    lines += ["An entry of `eval_sets` (a list of these, or of dicts with these fields), and a `--set` of "
+    lines += _section(EvalSetConfig, "", "Each of `eval.sets`: ")
+    lines += ["An entry of `eval.sets` (a list of these, or of dicts with these fields), and a `--set` of "
               "`stapo-eval` (the same fields as `key=value` pairs separated by commas). Responses are sampled "
-              "with `eval_max_response_len` tokens at most (None: `rollout.max_response_len`); `stapo-eval` "
+              "with `eval.max_response_len` tokens at most (None: `rollout.max_response_len`); `stapo-eval` "
               "takes `--max-tokens` instead.", ""]
+    lines += ["## Renamed keys", "", "Keys of earlier versions, refused (on the command line and in a config file) "
+              "with a message naming the new key.", "", "| old key | new key |", "|---|---|"]
+    lines += [f"| `{old}` | `{new}` |" for old, new in TrainerConfig.RENAMED_FIELDS.items()] + [""]
     return "\n".join(lines).rstrip() + "\n"
 
 

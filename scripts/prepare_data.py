@@ -6,7 +6,7 @@
 DOWNLOADED is a parquet or JSONL file or an HF dataset folder (``save_to_disk``). ``dapo`` keeps
 one copy of each repeated problem (the published parquet repeats each ~100 times) and writes
 ``{"id", "prompt", "answer"}`` rows (``data.train_path``); ``bench`` writes ``OUT_DIR/NAME.jsonl``
-with the same fields, the layout ``stapo-eval --bench-dir OUT_DIR`` and ``eval_sets`` read.
+with the same fields, the layout ``stapo-eval --bench-dir OUT_DIR`` and ``eval.sets`` read.
 NAME is one of aime24, aime25, amc23, math500, minerva, olympiadbench. Sources: README, "Data".
 """
 

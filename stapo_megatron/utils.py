@@ -9,14 +9,30 @@ import importlib
 from typing import Any
 
 
+def is_dotted_path(path: Any) -> bool:
+    """Whether ``path`` has the form of a dotted path (``pkg.module:name`` or ``pkg.module.name``)
+    rather than a plain registry name."""
+    return isinstance(path, str) and (":" in path or "." in path)
+
+
 def load_dotted(path: str, field: str) -> Any:
-    """The object a dotted path ``package.module.name`` names (a user plug-in: a reward function,
-    a warm-start target, a rollout engine class); a ValueError naming ``field`` if there is none."""
-    module_name, _, name = path.rpartition(".")
+    """The object a dotted path ``package.module:name`` or ``package.module.name`` names (a user
+    plug-in: a method, a reward function, a warm-start target, a rollout engine class); a
+    ValueError naming ``field`` and the path if there is none."""
+    module_name, sep, name = path.partition(":")
+    if not sep:
+        module_name, _, name = path.rpartition(".")
+    if not module_name or not name or "." in name:
+        raise ValueError(f"{field} = {path!r} is not a dotted path 'package.module:name' or 'package.module.name'")
     try:
-        return getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"{field} = {path!r} does not name an importable object: {e}") from None
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"{field} = {path!r} does not name an importable object: cannot import module "
+                         f"{module_name!r}: {e}") from None
+    if not hasattr(module, name):
+        raise ValueError(f"{field} = {path!r} does not name an importable object: module {module_name!r} has no "
+                         f"attribute {name!r}")
+    return getattr(module, name)
 
 
 def check_at_least(obj: Any, minimum: int, *names: str) -> None:

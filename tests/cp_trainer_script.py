@@ -14,7 +14,8 @@ if __name__ == "__main__":
     run_dir, model_dir, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     cfg, warmstart = tiny_demo(run_dir=run_dir)
     cfg = dataclasses.replace(
-        cfg, steps=steps, prompts_per_step=8, minibatch_prompts=4, eval_every=0, save_every=1,
+        cfg, steps=steps, prompts_per_step=8, minibatch_prompts=4, save_every=1,
+        eval=dataclasses.replace(cfg.eval, every=0),
         max_tokens_per_microbatch=160,  # one CP rank's tokens: a 288-token sequence fits split in two
         model=dataclasses.replace(cfg.model, hf_dir=model_dir, context_parallel_size=2),
         data=dataclasses.replace(cfg.data, num_train=100, num_eval=10),

@@ -26,7 +26,7 @@ from stapo_megatron.launch import entry
 from stapo_megatron.trainer.loop import Trainer
 
 SMALL = dict(
-    steps=2, prompts_per_step=2, minibatch_prompts=2, micro_batch_size=2, eval_every=0, save_every=1,
+    steps=2, prompts_per_step=2, minibatch_prompts=2, micro_batch_size=2, save_every=1, eval=dict(every=0),
     data=dict(num_train=8, num_eval=2),
     # transformers rollouts: no vLLM engine to start (the faults are the trainer's, not vLLM's)
     rollout=dict(engine="hf", group_size=2, max_response_len=8),

@@ -20,7 +20,7 @@ if __name__ == "__main__":
     cfg, warmstart = tiny_demo(run_dir=run_dir)
     cfg = dataclasses.replace(
         cfg, steps=steps, prompts_per_step=8, minibatch_prompts=4, micro_batch_size=16,
-        eval_every=0, save_every=1,
+        eval=dataclasses.replace(cfg.eval, every=0), save_every=1,
         model=dataclasses.replace(cfg.model, hf_dir=model_dir),
         data=dataclasses.replace(cfg.data, num_train=100, num_eval=10),
         rollout=dataclasses.replace(cfg.rollout, engine="hf"),

@@ -41,8 +41,10 @@ def test_reference_lists_the_eval_set_fields_and_whole_summaries():
 
     text = SCRIPT["render"]()
     for field in dataclasses.fields(EvalSetConfig):
-        assert f"| `{field.name}` |" in text.split("## Each of `eval_sets`: EvalSetConfig")[1], field.name
+        assert f"| `{field.name}` |" in text.split("## Each of `eval.sets`: EvalSetConfig")[1], field.name
     for summary in re.findall(r"^## .*\n\n(.*)\n", text, re.M):
         assert summary.rstrip().endswith((".", ")")), summary
-    eval_sets = next(line for line in text.splitlines() if line.startswith("| `eval_sets` |"))
-    assert "``eval_max_response_len``" in eval_sets and "rollout.max_response_len" not in eval_sets
+    eval_sets = next(line for line in text.splitlines() if line.startswith("| `eval.sets` |"))
+    assert "``max_response_len``" in eval_sets and "rollout.max_response_len" not in eval_sets
+    for old, new in TrainerConfig.RENAMED_FIELDS.items():
+        assert f"| `{old}` | `{new}` |" in text

@@ -4,8 +4,10 @@ loaded or rollout sampled), naming the field; NeMo-Run overrides go through the 
 import dataclasses
 
 import pytest
+import yaml
 
-from stapo_megatron.config import DataConfig, ModelConfig, RolloutSampling, TrainerConfig
+from stapo_megatron.config import DataConfig, EvalConfig, ModelConfig, RewardConfig, RolloutSampling, TrainerConfig
+from stapo_megatron.launch.entry import build_config
 from stapo_megatron.method.config import LossConfig
 from stapo_megatron.train.config import OptimConfig
 
@@ -28,11 +30,14 @@ NAN, INF = float("nan"), float("inf")
     (TrainerConfig, "minibatch_prompts", 0, "TrainerConfig.minibatch_prompts must be >= 1, got 0"),
     (TrainerConfig, "prompts_per_step", 0, "TrainerConfig.prompts_per_step must be >= 1, got 0"),
     (TrainerConfig, "micro_batch_size", 0, "TrainerConfig.micro_batch_size must be >= 1"),
-    (TrainerConfig, "eval_samples", 0, "TrainerConfig.eval_samples must be >= 1"),
+    (EvalConfig, "samples", 0, "EvalConfig.samples must be >= 1"),
+    (EvalConfig, "every", -1, "EvalConfig.every must be >= 0"),
     (TrainerConfig, "save_every", -1, "TrainerConfig.save_every must be >= 0"),
-    (TrainerConfig, "eval_temperature", -0.5, r"eval_temperature must be finite and >= 0 \(0 = greedy\), got -0.5"),
-    (TrainerConfig, "eval_temperature", NAN, "eval_temperature must be finite and >= 0"),
-    (TrainerConfig, "reward_timeout_s", 0.0, "reward_timeout_s must be finite and > 0, got 0.0"),
+    (EvalConfig, "temperature", -0.5, r"eval.temperature must be finite and >= 0 \(0 = greedy\), got -0.5"),
+    (EvalConfig, "temperature", NAN, "eval.temperature must be finite and >= 0"),
+    (RewardConfig, "timeout_s", 0.0, "reward.timeout_s must be finite and > 0, got 0.0"),
+    (RewardConfig, "workers", 0, "RewardConfig.workers must be >= 1, got 0"),
+    (EvalConfig, "max_response_len", 0, "EvalConfig.max_response_len must be >= 1, got 0"),
     (TrainerConfig, "init_timeout_s", 0.0, "init_timeout_s must be finite and > 0, got 0.0"),
     (TrainerConfig, "distributed_timeout_s", NAN, "distributed_timeout_s must be finite and > 0, got nan"),
     (OptimConfig, "lr", 0.0, r"OptimConfig.lr must be finite and in \(0.0, inf\), got 0.0"),
@@ -63,13 +68,38 @@ def test_kl_coef_is_accepted_now_that_the_trainer_builds_a_reference():
     assert TrainerConfig(loss=LossConfig(method="grpo", kl_coef=0.04)).loss.kl_coef == 0.04
 
 
-@pytest.mark.parametrize("fields, message", [
-    (dict(reward_workers=0), "TrainerConfig.reward_workers must be >= 1, got 0"),
-    (dict(eval_max_response_len=0), "TrainerConfig.eval_max_response_len must be >= 1, got 0"),
+@pytest.mark.parametrize("overrides, message", [
+    ({"reward_workers": 4}, "reward_workers is now reward.workers: write reward.workers=4"),
+    ({"reward_timeout_s": 2.0}, "reward_timeout_s is now reward.timeout_s: write reward.timeout_s=2.0"),
+    ({"reward": "boxed_exact_match"}, "reward is now reward.name: write reward.name='boxed_exact_match'"),
+    ({"eval_every": 2}, "eval_every is now eval.every: write eval.every=2"),
+    ({"eval_temperature": 1.0}, "eval_temperature is now eval.temperature: write eval.temperature=1.0"),
+    ({"eval_samples": 4}, "eval_samples is now eval.samples: write eval.samples=4"),
+    ({"eval_max_response_len": 64}, "eval_max_response_len is now eval.max_response_len: write eval.max_response_len=64"),
+    ({"eval_sets": "name=a,path=b"}, "eval_sets is now eval.sets: write eval.sets='name=a,path=b'"),
+    ({"eval": 3}, r"override eval=3: eval is a section \(EvalConfig\); set its fields, eval.FIELD=VALUE"),
 ])
-def test_reward_workers_and_eval_length_are_checked(fields, message):
+def test_the_old_flat_keys_are_refused_naming_the_new_key(overrides, message, tmp_path):
+    """On the command line (`build_config`, what every launch calls) and in a config YAML alike."""
+    from stapo_megatron.config.yaml_io import load_config
+
     with pytest.raises(ValueError, match=message):
-        TrainerConfig(**fields)
+        build_config("tiny", **overrides)
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump({"recipe": "tiny", "trainer": overrides}))
+    with pytest.raises(ValueError, match=f"{path}: {message}"):
+        load_config(str(path))
+
+
+def test_the_new_sections_take_the_values():
+    cfg, _ = build_config("tiny", reward={"name": "boxed_exact_match", "workers": 2, "timeout_s": 3.0},
+                          eval={"every": 2, "samples": 3, "max_response_len": 50})
+    assert cfg.reward == RewardConfig(name="boxed_exact_match", workers=2, timeout_s=3.0)
+    assert (cfg.eval.every, cfg.eval.samples, cfg.eval.temperature, cfg.eval.max_response_len) == (2, 3, 1.0, 50)
+    assert cfg.rollout_timeout() == cfg.distributed_timeout_s  # 50 tokens: the collective timeout's floor
+    with pytest.raises(ValueError, match=r"TrainerConfig.reward is a RewardConfig section, got 'x': give its name "
+                                         r"as reward.name"):
+        TrainerConfig(reward="x")
 
 
 def test_prompt_template_needs_the_question():
@@ -78,7 +108,6 @@ def test_prompt_template_needs_the_question():
 
 
 def test_overrides_are_checked_when_the_config_is_built():
-    from stapo_megatron.launch.entry import build_config
 
     with pytest.raises(ValueError, match="rollout.temperature=0.7 but loss.temperature=1.0"):
         build_config("tiny", rollout={"temperature": 0.7})

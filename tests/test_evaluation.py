@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from stapo_megatron.config import EvalSetConfig, TrainerConfig
+from stapo_megatron.config import EvalConfig, EvalSetConfig, TrainerConfig
 from stapo_megatron.data.examples import Example
 from stapo_megatron.eval.scoring import (PAPER_BENCHMARKS, PAPER_DECODINGS, Counts, Decoding, EvalSet, avg_at_k,
                                        evaluate_sets, evaluate_suite, format_table, load_benchmark, load_eval_set,
@@ -221,10 +221,11 @@ def test_benchmark_from_hf_dataset_folder():
 ])
 def test_eval_sets_config_errors(sets, message):
     with pytest.raises(ValueError, match=message):
-        TrainerConfig(eval_sets=sets)
+        EvalConfig(sets=sets)
 
 
 def test_eval_sets_from_a_string():
-    cfg = TrainerConfig(eval_sets="name=aime24,path=/b/aime24.jsonl,k=32;name=m,path=/b/m,decodings=T0.6_p0.95+T1_p1;")
-    assert cfg.eval_sets == [EvalSetConfig(name="aime24", path="/b/aime24.jsonl", k=32),
+    cfg = TrainerConfig(eval=EvalConfig(
+        sets="name=aime24,path=/b/aime24.jsonl,k=32;name=m,path=/b/m,decodings=T0.6_p0.95+T1_p1;"))
+    assert cfg.eval.sets == [EvalSetConfig(name="aime24", path="/b/aime24.jsonl", k=32),
                              EvalSetConfig(name="m", path="/b/m", decodings=("T0.6_p0.95", "T1_p1"))]

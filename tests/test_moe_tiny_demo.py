@@ -69,7 +69,7 @@ def test_tiny_moe_launch_runs_and_logs_routing(tmp_path):
     from tests.test_launch import nemo_run
 
     run_dir = tmp_path / "moe"
-    code, out = nemo_run(tmp_path, "launch/stapo_tiny_moe.py", "steps=2", "warmstart.steps=2", "eval_every=0",
+    code, out = nemo_run(tmp_path, "launch/stapo_tiny_moe.py", "steps=2", "warmstart.steps=2", "eval.every=0",
                          "prompts_per_step=8", "minibatch_prompts=8", "micro_batch_size=4", "data.num_train=64",
                          "data.num_eval=8", f"output_dir={run_dir}", "--yes", timeout=900)
     assert code == 0, out[-3000:]

@@ -120,7 +120,8 @@ def test_the_trainer_module_is_its_loop():
     assert not long
 
 
-@pytest.mark.parametrize("module", ["stapo_megatron.config", "stapo_megatron.rollout.registry"])
+@pytest.mark.parametrize("module", ["stapo_megatron.config", "stapo_megatron.rollout.registry",
+                                    "stapo_megatron.rollout.base"])
 def test_light_modules_import_no_megatron_vllm_or_transformers(module):
     code = (f"import sys, {module}; heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
             "('megatron', 'vllm', 'transformers', 'nemo_run', 'transformer_engine')); print(heavy)")

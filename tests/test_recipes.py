@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 
+from stapo_megatron.config import ModelConfig
 from stapo_megatron.data.examples import SUFFIX
 from stapo_megatron.launch.entry import build_config
 from stapo_megatron.recipes import memory, paper
@@ -61,12 +62,12 @@ def test_8b_and_14b_use_cp_to_drop_full_recomputation():
     for size in ("qwen3_8b", "qwen3_8b_32k", "qwen3_14b"):
         layout = paper.LAYOUTS[size]
         assert layout.context_parallel_size > 1 and layout.recompute_granularity is None
-        without_cp = dataclasses.replace(layout, context_parallel_size=1)
+        without_cp = layout.replace(context_parallel_size=1)
         assert memory.memory_estimate(paper.ARCHITECTURES[size], without_cp).total > memory.GPU_MEMORY_BYTES
     cfg = paper.qwen3_8b_32k()
     assert cfg.data.max_prompt_len + cfg.rollout.max_response_len == 32768 == paper.ARCHITECTURES[
         "qwen3_8b_32k"].max_position_embeddings
-    assert cfg.eval_max_response_len >= cfg.rollout.max_response_len
+    assert cfg.eval.max_response_len >= cfg.rollout.max_response_len
     assert (cfg.model.context_parallel_size, cfg.max_tokens_per_microbatch) == (4, 8192)
 
 
@@ -103,8 +104,7 @@ def test_30b_a3b_active_parameters_match_the_model_card():
 
 
 def _full_recompute(layout, **changes):
-    return dataclasses.replace(layout, recompute_granularity="full", recompute_method="uniform",
-                               recompute_num_layers=1, **changes)
+    return layout.replace(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1, **changes)
 
 
 def test_memory_estimate_of_14b_by_hand():
@@ -143,7 +143,7 @@ def test_memory_estimate_of_14b_with_cp_by_hand():
     assert memory.kept_layer_bytes(spec, layout) == per_layer
     assert est.activations == pytest.approx((40 + 1) * per_layer * tokens)  # every layer + one layer's gradients
     # CP divides what scales with tokens, nothing else
-    half = memory.memory_estimate(spec, dataclasses.replace(layout, context_parallel_size=2))  # DP=8: DP x CP = 16
+    half = memory.memory_estimate(spec, layout.replace(context_parallel_size=2))  # DP=8: DP x CP = 16
     assert (half.weights, half.grads, half.optimizer) == (est.weights, est.grads, est.optimizer)
     assert half.activations == pytest.approx(2 * est.activations) and half.logits == pytest.approx(2 * est.logits)
 
@@ -154,22 +154,23 @@ def test_no_recompute_estimate_matches_the_h100_measurement():
     16384 tokens 43.2 GB. The estimate without its allowance: 70.5 GB (+1.0%) and 45.0 GB (+4.1%).
     Tolerance 5%: the written model is meant to be within a few percent, not exact."""
     spec = dataclasses.replace(paper.ARCHITECTURES["qwen3_1p7b"], max_position_embeddings=40960)
-    bench = memory.Layout(num_nodes=1, gpus_per_node=1, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                          vllm_tensor_parallel_size=1, vllm_gpu_memory_utilization=0.0, sequence_parallel=False)
-    for layout, seq_len, measured in ((dataclasses.replace(bench, **paper._NO_RECOMPUTE), 8192, 69.8),
+    bench = memory.Layout(num_nodes=1, gpus_per_node=1, vllm_tensor_parallel_size=1, vllm_gpu_memory_utilization=0.0,
+                          model=ModelConfig(recompute_granularity="full", recompute_method="uniform",
+                                            recompute_num_layers=1))
+    for layout, seq_len, measured in ((bench.replace(**paper._NO_RECOMPUTE), 8192, 69.8),
                                       (bench, 16384, 43.2)):
         est = memory.memory_estimate(spec, layout, seq_len=seq_len)
         assert (est.training - est.overhead) / memory.GB == pytest.approx(measured, rel=0.05)
     # selective recomputation (the core attention, which keeps its inputs) is counted as none;
     # the H100 run was out of memory at 16k with both
-    none = dataclasses.replace(bench, **paper._NO_RECOMPUTE)
-    selective = dataclasses.replace(none, recompute_granularity="selective")
+    none = bench.replace(**paper._NO_RECOMPUTE)
+    selective = none.replace(recompute_granularity="selective")
     assert memory.memory_estimate(spec, selective, 16384) == memory.memory_estimate(spec, none, 16384)
     assert memory.memory_estimate(spec, none, 16384).training > memory.GPU_MEMORY_BYTES
     with pytest.raises(ValueError, match="recompute_granularity must be one of"):
-        memory.memory_estimate(spec, dataclasses.replace(bench, recompute_granularity="block"))
+        memory.memory_estimate(spec, bench.replace(recompute_granularity="block"))
     with pytest.raises(ValueError, match="recompute_num_layers 1"):
-        memory.memory_estimate(spec, dataclasses.replace(bench, recompute_num_layers=2))
+        memory.memory_estimate(spec, bench.replace(recompute_num_layers=2))
 
 
 def test_memory_estimate_of_30b_a3b_by_hand():
@@ -195,7 +196,7 @@ def test_memory_estimate_of_30b_a3b_by_hand():
     assert est.vllm_kv_tokens == int((0.4 * 80 * 2**30 - 2 * memory.num_params(spec) / 4 - 2e9)
                                      / (2 * 48 * 512 * 2 / 4))
     # EP = 8 on the same GPUs holds twice the experts: 79.7 GB, at the budget's edge
-    ep8 = memory.memory_estimate(spec, dataclasses.replace(layout, expert_model_parallel_size=8))
+    ep8 = memory.memory_estimate(spec, layout.replace(expert_model_parallel_size=8))
     assert ep8.weights - est.weights == pytest.approx(2 * experts)
 
 
@@ -239,8 +240,8 @@ def test_retention_and_time_fit_a_3000_step_run():
 def test_justrl_hyperparameters():
     cfg = paper.qwen3_14b()
     assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.clip_grad, cfg.lr_warmup_steps) == (1e-6, 0.1, 1.0, 10)
-    assert (cfg.steps, cfg.eval_every, cfg.eval_max_response_len) == (3000, 20, 20480)
-    assert (cfg.reward, cfg.data.prompt_template) == ("boxed_exact_match", "{question}\n" + SUFFIX)
+    assert (cfg.steps, cfg.eval.every, cfg.eval.max_response_len) == (3000, 20, 20480)
+    assert (cfg.reward.name, cfg.data.prompt_template) == ("boxed_exact_match", "{question}\n" + SUFFIX)
     assert (cfg.loss.clip_ratio_c, cfg.loss.tau_h_source) == (10.0, "exact")
     assert cfg.optim.use_distributed_optimizer and cfg.model.bf16
     assert (cfg.prompts_per_step, cfg.rollout.group_size, cfg.minibatch_prompts) == (256, 8, 64)
@@ -419,8 +420,10 @@ def test_layout_problems_checks_the_per_rank_budget_itself():
     cfg = paper.qwen3_8b()
     cfg.max_tokens_per_microbatch = 4000
     problems = paper.layout_problems(paper.ARCHITECTURES["qwen3_8b"], paper.layout_for("qwen3_8b", cfg), cfg)
-    assert problems == ["max_tokens_per_microbatch 4000 < the 8192 tokens one CP rank holds of the longest sequence "
-                        "(16384 tokens over CP 2, in 2 x CP chunks)"]
+    assert problems == ["max_tokens_per_microbatch 4000 < the longest sequence data.max_prompt_len + "
+                        "rollout.max_response_len = 1024 + 15360 = 16384, padded to a multiple of 16, over "
+                        "context_parallel_size 2 = 8192 tokens per rank (a sequence is never split between "
+                        "micro-batches; context parallelism splits it over its ranks)"]
     # an odd length rounds up to whole 2 x CP chunks: 16385 tokens over CP 4 -> 8 chunks of 2049
     assert memory.rank_tokens(16385, 4) == 2 * 2049 and memory.rank_tokens(16385, 1) == 16385
 

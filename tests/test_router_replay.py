@@ -419,7 +419,8 @@ def _trainer_worker(run_dir, model_dir, packing, context_parallel_size=1):
     schedule.set_replay_targets = counting
     cfg, warmstart = tiny_moe_demo(run_dir=run_dir)
     cfg = dataclasses.replace(
-        cfg, steps=2, prompts_per_step=4, minibatch_prompts=4, micro_batch_size=2, eval_every=0, packing=packing,
+        cfg, steps=2, prompts_per_step=4, minibatch_prompts=4, micro_batch_size=2, packing=packing,
+        eval=dataclasses.replace(cfg.eval, every=0),
         model=dataclasses.replace(cfg.model, hf_dir=model_dir, context_parallel_size=context_parallel_size),
         data=dataclasses.replace(cfg.data, num_train=16, num_eval=4),
         rollout=dataclasses.replace(cfg.rollout, routing_replay=True, group_size=4, max_response_len=24))

@@ -19,7 +19,7 @@ if __name__ == "__main__":
     cfg, warmstart = tiny_demo(run_dir=run_dir)
     cfg = dataclasses.replace(
         cfg, steps=steps, prompts_per_step=16, minibatch_prompts=8, micro_batch_size=16,
-        eval_every=steps, save_every=1,
+        eval=dataclasses.replace(cfg.eval, every=steps), save_every=1,
         model=dataclasses.replace(cfg.model, hf_dir=model_dir),
         data=dataclasses.replace(cfg.data, num_train=200, num_eval=20),
         # a loose tau_p so that S2T silences tokens of an almost untrained model

@@ -7,7 +7,7 @@ Megatron, vLLM or transformers module.
 """
 
 from stapo_megatron.config.tree import (  # noqa: F401
-    DataConfig, EngineResources, EvalSetConfig, LoggingConfig, LossConfig, ModelConfig, OptimConfig, RolloutConfig,
-    RolloutSampling, TrainerConfig, WarmStartConfig, eval_set_configs, field_docs,
+    DataConfig, EngineResources, EvalConfig, EvalSetConfig, LoggingConfig, LossConfig, ModelConfig, OptimConfig,
+    RewardConfig, RolloutConfig, RolloutSampling, TrainerConfig, WarmStartConfig, eval_set_configs, field_docs,
 )
 from stapo_megatron.config.tree import __all__  # noqa: F401

@@ -7,8 +7,9 @@ the ``nemo-run`` command (its pre-launch check and its dry run) and for the Pyth
 an override is accepted or refused the same way everywhere.
 
 Errors name the field: an unknown one with the closest field names ("did you mean ..."), a
-wrongly typed value with the expected type; the dataclasses' own checks (``__post_init__``) run
-on the result.
+renamed one (a dataclass's ``RENAMED_FIELDS``, e.g. ``reward_workers`` -> ``reward.workers``) with
+its new key, a wrongly typed value with the expected type, a value given for a whole section with
+the section's fields; the dataclasses' own checks (``__post_init__``) run on the result.
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ def unknown_field_error(where: str, obj: Any, name: str) -> ValueError:
     return ValueError(
         f"unknown override {where}: {type(obj).__name__} has no field {name!r}{hint} (fields: {', '.join(names)})"
     )
+
+
+def renamed_field_error(prefix: str, old: str, new: str, value: Any) -> ValueError:
+    """The error for a key of an earlier version (``reward_workers``), naming its new key."""
+    return ValueError(f"{prefix}{old} is now {prefix}{new}: write {prefix}{new}={value!r} "
+                      f"(the flat key was replaced by the {new.partition('.')[0]!r} section)")
 
 
 def check_value(where: str, value: Any, annotation: Any) -> Any:
@@ -76,15 +83,23 @@ def apply_overrides(obj: Any, overrides: Mapping[str, Any], prefix: str = "") ->
     hints = typing.get_type_hints(type(obj))
     names = {f.name for f in dataclasses.fields(obj)}
     changes: Dict[str, Any] = {}
+    renamed = getattr(type(obj), "RENAMED_FIELDS", {})
     for key, value in overrides.items():
         head, _, rest = key.partition(".")
         if head not in names:
+            if head in renamed:
+                raise renamed_field_error(prefix, head, renamed[head], value)
             raise unknown_field_error(f"{prefix}{head}", obj, head)
         current = changes.get(head, getattr(obj, head))
         if rest:
             value = {rest: value}
         if dataclasses.is_dataclass(current) and isinstance(value, Mapping):
             value = apply_overrides(current, value, f"{prefix}{head}.")
+        elif dataclasses.is_dataclass(current) and not isinstance(value, type(current)):
+            if head in renamed:
+                raise renamed_field_error(prefix, head, renamed[head], value)
+            raise ValueError(f"override {prefix}{head}={value!r}: {prefix}{head} is a section "
+                             f"({type(current).__name__}); set its fields, {prefix}{head}.FIELD=VALUE")
         else:
             value = check_value(f"{prefix}{head}", value, hints[head])
         changes[head] = value

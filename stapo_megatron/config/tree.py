@@ -1,14 +1,16 @@
 """The configuration tree: every dataclass a run is configured with (recipes are functions that return one).
 
-    TrainerConfig                 one run (steps, batch sizes, seeds, evaluation, checkpoints)
+    TrainerConfig                 one run (steps, batch sizes, seeds, checkpoints, timeouts)
       .model   ModelConfig        which model, at which parallel layout
       .data    DataConfig         prompts for training and the held-out set
       .rollout RolloutSampling    how responses are sampled (shares `EngineResources` with
                                   the engine's `RolloutConfig`, built by `engine_config`)
       .loss    LossConfig         the method (`stapo_megatron.method.registry`) and its constants
       .optim   OptimConfig        AdamW
-      .eval_sets [EvalSetConfig]  named evaluation sets (benchmarks), scored every eval_every
       .logging LoggingConfig      where metrics go besides metrics.jsonl (TensorBoard, W&B, MLflow)
+      .reward  RewardConfig       the reward function and its worker processes
+      .eval    EvalConfig         held-out evaluation: every, temperature, samples, max length,
+                                  and .sets [EvalSetConfig], named sets (benchmarks)
     WarmStartConfig               the supervised warm-start before RL (CPU demo)
 
 Every field has a one-line (or longer) docstring under it. Defaults are the paper's recipe
@@ -25,12 +27,13 @@ import dataclasses
 import inspect
 import math
 import textwrap
-from typing import Any, Dict, List, Optional
+from typing import ClassVar, Dict, Optional
 
-from stapo_megatron.config.overrides import unknown_field_error
+from stapo_megatron.config.layout import config_problems
 from stapo_megatron.data.config import DataConfig
-from stapo_megatron.eval.config import EvalSetConfig
+from stapo_megatron.eval.config import EvalConfig, EvalSetConfig, eval_set_configs
 from stapo_megatron.method.config import LossConfig
+from stapo_megatron.rewards.config import RewardConfig
 from stapo_megatron.rollout.config import EngineResources, RolloutConfig, RolloutSampling
 from stapo_megatron.runlog.config import LoggingConfig
 from stapo_megatron.train.config import ModelConfig, OptimConfig
@@ -38,8 +41,9 @@ from stapo_megatron.trainer.config import WarmStartConfig
 from stapo_megatron.utils import check_at_least
 
 __all__ = [
-    "DataConfig", "EngineResources", "EvalSetConfig", "LoggingConfig", "LossConfig", "ModelConfig", "OptimConfig",
-    "RolloutConfig", "RolloutSampling", "TrainerConfig", "WarmStartConfig", "eval_set_configs", "field_docs",
+    "DataConfig", "EngineResources", "EvalConfig", "EvalSetConfig", "LoggingConfig", "LossConfig", "ModelConfig",
+    "OptimConfig", "RewardConfig", "RolloutConfig", "RolloutSampling", "TrainerConfig", "WarmStartConfig",
+    "eval_set_configs", "field_docs",
 ]
 
 
@@ -73,7 +77,8 @@ class TrainerConfig:
     micro_batch_size: int = 1
     """Sequences per micro-batch (padded, ``packing="padded"``, and ``packing="fixed"``)."""
     packing: str = "padded"
-    """How a mini-batch becomes micro-batches (`stapo_megatron.train.packing`): "padded" right-pads
+    """How a mini-batch becomes micro-batches (`stapo_megatron.config.layout.PACKING_MODES`, built by
+    `stapo_megatron.train.packing`): "padded" right-pads
     ``micro_batch_size`` sequences to the step's longest ([N, S] rows); "fixed" packs the same
     sequences end to end (THD, no padding); "budget" packs whole sequences up to
     ``max_tokens_per_microbatch`` tokens per micro-batch, the same number of micro-batches on every
@@ -95,16 +100,6 @@ class TrainerConfig:
     constant-with-warm-up schedule does (the paper: 10). 0 = no warm-up."""
     seed: int = 1234
     """Seeds data order, sampling and the random-control mask."""
-    eval_every: int = 10
-    """Evaluation (held-out set and ``eval_sets``) every this many steps (and at step 0 and the
-    end); 0 = never."""
-    eval_temperature: float = 0.0
-    """Held-out decoding temperature (0 = greedy)."""
-    eval_samples: int = 1
-    """Samples per held-out prompt (avg@k with k = this)."""
-    eval_max_response_len: Optional[int] = None
-    """Maximum response tokens of evaluation, the held-out set and ``eval_sets`` (the paper:
-    20480); None = the training rollouts' ``rollout.max_response_len``."""
     save_every: int = 10
     """Checkpoint every this many steps (and at the end); 0 = never."""
     keep_last: int = 0
@@ -113,15 +108,6 @@ class TrainerConfig:
     state is about 200 GB."""
     max_consecutive_skips: int = 3
     """Stop with an error after this many consecutive steps with a NaN/Inf loss or gradient."""
-    reward: str = "math_verify"
-    """The reward function: a name of `stapo_megatron.rewards.functions.REWARDS` ("math_verify": 1/0 by
-    math-verify equivalence; "boxed_exact_match": +1/-1 by normalised exact match of the last
-    \\boxed{}, the paper's rule-based reward) or the dotted path of a module-level function
-    ``(response, answer) -> (reward, status)`` (e.g. a model-based verifier; README, "Rewards")."""
-    reward_timeout_s: float = 5.0
-    """Time bound (CPU seconds of a worker) of one reward check."""
-    reward_workers: int = 1
-    """Reward worker processes (`RewardScorer.num_workers`)."""
     init_timeout_s: float = 180.0
     """How long a rank waits for every other rank to join the process group (the ``timeout`` of
     ``torch.distributed.init_process_group``, default 30 min on gloo): a rank or node that fails
@@ -145,36 +131,39 @@ class TrainerConfig:
     """AdamW (the paper: lr 1e-6, weight decay 0.1, grad clip 1.0)."""
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     """Experiment tracking: TensorBoard, Weights & Biases, MLflow."""
-    eval_sets: List[EvalSetConfig] = dataclasses.field(default_factory=list)
-    """Named evaluation sets scored with the held-out set (every ``eval_every`` steps, at step 0
-    and the end), sampled with ``eval_max_response_len`` tokens at most (as the held-out set);
-    dicts of `EvalSetConfig` fields are accepted (what a ``key=value`` override gives)."""
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    """The reward function and its worker processes (``reward.name``, ``reward.workers``,
+    ``reward.timeout_s``)."""
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    """In-training evaluation: when (``eval.every``), how (``eval.temperature``,
+    ``eval.samples``, ``eval.max_response_len``) and the named sets (``eval.sets``)."""
+
+    RENAMED_FIELDS: ClassVar[Dict[str, str]] = {
+        "reward": "reward.name", "reward_timeout_s": "reward.timeout_s", "reward_workers": "reward.workers",
+        "eval_every": "eval.every", "eval_temperature": "eval.temperature", "eval_samples": "eval.samples",
+        "eval_max_response_len": "eval.max_response_len", "eval_sets": "eval.sets",
+    }
+    """Flat keys of earlier versions and the key each is now (`stapo_megatron.config.overrides`
+    refuses an old key, on the command line and in a config YAML, with a message naming the new
+    one); ``reward`` given a value instead of a section means ``reward.name``."""
 
     def __post_init__(self):
-        check_at_least(self, 0, "steps", "lr_warmup_steps", "eval_every", "save_every", "max_consecutive_skips",
-                        "keep_last")
-        check_at_least(self, 1, "prompts_per_step", "minibatch_prompts", "micro_batch_size", "eval_samples",
-                        "reward_workers")
-        if self.eval_max_response_len is not None:
-            check_at_least(self, 1, "eval_max_response_len")
-        if not (0 <= self.eval_temperature and math.isfinite(self.eval_temperature)):
-            raise ValueError(f"eval_temperature must be finite and >= 0 (0 = greedy), got {self.eval_temperature}")
-        for name in ("reward_timeout_s", "init_timeout_s", "distributed_timeout_s", "rollout_timeout_s"):
+        check_at_least(self, 0, "steps", "lr_warmup_steps", "save_every", "max_consecutive_skips", "keep_last")
+        check_at_least(self, 1, "prompts_per_step", "minibatch_prompts", "micro_batch_size")
+        for name in ("init_timeout_s", "distributed_timeout_s", "rollout_timeout_s"):
             if name == "rollout_timeout_s" and self.rollout_timeout_s is None:
                 continue
             if not (0 < getattr(self, name) and math.isfinite(getattr(self, name))):
                 raise ValueError(f"{name} must be finite and > 0, got {getattr(self, name)}")
-        self.eval_sets = eval_set_configs(self.eval_sets)
-        self._check_packing()
-        # vLLM's external launcher forms an engine from consecutive ranks, and Megatron's TP
-        # groups are consecutive ranks too (TP is the innermost dimension); an engine wider than
-        # a TP group would span two DP ranks, which sample different prompts.
-        tp, vtp = self.model.tensor_model_parallel_size, self.rollout.tensor_parallel_size
-        if tp % vtp:
-            raise ValueError(
-                f"vLLM TP {vtp} must divide Megatron TP {tp} (rollout.tensor_parallel_size={vtp}, "
-                f"model.tensor_model_parallel_size={tp}): a vLLM engine must not span two DP ranks"
-            )
+        if not isinstance(self.reward, RewardConfig):  # the reward's name was a flat field once
+            raise ValueError(f"TrainerConfig.reward is a RewardConfig section, got {self.reward!r}: "
+                             f"give its name as reward.name (RewardConfig(name={self.reward!r}))")
+        if not isinstance(self.eval, EvalConfig):
+            raise ValueError(f"TrainerConfig.eval must be an EvalConfig, got {type(self.eval).__name__}")
+        # the parallel layout's checks that need no world size (`stapo_megatron.config.layout`)
+        problems = config_problems(self)
+        if problems:
+            raise ValueError(problems[0])
         # The loss recomputes pi_old and pi_theta at loss.temperature; sampling at another
         # temperature would make every ratio, entropy and S2T decision refer to a distribution
         # the responses were not drawn from.
@@ -185,44 +174,13 @@ class TrainerConfig:
                 f"(rollout.temperature={self.rollout.temperature} loss.temperature={self.rollout.temperature})"
             )
 
-    def _check_packing(self) -> None:
-        modes = ("padded", "fixed", "budget")  # train.packing.PACKING_MODES (no torch import here)
-        if self.packing not in modes:
-            raise ValueError(f"packing must be one of {modes}, got {self.packing!r}")
-        if self.packing != "padded" and self.model.pipeline_model_parallel_size > 1:
-            raise ValueError(f"packing={self.packing!r} is not supported with pipeline parallelism yet "
-                             f"(model.pipeline_model_parallel_size {self.model.pipeline_model_parallel_size}); "
-                             f"use packing=padded")
-        cp = self.model.context_parallel_size
-        if cp > 1 and self.packing == "padded":
-            raise ValueError(f"model.context_parallel_size {cp} needs packed micro-batches: packing='fixed' or "
-                             f"'budget', got packing='padded'")
-        if self.packing == "budget":
-            longest = self.data.max_prompt_len + self.rollout.max_response_len
-            # with CP the budget is one rank's tokens: the sequence padded to whole chunks, over CP
-            # (train.context_parallel.sequence_multiple; not imported: the config tree stays torch-free)
-            multiple = 1 if cp == 1 else 2 * cp * (self.model.tensor_model_parallel_size
-                                                   if self.model.sequence_parallel else 1)
-            per_rank = -(-longest // multiple) * multiple // cp
-            if self.max_tokens_per_microbatch <= 0:
-                raise ValueError(f"max_tokens_per_microbatch must be > 0 with packing='budget', "
-                                 f"got {self.max_tokens_per_microbatch}")
-            if self.max_tokens_per_microbatch < per_rank:
-                raise ValueError(
-                    f"max_tokens_per_microbatch {self.max_tokens_per_microbatch} < the longest sequence "
-                    f"data.max_prompt_len + rollout.max_response_len = {self.data.max_prompt_len} + "
-                    f"{self.rollout.max_response_len} = {longest}"
-                    + (f", padded to a multiple of {multiple}, over context_parallel_size {cp} = {per_rank} tokens "
-                       f"per rank" if cp > 1 else "")
-                    + " (a sequence is never split between micro-batches; context parallelism splits it over its ranks)")
-
     def rollout_timeout(self) -> float:
         """The collective timeout of the rollout and evaluation phases, in seconds:
         ``rollout_timeout_s``, or ``SECONDS_PER_RESPONSE_TOKEN`` x the longest response
         (training or evaluation) but at least ``distributed_timeout_s``."""
         if self.rollout_timeout_s is not None:
             return self.rollout_timeout_s
-        longest = max(self.rollout.max_response_len, self.eval_max_response_len or 0)
+        longest = max(self.rollout.max_response_len, self.eval.max_response_len or 0)
         return max(self.distributed_timeout_s, SECONDS_PER_RESPONSE_TOKEN * longest)
 
 
@@ -231,51 +189,3 @@ SECONDS_PER_RESPONSE_TOKEN = 0.2
 `TrainerConfig.rollout_timeout`: a decode step of a 14B engine with a DP rank's 128 sequences
 takes some 25-60 ms on an H100 (eager mode at the upper end), so the 15,360-token paper responses
 get 3072 s (4x headroom over ~770 s) and the 20,480-token evaluation 4096 s."""
-
-
-def eval_set_configs(sets: Any) -> List[EvalSetConfig]:
-    """``TrainerConfig.eval_sets`` (and ``stapo-eval --set``) as `EvalSetConfig` objects.
-
-    Takes `EvalSetConfig` objects, dicts of its fields, or one string (what the command line can
-    carry): sets separated by ";", each ``name=..,path=..[,k=4][,prompt_field=..]
-    [,answer_field=..][,decodings=T1.0_p1.0+T0.7_p0.9]``. An unknown field is refused with the
-    closest field names; names must be unique.
-    """
-    if isinstance(sets, str):
-        sets = [_eval_set_fields(spec) for spec in sets.split(";") if spec.strip()]
-    if not isinstance(sets, (list, tuple)):
-        raise ValueError(f"eval_sets must be a list of EvalSetConfig (or dicts of its fields) or a string "
-                         f"'name=..,path=..;...', got {type(sets).__name__}")
-    out = []
-    for i, entry in enumerate(sets):
-        if isinstance(entry, dict):
-            names = {f.name for f in dataclasses.fields(EvalSetConfig)}
-            unknown = [key for key in entry if key not in names]
-            if unknown:
-                raise unknown_field_error(f"eval_sets[{i}].{unknown[0]}", EvalSetConfig(name="x", path="x"), unknown[0])
-            entry = EvalSetConfig(**entry)
-        if not isinstance(entry, EvalSetConfig):
-            raise ValueError(f"eval_sets[{i}] must be an EvalSetConfig or a dict, got {type(entry).__name__}")
-        out.append(entry)
-    names = [s.name for s in out]
-    if len(set(names)) != len(names):
-        raise ValueError(f"eval_sets names must be unique, got {names}")
-    return out
-
-
-def _eval_set_fields(spec: str) -> Dict[str, Any]:
-    """The fields of one ``name=..,path=..,k=4,decodings=T1.0_p1.0+T0.7_p0.9`` set, typed."""
-    fields: Dict[str, Any] = {}
-    for item in spec.split(","):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"eval set {spec!r}: expected FIELD=VALUE pairs separated by commas, got {item!r}")
-        fields[key.strip()] = value.strip()
-    if "k" in fields:
-        try:
-            fields["k"] = int(fields["k"])
-        except ValueError:
-            raise ValueError(f"eval set {spec!r}: k must be an integer, got {fields['k']!r}") from None
-    if "decodings" in fields:
-        fields["decodings"] = tuple(fields["decodings"].split("+"))
-    return fields

@@ -1,6 +1,7 @@
 """Evaluation: avg@k / pass@k of sampled responses, in training and from the command line.
 
-- ``config``: `EvalSetConfig`, `Decoding` and the parsing of ``eval_sets`` strings.
+- ``config``: `EvalConfig` (the trainer's ``eval`` section), `EvalSetConfig`, `Decoding` and the
+  parsing of ``eval.sets`` strings (`eval_set_configs`).
 - ``scoring``: loading benchmark sets, scoring responses, avg@k / pass@k, tables.
 - ``evaluator``: the in-training `Evaluator` the loop asks (``should_evaluate(step)`` /
   ``evaluate(step)``).

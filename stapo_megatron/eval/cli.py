@@ -32,7 +32,7 @@ import tempfile
 import warnings
 from typing import List, Optional, Sequence
 
-from stapo_megatron.config.tree import eval_set_configs
+from stapo_megatron.eval.config import eval_set_configs
 from stapo_megatron.data.examples import tokenize_prompts
 from stapo_megatron.eval.config import Decoding
 from stapo_megatron.eval.generate import EvalProgress, engine_generate_fn

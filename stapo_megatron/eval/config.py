@@ -1,10 +1,13 @@
-"""The evaluation configs: a `Decoding` (sampling setting) and an `EvalSetConfig` (a named set)."""
+"""The evaluation configs: the trainer's ``eval`` section (`EvalConfig`: when and how the held-out
+set and the named sets are sampled), a named set (`EvalSetConfig`, parsed by `eval_set_configs`)
+and a sampling setting (`Decoding`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
-from typing import Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from stapo_megatron.utils import check_at_least
 
@@ -71,3 +74,86 @@ class EvalSetConfig:
                              f"got {self.decodings}")
         for name in self.decodings:
             Decoding.from_name(name)  # ValueError naming the expected form
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    """In-training evaluation (`stapo_megatron.eval.evaluator.Evaluator`): the held-out set
+    (``data.eval_path``, ``eval_accuracy``) and the named sets, at step 0, every ``every`` steps
+    and at the end."""
+
+    every: int = 10
+    """Evaluation (held-out set and ``sets``) every this many steps (and at step 0 and the
+    end); 0 = never."""
+    temperature: float = 0.0
+    """Held-out decoding temperature (0 = greedy)."""
+    samples: int = 1
+    """Samples per held-out prompt (avg@k with k = this)."""
+    max_response_len: Optional[int] = None
+    """Maximum response tokens of evaluation, the held-out set and ``sets`` (the paper:
+    20480); None = the training rollouts' ``rollout.max_response_len``."""
+    sets: List[EvalSetConfig] = dataclasses.field(default_factory=list)
+    """Named evaluation sets scored with the held-out set (every ``every`` steps, at step 0
+    and the end), sampled with ``max_response_len`` tokens at most (as the held-out set);
+    dicts of `EvalSetConfig` fields, or one string ``name=..,path=..;...`` (what a ``key=value``
+    override gives), are accepted (`eval_set_configs`)."""
+
+    def __post_init__(self):
+        check_at_least(self, 0, "every")
+        check_at_least(self, 1, "samples")
+        if self.max_response_len is not None:
+            check_at_least(self, 1, "max_response_len")
+        if not (0 <= self.temperature and math.isfinite(self.temperature)):
+            raise ValueError(f"eval.temperature must be finite and >= 0 (0 = greedy), got {self.temperature}")
+        self.sets = eval_set_configs(self.sets)
+
+
+def eval_set_configs(sets: Any) -> List[EvalSetConfig]:
+    """``TrainerConfig.eval.sets`` (and ``stapo-eval --set``) as `EvalSetConfig` objects.
+
+    Takes `EvalSetConfig` objects, dicts of its fields, or one string (what the command line can
+    carry): sets separated by ";", each ``name=..,path=..[,k=4][,prompt_field=..]
+    [,answer_field=..][,decodings=T1.0_p1.0+T0.7_p0.9]``. An unknown field is refused with the
+    closest field names; names must be unique.
+    """
+    if isinstance(sets, str):
+        sets = [_eval_set_fields(spec) for spec in sets.split(";") if spec.strip()]
+    if not isinstance(sets, (list, tuple)):
+        raise ValueError(f"eval.sets must be a list of EvalSetConfig (or dicts of its fields) or a string "
+                         f"'name=..,path=..;...', got {type(sets).__name__}")
+    out = []
+    for i, entry in enumerate(sets):
+        if isinstance(entry, dict):
+            names = {f.name for f in dataclasses.fields(EvalSetConfig)}
+            unknown = [key for key in entry if key not in names]
+            if unknown:
+                # imported here: stapo_megatron.config composes this module (a circle at import time)
+                from stapo_megatron.config.overrides import unknown_field_error
+
+                raise unknown_field_error(f"eval.sets[{i}].{unknown[0]}", EvalSetConfig(name="x", path="x"), unknown[0])
+            entry = EvalSetConfig(**entry)
+        if not isinstance(entry, EvalSetConfig):
+            raise ValueError(f"eval.sets[{i}] must be an EvalSetConfig or a dict, got {type(entry).__name__}")
+        out.append(entry)
+    names = [s.name for s in out]
+    if len(set(names)) != len(names):
+        raise ValueError(f"eval.sets names must be unique, got {names}")
+    return out
+
+
+def _eval_set_fields(spec: str) -> Dict[str, Any]:
+    """The fields of one ``name=..,path=..,k=4,decodings=T1.0_p1.0+T0.7_p0.9`` set, typed."""
+    fields: Dict[str, Any] = {}
+    for item in spec.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"eval set {spec!r}: expected FIELD=VALUE pairs separated by commas, got {item!r}")
+        fields[key.strip()] = value.strip()
+    if "k" in fields:
+        try:
+            fields["k"] = int(fields["k"])
+        except ValueError:
+            raise ValueError(f"eval set {spec!r}: k must be an integer, got {fields['k']!r}") from None
+    if "decodings" in fields:
+        fields["decodings"] = tuple(fields["decodings"].split("+"))
+    return fields

@@ -1,15 +1,15 @@
 """The in-training evaluator: the loop asks ``should_evaluate(step)`` and then ``evaluate(step)``.
 
-It scores the held-out set (``eval_accuracy``: avg@k with k = ``eval_samples`` at
-``eval_temperature``, a sample correct when its reward is positive, under 1/0 and +1/-1 rewards
-alike) and every named set of ``TrainerConfig.eval_sets`` per decoding
+It scores the held-out set (``eval_accuracy``: avg@k with k = ``eval.samples`` at
+``eval.temperature``, a sample correct when its reward is positive, under 1/0 and +1/-1 rewards
+alike) and every named set of ``TrainerConfig.eval.sets`` per decoding
 (``eval/<set>/<decoding>/avg@<k>`` and ``pass@<k>``), sampled with one seed (`Seeds.evaluation`)
 so that evaluations at different steps differ by the weights only.
 
 Each set is spread over DP x CP as the training rollouts are (`trainer.layout`): DP replica d
 takes problems d, d + DP, d + 2 DP, ..., and CP rank c of the replica samples and scores the c-th
 contiguous 1/CP of those with the seeds they have without CP
-(`rollout.base.generate_context_parallel_share`); the counts are summed over DP x CP, so each
+(`rollout.spmd.generate_context_parallel_share`); the counts are summed over DP x CP, so each
 problem counts once, sampled as at CP = 1 with the same DP (the same results, up to numerics an
 engine's batching may change). The logged samples (rank 0's) are its replica's first ones, as at
 CP = 1: gathered over CP.
@@ -28,20 +28,21 @@ from stapo_megatron.data.examples import tokenize_prompts
 from stapo_megatron.eval.config import Decoding
 from stapo_megatron.eval.scoring import Counts, EvalSet, load_eval_set, score_responses, summarize
 from stapo_megatron.rewards.scorer import RewardScorer
-from stapo_megatron.rollout.base import RolloutEngine, generate_context_parallel_share
+from stapo_megatron.rollout.base import RolloutEngine
+from stapo_megatron.rollout.spmd import generate_context_parallel_share
 from stapo_megatron.train.parallel import Groups, collective_device
 
 
 def eval_max_len(cfg: TrainerConfig) -> int:
-    """Held-out responses' token limit (`TrainerConfig.eval_max_response_len`)."""
-    return cfg.eval_max_response_len or cfg.rollout.max_response_len
+    """Held-out responses' token limit (`EvalConfig.max_response_len`)."""
+    return cfg.eval.max_response_len or cfg.rollout.max_response_len
 
 
 def load_eval_sets(cfg: TrainerConfig, tokenizer) -> List[Tuple[EvalSet, List[List[int]]]]:
-    """``TrainerConfig.eval_sets`` loaded and tokenized as the held-out set is: (EvalSet with the
+    """``TrainerConfig.eval.sets`` loaded and tokenized as the held-out set is: (EvalSet with the
     kept problems, their prompt token ids) per set."""
     out = []
-    for set_cfg in cfg.eval_sets:
+    for set_cfg in cfg.eval.sets:
         eval_set = load_eval_set(set_cfg)
         ids, eval_set.examples, _ = tokenize_prompts(
             tokenizer, eval_set.examples, cfg.data.max_prompt_len, cfg.data.use_chat_template
@@ -63,18 +64,18 @@ class Evaluator:
         self.rank = dist.get_rank()
 
     def should_evaluate(self, step: int) -> bool:
-        """At step 0, every ``eval_every`` steps and at the last step (never with eval_every 0)."""
-        every = self.cfg.eval_every
+        """At step 0, every ``eval.every`` steps and at the last step (never with eval.every 0)."""
+        every = self.cfg.eval.every
         return bool(every) and (step % every == 0 or step == self.cfg.steps)
 
     def evaluate(self, step: int) -> Dict[str, float]:
         """The eval row of ``step`` (logged, printed on rank 0, returned)."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        held_out = Decoding(cfg.eval_temperature, 1.0, "held_out")
+        held_out = Decoding(cfg.eval.temperature, 1.0, "held_out")
         samples: List[Dict] = []
-        counts = self._counts(*self.held_out, cfg.eval_samples, held_out, samples)
-        row = dict(kind="eval", step=step, eval_accuracy=summarize(counts, cfg.eval_samples, held_out)["avg@k"],
+        counts = self._counts(*self.held_out, cfg.eval.samples, held_out, samples)
+        row = dict(kind="eval", step=step, eval_accuracy=summarize(counts, cfg.eval.samples, held_out)["avg@k"],
                    eval_num=int(counts.num_samples))
         for eval_set, ids in self.eval_sets:
             for decoding in eval_set.decodings:

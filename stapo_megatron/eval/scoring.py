@@ -11,7 +11,7 @@ settings: T=1.0 / top-p 1.0 and T=0.7 / top-p 0.9. Users supply the benchmark fi
 parquet or HF dataset folders, see ``load_benchmark``); sampling is a callable (``GenerateFn``)
 so that any engine can be evaluated (``engine_generate_fn`` wraps the project's rollout engines).
 
-Three users: the trainer (``Trainer.evaluate``: the held-out set and ``TrainerConfig.eval_sets``,
+Three users: the trainer (``Trainer.evaluate``: the held-out set and ``TrainerConfig.eval.sets``,
 sampled over DP ranks, scored with ``score_responses``, summed over DP and summarized with
 ``summarize``), the ``stapo-eval`` command (``stapo_megatron.eval.cli``) and the Python API
 (``avg_at_k``, ``evaluate_sets``, ``evaluate_suite``).

@@ -154,6 +154,8 @@ def run_recipe(
     loss: Optional[Dict[str, Value]] = None,
     optim: Optional[Dict[str, Value]] = None,
     logging: Optional[Dict[str, Value]] = None,
+    reward: Optional[Dict[str, Value]] = None,
+    eval: Optional[Dict[str, Value]] = None,  # noqa: A002  (the config section's name)
     warmstart: Optional[Dict[str, Value]] = None,
     **overrides: Value,
 ) -> None:
@@ -168,7 +170,8 @@ def run_recipe(
     world, per_node = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     cfg, warmstart_cfg = build_config(
         recipe, method, output_dir, config=config, num_nodes=world // per_node, gpus_per_node=per_node, model=model,
-        data=data, rollout=rollout, loss=loss, optim=optim, logging=logging, warmstart=warmstart, **overrides,
+        data=data, rollout=rollout, loss=loss, optim=optim, logging=logging, reward=reward, eval=eval,
+        warmstart=warmstart, **overrides,
     )
     faults.clear_record(cfg.run_dir)
     try:

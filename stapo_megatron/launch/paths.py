@@ -20,7 +20,7 @@ def paths_read(cfg, config_file: Optional[str] = None) -> List[Tuple[str, str]]:
     """(setting, path) of every file or folder a run of ``cfg`` reads; unset ones are left out."""
     read = [("model.hf_dir", cfg.model.hf_dir), ("model.megatron_ckpt", cfg.model.megatron_ckpt),
             ("data.train_path", cfg.data.train_path), ("data.eval_path", cfg.data.eval_path)]
-    read += [(f"eval_sets[{s.name}].path", s.path) for s in cfg.eval_sets]
+    read += [(f"eval.sets[{s.name}].path", s.path) for s in cfg.eval.sets]
     read.append(("config", config_file))
     return [(setting, path) for setting, path in read if path]
 

@@ -2,8 +2,10 @@
 
 - ``objective``: the clipped token surrogate, the masked sum and its normaliser, the k3 KL (Eq. 1-3).
 - ``masks``: the S2T mask (STAPO), the 20-Entropy and random controls, the mini-batch tau_H.
-- ``registry``: `METHODS`, one `Method` per name (mask, threshold statistic, loss options).
+- ``registry``: `METHODS`, one `Method` per name (mask, threshold statistic, loss options), the
+  `register_method` decorator and `get_method` (a name or a dotted path ``pkg.module:fn``).
 - ``config``: `LossConfig`, the method's name and constants, and `method_loss_config`.
 
-A new method touches ``registry.py`` (and ``masks.py`` if it needs a new primitive) and a test.
+A new method is one decorated mask function in any module (``@register_method``), named in
+``loss.method`` by dotted path (docs/extending.md); built-in ones are listed in ``registry.py``.
 """

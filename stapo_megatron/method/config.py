@@ -16,9 +16,11 @@ class LossConfig:
     method: str = "stapo"
     """A name of `stapo_megatron.method.registry.METHODS`: "stapo" (S2T mask), "justrl" (the JustRL/DAPO
     objective, no mask), "grpo" (DeepSeekMath GRPO: per-sequence mean, KL to a frozen reference;
-    give it its options with `stapo_megatron.method.registry.method_loss_config`), "entropy20" (keep
+    give it its options with `stapo_megatron.method.config.method_loss_config`), "entropy20" (keep
     only the top-20% entropy tokens), "random" (silence as many S2T candidates, drawn at random,
-    as S2T would), "random_uniform" (as many random response tokens)."""
+    as S2T would), "random_uniform" (as many random response tokens); or the dotted path of a
+    user method, ``pkg.module:fn`` or ``pkg.module.fn`` (a mask function, decorated with
+    `stapo_megatron.method.registry.register_method` or plain; docs/extending.md)."""
     clip_ratio_low: float = 0.2
     """eps_low of the clipped ratio (PPO/DAPO)."""
     clip_ratio_high: float = 0.28

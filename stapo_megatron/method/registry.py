@@ -17,8 +17,10 @@ beta 0.04), ``justrl`` the JustRL/DAPO objective STAPO builds on (token mean, cl
 0.2/0.28, no KL), i.e. STAPO without its mask.
 
 Everything that names methods (`LossConfig.method`, the recipes, the launch entry, the method
-comparison) reads `METHODS`. Adding a method: write its mask (and threshold) below from the
-primitives of ``stapo_megatron.method.masks``, add one `Method` to `METHODS`, and a test.
+comparison) asks `get_method`. Adding a method needs no edit here: decorate its mask with
+`register_method` in any module, and name it in ``loss.method`` by dotted path
+(``loss.method=my_pkg.methods:my_mask``; importing the module registers it on every rank), or by
+its name once that module is imported (docs/extending.md has a worked example).
 
 Legend: tensors are [B, S] (micro-batch x sequence, aligned with the labels) or flattened over
 a whole mini-batch (thresholds).
@@ -34,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from stapo_megatron.method import masks as s2t
+from stapo_megatron.utils import is_dotted_path, load_dotted
 
 LossConfigT = Any
 """The `stapo_megatron.method.config.LossConfig` a mask or threshold reads (that module imports
@@ -147,10 +150,65 @@ METHODS: Dict[str, Method] = {m.name: m for m in (
 """Every method, by name, in the order tables and comparisons list them (stapo first)."""
 
 
+METHOD_ATTRIBUTE = "stapo_method"
+"""The attribute `register_method` sets on the function it decorates: its `Method`."""
+
+
+def register_method(name: str, summary: str = "", threshold: Optional[ThresholdFn] = None,
+                    loss_options: Optional[Mapping[str, Any]] = None, loss_agg: str = "token_mean"):
+    """Decorator: register the mask function it decorates as the `Method` ``name`` in `METHODS`.
+
+    The function is returned unchanged (still callable) with its `Method` as the attribute
+    `METHOD_ATTRIBUTE`, so a dotted path to it (``loss.method=pkg.module:fn``) finds the method.
+    ``summary`` defaults to the first line of the function's docstring. A name already taken by
+    another function is a ValueError (re-importing the same module registers it again, harmlessly).
+
+    Example::
+
+        @register_method("positive_only", loss_options=dict(clip_ratio_high=0.2))
+        def positive_only(config, logprob, entropy, advantages, response_mask, threshold, seed):
+            \"\"\"Silence every token of a below-mean response.\"\"\"
+            return response_mask & (advantages < 0)
+    """
+    def register(mask: MaskFn) -> MaskFn:
+        line = summary or (mask.__doc__ or name).strip().splitlines()[0]
+        method = Method(name, line, mask, threshold, dict(loss_options or {}), loss_agg)
+        taken = METHODS.get(name)
+        if taken is not None and _qualname(taken.mask) != _qualname(mask):
+            raise ValueError(f"method {name!r} is already registered (by {_qualname(taken.mask)}); "
+                             f"choose another name for {_qualname(mask)}")
+        METHODS[name] = method
+        setattr(mask, METHOD_ATTRIBUTE, method)
+        return mask
+    return register
+
+
+def _qualname(fn: Callable) -> str:
+    """``module.qualname`` of a function, for messages and re-registration."""
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def method_from_object(obj: Any, path: str) -> Method:
+    """The `Method` a dotted path names: a `Method`, a function decorated with `register_method`,
+    or a plain mask function (a method called ``path`` with no threshold and no options)."""
+    if isinstance(obj, Method):
+        return obj
+    if callable(obj):
+        return getattr(obj, METHOD_ATTRIBUTE, None) or Method(
+            path, (obj.__doc__ or path).strip().splitlines()[0], obj)
+    raise ValueError(f"loss.method = {path!r} names a {type(obj).__name__}, not a Method or a mask function "
+                     f"(config, logprob, entropy, advantages, response_mask, threshold, seed) -> bool [B, S]")
+
+
 def get_method(name: str) -> Method:
-    """The `Method` called ``name``; a ValueError naming the valid ones (and the closest) if none."""
-    if name not in METHODS:
-        close = difflib.get_close_matches(str(name), METHODS, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"method must be one of {tuple(METHODS)}, got {name!r}{hint}")
-    return METHODS[name]
+    """The `Method` called ``name`` (a name of `METHODS`), or named by a dotted path
+    ``pkg.module:fn`` / ``pkg.module.fn`` (`method_from_object`); a ValueError naming the valid
+    names (and the closest) for an unknown name, or naming the path for one that does not import."""
+    if name in METHODS:
+        return METHODS[name]
+    if is_dotted_path(name):
+        return method_from_object(load_dotted(name, "loss.method"), name)
+    close = difflib.get_close_matches(str(name), METHODS, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ValueError(f"method must be one of {tuple(METHODS)}, got {name!r}{hint} (a user method: its dotted "
+                     f"path 'pkg.module:fn')")

@@ -1,6 +1,7 @@
 """The per-GPU memory model of colocated STAPO training and vLLM rollouts on 80 GB GPUs.
 
-`Layout` says where a run goes and the settings that decide its memory per GPU; `memory_estimate`
+`Layout` says where a run goes and the settings that decide its memory per GPU (a `ModelConfig`
+and a cluster, checked by `stapo_megatron.config.layout`); `memory_estimate`
 gives the bytes of each component on the most loaded GPU (its assumptions are in its docstring).
 The paper recipes (`stapo_megatron.recipes.paper`) choose their layouts with it, the launcher's
 dry run prints it, and ``scripts/memory_table.py`` writes the README's table from it.
@@ -9,10 +10,11 @@ dry run prints it, and ``scripts/memory_table.py`` writes the README's table fro
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 from stapo_megatron.bridge.config import QwenSpec, padded_vocab_size
+from stapo_megatron.config import ModelConfig, TrainerConfig
+from stapo_megatron.config.layout import Cluster, rank_tokens
 
 GB = 1e9
 """Decimal gigabyte: estimates are compared with 80e9 bytes, below an 80 GB card's 85.9e9."""
@@ -31,16 +33,24 @@ SEQ_LEN = MAX_PROMPT_LEN + MAX_RESPONSE_LEN
 """Longest training sequence (prompt + response): the activation and logits sizes use it."""
 
 
+MODEL_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "cp_comm_type",
+                "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
+                "recompute_granularity", "recompute_method", "recompute_num_layers")
+"""The `ModelConfig` fields the memory model reads, readable on a `Layout` by the same names."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Where one run goes and the settings that decide its memory per GPU."""
+    """Where one run goes and the settings that decide its memory per GPU: the cluster, the
+    trainer's `ModelConfig` (TP/PP/CP/EP, sequence parallelism, recomputation: `MODEL_FIELDS`, read
+    on the layout by the same names) and the rollout engine's share. `Layout.of` derives one from
+    a `TrainerConfig` and a cluster; a recipe's layout hands its ``model`` to its `TrainerConfig`
+    as it is, so nothing is copied between the two."""
 
     num_nodes: int
     """Slurm nodes."""
-    tensor_model_parallel_size: int
-    """Megatron TP (within a node: heads, KV heads and the vocabulary are split over it)."""
-    pipeline_model_parallel_size: int
-    """Megatron PP (layers are split over it)."""
+    model: ModelConfig
+    """The training model's parallel layout and memory settings (`MODEL_FIELDS`)."""
     vllm_tensor_parallel_size: int
     """vLLM's own TP. It divides the Megatron TP so a vLLM engine never spans two DP ranks
     (which get different prompts); equal to it, each model-parallel group runs one engine."""
@@ -58,28 +68,29 @@ class Layout:
     """Whether the run holds a reference model (a bf16 copy of this rank's weights)."""
     micro_batch_size: int = 1
     """Sequences per micro-batch (one 16k-token sequence)."""
-    sequence_parallel: bool = True
-    """Megatron sequence parallelism (needs TP > 1)."""
-    recompute_granularity: Optional[str] = "full"
-    """Activation recomputation: "full" (only layer inputs are kept), "selective" or None
-    (every layer's activations kept; `memory_estimate`)."""
-    recompute_method: Optional[str] = "uniform"
-    """Full recompute of groups of `recompute_num_layers` layers."""
-    recompute_num_layers: Optional[int] = 1
-    """Layers per recompute group."""
-    context_parallel_size: int = 1
-    """Megatron CP: each sequence split over it in 2 x CP load-balanced chunks, so a rank holds
-    1/CP of every sequence's tokens (`rank_tokens`)."""
-    cp_comm_type: str = "p2p"
-    """How attention exchanges K/V over CP (`ModelConfig.cp_comm_type`): "all_gather" (and the
-    local spec) keeps each layer's gathered K and V of the whole sequence for the backward."""
-    expert_model_parallel_size: int = 1
-    """MoE: Megatron EP (the experts of each layer split over it)."""
-    expert_tensor_parallel_size: Optional[int] = None
-    """MoE: TP inside each expert (None: the dense TP, Megatron's default)."""
     seq_len: int = SEQ_LEN
     """Longest training sequence (prompt + response) in tokens: the activations and logits of a
     micro-batch are ``micro_batch_size`` such sequences."""
+
+    @classmethod
+    def of(cls, cfg: TrainerConfig, cluster: Cluster) -> "Layout":
+        """The layout of ``cfg`` on ``cluster``: its model, vLLM TP and share, micro-batch,
+        reference model (``loss.kl_coef > 0``) and longest sequence."""
+        return cls(num_nodes=cluster.num_nodes, gpus_per_node=cluster.gpus_per_node, model=cfg.model,
+                   vllm_tensor_parallel_size=cfg.rollout.tensor_parallel_size,
+                   vllm_gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+                   micro_batch_size=cfg.micro_batch_size, reference_model=cfg.loss.kl_coef > 0,
+                   seq_len=cfg.data.max_prompt_len + cfg.rollout.max_response_len)
+
+    def replace(self, **changes: Any) -> "Layout":
+        """A copy with ``changes`` of its own fields or of its model's (`MODEL_FIELDS`)."""
+        model = {k: changes.pop(k) for k in list(changes) if k in MODEL_FIELDS}
+        return dataclasses.replace(self, model=dataclasses.replace(self.model, **model), **changes)
+
+    @property
+    def cluster(self) -> Cluster:
+        """Its nodes and GPUs."""
+        return Cluster(self.num_nodes, self.gpus_per_node)
 
     @property
     def world_size(self) -> int:
@@ -105,12 +116,9 @@ class Layout:
                                    * self.pipeline_model_parallel_size)
 
 
-def rank_tokens(seq_len: int, context_parallel_size: int) -> int:
-    """Tokens one CP rank holds of a ``seq_len``-token sequence: the sequence is padded to a
-    multiple of 2 x CP and each rank takes 2 of its 2 x CP chunks (``seq_len`` at CP = 1)."""
-    if context_parallel_size == 1:
-        return seq_len
-    return 2 * math.ceil(seq_len / (2 * context_parallel_size))
+for _name in MODEL_FIELDS:  # layout.tensor_model_parallel_size reads layout.model's: one copy of each
+    setattr(Layout, _name, property(lambda self, name=_name: getattr(self.model, name),
+                                    doc=f"``model.{_name}`` (`ModelConfig`)."))
 
 
 FRAMEWORK_OVERHEAD_BYTES = 4 * GB

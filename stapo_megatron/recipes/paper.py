@@ -11,7 +11,9 @@ per-GPU memory model of `stapo_megatron.recipes.memory` (its assumptions are in 
 docstring). Context parallelism splits each packed sequence over CP ranks (2 x CP load-balanced
 chunks): the 8B and 14B recipes use it to drop full recomputation, ``qwen3_8b_32k`` to train
 32k-token sequences. ``qwen3_30b_a3b`` is the mixture-of-experts model with expert parallelism
-(EP); the layout checks of every recipe are `layout_problems`.
+(EP). A recipe's `Layout` holds the `ModelConfig` its `TrainerConfig` trains with; the layout
+checks (`layout_problems`) are the one validator's, `stapo_megatron.config.layout`, plus the
+memory estimate.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ import dataclasses
 from typing import Dict, List, Optional
 
 from stapo_megatron.bridge.config import QwenSpec
-from stapo_megatron.config import DataConfig, LossConfig, ModelConfig, OptimConfig, RolloutSampling, TrainerConfig
+from stapo_megatron.config import (DataConfig, EvalConfig, LossConfig, ModelConfig, OptimConfig, RewardConfig,
+                                   RolloutSampling, TrainerConfig)
+from stapo_megatron.config.layout import Cluster
+from stapo_megatron.config.layout import layout_problems as check_layout
 from stapo_megatron.data.examples import JUSTRL_PROMPT_TEMPLATE
 from stapo_megatron.method.config import method_loss_config
 from stapo_megatron.recipes.memory import GB, GPU_MEMORY_BYTES, MAX_PROMPT_LEN, Layout, memory_estimate, rank_tokens
@@ -63,32 +68,39 @@ DISPLAY_NAMES = {"qwen3_1p7b": "Qwen3-1.7B-Base", "qwen3_8b": "Qwen3-8B-Base", "
 
 
 _NO_RECOMPUTE = dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
-"""Layout fields of a recipe that keeps every layer's activations (CP makes room for them)."""
+"""Model fields of a recipe that keeps every layer's activations (CP makes room for them)."""
+
+
+def _model(tensor_model_parallel_size: int, **changes) -> ModelConfig:
+    """A paper recipe's `ModelConfig`: bf16, sequence parallelism and full recomputation of
+    single layers unless ``changes`` say otherwise (``model.hf_dir`` and ``megatron_ckpt`` are
+    the user's)."""
+    fields = dict(bf16=True, sequence_parallel=True, recompute_granularity="full", recompute_method="uniform",
+                  recompute_num_layers=1)
+    return ModelConfig(tensor_model_parallel_size=tensor_model_parallel_size, **{**fields, **changes})
 
 LAYOUTS: Dict[str, Layout] = {
     # 2 nodes: TP=2 halves the 151936-wide logits and their gradient (5 GB instead of 10 GB at TP=1).
-    "qwen3_1p7b": Layout(num_nodes=2, tensor_model_parallel_size=2, pipeline_model_parallel_size=1,
-                         vllm_tensor_parallel_size=2, vllm_gpu_memory_utilization=0.55),
+    "qwen3_1p7b": Layout(num_nodes=2, model=_model(2), vllm_tensor_parallel_size=2, vllm_gpu_memory_utilization=0.55),
     # 4 nodes: TP=4 (at TP=2 training and vLLM's share exceed the budget), CP=2 inside the node
     # (TP x CP = 8 GPUs): each rank holds 8k of a 16k sequence, which pays for keeping every
     # layer's activations (21 GB) instead of full recomputation; vLLM's share goes from 0.5 to
     # 0.4 for it (0.35 with GRPO's reference). README's memory table gives the components.
-    "qwen3_8b": Layout(num_nodes=4, tensor_model_parallel_size=4, pipeline_model_parallel_size=1,
+    "qwen3_8b": Layout(num_nodes=4, model=_model(4, context_parallel_size=2, **_NO_RECOMPUTE),
                        vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.4,
-                       vllm_gpu_memory_utilization_with_reference=0.35, context_parallel_size=2, **_NO_RECOMPUTE),
+                       vllm_gpu_memory_utilization_with_reference=0.35),
     # 32k-token sequences (1024 prompt + 31744 response: the model's 32768 positions) on the
     # 8B's 4 nodes: CP=4 (two nodes per model replica, DP=2) keeps a rank at 8k tokens, the
     # same activations as qwen3_8b without recomputation.
-    "qwen3_8b_32k": Layout(num_nodes=4, tensor_model_parallel_size=4, pipeline_model_parallel_size=1,
+    "qwen3_8b_32k": Layout(num_nodes=4, model=_model(4, context_parallel_size=4, **_NO_RECOMPUTE),
                            vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.4,
-                           vllm_gpu_memory_utilization_with_reference=0.35, context_parallel_size=4,
-                           seq_len=32768, **_NO_RECOMPUTE),
+                           vllm_gpu_memory_utilization_with_reference=0.35, seq_len=32768),
     # 8 nodes (the design's target): TP=4 within a node, CP=4 (two nodes per model replica,
     # DP=4): 4k tokens of a 16k sequence per rank, without recomputation; one vLLM TP=4 engine
     # per TP group at 0.35 of the card (0.3 beside GRPO's reference, +7.4 GB).
-    "qwen3_14b": Layout(num_nodes=8, tensor_model_parallel_size=4, pipeline_model_parallel_size=1,
+    "qwen3_14b": Layout(num_nodes=8, model=_model(4, context_parallel_size=4, **_NO_RECOMPUTE),
                         vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.35,
-                        vllm_gpu_memory_utilization_with_reference=0.3, context_parallel_size=4, **_NO_RECOMPUTE),
+                        vllm_gpu_memory_utilization_with_reference=0.3),
     # MoE, 4 nodes: TP=4 (the 4 KV heads; vLLM TP=4 holds 15 GB of the 61 GB of bf16 weights),
     # EP=16 with ETP=1 (8 whole experts per rank; the expert optimizer shards over world /
     # (ETP x EP) = 2), full recomputation. The peers: verl TP=4 PP=2 EP=4 on 4 nodes, NeMo-RL
@@ -97,11 +109,10 @@ LAYOUTS: Dict[str, Layout] = {
     # CP too (train/moe.py), but CP=2 (DP=4) without recomputation is 121.8 GB per GPU by the
     # memory model (57.5 GB of activations; CP=4: 92.4 GB): `python -c "import dataclasses as d;
     # from stapo_megatron.recipes.paper import *; from stapo_megatron.recipes.memory import *;
-    # print(describe(QWEN3_30B_A3B, d.replace(LAYOUTS['qwen3_30b_a3b'], context_parallel_size=2,
+    # print(describe(QWEN3_30B_A3B, LAYOUTS['qwen3_30b_a3b'].replace(context_parallel_size=2,
     # **_NO_RECOMPUTE)))"`.
-    "qwen3_30b_a3b": Layout(num_nodes=4, tensor_model_parallel_size=4, pipeline_model_parallel_size=1,
-                            vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.4,
-                            expert_model_parallel_size=16, expert_tensor_parallel_size=1),
+    "qwen3_30b_a3b": Layout(num_nodes=4, model=_model(4, expert_model_parallel_size=16, expert_tensor_parallel_size=1),
+                            vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.4),
 }
 """The parallel layout of each paper recipe (see `memory_estimate` and the README table)."""
 
@@ -178,27 +189,12 @@ def paper_recipe(size: str, method: str = "stapo", run_dir: Optional[str] = None
         packing="budget",
         max_tokens_per_microbatch=rank_tokens(layout.seq_len, layout.context_parallel_size) * layout.micro_batch_size,
         lr_warmup_steps=LR_WARMUP_STEPS,
-        eval_every=EVAL_EVERY,
-        eval_temperature=1.0,
-        eval_samples=4,
-        eval_max_response_len=max(EVAL_MAX_RESPONSE_LEN, max_response_len),
         save_every=SAVE_EVERY,
         keep_last=KEEP_LAST,
-        reward="boxed_exact_match",
-        reward_timeout_s=5.0,
-        model=ModelConfig(
-            tensor_model_parallel_size=layout.tensor_model_parallel_size,
-            pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
-            bf16=True,
-            sequence_parallel=layout.sequence_parallel,
-            recompute_granularity=layout.recompute_granularity,
-            recompute_method=layout.recompute_method,
-            recompute_num_layers=layout.recompute_num_layers,
-            context_parallel_size=layout.context_parallel_size,
-            cp_comm_type=layout.cp_comm_type,
-            expert_model_parallel_size=layout.expert_model_parallel_size,
-            expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
-        ),
+        reward=RewardConfig(name="boxed_exact_match", timeout_s=5.0),
+        eval=EvalConfig(every=EVAL_EVERY, temperature=1.0, samples=4,
+                        max_response_len=max(EVAL_MAX_RESPONSE_LEN, max_response_len)),
+        model=dataclasses.replace(layout.model),  # the layout's, as it is (a copy the caller may change)
         data=DataConfig(max_prompt_len=MAX_PROMPT_LEN, use_chat_template=True, dedupe=True,
                         prompt_template=JUSTRL_PROMPT_TEMPLATE),
         rollout=RolloutSampling(
@@ -247,112 +243,23 @@ def qwen3_30b_a3b(method: str = "stapo", run_dir: Optional[str] = None) -> Train
 
 
 def layout_problems(spec: QwenSpec, layout: Layout, cfg: TrainerConfig) -> List[str]:
-    """Why ``cfg`` cannot run on ``layout`` (empty when it can): divisibility of heads, layers,
-    experts, GPUs and batches over TP/PP/CP/EP/DP, the node topology, the CP token budget, vLLM
-    groups, and the memory estimate."""
-    tp, pp = cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size
-    cp = cfg.model.context_parallel_size
-    world = layout.world_size
-    problems = _head_problems(spec, cfg)
-    if spec.num_layers % pp:
-        problems.append(f"num_layers {spec.num_layers} is not divisible by pipeline_model_parallel_size {pp}")
-    if world % (tp * pp * cp):
-        problems.append(f"{world} GPUs are not divisible by TP {tp} x PP {pp} x CP {cp}")
-        return problems
-    if tp > layout.gpus_per_node or layout.gpus_per_node % tp:
-        problems.append(f"TP {tp} must divide the {layout.gpus_per_node} GPUs of a node")
-    elif layout.gpus_per_node % (tp * cp) and (tp * cp) % layout.gpus_per_node:
-        problems.append(f"TP {tp} x CP {cp} must divide the {layout.gpus_per_node} GPUs of a node or span whole "
-                        f"nodes (Megatron places TP, then CP ranks next to each other)")
-    problems += _batch_problems(cfg, world // (tp * pp * cp)) + _moe_problems(spec, layout, cfg)
-    if cfg.model.sequence_parallel and tp == 1:
-        problems.append("sequence_parallel needs tensor_model_parallel_size > 1")
+    """Why ``cfg`` cannot run on ``layout``'s cluster (empty when it can): the one validator's
+    problems (`stapo_megatron.config.layout.layout_problems`: heads, layers, experts, GPUs and
+    batches over TP/PP/CP/EP/DP, the node topology, the CP token budget, vLLM groups), then the
+    memory estimate of ``layout``."""
+    problems = check_layout(cfg, layout.cluster, spec)
+    if layout.world_size % (layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size
+                            * layout.context_parallel_size):
+        return problems  # named by the validator; there is no estimate for a layout that does not split the GPUs
     estimate = memory_estimate(spec, layout)  # layout_for: with the reference model if kl_coef > 0
     if estimate.total >= GPU_MEMORY_BYTES:
         problems.append(f"estimated {estimate.total / GB:.1f} GB per GPU exceeds {GPU_MEMORY_BYTES / GB:.0f} GB: {estimate.as_gb()}")
     return problems
 
 
-def _head_problems(spec: QwenSpec, cfg: TrainerConfig) -> List[str]:
-    """Heads and KV heads over Megatron's TP (x CP for the all-to-all CP exchanges) and vLLM's TP."""
-    tp, cp, vtp = cfg.model.tensor_model_parallel_size, cfg.model.context_parallel_size, cfg.rollout.tensor_parallel_size
-    # "a2a" CP scatters heads over the CP ranks (Ulysses), so heads must split over TP x CP
-    split = tp * cp if cfg.model.cp_comm_type.startswith("a2a") else tp
-    what = f"TP {tp} x CP {cp} (cp_comm_type {cfg.model.cp_comm_type!r})" if split != tp else \
-        f"tensor_model_parallel_size {tp}"
-    problems = [f"{name} {count} is not divisible by {what}"
-                for name, count in (("num_attention_heads", spec.num_attention_heads),
-                                    ("num_query_groups", spec.num_query_groups)) if count % split]
-    if tp % vtp:
-        problems.append(f"vLLM TP {vtp} must divide Megatron TP {tp} (an engine must not span two DP ranks)")
-    if spec.num_query_groups % vtp:
-        problems.append(f"num_query_groups {spec.num_query_groups} is not divisible by vLLM TP {vtp}")
-    return problems
-
-
-def _batch_problems(cfg: TrainerConfig, dp: int) -> List[str]:
-    """Prompts and sequences over DP (which excludes CP: the CP ranks of a DP rank share its
-    sequences), and the per-rank token budget against the longest sequence."""
-    problems = []
-    if cfg.prompts_per_step % cfg.minibatch_prompts:
-        problems.append(f"prompts_per_step {cfg.prompts_per_step} is not divisible by minibatch_prompts {cfg.minibatch_prompts}")
-    if cfg.minibatch_prompts % dp:
-        problems.append(f"minibatch_prompts {cfg.minibatch_prompts} is not divisible by DP {dp}")
-    mini_sequences = cfg.minibatch_prompts * cfg.rollout.group_size
-    if mini_sequences % (dp * cfg.micro_batch_size):
-        problems.append(f"{mini_sequences} sequences per mini-batch are not divisible by DP {dp} x micro_batch_size {cfg.micro_batch_size}")
-    cp = cfg.model.context_parallel_size
-    if cp > 1 and cfg.packing == "padded":
-        problems.append(f"packing 'padded' does not support context_parallel_size {cp}: use packing=budget")
-    longest = cfg.data.max_prompt_len + cfg.rollout.max_response_len
-    if cfg.packing == "budget" and cfg.max_tokens_per_microbatch < rank_tokens(longest, cp):
-        problems.append(f"max_tokens_per_microbatch {cfg.max_tokens_per_microbatch} < the {rank_tokens(longest, cp)} "
-                        f"tokens one CP rank holds of the longest sequence ({longest} tokens over CP {cp}, in "
-                        f"2 x CP chunks)")
-    return problems
-
-
-def _moe_problems(spec: QwenSpec, layout: Layout, cfg: TrainerConfig) -> List[str]:
-    """Experts over EP, expert widths over ETP, and the expert groups over the GPUs."""
-    ep, etp = cfg.model.expert_model_parallel_size, cfg.model.expert_tensor_parallel_size
-    if not spec.is_moe:
-        return [] if ep == 1 and etp in (None, 1) else [
-            f"expert_model_parallel_size {ep} / expert_tensor_parallel_size {etp} need an MoE model "
-            f"({spec.architecture} has no experts)"]
-    etp = etp or cfg.model.tensor_model_parallel_size
-    pp = cfg.model.pipeline_model_parallel_size
-    problems = []
-    if spec.num_moe_experts % ep:
-        problems.append(f"num_moe_experts {spec.num_moe_experts} is not divisible by expert_model_parallel_size {ep}")
-    if spec.moe_ffn_hidden_size % etp:
-        problems.append(f"moe_ffn_hidden_size {spec.moe_ffn_hidden_size} is not divisible by "
-                        f"expert_tensor_parallel_size {etp}")
-    if layout.world_size % (etp * ep * pp):
-        problems.append(f"{layout.world_size} GPUs are not divisible by ETP {etp} x EP {ep} x PP {pp} "
-                        f"(Megatron's expert groups)")
-    return problems
-
-
 def layout_for(size: str, cfg: TrainerConfig) -> Layout:
-    """The size's `Layout` with the parallel settings of ``cfg`` (after overrides)."""
-    return dataclasses.replace(
-        LAYOUTS[size],
-        tensor_model_parallel_size=cfg.model.tensor_model_parallel_size,
-        pipeline_model_parallel_size=cfg.model.pipeline_model_parallel_size,
-        context_parallel_size=cfg.model.context_parallel_size,
-        cp_comm_type=cfg.model.cp_comm_type,
-        expert_model_parallel_size=cfg.model.expert_model_parallel_size,
-        expert_tensor_parallel_size=cfg.model.expert_tensor_parallel_size,
-        vllm_tensor_parallel_size=cfg.rollout.tensor_parallel_size,
-        vllm_gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-        micro_batch_size=cfg.micro_batch_size,
-        sequence_parallel=cfg.model.sequence_parallel,
-        recompute_granularity=cfg.model.recompute_granularity,
-        recompute_method=cfg.model.recompute_method,
-        recompute_num_layers=cfg.model.recompute_num_layers,
-        reference_model=cfg.loss.kl_coef > 0,
-        seq_len=cfg.data.max_prompt_len + cfg.rollout.max_response_len,
-    )
+    """The `Layout` of ``cfg`` (after overrides) on the size's cluster (`memory.Layout.of`)."""
+    return Layout.of(cfg, LAYOUTS[size].cluster)
 
 
 def check_paper_config(size: str, cfg: TrainerConfig, num_nodes: Optional[int] = None,
@@ -362,9 +269,8 @@ def check_paper_config(size: str, cfg: TrainerConfig, num_nodes: Optional[int] =
     Checks the layout (`layout_problems`) on ``num_nodes`` x ``gpus_per_node`` GPUs (default:
     the size's `Layout`) and, with ``check_paths``, the paths the recipe leaves to the user.
     """
-    layout = layout_for(size, cfg)
-    layout = dataclasses.replace(layout, num_nodes=num_nodes or layout.num_nodes,
-                                 gpus_per_node=gpus_per_node or layout.gpus_per_node)
+    default = LAYOUTS[size]
+    layout = Layout.of(cfg, Cluster(num_nodes or default.num_nodes, gpus_per_node or default.gpus_per_node))
     problems = layout_problems(ARCHITECTURES[size], layout, cfg)
     if check_paths:
         for field, value, what in (

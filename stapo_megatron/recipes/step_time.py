@@ -54,7 +54,7 @@ class StepTime:
 def estimate_step_time(spec, layout, cfg) -> StepTime:
     """The step time of ``cfg`` on ``layout`` (a `memory.Layout` after overrides) for ``spec``.
 
-    Evaluation (every ``eval_every`` steps) and the weight sync are not included.
+    Evaluation (every ``eval.every`` steps) and the weight sync are not included.
     """
     from stapo_megatron.recipes.memory import memory_estimate, num_active_params, num_params
 

@@ -5,7 +5,9 @@ import dataclasses
 import os
 import shutil
 
-from stapo_megatron.config import DataConfig, ModelConfig, OptimConfig, RolloutSampling, TrainerConfig, WarmStartConfig
+from stapo_megatron.config import (DataConfig, EvalConfig, ModelConfig, OptimConfig, RolloutSampling, TrainerConfig,
+                                   WarmStartConfig)
+from stapo_megatron.config.overrides import apply_overrides
 from stapo_megatron.data.tokenizer import build_char_tokenizer
 from stapo_megatron.method.config import method_loss_config
 
@@ -44,11 +46,9 @@ def tiny_demo(run_dir: str = "runs/demo", method: str = "stapo"):
         max_tokens_per_microbatch=1024,
         lr_warmup_steps=0,  # the full lr from the first RL step (the policy is warm-started)
         seed=1234,
-        eval_every=10,
         # held-out avg@4 at T = 1.0, the paper's evaluation (and its rollout temperature): greedy
         # decoding hides the stray low-probability tokens whose removal is what RL learns here
-        eval_temperature=1.0,
-        eval_samples=4,
+        eval=EvalConfig(every=10, temperature=1.0, samples=4),
         save_every=20,
         model=ModelConfig(hf_dir=f"{run_dir}/model"),
         data=DataConfig(
@@ -110,7 +110,7 @@ def worked_sum(example) -> str:
     return f"{', '.join(steps)}. \\boxed{{{total}}}"
 
 
-COMPARE_OVERRIDES = dict(steps=15, eval_every=5, save_every=0)
+COMPARE_OVERRIDES = {"steps": 15, "eval.every": 5, "save_every": 0}
 """What a run of the method comparison changes in ``tiny_demo`` (besides method and seed):
 fewer RL steps, so that 4 methods x 5 seeds fit in about an hour on 2 cores."""
 
@@ -120,12 +120,12 @@ def tiny_compare(run_dir: str = "runs/compare/run", method: str = "stapo", seed:
     the run (RL sampling, data order, the random control). `stapo_megatron.runlog.compare` launches
     exactly this through NeMo-Run. Returns (TrainerConfig, WarmStartConfig)."""
     cfg, warmstart = tiny_demo(run_dir=run_dir, method=method)
-    cfg = dataclasses.replace(cfg, seed=seed, loss=dataclasses.replace(cfg.loss, seed=seed), **COMPARE_OVERRIDES)
+    cfg = apply_overrides(cfg, {"seed": seed, "loss.seed": seed, **COMPARE_OVERRIDES})
     return cfg, warmstart
 
 
-MOE_OVERRIDES = dict(steps=6, prompts_per_step=16, minibatch_prompts=16, micro_batch_size=8, eval_every=6,
-                     eval_samples=1, save_every=0)
+MOE_OVERRIDES = {"steps": 6, "prompts_per_step": 16, "minibatch_prompts": 16, "micro_batch_size": 8,
+                 "eval.every": 6, "eval.samples": 1, "save_every": 0}
 """What ``tiny_moe_demo`` changes in ``tiny_demo``'s TrainerConfig: a few short steps (the MoE
 layers' per-expert loops and all-to-alls make every pass several times slower on the CPU) and
 one held-out evaluation at the end."""
@@ -142,9 +142,8 @@ def tiny_moe_demo(run_dir: str = "runs/demo-moe", method: str = "stapo"):
     learning curve. Returns (TrainerConfig, WarmStartConfig).
     """
     cfg, warmstart = tiny_demo(run_dir=run_dir, method=method)
-    cfg = dataclasses.replace(
-        cfg, model=dataclasses.replace(cfg.model, expert_model_parallel_size=2),
-        rollout=dataclasses.replace(cfg.rollout, engine="hf", routing_every=1), **MOE_OVERRIDES)
+    cfg = apply_overrides(cfg, {"model.expert_model_parallel_size": 2, "rollout.engine": "hf",
+                                "rollout.routing_every": 1, **MOE_OVERRIDES})
     return cfg, dataclasses.replace(warmstart, steps=120)
 
 

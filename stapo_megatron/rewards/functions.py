@@ -1,4 +1,4 @@
-"""The reward functions a run can choose (``TrainerConfig.reward``): a name of `REWARDS` or a dotted path.
+"""The reward functions a run can choose (``TrainerConfig.reward.name``): a name of `REWARDS` or a dotted path.
 
 A reward function is a picklable module-level ``(response, answer) -> (reward, status)`` that
 `stapo_megatron.rewards.scorer.RewardScorer` runs in its time-bounded worker processes; the status is

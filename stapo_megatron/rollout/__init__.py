@@ -1,6 +1,8 @@
 """Rollouts: sampling responses in the training processes and keeping the engine's weights current.
 
 - ``base``: the engine contract, `RolloutEngine` (a Protocol), and `Sample`.
+- ``spmd``: how the training ranks share one engine's samples (broadcast over the model-parallel
+  group, prompts spread over the context-parallel ranks).
 - ``registry``: `ENGINES`, engine names -> dotted paths, imported only when chosen (vLLM stays
   optional); `build_engine`, `resolve_engine`.
 - ``vllm_engine`` / ``hf_engine``: the in-process vLLM engine and the transformers engine for

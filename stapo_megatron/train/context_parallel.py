@@ -27,21 +27,13 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from stapo_megatron.config.layout import sequence_multiple  # noqa: F401  (the one definition; re-exported)
 from stapo_megatron.train.batching import MicroBatch
 
 
 CP_SEED_STRIDE = 1_000_003
 """CP rank r's part of a micro-batch seeded ``seed + r x CP_SEED_STRIDE`` (the random controls
 silence as many tokens as S2T does in the rank's chunks, drawn there)."""
-
-
-def sequence_multiple(context_parallel_size: int, tensor_parallel_size: int = 1,
-                      sequence_parallel: bool = False) -> int:
-    """What every sequence's length is padded to a multiple of: 2 x CP chunks, each rank's part
-    further split over TP by sequence parallelism (1 without CP: no padding)."""
-    if context_parallel_size == 1:
-        return 1
-    return 2 * context_parallel_size * (tensor_parallel_size if sequence_parallel else 1)
 
 
 def local_positions(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:

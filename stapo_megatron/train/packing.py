@@ -44,6 +44,7 @@ from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 
+from stapo_megatron.config.layout import PACKING_MODES
 from stapo_megatron.train.batching import NO_ROUTE, MicroBatch, pack_sequences, sequence_routes
 from stapo_megatron.train.context_parallel import split_for_context_parallel
 
@@ -219,11 +220,6 @@ def imbalance(plan: List[List[List[int]]], lengths: Sequence[int]) -> float:
     """max / mean tokens per DP rank of a plan (1.0 = perfectly balanced)."""
     per_rank = [sum(lengths[i] for mb in rank for i in mb) for rank in plan]
     return max(per_rank) / (sum(per_rank) / len(per_rank))
-
-
-PACKING_MODES = ("padded", "fixed", "budget")
-"""How a mini-batch becomes micro-batches: "padded": [N, S] rows of ``micro_batch_size``;
-"fixed" the same sequences per micro-batch, packed; "budget" packed to a token budget."""
 
 
 def rank_microbatches(

@@ -1,12 +1,13 @@
 """The parallel layout a run trains on: Megatron's process groups from `ModelConfig` (TP, PP, CP,
-EP), the checks that need the world size, the alignments a packed row needs, and how the
-context-parallel (CP) ranks of one data-parallel replica share its rollouts.
+EP), checked on the job's world size by the one validator (`stapo_megatron.config.layout`, which
+also owns the alignments a packed row needs), and how the context-parallel (CP) ranks of one
+data-parallel replica share its rollouts.
 
 Rollouts under CP: the CP ranks of a DP replica train the same sequences (each its chunks of
 them), so they need the same samples. Rather than every CP rank's engine sampling all of the
 replica's prompts (CP - 1 of them wasted), CP rank c samples the c-th 1/CP of the replica's
 prompts (with the seeds those samples have without CP;
-`stapo_megatron.rollout.base.generate_context_parallel_share`), and the parts are all-gathered
+`stapo_megatron.rollout.spmd.generate_context_parallel_share`), and the parts are all-gathered
 over the CP group: generation is spread over DP x CP, at the cost of one object all-gather of the
 samples per step. Evaluation is spread the same way (`stapo_megatron.eval.evaluator`), without
 the all-gather: each CP rank scores its share and the counts are reduced over DP x CP.
@@ -14,20 +15,20 @@ the all-gather: each CP rank scores its share and the counts are reduced over DP
 
 from __future__ import annotations
 
-import math
 from typing import List, Optional
 
 import torch.distributed as dist
 
 from stapo_megatron.config import TrainerConfig
-from stapo_megatron.rollout.base import generate_context_parallel_share
-from stapo_megatron.train.context_parallel import sequence_multiple
+from stapo_megatron.config.layout import raise_problems, row_multiple, sequence_multiple, world_problems
+from stapo_megatron.rollout.spmd import generate_context_parallel_share
 from stapo_megatron.train.parallel import Groups, init_parallel
 
 
 def init_groups(cfg: TrainerConfig, seed: int) -> Groups:
     """Initialise torch.distributed and Megatron's parallel state for ``cfg.model``'s layout,
-    then check that the CP ranks can share the replica's prompts (ValueError naming the fields)."""
+    then check the layout on the job's world size (`config.layout.world_problems`: the prompts
+    over DP and over a replica's CP ranks, the expert groups; one ValueError naming them all)."""
     m = cfg.model
     groups = init_parallel(
         m.tensor_model_parallel_size, m.pipeline_model_parallel_size, seed=seed,
@@ -35,12 +36,7 @@ def init_groups(cfg: TrainerConfig, seed: int) -> Groups:
         expert_tensor_parallel_size=m.expert_tensor_parallel_size,
         init_timeout_s=cfg.init_timeout_s, timeout_s=cfg.distributed_timeout_s,
     )
-    dp = dist.get_world_size(groups.dp)
-    per_replica = cfg.prompts_per_step // dp
-    if cfg.prompts_per_step % dp == 0 and per_replica % m.context_parallel_size:
-        raise ValueError(f"prompts_per_step {cfg.prompts_per_step} / DP {dp} = {per_replica} prompts per replica "
-                         f"must be a multiple of model.context_parallel_size {m.context_parallel_size} (its CP ranks "
-                         f"share the sampling)")
+    raise_problems(world_problems(cfg, dist.get_world_size()), f"the layout cannot run on {dist.get_world_size()} ranks")
     return groups
 
 
@@ -52,10 +48,9 @@ def seq_align(cfg: TrainerConfig) -> int:
 
 
 def seq_multiple(cfg: TrainerConfig) -> int:
-    """A padded batch's length, or a packed row's, is a multiple of this: 8, times TP under
-    sequence parallelism (it splits the sequence over TP), and whole CP chunks."""
+    """A padded batch's length, or a packed row's, is a multiple of this (`config.layout.row_multiple`)."""
     m = cfg.model
-    return math.lcm(8, m.tensor_model_parallel_size if m.sequence_parallel else 1, seq_align(cfg))
+    return row_multiple(m.context_parallel_size, m.tensor_model_parallel_size, m.sequence_parallel)
 
 
 def replica_rollout(engine, groups: Groups, prompts: List[List[int]], n: int, temperature: float, top_p: float,

@@ -46,17 +46,11 @@ class Trainer:
     """Holds the model, optimizer, rollout engine and scorer of one run; ``run()`` trains."""
 
     def __init__(self, cfg: TrainerConfig, warmstart: Optional[WarmStartConfig] = None):
-        if cfg.prompts_per_step % cfg.minibatch_prompts:
-            raise ValueError(
-                f"prompts_per_step {cfg.prompts_per_step} must be a multiple of minibatch_prompts {cfg.minibatch_prompts}"
-            )
         self.cfg, self.warmstart = cfg, warmstart
         self.seeds = Seeds(cfg.seed, warmstart.seed if warmstart else None, cfg.data.seed)
-        self.groups = layout.init_groups(cfg, self.seeds.model_init)  # TP, PP, CP, EP from cfg.model
+        self.groups = layout.init_groups(cfg, self.seeds.model_init)  # TP, PP, CP, EP from cfg.model, checked
         self.rank = dist.get_rank()
         self.dp_size, self.dp_rank = dist.get_world_size(self.groups.dp), dist.get_rank(self.groups.dp)
-        if cfg.minibatch_prompts % self.dp_size:
-            raise ValueError(f"minibatch_prompts {cfg.minibatch_prompts} must divide over DP size {self.dp_size}")
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
         self.hf_config = load_hf_config(cfg.model.hf_dir)
         (self.train_ids, self.train_ex), self.held_out = load_prompts(cfg, self.tokenizer)
@@ -102,7 +96,7 @@ class Trainer:
     def _start_services(self) -> None:
         """The reward scorer, the rollout engine and the evaluator that samples with it."""
         r = self.cfg.rollout
-        reward = get_reward(self.cfg.reward)  # before the engine: a bad name fails fast
+        reward = get_reward(self.cfg.reward.name)  # before the engine: a bad name fails fast
         self.routing = routing.RoutingMonitor(self)  # MoE: the engine records its routes for it
         self.engine = build_engine(r.engine, self.cfg.model.hf_dir, r.engine_config(
             max_model_len=pad_to(self.cfg.data.max_prompt_len + max(r.max_response_len, eval_max_len(self.cfg))),
@@ -113,7 +107,7 @@ class Trainer:
             # asleep, the weights are dropped (wake_and_sync rewrites them); run() syncs before any generate
             sleep_level=2, load_format="dummy", enforce_eager=r.enforce_eager,
         ))
-        self.scorer = RewardScorer(num_workers=self.cfg.reward_workers, timeout_s=self.cfg.reward_timeout_s,
+        self.scorer = RewardScorer(num_workers=self.cfg.reward.workers, timeout_s=self.cfg.reward.timeout_s,
                                    score_fn=reward.score_fn, failure_reward=reward.failure_reward)
         self.evaluator = Evaluator(self.cfg, self.held_out, self.eval_sets, self.engine, self.scorer, self.groups,
                                    self.seeds.evaluation, self.logger)

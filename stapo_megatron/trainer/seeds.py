@@ -20,7 +20,7 @@ Which stream seeds what (``seed`` = ``TrainerConfig.seed``, k = the training ste
                                                                                (rollout engines)
     evaluation                  seed + 7                                       every evaluation: the held-out
                                                                                set and each named set and
-                                                                               decoding (eval_sets)
+                                                                               decoding (eval.sets)
     microbatches(k, s, dp)      k x 100_003 + s + dp x 10_007 (+ position)     the micro-batch seeds of the
                                                                                mini-batch starting at
                                                                                sequence s of DP rank dp
