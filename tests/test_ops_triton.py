@@ -251,6 +251,7 @@ def test_kernels_compile_for_h100_with_vector_loads(flags):
     # constexpr switch (FINALIZE / ENTROPY_GRAD and HAS_PADDING) at once.
     common = dict(logits_ptr="*bf16", row_stride="i32", target_ptr="*i64")
     stats_sig = dict(common, out0_ptr="*fp32", out1_ptr="*fp32", out2_ptr="*fp32", out3_ptr="*fp32",
+                     out4_ptr="*fp32",
                      vocab_local="i32", num_real="i32", vocab_start="i32", inv_temp="fp32",
                      FINALIZE="constexpr", HAS_PADDING="constexpr", BLOCK_V="constexpr")
     grad_sig = dict(logits_ptr="*bf16", row_stride="i32", grad_ptr="*bf16", grad_row_stride="i32",
