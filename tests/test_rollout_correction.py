@@ -231,7 +231,8 @@ def test_inspector_records_both_probabilities(tmp_path):
             (8, math.log(1e-3), 0.2, 0.5, math.nan, 0.0)]
     summary = summarize_silenced(rows, str)
     assert summary[0] == dict(token="7", count=2, p_mean=pytest.approx(2e-3), p_rollout_mean=pytest.approx(3.5e-3),
-                              entropy_mean=pytest.approx(0.2), advantage_mean=1.0, flagged=1)
+                              entropy_mean=pytest.approx(0.2), advantage_mean=1.0, flagged=1,
+                              grad_norm_mean=None)
     assert summary[1]["p_rollout_mean"] is None  # no sampler log-probs
     logger = RunLogger(str(tmp_path), tensorboard=False)
     logger.log_silenced(1, rows, str)
