@@ -13,7 +13,8 @@ process so that the shared machine's load hits them alike:
 Logits as in bench_logprob_entropy.py (N tokens x the Qwen vocabulary 151936, randn * 2, TP = 1;
 N = 1024 by default to fit a shared machine's memory). Each round runs the three in a rotated
 order; per round the ratios default/before and collision/before; reported: the median ratio over
-rounds and its 10th-90th percentile spread, per dtype. Run under jemalloc, as `make bench` does:
+rounds, a distribution-free 95% interval of that median, and the rounds' 10th-90th percentile
+spread, per dtype. default/before is an A/A control (the same computation): it shows the noise. Run under jemalloc, as `make bench` does:
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 \\
     MALLOC_CONF="retain:true,dirty_decay_ms:-1,muzzy_decay_ms:-1" \\
@@ -85,7 +86,10 @@ def measure(dtype, num_tokens: int, rounds: int, baseline_rev: str):
     for name in ("default", "collision"):
         ratios = sorted(t / b for t, b in zip(times[name], times["before"]))
         deciles = statistics.quantiles(ratios, n=10)
-        out[f"{name}_vs_before"] = dict(median=statistics.median(ratios), p10=deciles[0], p90=deciles[-1])
+        # distribution-free 95% interval of the median: order statistics n/2 -+ 0.98 sqrt(n)
+        k = max(0, int(len(ratios) / 2 - 0.98 * len(ratios) ** 0.5))
+        out[f"{name}_vs_before"] = dict(median=statistics.median(ratios), median_ci95=[ratios[k], ratios[-1 - k]],
+                                        p10=deciles[0], p90=deciles[-1])
     return out
 
 
