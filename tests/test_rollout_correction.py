@@ -197,9 +197,9 @@ def test_overlap_of_silenced_and_flagged_tokens_in_the_loss_metrics():
     assert sums["num_flagged"] == flagged.sum().item()
     assert sums["num_silenced_flagged"] == (silenced & flagged).sum().item()
     assert sums["num_candidates_flagged"] == (candidates & flagged).sum().item()
-    # the inspector's rows: (label, log p, H, A, log p_rollout, flagged) per silenced token
+    # the inspector's rows: (label, log p, H, A, log p_rollout, flagged, grad norm) per silenced token
     rows = metrics["silenced_tokens"]
-    assert rows.shape == (silenced.sum().item(), 6)
+    assert rows.shape == (silenced.sum().item(), 7)
     torch.testing.assert_close(rows[:, 4], batch.rollout_logprob[silenced])
     assert rows[:, 5].tolist() == flagged[silenced].float().tolist()
 
