@@ -146,6 +146,35 @@ def test_kernels_match_torch_path(interpreter, device, dtype, temperature, vocab
     _run(device, interpreter, check_matches_torch_path, dtype, temperature, vocab_size, entropy_grad, inplace)
 
 
+def check_collision_matches_torch_path(device, dtype, temperature, vocab_size):
+    """sum_v p_v^2 (TP = 1: the kernel finishes the row) equals the torch path's, and asking for it
+    changes neither log p, H nor the gradient."""
+    _kernels(device)
+    logits, target, upstream = _inputs(dtype, 300, vocab_size)
+    logits, target, upstream = logits.to(device), target.to(device), upstream.to(device)
+    outs = {}
+    for impl in ("triton", "torch"):
+        x = logits.clone().requires_grad_()
+        lp, h, collision = vocab_parallel_logprob_entropy(
+            x, target, impl=impl, temperature=temperature, vocab_size=vocab_size, with_collision=True)
+        (lp * upstream[0]).sum().backward()
+        outs[impl] = lp.detach(), h, collision, x.grad
+    lp, h, grad, _ = _fwd_bwd(logits, target, upstream, "triton", False, False, temperature=temperature,
+                              vocab_size=vocab_size)
+    assert torch.equal(lp, outs["triton"][0]) and torch.equal(h, outs["triton"][1])
+    assert torch.equal(grad, outs["triton"][3])
+    torch.testing.assert_close(outs["triton"][2], outs["torch"][2], atol=VALUE_TOL, rtol=0)
+    probs = torch.softmax(logits[:, :vocab_size].cpu().double() / temperature, -1)
+    torch.testing.assert_close(outs["triton"][2].cpu().double(), probs.square().sum(-1), atol=VALUE_TOL, rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("temperature,vocab_size", [(1.0, 300), (0.7, 257)])
+def test_collision_matches_torch_path(interpreter, device, dtype, temperature, vocab_size):
+    _run(device, interpreter, check_collision_matches_torch_path, dtype, temperature, vocab_size)
+
+
 def check_no_grad_and_edge_shapes(device):
     _kernels(device)
     logits, target, _ = _inputs(torch.bfloat16, 300, 300, num_rows=5)
@@ -198,6 +227,12 @@ def _tp_worker(device, dtype, entropy_grad):
             tp_group=dist.group.WORLD, vocab_size=vocab_size,
         )
         out[impl] = (lp.cpu(), h.cpu(), grad.cpu(), len(calls))
+        calls.clear()
+        with torch.no_grad():  # the collision sum rides the same two collectives
+            *_, collision = vocab_parallel_logprob_entropy(
+                shard, target.to(device), tp_group=dist.group.WORLD, vocab_size=vocab_size, impl=impl,
+                with_collision=True)
+        out[impl] += (collision.cpu(), len(calls))
     dist.all_reduce = all_reduce
     return out, logits, target, upstream
 
@@ -209,7 +244,12 @@ def test_tp2_kernels_match_torch_path_and_full_vocabulary(device, dtype, entropy
     (out0, logits, target, upstream), (out1, _, _, _) = run_distributed(2, _tp_worker, device, dtype, entropy_grad)
     for impl in ("triton", "torch"):
         assert out0[impl][3] == out1[impl][3] == 2, f"{impl}: exactly 2 collectives (MAX, packed SUM)"
+        assert out0[impl][5] == out1[impl][5] == 2, f"{impl}: sum p^2 needs no collective of its own"
     x, ref_lp, ref_h = _reference(logits, target, 1.0, 290)
+    collision = torch.softmax(logits[:, :290].double(), -1).square().sum(-1)
+    for impl in ("triton", "torch"):
+        for out in (out0, out1):
+            torch.testing.assert_close(out[impl][4].double(), collision, atol=VALUE_TOL, rtol=0)
     ((ref_lp * upstream[0].double()).sum() + (ref_h * upstream[1].double()).sum() * entropy_grad).backward()
     for impl in ("triton", "torch"):
         for out in (out0, out1):  # every rank holds the full-vocabulary values
@@ -251,6 +291,7 @@ def test_kernels_compile_for_h100_with_vector_loads(flags):
     # constexpr switch (FINALIZE / ENTROPY_GRAD and HAS_PADDING) at once.
     common = dict(logits_ptr="*bf16", row_stride="i32", target_ptr="*i64")
     stats_sig = dict(common, out0_ptr="*fp32", out1_ptr="*fp32", out2_ptr="*fp32", out3_ptr="*fp32",
+                     out4_ptr="*fp32",
                      vocab_local="i32", num_real="i32", vocab_start="i32", inv_temp="fp32",
                      FINALIZE="constexpr", HAS_PADDING="constexpr", BLOCK_V="constexpr")
     grad_sig = dict(logits_ptr="*bf16", row_stride="i32", grad_ptr="*bf16", grad_row_stride="i32",

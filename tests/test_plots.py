@@ -1,6 +1,7 @@
 """Tier a: ``stapo-plot`` overlays runs' metrics.jsonl curves; the run's own plot follows evals."""
 
 import json
+import math
 
 import pytest
 
@@ -65,3 +66,49 @@ def test_run_plot_is_redrawn_at_every_eval(tmp_path):
     logger.log({"kind": "train", "step": 2, "reward_mean": 0.4})
     logger.log({"kind": "eval", "step": 2, "eval_accuracy": 0.6})
     assert (tmp_path / "metrics.png").read_bytes() != first
+
+
+def _grad_norm_run(path):
+    """One train step with a gradient grid (two occupied cells) and two silenced tokens."""
+    from stapo_megatron.train import logit_grad
+
+    num_h = logit_grad.GRID_ENTROPY[2]
+    sums, counts = [0.0] * logit_grad.GRID_CELLS, [0.0] * logit_grad.GRID_CELLS
+    sums[0 * num_h + 1], counts[0 * num_h + 1] = 8.0, 2.0  # log10 p < -4.5, H in [0.5, 1): RMS 2
+    sums[9 * num_h + 1], counts[9 * num_h + 1] = 0.01, 4.0  # log10 p > -0.5, same H: RMS 0.05
+    path.mkdir()
+    row = dict(kind="train", step=3, silenced_fraction=0.01, grad_share_silenced=0.5,
+               grad_norm_grid_sq_sum=sums, grad_norm_grid_count=counts)
+    (path / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+    logger = RunLogger(str(path), tensorboard=False)
+    logger.log_silenced(3, [(7, -9.0, 0.7, 1.0, float("nan"), 0.0, 2.5), (8, -8.0, 0.6, 1.0, float("nan"), 0.0, 1.5)],
+                        str)
+    return str(path)
+
+
+def test_grad_norm_figure_draws_the_grid_marginals_and_the_silenced_tokens(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    run = _grad_norm_run(tmp_path / "run")
+    drawn = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, out, **kw: drawn.append(
+        [([list(line.get_ydata()) for line in ax.lines], [c.get_offsets().tolist() for c in ax.collections[:1]])
+         for ax in fig.axes]))
+    main([run, "--grad-norm", "3", "--out", str(tmp_path / "g.png")])
+    (_, _), (p_lines, p_points), (h_lines, h_points) = drawn[0][:3]
+    p_rms = p_lines[0]
+    assert p_rms[0] == pytest.approx(2.0) and p_rms[-1] == pytest.approx(0.05)
+    assert all(v != v for v in p_rms[1:-1]), "empty probability bins are NaN, not 0"
+    assert h_lines[0][1] == pytest.approx((8.01 / 6) ** 0.5)  # both cells share the H bin
+    assert [v for pt in sorted(p_points[0]) for v in pt] == pytest.approx(
+        [-9.0 / math.log(10), 2.5, -8.0 / math.log(10), 1.5])
+    assert sorted(h_points[0]) == [[0.6, 1.5], [0.7, 2.5]]
+
+
+def test_grad_norm_figure_refuses_runs_without_the_grid(tmp_path, capsys):
+    run = _run(tmp_path / "old", [0.1], [])
+    with pytest.raises(SystemExit):
+        main([run, "--grad-norm", "last", "--out", str(tmp_path / "g.png")])
+    assert "no train row with grad_norm_grid_count" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([run, "--grad-norm", "x", "--out", str(tmp_path / "g.png")])

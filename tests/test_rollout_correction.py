@@ -197,9 +197,9 @@ def test_overlap_of_silenced_and_flagged_tokens_in_the_loss_metrics():
     assert sums["num_flagged"] == flagged.sum().item()
     assert sums["num_silenced_flagged"] == (silenced & flagged).sum().item()
     assert sums["num_candidates_flagged"] == (candidates & flagged).sum().item()
-    # the inspector's rows: (label, log p, H, A, log p_rollout, flagged) per silenced token
+    # the inspector's rows: (label, log p, H, A, log p_rollout, flagged, grad norm) per silenced token
     rows = metrics["silenced_tokens"]
-    assert rows.shape == (silenced.sum().item(), 6)
+    assert rows.shape == (silenced.sum().item(), 7)
     torch.testing.assert_close(rows[:, 4], batch.rollout_logprob[silenced])
     assert rows[:, 5].tolist() == flagged[silenced].float().tolist()
 
@@ -231,7 +231,8 @@ def test_inspector_records_both_probabilities(tmp_path):
             (8, math.log(1e-3), 0.2, 0.5, math.nan, 0.0)]
     summary = summarize_silenced(rows, str)
     assert summary[0] == dict(token="7", count=2, p_mean=pytest.approx(2e-3), p_rollout_mean=pytest.approx(3.5e-3),
-                              entropy_mean=pytest.approx(0.2), advantage_mean=1.0, flagged=1)
+                              entropy_mean=pytest.approx(0.2), advantage_mean=1.0, flagged=1,
+                              grad_norm_mean=None)
     assert summary[1]["p_rollout_mean"] is None  # no sampler log-probs
     logger = RunLogger(str(tmp_path), tensorboard=False)
     logger.log_silenced(1, rows, str)

@@ -99,7 +99,8 @@ def test_wandb_offline_run_is_written_and_resumed_under_the_same_id(tmp_path, mo
     assert table["data"] == [[s["prompt"], s["response"], s["answer"], s["reward"]] for s in SAMPLES[:2]]
     silenced = [h for h in history[0] if "eval/silenced_tokens/path" in h]
     with open(os.path.join(runs[0], "files", silenced[0]["eval/silenced_tokens/path"])) as f:
-        assert json.load(f)["data"] == [["<5>", 1, pytest.approx(2.718281828 ** -7), None, 0.2, 1.0, 0]]
+        # the last column: grad_norm_mean (None: the logged rows carry no gradient norm)
+        assert json.load(f)["data"] == [["<5>", 1, pytest.approx(2.718281828 ** -7), None, 0.2, 1.0, 0, None]]
 
 
 def test_mlflow_file_store_is_written_and_resumed_under_the_same_run(tmp_path):

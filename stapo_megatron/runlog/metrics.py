@@ -6,8 +6,9 @@ step (``kind: "train"``) and a row per held-out evaluation (``kind: "eval"``, wi
 ``eval_accuracy``). ``silenced_tokens.jsonl`` has, per step, the tokens S2T silenced decoded to
 text with their count, mean p (the trainer's), p_rollout (the sampler's), H and A and how many
 were mismatch-flagged, most frequent first (the paper's word-cloud finding -- digits and math
-symbols -- is checkable on real runs), and each silenced token's two probabilities
-(``per_token``: token, p, p_rollout, flagged; ``stapo_megatron.method.rollout_correction``). ``samples.jsonl`` has, per eval, the
+symbols -- is checkable on real runs), and each silenced token's two probabilities, entropy and
+logit-gradient norm before silencing (``per_token``: token, p, p_rollout, flagged, entropy,
+grad_norm; ``stapo_megatron.method.rollout_correction``, ``stapo_megatron.train.logit_grad``). ``samples.jsonl`` has, per eval, the
 first held-out generations (prompt, response, answer, reward). ``metrics.png`` is redrawn at
 every eval (``stapo_megatron.runlog.plots``).
 """
@@ -28,7 +29,8 @@ from stapo_megatron.runlog.tracking import open_trackers
 SAMPLE_COLUMNS = ("prompt", "response", "answer", "reward")
 """Columns of the held-out generations table logged at every eval."""
 
-SILENCED_COLUMNS = ("token", "count", "p_mean", "p_rollout_mean", "entropy_mean", "advantage_mean", "flagged")
+SILENCED_COLUMNS = ("token", "count", "p_mean", "p_rollout_mean", "entropy_mean", "advantage_mean", "flagged",
+                    "grad_norm_mean")
 """Columns of the silenced-tokens table (the inspector's summary of the last training step)."""
 
 LOG_FILES = ("metrics.jsonl", "silenced_tokens.jsonl", "samples.jsonl")
@@ -81,8 +83,9 @@ class RunLogger:
             plot_run(self.run_dir)
 
     def log_silenced(self, step: int, rows: Sequence[Sequence[float]], decode) -> None:
-        """rows: (label id, log p, H, A[, log p_rollout, flagged]) of every silenced token of the
-        step (log p_rollout NaN or absent: the batch had no sampler log-probs)."""
+        """rows: (label id, log p, H, A[, log p_rollout, flagged[, grad_norm]]) of every silenced
+        token of the step (log p_rollout NaN or absent: the batch had no sampler log-probs;
+        grad_norm: ||d l_t / d logits|| before silencing, ``train.logit_grad``)."""
         if not self.enabled:
             return
         self._last_silenced = summarize_silenced(rows, decode)
@@ -147,22 +150,26 @@ def truncate_jsonl(path: str, step: int) -> int:
 
 
 def _columns(row: Sequence[float]):
-    """(token id, p, p_rollout or None, H, A, flagged) of one silenced-token row."""
+    """(token id, p, p_rollout or None, H, A, flagged, grad_norm or None) of one silenced-token row."""
     token_id, logprob, entropy, adv, *rest = row
     rollout_lp = rest[0] if rest else math.nan
     p_rollout = None if math.isnan(rollout_lp) else math.exp(rollout_lp)
-    return int(token_id), math.exp(logprob), p_rollout, entropy, adv, bool(rest[1]) if len(rest) > 1 else False
+    flagged = bool(rest[1]) if len(rest) > 1 else False
+    grad_norm = rest[2] if len(rest) > 2 else None
+    return int(token_id), math.exp(logprob), p_rollout, entropy, adv, flagged, grad_norm
 
 
 def _token_record(row: Sequence[float], decode) -> Dict:
-    """One silenced token: its text, both probabilities, whether it is mismatch-flagged."""
-    token_id, p, p_rollout, _, _, flagged = _columns(row)
-    return dict(token=decode(token_id), p=p, p_rollout=p_rollout, flagged=flagged)
+    """One silenced token: its text, both probabilities, whether it is mismatch-flagged, its
+    entropy and its logit-gradient norm before silencing (None in rows that lack it)."""
+    token_id, p, p_rollout, entropy, _, flagged, grad_norm = _columns(row)
+    return dict(token=decode(token_id), p=p, p_rollout=p_rollout, flagged=flagged, entropy=entropy,
+                grad_norm=grad_norm)
 
 
 def summarize_silenced(rows: Iterable[Sequence[float]], decode) -> List[Dict]:
-    """Group silenced tokens by decoded text: count, mean p, p_rollout, H, A and the number
-    mismatch-flagged; most frequent first."""
+    """Group silenced tokens by decoded text: count, mean p, p_rollout, H, A, the number
+    mismatch-flagged and the mean logit-gradient norm; most frequent first."""
     groups: Dict[str, List] = collections.defaultdict(list)
     for row in rows:
         token_id, *values = _columns(row)
@@ -171,6 +178,7 @@ def summarize_silenced(rows: Iterable[Sequence[float]], decode) -> List[Dict]:
     for text, values in groups.items():
         n = len(values)
         rollout_ps = [v[1] for v in values if v[1] is not None]
+        norms = [v[5] for v in values if v[5] is not None]
         out.append(
             dict(
                 token=text,
@@ -180,6 +188,7 @@ def summarize_silenced(rows: Iterable[Sequence[float]], decode) -> List[Dict]:
                 entropy_mean=sum(v[2] for v in values) / n,
                 advantage_mean=sum(v[3] for v in values) / n,
                 flagged=sum(v[4] for v in values),
+                grad_norm_mean=sum(norms) / len(norms) if norms else None,
             )
         )
     return sorted(out, key=lambda d: (-d["count"], d["token"]))

@@ -6,7 +6,8 @@
   packed rows over context-parallel ranks (2 x CP chunks) and the K/V all-gather.
 - ``schedule``: the one micro-batch runner on Megatron's schedules; `PassContext`; the no-grad
   log-prob pass and `old_policy_pass`, which fills each micro-batch's pi_old log-probs.
-- ``loss`` / ``loss_metrics``: the STAPO loss in Megatron's schedule and its reduced metrics.
+- ``loss`` / ``loss_metrics``: the STAPO loss in Megatron's schedule and its reduced metrics;
+  ``logit_grad``: each token's logit-gradient norm and the step's shares of it (the paper's claim).
 - ``step``: DDP, the optimizer and one policy update (threshold, forward/backward, step).
 - ``reference``: GRPO's frozen reference model; ``sft``: the supervised warm-start step.
 - ``parallel``, ``checkpoint``, ``cpu_compat``: process groups, checkpoints, CPU shims.

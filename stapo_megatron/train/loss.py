@@ -57,6 +57,7 @@ from stapo_megatron.method.registry import get_method
 from stapo_megatron.method import rollout_correction as rc
 from stapo_megatron.train.batching import MicroBatch
 from stapo_megatron.train.context_parallel import cp_sum
+from stapo_megatron.train import logit_grad
 from stapo_megatron.train.loss_metrics import metric_sums
 from stapo_megatron.train.ops import vocab_parallel_logprob_entropy
 from stapo_megatron.train.packing import sequence_ids
@@ -110,8 +111,9 @@ def loss_func(
     GRPO's sequence mean and the ``seq_mask`` correction add their per-sequence statistics over it.
     """
     _check_cp_group(batch, cp_group)
-    logprob, entropy = vocab_parallel_logprob_entropy(
-        logits, batch.labels, tp_group=tp_group, temperature=config.temperature, vocab_size=vocab_size
+    logprob, entropy, collision = vocab_parallel_logprob_entropy(
+        logits, batch.labels, tp_group=tp_group, temperature=config.temperature, vocab_size=vocab_size,
+        with_collision=True,
     )
     response_mask = batch.response_mask.bool()
     advantages = batch.advantages.float()
@@ -152,16 +154,23 @@ def loss_func(
     sums = metric_sums(loss_sum, num_kept, logprob, old_logprob, entropy, response_mask, silenced, candidates,
                        is_clipped, normaliser, flagged=flagged, rejected=rejected, is_weight=is_weight,
                        tis_cap=config.rollout_correction.tis_cap)
-    # The spurious-token inspector's raw material: (label id, log p, H, A, log p_rollout, flagged)
-    # of silenced tokens (log p_rollout is NaN when the batch has no sampler log-probs).
+    # the paper's gradient claim: each token's logit-gradient norm before silencing (train/logit_grad.py)
+    coef = logit_grad.logprob_coefficient(
+        logprob.detach(), old_logprob, advantages, config.clip_ratio_low, config.clip_ratio_high,
+        config.clip_ratio_c, is_weight, batch.ref_logprob, config.kl_coef)
+    grad_sq = logit_grad.logit_grad_sq_norm(coef, logprob.detach(), collision, config.temperature)
+    grad_sums = logit_grad.grad_norm_sums(grad_sq, logprob, entropy, trained_mask, candidates, silenced)
+    # The spurious-token inspector's raw material: (label id, log p, H, A, log p_rollout, flagged,
+    # ||d l_t / d logits||) of silenced tokens (log p_rollout is NaN without sampler log-probs).
     rollout_lp = (torch.full_like(logprob, float("nan")) if batch.rollout_logprob is None
                   else batch.rollout_logprob.float())
     silenced_tokens = torch.stack(
         [batch.labels[silenced].float(), logprob.detach()[silenced], entropy[silenced], advantages[silenced],
-         rollout_lp[silenced], flagged[silenced].float()],
+         rollout_lp[silenced], flagged[silenced].float(), grad_sq[silenced].sqrt()],
         dim=-1,
     )
-    return loss_sum, normaliser.to(torch.int), {"stapo_sums": sums, "silenced_tokens": silenced_tokens}
+    return loss_sum, normaliser.to(torch.int), {"stapo_sums": sums, "grad_norm_sums": grad_sums,
+                                                "silenced_tokens": silenced_tokens}
 
 
 def make_forward_step(

@@ -15,6 +15,7 @@ from typing import Dict, Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from stapo_megatron.train import logit_grad
 from stapo_megatron.train.parallel import collective_device
 
 # Per-micro-batch sums reported by the loss function, reduced over micro-batches and DP ranks.
@@ -91,21 +92,27 @@ def reduce_metrics(
 ) -> Dict[str, float]:
     """Step metrics from the per-micro-batch sums: summed over micro-batches and DP ranks,
     then broadcast from the last pipeline stage (global rank ``pp_last_rank``) over
-    ``pp_group`` so every rank can log them. Collective over both groups.
+    ``pp_group`` so every rank can log them. Collective over both groups. The gradient-norm
+    sums (``train.logit_grad``) travel in the same vector (``grad_norm_sums``: a list, for
+    `logit_grad.step_metrics`), so they cost no collective of their own.
     """
     # Collectives run on the backend's device (CUDA for NCCL, CPU for gloo); the per-micro-batch
     # sums live on the model's device and are moved there.
-    sums = torch.zeros(len(METRIC_SUMS) + 1, device=collective_device(dp_group if dp_group is not None else pp_group))
+    num = len(METRIC_SUMS)
+    sums = torch.zeros(num + 1 + logit_grad.SUMS_SIZE,
+                       device=collective_device(dp_group if dp_group is not None else pp_group))
     for item in losses_reduced:
-        sums[:-1] += item["stapo_sums"].to(sums.device)
-    sums[-1] = float(threshold)
+        sums[:num] += item["stapo_sums"].to(sums.device)
+        sums[num + 1:] += item["grad_norm_sums"].to(sums.device)
+    sums[num] = float(threshold)
     if dp_group is not None:
-        tau = sums[-1].clone()
+        tau = sums[num].clone()
         dist.all_reduce(sums, group=dp_group)
-        sums[-1] = tau  # identical on all DP ranks
+        sums[num] = tau  # identical on all DP ranks
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.broadcast(sums, src=pp_last_rank, group=pp_group)
-    total = dict(zip(METRIC_SUMS, sums[:-1].tolist()))
+    values = sums.tolist()
+    total = dict(zip(METRIC_SUMS, values[:num]))
     num_resp = max(total["num_response"], 1.0)
     return {
         "loss": total["loss_sum"] / max(total["loss_normaliser"], 1.0),
@@ -114,7 +121,7 @@ def reduce_metrics(
         "silenced_count": int(total["num_silenced"]),
         "silenced_fraction": total["num_silenced"] / num_resp,
         "candidate_count": int(total["num_candidates"]),
-        "tau_h": float(sums[-1]),
+        "tau_h": values[num],
         "entropy_mean": total["entropy_sum"] / num_resp,
         "clip_fraction": total["num_clipped"] / max(total["num_kept"], 1.0),
         "approx_kl": total["kl_sum"] / num_resp,
@@ -125,4 +132,5 @@ def reduce_metrics(
         "correction_rejected_count": int(total["num_rejected"]),
         "is_weight_sum": total["is_weight_sum"],
         "is_truncated_count": int(total["num_truncated"]),
+        "grad_norm_sums": values[num + 1:],
     }

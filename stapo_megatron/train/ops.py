@@ -7,11 +7,13 @@ layer column-parallel, rank r of the TP group holds logits for vocabulary ids
 
     step 1  local pass (one read of the shard, in cache-sized row chunks): per row the local
             max m_r, s_r = sum exp(z - m_r), w_r = sum exp(z - m_r) (z - m_r), target logit z_y
+            and, when asked (``with_collision``), q_r = sum exp(2 (z - m_r))
     step 2  all-reduce MAX of m_r                                  -> global max M
-    step 3  rescale to M and all-reduce SUM of the packed (s, w, z_y):
+    step 3  rescale to M and all-reduce SUM of the packed (s, w, z_y[, q]):
                 S = sum_r exp(m_r - M) s_r
                 W = sum_r exp(m_r - M) (w_r + (m_r - M) s_r)
-    step 4  normalise: log Z = M + log S, log p = z_y - log Z, H = log S - W / S
+                Q = sum_r exp(2 (m_r - M)) q_r
+    step 4  normalise: log Z = M + log S, log p = z_y - log Z, H = log S - W / S, sum_v p_v^2 = Q / S^2
 
 with z = logits / temperature. When a gradient is needed, step 1 also writes the softmax
 numerators exp(z - m_r) into the buffer that backward will return, so backward is one in-place
@@ -30,6 +32,14 @@ whose backward reads the logits once and writes the gradient once. Both take two
 change the backward: ``entropy_grad`` (a gradient also flows into H, dH/dz = -p (log p + H)) and
 ``inplace_backward`` (the gradient is written over the logits); with either, the torch path
 recomputes p from the logits in backward instead of keeping the numerators.
+
+The collision probability sum_v p_v^2 (at the same temperature) is what the squared norm of a
+token's logit gradient needs: ||d log p(y) / dz||^2 = 1 - 2 p(y) + sum_v p_v^2
+(``stapo_megatron.train.loss_metrics``). It rides in the packed SUM of step 3 (a fourth row of the
+same all-reduce, so still 2 collectives), is a constant (no gradient) and changes neither the
+log-prob, the entropy nor their gradients: it is one more sum over the exp values step 1 already
+has. The Triton forward always computes it (one more FMA per element of a memory-bound pass); the
+torch path only when asked, so callers that do not need it pay nothing.
 
 Masked vocabulary entries (logits = -inf) have p = 0 and contribute 0 log 0 = 0 to H; a shard
 whose entries are all -inf contributes nothing. A row with no finite logit on any rank has no
@@ -62,8 +72,9 @@ def _rows_per_chunk(vocab_local: int, device: torch.device) -> int:
     return max(1, budget // (4 * vocab_local))
 
 
-def _local_stats(logits_NV, target_N, vocab_start, inv_temp, exp_out_NV=None):
-    """Step 1: per-row local max, sum-exp, sum exp*(z-m) and the target logit (fp32).
+def _local_stats(logits_NV, target_N, vocab_start, inv_temp, exp_out_NV=None, with_collision=False):
+    """Step 1: per-row local max, sum-exp, sum exp*(z-m), the target logit and, if
+    ``with_collision``, sum exp(2 (z-m)) (fp32; else that partial is None).
 
     If ``exp_out_NV`` is given, the numerators exp(z - m_r) are also written into it: that
     buffer becomes the returned gradient, so backward is a single in-place rescale.
@@ -71,6 +82,7 @@ def _local_stats(logits_NV, target_N, vocab_start, inv_temp, exp_out_NV=None):
     num_rows, vocab = logits_NV.shape
     fp32 = dict(dtype=torch.float32, device=logits_NV.device)
     m_N, s_N, w_N = (torch.empty(num_rows, **fp32) for _ in range(3))
+    q_N = torch.empty(num_rows, **fp32) if with_collision else None
     chunk = _rows_per_chunk(vocab, logits_NV.device)
     d_CV = torch.empty(min(chunk, num_rows), vocab, **fp32)
     e_CV = torch.empty_like(d_CV)
@@ -95,6 +107,8 @@ def _local_stats(logits_NV, target_N, vocab_start, inv_temp, exp_out_NV=None):
             exp_out_NV[start:end].copy_(e)
         m_N[start:end] = m_C.squeeze(-1).float() * inv_temp
         s_N[start:end] = e.sum(dim=-1)
+        if with_collision:  # e is still cache-resident: no second read of the shard
+            q_N[start:end] = torch.linalg.vecdot(e, e)
         w_C = torch.linalg.vecdot(e, d)
         if w_C.isnan().any():
             # Masked (-inf) entries: e = 0 but e * d = 0 * -inf. Clamped, they add 0 log 0 = 0;
@@ -105,27 +119,32 @@ def _local_stats(logits_NV, target_N, vocab_start, inv_temp, exp_out_NV=None):
     owned_N = (local_ids_N >= 0) & (local_ids_N < vocab)
     picked_N = logits_NV.gather(-1, local_ids_N.clamp(0, vocab - 1).unsqueeze(-1)).squeeze(-1)
     z_target_N = torch.where(owned_N, picked_N.float() * inv_temp, 0.0)
-    return m_N, s_N, w_N, z_target_N
+    return m_N, s_N, w_N, z_target_N, q_N
 
 
-def _reduce_stats(m_N, s_N, w_N, z_target_N, tp_group):
-    """Steps 2-3: MAX then one packed SUM over the TP group; returns global (M, S, W, z_y)."""
+def _reduce_stats(m_N, s_N, w_N, z_target_N, q_N, tp_group):
+    """Steps 2-3: MAX then one packed SUM over the TP group; returns global (M, S, W, z_y, Q),
+    Q None when ``q_N`` is (no collision sum asked for)."""
     global_m_N = m_N.clone()
     if tp_group is not None:
         dist.all_reduce(global_m_N, op=dist.ReduceOp.MAX, group=tp_group)
     shift_N = (m_N - global_m_N).clamp(min=_NEG_MAX)  # <= 0; finite when this shard is all -inf
     scale_N = shift_N.exp()
-    packed_3N = torch.stack([s_N * scale_N, scale_N * (w_N + shift_N * s_N), z_target_N])
+    rows = [s_N * scale_N, scale_N * (w_N + shift_N * s_N), z_target_N]
+    if q_N is not None:  # exp(2 shift) = scale^2; the same all-reduce, one row more
+        rows.append(q_N * scale_N.square())
+    packed_KN = torch.stack(rows)
     if tp_group is not None:
-        dist.all_reduce(packed_3N, op=dist.ReduceOp.SUM, group=tp_group)
-    return global_m_N, packed_3N[0], packed_3N[1], packed_3N[2]
+        dist.all_reduce(packed_KN, op=dist.ReduceOp.SUM, group=tp_group)
+    return global_m_N, packed_KN[0], packed_KN[1], packed_KN[2], None if q_N is None else packed_KN[3]
 
 
-def _normalise(global_m_N, sum_exp_N, sum_w_N, z_y_N):
-    """Step 4: (log Z, log p, H) from the global statistics."""
+def _normalise(global_m_N, sum_exp_N, sum_w_N, z_y_N, sum_q_N=None):
+    """Step 4: (log Z, log p, H, sum_v p_v^2 or None) from the global statistics."""
     log_sum_exp_N = sum_exp_N.log()
     log_z_N = global_m_N + log_sum_exp_N
-    return log_z_N, z_y_N - log_z_N, log_sum_exp_N - sum_w_N / sum_exp_N
+    collision_N = None if sum_q_N is None else sum_q_N / sum_exp_N.square()
+    return log_z_N, z_y_N - log_z_N, log_sum_exp_N - sum_w_N / sum_exp_N, collision_N
 
 
 def _grad_from_logits(logits_NV, out_NV, target_N, vocab_start, num_real, inv_temp, log_z_N, g_N, entropy_N, h_N):
@@ -155,12 +174,24 @@ def _grad_from_logits(logits_NV, out_NV, target_N, vocab_start, num_real, inv_te
     return out_NV
 
 
+_NO_GRADS = (None,) * 9  # for the non-tensor (and integer) inputs of the autograd functions
+
+
+def _outputs(ctx, logprob_N, entropy_N, collision_N, entropy_grad):
+    """The autograd functions' outputs: the collision sum (a placeholder when not asked for) and,
+    unless ``entropy_grad``, the entropy are constants."""
+    collision_N = logprob_N.new_empty(0) if collision_N is None else collision_N
+    ctx.mark_non_differentiable(collision_N, *(() if entropy_grad else (entropy_N,)))
+    return logprob_N, entropy_N, collision_N
+
+
 class _LogprobEntropy(torch.autograd.Function):
     """The torch path: CPU, and the reference for the Triton kernels."""
 
     @staticmethod
     def forward(
-        ctx, logits_NV, target_N, vocab_start, num_real, inv_temp, tp_group, needs_grad, entropy_grad, inplace
+        ctx, logits_NV, target_N, vocab_start, num_real, inv_temp, tp_group, needs_grad, entropy_grad, inplace,
+        with_collision,
     ):
         # With a log-prob-only gradient to come, the softmax numerators exp(z - m_r) go straight
         # into the buffer that backward returns (logits' dtype): no extra copy of the shard is
@@ -177,8 +208,9 @@ class _LogprobEntropy(torch.autograd.Function):
             if grad_NV is not None:
                 grad_NV[:, num_real:] = 0
                 exp_out_NV = grad_NV[:, :num_real]
-        m_N, s_N, w_N, z_target_N = _local_stats(real_NV, target_N, vocab_start, inv_temp, exp_out_NV)
-        log_z_N, logprob_N, entropy_N = _normalise(*_reduce_stats(m_N, s_N, w_N, z_target_N, tp_group))
+        partials = _local_stats(real_NV, target_N, vocab_start, inv_temp, exp_out_NV, with_collision)
+        log_z_N, logprob_N, entropy_N, collision_N = _normalise(*_reduce_stats(*partials, tp_group))
+        m_N = partials[0]
         if grad_NV is not None:
             # p = exp(z - m_r) * exp(m_r - log Z): the per-row factor applied in backward.
             ctx.save_for_backward(grad_NV, target_N, (m_N - log_z_N).exp(), logprob_N)
@@ -186,12 +218,10 @@ class _LogprobEntropy(torch.autograd.Function):
             ctx.save_for_backward(logits_NV, target_N, log_z_N, entropy_N)
         ctx.vocab_start, ctx.num_real, ctx.inv_temp = vocab_start, num_real, inv_temp
         ctx.recompute, ctx.entropy_grad, ctx.inplace = recompute, entropy_grad, inplace
-        if not entropy_grad:
-            ctx.mark_non_differentiable(entropy_N)
-        return logprob_N, entropy_N
+        return _outputs(ctx, logprob_N, entropy_N, collision_N, entropy_grad)
 
     @staticmethod
-    def backward(ctx, grad_logprob_N, grad_entropy_N):
+    def backward(ctx, grad_logprob_N, grad_entropy_N, _grad_collision_N):
         # d logp / d x = (onehot(y) - p) / T on the local shard; no collective (the column-
         # parallel output layer all-reduces its input gradient itself).
         if ctx.recompute:
@@ -202,7 +232,7 @@ class _LogprobEntropy(torch.autograd.Function):
                 logits_NV, out_NV, target_N, ctx.vocab_start, ctx.num_real, ctx.inv_temp,
                 log_z_N, grad_logprob_N, entropy_N, h_N,
             )
-            return grad_NV, None, None, None, None, None, None, None, None
+            return grad_NV, *_NO_GRADS
         grad_NV, target_N, row_scale_N, logprob_N = ctx.saved_tensors
         vocab = grad_NV.shape[-1]
         g_N = grad_logprob_N.float() * ctx.inv_temp
@@ -213,7 +243,7 @@ class _LogprobEntropy(torch.autograd.Function):
         rows_N = ((local_ids_N >= 0) & (local_ids_N < vocab)).nonzero().squeeze(-1)
         target_grad = g_N[rows_N] * (1.0 - logprob_N[rows_N].exp())
         grad_NV[rows_N, local_ids_N[rows_N]] = target_grad.to(grad_NV.dtype)
-        return grad_NV, None, None, None, None, None, None, None, None
+        return grad_NV, *_NO_GRADS
 
 
 class _LogprobEntropyTriton(torch.autograd.Function):
@@ -224,27 +254,28 @@ class _LogprobEntropyTriton(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, logits_NV, target_N, vocab_start, num_real, inv_temp, tp_group, needs_grad, entropy_grad, inplace
+        ctx, logits_NV, target_N, vocab_start, num_real, inv_temp, tp_group, needs_grad, entropy_grad, inplace,
+        with_collision,
     ):
         from stapo_megatron.train.kernels import logprob_entropy as kernels
 
         if tp_group is None:  # the kernel finishes the rows itself: no partials, no extra launches
-            logprob_N, entropy_N, log_z_N = kernels.shard_stats(
+            logprob_N, entropy_N, log_z_N, collision_N = kernels.shard_stats(
                 logits_NV, target_N, vocab_start, num_real, inv_temp, finalize=True
             )
         else:
             partials = kernels.shard_stats(logits_NV, target_N, vocab_start, num_real, inv_temp, finalize=False)
-            log_z_N, logprob_N, entropy_N = _normalise(*_reduce_stats(*partials, tp_group))
+            if not with_collision:  # the kernel wrote q anyway; it need not travel
+                partials = partials[:4] + (None,)
+            log_z_N, logprob_N, entropy_N, collision_N = _normalise(*_reduce_stats(*partials, tp_group))
         if needs_grad:
             ctx.save_for_backward(logits_NV, target_N, log_z_N, entropy_N)
         ctx.vocab_start, ctx.num_real, ctx.inv_temp = vocab_start, num_real, inv_temp
         ctx.entropy_grad, ctx.inplace = entropy_grad, inplace
-        if not entropy_grad:
-            ctx.mark_non_differentiable(entropy_N)
-        return logprob_N, entropy_N
+        return _outputs(ctx, logprob_N, entropy_N, collision_N if with_collision else None, entropy_grad)
 
     @staticmethod
-    def backward(ctx, grad_logprob_N, grad_entropy_N):
+    def backward(ctx, grad_logprob_N, grad_entropy_N, _grad_collision_N):
         from stapo_megatron.train.kernels import logprob_entropy as kernels
 
         logits_NV, target_N, log_z_N, entropy_N = ctx.saved_tensors
@@ -254,7 +285,7 @@ class _LogprobEntropyTriton(torch.autograd.Function):
             grad_entropy_N if ctx.entropy_grad else None,
             out_NV=logits_NV.detach() if ctx.inplace else None,
         )
-        return grad_NV, None, None, None, None, None, None, None, None
+        return grad_NV, *_NO_GRADS
 
 
 def vocab_shard(vocab_local: int, tp_group: Optional[dist.ProcessGroup], vocab_size: Optional[int]):
@@ -291,7 +322,8 @@ def vocab_parallel_logprob_entropy(
     entropy_grad: bool = False,
     inplace_backward: bool = False,
     impl: str = "auto",
-) -> Tuple[torch.Tensor, torch.Tensor]:
+    with_collision: bool = False,
+) -> Tuple[torch.Tensor, ...]:
     """Log-probability of ``target`` and full-vocabulary entropy from vocab-sharded logits.
 
     Args:
@@ -314,12 +346,16 @@ def vocab_parallel_logprob_entropy(
         impl: "triton" (the kernels of ``stapo_megatron.train.kernels.logprob_entropy``: CUDA tensors,
             or Triton's interpreter), "torch" (any device; the reference), or "auto" = Triton on
             CUDA tensors when Triton is installed, torch otherwise.
+        with_collision: also return the collision probability sum_v p_v^2 of softmax(logits / T)
+            (a constant), for the per-token logit-gradient norm
+            (``stapo_megatron.train.loss_metrics.logit_grad_sq_norm``).
 
     Returns:
-        (logprob, entropy): fp32 tensors of ``target``'s shape. ``logprob`` = log softmax(
-        logits / T)[target], differentiable w.r.t. ``logits``; ``entropy`` = -sum_v p log p of
-        softmax(logits / T), detached unless ``entropy_grad``. Exactly 2 collectives over
-        ``tp_group`` per call, none in backward.
+        (logprob, entropy) or, with ``with_collision``, (logprob, entropy, collision): fp32
+        tensors of ``target``'s shape. ``logprob`` = log softmax(logits / T)[target],
+        differentiable w.r.t. ``logits``; ``entropy`` = -sum_v p log p of softmax(logits / T),
+        detached unless ``entropy_grad``. Exactly 2 collectives over ``tp_group`` per call, none
+        in backward.
     """
     if logits.shape[:-1] != target.shape:
         raise ValueError(
@@ -348,10 +384,12 @@ def vocab_parallel_logprob_entropy(
         target_N = target_N.contiguous()
     function = _LogprobEntropyTriton if use_triton else _LogprobEntropy
     needs_grad = torch.is_grad_enabled() and logits.requires_grad
-    logprob_N, entropy_N = function.apply(
+    logprob_N, entropy_N, collision_N = function.apply(
         logits_NV, target_N, tp_rank * vocab_local, num_real, 1.0 / float(temperature), tp_group,
-        needs_grad, entropy_grad, inplace_backward,
+        needs_grad, entropy_grad, inplace_backward, with_collision,
     )
+    if with_collision:
+        return logprob_N.view(target.shape), entropy_N.view(target.shape), collision_N.view(target.shape)
     return logprob_N.view(target.shape), entropy_N.view(target.shape)
 
 

@@ -15,6 +15,7 @@ from stapo_megatron.method.masks import gather_values, quantile_linear
 from stapo_megatron.method.rollout_correction import RolloutCorrectionConfig
 from stapo_megatron.runlog.progress import describe
 from stapo_megatron.train.batching import MicroBatch
+from stapo_megatron.train import logit_grad
 from stapo_megatron.train.context_parallel import gather_row
 from stapo_megatron.train.packing import sequence_ids
 from stapo_megatron.train.parallel import Groups
@@ -135,6 +136,7 @@ def step_row(step: int, updates: List[Dict], rewards_PG: torch.Tensor, num_flat:
         clip_fraction=mean("clip_fraction"), approx_kl=mean("approx_kl"),
         grad_norm=mean("grad_norm"), skipped=sum(u["skipped"] for u in updates),
         lr=lr, **mismatch, **overlap_metrics(updates), **moe_metrics(updates),
+        **logit_grad.step_metrics(updates),  # the paper's gradient claim (train/logit_grad.py)
     )
 
 

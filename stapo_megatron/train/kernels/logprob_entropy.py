@@ -9,13 +9,14 @@ This module owns the two passes over the logits that the op makes on a GPU; the 
                   s_r = sum_v exp(z_v - m_r)
                   w_r = sum_v exp(z_v - m_r) (z_v - m_r)
                   z_y = z_target if this shard owns the target, else 0
+                  q_r = sum_v exp(2 (z_v - m_r))   (for the collision probability sum_v p_v^2)
               exactly the partials of ``ops._local_stats``. When the running max moves from m to
-              m', the sums already taken are rescaled: s <- a s, w <- a (w + (m - m') s) with
-              a = exp(m - m'), which is rare after the first blocks and done only then. Sums are
+              m', the sums already taken are rescaled: s <- a s, w <- a (w + (m - m') s),
+              q <- a^2 q with a = exp(m - m'), which is rare after the first blocks and done only then. Sums are
               kept per lane and reduced once at the end of the row, so a block costs one
               max-reduction and one exp per element. Unsharded (TP = 1), the kernel finishes the
-              row itself (log Z = m + log s, log p = z_y - log Z, H = log s - w / s) and writes
-              only log p, H and log Z: no logits-sized buffer, and no extra launches.
+              row itself (log Z = m + log s, log p = z_y - log Z, H = log s - w / s,
+              sum p^2 = q / s^2) and writes only log p, H, log Z and sum p^2: no logits-sized buffer, and no extra launches.
     backward  one read of the logits and one write of the gradient per element, for the
               upstream gradients g (of log p) and h (of H):
                   d/dx_v = [ g (1[v = y] - p_v) - h p_v (log p_v + H) ] / T,
@@ -56,7 +57,7 @@ _NEG_MAX = tl.constexpr(-3.4028234663852886e38)
 @triton.jit
 def _shard_stats_kernel(
     logits_ptr, row_stride, target_ptr,
-    out0_ptr, out1_ptr, out2_ptr, out3_ptr,
+    out0_ptr, out1_ptr, out2_ptr, out3_ptr, out4_ptr,
     vocab_local, num_real, vocab_start, inv_temp,
     FINALIZE: tl.constexpr, HAS_PADDING: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
@@ -66,6 +67,7 @@ def _shard_stats_kernel(
     m = float("-inf")
     s_B = tl.zeros([BLOCK_V], dtype=tl.float32)
     w_B = tl.zeros([BLOCK_V], dtype=tl.float32)
+    q_B = tl.zeros([BLOCK_V], dtype=tl.float32)
     for start in range(0, num_real, BLOCK_V):
         cols_B = start + offs_B
         # Loads are masked by the row length (a multiple of 16 when Megatron pads the vocabulary,
@@ -80,6 +82,7 @@ def _shard_stats_kernel(
             scale = tl.exp(shift)
             w_B = scale * (w_B + shift * s_B)
             s_B = scale * s_B
+            q_B = (scale * scale) * q_B
             m = m_new
         # While every entry so far is -inf, measure from 0 so the sums stay 0 (not NaN).
         ref = tl.where(m == float("-inf"), 0.0, m)
@@ -87,8 +90,10 @@ def _shard_stats_kernel(
         e_B = tl.exp(d_B)
         w_B += e_B * d_B
         s_B += e_B
+        q_B += e_B * e_B
     s = tl.sum(s_B, axis=0)
     w = tl.sum(w_B, axis=0)
+    q = tl.sum(q_B, axis=0)
     local_id = tl.load(target_ptr + row) - vocab_start
     owned = (local_id >= 0) & (local_id < num_real)
     x_y = tl.load(row_ptr + tl.where(owned, local_id, 0), mask=owned, other=0.0)
@@ -99,11 +104,13 @@ def _shard_stats_kernel(
         tl.store(out0_ptr + row, z_y - log_z)  # log p
         tl.store(out1_ptr + row, log_s - w / s)  # H
         tl.store(out2_ptr + row, log_z)
+        tl.store(out3_ptr + row, q / (s * s))  # sum_v p_v^2
     else:
         tl.store(out0_ptr + row, m)
         tl.store(out1_ptr + row, s)
         tl.store(out2_ptr + row, w)
         tl.store(out3_ptr + row, z_y)
+        tl.store(out4_ptr + row, q)
 
 
 @triton.jit
@@ -161,11 +168,12 @@ def shard_stats(logits_NV, target_N, vocab_start: int, num_real: int, inv_temp: 
         finalize: the shard is the whole vocabulary (TP = 1): finish the rows here.
 
     Returns:
-        finalize: (log p, H, log Z), fp32 [N]; else the partials (m_r, s_r, w_r, z_y), fp32 [N].
+        finalize: (log p, H, log Z, sum_v p_v^2), fp32 [N]; else the partials
+        (m_r, s_r, w_r, z_y, q_r), fp32 [N].
     """
     _check_device(logits_NV)
     num_rows = logits_NV.shape[0]
-    outs = [torch.empty(num_rows, dtype=torch.float32, device=logits_NV.device) for _ in range(4)]
+    outs = [torch.empty(num_rows, dtype=torch.float32, device=logits_NV.device) for _ in range(5)]
     if num_rows:
         with torch.cuda.device(logits_NV.device) if logits_NV.is_cuda else contextlib.nullcontext():
             _shard_stats_kernel[(num_rows,)](
@@ -173,7 +181,7 @@ def shard_stats(logits_NV, target_N, vocab_start: int, num_real: int, inv_temp: 
                 FINALIZE=finalize, HAS_PADDING=num_real < logits_NV.shape[1],
                 BLOCK_V=_block(num_real, FWD_BLOCK_V), num_warps=FWD_NUM_WARPS,
             )
-    return tuple(outs[:3]) if finalize else tuple(outs)
+    return tuple(outs[:4]) if finalize else tuple(outs)
 
 
 def logits_grad(

@@ -1,0 +1,116 @@
+"""Benchmark: what the collision sum sum_v p_v^2 (issue 35, the per-token logit-gradient norm) costs
+the fused log-prob/entropy op on the CPU.
+
+Three implementations of ``vocab_parallel_logprob_entropy``'s forward+backward (sum of log p,
+backward, input left intact; the loss's use) on the same logits, interleaved call by call in one
+process so that the shared machine's load hits them alike:
+
+    before      the op as it was at git revision ``--baseline`` (default: the commit before the
+                collision sum), loaded from ``git show`` into a module of its own
+    default     this tree's op without ``with_collision`` (schedule.py, sft.py, the reference pass)
+    collision   this tree's op with ``with_collision=True`` (what loss_func calls)
+
+Logits as in bench_logprob_entropy.py (N tokens x the Qwen vocabulary 151936, randn * 2, TP = 1;
+N = 1024 by default to fit a shared machine's memory). Each round runs the three in a rotated
+order; per round the ratios default/before and collision/before; reported: the median ratio over
+rounds, a distribution-free 95% interval of that median, and the rounds' 10th-90th percentile
+spread, per dtype. default/before is an A/A control (the same computation): it shows the noise. Run under jemalloc, as `make bench` does:
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 \\
+    MALLOC_CONF="retain:true,dirty_decay_ms:-1,muzzy_decay_ms:-1" \\
+    .venv/bin/python benchmarks/bench_collision_cost.py [--rounds 15] [--tokens 1024] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from malloc_check import check_jemalloc  # benchmarks/, the script's folder
+
+VOCAB = 151936
+BASELINE = "61dd801"
+"""The last commit before the collision sum (branch gradnorm's base)."""
+
+
+def _baseline_op(rev: str):
+    """``vocab_parallel_logprob_entropy`` as it was at ``rev``."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    source = subprocess.run(["git", "show", f"{rev}:stapo_megatron/train/ops.py"], cwd=root, check=True,
+                            capture_output=True, text=True).stdout
+    path = os.path.join(tempfile.mkdtemp(), "ops_baseline.py")
+    with open(path, "w") as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location("ops_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.vocab_parallel_logprob_entropy
+
+
+def _timed(fn, logits, target, **kw) -> float:
+    x = logits.detach().requires_grad_()
+    t0 = time.perf_counter()
+    out = fn(x, target, **kw)
+    out[0].sum().backward()
+    return time.perf_counter() - t0
+
+
+def measure(dtype, num_tokens: int, rounds: int, baseline_rev: str):
+    from stapo_megatron.train.ops import vocab_parallel_logprob_entropy as current
+
+    before = _baseline_op(baseline_rev)
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(num_tokens, VOCAB, generator=gen) * 2).to(dtype)
+    target = torch.randint(0, VOCAB, (num_tokens,), generator=gen)
+    runs = {"before": lambda: _timed(before, logits, target),
+            "default": lambda: _timed(current, logits, target),
+            "collision": lambda: _timed(current, logits, target, with_collision=True)}
+    names = list(runs)
+    for name in names:  # warm-up
+        runs[name]()
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % 3:] + names[:r % 3]:  # rotate the order: no side is always first
+            times[name].append(runs[name]())
+    out = {"dtype": str(dtype).replace("torch.", ""), "tokens": num_tokens, "rounds": rounds}
+    for name in names:
+        out[f"{name}_s_median"] = statistics.median(times[name])
+    for name in ("default", "collision"):
+        ratios = sorted(t / b for t, b in zip(times[name], times["before"]))
+        deciles = statistics.quantiles(ratios, n=10)
+        # distribution-free 95% interval of the median: order statistics n/2 -+ 0.98 sqrt(n)
+        k = max(0, int(len(ratios) / 2 - 0.98 * len(ratios) ** 0.5))
+        out[f"{name}_vs_before"] = dict(median=statistics.median(ratios), median_ci95=[ratios[k], ratios[-1 - k]],
+                                        p10=deciles[0], p90=deciles[-1])
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--baseline", default=BASELINE, help="git revision of the op before the change")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = parser.parse_args()
+    if args.threads:  # on an oversubscribed machine one thread per call is the steadier measure
+        torch.set_num_threads(args.threads)
+    if args.rounds < 4:
+        parser.error(f"--rounds must be >= 4 for a spread, got {args.rounds}")
+    check_jemalloc()
+    print(json.dumps({"threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+                      "load_avg": os.getloadavg(), "python": sys.version.split()[0]}))
+    for name in args.dtypes.split(","):
+        print(json.dumps(measure(getattr(torch, name), args.tokens, args.rounds, args.baseline)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
