@@ -164,7 +164,7 @@ def test_signal_and_budget_come_from_the_overridden_and_loaded_configuration(tmp
     longer = ["rollout.max_response_len=31744", "model.context_parallel_size=4"]
     code, out = nemo_run(tmp_path, "launch/stapo_8b.py", "--dryrun", "output_dir=/lustre/r", *longer,
                          f"--save-config={tmp_path}/run.yaml")
-    assert code == 0 and "the save signal" not in out, out
+    assert code == 0 and "- the save signal" not in out, out
     signal_s, retries = paper_signal_and_retries("qwen3_8b", rollout={"max_response_len": 31744},
                                                  model={"context_parallel_size": 4})
     script = sbatch_script(out)
