@@ -23,12 +23,16 @@ and ``nemorun`` commands; this package provides ``nemo-run``.) What it adds:
 - a dry run prints the resolved configuration (YAML, every field); ``--save-config PATH`` also
   writes it to PATH, and ``config=PATH`` launches from such a file (overrides apply on top).
   (NeMo-Run's own ``--to-yaml`` is left as it is: it writes the task, recipe name and overrides.)
-- the code a Slurm job runs is ``git archive`` of the checkout's HEAD (`executors.code_root`,
+- the code a Slurm job runs is ``git archive`` of the checkout's HEAD (`shipping.code_root`,
   whatever the working directory): uncommitted changes are refused by name, or shipped with
   ``--include-uncommitted``;
 - ``--emit-sbatch PATH`` writes a plain sbatch + torchrun script of the job (checked like a
   submission; for clusters without NeMo-Run or containers) instead of submitting;
 - ``-y`` is ``--yes`` (NeMo-Run gives it to both ``--yes`` and ``--yaml``; ``--yes`` wins there too).
+
+This module is the NeMo-Run RunContext subclass and the console entry; each addition lives in the
+module named above (launch files and arguments: `arguments`; dry-run rendering and failed jobs:
+`jobs`).
 """
 
 import os
