@@ -56,14 +56,16 @@ COMMON_ENV = {"STAPO_SLURM_PARTITION": "batch", "STAPO_HF_HOME": "/hf/home",
               "STAPO_SLURM_HOST": "login.invalid", "STAPO_SLURM_USER": "me"}
 
 
-def paper_signal_and_retries(size):
-    """The save signal and requeue budget a paper recipe's executor derives from its step time."""
-    from stapo_megatron.launch.executors import FAILURE_RETRIES
+def paper_signal_and_retries(size, **overrides):
+    """The save signal and requeue budget of a paper recipe's FINAL configuration (its step time)."""
+    from stapo_megatron.launch.entry import build_config
+    from stapo_megatron.launch.timing import FAILURE_RETRIES
     from stapo_megatron.recipes import paper, step_time
 
-    step = step_time.estimate_step_time(paper.ARCHITECTURES[size], paper.LAYOUTS[size], paper.paper_recipe(size))
+    cfg = build_config(size, check_paths=False, **overrides)[0]
+    step = step_time.estimate_step_time(paper.ARCHITECTURES[size], paper.layout_for(size, cfg), cfg)
     signal_s = step_time.signal_seconds(step)
-    return signal_s, step_time.jobs_needed(3000, step, 4 * 3600, signal_s) - 1 + FAILURE_RETRIES
+    return signal_s, step_time.jobs_needed(cfg.steps, step, 4 * 3600, signal_s) - 1 + FAILURE_RETRIES
 
 
 @pytest.mark.parametrize("short, nodes, settings", [
@@ -77,7 +79,7 @@ def test_dryrun_renders_the_sbatch_script(tmp_path, short, nodes, settings):
     assert code == 0, out
     script = sbatch_script(out)
     job = rf"/lustre/stapo/jobs/stapo_{short}/stapo_{short}_{ID}/stapo_{short}"
-    signal_s, retries = paper_signal_and_retries(f"qwen3_{short}")
+    signal_s, retries = paper_signal_and_retries(f"qwen3_{short}", steps=1, rollout={"max_response_len": 8192})
     for pattern in [
         rf"^#SBATCH --nodes={nodes}$",
         r"^#SBATCH --gpus-per-node=8$",
@@ -107,6 +109,10 @@ def test_dryrun_renders_the_sbatch_script(tmp_path, short, nodes, settings):
         r"^export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1$",
         rf"^export PET_SHUTDOWN_TIMEOUT={signal_s}$",
         rf"^export TORCHX_MAX_RETRIES={retries}$",
+        # NeMo-Run's requeue on any failure is off; the EXIT trap requeues what can progress
+        r"^stapo_budget=\$TORCHX_MAX_RETRIES\nexport TORCHX_MAX_RETRIES=0 ",
+        r"^stapo_run_dir=/lustre/stapo/runs/r1$",
+        r"^stapo_before_attempt\ntrap 'stapo_after_attempt \$\?' EXIT$",
     ]:
         assert re.search(pattern, script, re.M), f"{pattern!r} not in\n{script}"
     # the task's arguments as NeMo-Run resolved them (steps=1 is the int 1, not True)
@@ -240,6 +246,7 @@ def test_submission_checks_every_path_on_the_login_node(tmp_path):
     model.mkdir()
     ckpt.mkdir()
     code, out = nemo_run(tmp_path, "launch/stapo_14b.py", "--yes", f"output_dir={tmp_path}/run", *SUBMIT,
+                         f"run.executor.container_mounts=['{tmp_path}:{tmp_path}']",
                          "model.hf_dir=Qwen/Qwen3-14B-Base", f"model.megatron_ckpt={ckpt}",
                          "data.train_path=data/dapo.parquet", f"data.eval_path={tmp_path}/aime24.jsonl")
     assert code == 1, out
@@ -341,10 +348,10 @@ def test_plain_script_is_refused_without_running_it(tmp_path, capsys, body):
 
 
 def test_launch_files_are_recognised():
-    from stapo_megatron.launch.cli import _calls_nemo_run_main
+    from stapo_megatron.launch.cli import calls_nemo_run_main
 
     for name in sorted(os.listdir(os.path.join(REPO, "launch"))):
-        assert _calls_nemo_run_main(os.path.join(REPO, "launch", name)), name
+        assert calls_nemo_run_main(os.path.join(REPO, "launch", name)), name
 
 
 # ---- the code a job runs, from any directory; plain sbatch + torchrun (issue 27) ----
@@ -404,14 +411,14 @@ def test_include_uncommitted_ships_the_working_tree(tmp_path):
     the checkout's branch, index and status are unchanged."""
     import tarfile
 
-    from stapo_megatron.launch import executors
+    from stapo_megatron.launch import shipping
 
     checkout = tmp_path / "checkout"
     _git_checkout(checkout)
-    status = executors.uncommitted_files(str(checkout))
+    status = shipping.uncommitted_files(str(checkout))
     head = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
     assert sorted(status) == [" M reward.py", "?? my_reward.py"]
-    ref = executors.snapshot_commit(str(checkout))
+    ref = shipping.snapshot_commit(str(checkout))
     jobs = tmp_path / "jobs"
     jobs.mkdir()
     # packaged in a process of its own (invoke, which NeMo-Run's packager runs git with, reads stdin)
@@ -425,7 +432,7 @@ def test_include_uncommitted_ships_the_working_tree(tmp_path):
         assert {"reward.py", "my_reward.py", ".gitignore"} <= names and "ignored.log" not in names
         member = next(m for m in tar.getmembers() if m.name.removeprefix("./") == "reward.py")
         assert tar.extractfile(member).read() == b"VALUE = 2\n"
-    assert executors.uncommitted_files(str(checkout)) == status
+    assert shipping.uncommitted_files(str(checkout)) == status
     assert subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True,
                           text=True).stdout == head
 
@@ -433,8 +440,10 @@ def test_include_uncommitted_ships_the_working_tree(tmp_path):
 def test_emit_sbatch_writes_a_plain_torchrun_script(tmp_path):
     from stapo_megatron.launch.entry import parse_arguments
 
-    for name in ("model", "ckpt"):
-        (tmp_path / name).mkdir()
+    from tests.test_launch_preflight import write_hf_config
+
+    write_hf_config(tmp_path / "model", "qwen3_14b")
+    (tmp_path / "ckpt").mkdir()
     for name in ("train.jsonl", "eval.jsonl"):
         (tmp_path / name).write_text("{}\n")
     overrides = [f"output_dir={tmp_path}/run", f"model.hf_dir={tmp_path}/model",
@@ -446,13 +455,14 @@ def test_emit_sbatch_writes_a_plain_torchrun_script(tmp_path):
     assert code == 0, out
     script = script_path.read_text()
     assert subprocess.run(["bash", "-n", str(script_path)]).returncode == 0
-    signal_s, retries = paper_signal_and_retries("qwen3_14b")
+    signal_s, retries = paper_signal_and_retries("qwen3_14b", rollout={"max_response_len": 8192})
     for line in ["#SBATCH --nodes=8", "#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=1",
                  f"#SBATCH --signal=USR1@{signal_s}", "#SBATCH --account=acct", "#SBATCH --requeue",
                  f"cd {REPO}", "export NCCL_IB_HCA=mlx5", "export HF_HUB_OFFLINE=1",
                  "export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]:
         assert re.search(rf"^{re.escape(line)}$", script, re.M), (line, script)
-    assert f'-lt {retries} ]' in script and "HF_HOME" not in script
+    assert f"stapo_retries={retries}" in script and f"stapo_run_dir={tmp_path}/run" in script
+    assert 'stapo_after_attempt "$code"' in script and "HF_HOME" not in script
     command = re.search(r"^srun --kill-on-bad-exit=1 torchrun (.*?)\ncode=", script, re.M | re.S).group(1)
     words = command.replace("\\\n", " ").split()
     assert "--nproc-per-node=8" in words

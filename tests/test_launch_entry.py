@@ -24,6 +24,21 @@ def test_arguments_read_back():
         parse_arguments(["steps"])
 
 
+def test_yaml_words_parse_as_nemo_run_and_the_dumped_yaml_write_them():
+    """``model.sequence_parallel=false`` failed with "expected bool, got str" (issue 36)."""
+    from stapo_megatron.launch.entry import build_config
+
+    arguments = parse_arguments(["model.sequence_parallel=false", "model.bf16=True", "rollout.top_k=-1",
+                                 "data.eval_path=null", "loss.method=FALSE"])
+    assert arguments == {"model": {"sequence_parallel": False, "bf16": True}, "rollout": {"top_k": -1},
+                         "data": {"eval_path": None}, "loss": {"method": False}}
+    cfg, _ = build_config("tiny", output_dir="/tmp/unused", **parse_arguments(["model.bf16=false"]))
+    assert cfg.model.bf16 is False
+    # a string that reads as such a word is quoted, and reads back as the string
+    texts = format_arguments({"data": {"prompt_field": "false"}})
+    assert texts == ["data.prompt_field='false'"] and parse_arguments(texts) == {"data": {"prompt_field": "false"}}
+
+
 @pytest.mark.parametrize("command", [
     [sys.executable, "-m", "stapo_megatron.launch.entry", "qwen3_1p7b"],
     [sys.executable, os.path.join(REPO, "examples", "demo_rl.py"), "recipe=qwen3_1p7b"],

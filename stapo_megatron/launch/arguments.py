@@ -1,9 +1,17 @@
-"""The ``nemo-run`` command line that this package adds to NeMo-Run's (`launch.cli`): the help
-text listing the launch files, and the arguments taken out before NeMo-Run parses the rest
-(executor fields, environment variables, ``--save-config`` / ``--emit-sbatch`` paths, flags)."""
+"""The ``nemo-run`` command line that this package adds to NeMo-Run's (`launch.cli`): the launch
+files (listed in the help text; recognised and loaded without running their job), and the
+arguments taken out before NeMo-Run parses the rest (executor fields, environment variables,
+``--save-config`` / ``--emit-sbatch`` paths, flags).
+
+A launch file ends in ``run.cli.main(fn, ...)`` under ``if __name__ == "__main__":``. It is checked
+on its syntax tree first (`calls_nemo_run_main`: a plain script's ``__main__`` block must never
+run, not even for ``--dryrun``), then run with NeMo-Run's ``LAZY_CLI``, under which
+``run.cli.main`` only records its entrypoint (`load_entrypoint`).
+"""
 
 import ast
 import os
+import runpy
 from typing import List
 
 LAUNCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "launch")
@@ -113,3 +121,61 @@ def split_save_config(args: List[str], option: str = "--save-config"):
 def split_flag(args: List[str], flag: str):
     """(whether ``flag`` is among ``args``, the other arguments)."""
     return flag in args, [a for a in args if a != flag]
+
+
+def calls_nemo_run_main(path: str) -> bool:
+    """Whether the file's source calls NeMo-Run's CLI entry (``run.cli.main(...)``,
+    ``nemo_run.cli.main(...)``, ``cli.main(...)`` or ``main(...)`` imported from ``nemo_run.cli``).
+
+    Checked on the syntax tree, before anything runs: a plain script would otherwise have its
+    ``__main__`` block executed by ``load_entrypoint`` (even under ``--dryrun``).
+    """
+    with open(path, encoding="utf-8") as f:
+        try:
+            tree = ast.parse(f.read(), filename=path)
+        except SyntaxError as e:
+            raise ValueError(f"launch file {path} is not valid Python: {e}") from None
+    main_names = {alias.asname or alias.name for node in ast.walk(tree)
+                  if isinstance(node, ast.ImportFrom) and node.module == "nemo_run.cli"
+                  for alias in node.names if alias.name == "main"}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr == "main":
+            owner = func.value
+            if (isinstance(owner, ast.Attribute) and owner.attr == "cli") or (
+                    isinstance(owner, ast.Name) and owner.id == "cli"):
+                return True
+        if isinstance(func, ast.Name) and func.id in main_names:
+            return True
+    return False
+
+
+def load_entrypoint(path: str):
+    """The entrypoint a launch file registers, without running it.
+
+    The file runs as ``__main__`` with ``LAZY_CLI=true``: NeMo-Run's ``run.cli.main`` then only
+    records its entrypoint (with the default executor / factory / plugins it was given) in
+    ``nemo_run.cli.api.MAIN_ENTRYPOINT``; NeMo-Run's own script loader works the same way.
+    """
+    from nemo_run.cli import api as cli_api
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"launch file {path} does not exist")
+    if not calls_nemo_run_main(path):
+        raise ValueError(f"{path} is not a launch file: it never calls nemo_run.cli.main(fn, ...) "
+                         "(not run; a plain script runs with python, not nemo-run)")
+    previous = os.environ.get("LAZY_CLI")
+    os.environ["LAZY_CLI"] = "true"
+    cli_api.MAIN_ENTRYPOINT = None
+    try:
+        runpy.run_path(path, run_name="__main__")
+    finally:
+        if previous is None:
+            os.environ.pop("LAZY_CLI")
+        else:
+            os.environ["LAZY_CLI"] = previous
+    if cli_api.MAIN_ENTRYPOINT is None:
+        raise ValueError(f"{path} does not call nemo_run.cli.main(fn, ...) under `if __name__ == '__main__':`")
+    return cli_api.MAIN_ENTRYPOINT

@@ -29,7 +29,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from stapo_megatron.launch import requeue
 from stapo_megatron.trainer import faults
+from stapo_megatron.trainer.preemption import StoppedForRequeue
 from stapo_megatron.config import TrainerConfig
 from stapo_megatron.config.yaml_io import load_config
 from stapo_megatron.method.registry import get_method
@@ -164,7 +166,9 @@ def run_recipe(
     The tiny recipe first prepares its model folder (``<output_dir>/model``) on global rank 0.
     Arguments as in `build_config`; ``model`` ... ``warmstart`` are the section overrides.
     A failure is recorded in ``<output_dir>/failures`` (`stapo_megatron.trainer.faults`); a rank that
-    only lost its peers raises a `faults.PeerFailure` naming the rank that failed first.
+    only lost its peers raises a `faults.PeerFailure` naming the rank that failed first. A stop on
+    the scheduler's warning signal leaves `requeue.STOPPED_MARKER` in the run folder (torchrun
+    does not pass the workers' exit code 75 on; the job script reads the mark).
     """
     # torchrun's environment: the layout check uses the GPUs this job really has
     world, per_node = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -183,6 +187,10 @@ def run_recipe(
         from stapo_megatron.trainer.loop import train
 
         train(cfg, warmstart_cfg)
+    except StoppedForRequeue as stop:  # saved on the warning signal: the job script requeues on this mark
+        if int(os.environ.get("RANK", "0")) == 0:
+            requeue.mark_stopped(cfg.run_dir, stop.step)
+        raise
     except Exception as error:
         raise faults.failed(cfg.run_dir, error)
 
@@ -191,8 +199,16 @@ def run_recipe(
 assert set(SECTIONS) <= set(inspect.signature(run_recipe).parameters), SECTIONS
 
 
+WORDS = {"true": True, "false": False, "null": None, "none": None}
+"""Values spelled as the dumped YAML and NeMo-Run's command line spell them (any case): the same
+``model.sequence_parallel=false`` works with ``nemo-run`` and with this entry."""
+
+
 def _value(text: str) -> Value:
-    """A command-line value: a Python literal (``1``, ``0.5``, ``True``, ``None``) or the text."""
+    """A command-line value: a Python literal (``1``, ``0.5``, ``True``, ``None``), a YAML word of
+    `WORDS` (``true``, ``false``, ``null``), or the text."""
+    if text.strip().lower() in WORDS:
+        return WORDS[text.strip().lower()]
     try:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):

@@ -8,16 +8,19 @@ from these environment variables, read when a launch file builds its executor:
     STAPO_CONTAINER_IMAGE    pyxis container image with this package's deps    (required)
     STAPO_SLURM_JOB_DIR      remote directory for NeMo-Run's job folders       (required)
     STAPO_SLURM_PARTITION    sbatch --partition                                (optional)
-    STAPO_CONTAINER_MOUNTS   comma-separated src:dst mounts                    (optional)
+    STAPO_CONTAINER_MOUNTS   comma-separated src:dst mounts: every data, model and output
+                             path must lie under one (or under /nemo_run, the job folder)
     STAPO_SLURM_TIME         sbatch --time, default 04:00:00                   (optional)
     STAPO_HF_HOME            HF_HOME in the job, default /nemo_run/hf_home     (optional)
     STAPO_SLURM_SIGNAL_S     seconds before the time limit at which Slurm sends SIGUSR1 and
                              the trainer saves and stops; default for a paper recipe: 1.5 x
-                             its estimated step time + a save (`recipes.step_time`), else 600
-    STAPO_SLURM_RETRIES      requeues of a job that stopped (the warning signal or a
-                             failure); each resumes from the newest checkpoint; default for a
-                             paper recipe: the jobs its steps need at the time limit (from the
-                             estimated step time) + STAPO_SLURM_FAILURE_RETRIES, else 3
+                             the estimated step time of the final configuration + a save
+                             (`timing`, `recipes.step_time`), else 600
+    STAPO_SLURM_RETRIES      requeues of a job that stopped (the warning signal, or a
+                             failure after a new checkpoint: `requeue`); each resumes from the
+                             newest checkpoint; default for a paper recipe: the jobs its steps
+                             need at the time limit (from the estimated step time of the final
+                             configuration) + STAPO_SLURM_FAILURE_RETRIES, else 3
     STAPO_SLURM_FAILURE_RETRIES
                              requeues allowed for failures on top of those, default 5
     STAPO_SLURM_HOST, STAPO_SLURM_USER, STAPO_SLURM_IDENTITY
@@ -26,27 +29,26 @@ from these environment variables, read when a launch file builds its executor:
     STAPO_CODE_DIR           the git checkout whose code the job runs (default: the one
                              holding this package, wherever nemo-run is started from)
 
-Code reaches a Slurm job as ``git archive`` of the checkout's HEAD (`code_packager`): a
+Code reaches a Slurm job as ``git archive`` of the checkout's HEAD (`shipping.code_packager`): a
 submission with uncommitted changes (edited or new files that git does not ignore) is refused,
-naming them, unless ``--include-uncommitted`` ships the working tree (`snapshot_commit`).
+naming them, unless ``--include-uncommitted`` ships the working tree (`shipping.snapshot_commit`).
 ``nemo-run LAUNCH --emit-sbatch PATH`` writes a plain sbatch + torchrun script instead
 (`plain_sbatch_script`: no NeMo-Run, pyxis or container on the cluster).
 
 A required setting that is missing becomes a placeholder ``<unset:VARIABLE>``: a dry run shows
-where it goes, `check_submission` refuses a real submission naming each one. Together with
-``cli.py`` this subpackage is the only part of stapo_megatron that imports nemo_run or reads
+where it goes, `check_submission` refuses a real submission naming each one. This subpackage is the only part of stapo_megatron that imports nemo_run or reads
 configuration from the environment.
 """
 
 import getpass
 import os
 import shlex
-import subprocess
-import tempfile
 from typing import Dict, List, Optional, Sequence
 
 import nemo_run as run
 
+from stapo_megatron.launch import requeue
+from stapo_megatron.launch.shipping import code_packager
 from stapo_megatron.trainer.preemption import torchrun_env
 
 PLACEHOLDER_PREFIX = "<unset:"
@@ -112,24 +114,18 @@ def _tunnel(job_dir: str) -> run.Config:
     )
 
 
-FAILURE_RETRIES = 5
-"""Requeues a paper run may spend on failures on top of those its time limit needs (NeMo-Run's
-sbatch script requeues any non-zero exit, so both share Slurm's one ``retries`` budget)."""
-
-
 def paper_slurm_executor(size: str) -> run.Config:
     """`slurm_executor` for a paper recipe: its nodes, and the save signal and requeue budget
-    derived from the recipe's estimated step time (`stapo_megatron.recipes.step_time`) at the
-    time limit (``STAPO_SLURM_TIME``); the variables above still override them."""
-    from stapo_megatron.recipes import paper, step_time
+    derived from the recipe's estimated step time at the time limit (``STAPO_SLURM_TIME``;
+    `timing.derived_timing`); the variables above still override them. These are the launch
+    file's defaults: `nemo-run` derives both again from the final configuration
+    (`timing.apply_final`: overrides, ``config=run.yaml``, the executor's nodes)."""
+    from stapo_megatron.launch import timing
+    from stapo_megatron.recipes import paper
 
     layout = paper.LAYOUTS[size]
-    cfg = paper.paper_recipe(size)
-    step = step_time.estimate_step_time(paper.ARCHITECTURES[size], layout, cfg)
-    signal_s = int(_setting("STAPO_SLURM_SIGNAL_S", str(step_time.signal_seconds(step))))
-    time_limit = _setting("STAPO_SLURM_TIME", DEFAULT_TIME)
-    jobs = step_time.jobs_needed(cfg.steps, step, step_time.parse_slurm_time(time_limit), signal_s)
-    retries = jobs - 1 + int(_setting("STAPO_SLURM_FAILURE_RETRIES", str(FAILURE_RETRIES)))
+    signal_s, retries = timing.derived_timing(size, paper.paper_recipe(size), layout.num_nodes,
+                                              layout.gpus_per_node, _setting("STAPO_SLURM_TIME", DEFAULT_TIME))
     return slurm_executor(layout.num_nodes, layout.gpus_per_node, signal_s=signal_s, retries=retries)
 
 
@@ -144,9 +140,10 @@ def slurm_executor(nodes: int, gpus_per_node: int = 8, signal_s: Optional[int] =
     process per GPU, in a pyxis container; the checked-in code is shipped with ``git archive``.
 
     Before the time limit (``--signal=USR1@S``) torchrun forwards SIGUSR1 to the ranks, which
-    save at the next step boundary and stop (`stapo_megatron.trainer.preemption`); the non-zero exit
-    makes NeMo-Run's sbatch script requeue the job (``retries``; sbatch runs with ``--requeue``)
-    and the requeued job resumes from that checkpoint. S must exceed one training step plus a save.
+    save at the next step boundary and stop (`stapo_megatron.trainer.preemption`); the job script
+    requeues the job (``retries`` at most; sbatch runs with ``--requeue``; `nemo-run` replaces
+    NeMo-Run's requeue-on-any-failure with `requeue.nemo_run_setup` for a recipe) and the requeued
+    job resumes from that checkpoint. S must exceed one training step plus a save.
     """
     mounts = _setting("STAPO_CONTAINER_MOUNTS", "")
     signal_s = int(_setting("STAPO_SLURM_SIGNAL_S", str(signal_s or 600)))
@@ -172,57 +169,18 @@ def slurm_executor(nodes: int, gpus_per_node: int = 8, signal_s: Optional[int] =
     )
 
 
-def code_packager() -> run.Config:
-    """``git archive`` of `code_root`'s HEAD (its ``basepath``: the archive does not depend on the
-    directory nemo-run is started from; `stapo_megatron.launch.cli` checks for uncommitted changes)."""
-    return run.Config(run.GitArchivePackager, basepath=code_root() or "", check_uncommitted_changes=False)
-
-
-def code_root() -> Optional[str]:
-    """The top folder of the git checkout a job's code comes from: ``STAPO_CODE_DIR``, else the
-    checkout holding this package; None if that is not in a git checkout."""
-    start = _setting("STAPO_CODE_DIR") or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run(["git", "-C", start, "rev-parse", "--show-toplevel"], capture_output=True, text=True)
-    return done.stdout.strip() if done.returncode == 0 else None
-
-
-def uncommitted_files(root: str) -> List[str]:
-    """``git status --porcelain`` lines of ``root``'s uncommitted changes: modified, added,
-    deleted and untracked files (ignored ones are shipped by neither route and not listed)."""
-    done = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=all"],
-                          capture_output=True, text=True, check=True)
-    return [line for line in done.stdout.splitlines() if line.strip()]
-
-
-def snapshot_commit(root: str) -> str:
-    """A commit of ``root``'s working tree (tracked changes and untracked files git does not
-    ignore) on top of HEAD, made with a temporary index: no branch, stash or index of the checkout
-    changes. ``git archive`` of it ships what is on disk."""
-    env = {**os.environ, "GIT_AUTHOR_NAME": "stapo-megatron", "GIT_AUTHOR_EMAIL": "launch@stapo-megatron",
-           "GIT_COMMITTER_NAME": "stapo-megatron", "GIT_COMMITTER_EMAIL": "launch@stapo-megatron"}
-    with tempfile.TemporaryDirectory() as tmp:
-        env["GIT_INDEX_FILE"] = os.path.join(tmp, "index")
-
-        def git(*args: str) -> str:
-            return subprocess.run(["git", "-C", root, *args], env=env, capture_output=True, text=True,
-                                  check=True).stdout.strip()
-
-        git("read-tree", "HEAD")
-        git("add", "--all")
-        tree = git("write-tree")
-        return git("commit-tree", tree, "-p", "HEAD", "-m", "stapo-megatron: working tree shipped by nemo-run")
-
-
 RDZV_PORT = 29500
 """The rendezvous port of `plain_sbatch_script` on the job's first node."""
 
 
-def plain_sbatch_script(executor, recipe: str, arguments: Sequence[str], root: str, name: str) -> str:
+def plain_sbatch_script(executor, recipe: str, arguments: Sequence[str], root: str, name: str,
+                        run_dir: str) -> str:
     """A standalone sbatch script running ``torchrun -m stapo_megatron.launch.entry RECIPE ARGS`` on
     every node of ``executor`` (a built SlurmExecutor: nodes, GPUs, time, account, partition, save
     signal, retries, environment) from the checkout ``root`` and its ``.venv`` (``STAPO_VENV``
     overrides it): for clusters without pyxis / containers or NeMo-Run. The job requeues itself
-    after the save signal or a failure, ``executor.retries`` times at most (``SLURM_RESTART_COUNT``)."""
+    after the save signal, or after a failure that followed a new checkpoint in ``run_dir``
+    (`requeue`), ``executor.retries`` times at most (``SLURM_RESTART_COUNT``)."""
     signal_s = int(str(executor.signal or "USR1@600").rpartition("@")[2])
     lines = ["#!/bin/bash",
              f"# {recipe} with plain sbatch + torchrun (written by nemo-run --emit-sbatch; no NeMo-Run, no container).",
@@ -251,14 +209,7 @@ def plain_sbatch_script(executor, recipe: str, arguments: Sequence[str], root: s
                f'--rdzv-endpoint="$head:{RDZV_PORT}"', '--rdzv-id="$SLURM_JOB_ID"',
                f"-m stapo_megatron.launch.entry {shlex.quote(recipe)}", *(shlex.quote(a) for a in arguments)]
     lines += ['head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-              " \\\n    ".join(command),
-              "code=$?",
-              "# the save signal (the ranks saved and stopped) or a failure: requeue; the next job resumes",
-              "# from the newest checkpoint",
-              f'if [ "$code" -ne 0 ] && [ "${{SLURM_RESTART_COUNT:-0}}" -lt {int(executor.retries)} ]; then',
-              '    scontrol requeue "$SLURM_JOB_ID"',
-              "fi",
-              'exit "$code"', ""]
+              *requeue.plain_lines(run_dir, int(executor.retries), " \\\n    ".join(command)), ""]
     return "\n".join(lines)
 
 

@@ -3,7 +3,10 @@
 A missing model folder, a relative data path or a hub id under ``HF_HUB_OFFLINE=1`` would
 otherwise show only after the job's 16-64 GPUs were allocated. The check runs where ``nemo-run``
 runs (the login node, or a machine that sees the cluster's shared file system); paths inside a
-container are mapped back through the executor's ``src:dst`` mounts first. No nemo_run import.
+container are mapped back through the executor's ``src:dst`` mounts first. In a container, every
+path the job reads or writes must also lie under a mounted folder (`mount_problems`): the rest is
+missing inside it, and an output folder outside them is the container's own temporary file
+system, lost with the checkpoints at the end of the job. No nemo_run import.
 """
 
 from __future__ import annotations
@@ -11,6 +14,9 @@ from __future__ import annotations
 import os
 import re
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+JOB_FOLDER = "/nemo_run"
+"""Where NeMo-Run mounts the job's own folder inside the container (its code, logs, HF_HOME)."""
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 """What a Hugging Face hub id looks like (``Qwen/Qwen3-14B-Base``)."""
@@ -61,4 +67,29 @@ def path_problems(read: Iterable[Tuple[str, str]], env: Dict[str, str], mounts: 
         if not os.path.exists(seen):
             where = f" (outside the container: {seen})" if seen != path else ""
             problems.append(f"{setting}={path!r} does not exist{where}")
+    return problems
+
+
+def _mount_points(mounts: Sequence[str]) -> List[str]:
+    """The container side of each ``src[:dst[:flags]]`` mount, and `JOB_FOLDER`."""
+    return [(m.partition(":")[2].split(":")[0] or m.partition(":")[0]).rstrip("/") or "/"
+            for m in mounts] + [JOB_FOLDER]
+
+
+def mount_problems(read: Iterable[Tuple[str, str]], output_dir: Optional[str], mounts: Sequence[str]) -> List[str]:
+    """Each absolute (setting, path), and ``output_dir``, that no container mount holds, named."""
+    points = _mount_points(mounts)
+
+    def mounted(path: str) -> bool:
+        return any(p == "/" or path == p or path.startswith(p + "/") for p in points)
+
+    shown = ", ".join(m for m in mounts) or "none besides the job folder"
+    hint = ("add its folder to STAPO_CONTAINER_MOUNTS or run.executor.container_mounts "
+            f"(e.g. '/lustre:/lustre'; mounts now: {shown})")
+    problems = [f"{setting}={path!r} is not under a folder mounted into the container, so the job "
+                f"would not find it: {hint}" for setting, path in read if os.path.isabs(path) and not mounted(path)]
+    if output_dir and os.path.isabs(output_dir) and not mounted(output_dir):
+        problems.append(f"output_dir {output_dir!r} is not under a folder mounted into the container: the "
+                        f"checkpoints would go to the container's temporary file system and be lost at the end "
+                        f"of the job; {hint}")
     return problems

@@ -58,8 +58,10 @@ class RolloutCorrectionConfig:
     mode: str = "none"
     """"none" (metrics only: the paper's setting), "tis" (token-level truncated importance
     sampling: the surrogate of token t is weighted by min(pi_old/pi_rollout, tis_cap)),
-    "icepop" (tokens whose ratio pi_old/pi_rollout is outside [token_lower, token_upper] leave
-    the loss and its normaliser), "seq_mask" (sequences whose geometric-mean ratio is outside
+    "icepop" (tokens whose ratio rho = pi_old/pi_rollout is outside [token_lower, token_upper]
+    leave the loss and its normaliser: rho itself is bounded, as verl's docs define IcePop; verl's
+    code bounds 1/rho = pi_rollout/pi_old, the same mask only for reciprocal bounds such as
+    0.5 / 2.0), "seq_mask" (sequences whose geometric-mean ratio is outside
     [seq_lower, seq_upper] leave the loss and its normaliser)."""
     tis_cap: float = 2.0
     """C of "tis": the importance weight's upper bound (verl's rollout_is_threshold)."""
