@@ -31,6 +31,7 @@ from stapo_megatron.config.overrides import unknown_field_error
 from stapo_megatron.data.config import DataConfig
 from stapo_megatron.eval.config import EvalSetConfig
 from stapo_megatron.method.config import LossConfig
+from stapo_megatron.method.objectives import check_parallelism
 from stapo_megatron.rollout.config import EngineResources, RolloutConfig, RolloutSampling
 from stapo_megatron.runlog.config import LoggingConfig
 from stapo_megatron.train.config import ModelConfig, OptimConfig
@@ -166,6 +167,7 @@ class TrainerConfig:
                 raise ValueError(f"{name} must be finite and > 0, got {getattr(self, name)}")
         self.eval_sets = eval_set_configs(self.eval_sets)
         self._check_packing()
+        check_parallelism(self.loss.effective_objective, self.model.context_parallel_size)
         # vLLM's external launcher forms an engine from consecutive ranks, and Megatron's TP
         # groups are consecutive ranks too (TP is the innermost dimension); an engine wider than
         # a TP group would span two DP ranks, which sample different prompts.

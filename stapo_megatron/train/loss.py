@@ -53,6 +53,7 @@ import torch.distributed as dist
 from stapo_megatron.method import masks as s2t
 from stapo_megatron.method.config import LossConfig
 from stapo_megatron.method.objective import stapo_loss, token_objective
+from stapo_megatron.method.objectives import check_parallelism, get_objective
 from stapo_megatron.method.registry import get_method
 from stapo_megatron.method import rollout_correction as rc
 from stapo_megatron.train.batching import MicroBatch
@@ -132,15 +133,18 @@ def loss_func(
     is_weight, rejected = rc.correction(config.rollout_correction, old_logprob, batch.rollout_logprob, response_mask,
                                         seq_ids, seq_sum)
     trained_mask = response_mask & ~rejected
-    # normaliser: kept tokens ("token_mean") or sequences with a kept token (GRPO's sequence
-    # mean), the latter counted on CP rank 0 only: Megatron sums it over DP x CP (an integer, so
-    # a 1/CP share per rank would not do), and every CP rank holds part of every sequence
+    # normaliser: kept tokens ("token_mean") or sequences with a kept token (GRPO's and GSPO's
+    # sequence mean), the latter counted on CP rank 0 only: Megatron sums it over DP x CP (an
+    # integer, so a 1/CP share per rank would not do), and every CP rank holds part of every sequence
+    check_parallelism(config.effective_objective, batch.cp_size)
+    objective = get_objective(config.effective_objective)
     loss_sum, normaliser = stapo_loss(
         logprob, old_logprob, advantages, trained_mask, silenced,
         config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio_c,
-        batch.ref_logprob, config.kl_coef, method.loss_agg, is_weight=is_weight,
+        batch.ref_logprob, config.kl_coef, objective.loss_agg, is_weight=is_weight,
         sequence_ids=seq_ids, sequence_sum=seq_sum,
         count_sequences=seq_sum is None or dist.get_rank(cp_group) == 0,
+        token_loss=objective.build(config, seq_ids, seq_sum, batch.seed),
     )
     with torch.no_grad():
         _, is_clipped = token_objective(
