@@ -143,9 +143,14 @@ def _cispo(config, sequence_ids, sequence_sum, seed) -> TokenLoss:
     return lambda lp, old, adv, keep: cispo_token_loss(lp, old, adv, config.clip_ratio_low, config.clip_ratio_high)
 
 
+def clip_cov_generator(config, seed: Optional[int]) -> torch.Generator:
+    """The generator of Clip-Cov's draw in one micro-batch: seeded like the random masks, from
+    ``config.seed`` and the micro-batch's ``seed``, offset by 7 to be a stream of its own."""
+    return torch.Generator().manual_seed(config.seed * 1_000_003 + int(seed if seed is not None else 0) + 7)
+
+
 def _clip_cov(config, sequence_ids, sequence_sum, seed) -> TokenLoss:
-    # its own stream (the offset), seeded like the random masks: config.seed and the micro-batch's
-    gen = torch.Generator().manual_seed(config.seed * 1_000_003 + int(seed if seed is not None else 0) + 7)
+    gen = clip_cov_generator(config, seed)
     return lambda lp, old, adv, keep: clip_cov_token_loss(
         lp, old, adv, keep, config.clip_ratio_low, config.clip_ratio_high, config.clip_cov_ratio,
         config.clip_cov_lower, config.clip_cov_upper, gen)
