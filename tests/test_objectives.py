@@ -272,6 +272,33 @@ def test_clip_cov_drops_eligible_tokens_only():
     assert bool((full[mask & ~clipped] == 0).all()) and bool((full[mask & clipped] == dapo[mask & clipped]).all())
 
 
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_loss_func_applies_the_s2t_mask_to_the_objective(name):
+    """``loss.method=stapo loss.objective=NAME`` through Megatron's loss_func: the S2T mask of
+    the micro-batch on NAME's loss, as `stapo_loss` computes it from the same tensors."""
+    from tests.test_loss import _spiky_batch
+    from stapo_megatron.method import masks as s2t
+    from stapo_megatron.train.loss import loss_func, minibatch_threshold
+
+    logits, logprob, entropy, batch = _spiky_batch()
+    gen = torch.Generator().manual_seed(1)
+    batch = dataclasses.replace(batch, seed=3, old_logprob=logprob.detach() + 0.2 * torch.randn(logprob.shape, generator=gen))
+    config = method_loss_config("stapo", objective=name, tau_p=0.002, clip_cov_ratio=0.05, kl_cov_ratio=0.05)
+    config = dataclasses.replace(config, kl_coef=0.0)  # GRPO's KL needs a reference model, tested in test_loss
+    mask, adv = batch.response_mask, batch.advantages
+    threshold = minibatch_threshold(config, logprob, entropy, adv, mask)
+    loss_sum, normaliser, metrics = loss_func(config, batch, threshold, None, None, logits)
+    silenced = s2t.s2t_mask(logprob, entropy, adv, mask, tau_p=0.002, tau_h=threshold)
+    assert silenced.any() and metrics["stapo_sums"][3].item() == silenced.sum().item()
+    objective = get_objective(name)
+    want, want_n = stapo_loss(logprob, batch.old_logprob, adv, mask, silenced, config.clip_ratio_low,
+                              config.clip_ratio_high, config.clip_ratio_c, loss_agg=objective.loss_agg,
+                              token_loss=objective.build(config, None, None, 3))
+    assert int(normaliser) == int(want_n) == (int(mask.any(-1).sum()) if objective.loss_agg != "token_mean"
+                                               else int((mask & ~silenced).sum()))
+    torch.testing.assert_close(loss_sum, want, rtol=1e-6, atol=1e-6)
+
+
 # -- configuration ---------------------------------------------------------------------------------
 
 
