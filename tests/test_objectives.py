@@ -45,21 +45,19 @@ def verl_vanilla(old, lp, adv, mask, lo, hi, c):
     ratio = torch.exp(torch.clamp(lp - old, -20.0, 20.0))
     l1, l2 = -adv * ratio, -adv * torch.clamp(ratio, 1 - lo, 1 + hi)
     clip1 = torch.maximum(l1, l2)
-    loss = torch.where(adv < 0, torch.min(-adv * c, clip1), clip1)
-    return verl_agg(loss, mask, "token-mean")
+    return torch.where(adv < 0, torch.min(-adv * c, clip1), clip1), "token-mean"
 
 
 def verl_gspo(old, lp, adv, mask, lo, hi):
     m = mask.to(lp.dtype)
     seq_kl = ((lp - old) * m).sum(-1) / m.sum(-1).clamp(min=1)
     ratio = torch.exp(torch.clamp(lp - lp.detach() + seq_kl.detach()[:, None], max=10.0))
-    loss = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - lo, 1 + hi))
-    return verl_agg(loss, mask, "seq-mean-token-mean")
+    return torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - lo, 1 + hi)), "seq-mean-token-mean"
 
 
 def verl_cispo(old, lp, adv, mask, lo, hi):
     ratio = torch.exp(torch.clamp(lp - old, -20.0, 20.0))
-    return verl_agg(-torch.clamp(ratio, 1 - lo, 1 + hi).detach() * adv * lp, mask, "token-mean")
+    return -torch.clamp(ratio, 1 - lo, 1 + hi).detach() * adv * lp, "token-mean"
 
 
 def verl_clip_cov(old, lp, adv, mask, lo, hi, cov_ratio, lb, ub, generator):
@@ -72,7 +70,7 @@ def verl_clip_cov(old, lp, adv, mask, lo, hi, cov_ratio, lb, ub, generator):
     idx = idx[torch.randperm(len(idx), generator=generator)[: min(clip_num, len(idx))]]
     corr = torch.ones_like(adv)
     corr[idx[:, 0], idx[:, 1]] = 0
-    return verl_agg(torch.maximum(l1, l2) * corr, mask, "token-mean")
+    return torch.maximum(l1, l2) * corr, "token-mean"
 
 
 def verl_kl_cov(old, lp, adv, mask, kl_ratio, coef):
@@ -86,7 +84,7 @@ def verl_kl_cov(old, lp, adv, mask, kl_ratio, coef):
     rows, cols = top // adv.shape[1], top % adv.shape[1]
     loss = loss.clone()
     loss[rows, cols] = loss_kl[rows, cols]
-    return verl_agg(loss, mask, "token-mean")
+    return loss, "token-mean"
 
 
 # -- inputs and our pipeline ----------------------------------------------------------------------
@@ -108,11 +106,11 @@ def _inputs(dtype, seed=0, B=6, T=24):
     return lp.to(dtype).requires_grad_(), old.to(dtype), adv.to(dtype), mask, silenced
 
 
-def _ours(name, config, lp, old, adv, mask, silenced, sequence_ids=None, seed=5):
+def _ours(name, config, lp, old, adv, mask, silenced, sequence_ids=None, seed=5, is_weight=None):
     objective = get_objective(name)
     loss_sum, normaliser = stapo_loss(lp, old, adv, mask, silenced, config.clip_ratio_low, config.clip_ratio_high,
                                       config.clip_ratio_c, loss_agg=objective.loss_agg, sequence_ids=sequence_ids,
-                                      token_loss=objective.build(config, sequence_ids, None, seed))
+                                      token_loss=objective.build(config, sequence_ids, None, seed), is_weight=is_weight)
     return loss_sum / normaliser
 
 
@@ -126,7 +124,13 @@ CONFIGS = {
 }
 
 
-def _verl(key, config, lp, old, adv, keep, seed=5):
+def _verl(key, config, lp, old, adv, keep, seed=5, is_weight=None):
+    """verl's loss: the function's loss matrix, times ``rollout_is_weights``, through ``agg_loss``."""
+    loss, mode = _verl_matrix(key, config, lp, old, adv, keep, seed)
+    return verl_agg(loss if is_weight is None else loss * is_weight, keep, mode)
+
+
+def _verl_matrix(key, config, lp, old, adv, keep, seed):
     c = config
     if key == "dual_clip":
         return verl_vanilla(old, lp, adv, keep, c.clip_ratio_low, c.clip_ratio_high, c.clip_ratio_c)
@@ -149,14 +153,17 @@ def _loss_and_grad(fn, lp):
 TOL = {F64: dict(rtol=1e-7, atol=1e-10), torch.float32: dict(rtol=2e-5, atol=1e-6)}
 
 
+@pytest.mark.parametrize("weighted", [False, True], ids=["", "tis"])
 @pytest.mark.parametrize("dtype", [F64, torch.float32])
 @pytest.mark.parametrize("key", list(CONFIGS))
-def test_loss_and_gradient_match_verl(key, dtype):
+def test_loss_and_gradient_match_verl(key, dtype, weighted):
+    """``weighted``: a truncated-IS rollout correction's weights (``rollout_is_weights`` in verl)."""
     config = CONFIGS[key]
     lp, old, adv, mask, silenced = _inputs(dtype)
     keep = mask & ~silenced
-    ours = _loss_and_grad(lambda x: _ours(config.objective, config, x, old, adv, mask, silenced), lp)
-    ref = _loss_and_grad(lambda x: _verl(key, config, old=old, lp=x, adv=adv, keep=keep), lp)
+    w = torch.rand(lp.shape, generator=torch.Generator().manual_seed(9), dtype=F64).to(dtype) * 2 if weighted else None
+    ours = _loss_and_grad(lambda x: _ours(config.objective, config, x, old, adv, mask, silenced, is_weight=w), lp)
+    ref = _loss_and_grad(lambda x: _verl(key, config, old=old, lp=x, adv=adv, keep=keep, is_weight=w), lp)
     assert ours[0].dtype == dtype
     torch.testing.assert_close(ours[0], ref[0], **TOL[dtype])
     torch.testing.assert_close(ours[1], ref[1], **TOL[dtype])

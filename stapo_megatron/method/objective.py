@@ -148,7 +148,7 @@ def stapo_loss(
     else:
         loss, _ = token_objective(logprob, old_logprob, advantages, clip_ratio_low, clip_ratio_high, clip_ratio_c)
     if is_weight is not None:
-        loss = loss * is_weight.detach().float()
+        loss = loss * is_weight.detach().to(loss.dtype)  # float64 weights stay float64
     if kl_coef:
         if ref_logprob is None:
             raise ValueError("kl_coef > 0 needs ref_logprob")
