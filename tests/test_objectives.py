@@ -346,3 +346,10 @@ def test_covariance_objectives_are_refused_under_context_parallelism():
         TrainerConfig(model=ModelConfig(context_parallel_size=2), packing="fixed", loss=LossConfig(objective="kl_cov"))
     assert TrainerConfig(model=ModelConfig(context_parallel_size=2), packing="fixed",
                          loss=LossConfig(objective="gspo")).loss.objective == "gspo"
+
+
+def test_each_method_aggregates_as_its_default_objective():
+    from stapo_megatron.method.registry import METHODS
+
+    assert {m.name: m.loss_agg for m in METHODS.values()} == {
+        m.name: get_objective(m.objective).loss_agg for m in METHODS.values()}

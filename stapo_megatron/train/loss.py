@@ -2,7 +2,8 @@
 ``make_forward_step`` (configured by `LossConfig`, ``stapo_megatron.method.config``).
 
 The loss is split by job: the objective on plain tensors (``method/objective.py``:
-`stapo_loss`, `token_objective`), which tokens each method silences (``method/registry.py``),
+`stapo_loss`, `token_objective`; the other objectives' token losses, ``loss.objective``, in
+``method/objectives.py``), which tokens each method silences (``method/registry.py``),
 the micro-batch runner shared with the SFT warm-start (``train/schedule.py``), the metrics
 (``train/loss_metrics.py``), and here the Megatron ``loss_func`` that joins them.
 
