@@ -150,7 +150,12 @@ def _loss_and_grad(fn, lp):
     return loss.detach(), grad
 
 
-TOL = {F64: dict(rtol=1e-7, atol=1e-10), torch.float32: dict(rtol=2e-5, atol=1e-6)}
+TOL = {
+    # verl's sequence mean divides by |o_i| + 1e-8 (ours by |o_i|): ~1e-9 relative for GSPO; the rest agree to 1e-15
+    F64: dict(rtol=1e-7, atol=1e-10),
+    # float32 rounding of sums over ~100 tokens in a different order
+    torch.float32: dict(rtol=2e-5, atol=1e-6),
+}
 
 
 @pytest.mark.parametrize("weighted", [False, True], ids=["", "tis"])
@@ -181,6 +186,7 @@ def test_packed_rows_equal_padded_rows(key):
     padded = _loss_and_grad(lambda x: _ours(config.objective, config, x, old, adv, mask, silenced), lp)
     packed = _loss_and_grad(lambda x: _ours(config.objective, config, x.reshape(1, -1), old.reshape(1, -1),
                                             adv.reshape(1, -1), mask.reshape(1, -1), silenced.reshape(1, -1), ids), lp)
+    # the same float64 sums, accumulated per sequence either way: agreement to rounding
     torch.testing.assert_close(packed[0], padded[0], rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(packed[1], padded[1], rtol=1e-12, atol=1e-14)
 

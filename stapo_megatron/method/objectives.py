@@ -6,7 +6,8 @@ tokens (keep = response_mask & ~silenced & ~rejected) and how it averages them. 
 method name keeps its objective (`Method.objective`: "dapo" for all but "grpo"); ``loss.objective``
 picks another, so "S2T on CISPO" is ``loss.method=stapo loss.objective=cispo``.
 
-Legend: r_t = pi_theta / pi_old of token t, A the advantage, sg = stop-gradient, keep as above;
+Tensors are [B, S] (micro-batch x sequence, aligned with the labels); ``_T`` flattened tokens,
+``_N`` kept tokens, ``_K`` sequences. Legend: r_t = pi_theta / pi_old of token t, A the advantage, sg = stop-gradient, keep as above;
 "token mean" = 1 / sum keep * sum keep * l_t over the mini-batch, "sequence mean" = 1 / G sum_i
 1 / |o_i| sum_t l_t. Formulas follow verl 0.9.1 ``verl/trainer/ppo/core_algos.py`` (the
 ``compute_policy_loss_*`` functions named below) and the papers:
