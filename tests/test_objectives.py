@@ -1,6 +1,6 @@
 """The objectives of ``method/objectives.py`` against verl's core_algos and float64 references.
 
-verl: the formulas of verl 0.9.1 (PyPI ``verl==0.9.1``), ``verl/trainer/ppo/core_algos.py``:
+verl: the formulas of verl 0.9.1 (PyPI ``verl==0.9.1``), ``verl/trainer/ppo/core_algos.py`` (sha256 a54b6d812db4441e...):
 ``compute_policy_loss_vanilla`` (dual clip), ``compute_policy_loss_gspo``, ``compute_policy_loss_cispo``,
 ``compute_policy_loss_clip_cov``, ``compute_policy_loss_kl_cov`` and ``agg_loss``. That module cannot be
 imported with this project's packages (``verl/__init__`` imports ray, ``verl.utils`` tensordict), so the
