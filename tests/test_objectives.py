@@ -1,6 +1,7 @@
 """The objectives of ``method/objectives.py`` against verl's core_algos and float64 references.
 
-verl: the formulas of verl 0.9.1 (PyPI ``verl==0.9.1``), ``verl/trainer/ppo/core_algos.py`` (sha256 a54b6d812db4441e...):
+verl: the formulas of verl 0.9.1 (PyPI ``verl==0.9.1``), ``verl/trainer/ppo/core_algos.py``
+(sha256 a54b6d812db4441e...):
 ``compute_policy_loss_vanilla`` (dual clip), ``compute_policy_loss_gspo``, ``compute_policy_loss_cispo``,
 ``compute_policy_loss_clip_cov``, ``compute_policy_loss_kl_cov`` and ``agg_loss``. That module cannot be
 imported with this project's packages (``verl/__init__`` imports ray, ``verl.utils`` tensordict), so the
@@ -295,7 +296,8 @@ def test_loss_func_applies_the_s2t_mask_to_the_objective(name):
 
     logits, logprob, entropy, batch = _spiky_batch()
     gen = torch.Generator().manual_seed(1)
-    batch = dataclasses.replace(batch, seed=3, old_logprob=logprob.detach() + 0.2 * torch.randn(logprob.shape, generator=gen))
+    old_logprob = logprob.detach() + 0.2 * torch.randn(logprob.shape, generator=gen)  # off-policy: ratios != 1
+    batch = dataclasses.replace(batch, seed=3, old_logprob=old_logprob)
     config = method_loss_config("stapo", objective=name, tau_p=0.002, clip_cov_ratio=0.05, kl_cov_ratio=0.05)
     config = dataclasses.replace(config, kl_coef=0.0)  # GRPO's KL needs a reference model, tested in test_loss
     mask, adv = batch.response_mask, batch.advantages
