@@ -314,6 +314,29 @@ def test_loss_func_applies_the_s2t_mask_to_the_objective(name):
     torch.testing.assert_close(loss_sum, want, rtol=1e-6, atol=1e-6)
 
 
+def test_clip_fraction_counts_each_objectives_own_clip():
+    """The ``clip_fraction`` metric's tokens (verl's pg_clipfrac): GSPO's by sequence ratio, CISPO's
+    by clipped weight whatever the sign of A, none for KL-Cov, the PPO clip otherwise."""
+    from stapo_megatron.method.objectives import clipped_tokens
+
+    lp, old, adv, mask, silenced = _inputs(F64, seed=5)
+    lp, keep = lp.detach(), mask & ~silenced
+    r = torch.exp(lp - old)
+    ppo = (-adv * r.clamp(0.8, 1.28)) > (-adv * r)
+    assert torch.equal(clipped_tokens(LossConfig(), lp, old, adv, keep), ppo)
+    assert torch.equal(clipped_tokens(CONFIGS["clip_cov"], lp, old, adv, keep), ppo)
+    assert torch.equal(clipped_tokens(CONFIGS["cispo"], lp, old, adv, keep), (r < 0.8) | (r > 1.28))
+    assert not clipped_tokens(CONFIGS["kl_cov"], lp, old, adv, keep).any()
+    gspo = clipped_tokens(CONFIGS["gspo"], lp, old, adv, keep)
+    for b in range(lp.shape[0]):
+        if keep[b].any():
+            s = float(torch.exp((lp[b] - old[b])[keep[b]].mean()))
+            a = float(adv[b, 0])
+            assert bool(gspo[b, keep[b]].all()) == (-a * min(max(s, 0.98), 1.03) > -a * s)
+            assert gspo[b, keep[b]].all() or not gspo[b, keep[b]].any()  # one decision per sequence
+    assert 0 < int((gspo & keep).sum()) < int(keep.sum())
+
+
 # -- configuration ---------------------------------------------------------------------------------
 
 

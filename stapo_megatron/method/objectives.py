@@ -70,14 +70,20 @@ class Objective:
 # -- the objectives on plain tensors --------------------------------------------------------------
 
 
-def gspo_token_loss(logprob, old_logprob, advantages, keep, clip_ratio_low=3e-4, clip_ratio_high=4e-4,
-                    sequence_ids: Optional[torch.Tensor] = None, sequence_sum: Optional[SequenceSum] = None):
-    """GSPO's per-token loss (formula in the module docstring). The sequence ratio is the
+def gspo_ratio(logprob, old_logprob, keep, sequence_ids: Optional[torch.Tensor] = None,
+               sequence_sum: Optional[SequenceSum] = None) -> torch.Tensor:
+    """GSPO's s_it: the value of the sequence ratio s_i, the gradient s_i grad log pi_t. s_i is the
     geometric mean over each sequence's kept tokens (a row, or ``sequence_ids``' sequences of a
     packed row; ``sequence_sum``: the sequence is split over CP ranks)."""
     log_s_K, _ = sequence_log_ratio((logprob - old_logprob).detach(), keep, sequence_ids, sequence_sum)
     log_s_BS = log_s_K[segments(keep, sequence_ids)]
-    ratio = torch.exp(torch.clamp(logprob - logprob.detach() + log_s_BS, max=10.0))
+    return torch.exp(torch.clamp(logprob - logprob.detach() + log_s_BS, max=10.0))
+
+
+def gspo_token_loss(logprob, old_logprob, advantages, keep, clip_ratio_low=3e-4, clip_ratio_high=4e-4,
+                    sequence_ids: Optional[torch.Tensor] = None, sequence_sum: Optional[SequenceSum] = None):
+    """GSPO's per-token loss (formula in the module docstring; the ratio: `gspo_ratio`)."""
+    ratio = gspo_ratio(logprob, old_logprob, keep, sequence_ids, sequence_sum)
     return torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high))
 
 
@@ -187,6 +193,24 @@ def get_objective(name: str) -> Objective:
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(f"objective must be one of {tuple(OBJECTIVES)}, got {name!r}{hint}")
     return OBJECTIVES[name]
+
+
+@torch.no_grad()
+def clipped_tokens(config, logprob, old_logprob, advantages, keep, sequence_ids: Optional[torch.Tensor] = None,
+                   sequence_sum: Optional[SequenceSum] = None) -> torch.Tensor:
+    """[B, S] bool: the tokens whose term the objective's clip changes (verl's ``pg_clipfrac``
+    numerator, the ``clip_fraction`` metric): the PPO clip active for dapo, grpo, dual_clip and
+    clip_cov; the same with GSPO's sequence ratio; for CISPO the weight clipped (r outside
+    [1 - eps_low, 1 + eps_high]); none for KL-Cov, which has no clip. Collective over the CP
+    group for GSPO (``sequence_sum``)."""
+    name, low, high = config.effective_objective, config.clip_ratio_low, config.clip_ratio_high
+    if name == "kl_cov":
+        return torch.zeros_like(keep)
+    ratio = (gspo_ratio(logprob, old_logprob, keep, sequence_ids, sequence_sum) if name == "gspo"
+             else torch.exp(logprob - old_logprob))
+    if name == "cispo":
+        return (ratio < 1 - low) | (ratio > 1 + high)
+    return -advantages * ratio.clamp(1 - low, 1 + high) > -advantages * ratio
 
 
 def check_parallelism(objective: str, context_parallel_size: int) -> None:

@@ -53,8 +53,8 @@ import torch.distributed as dist
 
 from stapo_megatron.method import masks as s2t
 from stapo_megatron.method.config import LossConfig
-from stapo_megatron.method.objective import stapo_loss, token_objective
-from stapo_megatron.method.objectives import check_parallelism, get_objective
+from stapo_megatron.method.objective import stapo_loss
+from stapo_megatron.method.objectives import check_parallelism, clipped_tokens, get_objective
 from stapo_megatron.method.registry import get_method
 from stapo_megatron.method import rollout_correction as rc
 from stapo_megatron.train.batching import MicroBatch
@@ -147,10 +147,7 @@ def loss_func(
         count_sequences=seq_sum is None or dist.get_rank(cp_group) == 0,
         token_loss=objective.build(config, seq_ids, seq_sum, batch.seed),
     )
-    with torch.no_grad():
-        _, is_clipped = token_objective(
-            logprob, old_logprob, advantages, config.clip_ratio_low, config.clip_ratio_high
-        )
+    is_clipped = clipped_tokens(config, logprob, old_logprob, advantages, trained_mask & ~silenced, seq_ids, seq_sum)
     num_kept = (trained_mask & ~silenced).sum()
     flagged = (torch.zeros_like(response_mask) if batch.rollout_logprob is None else
                rc.token_flags(config.rollout_correction, rc.log_ratio(old_logprob, batch.rollout_logprob), response_mask))
