@@ -66,9 +66,11 @@ demo-moe: $(STAMP)
 
 # The method comparison (stapo / justrl / entropy20 / random x 5 seeds on the tiny task, each run
 # launched as `make demo` is): runs/compare/summary.md, curves.png and README.md's compare block.
-# Finished runs are skipped on a rerun.
+# Finished runs are skipped on a rerun. With ARGS, e.g. S2T on CISPO vs CISPO:
+#   make compare ARGS="methods=['stapo','justrl'] objectives=['cispo'] output_dir=$$PWD/runs/compare-cispo"
+# the comparison takes them instead of readme=True (README.md's block is the default comparison's).
 compare: $(STAMP)
-	$(VENV)/bin/nemo-run launch/compare_tiny.py readme=True --yes
+	$(VENV)/bin/nemo-run launch/compare_tiny.py $(if $(ARGS),$(ARGS),readme=True) --yes
 
 # A few STAPO steps of a tiny TP=2 GPTModel on synthetic rollouts (the op/loss/mask demo, 15 s).
 demo-synthetic: $(STAMP)

@@ -3,10 +3,12 @@
     nemo-run launch/compare_tiny.py --yes                        # = make compare; writes runs/compare
     nemo-run launch/compare_tiny.py seeds=[1,2] steps=10 output_dir=runs/compare-small --yes
     nemo-run launch/compare_tiny.py --dryrun
+    nemo-run launch/compare_tiny.py "methods=['stapo','justrl']" "objectives=['cispo']" output_dir=runs/compare-cispo --yes
+                                                                # S2T on CISPO vs CISPO (quoted list items)
 
 One local process drives the comparison (`stapo_megatron.runlog.compare.compare_tiny`); it launches each
 run exactly as `make demo` launches the demo (`nemo-run launch/stapo_tiny.py` with the run's
-method, seed and the comparison's overrides) and writes summary.md and curves.png at the end.
+method, objective, seed and the comparison's overrides) and writes summary.md and curves.png at the end.
 """
 
 import os

@@ -33,12 +33,13 @@ def test_summary_statistics_and_plot(tmp_path):
     text = compare.summarize(str(tmp_path), seeds=[0, 1, 2, 3], methods=["stapo", "grpo", "random"])
     assert (tmp_path / "summary.md").read_text() == text
     assert (tmp_path / "curves.png").stat().st_size > 10_000
-    stapo_row = next(line for line in text.splitlines() if line.startswith("| stapo | 4 |"))
+    stapo_row = next(line for line in text.splitlines() if line.startswith("| stapo | dapo | 4 |"))
     # mean +- sample std of the final accuracies
     assert "{:.3f} +- {:.3f}".format(np.mean(finals["stapo"]), np.std(finals["stapo"], ddof=1)) in stapo_row
     assert "| 18.0 +- 0.0 |" in stapo_row  # 3 silenced tokens x 6 steps per run
-    row = next(line for line in text.splitlines() if line.startswith("| grpo | accuracy gain |"))
-    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert any(line.startswith("| none | grpo | 4 |") for line in text.splitlines())  # grpo: no mask, its objective
+    row = next(line for line in text.splitlines() if line.startswith("| none | grpo | accuracy gain |"))
+    cells = [c.strip() for c in row.strip("|").split("|")][1:]
     diff, p, d_z, detectable = float(cells[4]), float(cells[5]), float(cells[6]), float(cells[7])
     d = np.array(finals["stapo"]) - np.array(finals["grpo"])
     assert diff == pytest.approx(d.mean(), abs=1e-3)
@@ -48,7 +49,7 @@ def test_summary_statistics_and_plot(tmp_path):
     # the detectable difference has 80% power: a two-sided paired t-test at 5% with 4 seeds
     crit, nc = stats.t.ppf(0.975, 3), detectable * 2 / d.std(ddof=1)
     assert stats.nct.sf(crit, 3, nc) + stats.nct.cdf(-crit, 3, nc) == pytest.approx(0.8, abs=0.01)
-    random_row = next(line for line in text.splitlines() if line.startswith("| random | accuracy gain |"))
+    random_row = next(line for line in text.splitlines() if line.startswith("| random | dapo | accuracy gain |"))
     assert random_row.endswith("| no difference detected |")
 
 
@@ -75,6 +76,41 @@ def test_each_run_is_launched_as_make_demo_is():
                            loss={"seed": int(args.pop("loss.seed"))}, **{k: int(v) for k, v in args.items()})
     ref, ref_ws = tiny_compare(run_dir=cfg.run_dir, method="random", seed=3)
     assert cfg == ref and ws == ref_ws
+
+
+def test_s2t_on_an_objective_against_that_objective(tmp_path):
+    """``--methods stapo justrl --objectives cispo``: runs ``stapo-cispo_seedS`` and
+    ``justrl-cispo_seedS``, tables naming mask and objective, stapo paired with the unmasked CISPO."""
+    pytest.importorskip("scipy")
+    assert compare.arms(["stapo", "justrl"], ["cispo", "gspo"]) == [
+        ("stapo", "cispo"), ("justrl", "cispo"), ("stapo", "gspo"), ("justrl", "gspo")]
+    finals = {"stapo-cispo": [0.8, 0.9, 0.85], "justrl-cispo": [0.6, 0.65, 0.62]}
+    for name, accs in finals.items():
+        for seed, acc in enumerate(accs):
+            _write_run(tmp_path / f"{name}_seed{seed}", 0.3, acc, 0.2, 2 if name.startswith("stapo") else 0)
+    text = compare.summarize(str(tmp_path), seeds=[0, 1, 2], methods=["stapo", "justrl"], objectives=["cispo"])
+    lines = text.splitlines()
+    assert any(line.startswith("| stapo | cispo | 3 | 0.300 +- 0.000 | 0.850 +- 0.050 |") for line in lines)
+    assert any(line.startswith("| none | cispo | 3 | 0.300 +- 0.000 | 0.623 +- 0.025 |") for line in lines)
+    row = next(line for line in lines if line.startswith("| none | cispo | accuracy gain |"))
+    assert "| 0.550 | 0.323 | +0.227 |" in row  # gains over the start, 0.3 and row.endswith("| stapo higher |")
+    assert "| stapo | cispo | 1 | 0.300 | 0.900 |" in text  # per run: mask, objective, seed
+
+
+def test_an_objective_run_is_launched_with_its_objective():
+    from stapo_megatron.launch.entry import build_config
+    from stapo_megatron.method.config import method_loss_config
+
+    cmd = compare.launch_command("stapo", 2, "runs/compare/stapo-gspo_seed2", objective="gspo")
+    assert {"method=stapo", "loss.objective=gspo", "loss.clip_ratio_low=0.0003", "loss.clip_ratio_high=0.0004"} <= set(cmd)
+    args = dict(a.split("=", 1) for a in cmd[2:-1])
+    loss = {k.split(".", 1)[1]: v for k, v in args.items() if k.startswith("loss.")}
+    cfg, _ = build_config("tiny", args["method"], args["output_dir"],
+                          loss={k: (v if k == "objective" else float(v) if "." in v else int(v)) for k, v in loss.items()})
+    assert cfg.loss == method_loss_config("stapo", objective="gspo", seed=2, temperature=cfg.loss.temperature)
+    assert compare.launch_command("stapo", 2, "x") == [a for a in compare.launch_command("stapo", 2, "x", objective=None)]
+    with pytest.raises(ValueError, match=r"unknown methods or objectives \['cisp'\]"):
+        compare.compare_tiny(str("unused"), methods=["stapo"], objectives=["cisp"])
 
 
 def test_summary_without_runs_is_a_clear_error(tmp_path):

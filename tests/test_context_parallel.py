@@ -185,6 +185,8 @@ def _loss_config(method):
 
     if method == "stapo":
         return LossConfig(method="stapo", tau_p=0.0015)
+    if method == "stapo_gspo":  # S2T on GSPO: a sequence-level ratio, its mean summed over CP
+        return method_loss_config("stapo", objective="gspo", tau_p=0.0015)
     correction = RolloutCorrectionConfig(mode="seq_mask", seq_lower=0.9, seq_upper=1.1)
     return method_loss_config("grpo", rollout_correction=correction)
 
@@ -235,7 +237,7 @@ def _train_worker(tp, layouts, budgets, method="stapo"):
                                 context_parallel_size=cp, cp_rank=dist.get_rank(groups.cp), seq_align=2 * cp)
         ctx = PassContext(model, max(mb.tokens.shape[1] for mb in mbs), groups=groups)
         old_policy_pass(ctx, [mbs])
-        ref_gap = _sequence_inputs(config, model, groups, mbs) if method != "stapo" else 0.0
+        ref_gap = _sequence_inputs(config, model, groups, mbs) if not method.startswith("stapo") else 0.0
         history = [policy_update(ctx, optimizer, mbs, loss_config) for _ in range(2)]
         params = {n: p.detach().clone() for n, p in model.module.named_parameters()}
         out[cp] = dict(history=history, params=params, tokens=max(mb.tokens.shape[1] for mb in mbs),
@@ -295,6 +297,20 @@ def test_cp2_grpo_with_seq_mask_trains_as_cp1():
     assert 0 < first["correction_rejected_count"] < first["num_response_tokens"]
     assert first["num_kept"] > 0 and results[0][1]["ref_gap"] > 0.1
     assert results[0][1]["history"][1]["clip_fraction"] > 0, "the second update must be off-policy and clip"
+
+
+@pytest.mark.slow
+def test_cp2_s2t_on_gspo_trains_as_cp1():
+    """S2T on GSPO (loss.objective=gspo): every sequence's geometric-mean ratio and |o_i| are
+    summed over the CP group, so CP=2 silences the same tokens and trains the same weights as
+    CP=1 (`_check_same`'s tolerances)."""
+    results = run_distributed(2, _train_worker, 1, (1, 2), (48, 24), "stapo_gspo")
+    _check_same(results, 2, silencing=False)
+    silenced = [(_silenced(results, 2, u), _silenced(results, 1, u)) for u in range(2)]
+    for got, want in silenced:
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert sum(len(want) for _, want in silenced) > 0, "the S2T mask must be exercised"
 
 
 def _checkpoint_worker(hf_dir, run_cp2, run_cp1):

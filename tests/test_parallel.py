@@ -110,7 +110,7 @@ def test_dp_quantile_equals_concatenated():
 VOCAB, PROMPT, RESPONSE, MBS = 512, 4, 12, 2
 
 
-def _train_worker(tp, pp, steps, method, init_ckpt):
+def _train_worker(tp, pp, steps, method, init_ckpt, objective=None):
     from megatron.core import dist_checkpointing
 
     from stapo_megatron.method.config import LossConfig
@@ -134,7 +134,8 @@ def _train_worker(tp, pp, steps, method, init_ckpt):
     # SGD: Adam's 1/sqrt(v) would amplify fp32 reduction-order noise on near-zero gradients
     optim = OptimConfig(optimizer="sgd", lr=1.0, weight_decay=0.0, clip_grad=0.0)
     model, optimizer = wrap_model_and_optimizer(model, optim)
-    loss_config = LossConfig(method=method, tau_p=0.0015)
+    # Clip-Cov: about 10 eligible tokens per micro-batch here (cov > 0.05), one drawn; every TP rank must draw the same
+    loss_config = LossConfig(method=method, tau_p=0.0015, objective=objective, clip_cov_ratio=0.05, clip_cov_lower=0.05)
     history = []
     for step in range(steps):
         mbs, _ = synthetic_rollouts(4, 4, PROMPT, RESPONSE, VOCAB, seed=step, micro_batch_size=MBS)
@@ -176,6 +177,21 @@ def test_parallel_training_matches_single_process(reference_run, init_ckpt, tp, 
                 assert got[key] == want[key], key
             # measured <= 5e-6 relative over 6 updates (fp32 reduction order across shards)
             for key in ("loss", "tau_h", "entropy_mean", "approx_kl", "grad_norm", "clip_fraction"):
+                assert got[key] == pytest.approx(want[key], rel=2e-5, abs=1e-6), key
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_s2t_on_clip_cov_matches_single_process(init_ckpt, tp, pp):
+    """S2T on Clip-Cov (random draws, micro-batch covariance statistics) at TP=2 and PP=2: the
+    draws are seeded per micro-batch, so the TP ranks agree and the run equals TP=PP=1."""
+    ref = run_distributed(1, _train_worker, 1, 1, 3, "stapo", init_ckpt, "clip_cov")[0]
+    results = run_distributed(2, _train_worker, tp, pp, 3, "stapo", init_ckpt, "clip_cov")
+    assert sum(m["silenced_count"] for m in ref) > 0
+    for rank_history in results:
+        for got, want in zip(rank_history, ref):
+            for key in ("num_kept", "silenced_count"):
+                assert got[key] == want[key], key
+            for key in ("loss", "grad_norm"):
                 assert got[key] == pytest.approx(want[key], rel=2e-5, abs=1e-6), key
 
 

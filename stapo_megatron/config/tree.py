@@ -33,6 +33,7 @@ from stapo_megatron.config.layout import config_problems
 from stapo_megatron.data.config import DataConfig
 from stapo_megatron.eval.config import EvalConfig, EvalSetConfig, eval_set_configs
 from stapo_megatron.method.config import LossConfig
+from stapo_megatron.method.objectives import check_parallelism
 from stapo_megatron.rewards.config import RewardConfig
 from stapo_megatron.rollout.config import EngineResources, RolloutConfig, RolloutSampling
 from stapo_megatron.runlog.config import LoggingConfig
@@ -164,6 +165,7 @@ class TrainerConfig:
         problems = config_problems(self)
         if problems:
             raise ValueError(problems[0])
+        check_parallelism(self.loss.effective_objective, self.model.context_parallel_size)
         # The loss recomputes pi_old and pi_theta at loss.temperature; sampling at another
         # temperature would make every ratio, entropy and S2T decision refer to a distribution
         # the responses were not drawn from.

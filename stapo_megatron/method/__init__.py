@@ -2,6 +2,8 @@
 
 - ``objective``: the clipped token surrogate, the masked sum and its normaliser, the k3 KL (Eq. 1-3).
 - ``masks``: the S2T mask (STAPO), the 20-Entropy and random controls, the mini-batch tau_H.
+- ``objectives``: `OBJECTIVES`, the per-token losses a mask applies to (dapo, grpo, dual-clip, GSPO,
+  CISPO, Clip-Cov, KL-Cov; ``LossConfig.objective``).
 - ``registry``: `METHODS`, one `Method` per name (mask, threshold statistic, loss options), the
   `register_method` decorator and `get_method` (a name or a dotted path ``pkg.module:fn``).
 - ``config``: `LossConfig`, the method's name and constants, and `method_loss_config`.

@@ -6,6 +6,7 @@ import dataclasses
 import math
 from typing import Any, Optional
 
+from stapo_megatron.method.objectives import get_objective
 from stapo_megatron.method.registry import get_method
 from stapo_megatron.method.rollout_correction import S2T_PROBABILITY_SOURCES, RolloutCorrectionConfig
 
@@ -55,9 +56,26 @@ class LossConfig:
     rollout_correction: RolloutCorrectionConfig = dataclasses.field(default_factory=RolloutCorrectionConfig)
     """Rollout/training mismatch: the bounds that flag tokens (logged every step) and the
     correction (`stapo_megatron.method.rollout_correction`; off in the paper recipes)."""
+    objective: Optional[str] = None
+    """The objective the method's mask applies to, a name of
+    `stapo_megatron.method.objectives.OBJECTIVES`: "dapo" (the JustRL/DAPO token loss), "grpo",
+    "dual_clip", "gspo", "cispo", "clip_cov", "kl_cov". None: the method's own (`Method.objective`:
+    "grpo" for grpo, "dapo" for the others). The objective's recipe values (GSPO's clip range,
+    GRPO's KL) come with ``method_loss_config(..., objective=...)``, not with this field alone."""
+    clip_cov_ratio: float = 2e-4
+    """Clip-Cov: fraction of the micro-batch's kept tokens that lose their gradient (verl's default)."""
+    clip_cov_lower: float = 1.0
+    """Clip-Cov: tokens are eligible when lower < cov < upper (verl's clip_cov_lb)."""
+    clip_cov_upper: float = 5.0
+    """Clip-Cov: the upper covariance bound (verl's clip_cov_ub)."""
+    kl_cov_ratio: float = 2e-4
+    """KL-Cov: fraction of the micro-batch's kept tokens given the |log r| penalty (verl's default)."""
+    kl_cov_coef: float = 1.0
+    """KL-Cov: the penalty's coefficient (verl's ppo_kl_coef)."""
 
     def __post_init__(self):
         get_method(self.method)  # ValueError naming the methods
+        self._check_objective()
         if self.s2t_probability not in S2T_PROBABILITY_SOURCES:
             raise ValueError(f"s2t_probability must be one of {S2T_PROBABILITY_SOURCES}, got {self.s2t_probability!r}")
         if self.tau_h_source not in ("old", "exact"):
@@ -81,8 +99,29 @@ class LossConfig:
         if not (0 <= self.kl_coef and math.isfinite(self.kl_coef)):
             raise ValueError(f"kl_coef must be finite and >= 0, got {self.kl_coef}")
 
+    def _check_objective(self) -> None:
+        objective = get_objective(self.effective_objective)  # ValueError naming the objectives
+        if objective.name == "dual_clip" and self.clip_ratio_c is None:
+            raise ValueError("objective='dual_clip' needs clip_ratio_c (the dual-clip constant c > 1; verl uses 3.0)")
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1] (a fraction of tokens), got {getattr(self, name)}")
+        if not self.clip_cov_lower < self.clip_cov_upper:
+            raise ValueError(f"need clip_cov_lower < clip_cov_upper, got {self.clip_cov_lower}, {self.clip_cov_upper}")
+        if not (0 <= self.kl_cov_coef and math.isfinite(self.kl_cov_coef)):
+            raise ValueError(f"kl_cov_coef must be finite and >= 0, got {self.kl_cov_coef}")
 
-def method_loss_config(method: str, **shared: Any) -> LossConfig:
-    """The `LossConfig` of ``method``: the ``shared`` field values, then the method's own
-    ``loss_options`` on top (GRPO's symmetric clip and KL coefficient)."""
-    return LossConfig(method=method, **{**shared, **get_method(method).loss_options})
+    @property
+    def effective_objective(self) -> str:
+        """``objective``, or the method's own when None."""
+        return self.objective if self.objective is not None else get_method(self.method).objective
+
+
+def method_loss_config(method: str, objective: Optional[str] = None, **shared: Any) -> LossConfig:
+    """The `LossConfig` of ``method`` (on ``objective``, None: the method's own): the ``shared``
+    field values, then the method's own ``loss_options`` (GRPO's symmetric clip and KL
+    coefficient), then the named objective's (GSPO's clip range, dual-clip's c)."""
+    options = {**shared, **get_method(method).loss_options}
+    if objective is not None:
+        options.update(get_objective(objective).loss_options, objective=objective)
+    return LossConfig(method=method, **options)

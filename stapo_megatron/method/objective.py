@@ -75,6 +75,7 @@ def stapo_loss(
     sequence_ids: Optional[torch.Tensor] = None,
     sequence_sum: Optional[SequenceSum] = None,
     count_sequences: bool = True,
+    token_loss: Optional[Callable[..., torch.Tensor]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Sum of STAPO token losses over kept tokens, and the number of kept tokens.
 
@@ -105,6 +106,9 @@ def stapo_loss(
             of sum_i 1/|o_i| sum_t l_t; the normaliser counts the sequences only where
             ``count_sequences`` (one rank of the group), so a sum over the group counts each
             once. None / True: the rows hold whole sequences.
+        token_loss: ``(logprob, old_logprob, advantages, keep) -> [B, S]`` per-token loss of
+            another objective (``method.objectives``; the clip arguments are then its business);
+            None: the clipped surrogate above (`token_objective`).
 
     Returns:
         (loss_sum: 0-dim, fp32 or (float64 inputs) float64, differentiable; the normaliser: 0-dim int64, the number of kept
@@ -139,11 +143,12 @@ def stapo_loss(
     logprob, old_logprob, advantages = logprob.to(dtype), old_logprob.to(dtype), advantages.to(dtype)
     ref_logprob = None if ref_logprob is None else ref_logprob.to(dtype)
     keep = response_mask & ~silenced
-    loss, _ = token_objective(
-        logprob, old_logprob, advantages, clip_ratio_low, clip_ratio_high, clip_ratio_c
-    )
+    if token_loss is not None:
+        loss = token_loss(logprob, old_logprob, advantages, keep)
+    else:
+        loss, _ = token_objective(logprob, old_logprob, advantages, clip_ratio_low, clip_ratio_high, clip_ratio_c)
     if is_weight is not None:
-        loss = loss * is_weight.detach().float()
+        loss = loss * is_weight.detach().to(loss.dtype)  # float64 weights stay float64
     if kl_coef:
         if ref_logprob is None:
             raise ValueError("kl_coef > 0 needs ref_logprob")

@@ -66,7 +66,11 @@ class Method:
     loss_agg: str = "token_mean"
     """"token_mean" (every kept token of the mini-batch weighs the same) or
     "seq_mean_token_mean" (GRPO: mean per sequence, then over sequences); see
-    ``stapo_megatron.method.objective.stapo_loss``."""
+    ``stapo_megatron.method.objective.stapo_loss``. Must equal the default objective's
+    (``objectives.OBJECTIVES[objective].loss_agg``), which is what the loss reads."""
+    objective: str = "dapo"
+    """The objective the mask applies to unless ``LossConfig.objective`` names another
+    (``stapo_megatron.method.objectives.OBJECTIVES``)."""
 
     @property
     def needs_entropy(self) -> bool:
@@ -139,7 +143,7 @@ METHODS: Dict[str, Method] = {m.name: m for m in (
            _no_mask),
     Method("grpo", "DeepSeekMath GRPO: per-sequence mean, symmetric clip 0.2, k3 KL (beta 0.04) to a frozen reference",
            _no_mask, loss_options=dict(clip_ratio_high=0.2, clip_ratio_c=None, kl_coef=0.04),
-           loss_agg="seq_mean_token_mean"),
+           loss_agg="seq_mean_token_mean", objective="grpo"),
     Method("entropy20", "keep only the top-20% entropy response tokens (Beyond the 80/20 rule)",
            _entropy20_mask, _entropy20_threshold),
     Method("random", "silence as many S2T candidates (A > 0, p < tau_p), drawn at random, as S2T would (control)",

@@ -3,6 +3,12 @@
     nemo-run launch/compare_tiny.py --yes                                    # = make compare
     .venv/bin/python -m stapo_megatron.runlog.compare --out runs/compare            # the same driver, without NeMo-Run
     .venv/bin/python -m stapo_megatron.runlog.compare --out runs/compare --summarize-only
+    .venv/bin/python -m stapo_megatron.runlog.compare --methods stapo justrl --objectives cispo --out runs/compare-cispo
+
+A run is a mask (the method) on an objective: ``--objectives`` runs every method on each named
+objective (``stapo_megatron.method.objectives``: ``loss.objective=O`` and the objective's recipe
+values, `objective_overrides`), so "S2T on CISPO vs CISPO" is the last line above; without it
+each method runs on its own objective. Runs are ``<method>_seed<S>`` or ``<method>-<objective>_seed<S>``.
 
 Every run is launched exactly as ``make demo`` is (``nemo-run launch/stapo_tiny.py method=M
 seed=S output_dir=OUT/M_seedS <COMPARE_OVERRIDES> --yes``: NeMo-Run, torchrun, 2 processes), so
@@ -30,9 +36,10 @@ import shutil
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
-from stapo_megatron.method.registry import METHODS
+from stapo_megatron.method.objectives import OBJECTIVES, get_objective
+from stapo_megatron.method.registry import METHODS, get_method
 from stapo_megatron.recipes.tiny import COMPARE_OVERRIDES
 from stapo_megatron.runlog.report import fill_block, machine, runs_commit
 
@@ -59,12 +66,45 @@ def _overrides(steps: Optional[int]) -> Dict[str, int]:
     return {**COMPARE_OVERRIDES, **({"steps": steps} if steps else {})}
 
 
-def launch_command(method: str, seed: int, run_dir: str, steps: Optional[int] = None) -> List[str]:
-    """The ``nemo-run`` command of one comparison run: ``make demo`` with the comparison's overrides."""
+Arm = Tuple[str, Optional[str]]
+"""One compared configuration: (method, objective; None = the method's own)."""
+
+
+def arms(methods: Sequence[str], objectives: Optional[Sequence[str]] = None) -> List[Arm]:
+    """Every method on every objective (objective by objective), or on its own without ``objectives``."""
+    return [(m, o) for o in (objectives or [None]) for m in methods]
+
+
+def arm_name(arm: Arm) -> str:
+    """The run directories' prefix: ``method`` or ``method-objective``."""
+    return arm[0] if arm[1] is None else f"{arm[0]}-{arm[1]}"
+
+
+def mask_name(method: str) -> str:
+    """The mask a method applies: its name, or "none" for the methods that silence nothing."""
+    return "none" if get_method(method).mask is METHODS["justrl"].mask else method
+
+
+def objective_name(arm: Arm) -> str:
+    return arm[1] if arm[1] is not None else get_method(arm[0]).objective
+
+
+def objective_overrides(objective: Optional[str]) -> List[str]:
+    """``loss.objective=O`` and the objective's recipe values (GSPO's clip range, ...) as overrides."""
+    if objective is None:
+        return []
+    options = {k: v for k, v in get_objective(objective).loss_options.items() if v is not None}
+    return [f"loss.objective={objective}", *(f"loss.{k}={v}" for k, v in options.items())]
+
+
+def launch_command(method: str, seed: int, run_dir: str, steps: Optional[int] = None,
+                   objective: Optional[str] = None) -> List[str]:
+    """The ``nemo-run`` command of one comparison run: ``make demo`` with the comparison's overrides
+    (and ``objective``'s, `objective_overrides`)."""
     nemo_run = os.path.join(os.path.dirname(sys.executable), "nemo-run")
     overrides = [f"{k}={v}" for k, v in _overrides(steps).items()]
     return [nemo_run, LAUNCH_FILE, f"method={method}", f"seed={seed}", f"loss.seed={seed}",
-            f"output_dir={os.path.abspath(run_dir)}", *overrides, "--yes"]
+            f"output_dir={os.path.abspath(run_dir)}", *overrides, *objective_overrides(objective), "--yes"]
 
 
 def _record_seconds(out: str, run: str, seconds: float) -> None:
@@ -76,16 +116,18 @@ def _record_seconds(out: str, run: str, seconds: float) -> None:
         json.dump(times, f, indent=1)
 
 
-def run_comparison(out: str, seeds: Sequence[int], methods: Sequence[str], steps: Optional[int] = None) -> None:
-    """Every (method, seed) run, one after another; finished runs are skipped."""
+def run_comparison(out: str, seeds: Sequence[int], methods: Sequence[str], steps: Optional[int] = None,
+                   objectives: Optional[Sequence[str]] = None) -> None:
+    """Every (method, objective, seed) run (`arms`), one after another; finished runs are skipped."""
     if not os.path.isfile(LAUNCH_FILE):
         raise FileNotFoundError(f"{LAUNCH_FILE} not found: the comparison launches the demo's launch file "
                                 "and needs the repository checkout (pip install -e .)")
     steps = _overrides(steps)["steps"]
     os.makedirs(out, exist_ok=True)
     t_start = time.time()
-    jobs = [(m, s) for s in seeds for m in methods]
-    for k, (method, seed) in enumerate(jobs):
+    jobs = [(a, s) for s in seeds for a in arms(methods, objectives)]
+    for k, (arm, seed) in enumerate(jobs):
+        method = arm_name(arm)
         run_dir = os.path.join(out, f"{method}_seed{seed}")
         if _finished(run_dir, steps):
             print(f"[compare] {method} seed {seed}: finished earlier, skipped", flush=True)
@@ -98,7 +140,8 @@ def run_comparison(out: str, seeds: Sequence[int], methods: Sequence[str], steps
         t0 = time.time()
         print(f"[compare] run {k + 1}/{len(jobs)}: {method} seed {seed}", flush=True)
         with open(run_dir + ".log", "w") as log:
-            proc = subprocess.run(launch_command(method, seed, run_dir, steps), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+            proc = subprocess.run(launch_command(arm[0], seed, run_dir, steps, arm[1]), cwd=ROOT, stdout=log,
+                                  stderr=subprocess.STDOUT)
         if proc.returncode != 0 or not _finished(run_dir, steps):
             raise RuntimeError(f"{method} seed {seed} failed (exit {proc.returncode}); log: {run_dir}.log")
         _record_seconds(out, f"{method}_seed{seed}", time.time() - t0)
@@ -171,10 +214,15 @@ def _run_summary(rows: List[Dict]) -> Dict[str, float]:
     )
 
 
-def summarize(out: str, seeds: Sequence[int], methods: Sequence[str] = tuple(METHODS)) -> str:
-    """Write ``summary.md`` and ``curves.png`` from the finished runs; returns the markdown."""
+def summarize(out: str, seeds: Sequence[int], methods: Sequence[str] = tuple(METHODS),
+              objectives: Optional[Sequence[str]] = None) -> str:
+    """Write ``summary.md`` and ``curves.png`` from the finished runs of every method on every
+    objective (`arms`); returns the markdown. Tables name each run's mask and objective; stapo
+    is paired with the other masks on the same objective."""
+    compared = arms(methods, objectives)
+    labels = {arm_name(a): (mask_name(a[0]), objective_name(a)) for a in compared}
     runs = {}
-    for m in methods:
+    for m in labels:
         for s in seeds:
             rows = _read_rows(os.path.join(out, f"{m}_seed{s}"))
             if any(r.get("kind") == "eval" for r in rows) and any(r.get("kind") == "train" for r in rows):
@@ -188,36 +236,37 @@ def summarize(out: str, seeds: Sequence[int], methods: Sequence[str] = tuple(MET
         "at the demo's evaluation settings; final = the last evaluation; entropy = mean token entropy "
         "of the last 5 steps; silenced = mean fraction of response tokens silenced per step. "
         "mean +- std over seeds.", "",
-        "| method | runs | held-out acc. start | final held-out acc. | gain | final entropy | silenced fraction | silenced tokens per run | final train reward |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| mask | objective | runs | held-out acc. start | final held-out acc. | gain | final entropy | silenced fraction | silenced tokens per run | final train reward |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     fmt = lambda xs, d=3: "{:.{d}f} +- {:.{d}f}".format(*_mean_std(xs), d=d)  # noqa: E731
-    for m in methods:
+    for m, (mask, objective) in labels.items():
         vals = [per[m, s] for s in seeds if (m, s) in per]
         if not vals:
             continue
         col = lambda key: [v[key] for v in vals]  # noqa: E731
         lines.append(
-            f"| {m} | {len(vals)} | {fmt(col('acc0'))} | {fmt(col('acc'))} | {fmt(col('gain'))} | "
+            f"| {mask} | {objective} | {len(vals)} | {fmt(col('acc0'))} | {fmt(col('acc'))} | {fmt(col('gain'))} | "
             f"{fmt(col('entropy'))} | {fmt(col('silenced_fraction'), 5)} | {fmt(col('silenced_total'), 1)} | "
             f"{fmt(col('reward'))} |"
         )
-    lines += ["", "stapo against each baseline, paired by seed (two-sided paired t-test; d_z = mean / std of the "
-              "paired differences; detectable = the smallest true difference these seeds detect with 80% "
-              "power at the 5% level):", "",
-              "| baseline | metric | stapo | baseline | difference | paired p | d_z | detectable | reading |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for b in [m for m in methods if m != "stapo"]:
-        common = [s for s in seeds if ("stapo", s) in per and (b, s) in per]
-        if len(common) < 2:
+    lines += ["", "stapo against each baseline mask on the same objective, paired by seed (two-sided paired t-test; "
+              "d_z = mean / std of the paired differences; detectable = the smallest true difference these "
+              "seeds detect with 80% power at the 5% level):", "",
+              "| baseline | objective | metric | stapo | baseline | difference | paired p | d_z | detectable | reading |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for arm in compared:
+        b, ref = arm_name(arm), arm_name(("stapo", arm[1]))
+        common = [s for s in seeds if (ref, s) in per and (b, s) in per]
+        if arm[0] == "stapo" or len(common) < 2:
             continue
         for key, name in (("gain", "accuracy gain"), ("entropy", "final entropy")):
-            a_vals = [per["stapo", s][key] for s in common]
+            a_vals = [per[ref, s][key] for s in common]
             b_vals = [per[b, s][key] for s in common]
             st = paired_comparison(a_vals, b_vals)
             reading = ("no difference detected" if not st["p"] < 0.05
                        else f"stapo {'higher' if st['mean_diff'] > 0 else 'lower'}")
-            lines.append(f"| {b} | {name} | {_mean_std(a_vals)[0]:.3f} | {_mean_std(b_vals)[0]:.3f} | "
+            lines.append(f"| {labels[b][0]} | {labels[b][1]} | {name} | {_mean_std(a_vals)[0]:.3f} | {_mean_std(b_vals)[0]:.3f} | "
                          f"{st['mean_diff']:+.3f} | {st['p']:.3f} | {st['d_z']:+.2f} | {st['detectable']:.3f} | {reading} |")
     times_path = os.path.join(out, "run_seconds.json")
     times = json.load(open(times_path)) if os.path.exists(times_path) else {}
@@ -225,15 +274,15 @@ def summarize(out: str, seeds: Sequence[int], methods: Sequence[str] = tuple(MET
     if timed:
         lines += ["", f"Wall time: {sum(timed) / 60:.1f} min for {len(timed)} runs "
                       f"({min(timed) / 60:.1f} to {max(timed) / 60:.1f} min each, the first including the warm-start)."]
-    lines += ["", "Per run:", "", "| method | seed | start acc. | final acc. | final entropy | silenced tokens | steps with silencing |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "Per run:", "", "| mask | objective | seed | start acc. | final acc. | final entropy | silenced tokens | "
+              "steps with silencing |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (m, s), v in sorted(per.items()):
-        lines.append(f"| {m} | {s} | {v['acc0']:.3f} | {v['acc']:.3f} | {v['entropy']:.3f} | {v['silenced_total']} | "
+        lines.append(f"| {' | '.join(labels[m])} | {s} | {v['acc0']:.3f} | {v['acc']:.3f} | {v['entropy']:.3f} | {v['silenced_total']} | "
                      f"{v['steps_with_silencing']} |")
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write(text)
-    _plot(out, runs, methods, seeds)
+    _plot(out, runs, list(labels), seeds)
     return text
 
 
@@ -273,21 +322,24 @@ def _plot(out: str, runs, methods, seeds) -> None:
 
 
 def compare_tiny(output_dir: str = "runs/compare", seeds: List[int] = list(DEFAULT_SEEDS),  # noqa: B006
-                 methods: List[str] = list(DEFAULT_METHODS), steps: int = 0, readme: bool = False) -> str:  # noqa: B006
+                 methods: List[str] = list(DEFAULT_METHODS), steps: int = 0, readme: bool = False,  # noqa: B006
+                 objectives: List[str] = []) -> str:  # noqa: B006
     """The whole comparison (runs, then summary); the NeMo-Run task of ``launch/compare_tiny.py``.
 
     ``steps`` = 0 takes the comparison's (``recipes.tiny.COMPARE_OVERRIDES``); ``readme`` puts the
-    summary into README.md's ``compare`` block. Plain types only: NeMo-Run's CLI parses
-    ``key=value`` by annotation and does not take Optional/Sequence.
+    summary into README.md's ``compare`` block; ``objectives`` (empty: each method's own) runs
+    every method on each (`arms`). Plain types only: NeMo-Run's CLI parses ``key=value`` by
+    annotation and does not take Optional/Sequence.
     """
-    bad = [m for m in methods if m not in METHODS]
+    bad = [m for m in methods if m not in METHODS] + [o for o in objectives if o not in OBJECTIVES]
     if bad:
-        raise ValueError(f"unknown methods {bad}; choose from {tuple(METHODS)}")
-    if len(set(seeds)) != len(seeds) or len(set(methods)) != len(methods):
-        raise ValueError(f"seeds {seeds} and methods {methods} must not repeat")
+        raise ValueError(f"unknown methods or objectives {bad}; choose methods from {tuple(METHODS)} and "
+                         f"objectives from {tuple(OBJECTIVES)}")
+    if len(set(seeds)) != len(seeds) or len(set(methods)) != len(methods) or len(set(objectives)) != len(objectives):
+        raise ValueError(f"seeds {seeds}, methods {methods} and objectives {objectives} must not repeat")
     t0 = time.time()
-    run_comparison(output_dir, list(seeds), list(methods), steps or None)
-    text = summarize(output_dir, list(seeds), list(methods))
+    run_comparison(output_dir, list(seeds), list(methods), steps or None, list(objectives))
+    text = summarize(output_dir, list(seeds), list(methods), list(objectives))
     print(text, flush=True)
     print(f"[compare] {time.time() - t0:.0f}s in all (finished runs skipped)", flush=True)
     if readme:
@@ -322,13 +374,15 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="runs/compare", help="output folder (runs, summary.md, curves.png)")
     p.add_argument("--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS))
     p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS))
+    p.add_argument("--objectives", nargs="+", default=None, choices=list(OBJECTIVES),
+                   help="run every method on each of these objectives (default: each method's own)")
     p.add_argument("--steps", type=int, default=0, help="RL steps per run (default: COMPARE_OVERRIDES')")
     p.add_argument("--summarize-only", action="store_true")
     p.add_argument("--readme", action="store_true", help="put the summary into README.md's compare block")
     args = p.parse_args(argv)
     if not args.summarize_only:
-        run_comparison(args.out, args.seeds, args.methods, args.steps or None)
-    text = summarize(args.out, args.seeds, args.methods)
+        run_comparison(args.out, args.seeds, args.methods, args.steps or None, args.objectives)
+    text = summarize(args.out, args.seeds, args.methods, args.objectives)
     print(text)
     if args.readme:
         _to_readme(args.out, text)

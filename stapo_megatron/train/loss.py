@@ -2,7 +2,8 @@
 ``make_forward_step`` (configured by `LossConfig`, ``stapo_megatron.method.config``).
 
 The loss is split by job: the objective on plain tensors (``method/objective.py``:
-`stapo_loss`, `token_objective`), which tokens each method silences (``method/registry.py``),
+`stapo_loss`, `token_objective`; the other objectives' token losses, ``loss.objective``, in
+``method/objectives.py``), which tokens each method silences (``method/registry.py``),
 the micro-batch runner shared with the SFT warm-start (``train/schedule.py``), the metrics
 (``train/loss_metrics.py``), and here the Megatron ``loss_func`` that joins them.
 
@@ -52,7 +53,8 @@ import torch.distributed as dist
 
 from stapo_megatron.method import masks as s2t
 from stapo_megatron.method.config import LossConfig
-from stapo_megatron.method.objective import stapo_loss, token_objective
+from stapo_megatron.method.objective import stapo_loss
+from stapo_megatron.method.objectives import check_parallelism, clipped_tokens, get_objective
 from stapo_megatron.method.registry import get_method
 from stapo_megatron.method import rollout_correction as rc
 from stapo_megatron.train.batching import MicroBatch
@@ -134,20 +136,20 @@ def loss_func(
     is_weight, rejected = rc.correction(config.rollout_correction, old_logprob, batch.rollout_logprob, response_mask,
                                         seq_ids, seq_sum)
     trained_mask = response_mask & ~rejected
-    # normaliser: kept tokens ("token_mean") or sequences with a kept token (GRPO's sequence
-    # mean), the latter counted on CP rank 0 only: Megatron sums it over DP x CP (an integer, so
-    # a 1/CP share per rank would not do), and every CP rank holds part of every sequence
+    # normaliser: kept tokens ("token_mean") or sequences with a kept token (GRPO's and GSPO's
+    # sequence mean), the latter counted on CP rank 0 only: Megatron sums it over DP x CP (an
+    # integer, so a 1/CP share per rank would not do), and every CP rank holds part of every sequence
+    check_parallelism(config.effective_objective, batch.cp_size)
+    objective = get_objective(config.effective_objective)
     loss_sum, normaliser = stapo_loss(
         logprob, old_logprob, advantages, trained_mask, silenced,
         config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio_c,
-        batch.ref_logprob, config.kl_coef, method.loss_agg, is_weight=is_weight,
+        batch.ref_logprob, config.kl_coef, objective.loss_agg, is_weight=is_weight,
         sequence_ids=seq_ids, sequence_sum=seq_sum,
         count_sequences=seq_sum is None or dist.get_rank(cp_group) == 0,
+        token_loss=objective.build(config, seq_ids, seq_sum, batch.seed),
     )
-    with torch.no_grad():
-        _, is_clipped = token_objective(
-            logprob, old_logprob, advantages, config.clip_ratio_low, config.clip_ratio_high
-        )
+    is_clipped = clipped_tokens(config, logprob, old_logprob, advantages, trained_mask & ~silenced, seq_ids, seq_sum)
     num_kept = (trained_mask & ~silenced).sum()
     flagged = (torch.zeros_like(response_mask) if batch.rollout_logprob is None else
                rc.token_flags(config.rollout_correction, rc.log_ratio(old_logprob, batch.rollout_logprob), response_mask))
