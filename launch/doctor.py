@@ -4,7 +4,7 @@ alone (`stapo_megatron.doctor`), NCCL measured over the job's GPUs (between the 
     nemo-run launch/doctor.py --dryrun                       # render the sbatch script, submit nothing
     nemo-run launch/doctor.py run.executor.account=... --yes # one node, 8 GPUs
     nemo-run launch/doctor.py run.executor.nodes=2 --yes     # two nodes: the inter-node bandwidth
-    nemo-run launch/doctor.py moe=true skip=[stapo_steps] --yes
+    nemo-run launch/doctor.py moe=true skip=stapo_steps,te_spec --yes
 
 Every rank joins the collectives row; rank 0 then runs the other checks and prints the report in
 the job's log. Cluster settings: run.executor.<field>=... or STAPO_* variables

@@ -113,12 +113,13 @@ def run_doctor(only: Optional[List[str]] = None, skip: Optional[List[str]] = Non
     return report.exit_code(rows)
 
 
-def run_from_launch(only: Optional[List[str]] = None, skip: Optional[List[str]] = None, moe: bool = False,
-                    as_json: bool = False) -> None:
-    """`run_doctor` in each process of a launched job (``launch/doctor.py``); a failed check
-    ends the job with exit code 1."""
+def run_from_launch(only: str = "", skip: str = "", moe: bool = False, as_json: bool = False) -> None:
+    """`run_doctor` in each process of a launched job (``launch/doctor.py``): ``only`` and
+    ``skip`` are comma-separated check names (``skip=stapo_steps,te_spec``); a failed check ends
+    the job with exit code 1."""
+    split = lambda text: [n for n in text.split(",") if n] or None  # noqa: E731
     # torchrun's topology, not configuration: how many ranks this job has
-    code = run_doctor(only, skip, moe, as_json, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    code = run_doctor(split(only), split(skip), moe, as_json, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     if code:
         raise SystemExit(code)
 
