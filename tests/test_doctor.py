@@ -84,7 +84,7 @@ def test_cpu_subset_end_to_end():
     proc = subprocess.run([sys.executable, "-m", "stapo_megatron.doctor.cli", "--json"], cwd=REPO,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {c["name"]: c for c in json.loads(proc.stdout[proc.stdout.index("{"):])["checks"]}
+    rows = {c["name"]: c for c in json.loads(proc.stdout)["checks"]}  # stdout holds the JSON alone
     status = {name: c["status"] for name, c in rows.items()}
     assert status == dict(versions="pass", gloo_collectives="pass", logprob_op="pass", attention="pass",
                           te_spec_qwen3="skip", vllm_start="pass", vllm_sleep="skip", vllm_wake_sync="pass",

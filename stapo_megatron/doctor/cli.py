@@ -103,7 +103,9 @@ def run_doctor(only: Optional[List[str]] = None, skip: Optional[List[str]] = Non
     """Run the checks and print the report (rank 0); returns the exit code. ``world_size`` > 1:
     this process is one rank of a torchrun job (`run_job`). The entry of ``launch/doctor.py``."""
     names = report.select(CHECKS, only, skip)
-    with warnings.catch_warnings():
+    # with --json, stdout carries the JSON alone: what the checks print goes to stderr
+    quiet = contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
+    with warnings.catch_warnings(), quiet:
         # megatron-core warns about absent transformer-engine/apex on every CPU import
         warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
         rows = run_job(names, moe) if world_size > 1 else run_local(names, moe)
