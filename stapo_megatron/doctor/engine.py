@@ -63,6 +63,7 @@ def _mismatch_rows(model, engine, groups, samples, vocab_size: int, precision: s
     """The trainer's pi_old pass over the engine's samples, then its mismatch metrics."""
     from stapo_megatron.method.rollout_correction import RolloutCorrectionConfig
     from stapo_megatron.train.batching import pack_sequences
+    from stapo_megatron.train.parallel import collective_device
     from stapo_megatron.train.schedule import PassContext, old_policy_pass
     from stapo_megatron.trainer.step_metrics import rollout_mismatch
 
@@ -73,7 +74,8 @@ def _mismatch_rows(model, engine, groups, samples, vocab_size: int, precision: s
     batch = pack_sequences(prompts, [s.token_ids for s in flat], [0.0] * len(flat), [s.logprobs for s in flat], 0,
                            seq + -seq % 8, device=device)
     old_policy_pass(PassContext(model, batch.tokens.shape[1], 1.0, groups, vocab_size), [[batch]])
-    m = rollout_mismatch([[batch]], RolloutCorrectionConfig(), groups, torch.device("cpu"))
+    # the metrics' reductions run on the group's backend device (CUDA under NCCL)
+    m = rollout_mismatch([[batch]], RolloutCorrectionConfig(), groups, collective_device(groups.tokens))
     abs_bound, k3_bound = MISMATCH_BOUNDS[precision]
     values = dict(k3=m["mismatch_k3_kl"], max_abs=m["mismatch_abs_logprob_diff_max"], precision=precision)
     return [within("mismatch_logprob", f"{precision} mean |delta log p| over {int(batch.response_mask.sum())} tokens",

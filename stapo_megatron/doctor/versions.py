@@ -136,8 +136,9 @@ def check_versions() -> Check:
             problem = _import_problem(module, package, versions)
             if problem:
                 problems.append(problem)
+    nccl = torch.cuda.nccl.version() if torch.cuda.is_available() else None  # a tuple, an int before torch 2.x
     facts = dict(versions, torch_cuda=torch_cuda, driver_cuda=driver,
-                 nccl=".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None)
+                 nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl)
     summary = ", ".join(f"{k} {v}" for k, v in facts.items() if v)
     if problems:
         return failed("versions", "; ".join(problems), **facts)
