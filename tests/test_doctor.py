@@ -122,3 +122,14 @@ def test_moe_weight_sync_into_vllm_keeps_the_mismatch_bound():
     rows = {c["name"]: c for c in json.loads(proc.stdout)["checks"]}
     assert rows["vllm_wake_sync"]["status"] == "pass" and rows["moe_routing"]["status"] == "skip"
     assert rows["mismatch_logprob"]["status"] == "pass", rows["mismatch_logprob"]["detail"]
+
+
+@pytest.mark.slow
+def test_under_torchrun_every_rank_joins_the_collectives_and_rank_0_reports():
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "stapo_megatron.doctor.cli", "--only", "versions", "collectives", "--json"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout)["checks"]  # rank 0's report alone
+    assert [(r["name"], r["status"]) for r in rows] == [("gloo_collectives", "pass"), ("versions", "pass")]
+    assert rows[0]["values"]["ranks"] == 2 and rows[0]["values"]["multi_node"] is False

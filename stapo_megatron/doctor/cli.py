@@ -87,7 +87,8 @@ def run_job(names: Sequence[str], moe: bool = False) -> Optional[List[Check]]:
 
         def measured() -> Check:
             result = collectives.measure()
-            result["multi_node"] = dist.get_world_size() > max(1, torch.cuda.device_count())
+            # more NCCL ranks than this node's GPUs: the job spans nodes (no NVLink bound then)
+            result["multi_node"] = backend == "nccl" and dist.get_world_size() > torch.cuda.device_count()
             return collectives.row(result, backend, device)
 
         rows.append(report.run_check("collectives", measured))
