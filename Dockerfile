@@ -1,3 +1,4 @@
+# syntax=docker/dockerfile:1
 # A CUDA image for stapo-megatron: NGC PyTorch + vLLM + transformer-engine + megatron-core.
 # Not built or run in this repository's CI (its machines have no GPU and no container registry);
 # see the README, "Installing on a CUDA machine", for what each step avoids.
@@ -15,11 +16,23 @@ FROM ${BASE_IMAGE}
 
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
 
+# 0. NGC PyTorch images (25.03 and later) pin every preinstalled package in /etc/pip/constraint.txt
+#    (through PIP_CONSTRAINT or pip.conf); their release notes say to modify it to install other
+#    versions. vLLM 0.33.0 requires torch==2.14.0, which those pins forbid: pip would stop with a
+#    resolution conflict, or keep the image's torch under a vLLM built for another one. The pins
+#    are kept for reference in constraint.ngc.txt and the file is emptied (not removed: a pip.conf
+#    naming a missing file is an error); PIP_CONSTRAINT is cleared for the same reason.
+RUN if [ -f /etc/pip/constraint.txt ]; then \
+      cp /etc/pip/constraint.txt /etc/pip/constraint.ngc.txt && : > /etc/pip/constraint.txt; \
+    fi
+ENV PIP_CONSTRAINT=
+
 # 1. vLLM first: it pins an exact torch and replaces the image's own build with it, so everything
-#    compiled against torch comes after it. The image's apex and transformer-engine were built
-#    against the replaced torch: remove them (apex is optional here; TE is rebuilt in step 2).
+#    compiled against torch comes after it. The image's packages with torch extensions were built
+#    against the replaced torch and would fail to load: remove them (apex is optional here; TE is
+#    rebuilt in step 2; flash-attn and torch-tensorrt are not used, vLLM brings its own kernels).
 RUN pip install "vllm==0.33.0" \
- && pip uninstall -y apex transformer-engine transformer-engine-torch
+ && pip uninstall -y apex transformer-engine transformer-engine-torch flash-attn flash_attn torch-tensorrt
 
 # 2. transformer-engine for the torch that stays (its torch extension builds from source against
 #    the installed torch: --no-build-isolation; this takes a while). First refuse a torch whose
@@ -41,7 +54,17 @@ RUN pip install "megatron-core==0.19.2" \
 RUN pip install --no-deps -r requirements/launch-nodeps.txt \
  && pip install -r requirements/launch.txt
 
-# Fails the build if the pieces do not import together (transformer_engine.pytorch is left out:
-# it loads the CUDA driver, which a build without a GPU does not have).
-RUN python -c "import torch, vllm, megatron.core, stapo_megatron.trainer.loop; \
-print('torch', torch.__version__, 'cuda', torch.version.cuda, 'vllm', vllm.__version__, 'megatron-core', megatron.core.__version__)"
+# Fails the build if the pieces do not import together, naming the package that failed and how
+# (whatever it raises: an extension built against another torch raises OSError or ImportError, a
+# library that needs the driver may raise RuntimeError). transformer-engine is left out: it
+# loads CUDA libraries that a build without a GPU may not have (stapo-doctor imports it on
+# the GPU node).
+RUN python - <<'PY'
+import importlib, sys
+for name in ("torch", "vllm", "megatron.core", "stapo_megatron.trainer.loop"):
+    try:
+        module = importlib.import_module(name)
+    except BaseException as e:
+        sys.exit(f"image check: `import {name}` failed: {type(e).__name__}: {e}")
+    print("image check:", name, getattr(module, "__version__", "ok"))
+PY

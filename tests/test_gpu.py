@@ -192,50 +192,13 @@ def test_two_trainer_steps_checkpoint_and_resume_on_cuda(tmp_path):
 
 def _packed_and_cp_attention_worker(dtype, device):
     """The packed (THD) and context-parallel attention paths of `SDPAttention` on ``device``
-    against each sequence's causal SDPA alone (the padded batch's result): outputs and q/k/v
-    gradients, each as max error / max reference value."""
-    import torch.nn.functional as F
-    from megatron.core.packed_seq_params import PackedSeqParams
-    from megatron.core.transformer.enums import AttnMaskType
-
-    from stapo_megatron.bridge.attention import SDPAttention, chunk_attention
-    from stapo_megatron.train.context_parallel import local_positions
+    against each sequence's causal SDPA alone: stapo-doctor's attention row
+    (`stapo_megatron.doctor.kernels.attention_errors`), {path: (output error, gradient error)}."""
+    from stapo_megatron.doctor.kernels import attention_errors
     from stapo_megatron.train.parallel import init_parallel
-    from stapo_megatron.train.synthetic import tiny_gpt_config
 
     init_parallel(1, 1)
-    config = tiny_gpt_config(1)
-    attn = SDPAttention(config, 1, AttnMaskType.causal, "self")
-    heads, groups, dim = config.num_attention_heads, config.num_query_groups, config.kv_channels
-    cu = torch.tensor([0, 512, 640, 1536], dtype=torch.int32, device=device)  # multiples of 2 x CP (4)
-    T, gen = int(cu[-1]), torch.Generator().manual_seed(0)
-    qkv = [torch.randn(T, h, dim, generator=gen).to(device, dtype) for h in (heads, groups, groups)]
-    upstream = torch.randn(T, heads * dim, generator=gen).to(device, dtype)
-
-    def run(fn):
-        inputs = [t.clone().requires_grad_() for t in qkv]
-        out = fn(*inputs)
-        out.backward(upstream[:out.shape[0]] if out.shape[0] == T else upstream[idx])
-        return out.float(), [t.grad.float() for t in inputs]
-
-    bounds = cu.tolist()
-    want, want_grads = run(lambda q, k, v: torch.cat([F.scaled_dot_product_attention(
-        *(t[a:b].transpose(0, 1)[None] for t in (q, k, v)), is_causal=True, enable_gqa=True)[0]
-        for a, b in zip(bounds, bounds[1:])], dim=1).transpose(0, 1).reshape(T, -1))
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=896,
-                             max_seqlen_kv=896)
-    scale = float(want.abs().max())
-    errors = {}
-    idx = None
-    got, grads = run(lambda q, k, v: attn(q, k, v, None, packed_seq_params=params))
-    errors["packed"] = (float((got - want).abs().max()) / scale,
-                        max(float((g - w).abs().max() / w.abs().max()) for g, w in zip(grads, want_grads)))
-    for rank in (0, 1):  # CP = 2: this rank's chunks against the whole K/V (what the all-gather gives)
-        idx = local_positions(cu.cpu(), 2, rank).to(device)
-        got, grads = run(lambda q, k, v: chunk_attention(attn._sdpa, q[idx], k, v, cu, 2, rank))
-        grad_q = max(float((grads[0][idx] - want_grads[0][idx]).abs().max() / want_grads[0].abs().max()), 0.0)
-        errors[f"cp2 rank {rank}"] = (float((got - want[idx]).abs().max()) / scale, grad_q)
-    return errors
+    return attention_errors(dtype, device)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

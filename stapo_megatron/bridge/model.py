@@ -8,7 +8,8 @@ sync all use it. Megatron's parallel state must be initialised first
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+import re
+from typing import Any, Iterable, List, Optional, Union
 
 import torch
 
@@ -193,6 +194,18 @@ def _with_ddp_keys(model):
     return wrapper
 
 
+_EXTRA_STATE = re.compile(r"_extra_state\d*$")
+
+
+def extra_state_keys(keys: Iterable[str]) -> List[str]:
+    """The `_extra_state` entries among a model's sharded-state-dict keys: ``..._extra_state`` of
+    every linear and, for transformer-engine's grouped linears (TEGroupedMLP), one per GEMM after
+    the first, ``..._extra_state1`` .. ``..._extra_state{N-1}`` (megatron-core
+    ``extensions/transformer_engine.py``, ``TEGroupedLinear._sharded_state_dict_grouped``, 0.16 -
+    0.19). Those hold fp8 scaling metadata, never weights."""
+    return [k for k in keys if _EXTRA_STATE.search(k)]
+
+
 def load_checkpoint(model, checkpoint_dir: str) -> None:
     """Load a Megatron dist checkpoint (from `stapo-convert hf-to-mcore` or the trainer).
 
@@ -216,7 +229,9 @@ def load_checkpoint(model, checkpoint_dir: str) -> None:
     # Linear modules carry `_extra_state`: empty for the local spec, fp8 scaling metadata for
     # transformer-engine. Neither holds weights, and a checkpoint written under one spec has
     # the other's form, so they are not loaded (which lets either spec read any checkpoint).
-    for key in [k for k in sharded if k.endswith("_extra_state")]:
+    # TEGroupedMLP's per-GEMM ones too: read, they would take the converter's (local-spec) empty
+    # objects, which only megatron-core's merge hook then drops (issue 34)
+    for key in extra_state_keys(sharded):
         del sharded[key]
     state = dist_checkpointing.load(sharded, checkpoint_dir)
     missing, _ = model.load_state_dict(state, strict=False)

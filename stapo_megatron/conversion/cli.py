@@ -1,8 +1,12 @@
 """stapo-convert: HF Qwen <-> Megatron torch_dist checkpoints, and a logit-parity check.
 
-    stapo-convert hf-to-mcore --hf-dir HF --out CKPT [--dtype bfloat16] [--tp N --pp M]
+    stapo-convert hf-to-mcore --hf-dir HF --out CKPT [--dtype bfloat16] [--tp N --pp M --ep E]
     stapo-convert mcore-to-hf --ckpt CKPT --out HF [--dtype bfloat16] [--hf-config DIR]
     stapo-convert verify --hf-dir HF --ckpt CKPT --tp N --pp M [--ep E] [--tol 1e-5]
+
+verify starts TP x PP x EP processes on this host and refuses a layout whose estimated memory
+exceeds the available memory (--no-memory-check skips that); a rank the kernel kills is named
+with its signal.
 
 Exit codes: 0 success, 1 verify found a mismatch beyond tolerance, 2 bad input (the message
 names the problem; nothing that looks complete is left at the output path), 130 interrupted
@@ -47,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--tp", type=_positive(int), default=1,
                    help="TP size the checkpoint is meant for (checked; any TP loads it)")
     a.add_argument("--pp", type=_positive(int), default=1, help="PP size the checkpoint is meant for (checked)")
+    a.add_argument("--ep", type=_positive(int), default=1,
+                   help="expert-parallel size the checkpoint is meant for (MoE; checked; any EP loads it)")
     a.add_argument("--threads", type=_positive(int), default=2, help="writer threads")
     a.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
 
@@ -70,6 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--tol", type=float, default=None,
                    help="max |logit difference| relative to max(1, max |logit|) (default FP32_LOGIT_TOL = 1e-5)")
     c.add_argument("--min-top1", type=float, default=1.0, help="minimal top-1 agreement")
+    c.add_argument("--no-memory-check", action="store_true",
+                   help="start the TP x PP x EP processes even when their estimated memory exceeds the available")
     return p
 
 
@@ -79,6 +87,7 @@ def _run(args: argparse.Namespace) -> int:
 
         record = convert_hf_to_mcore(args.hf_dir, args.out, dtype=DTYPES.get(args.dtype),
                                      tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+                                     expert_model_parallel_size=args.ep,
                                      overwrite=args.overwrite, thread_count=args.threads)
         print(f"wrote {record['architecture']} checkpoint ({record['dtype']}) to {args.out}")
         return 0
@@ -93,7 +102,8 @@ def _run(args: argparse.Namespace) -> int:
 
     tol = FP32_LOGIT_TOL if args.tol is None else args.tol
     rows = verify(args.hf_dir, args.ckpt, [(args.tp, args.pp)],
-                  num_prompts=args.num_prompts, seq_len=args.seq_len, expert_model_parallel_size=args.ep)
+                  num_prompts=args.num_prompts, seq_len=args.seq_len, expert_model_parallel_size=args.ep,
+                  check_memory=not args.no_memory_check)
     print(format_table(rows, tol))
     return 0 if all(r.ok(tol, args.min_top1) for r in rows) else 1
 

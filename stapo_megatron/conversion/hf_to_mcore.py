@@ -230,6 +230,7 @@ def convert_hf_to_mcore(
     dtype: Optional[torch.dtype] = None,
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
     make_vocab_size_divisible_by: int = DEFAULT_VOCAB_DIVISOR,
     overwrite: bool = False,
     thread_count: int = 2,
@@ -242,9 +243,11 @@ def convert_hf_to_mcore(
         tensor_model_parallel_size, pipeline_model_parallel_size: the layout the checkpoint is
             meant for; checked against the head and layer counts, and the stored vocabulary is
             padded for this TP (other TP/PP sizes load it too).
+        expert_model_parallel_size: the EP it is meant for (MoE), checked against the expert
+            count (the checkpoint stores every expert; any EP loads it).
     """
     _, spec = load_spec(hf_dir)
-    check_parallel_sizes(spec, tensor_model_parallel_size, pipeline_model_parallel_size)
+    check_parallel_sizes(spec, tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size)
     check_output_dir(out, overwrite, inputs=[hf_dir])
     infos = index_checkpoint(hf_dir)
     check_tensors(spec, infos)
@@ -259,6 +262,7 @@ def convert_hf_to_mcore(
         "vocab_size": spec.vocab_size, "padded_vocab_size": padded,
         "tensor_model_parallel_size": tensor_model_parallel_size,
         "pipeline_model_parallel_size": pipeline_model_parallel_size,
+        "expert_model_parallel_size": expert_model_parallel_size,
     }
     check_free_space(out, total)
     with staged_output(out, overwrite, inputs=[hf_dir]) as tmp, failed_writes_named(out):

@@ -49,8 +49,12 @@ class OptimConfig:
             raise ValueError(f'OptimConfig.optimizer must be "adam" or "sgd", got {self.optimizer!r}')
 
 
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
-"""Megatron's ``cp_comm_type`` values (TransformerConfig)."""
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+"""Megatron's ``cp_comm_type`` values (TransformerConfig) this project supports. Megatron's fourth,
+"a2a+p2p", needs hierarchical CP groups (``hierarchical_context_parallel_sizes`` in both
+``parallel_state.initialize_model_parallel`` and the TransformerConfig); `train.parallel` does not
+build them, and without them megatron-core's TE attention passes ``cp_group=None`` (TE then
+attends within each rank's own chunks against row-wide ``cu_seqlens``), so it is refused."""
 
 
 @dataclasses.dataclass
@@ -91,8 +95,8 @@ class ModelConfig:
     (`stapo_megatron.train.moe`); EP folds over DP x CP."""
     cp_comm_type: str = "p2p"
     """How attention exchanges K/V over CP on the transformer-engine spec (Megatron's
-    ``cp_comm_type``: "p2p", "all_gather", "a2a", "a2a+p2p"); the local spec
-    (`bridge.attention.SDPAttention`) always all-gathers K and V."""
+    ``cp_comm_type``: "p2p", "all_gather", "a2a"; "a2a+p2p" is refused, see ``CP_COMM_TYPES``);
+    the local spec (`bridge.attention.SDPAttention`) always all-gathers K and V."""
     expert_model_parallel_size: int = 1
     """MoE: EP, the experts of each layer split over it (carved out of DP x CP)."""
     expert_tensor_parallel_size: Optional[int] = None
@@ -101,6 +105,10 @@ class ModelConfig:
     def __post_init__(self):
         check_at_least(self, 1, "tensor_model_parallel_size", "pipeline_model_parallel_size",
                        "context_parallel_size", "expert_model_parallel_size")
+        if self.cp_comm_type == "a2a+p2p":
+            raise ValueError('model.cp_comm_type "a2a+p2p" needs hierarchical context-parallel groups '
+                             "(megatron-core's hierarchical_context_parallel_sizes), which this project does "
+                             'not build: use "a2a" (heads over CP) or "p2p" (K/V ring)')
         if self.cp_comm_type not in CP_COMM_TYPES:
             raise ValueError(f"model.cp_comm_type must be one of {CP_COMM_TYPES}, got {self.cp_comm_type!r}")
         if self.context_parallel_size > 1 and self.pipeline_model_parallel_size > 1:
