@@ -28,12 +28,14 @@ from stapo_megatron.runlog.plots import plot_run
 from stapo_megatron.runlog.progress import Progress
 from stapo_megatron.runlog.provenance import RunProvenance
 from stapo_megatron.train import checkpoint as ckpt
-from stapo_megatron.train.batching import MicroBatch, group_advantages, pack_sequences, split_microbatches
+from stapo_megatron.train.batching import MicroBatch, group_advantages
+from stapo_megatron.train.minibatches import BatchLayout, build_minibatches
 from stapo_megatron.train.parallel import collective_device, destroy_parallel
+from stapo_megatron.train.records import make_records
 from stapo_megatron.train.reference import add_reference_logprobs, frozen_copy, reset_reference
 from stapo_megatron.train.schedule import PassContext, old_policy_pass
 from stapo_megatron.train.step import build_optimizer, policy_update, wrap_ddp
-from stapo_megatron.trainer import faults, layout, packed_batches, routing
+from stapo_megatron.trainer import faults, layout, routing
 from stapo_megatron.trainer.preemption import SaveOnSignal, StoppedForRequeue
 from stapo_megatron.trainer.prompts import load_prompts, pad_to, step_prompt_indices
 from stapo_megatron.trainer.seeds import Seeds
@@ -90,6 +92,10 @@ class Trainer:
         # created on the backend's device (the same CUDA device under NCCL, the CPU under gloo).
         self.device = next(model.parameters()).device
         self.dp_device = collective_device(self.groups.dp)
+        self.batch_layout = BatchLayout(  # how a step's records become micro-batches (train/minibatches.py)
+            cfg.packing, cfg.micro_batch_size, cfg.max_tokens_per_microbatch, self.tokenizer.pad_token_id,
+            self.seq_multiple, self.seq_align, self.groups.cp_size,
+            dist.get_rank(self.groups.cp) if self.groups.cp_size > 1 else 0, self.device)
         self.model = wrap_ddp(model, cfg.optim.use_distributed_optimizer, cfg.optim.overlap_grad_reduce)
         self.optimizer = build_optimizer(self.model, cfg.optim)
 
@@ -103,7 +109,7 @@ class Trainer:
         """The reward scorer, the rollout engine and the evaluator that samples with it."""
         r = self.cfg.rollout
         reward = get_reward(self.cfg.reward)  # before the engine: a bad name fails fast
-        self.routing = routing.RoutingMonitor(self)  # MoE: the engine records its routes for it
+        self.routing = routing.RoutingMonitor(r, self.hf_config, self.model)  # MoE: the engine records its routes
         self.engine = build_engine(r.engine, self.cfg.model.hf_dir, r.engine_config(
             max_model_len=pad_to(self.cfg.data.max_prompt_len + max(r.max_response_len, eval_max_len(self.cfg))),
             seed=self.seeds.engine(self.dp_rank), return_routed_experts=self.routing.enabled,
@@ -174,24 +180,14 @@ class Trainer:
 
     def _minibatches(self, step: int, prompts: List[List[int]], samples: List[List],
                      adv_PG: torch.Tensor) -> Tuple[List[List[MicroBatch]], int]:
-        """The samples with their advantages packed into label-aligned micro-batches per PPO
-        mini-batch, and the padded sequence length."""
+        """The step's sequence records (sampled by the policy of version ``step`` x mini-batches
+        per step) laid out as this rank's micro-batches per PPO mini-batch
+        (`train.minibatches.build_minibatches`), and the longest row."""
         routes = self.routing.step_routes(step, samples)  # MoE: replayed and/or measured; None: not carried
-        if self.cfg.packing != "padded":
-            return packed_batches.packed_minibatches(self, step, prompts, samples, adv_PG, routes)
-        G = self.cfg.rollout.group_size
-        flat = [s for group in samples for s in group]
-        seq = pad_to(max(len(prompts[i // G]) + len(s.token_ids) for i, s in enumerate(flat)), self.seq_multiple)
-        batch = pack_sequences(
-            [prompts[i // G] for i in range(len(flat))], [s.token_ids for s in flat],
-            adv_PG.reshape(-1).tolist(), [s.logprobs for s in flat], self.tokenizer.pad_token_id, seq,
-            device=self.device, routes=routes,
-        )
-        per_mini = self.cfg.minibatch_prompts // self.dp_size * G
-        minis = [split_microbatches(batch.rows(s, s + per_mini), self.cfg.micro_batch_size,
-                                    seed=self.seeds.microbatches(step, s, self.dp_rank))
-                 for s in range(0, len(flat), per_mini)]
-        return minis, seq
+        updates_per_step = self.cfg.prompts_per_step // self.cfg.minibatch_prompts
+        records = make_records(prompts, samples, adv_PG, version=step * updates_per_step, routes=routes)
+        return build_minibatches(records, self.batch_layout, self.cfg.minibatch_prompts // self.dp_size *
+                                 self.cfg.rollout.group_size, partial(self.seeds.microbatches, step), self.groups.dp)
 
     def _save(self, step: int):
         ckpt.save_checkpoint(self.cfg.run_dir, step, self.model, self.optimizer,
