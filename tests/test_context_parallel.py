@@ -236,17 +236,17 @@ def _train_worker(tp, layouts, budgets, method="stapo"):
         ctx = PassContext(model, max(mb.tokens.shape[1] for mb in mbs), groups=groups)
         old_policy_pass(ctx, [mbs])
         ref_gap = _sequence_inputs(config, model, groups, mbs) if method != "stapo" else 0.0
-        history = [policy_update(ctx, optimizer, mbs, loss_config) for _ in range(2)]
+        updates = [policy_update(ctx, optimizer, mbs, loss_config) for _ in range(2)]
         params = {n: p.detach().clone() for n, p in model.module.named_parameters()}
-        out[cp] = dict(history=history, params=params, tokens=max(mb.tokens.shape[1] for mb in mbs),
-                       tp_rank=dist.get_rank(groups.tp), ref_gap=ref_gap)
+        out[cp] = dict(history=[u.metrics for u in updates], silenced=[u.silenced_tokens for u in updates],
+                       params=params, tokens=max(mb.tokens.shape[1] for mb in mbs), tp_rank=dist.get_rank(groups.tp), ref_gap=ref_gap)
         parallel_state.destroy_model_parallel()
     return out
 
 
 def _silenced(results, cp, update):
     rows = sorted(tuple(r) for res in results if res[cp]["tp_rank"] == 0
-                  for r in res[cp]["history"][update]["silenced_tokens"])
+                  for r in res[cp]["silenced"][update])
     return torch.tensor(rows)
 
 
@@ -329,7 +329,7 @@ def _checkpoint_worker(hf_dir, run_cp2, run_cp1):
                                 align=8, context_parallel_size=cp, cp_rank=dist.get_rank(groups.cp), seq_align=2 * cp)
         ctx = PassContext(model, max(mb.tokens.shape[1] for mb in mbs), groups=groups)
         old_policy_pass(ctx, [mbs])
-        return policy_update(ctx, optimizer, mbs, LossConfig(tau_p=0.003))["loss"]
+        return policy_update(ctx, optimizer, mbs, LossConfig(tau_p=0.003)).metrics["loss"]
 
     params = lambda model: {n: p.detach().clone() for n, p in model.module.named_parameters()}  # noqa: E731
     out = {}

@@ -121,7 +121,7 @@ def _worker(layouts):
         # 2. the aux loss alone
         zero = [dataclasses.replace(mb, advantages=torch.zeros_like(mb.advantages)) for mb in mbs]
         old_policy_pass(ctx, [zero])
-        res["aux_only"] = policy_update(ctx, optimizer, zero, loss_config)
+        res["aux_only"] = policy_update(ctx, optimizer, zero, loss_config).metrics
         res["kept_here"] = [int(mb.response_mask.sum()) for mb in zero]
         res["after_aux"], res["start"] = _weights(model), start
         # 3. router replay
@@ -133,12 +133,12 @@ def _worker(layouts):
                 -1, replay_indices(mb, E, cp_rank=dist.get_rank(groups.cp))[:, layer], True))
             for layer, maps in capture.maps.items() for j, mb in enumerate(mbs))
         res["replayed_logprob"] = _rows(groups, mbs)
-        res["replay"] = policy_update(replay, optimizer, mbs, loss_config)
+        res["replay"] = policy_update(replay, optimizer, mbs, loss_config).metrics
         res["after_replay"] = _weights(model)
         # 4. STAPO without replay
         old_policy_pass(ctx, [mbs])
         res["plain_logprob"] = _rows(groups, mbs)
-        res["stapo"] = policy_update(ctx, optimizer, mbs, loss_config)
+        res["stapo"] = policy_update(ctx, optimizer, mbs, loss_config).metrics
         res["after_stapo"] = _weights(model)
         out[(cp, ep)] = res
         parallel_state.destroy_model_parallel()

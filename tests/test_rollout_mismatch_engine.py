@@ -77,7 +77,7 @@ def stale_run(tmp_path_factory):
         sync_weights(model, tiny_config(VARIANT), groups, engine)
         minis, out["synced"] = sample_and_measure(seed=1)
         # one real update of the trainer's weights; the engine's weight sync is skipped
-        out["update"] = policy_update(ctx, optimizer, minis[0], LossConfig(method="justrl"))
+        out["update"] = policy_update(ctx, optimizer, minis[0], LossConfig(method="justrl")).metrics
         minis, out["stale"] = sample_and_measure(seed=2)
         out["stale_batches"] = [dataclasses.replace(mb) for mb in minis[0]]
         out["losses"] = {}
@@ -85,7 +85,7 @@ def stale_run(tmp_path_factory):
             config = LossConfig(method="stapo", tau_p=0.05, rollout_correction=dataclasses.replace(bounds, mode=mode))
             # flags and rejections compare the batch's fixed pi_old with pi_rollout: the same
             # for each of these updates, whatever they do to the weights
-            out["losses"][mode] = policy_update(ctx, optimizer, minis[0], config)
+            out["losses"][mode] = policy_update(ctx, optimizer, minis[0], config).metrics
         sync_weights(model, tiny_config(VARIANT), groups, engine)
         _, out["resynced"] = sample_and_measure(seed=3)
         engine.shutdown()

@@ -149,7 +149,7 @@ def pack_sequences(records: Sequence[SequenceRecord], pad_id: int, seq_length: i
     for i, rec in enumerate(records):
         if rec.length > seq_length:
             raise ValueError(f"sequence {i} has {rec.length} tokens > seq_length {seq_length}")
-        fields = token_fields(rec, i)
+        fields = token_fields(rec, i, with_routes)
         tokens[i, :rec.length] = fields.tokens
         labels[i, :rec.length] = fields.labels
         response_mask[i, :rec.length] = fields.response_mask

@@ -72,7 +72,7 @@ def pack_thd(
     with_routes = carries_routes(records)
     parts, lengths = [], []  # per sequence: (tokens, labels, mask, log-probs, advantages, positions, routes)
     for i, rec in enumerate(records):
-        f = token_fields(rec, i)
+        f = token_fields(rec, i, with_routes)
         n = rec.length
         pad = -n % seq_align  # context parallelism: whole 2 x CP chunks, the padding after the real tokens
         adv = torch.cat([torch.full((n,), rec.advantage, dtype=torch.float32), torch.zeros(pad, dtype=torch.float32)])

@@ -106,18 +106,19 @@ class TokenFields(NamedTuple):
     rollout_logprob: torch.Tensor
     """[n] float32: the sampler's log-prob of the response labels, 0 elsewhere."""
     routes: Optional[torch.Tensor]
-    """[n, L, K] int16 (`sequence_routes`) when the record carries routes, else None."""
+    """[n, L, K] int16 (`sequence_routes`) when the micro-batch carries routes, else None."""
 
 
-def token_fields(rec: SequenceRecord, index: int) -> TokenFields:
-    """The one per-sequence routine of every layout (``index`` names the record in errors)."""
+def token_fields(rec: SequenceRecord, index: int, with_routes: bool) -> TokenFields:
+    """The one per-sequence routine of every layout (``index`` names the record in errors);
+    ``with_routes``: the micro-batch carries routes (`carries_routes`), so the record must have them."""
     tokens = torch.cat([rec.prompt_ids, rec.response_ids])
     n, start = len(tokens), len(rec.prompt_ids) - 1
     mask = torch.zeros(n, dtype=torch.bool)
     mask[start:n - 1] = True
     logprob = torch.zeros(n, dtype=torch.float32)
     logprob[start:n - 1] = rec.rollout_logprobs
-    routes = None if rec.routes is None else sequence_routes(rec.routes, index, n)
+    routes = sequence_routes(rec.routes, index, n) if with_routes else None
     return TokenFields(tokens, torch.cat([tokens[1:], tokens.new_zeros(1)]), mask, logprob, routes)
 
 

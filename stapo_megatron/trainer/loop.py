@@ -152,10 +152,10 @@ class Trainer:
             updates = [policy_update(ctx, self.optimizer, mini, self.cfg.loss) for mini in minis]
         with timer("weight_sync"):
             wake_and_sync(self.model, self.hf_config, self.groups, self.engine)
-        row = step_row(step, updates, rewards_PG, num_flat, samples, mismatch, reward_info,
+        row = step_row(step, [u.metrics for u in updates], rewards_PG, num_flat, samples, mismatch, reward_info,
                        self.cfg.loss.tau_h_source, self.optimizer.param_groups[0]["lr"], self.groups, self.dp_device)
         row.update(timer.seconds)
-        return row, [r for u in updates for r in u["silenced_tokens"]]
+        return row, [r for u in updates for r in u.silenced_tokens]
 
     def _prompts(self, step: int) -> Tuple[List[List[int]], List[str]]:
         """This DP rank's prompts of ``step`` (token ids) and their reference answers."""
