@@ -36,11 +36,10 @@ G, MAX_TOKENS, SEQ = 4, 12, 32
 def _minibatch(prompts, samples, seed):
     """The samples as one mini-batch of two micro-batches, advantages +-1 alternating."""
     from stapo_megatron.train.batching import pack_sequences, split_microbatches
+    from stapo_megatron.train.records import make_records
 
-    flat = [s for group in samples for s in group]
-    adv = [1.0 if i % 2 == 0 else -1.0 for i in range(len(flat))]
-    batch = pack_sequences([prompts[i // G] for i in range(len(flat))], [s.token_ids for s in flat], adv,
-                           [s.logprobs for s in flat], 0, SEQ)
+    adv_PG = torch.tensor([1.0, -1.0]).repeat(len(samples) * G // 2).view(len(samples), G)
+    batch = pack_sequences(make_records(prompts, samples, adv_PG, version=0), 0, SEQ)
     return [split_microbatches(batch, len(flat) // 2, seed=seed)]
 
 

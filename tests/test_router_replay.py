@@ -492,32 +492,3 @@ def test_missing_routes_stop_every_rank_with_replay():
     for rank, r in enumerate(results):
         assert r["enabled"] and r["routes"] == 2  # replay alone makes the engine record routes
         assert "returned no routed experts" in r["error"] and f"rank {rank}: {rank} of 2" in r["error"]
-
-
-def _exchange_worker(lengths, plan):
-    import torch.distributed as dist
-
-    from stapo_megatron.train.parallel import init_parallel
-    from stapo_megatron.trainer.packed_batches import _exchange_routes
-
-    groups = init_parallel(1, 1)
-    rank = dist.get_rank()
-    own = [random_routes(lengths[g] - 1, L, seed=g) for g in range(3 * rank, 3 * rank + 3)]  # int64, as engines give
-    return _exchange_routes(own, lengths, 3, groups.dp, torch.device("cpu"), plan)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("plan", [[[[0, 4], [5]], [[1, 2], [3]]], [[[0, 1, 2]], [[3], [4, 5]]]])
-def test_budget_exchange_sends_each_rank_only_its_sequences_routes(plan):
-    """6 sequences, 3 sampled per DP rank; a plan that crosses ranks (rank 0 trains 0, 4, 5)
-    and one that keeps each rank's own (empty all-to-all parts): each rank receives exactly the
-    routes of the sequences it trains (bit for bit, as int16) and nothing else."""
-    lengths = [5, 7, 4, 9, 6, 3]
-    results = run_distributed(2, _exchange_worker, lengths, plan)
-    for rank, routes in enumerate(results):
-        trained = {g for mb in plan[rank] for g in mb}
-        for g, r in enumerate(routes):
-            if g not in trained:
-                assert r is None
-                continue
-            assert r.dtype == torch.int16 and torch.equal(r, random_routes(lengths[g] - 1, L, seed=g).to(torch.int16))
