@@ -79,7 +79,8 @@ def _memory_rank(rank: int, cp: int, tokens: int, port: int, queue) -> None:
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(1, VOCAB, (64,), generator=gen).tolist()
     response = torch.randint(1, VOCAB, (tokens - 64,), generator=gen).tolist()
-    whole = pack_thd([record(prompt, response, 1.0, [-1.0] * len(response))], 0, align=2 * cp, seq_align=2 * cp)
+    whole = pack_thd([record(prompt, response, 1.0, [-1.0] * len(response))], 0, align=2 * cp,
+                     seq_align=2 * cp)
     batch = split_for_context_parallel(whole, cp, dist.get_rank(groups.cp) if cp > 1 else 0)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 

@@ -338,7 +338,8 @@ def _checkpoint_worker(hf_dir, run_cp2, run_cp1):
     def update(groups, model, optimizer, rollouts):
         cp = groups.cp_size
         mbs = _rank_microbatches(rollouts, groups, seed=0, layout=BatchLayout(
-            "budget", max_tokens=48 // cp, seq_multiple=8, seq_align=2 * cp, cp_size=cp, cp_rank=dist.get_rank(groups.cp)))
+            "budget", max_tokens=48 // cp, seq_multiple=8, seq_align=2 * cp, cp_size=cp,
+            cp_rank=dist.get_rank(groups.cp)))
         ctx = PassContext(model, max(mb.tokens.shape[1] for mb in mbs), groups=groups)
         old_policy_pass(ctx, [mbs])
         return policy_update(ctx, optimizer, mbs, LossConfig(tau_p=0.003)).metrics["loss"]

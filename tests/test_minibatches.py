@@ -27,8 +27,8 @@ def _routes(n, seed):
 def _records(lengths, seed=0, routes=False, version=0):
     """Records of (prompt, response) lengths with random tokens, advantages and log-probs."""
     gen = torch.Generator().manual_seed(seed)
-    return [record(torch.randint(1, 300, (p,), generator=gen).tolist(), torch.randint(1, 300, (r,), generator=gen).tolist(),
-                   float(torch.randn(1, generator=gen)), (-torch.rand(r, generator=gen)).tolist(),
+    tokens = lambda n: torch.randint(1, 300, (n,), generator=gen).tolist()  # noqa: E731
+    return [record(tokens(p), tokens(r), float(torch.randn(1, generator=gen)), (-torch.rand(r, generator=gen)).tolist(),
                    _routes(p + r - 1, seed * 100 + i) if routes else None, version)
             for i, (p, r) in enumerate(lengths)]
 
@@ -54,8 +54,9 @@ def test_record_bytes_round_trip():
     for rec in _records([(3, 5), (1, 1), (7, 2)], routes=True, version=12) + _records([(4, 4)]):
         data = encode(rec, rec.routes is not None)
         shape = None if rec.routes is None else (L, K)
-        assert data.dtype == torch.uint8 and len(data) == encoded_size(len(rec.prompt_ids), len(rec.response_ids), shape)
-        _same_record(rec, decode(data[:], len(rec.prompt_ids), len(rec.response_ids), shape))
+        sizes = len(rec.prompt_ids), len(rec.response_ids)
+        assert data.dtype == torch.uint8 and len(data) == encoded_size(*sizes, shape)
+        _same_record(rec, decode(data, *sizes, shape))
     # a chunk at an odd offset of a received buffer decodes as well
     rec = _records([(3, 5)], routes=True)[0]
     buffer = torch.cat([torch.zeros(3, dtype=torch.uint8), encode(rec, True)])

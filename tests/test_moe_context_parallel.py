@@ -112,8 +112,9 @@ def _worker(layouts):
         share = len(records) // dist.get_world_size(groups.dp)
         rank = dist.get_rank(groups.dp)
         (mbs,), _ = build_minibatches(
-            records[rank * share:(rank + 1) * share], BatchLayout(
-                "fixed", micro_batch_size=4, seq_multiple=16, seq_align=4, cp_size=cp, cp_rank=dist.get_rank(groups.cp)),
+            records[rank * share:(rank + 1) * share],
+            BatchLayout("fixed", micro_batch_size=4, seq_multiple=16, seq_align=4, cp_size=cp,
+                        cp_rank=dist.get_rank(groups.cp)),
             microbatch_seed=lambda first, dp_rank: 3, dp_group=groups.dp)
         ctx = PassContext(model, max(mb.tokens.shape[1] for mb in mbs), groups=groups, vocab_size=VOCAB)
         res = dict(num_mbs=len(mbs), tokens=mbs[0].tokens.shape[1],

@@ -53,7 +53,7 @@ def stale_run(tmp_path_factory):
     from stapo_megatron.train.config import OptimConfig
     from stapo_megatron.train.schedule import PassContext, old_policy_pass
     from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
-    from stapo_megatron.trainer.step_metrics import rollout_mismatch
+    from stapo_megatron.trainer.mismatch_metrics import rollout_mismatch
 
     hf_dir = str(tmp_path_factory.mktemp("stale") / "hf")
     save_tiny_hf_model(hf_dir, VARIANT, dtype=torch.float32, seed=0)
@@ -135,7 +135,7 @@ def _dp_worker(seed_base: int):
     """One of two DP ranks: its own micro-batches; the step metrics reduced over DP."""
     from stapo_megatron.train.batching import MicroBatch
     from stapo_megatron.train.parallel import init_parallel
-    from stapo_megatron.trainer.step_metrics import rollout_mismatch
+    from stapo_megatron.trainer.mismatch_metrics import rollout_mismatch
 
     groups = init_parallel(1, 1)
     rank = torch.distributed.get_rank()

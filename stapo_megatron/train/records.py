@@ -172,7 +172,9 @@ def decode(data: torch.Tensor, prompt_len: int, response_len: int,
            route_shape: Optional[Sequence[int]]) -> SequenceRecord:
     """The record `encode` wrote into ``data`` (uint8 on the CPU)."""
     n = prompt_len + response_len
-    sizes = [n * 8, response_len * 4, 4, 8] + ([] if route_shape is None else [(n - 1) * route_shape[0] * route_shape[1] * 2])
+    sizes = [n * 8, response_len * 4, 4, 8]
+    if route_shape is not None:
+        sizes.append((n - 1) * route_shape[0] * route_shape[1] * 2)
     # clone: a slice of a received buffer need not be aligned for a wider dtype's view
     tokens, logprobs, advantage, version, *routes = (part.clone() for part in data.split(sizes))
     tokens = tokens.view(torch.long)

@@ -40,7 +40,8 @@ from stapo_megatron.trainer.preemption import SaveOnSignal, StoppedForRequeue
 from stapo_megatron.trainer.prompts import load_prompts, pad_to, step_prompt_indices
 from stapo_megatron.trainer.seeds import Seeds
 from stapo_megatron.trainer.lr import warmup_lr
-from stapo_megatron.trainer.step_metrics import Timer, format_row, gather_silenced, rollout_mismatch, step_row
+from stapo_megatron.trainer.mismatch_metrics import rollout_mismatch
+from stapo_megatron.trainer.step_metrics import Timer, format_row, gather_silenced, step_row
 from stapo_megatron.trainer.warmstart import WarmStart
 
 
