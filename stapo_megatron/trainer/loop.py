@@ -1,8 +1,9 @@
 """The STAPO training loop (docs/design.md, "One training step"), SPMD: one process per device.
 
-Per step: (1) this DP rank's prompts; (2) G rollouts per prompt; (3) rewards; (4) group advantages in `MicroBatch`
-objects (padded, or packed balanced over DP); (5) pi_old log-probs (``schedule.old_policy_pass``; MoE: RoutingMonitor);
-(6) per PPO mini-batch a Megatron forward_backward and an optimizer step; (7) weight sync into the engine; (8) metrics,
+Per step: (1) this DP rank's prompts; (2) G rollouts per prompt; (3) rewards; (4) group advantages, one
+`SequenceRecord` per sample, laid out as `MicroBatch` objects by `build_minibatches` (padded, or packed
+balanced over DP); (5) pi_old log-probs (``schedule.old_policy_pass``; MoE: RoutingMonitor); (6) per PPO
+mini-batch a Megatron forward_backward and an optimizer step; (7) weight sync into the engine; (8) metrics,
 evaluation (`Evaluator`), checkpoint. Warm-start: `WarmStart`. Started by torchrun: ``train(config)``."""
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ from stapo_megatron.runlog.plots import plot_run
 from stapo_megatron.runlog.progress import Progress
 from stapo_megatron.runlog.provenance import RunProvenance
 from stapo_megatron.train import checkpoint as ckpt
-from stapo_megatron.train.batching import MicroBatch, group_advantages
+from stapo_megatron.train.batching import group_advantages
 from stapo_megatron.train.minibatches import BatchLayout, build_minibatches
 from stapo_megatron.train.parallel import collective_device, destroy_parallel
-from stapo_megatron.train.records import make_records
+from stapo_megatron.train.records import SequenceRecord, make_records
 from stapo_megatron.train.reference import add_reference_logprobs, frozen_copy, reset_reference
 from stapo_megatron.train.schedule import PassContext, old_policy_pass
 from stapo_megatron.train.step import build_optimizer, policy_update, wrap_ddp
@@ -60,6 +61,7 @@ class Trainer:
         self.dp_size, self.dp_rank = dist.get_world_size(self.groups.dp), dist.get_rank(self.groups.dp)
         if cfg.minibatch_prompts % self.dp_size:
             raise ValueError(f"minibatch_prompts {cfg.minibatch_prompts} must divide over DP size {self.dp_size}")
+        self.minibatch_size = cfg.minibatch_prompts // self.dp_size * cfg.rollout.group_size  # this rank's records
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
         self.hf_config = load_hf_config(cfg.model.hf_dir)
         (self.train_ids, self.train_ex), self.held_out = load_prompts(cfg, self.tokenizer)
@@ -141,7 +143,9 @@ class Trainer:
             rewards_PG, reward_info = self._score(samples, answers)
         self.engine.sleep()  # GPU: vLLM's memory goes to training until the weight sync
         adv_PG, num_flat = group_advantages(rewards_PG)
-        minis, seq = self._minibatches(step, prompts, samples, adv_PG)
+        records = self._records(step, prompts, samples, adv_PG)
+        minis, seq = build_minibatches(records, self.batch_layout, self.minibatch_size,
+                                       partial(self.seeds.microbatches, step), self.groups.dp)
         ctx = self.context(seq)
         with timer("old_logprob"):
             old_policy_pass(ctx, minis)
@@ -179,16 +183,14 @@ class Trainer:
         rewards, info = self.scorer.score(texts, [answer for answer in answers for _ in range(G)])
         return torch.tensor(rewards, dtype=torch.float32).view(len(answers), G), info
 
-    def _minibatches(self, step: int, prompts: List[List[int]], samples: List[List],
-                     adv_PG: torch.Tensor) -> Tuple[List[List[MicroBatch]], int]:
-        """The step's sequence records (sampled by the policy of version ``step`` x mini-batches
-        per step) laid out as this rank's micro-batches per PPO mini-batch
-        (`train.minibatches.build_minibatches`), and the longest row."""
+    def _records(self, step: int, prompts: List[List[int]], samples: List[List],
+                 adv_PG: torch.Tensor) -> List[SequenceRecord]:
+        """This rank's samples of ``step`` as sequence records, flat in (prompt, sample) order:
+        sampled by policy version ``step`` x mini-batches per step (RL optimizer updates so far),
+        with their MoE routes when the step carries them."""
         routes = self.routing.step_routes(step, samples)  # MoE: replayed and/or measured; None: not carried
         updates_per_step = self.cfg.prompts_per_step // self.cfg.minibatch_prompts
-        records = make_records(prompts, samples, adv_PG, version=step * updates_per_step, routes=routes)
-        return build_minibatches(records, self.batch_layout, self.cfg.minibatch_prompts // self.dp_size *
-                                 self.cfg.rollout.group_size, partial(self.seeds.microbatches, step), self.groups.dp)
+        return make_records(prompts, samples, adv_PG, version=step * updates_per_step, routes=routes)
 
     def _save(self, step: int):
         ckpt.save_checkpoint(self.cfg.run_dir, step, self.model, self.optimizer,
