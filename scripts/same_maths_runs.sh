@@ -6,7 +6,7 @@
 # log beside it and its exit code in OUT/done. About 15 minutes on 2 CPU cores.
 set -u
 ROOT=$(cd "$1" && pwd); OUT=$2; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
-PY_BIN=${PY_BIN:-/work/main/.venv/bin}
+PY_BIN=${PY_BIN:-$ROOT/.venv/bin}  # the venv with torchrun (PY_BIN=... to use another)
 cd "$ROOT"
 export PYTHONPATH=$ROOT
 TR="$PY_BIN/torchrun --nproc-per-node 2"
