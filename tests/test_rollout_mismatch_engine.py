@@ -40,7 +40,7 @@ def _minibatch(prompts, samples, seed):
 
     adv_PG = torch.tensor([1.0, -1.0]).repeat(len(samples) * G // 2).view(len(samples), G)
     batch = pack_sequences(make_records(prompts, samples, adv_PG, version=0), 0, SEQ)
-    return [split_microbatches(batch, len(flat) // 2, seed=seed)]
+    return [split_microbatches(batch, batch.num_rows // 2, seed=seed)]
 
 
 @pytest.fixture(scope="module")
