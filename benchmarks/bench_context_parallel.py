@@ -70,6 +70,7 @@ def _memory_rank(rank: int, cp: int, tokens: int, port: int, queue) -> None:
     from stapo_megatron.train.ops import vocab_parallel_logprob_entropy
     from stapo_megatron.train.packing import pack_thd
     from stapo_megatron.train.parallel import destroy_parallel, init_parallel
+    from stapo_megatron.train.records import record
     from stapo_megatron.train.schedule import packed_seq_params
     from stapo_megatron.train.synthetic import build_tiny_gpt
 
@@ -78,7 +79,8 @@ def _memory_rank(rank: int, cp: int, tokens: int, port: int, queue) -> None:
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(1, VOCAB, (64,), generator=gen).tolist()
     response = torch.randint(1, VOCAB, (tokens - 64,), generator=gen).tolist()
-    whole = pack_thd([prompt], [response], [1.0], [[-1.0] * len(response)], 0, align=2 * cp, seq_align=2 * cp)
+    whole = pack_thd([record(prompt, response, 1.0, [-1.0] * len(response))], 0, align=2 * cp,
+                     seq_align=2 * cp)
     batch = split_for_context_parallel(whole, cp, dist.get_rank(groups.cp) if cp > 1 else 0)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 

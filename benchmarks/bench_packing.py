@@ -60,11 +60,14 @@ def rollouts(lens, seed: int):
 
 
 def microbatches(mode: str, data, cap: int):
-    from stapo_megatron.train.packing import rank_microbatches
+    from stapo_megatron.train.minibatches import BatchLayout, build_minibatches
+    from stapo_megatron.train.records import records_from_lists
 
-    seq = -(-max(len(p) + len(r) for p, r in zip(data[0], data[1])) // 8) * 8
-    return rank_microbatches(*data, 0, packing="padded" if mode == "padded" else "budget", micro_batch_size=1,
-                             max_tokens=cap, seq_length=seq, seed=0, align=8)
+    # the trainer's builder: padded rows to the longest sequence (rounded to 8), or the token budget
+    layout = BatchLayout("padded" if mode == "padded" else "budget", micro_batch_size=1, max_tokens=cap,
+                         seq_multiple=8)
+    (mbs,), _ = build_minibatches(records_from_lists(*data), layout)
+    return mbs
 
 
 def one_update(model, optimizer, groups, mbs):

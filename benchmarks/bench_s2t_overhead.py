@@ -44,7 +44,7 @@ def one_step(model, optimizer, groups, loss_config, mbs, seq_len):
     t0 = time.perf_counter()
     ctx = PassContext(model, seq_len, loss_config.temperature, groups)
     old_policy_pass(ctx, [mbs])
-    metrics = policy_update(ctx, optimizer, mbs, loss_config)
+    metrics = policy_update(ctx, optimizer, mbs, loss_config).metrics
     return time.perf_counter() - t0, metrics
 
 

@@ -80,7 +80,7 @@ def main(cfg: DemoConfig) -> None:
         ctx = PassContext(model, seq_len, cfg.loss.temperature, groups)
         old_policy_pass(ctx, minis)
         for i, mini in enumerate(minis):
-            m = policy_update(ctx, optimizer, mini, cfg.loss)
+            m = policy_update(ctx, optimizer, mini, cfg.loss).metrics
             if rank == 0:
                 print(f"{step:>4} {i:>2} {stats['reward_mean']:>6.2f} {m['loss']:>9.5f} "
                       f"{m['entropy_mean']:>7.3f} {m['tau_h']:>6.3f} {m['silenced_count']:>8d} "

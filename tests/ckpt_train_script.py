@@ -77,7 +77,7 @@ def main(run_dir: str, steps: int, kill_at: str = "") -> None:
         noise = torch.rand(1).item()
         if kill_phase == "update" and step + 1 == kill_step:
             _die()
-        metrics = policy_update(ctx, optimizer, mine, LossConfig(tau_p=0.003))
+        metrics = policy_update(ctx, optimizer, mine, LossConfig(tau_p=0.003)).metrics
         if kill_phase == "save" and step + 1 == kill_step:
             _kill_inside_save()
         save = lambda: ckpt.save_checkpoint(run_dir, step + 1, model, optimizer, {"note": "test"})  # noqa: E731

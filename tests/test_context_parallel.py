@@ -17,9 +17,12 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from stapo_megatron.train.context_parallel import local_positions, sequence_multiple, split_for_context_parallel, unsplit
-from stapo_megatron.train.packing import pack_thd, rank_microbatches
+from stapo_megatron.train.minibatches import BatchLayout, build_minibatches
+from stapo_megatron.train.packing import pack_thd
+from stapo_megatron.train.records import record, records_from_lists
 from tests.dist_utils import run_distributed
 
 ATTN_ATOL = 1e-5
@@ -43,13 +46,24 @@ def _rollouts(max_response=25, seed=7, vocab=VOCAB):
     return [p for p, _ in seqs], [r for _, r in seqs], adv, [[-0.5] * len(r) for _, r in seqs]
 
 
+def _rank_microbatches(rollouts, groups, seed, layout):
+    """This DP rank's micro-batches of the one mini-batch of ``rollouts``: its contiguous share of
+    them, as the trainer holds them, through the trainer's builder (which moves sequences over DP)."""
+    records = records_from_lists(*rollouts)
+    dp_size, dp_rank = dist.get_world_size(groups.dp), dist.get_rank(groups.dp)
+    share = len(records) // dp_size
+    (mbs,), _ = build_minibatches(records[dp_rank * share:(dp_rank + 1) * share], layout,
+                                  microbatch_seed=lambda first, rank: seed, dp_group=groups.dp)
+    return mbs
+
+
 @pytest.mark.parametrize("cp", [2, 3, 4])
 def test_split_round_trip_chunks_and_padding(cp):
     prompts, responses, adv, lps = _rollouts()
     seq_align = sequence_multiple(cp)
-    whole = pack_thd(prompts[:5], responses[:5], adv[:5], lps[:5], pad_id=0, align=8 * seq_align, seq_align=seq_align,
+    whole = pack_thd(records_from_lists(prompts[:5], responses[:5], adv[:5], lps[:5]), pad_id=0, align=8 * seq_align, seq_align=seq_align,
                      seed=5)
-    unpadded = pack_thd(prompts[:5], responses[:5], adv[:5], lps[:5], pad_id=0)
+    unpadded = pack_thd(records_from_lists(prompts[:5], responses[:5], adv[:5], lps[:5]), pad_id=0)
     bounds, plain = whole.cu_seqlens.tolist(), unpadded.cu_seqlens.tolist()
     for i in range(5):  # each sequence: its real tokens as without CP, then padding without loss
         a, n, L = bounds[i], plain[i + 1] - plain[i], bounds[i + 1] - bounds[i]
@@ -73,25 +87,24 @@ def test_split_round_trip_chunks_and_padding(cp):
 
 def test_split_errors():
     prompts, responses, adv, lps = _rollouts()
-    packed = pack_thd([[1, 2, 3]], [[4, 5, 6]], [1.0], [[-0.1] * 3], pad_id=0)  # 6 tokens: not 4 chunks
+    packed = pack_thd([record([1, 2, 3], [4, 5, 6], 1.0, [-0.1] * 3)], pad_id=0)  # 6 tokens: not 4 chunks
     with pytest.raises(ValueError, match="does not split into 2 x context_parallel_size 2 chunks"):
         split_for_context_parallel(packed, 2, 0)
     with pytest.raises(ValueError, match="cp_rank 2 out of range for context_parallel_size 2"):
         split_for_context_parallel(packed, 2, 2)
     with pytest.raises(ValueError, match="seq_align must divide align"):
-        pack_thd(prompts[:2], responses[:2], adv[:2], lps[:2], pad_id=0, align=6, seq_align=4)
+        pack_thd(records_from_lists(prompts[:2], responses[:2], adv[:2], lps[:2]), pad_id=0, align=6, seq_align=4)
     with pytest.raises(ValueError, match="context_parallel_size 2 needs packed micro-batches"):
-        rank_microbatches(prompts, responses, adv, lps, 0, packing="padded", micro_batch_size=2,
-                          context_parallel_size=2)
-    longest = max(len(p) + len(r) for p, r in zip(prompts, responses))
+        BatchLayout("padded", micro_batch_size=2, cp_size=2)
+    records = records_from_lists(prompts, responses, adv, lps)
+    longest = max(r.length for r in records)
     with pytest.raises(ValueError, match=r"> max_tokens_per_microbatch 8 x context_parallel_size 2 = 16"):
-        rank_microbatches(prompts, responses, adv, lps, 0, packing="budget", max_tokens=8, context_parallel_size=2,
-                          seq_align=4)
+        build_minibatches(records, BatchLayout("budget", max_tokens=8, cp_size=2, seq_align=4))
     # a sequence longer than one rank's budget trains when CP splits it
     budget = -(-longest // 4) * 2
     assert budget < longest
-    mbs = rank_microbatches(prompts, responses, adv, lps, 0, packing="budget", max_tokens=budget,
-                            context_parallel_size=2, cp_rank=1, seq_align=4, align=8)
+    (mbs,), _ = build_minibatches(records, BatchLayout("budget", max_tokens=budget, cp_size=2, cp_rank=1, seq_align=4,
+                                                       seq_multiple=8))
     assert all(mb.tokens.shape[1] <= budget and mb.cp_size == 2 for mb in mbs)
     assert sum(int(mb.response_mask.sum()) for mb in mbs) > 0
 
@@ -124,7 +137,7 @@ def test_loss_func_needs_the_cp_group_of_a_split_batch():
     from stapo_megatron.train.loss import loss_func
 
     prompts, responses, adv, lps = _rollouts()
-    packed = pack_thd(prompts[:2], responses[:2], adv[:2], lps[:2], pad_id=0, align=8, seq_align=4)
+    packed = pack_thd(records_from_lists(prompts[:2], responses[:2], adv[:2], lps[:2]), pad_id=0, align=8, seq_align=4)
     part = split_for_context_parallel(packed, 2, 0)
     part.old_logprob = part.rollout_logprob
     logits = torch.zeros(part.tokens.shape[1], 1, VOCAB)
@@ -236,23 +249,23 @@ def _train_worker(tp, layouts, budgets, method="stapo"):
         model = build_tiny_gpt(config, VOCAB, 64, core_attention="sdpa")
         model, optimizer = wrap_model_and_optimizer(
             model, OptimConfig(optimizer="sgd", lr=0.5, weight_decay=0.0, clip_grad=0.0))
-        mbs = rank_microbatches(prompts, responses, adv, lps, 0, packing="budget", max_tokens=budget,
-                                num_ranks=dp_size, rank=dp_rank, seed=3, align=8 * cp,
-                                context_parallel_size=cp, cp_rank=dist.get_rank(groups.cp), seq_align=2 * cp)
+        mbs = _rank_microbatches((prompts, responses, adv, lps), groups, seed=3, layout=BatchLayout(
+            "budget", max_tokens=budget, seq_multiple=8 * cp, seq_align=2 * cp, cp_size=cp,
+            cp_rank=dist.get_rank(groups.cp)))
         ctx = PassContext(model, max(mb.tokens.shape[1] for mb in mbs), groups=groups)
         old_policy_pass(ctx, [mbs])
         ref_gap = _sequence_inputs(config, model, groups, mbs) if not method.startswith("stapo") else 0.0
-        history = [policy_update(ctx, optimizer, mbs, loss_config) for _ in range(2)]
+        updates = [policy_update(ctx, optimizer, mbs, loss_config) for _ in range(2)]
         params = {n: p.detach().clone() for n, p in model.module.named_parameters()}
-        out[cp] = dict(history=history, params=params, tokens=max(mb.tokens.shape[1] for mb in mbs),
-                       tp_rank=dist.get_rank(groups.tp), ref_gap=ref_gap)
+        out[cp] = dict(history=[u.metrics for u in updates], silenced=[u.silenced_tokens for u in updates],
+                       params=params, tokens=max(mb.tokens.shape[1] for mb in mbs), tp_rank=dist.get_rank(groups.tp), ref_gap=ref_gap)
         parallel_state.destroy_model_parallel()
     return out
 
 
 def _silenced(results, cp, update):
     rows = sorted(tuple(r) for res in results if res[cp]["tp_rank"] == 0
-                  for r in res[cp]["history"][update]["silenced_tokens"])
+                  for r in res[cp]["silenced"][update])
     return torch.tensor(rows)
 
 
@@ -344,12 +357,12 @@ def _checkpoint_worker(hf_dir, run_cp2, run_cp1):
 
     def update(groups, model, optimizer, rollouts):
         cp = groups.cp_size
-        mbs = rank_microbatches(*rollouts, 0, packing="budget", max_tokens=48 // cp,
-                                num_ranks=dist.get_world_size(groups.dp), rank=dist.get_rank(groups.dp), seed=0,
-                                align=8, context_parallel_size=cp, cp_rank=dist.get_rank(groups.cp), seq_align=2 * cp)
+        mbs = _rank_microbatches(rollouts, groups, seed=0, layout=BatchLayout(
+            "budget", max_tokens=48 // cp, seq_multiple=8, seq_align=2 * cp, cp_size=cp,
+            cp_rank=dist.get_rank(groups.cp)))
         ctx = PassContext(model, max(mb.tokens.shape[1] for mb in mbs), groups=groups)
         old_policy_pass(ctx, [mbs])
-        return policy_update(ctx, optimizer, mbs, LossConfig(tau_p=0.003))["loss"]
+        return policy_update(ctx, optimizer, mbs, LossConfig(tau_p=0.003)).metrics["loss"]
 
     params = lambda model: {n: p.detach().clone() for n, p in model.module.named_parameters()}  # noqa: E731
     out = {}

@@ -81,7 +81,7 @@ def _policy_update_worker(steps):
         ctx = PassContext(model, seq, groups=groups, vocab_size=VOCAB)
         old_policy_pass(ctx, minis)
         for mini in minis:
-            m = policy_update(ctx, optimizer, mini, LossConfig(tau_p=0.02))
+            m = policy_update(ctx, optimizer, mini, LossConfig(tau_p=0.02)).metrics
             history.append({k: v for k, v in m.items() if k != "silenced_tokens"})
     device = str(next(model.parameters()).device)
     return device, history, {n: p.detach().cpu() for n, p in model.module.named_parameters()}

@@ -87,8 +87,9 @@ def _worker(layouts):
     from stapo_megatron.bridge.tiny import tiny_config
     from stapo_megatron.method.config import LossConfig
     from stapo_megatron.train.config import OptimConfig
-    from stapo_megatron.train.packing import rank_microbatches
+    from stapo_megatron.train.minibatches import BatchLayout, build_minibatches
     from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.train.records import records_from_lists
     from stapo_megatron.train.router_replay import replay_indices
     from stapo_megatron.train.schedule import PassContext, old_policy_pass
     from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
@@ -106,10 +107,15 @@ def _worker(layouts):
         model, optimizer = wrap_model_and_optimizer(
             model, OptimConfig(optimizer="sgd", lr=0.5, weight_decay=0.0, clip_grad=0.0))
         start = _weights(model)
-        mbs = rank_microbatches(prompts, responses, adv, lps, 0, packing="fixed", micro_batch_size=4,
-                                num_ranks=dist.get_world_size(groups.dp), rank=dist.get_rank(groups.dp), seed=3,
-                                align=16, context_parallel_size=cp, cp_rank=dist.get_rank(groups.cp), seq_align=4,
-                                routes=routes)
+        # "fixed": each DP rank trains its own contiguous share of the records
+        records = records_from_lists(prompts, responses, adv, lps, routes=routes)
+        share = len(records) // dist.get_world_size(groups.dp)
+        rank = dist.get_rank(groups.dp)
+        (mbs,), _ = build_minibatches(
+            records[rank * share:(rank + 1) * share],
+            BatchLayout("fixed", micro_batch_size=4, seq_multiple=16, seq_align=4, cp_size=cp,
+                        cp_rank=dist.get_rank(groups.cp)),
+            microbatch_seed=lambda first, dp_rank: 3, dp_group=groups.dp)
         ctx = PassContext(model, max(mb.tokens.shape[1] for mb in mbs), groups=groups, vocab_size=VOCAB)
         res = dict(num_mbs=len(mbs), tokens=mbs[0].tokens.shape[1],
                    local_experts=sum(".0.mlp.experts.local_experts." in n and n.endswith("fc1.weight")
@@ -121,7 +127,7 @@ def _worker(layouts):
         # 2. the aux loss alone
         zero = [dataclasses.replace(mb, advantages=torch.zeros_like(mb.advantages)) for mb in mbs]
         old_policy_pass(ctx, [zero])
-        res["aux_only"] = policy_update(ctx, optimizer, zero, loss_config)
+        res["aux_only"] = policy_update(ctx, optimizer, zero, loss_config).metrics
         res["kept_here"] = [int(mb.response_mask.sum()) for mb in zero]
         res["after_aux"], res["start"] = _weights(model), start
         # 3. router replay
@@ -133,12 +139,12 @@ def _worker(layouts):
                 -1, replay_indices(mb, E, cp_rank=dist.get_rank(groups.cp))[:, layer], True))
             for layer, maps in capture.maps.items() for j, mb in enumerate(mbs))
         res["replayed_logprob"] = _rows(groups, mbs)
-        res["replay"] = policy_update(replay, optimizer, mbs, loss_config)
+        res["replay"] = policy_update(replay, optimizer, mbs, loss_config).metrics
         res["after_replay"] = _weights(model)
         # 4. STAPO without replay
         old_policy_pass(ctx, [mbs])
         res["plain_logprob"] = _rows(groups, mbs)
-        res["stapo"] = policy_update(ctx, optimizer, mbs, loss_config)
+        res["stapo"] = policy_update(ctx, optimizer, mbs, loss_config).metrics
         res["after_stapo"] = _weights(model)
         out[(cp, ep)] = res
         parallel_state.destroy_model_parallel()

@@ -56,7 +56,7 @@ def _ep_worker(ckpt, run_dir):
                                     micro_batch_size=MBS)
         ctx = PassContext(ddp, PROMPT + RESPONSE, groups=groups, vocab_size=300)
         old_policy_pass(ctx, [mbs])
-        return {k: v for k, v in policy_update(ctx, optimizer, mbs, LossConfig(tau_p=0.05)).items()
+        return {k: v for k, v in policy_update(ctx, optimizer, mbs, LossConfig(tau_p=0.05)).metrics.items()
                 if isinstance(v, float)}
 
     def by_global_name(model, ddp, attr):

@@ -15,6 +15,7 @@ import torch
 from stapo_megatron.bridge.tiny import tiny_config
 from stapo_megatron.train.batching import MicroBatch, pack_sequences
 from stapo_megatron.train.packing import imbalance, pack_thd, plan_fixed_count, plan_token_budget, sequence_ids
+from stapo_megatron.train.records import records_from_lists
 from tests.test_rollout_engine import randomize
 
 LOGIT_ATOL = 2e-5
@@ -33,8 +34,8 @@ def _rollouts(lengths, vocab=300, seed=0):
 def test_packed_fields_equal_padded_rows():
     lengths = [(3, 5), (6, 1), (2, 9)]
     prompts, responses, adv, lps = _rollouts(lengths)
-    padded = pack_sequences(prompts, responses, adv, lps, pad_id=0, seq_length=16)
-    packed = pack_thd(prompts, responses, adv, lps, pad_id=0, align=8)
+    padded = pack_sequences(records_from_lists(prompts, responses, adv, lps), pad_id=0, seq_length=16)
+    packed = pack_thd(records_from_lists(prompts, responses, adv, lps), pad_id=0, align=8)
     total = sum(p + r for p, r in lengths)  # 26, aligned to 32: the tail is a sequence of its own
     assert packed.tokens.shape == (1, 32) and packed.cu_seqlens.tolist() == [0, 8, 15, 26, 32]
     bounds = packed.cu_seqlens.tolist()
@@ -96,7 +97,7 @@ def test_packed_attention_equals_each_sequence_alone(parallel, variant):
     randomize(model, seed=3)
     lengths = [(5, 11), (9, 3), (4, 20)]
     prompts, responses, adv, lps = _rollouts(lengths, vocab=tiny_config(variant)["vocab_size"])
-    packed = pack_thd(prompts, responses, adv, lps, pad_id=0, align=8)
+    packed = pack_thd(records_from_lists(prompts, responses, adv, lps), pad_id=0, align=8)
     out = _logits_and_grads(model, packed)
     assert out.shape[:2] == (1, packed.tokens.shape[1])
     upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
@@ -121,8 +122,8 @@ def test_grpo_sequence_mean_packed_equals_padded():
 
     lengths = [(3, 5), (6, 1), (2, 9)]
     prompts, responses, adv, lps = _rollouts(lengths)
-    padded = pack_sequences(prompts, responses, adv, lps, pad_id=0, seq_length=16)
-    packed = pack_thd(prompts, responses, adv, lps, pad_id=0, align=8)
+    padded = pack_sequences(records_from_lists(prompts, responses, adv, lps), pad_id=0, seq_length=16)
+    packed = pack_thd(records_from_lists(prompts, responses, adv, lps), pad_id=0, align=8)
     gen = torch.Generator().manual_seed(4)
     logp_pad = -torch.rand(padded.tokens.shape, generator=gen)
     bounds = packed.cu_seqlens.tolist()

@@ -45,29 +45,32 @@ def _rollouts():
 def _worker(tp, modes):
     from stapo_megatron.method.config import LossConfig
     from stapo_megatron.train.config import OptimConfig
-    from stapo_megatron.train.packing import rank_microbatches
+    from stapo_megatron.train.minibatches import BatchLayout, build_minibatches
     from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.train.records import records_from_lists
     from stapo_megatron.train.schedule import PassContext, old_policy_pass
     from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
     from stapo_megatron.train.synthetic import build_tiny_gpt, tiny_gpt_config
 
     groups = init_parallel(tp, 1)
     dp_size, dp_rank = torch.distributed.get_world_size(groups.dp), torch.distributed.get_rank(groups.dp)
-    prompts, responses, adv, lps = _rollouts()
+    records = records_from_lists(*_rollouts())
+    share = len(records) // dp_size
+    mine = records[dp_rank * share:(dp_rank + 1) * share]  # this DP rank's rollouts, as the trainer holds them
     out = {}
     for mode in modes:
         # use_cpu_initialization: the same seed gives the same full weights at TP=1 and TP=2
         model = build_tiny_gpt(tiny_gpt_config(tp), VOCAB, 64, core_attention="sdpa")
         model, optimizer = wrap_model_and_optimizer(
             model, OptimConfig(optimizer="sgd", lr=0.5, weight_decay=0.0, clip_grad=0.0))
-        mbs = rank_microbatches(prompts, responses, adv, lps, 0, packing=mode, micro_batch_size=2,
-                                max_tokens=BUDGET, num_ranks=dp_size, rank=dp_rank, seed=3, align=tp)
+        # the trainer's builder: "budget" moves sequences between the DP ranks, the others do not
+        (mbs,), _ = build_minibatches(mine, BatchLayout(mode, micro_batch_size=2, max_tokens=BUDGET, seq_multiple=tp),
+                                      microbatch_seed=lambda first, rank: 3, dp_group=groups.dp)
         ctx = PassContext(model, max(mb.tokens.shape[1] for mb in mbs), groups=groups)
         old_policy_pass(ctx, [mbs])
         history = []
         for _ in range(2):
-            m = policy_update(ctx, optimizer, mbs, LossConfig(method="stapo", tau_p=0.0015))
-            history.append(m)
+            history.append(policy_update(ctx, optimizer, mbs, LossConfig(method="stapo", tau_p=0.0015)))
         params = {n: p.detach().clone() for n, p in model.module.named_parameters()}
         out[mode] = (history, params, [len(mbs), [mb.tokens.numel() for mb in mbs]])
     return out
@@ -75,7 +78,7 @@ def _worker(tp, modes):
 
 def _silenced(results, mode, update):
     """Every rank's silenced tokens of one update, (label, log p, H, A) rows in a fixed order."""
-    rows = sorted(tuple(r) for res in results for r in res[mode][0][update]["silenced_tokens"])
+    rows = sorted(tuple(r) for res in results for r in res[mode][0][update].silenced_tokens)
     return torch.tensor(rows)
 
 
@@ -90,9 +93,9 @@ def _check_same(results, reference, mode, tp=1):
     for res in results:
         for got, want in zip(res[mode][0], reference[0]["padded"][0]):
             for key in COUNTS:
-                assert got[key] == want[key], (mode, key)
+                assert got.metrics[key] == want.metrics[key], (mode, key)
             for key in VALUES:
-                assert got[key] == pytest.approx(want[key], rel=2e-5, abs=1e-7), (mode, key)
+                assert got.metrics[key] == pytest.approx(want.metrics[key], rel=2e-5, abs=1e-7), (mode, key)
     for update in range(2):
         got, want = _silenced(results[::tp], mode, update), _silenced(reference, "padded", update)
         assert got.shape == want.shape and len(want) > 0, "the S2T mask must be exercised"
@@ -101,7 +104,7 @@ def _check_same(results, reference, mode, tp=1):
 
 def test_dp1_padded_fixed_budget_agree(dp1):
     ref = dp1[0]["padded"]
-    assert ref[0][1]["clip_fraction"] > 0, "the second update must be off-policy and clip"
+    assert ref[0][1].metrics["clip_fraction"] > 0, "the second update must be off-policy and clip"
     assert dp1[0]["budget"][2][0] < dp1[0]["padded"][2][0], "the budget packs more than 2 sequences"
     for mode in ("fixed", "budget"):
         _check_same(dp1, dp1, mode)
@@ -127,12 +130,13 @@ def test_dp2_and_tp2_agree_with_dp1(dp1, tp):
 def _pp_worker():
     from stapo_megatron.train.packing import pack_thd
     from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.train.records import record
     from stapo_megatron.train.schedule import PassContext, compute_logprob_entropy
     from stapo_megatron.train.synthetic import build_tiny_gpt, tiny_gpt_config
 
     groups = init_parallel(1, 2)
     model = build_tiny_gpt(tiny_gpt_config(1, 2), VOCAB, 64, core_attention="sdpa")
-    mb = pack_thd([[1, 2, 3]], [[4, 5]], [1.0], [[-0.1, -0.2]], 0)
+    mb = pack_thd([record([1, 2, 3], [4, 5], 1.0, [-0.1, -0.2])], 0)
     try:
         compute_logprob_entropy(PassContext(model, 5, groups=groups), [mb])
     except ValueError as error:

@@ -274,15 +274,15 @@ def _exact_and_reference_worker():
     old_policy_pass(ctx, minis)
     add_reference_logprobs(PassContext(reference, seq), minis)
     exact = LossConfig(method="stapo", tau_h_source="exact")
-    first = policy_update(ctx, optimizer, minis[0], exact)
+    first = policy_update(ctx, optimizer, minis[0], exact).metrics
     # the second mini-batch, after the first one's update: what "exact" and "old" see now
     scratch = _from_scratch_tau_h(model.module, minis[1], exact.tau_p, exact.entropy_quantile)
     old_tau = minibatch_threshold(exact, *(torch.cat([x.reshape(-1) for x in xs]) for xs in (
         [mb.old_logprob for mb in minis[1]], [mb.old_entropy for mb in minis[1]], [mb.advantages for mb in minis[1]],
         [mb.response_mask for mb in minis[1]]))).item()
-    second = policy_update(ctx, optimizer, minis[1], exact)
+    second = policy_update(ctx, optimizer, minis[1], exact).metrics
     # GRPO with its KL on the moved policy: the loss path reads ref_logprob
-    grpo = policy_update(ctx, optimizer, minis[1], method_loss_config("grpo"))
+    grpo = policy_update(ctx, optimizer, minis[1], method_loss_config("grpo")).metrics
     ref_vs_old = max((mb.ref_logprob - mb.old_logprob).abs().max().item() for m in minis for mb in m)
     fresh = compute_logprob_entropy(ctx, minis[1])
     moved = max((lp - mb.ref_logprob).abs().max().item() for (lp, _), mb in zip(fresh, minis[1]))

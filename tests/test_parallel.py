@@ -149,7 +149,7 @@ def _train_worker(tp, pp, steps, method, init_ckpt, objective=None):
         ctx = PassContext(model, PROMPT + RESPONSE, groups=groups)
         old_policy_pass(ctx, minis)
         for mine in minis:
-            history.append(policy_update(ctx, optimizer, mine, loss_config))
+            history.append(policy_update(ctx, optimizer, mine, loss_config).metrics)
     return history
 
 
@@ -324,8 +324,8 @@ def _sequence_parallel_worker(sequence_parallel):
     for step in range(2):
         mbs, _ = synthetic_rollouts(4, 2, SP_PROMPT, SP_RESPONSE, config["vocab_size"], seed=step, micro_batch_size=2)
         old_policy_pass(ctx, [mbs])
-        m = policy_update(ctx, optimizer, mbs, LossConfig(tau_p=0.05))
-        history.append({k: v for k, v in m.items() if k != "silenced_tokens"})
+        m = policy_update(ctx, optimizer, mbs, LossConfig(tau_p=0.05)).metrics
+        history.append(m)
     return history, {n: p.detach().clone() for n, p in model.module.named_parameters()}
 
 
@@ -380,7 +380,7 @@ def _overlap_worker(overlap_grad_reduce):
         minis = [mini[dp_rank * 2:(dp_rank + 1) * 2] for mini in (mbs[:4], mbs[4:])]
         old_policy_pass(ctx, minis)
         for mine in minis:
-            m = policy_update(ctx, optimizer, mine, LossConfig(tau_p=0.0015))
+            m = policy_update(ctx, optimizer, mine, LossConfig(tau_p=0.0015)).metrics
             history.append({k: m[k] for k in ("loss", "grad_norm", "num_kept")})
     return history, {n: p.detach().clone() for n, p in model.module.named_parameters()}
 

@@ -36,12 +36,11 @@ G, MAX_TOKENS, SEQ = 4, 12, 32
 def _minibatch(prompts, samples, seed):
     """The samples as one mini-batch of two micro-batches, advantages +-1 alternating."""
     from stapo_megatron.train.batching import pack_sequences, split_microbatches
+    from stapo_megatron.train.records import make_records
 
-    flat = [s for group in samples for s in group]
-    adv = [1.0 if i % 2 == 0 else -1.0 for i in range(len(flat))]
-    batch = pack_sequences([prompts[i // G] for i in range(len(flat))], [s.token_ids for s in flat], adv,
-                           [s.logprobs for s in flat], 0, SEQ)
-    return [split_microbatches(batch, len(flat) // 2, seed=seed)]
+    adv_PG = torch.tensor([1.0, -1.0]).repeat(len(samples) * G // 2).view(len(samples), G)
+    batch = pack_sequences(make_records(prompts, samples, adv_PG, version=0), 0, SEQ)
+    return [split_microbatches(batch, batch.num_rows // 2, seed=seed)]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +53,7 @@ def stale_run(tmp_path_factory):
     from stapo_megatron.train.config import OptimConfig
     from stapo_megatron.train.schedule import PassContext, old_policy_pass
     from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
-    from stapo_megatron.trainer.step_metrics import rollout_mismatch
+    from stapo_megatron.trainer.mismatch_metrics import rollout_mismatch
 
     hf_dir = str(tmp_path_factory.mktemp("stale") / "hf")
     save_tiny_hf_model(hf_dir, VARIANT, dtype=torch.float32, seed=0)
@@ -77,7 +76,7 @@ def stale_run(tmp_path_factory):
         sync_weights(model, tiny_config(VARIANT), groups, engine)
         minis, out["synced"] = sample_and_measure(seed=1)
         # one real update of the trainer's weights; the engine's weight sync is skipped
-        out["update"] = policy_update(ctx, optimizer, minis[0], LossConfig(method="justrl"))
+        out["update"] = policy_update(ctx, optimizer, minis[0], LossConfig(method="justrl")).metrics
         minis, out["stale"] = sample_and_measure(seed=2)
         out["stale_batches"] = [dataclasses.replace(mb) for mb in minis[0]]
         out["losses"] = {}
@@ -85,7 +84,7 @@ def stale_run(tmp_path_factory):
             config = LossConfig(method="stapo", tau_p=0.05, rollout_correction=dataclasses.replace(bounds, mode=mode))
             # flags and rejections compare the batch's fixed pi_old with pi_rollout: the same
             # for each of these updates, whatever they do to the weights
-            out["losses"][mode] = policy_update(ctx, optimizer, minis[0], config)
+            out["losses"][mode] = policy_update(ctx, optimizer, minis[0], config).metrics
         sync_weights(model, tiny_config(VARIANT), groups, engine)
         _, out["resynced"] = sample_and_measure(seed=3)
         engine.shutdown()
@@ -136,7 +135,7 @@ def _dp_worker(seed_base: int):
     """One of two DP ranks: its own micro-batches; the step metrics reduced over DP."""
     from stapo_megatron.train.batching import MicroBatch
     from stapo_megatron.train.parallel import init_parallel
-    from stapo_megatron.trainer.step_metrics import rollout_mismatch
+    from stapo_megatron.trainer.mismatch_metrics import rollout_mismatch
 
     groups = init_parallel(1, 1)
     rank = torch.distributed.get_rank()

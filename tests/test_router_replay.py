@@ -22,7 +22,9 @@ import torch
 
 from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
 from stapo_megatron.train.batching import NO_ROUTE, MicroBatch, pack_sequences
-from stapo_megatron.train.packing import pack_thd, rank_microbatches
+from stapo_megatron.train.minibatches import BatchLayout, pack_planned, plan_budget
+from stapo_megatron.train.packing import pack_thd
+from stapo_megatron.train.records import records_from_lists
 from stapo_megatron.train.router_replay import fill_missing, local_routes
 from tests.dist_utils import run_distributed
 
@@ -51,30 +53,36 @@ def random_routes(*shape, seed=0):
 def test_padded_rows_carry_routes_then_no_route():
     prompts, responses = [[1, 2, 3], [4, 5]], [[6, 7], [8, 9, 10, 11]]
     routes = [random_routes(4, L, seed=1), random_routes(5, L, seed=2)]  # P + R - 1 positions each
-    mb = pack_sequences(prompts, responses, [1.0, -1.0], [[0.0] * 2, [0.0] * 4], pad_id=0, seq_length=8,
-                        routes=routes)
+    mb = pack_sequences(records_from_lists(prompts, responses, [1.0, -1.0], [[0.0] * 2, [0.0] * 4], routes=routes),
+                        pad_id=0, seq_length=8)
     assert mb.routes.shape == (2, 8, L, K) and mb.routes.dtype == torch.int16
     assert torch.equal(mb.routes[0, :4], routes[0].to(torch.int16))
     assert (mb.routes[0, 4:] == NO_ROUTE).all()  # the last response token, then padding
     assert torch.equal(mb.routes[1, :5], routes[1].to(torch.int16)) and (mb.routes[1, 5:] == NO_ROUTE).all()
     with pytest.raises(ValueError, match="sequence 1: routed experts"):
-        pack_sequences(prompts, responses, [0.0, 0.0], [[0.0] * 2, [0.0] * 4], 0, 8, routes=[routes[0], routes[0]])
+        pack_sequences(records_from_lists(prompts, responses, [0.0, 0.0], [[0.0] * 2, [0.0] * 4],
+                                          routes=[routes[0], routes[0]]), 0, 8)
     with pytest.raises(ValueError, match="sequence 0 has no routed experts"):
-        pack_sequences(prompts, responses, [0.0, 0.0], [[0.0] * 2, [0.0] * 4], 0, 8, routes=[None, routes[1]])
+        pack_sequences(records_from_lists(prompts, responses, [0.0, 0.0], [[0.0] * 2, [0.0] * 4],
+                                          routes=[None, routes[1]]), 0, 8)
 
 
 def test_packed_row_carries_each_sequences_routes():
     prompts, responses = [[1, 2, 3], [4, 5]], [[6, 7], [8, 9, 10, 11]]
     routes = [random_routes(4, L, seed=1), random_routes(5, L, seed=2)]
-    mb = pack_thd(prompts, responses, [1.0, -1.0], [[0.0] * 2, [0.0] * 4], pad_id=0, align=8, routes=routes)
+    mb = pack_thd(records_from_lists(prompts, responses, [1.0, -1.0], [[0.0] * 2, [0.0] * 4], routes=routes),
+                  pad_id=0, align=8)
     # row: sequence 0 (5 tokens), sequence 1 (6 tokens), alignment tail (5)
     assert mb.cu_seqlens.tolist() == [0, 5, 11, 16] and mb.routes.shape == (1, 16, L, K)
     row = mb.routes[0]
     assert torch.equal(row[0:4], routes[0].to(torch.int16)) and (row[4] == NO_ROUTE).all()
     assert torch.equal(row[5:10], routes[1].to(torch.int16)) and (row[10:] == NO_ROUTE).all()
-    # rank_microbatches hands each sequence's routes to the micro-batch that holds it
-    mbs = rank_microbatches(prompts * 2, responses * 2, [0.0] * 4, [[0.0] * 2, [0.0] * 4] * 2, 0, packing="budget",
-                            max_tokens=16, num_ranks=2, rank=1, seed=0, routes=routes * 2)
+    # a record's routes go to the micro-batch that holds it (here DP rank 1's of a 2-rank budget plan)
+    records = records_from_lists(prompts * 2, responses * 2, [0.0] * 4, [[0.0] * 2, [0.0] * 4] * 2, routes=routes * 2)
+    layout = BatchLayout("budget", max_tokens=16)
+    plan = plan_budget([r.length for r in records], layout, num_ranks=2, seed=0)
+    mbs = pack_planned(records.__getitem__, plan[1], layout, seed=0)
+    assert mbs
     for mb in mbs:
         for start, end in zip(mb.cu_seqlens[:-1].tolist(), mb.cu_seqlens[1:].tolist()):
             n = end - start
@@ -457,8 +465,6 @@ def test_trainer_steps_with_routing_replay(tmp_path, packing, cp):
 
 
 def _missing_routes_worker():
-    import types
-
     from stapo_megatron.config import RolloutSampling, TrainerConfig
     from stapo_megatron.rollout.base import Sample
     from stapo_megatron.train.parallel import init_parallel
@@ -468,7 +474,7 @@ def _missing_routes_worker():
 
     init_parallel(1, 1)
     cfg = TrainerConfig(rollout=RolloutSampling(routing_replay=True, engine="hf", routing_every=0))
-    monitor = RoutingMonitor(types.SimpleNamespace(cfg=cfg, hf_config=tiny_config(VARIANT)))
+    monitor = RoutingMonitor(cfg.rollout, tiny_config(VARIANT), model=None)  # step_routes needs no model
     routed = random_routes(4, L).long()
     good = Sample(token_ids=[1, 2], logprobs=[0.0, 0.0], text="", finish_reason="stop", routed_experts=routed)
     out = {"enabled": monitor.enabled, "routes": len(monitor.step_routes(0, [[good, good]]))}
@@ -487,32 +493,3 @@ def test_missing_routes_stop_every_rank_with_replay():
     for rank, r in enumerate(results):
         assert r["enabled"] and r["routes"] == 2  # replay alone makes the engine record routes
         assert "returned no routed experts" in r["error"] and f"rank {rank}: {rank} of 2" in r["error"]
-
-
-def _exchange_worker(lengths, plan):
-    import torch.distributed as dist
-
-    from stapo_megatron.train.parallel import init_parallel
-    from stapo_megatron.trainer.packed_batches import _exchange_routes
-
-    groups = init_parallel(1, 1)
-    rank = dist.get_rank()
-    own = [random_routes(lengths[g] - 1, L, seed=g) for g in range(3 * rank, 3 * rank + 3)]  # int64, as engines give
-    return _exchange_routes(own, lengths, 3, groups.dp, torch.device("cpu"), plan)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("plan", [[[[0, 4], [5]], [[1, 2], [3]]], [[[0, 1, 2]], [[3], [4, 5]]]])
-def test_budget_exchange_sends_each_rank_only_its_sequences_routes(plan):
-    """6 sequences, 3 sampled per DP rank; a plan that crosses ranks (rank 0 trains 0, 4, 5)
-    and one that keeps each rank's own (empty all-to-all parts): each rank receives exactly the
-    routes of the sequences it trains (bit for bit, as int16) and nothing else."""
-    lengths = [5, 7, 4, 9, 6, 3]
-    results = run_distributed(2, _exchange_worker, lengths, plan)
-    for rank, routes in enumerate(results):
-        trained = {g for mb in plan[rank] for g in mb}
-        for g, r in enumerate(routes):
-            if g not in trained:
-                assert r is None
-                continue
-            assert r.dtype == torch.int16 and torch.equal(r, random_routes(lengths[g] - 1, L, seed=g).to(torch.int16))

@@ -34,6 +34,10 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from stapo_megatron.train.records import NO_ROUTE, SequenceRecord, carries_routes, token_fields
+
+__all__ = ["NO_ROUTE", "MicroBatch", "group_advantages", "pack_sequences", "split_microbatches"]
+
 
 @dataclasses.dataclass
 class MicroBatch:
@@ -111,29 +115,6 @@ class MicroBatch:
                                             for k in self._tensor_fields()})
 
 
-NO_ROUTE = -1
-"""``MicroBatch.routes`` at a position the rollout engine did not forward (no route)."""
-
-
-def sequence_routes(routes_TLK: Optional[torch.Tensor], index: int, length: int) -> torch.Tensor:
-    """The routes of a sequence of ``length`` tokens laid over its positions: [length, L, K]
-    int16, the engine's [length - 1, L, K] then `NO_ROUTE` at the last token.
-
-    Raises:
-        ValueError: no routes (the engine returned none for sequence ``index``) or a length
-            other than ``length - 1``.
-    """
-    if routes_TLK is None:
-        raise ValueError(f"sequence {index} has no routed experts (Sample.routed_experts is None): the rollout "
-                         f"engine did not return routes for it")
-    if routes_TLK.dim() != 3 or routes_TLK.shape[0] != length - 1:
-        raise ValueError(f"sequence {index}: routed experts {tuple(routes_TLK.shape)} do not cover its "
-                         f"{length} - 1 forwarded tokens as [tokens, layers, top_k]")
-    # int16 holds any expert index (Qwen3-MoE has 128 experts) at a quarter of int64's bytes
-    last = torch.full((1, *routes_TLK.shape[1:]), NO_ROUTE, dtype=torch.int16)
-    return torch.cat([routes_TLK.to(torch.int16), last])
-
-
 def group_advantages(rewards_PG: torch.Tensor, eps: float = 1e-6) -> Tuple[torch.Tensor, int]:
     """Group-normalised advantages [P, G] and the number of all-equal-reward groups.
 
@@ -149,47 +130,33 @@ def group_advantages(rewards_PG: torch.Tensor, eps: float = 1e-6) -> Tuple[torch
     return adv_PG, int(flat_P.sum())
 
 
-def pack_sequences(
-    prompts: Sequence[Sequence[int]],
-    responses: Sequence[Sequence[int]],
-    advantages: Sequence[float],
-    rollout_logprobs: Sequence[Sequence[float]],
-    pad_id: int,
-    seq_length: int,
-    device: Optional[torch.device] = None,
-    routes: Optional[Sequence[Optional[torch.Tensor]]] = None,
-) -> MicroBatch:
-    """Right-padded [N, S] tensors for N (prompt, response) pairs, as one `MicroBatch` of N rows.
+def pack_sequences(records: Sequence[SequenceRecord], pad_id: int, seq_length: int,
+                   device: Optional[torch.device] = None) -> MicroBatch:
+    """Right-padded [N, S] tensors of N records, as one `MicroBatch` of N rows.
 
-    Fills tokens, position_ids, labels, response_mask, advantages (per token) and
-    rollout_logprob (the sampler's log-probs, for the train/rollout mismatch metric), and with
-    ``routes`` (each pair's ``Sample.routed_experts``) the routes [N, S, L, K]
-    (`sequence_routes`, `NO_ROUTE` on the padding), on ``device`` (the model's; default CPU).
+    Each row is the record's `records.token_fields` (tokens, labels, response_mask,
+    rollout_logprob, and routes when the records carry them: `NO_ROUTE` on the padding), the
+    advantage at every position, positions 0 .. S-1; on ``device`` (the model's; default CPU).
     They are assembled on the CPU, row by row, and moved in one copy per field.
     """
-    n = len(prompts)
+    n = len(records)
     tokens = torch.full((n, seq_length), pad_id, dtype=torch.long)
     labels = torch.zeros((n, seq_length), dtype=torch.long)
     response_mask = torch.zeros((n, seq_length), dtype=torch.bool)
     rollout_lp = torch.zeros((n, seq_length), dtype=torch.float32)
+    with_routes = carries_routes(records)
     route_rows: List[torch.Tensor] = []
-    for i, (prompt, response) in enumerate(zip(prompts, responses)):
-        length = len(prompt) + len(response)
-        if length > seq_length:
-            raise ValueError(f"sequence {i} has {length} tokens > seq_length {seq_length}")
-        if len(rollout_logprobs[i]) != len(response):
-            raise ValueError(
-                f"sequence {i}: {len(rollout_logprobs[i])} rollout log-probs for {len(response)} response tokens"
-            )
-        seq = torch.tensor(list(prompt) + list(response), dtype=torch.long)
-        tokens[i, :length] = seq
-        labels[i, : length - 1] = seq[1:]
-        start = len(prompt) - 1
-        response_mask[i, start : length - 1] = True
-        rollout_lp[i, start : length - 1] = torch.tensor(rollout_logprobs[i], dtype=torch.float32)
-        if routes is not None:
-            route_rows.append(sequence_routes(routes[i], i, length))
-    adv = torch.tensor(advantages, dtype=torch.float32)[:, None].expand(n, seq_length).contiguous()
+    for i, rec in enumerate(records):
+        if rec.length > seq_length:
+            raise ValueError(f"sequence {i} has {rec.length} tokens > seq_length {seq_length}")
+        fields = token_fields(rec, i, with_routes)
+        tokens[i, :rec.length] = fields.tokens
+        labels[i, :rec.length] = fields.labels
+        response_mask[i, :rec.length] = fields.response_mask
+        rollout_lp[i, :rec.length] = fields.rollout_logprob
+        if with_routes:
+            route_rows.append(fields.routes)
+    adv = torch.tensor([r.advantage for r in records], dtype=torch.float32)[:, None].expand(n, seq_length).contiguous()
     batch = MicroBatch(
         tokens=tokens,
         position_ids=torch.arange(seq_length).expand(n, seq_length).contiguous(),
@@ -197,8 +164,8 @@ def pack_sequences(
         response_mask=response_mask,
         advantages=adv,
         rollout_logprob=rollout_lp,
-        routes=None if routes is None else torch.stack(
-            [torch.nn.functional.pad(r, (0, 0, 0, 0, 0, seq_length - r.shape[0]), value=NO_ROUTE) for r in route_rows]),
+        routes=torch.stack([torch.nn.functional.pad(r, (0, 0, 0, 0, 0, seq_length - r.shape[0]), value=NO_ROUTE)
+                            for r in route_rows]) if with_routes else None,
     )
     return batch if device is None else batch.to(device)
 

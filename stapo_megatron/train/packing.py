@@ -21,7 +21,7 @@ bins are then filled longest-first into the lightest bin (LPT, a greedy cousin o
 Karmarkar-Karp partition verl and slime use), and the bins are dealt to the ranks the same way.
 Ties are broken by a seeded permutation, so a seed fixes the plan.
 
-Context parallelism (``context_parallel_size`` > 1): `rank_microbatches` pads every sequence to a
+Context parallelism (``context_parallel_size`` > 1): `train.minibatches.build_minibatches` pads every sequence to a
 multiple of 2 x CP tokens (``pack_thd``'s ``seq_align``: after its real tokens, no loss), plans
 the micro-batches with a budget of ``max_tokens`` x CP tokens of whole sequences (the budget is
 what one rank holds after the split), and keeps this CP rank's chunks of each packed row
@@ -40,89 +40,70 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Callable, List, Optional, Sequence, Union
+from typing import List, Optional, Sequence
 
 import torch
 
-from stapo_megatron.config.layout import PACKING_MODES
-from stapo_megatron.train.batching import NO_ROUTE, MicroBatch, pack_sequences, sequence_routes
-from stapo_megatron.train.context_parallel import split_for_context_parallel
+from stapo_megatron.config.layout import PACKING_MODES  # noqa: F401  (re-exported: the one definition)
+from stapo_megatron.train.batching import MicroBatch
+from stapo_megatron.train.records import NO_ROUTE, SequenceRecord, TokenFields, carries_routes, token_fields
 
 
 def pack_thd(
-    prompts: Sequence[Sequence[int]],
-    responses: Sequence[Sequence[int]],
-    advantages: Sequence[float],
-    rollout_logprobs: Sequence[Sequence[float]],
+    records: Sequence[SequenceRecord],
     pad_id: int,
     align: int = 1,
     device: Optional[torch.device] = None,
     seed: Optional[int] = None,
     seq_align: int = 1,
-    routes: Optional[Sequence[Optional[torch.Tensor]]] = None,
 ) -> MicroBatch:
-    """One packed `MicroBatch` [1, T] of the (prompt, response) pairs, T = sum L_i rounded up to
-    ``align``.
+    """One packed `MicroBatch` [1, T] of the records, T = sum L_i rounded up to ``align``.
 
-    Per token the fields equal those of ``batching.pack_sequences`` on each pair alone (its
-    first L_i positions), positions restart at 0 per sequence. ``seq_align`` > 1 (context
-    parallelism: 2 x CP, `context_parallel.sequence_multiple`) pads every sequence to a
-    multiple of it after its real tokens (pad tokens, no loss, positions running on); ``align``
-    must then be a multiple of it. ``routes`` (each pair's ``Sample.routed_experts``): the
-    row's routes [1, T, L, K], `batching.NO_ROUTE` at each sequence's last token and padding.
+    Per token the fields are each record's `records.token_fields` (as ``batching.pack_sequences``
+    lays them in a padded row), the advantage on its n tokens, positions restarting at 0 per
+    sequence. ``seq_align`` > 1 (context parallelism: 2 x CP, `context_parallel.sequence_multiple`)
+    pads every sequence to a multiple of it after its real tokens (pad tokens, no loss, positions
+    running on); ``align`` must then be a multiple of it. When the records carry routes, the
+    row's routes [1, T, L, K] hold `batching.NO_ROUTE` at each sequence's last token and padding.
     """
     if align < 1 or seq_align < 1 or align % seq_align:
         raise ValueError(f"align ({align}) and seq_align ({seq_align}) must be >= 1 and seq_align must divide align")
-    if not len(prompts):
+    if not len(records):
         raise ValueError("pack_thd needs at least one sequence")
-    tokens, labels, mask, lp, adv, pos, lengths, route_parts = [], [], [], [], [], [], [], []
-    for i, (prompt, response) in enumerate(zip(prompts, responses)):
-        if len(rollout_logprobs[i]) != len(response):
-            raise ValueError(
-                f"sequence {i}: {len(rollout_logprobs[i])} rollout log-probs for {len(response)} response tokens"
-            )
-        seq = list(prompt) + list(response)
-        n, start = len(seq), len(prompt) - 1
-        tokens += seq
-        labels += seq[1:] + [0]
-        mask += [False] * start + [True] * len(response) + [False]
-        lp += [0.0] * start + [float(x) for x in rollout_logprobs[i]] + [0.0]
-        adv += [float(advantages[i])] * n
+    with_routes = carries_routes(records)
+    parts, lengths = [], []  # per sequence: (tokens, labels, mask, log-probs, advantages, positions, routes)
+    for i, rec in enumerate(records):
+        f = token_fields(rec, i, with_routes)
+        n = rec.length
         pad = -n % seq_align  # context parallelism: whole 2 x CP chunks, the padding after the real tokens
-        if routes is not None:
-            route_parts.append(_pad_routes(sequence_routes(routes[i], i, n), pad))
-        tokens += [pad_id] * pad
-        labels += [0] * pad
-        mask += [False] * pad
-        lp += [0.0] * pad
-        adv += [0.0] * pad
-        pos += range(n + pad)
+        adv = torch.cat([torch.full((n,), rec.advantage, dtype=torch.float32), torch.zeros(pad, dtype=torch.float32)])
+        parts.append(_padded(f, pad_id, pad) + (adv, torch.arange(n + pad)) +
+                     ((_pad_routes(f.routes, pad),) if with_routes else ()))
         lengths.append(n + pad)
-    tail = -len(tokens) % align
+    tail = -sum(lengths) % align
     if tail:  # the alignment tail: its own sequence, no loss tokens
-        tokens += [pad_id] * tail
-        labels += [0] * tail
-        mask += [False] * tail
-        lp += [0.0] * tail
-        adv += [0.0] * tail
-        pos += range(tail)
+        nothing = TokenFields(*(torch.zeros(0, dtype=d) for d in (torch.long, torch.long, torch.bool, torch.float32)),
+                              routes=None)
+        parts.append(_padded(nothing, pad_id, tail) + (torch.zeros(tail, dtype=torch.float32), torch.arange(tail)) +
+                     ((_pad_routes(parts[-1][-1][:0], tail),) if with_routes else ()))
         lengths.append(tail)
-        if routes is not None:
-            route_parts.append(_pad_routes(route_parts[-1][:0], tail))
-    row = lambda values, dtype: torch.tensor(values, dtype=dtype)[None]  # noqa: E731
+    tokens, labels, mask, lp, adv, pos, *routes = (torch.cat(column)[None] for column in zip(*parts))
     batch = MicroBatch(
-        tokens=row(tokens, torch.long),
-        position_ids=row(pos, torch.long),
-        labels=row(labels, torch.long),
-        response_mask=row(mask, torch.bool),
-        advantages=row(adv, torch.float32),
-        rollout_logprob=row(lp, torch.float32),
+        tokens=tokens, position_ids=pos, labels=labels, response_mask=mask, advantages=adv, rollout_logprob=lp,
         seed=seed,
         cu_seqlens=torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32),
         max_seqlen=max(lengths),
-        routes=torch.cat(route_parts)[None] if routes is not None else None,
+        routes=routes[0] if with_routes else None,
     )
     return batch if device is None else batch.to(device)
+
+
+def _padded(f: TokenFields, pad_id: int, pad: int):
+    """(tokens, labels, mask, log-probs) of a sequence followed by ``pad`` positions without loss."""
+    return (torch.cat([f.tokens, torch.full((pad,), pad_id, dtype=torch.long)]),
+            torch.cat([f.labels, torch.zeros(pad, dtype=torch.long)]),
+            torch.cat([f.response_mask, torch.zeros(pad, dtype=torch.bool)]),
+            torch.cat([f.rollout_logprob, torch.zeros(pad, dtype=torch.float32)]))
 
 
 def _pad_routes(routes_TLK: torch.Tensor, pad: int) -> torch.Tensor:
@@ -222,75 +203,3 @@ def imbalance(plan: List[List[List[int]]], lengths: Sequence[int]) -> float:
     return max(per_rank) / (sum(per_rank) / len(per_rank))
 
 
-def rank_microbatches(
-    prompts: Sequence[Sequence[int]],
-    responses: Sequence[Sequence[int]],
-    advantages: Sequence[float],
-    rollout_logprobs: Sequence[Sequence[float]],
-    pad_id: int,
-    *,
-    packing: str,
-    micro_batch_size: int = 1,
-    max_tokens: int = 0,
-    num_ranks: int = 1,
-    rank: int = 0,
-    seed: int = 0,
-    align: int = 1,
-    seq_length: Optional[int] = None,
-    device: Optional[torch.device] = None,
-    context_parallel_size: int = 1,
-    cp_rank: int = 0,
-    seq_align: int = 1,
-    routes: Union[None, Sequence[Optional[torch.Tensor]], Callable[[List[List[List[int]]]], Sequence]] = None,
-) -> List[MicroBatch]:
-    """This DP rank's micro-batches of one mini-batch given as all ranks' sequences.
-
-    "padded" and "fixed": rank r takes the r-th contiguous share, cut into micro-batches of
-    ``micro_batch_size`` sequences ("padded" right-pads them to ``seq_length``); "budget": the
-    `plan_token_budget` plan (``max_tokens``, ``seed``). The micro-batch with first sequence i
-    gets seed ``seed + i`` (the random-control masks).
-
-    Context parallelism (``context_parallel_size`` > 1, packed modes only): every sequence is
-    padded to a multiple of ``seq_align`` (`context_parallel.sequence_multiple`) and each packed
-    row is split, CP rank ``cp_rank`` keeping its part (`context_parallel.split_for_context_parallel`).
-    ``max_tokens`` then counts the tokens one rank holds after the split: the plan packs up to
-    ``max_tokens x context_parallel_size`` tokens of whole (padded) sequences per micro-batch,
-    so a sequence longer than ``max_tokens`` trains.
-
-    ``routes``: each sequence's ``Sample.routed_experts`` (MoE), carried as ``MicroBatch.routes``;
-    or a function of the plan (plan[rank][microbatch] = sequence indices) returning that list,
-    where only this rank's sequences need routes (the trainer fetches just those from the DP
-    ranks that sampled them: `stapo_megatron.trainer.packed_batches`).
-    """
-    if packing not in PACKING_MODES:
-        raise ValueError(f"packing must be one of {PACKING_MODES}, got {packing!r}")
-    if context_parallel_size > 1 and packing == "padded":
-        raise ValueError(f"context_parallel_size {context_parallel_size} needs packed micro-batches "
-                         f"(packing 'fixed' or 'budget'), got packing='padded'")
-    align = math.lcm(align, seq_align)
-    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
-    if packing == "budget":
-        padded = [-(-n // seq_align) * seq_align for n in lengths]
-        cp_budget = max_tokens * context_parallel_size
-        if context_parallel_size > 1 and max(padded) > cp_budget:
-            raise ValueError(f"a sequence of {max(lengths)} tokens (padded to {max(padded)}) > max_tokens_per_microbatch "
-                             f"{max_tokens} x context_parallel_size {context_parallel_size} = {cp_budget}")
-        plan = plan_token_budget(padded, cp_budget, num_ranks, seed, align)
-    else:
-        plan = plan_fixed_count(len(lengths), micro_batch_size, num_ranks)
-    if callable(routes):
-        routes = routes(plan)
-    pick = lambda xs, idx: [xs[i] for i in idx]  # noqa: E731
-    out = []
-    for idx in plan[rank]:
-        args = (pick(prompts, idx), pick(responses, idx), pick(advantages, idx), pick(rollout_logprobs, idx), pad_id)
-        mine = None if routes is None else pick(routes, idx)
-        if packing == "padded":
-            mb = pack_sequences(*args, seq_length=seq_length or -(-max(lengths) // align) * align, device=device,
-                                routes=mine)
-            mb.seed = seed + idx[0]
-        else:
-            mb = pack_thd(*args, align=align, device=device, seed=seed + idx[0], seq_align=seq_align, routes=mine)
-            mb = split_for_context_parallel(mb, context_parallel_size, cp_rank)
-        out.append(mb)
-    return out

@@ -7,6 +7,7 @@ multi-process tests all go through it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import partial
 from typing import Dict, List
@@ -102,12 +103,25 @@ def _clip_grads(optimizer, max_norm: float, grad_norm: float) -> None:
             clip_grad_by_total_norm_fp32(params, max_norm, grad_norm)
 
 
+@dataclasses.dataclass
+class UpdateResult:
+    """What one `policy_update` reports."""
+
+    metrics: Dict[str, float]
+    """The same on every rank: loss, silenced count/fraction, tau_h, ..., grad_norm, skipped
+    (1.0 when the optimizer skipped the step on a NaN/Inf gradient); for a MoE model also
+    per-layer expert load and aux loss (``moe/...``, `stapo_megatron.train.moe`)."""
+    silenced_tokens: List[List[float]]
+    """This rank's silenced tokens as (label id, log p, H, A, log p_rollout, mismatch-flagged)
+    rows (last pipeline stage; empty elsewhere): the silenced-token inspector's input."""
+
+
 def policy_update(
     ctx: PassContext,
     optimizer,
     microbatches: List[MicroBatch],
     loss_config: LossConfig,
-) -> Dict[str, float]:
+) -> UpdateResult:
     """One mini-batch: threshold, forward/backward over its micro-batches, optimizer step.
 
     Args:
@@ -118,9 +132,7 @@ def policy_update(
             their ``old_logprob`` / ``old_entropy``; with "exact" (or without ``old_entropy``)
             a no-grad pre-pass with the current weights computes them.
     Returns:
-        metrics (same on every rank): loss, silenced count/fraction, tau_h, ..., grad_norm,
-        skipped (1.0 when the optimizer skipped the step on a NaN/Inf gradient); for a MoE model
-        also per-layer expert load and aux loss (``moe/...``, `stapo_megatron.train.moe`).
+        the `UpdateResult`: the mini-batch's metrics and this rank's silenced tokens.
     """
     if ctx.temperature != loss_config.temperature:
         raise ValueError(f"PassContext.temperature {ctx.temperature} != loss.temperature {loss_config.temperature}")
@@ -169,8 +181,4 @@ def policy_update(
         optimizer.step_with_ready_grads()
     metrics["grad_norm"] = grad_norm
     metrics["skipped"] = 0.0 if finite else 1.0
-    metrics["tau_h_source"] = loss_config.tau_h_source  # logged: which mini-batch semantics ran
-    # (label id, log p, H, A, log p_rollout, flagged) rows of this rank's silenced tokens (last
-    # stage; empty elsewhere)
-    metrics["silenced_tokens"] = [row for item in losses_reduced for row in item["silenced_tokens"].tolist()]
-    return metrics
+    return UpdateResult(metrics, [row for item in losses_reduced for row in item["silenced_tokens"].tolist()])

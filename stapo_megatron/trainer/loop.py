@@ -1,8 +1,9 @@
 """The STAPO training loop (docs/design.md, "One training step"), SPMD: one process per device.
 
-Per step: (1) this DP rank's prompts; (2) G rollouts per prompt; (3) rewards; (4) group advantages in `MicroBatch`
-objects (padded, or packed balanced over DP); (5) pi_old log-probs (``schedule.old_policy_pass``; MoE: RoutingMonitor);
-(6) per PPO mini-batch a Megatron forward_backward and an optimizer step; (7) weight sync into the engine; (8) metrics,
+Per step: (1) this DP rank's prompts; (2) G rollouts per prompt; (3) rewards; (4) group advantages, one
+`SequenceRecord` per sample, laid out as `MicroBatch` objects by `build_minibatches` (padded, or packed
+balanced over DP); (5) pi_old log-probs (``schedule.old_policy_pass``; MoE: RoutingMonitor); (6) per PPO
+mini-batch a Megatron forward_backward and an optimizer step; (7) weight sync into the engine; (8) metrics,
 evaluation (`Evaluator`), checkpoint. Warm-start: `WarmStart`. Started by torchrun: ``train(config)``."""
 
 from __future__ import annotations
@@ -28,17 +29,20 @@ from stapo_megatron.runlog.plots import plot_run
 from stapo_megatron.runlog.progress import Progress
 from stapo_megatron.runlog.provenance import RunProvenance
 from stapo_megatron.train import checkpoint as ckpt
-from stapo_megatron.train.batching import MicroBatch, group_advantages, pack_sequences, split_microbatches
+from stapo_megatron.train.batching import group_advantages
+from stapo_megatron.train.minibatches import BatchLayout, build_minibatches
 from stapo_megatron.train.parallel import collective_device, destroy_parallel
+from stapo_megatron.train.records import SequenceRecord, make_records
 from stapo_megatron.train.reference import add_reference_logprobs, frozen_copy, reset_reference
 from stapo_megatron.train.schedule import PassContext, old_policy_pass
 from stapo_megatron.train.step import build_optimizer, policy_update, wrap_ddp
-from stapo_megatron.trainer import faults, layout, packed_batches, routing
+from stapo_megatron.trainer import faults, layout, routing
 from stapo_megatron.trainer.preemption import SaveOnSignal, StoppedForRequeue
 from stapo_megatron.trainer.prompts import load_prompts, pad_to, step_prompt_indices
 from stapo_megatron.trainer.seeds import Seeds
 from stapo_megatron.trainer.lr import warmup_lr
-from stapo_megatron.trainer.step_metrics import Timer, format_row, gather_silenced, rollout_mismatch, step_row
+from stapo_megatron.trainer.mismatch_metrics import rollout_mismatch
+from stapo_megatron.trainer.step_metrics import Timer, format_row, gather_silenced, step_row
 from stapo_megatron.trainer.warmstart import WarmStart
 
 
@@ -51,6 +55,7 @@ class Trainer:
         self.groups = layout.init_groups(cfg, self.seeds.model_init)  # TP, PP, CP, EP from cfg.model, checked
         self.rank = dist.get_rank()
         self.dp_size, self.dp_rank = dist.get_world_size(self.groups.dp), dist.get_rank(self.groups.dp)
+        self.minibatch_size = cfg.minibatch_prompts // self.dp_size * cfg.rollout.group_size  # this rank's records
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
         self.hf_config = load_hf_config(cfg.model.hf_dir)
         (self.train_ids, self.train_ex), self.held_out = load_prompts(cfg, self.tokenizer)
@@ -84,6 +89,10 @@ class Trainer:
         # created on the backend's device (the same CUDA device under NCCL, the CPU under gloo).
         self.device = next(model.parameters()).device
         self.dp_device = collective_device(self.groups.dp)
+        self.batch_layout = BatchLayout(  # how a step's records become micro-batches (train/minibatches.py)
+            cfg.packing, cfg.micro_batch_size, cfg.max_tokens_per_microbatch, self.tokenizer.pad_token_id,
+            self.seq_multiple, self.seq_align, self.groups.cp_size,
+            dist.get_rank(self.groups.cp) if self.groups.cp_size > 1 else 0, self.device)
         self.model = wrap_ddp(model, cfg.optim.use_distributed_optimizer, cfg.optim.overlap_grad_reduce)
         self.optimizer = build_optimizer(self.model, cfg.optim)
 
@@ -97,7 +106,7 @@ class Trainer:
         """The reward scorer, the rollout engine and the evaluator that samples with it."""
         r = self.cfg.rollout
         reward = get_reward(self.cfg.reward.name)  # before the engine: a bad name fails fast
-        self.routing = routing.RoutingMonitor(self)  # MoE: the engine records its routes for it
+        self.routing = routing.RoutingMonitor(r, self.hf_config, self.model)  # MoE: the engine records its routes
         self.engine = build_engine(r.engine, self.cfg.model.hf_dir, r.engine_config(
             max_model_len=pad_to(self.cfg.data.max_prompt_len + max(r.max_response_len, eval_max_len(self.cfg))),
             seed=self.seeds.engine(self.dp_rank), return_routed_experts=self.routing.enabled,
@@ -128,7 +137,9 @@ class Trainer:
             rewards_PG, reward_info = self._score(samples, answers)
         self.engine.sleep()  # GPU: vLLM's memory goes to training until the weight sync
         adv_PG, num_flat = group_advantages(rewards_PG)
-        minis, seq = self._minibatches(step, prompts, samples, adv_PG)
+        records = self._records(step, prompts, samples, adv_PG)
+        minis, seq = build_minibatches(records, self.batch_layout, self.minibatch_size,
+                                       partial(self.seeds.microbatches, step), self.groups.dp)
         ctx = self.context(seq)
         with timer("old_logprob"):
             old_policy_pass(ctx, minis)
@@ -140,10 +151,10 @@ class Trainer:
             updates = [policy_update(ctx, self.optimizer, mini, self.cfg.loss) for mini in minis]
         with timer("weight_sync"):
             wake_and_sync(self.model, self.hf_config, self.groups, self.engine)
-        row = step_row(step, updates, rewards_PG, num_flat, samples, mismatch, reward_info,
+        row = step_row(step, [u.metrics for u in updates], rewards_PG, num_flat, samples, mismatch, reward_info,
                        self.cfg.loss.tau_h_source, self.optimizer.param_groups[0]["lr"], self.groups, self.dp_device)
         row.update(timer.seconds)
-        return row, [r for u in updates for r in u["silenced_tokens"]]
+        return row, [r for u in updates for r in u.silenced_tokens]
 
     def _prompts(self, step: int) -> Tuple[List[List[int]], List[str]]:
         """This DP rank's prompts of ``step`` (token ids) and their reference answers."""
@@ -166,26 +177,14 @@ class Trainer:
         rewards, info = self.scorer.score(texts, [answer for answer in answers for _ in range(G)])
         return torch.tensor(rewards, dtype=torch.float32).view(len(answers), G), info
 
-    def _minibatches(self, step: int, prompts: List[List[int]], samples: List[List],
-                     adv_PG: torch.Tensor) -> Tuple[List[List[MicroBatch]], int]:
-        """The samples with their advantages packed into label-aligned micro-batches per PPO
-        mini-batch, and the padded sequence length."""
+    def _records(self, step: int, prompts: List[List[int]], samples: List[List],
+                 adv_PG: torch.Tensor) -> List[SequenceRecord]:
+        """This rank's samples of ``step`` as sequence records, flat in (prompt, sample) order:
+        sampled by policy version ``step`` x mini-batches per step (RL optimizer updates so far),
+        with their MoE routes when the step carries them."""
         routes = self.routing.step_routes(step, samples)  # MoE: replayed and/or measured; None: not carried
-        if self.cfg.packing != "padded":
-            return packed_batches.packed_minibatches(self, step, prompts, samples, adv_PG, routes)
-        G = self.cfg.rollout.group_size
-        flat = [s for group in samples for s in group]
-        seq = pad_to(max(len(prompts[i // G]) + len(s.token_ids) for i, s in enumerate(flat)), self.seq_multiple)
-        batch = pack_sequences(
-            [prompts[i // G] for i in range(len(flat))], [s.token_ids for s in flat],
-            adv_PG.reshape(-1).tolist(), [s.logprobs for s in flat], self.tokenizer.pad_token_id, seq,
-            device=self.device, routes=routes,
-        )
-        per_mini = self.cfg.minibatch_prompts // self.dp_size * G
-        minis = [split_microbatches(batch.rows(s, s + per_mini), self.cfg.micro_batch_size,
-                                    seed=self.seeds.microbatches(step, s, self.dp_rank))
-                 for s in range(0, len(flat), per_mini)]
-        return minis, seq
+        updates_per_step = self.cfg.prompts_per_step // self.cfg.minibatch_prompts
+        return make_records(prompts, samples, adv_PG, version=step * updates_per_step, routes=routes)
 
     def _save(self, step: int):
         ckpt.save_checkpoint(self.cfg.run_dir, step, self.model, self.optimizer,

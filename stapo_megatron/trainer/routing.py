@@ -52,8 +52,10 @@ import torch.distributed as dist
 
 from stapo_megatron.bridge.config import spec_from_hf_config
 from stapo_megatron.rollout.registry import resolve_engine
-from stapo_megatron.train.batching import NO_ROUTE, MicroBatch, pack_sequences, split_microbatches
+from stapo_megatron.train.batching import NO_ROUTE, MicroBatch
+from stapo_megatron.train.minibatches import BatchLayout, build_minibatches
 from stapo_megatron.train.parallel import collective_device
+from stapo_megatron.train.records import records_from_lists
 from stapo_megatron.train.router_replay import local_routes
 from stapo_megatron.train.schedule import run_microbatches
 
@@ -162,11 +164,11 @@ def sample_microbatches(prompts: List[List[int]], samples: List, micro_batch_siz
                         seq_multiple: int = 8) -> List[MicroBatch]:
     """Padded micro-batches with routes of ``prompts[i] + samples[i].token_ids`` (advantages 0),
     for `routing_counts` outside the trainer (the trainer measures its own micro-batches)."""
-    seq = max(len(p) + len(s.token_ids) for p, s in zip(prompts, samples))
-    batch = pack_sequences(prompts, [s.token_ids for s in samples], [0.0] * len(samples),
-                           [s.logprobs for s in samples], pad_id, seq + -seq % seq_multiple,
-                           routes=[s.routed_experts for s in samples])
-    return split_microbatches(batch, micro_batch_size if len(samples) % micro_batch_size == 0 else 1, seed=0)
+    records = records_from_lists(prompts, [s.token_ids for s in samples], [0.0] * len(samples),
+                                 [s.logprobs for s in samples], routes=[s.routed_experts for s in samples])
+    layout = BatchLayout("padded", micro_batch_size if len(samples) % micro_batch_size == 0 else 1, pad_id=pad_id,
+                         seq_multiple=seq_multiple)
+    return build_minibatches(records, layout)[0][0]
 
 
 def rollout_expert_load(samples: List, num_experts: int) -> torch.Tensor:
@@ -203,16 +205,17 @@ class RoutingMonitor:
     """Asked by the trainer each step (``step_routes``, ``measure``); see the module docstring.
 
     Args:
-        trainer: the `stapo_megatron.trainer.loop.Trainer` (cfg, hf_config, model).
+        rollout: the run's `RolloutConfig` (``routing_every``, ``routing_replay``, the engine).
+        hf_config: the policy's HF config (its number of experts; 0: dense, nothing to do).
+        model: the policy (DDP-wrapped) whose routing ``measure`` compares with the rollout's.
     """
 
-    def __init__(self, trainer):
-        self.trainer = trainer
-        self.num_experts = spec_from_hf_config(trainer.hf_config).num_moe_experts or 0  # 0: dense
-        r = trainer.cfg.rollout
-        self.every, self.replay = r.routing_every, r.routing_replay
+    def __init__(self, rollout, hf_config, model):
+        self.model = model
+        self.num_experts = spec_from_hf_config(hf_config).num_moe_experts or 0  # 0: dense
+        self.every, self.replay = rollout.routing_every, rollout.routing_replay
         if self.replay:
-            check_replay_engine(r.engine, r.vllm_model_runner_v2, torch.cuda.is_available())
+            check_replay_engine(rollout.engine, rollout.vllm_model_runner_v2, torch.cuda.is_available())
         self.warned = False
 
     @property
@@ -259,7 +262,7 @@ class RoutingMonitor:
         flat = [s for group in samples for s in group]
         device = collective_device(None)
         start = time.perf_counter()
-        counts_3L = routing_counts(self.trainer.model, mbs, self.num_experts).to(device)
+        counts_3L = routing_counts(self.model, mbs, self.num_experts).to(device)
         load_LE = rollout_expert_load(flat, self.num_experts).to(device)
         for summed in (counts_3L, load_LE):
             dist.all_reduce(summed)

@@ -26,13 +26,14 @@ import torch.distributed as dist
 from stapo_megatron.bridge.model import load_checkpoint
 from stapo_megatron.config import TrainerConfig, WarmStartConfig
 from stapo_megatron.train import checkpoint as ckpt
-from stapo_megatron.train.batching import MicroBatch, pack_sequences, split_microbatches
-from stapo_megatron.train.packing import rank_microbatches
+from stapo_megatron.train.batching import MicroBatch
+from stapo_megatron.train.minibatches import BatchLayout, build_minibatches
+from stapo_megatron.train.records import records_from_lists
 from stapo_megatron.train.schedule import PassContext
 from stapo_megatron.train.sft import sft_step
 from stapo_megatron.train.step import build_optimizer
 from stapo_megatron.trainer.layout import seq_align
-from stapo_megatron.trainer.prompts import pad_to, step_prompt_indices
+from stapo_megatron.trainer.prompts import step_prompt_indices
 from stapo_megatron.trainer.seeds import Seeds
 from stapo_megatron.utils import load_dotted
 
@@ -125,16 +126,15 @@ class WarmStart:
         """The SFT micro-batches of one step and their length: padded rows of
         ``micro_batch_size`` sequences, or under context parallelism the same sequences packed
         and split over CP (CP trains packed rows only)."""
-        args = (prompts, targets, [0.0] * len(prompts), [[0.0] * len(t) for t in targets], self.tokenizer.pad_token_id)
+        records = records_from_lists(prompts, targets, [0.0] * len(prompts), [[0.0] * len(t) for t in targets])
+        cp = groups.cp_size
+        layout = BatchLayout("fixed" if cp > 1 else "padded", self.cfg.micro_batch_size,
+                             pad_id=self.tokenizer.pad_token_id, seq_multiple=self.seq_multiple,
+                             seq_align=seq_align(self.cfg), cp_size=cp,
+                             cp_rank=dist.get_rank(groups.cp) if cp > 1 else 0, device=device)
         seed = self.seeds.warmstart_microbatches(step)
-        if groups.cp_size > 1:
-            mbs = rank_microbatches(*args, packing="fixed", micro_batch_size=self.cfg.micro_batch_size, seed=seed,
-                                    align=self.seq_multiple, device=device, context_parallel_size=groups.cp_size,
-                                    cp_rank=dist.get_rank(groups.cp), seq_align=seq_align(self.cfg))
-            return mbs, max(mb.tokens.shape[1] for mb in mbs)
-        seq = pad_to(max(len(p) + len(t) for p, t in zip(prompts, targets)), self.seq_multiple)
-        batch = pack_sequences(*args, seq, device=device)
-        return split_microbatches(batch, self.cfg.micro_batch_size, seed=seed), seq
+        (mbs,), seq = build_minibatches(records, layout, microbatch_seed=lambda first, dp_rank: seed)
+        return mbs, seq
 
     def apply(self, ctx: PassContext, rl_optimizer) -> None:
         """Warm-start ``ctx.model`` (DDP-wrapped), or load the cached weights; then tell the RL

@@ -1,0 +1,71 @@
+"""Same maths check: do two runs' ``metrics.jsonl`` hold the same values, wall-clock fields aside?
+
+    .venv/bin/python scripts/compare_metrics.py BEFORE/metrics.jsonl AFTER/metrics.jsonl
+
+Compares row by row, key by key, exactly (a refactor that is not meant to change the maths writes
+the same floats with a fixed seed); ignores the wall-clock fields (``time_*``, ``*_tokens_per_s``,
+``eta_s``). Prints every difference and exits 1 when there is one, else prints how many rows and
+values agreed and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Dict, List
+
+
+def is_wall_clock(key: str) -> bool:
+    """Fields that measure time, not maths."""
+    return key.startswith("time_") or key.endswith("_tokens_per_s") or key == "eta_s"
+
+
+def load_rows(path: str) -> List[Dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def same(a, b) -> bool:
+    """Equal values; NaN equals NaN (an empty statistic is logged as NaN on both sides)."""
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
+def differences(before: List[Dict], after: List[Dict]) -> List[str]:
+    """Every row / key whose value differs (wall-clock fields aside), as readable lines."""
+    out = []
+    if len(before) != len(after):
+        out.append(f"{len(before)} rows before, {len(after)} after")
+    for i, (b, a) in enumerate(zip(before, after)):
+        keys = {k for k in list(b) + list(a) if not is_wall_clock(k)}
+        for key in sorted(keys):
+            if key not in b or key not in a:
+                out.append(f"row {i} ({b.get('kind')} step {b.get('step')}): {key} only "
+                           f"{'before' if key in b else 'after'}")
+            elif not same(b[key], a[key]):
+                out.append(f"row {i} ({b.get('kind')} step {b.get('step')}): {key} {b[key]!r} -> {a[key]!r}")
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("before")
+    parser.add_argument("after")
+    args = parser.parse_args(argv)
+    before, after = load_rows(args.before), load_rows(args.after)
+    diffs = differences(before, after)
+    for line in diffs:
+        print(line)
+    if diffs:
+        print(f"DIFFERENT: {len(diffs)} differences")
+        return 1
+    compared = sum(1 for row in before for k in row if not is_wall_clock(k))
+    print(f"SAME: {len(before)} rows, {compared} values identical (wall-clock fields aside)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
