@@ -51,7 +51,7 @@ class Example:
     """The raw question text, without chat template or instruction suffix."""
 
     answer: str
-    """The reference final answer (compared with math-verify, see ``stapo_megatron.rewards.scorer``)."""
+    """The reference final answer (compared by the run's reward, ``stapo_megatron.rewards``)."""
 
     id: str
     """A stable identifier: the row's own id when it has one, else ``<file stem>-<row number>``."""
@@ -172,6 +172,8 @@ def answer_to_str(value: Any, where: str, field: str) -> str:
         raise ValueError(f"{where}: `{field}` must be a string or number, got {type(value).__name__}")
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{where}: `{field}` is {value} (a missing value), not an answer")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # amc23 publishes 12 as 12.0; a boxed "12" must match it as text too
     text = str(value).strip()
     if not text:
         raise ValueError(f"{where}: `{field}` is empty")
@@ -195,11 +197,12 @@ def question_from_value(prompt: Any, where: str, field: str = "prompt") -> str:
 
 def answer_from_value(value: Any, where: str, field: str) -> str:
     """``answer_to_str`` that also takes a list of answers (OlympiadBench's ``final_answer`` for
-    multi-part questions), joined with ", "."""
+    multi-part questions), joined with ", " with each item's ``$...$`` removed (``["$2$", "$-2$"]``
+    -> ``"2, -2"``, the form a boxed answer takes)."""
     if isinstance(value, (list, tuple)):
         if not value:
             raise ValueError(f"{where}: `{field}` is an empty list")
-        value = ", ".join(answer_to_str(v, where, field) for v in value)
+        value = ", ".join(answer_to_str(v, where, field).strip("$").strip() for v in value)
     return answer_to_str(value, where, field)
 
 

@@ -28,7 +28,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from stapo_megatron.data.examples import Example, answer_from_value, field_value, question_from_value, read_rows
 from stapo_megatron.eval.config import Decoding, EvalSetConfig
 from stapo_megatron.eval.generate import EvalProgress, GenerateFn, Response, length_stats
-from stapo_megatron.rewards.scorer import RewardScorer, extract_boxed
+from stapo_megatron.rewards.answers import extract_boxed
+from stapo_megatron.rewards.scorer import RewardScorer
 
 
 
