@@ -94,3 +94,24 @@ def test_answers_are_written_in_boxed_form(tmp_path):
         assert _run("bench", name, str(tmp_path / file), str(tmp_path / "bench")).returncode == 0
     assert [e.answer for e in load_benchmark(str(tmp_path / "bench" / "amc23.jsonl"))] == ["12", "0.5"]
     assert load_benchmark(str(tmp_path / "bench" / "olympiadbench.jsonl"))[0].answer == "2, -2"
+
+
+def test_paper_recipe_takes_the_prepared_benchmarks(tmp_path):
+    """The folder prepare_data writes becomes a paper recipe's eval_sets (issue 36, item 8)."""
+    import pytest
+
+    from stapo_megatron.recipes.paper import qwen3_1p7b, with_paper_benchmarks
+
+    (tmp_path / "m.jsonl").write_text(json.dumps({"problem": "m", "solution": r"so \boxed{7}"}) + "\n")
+    _aime_part(tmp_path / "I.jsonl", 0)
+    _aime_part(tmp_path / "II.jsonl", 15)
+    bench = tmp_path / "bench"
+    assert _run("bench", "math500", str(tmp_path / "m.jsonl"), str(bench)).returncode == 0
+    assert _run("bench", "aime25", str(tmp_path / "I.jsonl"), str(tmp_path / "II.jsonl"), str(bench)).returncode == 0
+    cfg = with_paper_benchmarks(qwen3_1p7b(), str(bench))
+    assert [(s.name, s.k, s.path) for s in cfg.eval_sets] == [("aime25", 32, str(bench / "aime25.jsonl")),
+                                                              ("math500", 4, str(bench / "math500.jsonl"))]
+    assert cfg.eval_sets[0].decodings == ("T1.0_p1.0", "T0.7_p0.9")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="has none of aime24.jsonl"):
+        with_paper_benchmarks(qwen3_1p7b(), str(tmp_path / "empty"))

@@ -313,6 +313,20 @@ def paper_sets(bench_dir: str, decodings: Sequence[Decoding] = PAPER_DECODINGS,
     return found, missing
 
 
+def paper_eval_set_configs(bench_dir: str, benchmarks: Mapping[str, int] = PAPER_BENCHMARKS) -> list[EvalSetConfig]:
+    """``TrainerConfig.eval_sets`` for the paper's benchmarks in ``bench_dir`` (the folder
+    ``scripts/prepare_data.py bench`` writes): one `EvalSetConfig` per ``<name>.jsonl`` found,
+    with the paper's k and both decodings. ValueError if the folder holds none of them."""
+    if not os.path.isdir(bench_dir):
+        raise ValueError(f"benchmark folder {bench_dir!r} does not exist")
+    found = [EvalSetConfig(name=name, path=os.path.join(bench_dir, f"{name}.jsonl"), k=k)
+             for name, k in benchmarks.items() if os.path.isfile(os.path.join(bench_dir, f"{name}.jsonl"))]
+    if not found:
+        raise ValueError(f"benchmark folder {bench_dir!r} has none of {', '.join(f'{n}.jsonl' for n in benchmarks)} "
+                         "(write them with scripts/prepare_data.py bench)")
+    return found
+
+
 def evaluate_suite(generate_fn: GenerateFn, bench_dir: str, scorer: RewardScorer,
                    benchmarks: Mapping[str, int] = PAPER_BENCHMARKS,
                    decodings: Sequence[Decoding] = PAPER_DECODINGS,
