@@ -95,7 +95,7 @@ test: $(STAMP)
 # the pinned stack with PYTHONPATH. Runs the fast tier and the Megatron-DDP slow tests (.ci/run
 # runs it after `make test`).
 MCORE019 := .mcore019
-MCORE019_TESTS := tests/test_parallel.py tests/test_sft.py tests/test_checkpoint.py \
+MCORE019_TESTS := tests/test_parallel.py tests/test_sft.py tests/test_checkpoint.py tests/test_checkpoint_recipes.py \
 	tests/test_conversion_parity.py tests/test_paper_fidelity.py tests/test_rollout_weight_sync.py
 $(MCORE019)/megatron/core/__init__.py:
 	rm -rf $(MCORE019) && mkdir -p $(MCORE019)/wheel

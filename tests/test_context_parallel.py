@@ -461,7 +461,7 @@ EVAL_K, SET_K, EVAL_TOKENS, LOGGED = 3, 2, 6, 10
 def _parity_reward(response: str, answer: str):
     """1 when the response's first character has an even code point: about half the samples of
     an untrained model score, so every count is exercised (its text never matches an answer)."""
-    from stapo_megatron.rewards.scorer import STATUS_OK
+    from stapo_megatron.rewards.answers import STATUS_OK
 
     return (1.0 if response and ord(response[0]) % 2 == 0 else 0.0), STATUS_OK
 

@@ -84,7 +84,7 @@ def test_dedupe_warns_with_count(tmp_path):
 @pytest.mark.parametrize("bad_line, message", [
     ("{not json", r"bad.jsonl:2: invalid JSON"),
     ('["a list"]', r"bad.jsonl:2: expected a JSON object"),
-    ('{"answer": "1"}', r"bad.jsonl:2: missing field `prompt`"),
+    ('{"answer": "1"}', r"bad.jsonl:2: no question"),
     ('{"prompt": "q"}', r"bad.jsonl:2: no answer"),
     ('{"prompt": "q", "answer": ""}', r"bad.jsonl:2: `answer` is empty"),
     ('{"prompt": "q", "answer": null}', r"bad.jsonl:2: `answer` must be a string or number"),
@@ -225,12 +225,12 @@ def test_hf_dataset_folder_with_field_mapping():
     assert [(e.prompt, e.answer) for e in examples] == [
         ("What is 1+1?", "2"), ("What is 2+3?", "5"), ("Name both roots of x^2=1.", "1, -1"),
         ("What is 10/4?", "\\frac{5}{2}")]
-    assert [e.id for e in examples] == ["math_dataset-1", "math_dataset-2", "math_dataset-3", "math_dataset-4"]
+    assert [e.id for e in examples] == ["10", "11", "12", "13"]  # the rows' `idx` (data.rows.ID_FIELDS)
     nested = load_examples(folder, prompt_field="question", answer_field="meta.gt")
     assert [e.answer for e in nested] == ["2", "5", "\\pm 1", "2.5"]
     # one split of a DatasetDict is a dataset folder
     assert load_examples(os.path.join(DATA_DIR, "math_dict", "test"), prompt_field="question",
-                         answer_field="meta.gt") == [Example("What is 10/4?", "2.5", "test-1")]
+                         answer_field="meta.gt") == [Example("What is 10/4?", "2.5", "13")]
 
 
 def test_field_mapping_in_jsonl_and_missing_fields(tmp_path):
@@ -244,8 +244,8 @@ def test_field_mapping_in_jsonl_and_missing_fields(tmp_path):
     with pytest.raises(ValueError, match=r"mapped.jsonl:1: no field 'sol.gt' \(answer_field = 'sol.gt'\); "
                                          r"fields present in 'sol': \['final'\]"):
         load_examples(path, prompt_field="q", answer_field="sol.gt")
-    with pytest.raises(ValueError, match=r"mapped.jsonl:1: missing field `prompt` .*name another question "
-                                         r"field with prompt_field"):
+    with pytest.raises(ValueError, match=r"mapped.jsonl:1: no question: expected one of prompt, problem, question "
+                                         r"\(or name its field with prompt_field\)"):
         load_examples(path)
 
 

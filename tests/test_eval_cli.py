@@ -141,3 +141,33 @@ def test_vllm_log_lines_go_to_stderr(tmp_path):
                           env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "VLLM-LOG-LINE" in proc.stderr and "VLLM-LOG-LINE" not in proc.stdout
+
+
+def test_eval_of_a_run_into_its_own_folder_scores_with_the_runs_reward(tmp_path, tiny_hf):
+    """The README's ``stapo-eval RUN ... --out RUN/eval`` (issue 36, item 8): the checkpoint's HF
+    export must not go inside RUN; the run's reward (its config.yaml) scores, and eval.json says
+    which. boxed_exact_match scores an unboxed response -1, math_verify 0."""
+    from stapo_megatron.conversion.hf_to_mcore import convert_hf_to_mcore
+
+    run = tmp_path / "run"
+    convert_hf_to_mcore(tiny_hf, str(run))
+    (run / "config.yaml").write_text("seed: 0\nreward: boxed_exact_match\n")
+    common = ["--set", f"name=bench,path={_problems(tmp_path, 2)},k=2,decodings=T1.0_p1.0", "--engine", "hf",
+              "--max-tokens", "4", "--no-chat-template", "--dtype", "float32", "--reward-workers", "1"]
+    for out, extra, reward, source, value in [
+            (run / "eval", [], "boxed_exact_match", str(run / "config.yaml"), -1.0),
+            (tmp_path / "mv", ["--reward", "math_verify"], "math_verify", "--reward", 0.0)]:
+        assert eval_cli.main([str(run), "--out", str(out)] + common + extra) == 0
+        settings = json.load(open(out / "eval.json"))["settings"]
+        assert (settings["reward"], settings["reward_source"]) == (reward, source)
+        rewards = [json.loads(line)["reward"] for line in (out / "generations.jsonl").read_text().splitlines()]
+        assert rewards == [value] * 4  # 4 characters of the tiny model hold no finished \boxed{}
+        assert sorted(os.listdir(out)) == ["eval.json", "eval.md", "generations.jsonl"]
+
+
+def test_default_reward_without_a_run_config(tiny_hf):
+    args = eval_cli._parser().parse_args([tiny_hf, "--out", "x"])
+    assert eval_cli.choose_reward(args) == ("math_verify", "default (no run config.yaml)")
+    args = eval_cli._parser().parse_args([tiny_hf, "--out", "x", "--reward", "no_such_reward"])
+    with pytest.raises(ValueError, match="reward must be one of"):
+        eval_cli.get_reward(eval_cli.choose_reward(args)[0])

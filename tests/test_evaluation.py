@@ -63,7 +63,7 @@ def test_load_benchmark_fields(tmp_path):
         {"problem": "P6", "answer": "x", "solution": "\\boxed{ignored}"},
     ])
     assert load_benchmark(path) == [
-        Example("P1", "204", "7"), Example("P2", "$\\frac{1}{2}$", "mix-2"), Example("P3", "1, 2", "u3"),
+        Example("P1", "204", "7"), Example("P2", "\\frac{1}{2}", "mix-2"), Example("P3", "1, 2", "u3"),
         Example("P4", "\\sqrt{2}", "mix-4"), Example("P6", "x", "mix-6"),
     ]
 
@@ -71,7 +71,7 @@ def test_load_benchmark_fields(tmp_path):
 @pytest.mark.parametrize("line, message", [
     ('{"answer": "1"}', r"b.jsonl:2: no question"),
     ('{"problem": "", "answer": "1"}', r"b.jsonl:2: no question"),
-    ('{"problem": "q"}', r"b.jsonl:2: no answer field"),
+    ('{"problem": "q"}', r"b.jsonl:2: no answer: expected one of answer"),
     ('{"problem": "q", "solution": "no box"}', r"b.jsonl:2: `solution` has no \\boxed"),
     ("{oops", r"b.jsonl:2: invalid JSON"),
 ])

@@ -18,7 +18,8 @@ from stapo_megatron.train.loss import loss_func, minibatch_threshold
 from stapo_megatron.method.config import method_loss_config
 from stapo_megatron.method.objective import stapo_loss
 from stapo_megatron.rewards.functions import REWARDS, boxed_exact_match, get_reward, normalize_answer
-from stapo_megatron.rewards.scorer import STATUS_OK, STATUS_UNPARSEABLE, RewardScorer
+from stapo_megatron.rewards.answers import STATUS_OK, STATUS_UNPARSEABLE
+from stapo_megatron.rewards.scorer import RewardScorer
 from stapo_megatron.trainer.lr import warmup_lr
 from tests.dist_utils import run_distributed
 from tests.test_loss import _spiky_batch

@@ -51,3 +51,67 @@ def test_a_file_without_the_fields_is_an_error(tmp_path):
     proc = _run("bench", "amc23", str(tmp_path / "x.jsonl"), str(tmp_path / "bench"))
     assert proc.returncode == 2 and "x.jsonl" in proc.stderr
     assert not (tmp_path / "bench").exists()
+
+
+def _aime_part(path, first_id, num=15):
+    path.write_text("".join(json.dumps({"id": i, "problem": f"{path.stem} problem {i}", "answer": str(i)}) + "\n"
+                            for i in range(first_id, first_id + num)))
+
+
+def test_aime25_takes_both_published_files(tmp_path):
+    """AIME 2025 I and II: both files in one call give the 30 problems; one file is refused."""
+    _aime_part(tmp_path / "aime2025-I.jsonl", 0)
+    _aime_part(tmp_path / "aime2025-II.jsonl", 0)  # both number their problems from 0
+    proc = _run("bench", "aime25", str(tmp_path / "aime2025-I.jsonl"), str(tmp_path / "bench"))
+    assert proc.returncode == 2 and "two files (I and II)" in proc.stderr and "15" in proc.stderr
+    assert not (tmp_path / "bench" / "aime25.jsonl").exists()
+    proc = _run("bench", "aime25", str(tmp_path / "aime2025-I.jsonl"), str(tmp_path / "aime2025-II.jsonl"),
+                str(tmp_path / "bench"))
+    assert proc.returncode == 0, proc.stderr
+    read = load_benchmark(str(tmp_path / "bench" / "aime25.jsonl"))
+    assert len(read) == 30 and len({e.id for e in read}) == 30
+    assert (read[0].id, read[15].id, read[15].prompt) == ("aime2025-I-0", "aime2025-II-0", "aime2025-II problem 0")
+
+
+def test_refuses_to_write_over_its_input(tmp_path):
+    src = tmp_path / "amc23.jsonl"
+    src.write_text(json.dumps({"problem": "p", "answer": 12.0}) + "\n")
+    before = src.read_text()
+    proc = _run("bench", "amc23", str(src), str(tmp_path))
+    assert proc.returncode == 2 and "is the input" in proc.stderr
+    assert src.read_text() == before
+    proc = _run("dapo", str(src), str(src))
+    assert proc.returncode == 2 and "is the input" in proc.stderr
+    assert src.read_text() == before
+
+
+def test_answers_are_written_in_boxed_form(tmp_path):
+    """amc23's float answers and OlympiadBench's $-wrapped answer lists, as published."""
+    (tmp_path / "amc.jsonl").write_text(json.dumps({"question": "q", "answer": 12.0}) + "\n"
+                                        + json.dumps({"question": "r", "answer": 0.5}) + "\n")
+    (tmp_path / "oly.jsonl").write_text(json.dumps({"question": "q", "final_answer": ["$2$", "$-2$"]}) + "\n")
+    for name, file in [("amc23", "amc.jsonl"), ("olympiadbench", "oly.jsonl")]:
+        assert _run("bench", name, str(tmp_path / file), str(tmp_path / "bench")).returncode == 0
+    assert [e.answer for e in load_benchmark(str(tmp_path / "bench" / "amc23.jsonl"))] == ["12", "0.5"]
+    assert load_benchmark(str(tmp_path / "bench" / "olympiadbench.jsonl"))[0].answer == "2, -2"
+
+
+def test_paper_recipe_takes_the_prepared_benchmarks(tmp_path):
+    """The folder prepare_data writes becomes a paper recipe's eval_sets (issue 36, item 8)."""
+    import pytest
+
+    from stapo_megatron.recipes.paper import qwen3_1p7b, with_paper_benchmarks
+
+    (tmp_path / "m.jsonl").write_text(json.dumps({"problem": "m", "solution": r"so \boxed{7}"}) + "\n")
+    _aime_part(tmp_path / "I.jsonl", 0)
+    _aime_part(tmp_path / "II.jsonl", 15)
+    bench = tmp_path / "bench"
+    assert _run("bench", "math500", str(tmp_path / "m.jsonl"), str(bench)).returncode == 0
+    assert _run("bench", "aime25", str(tmp_path / "I.jsonl"), str(tmp_path / "II.jsonl"), str(bench)).returncode == 0
+    cfg = with_paper_benchmarks(qwen3_1p7b(), str(bench))
+    assert [(s.name, s.k, s.path) for s in cfg.eval_sets] == [("aime25", 32, str(bench / "aime25.jsonl")),
+                                                              ("math500", 4, str(bench / "math500.jsonl"))]
+    assert cfg.eval_sets[0].decodings == ("T1.0_p1.0", "T0.7_p0.9")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="has none of aime24.jsonl"):
+        with_paper_benchmarks(qwen3_1p7b(), str(tmp_path / "empty"))

@@ -6,8 +6,9 @@ import time
 import pytest
 
 from stapo_megatron.rewards import scorer as rewards_module
-from stapo_megatron.rewards.scorer import (STATUS_BAD_ANSWER, STATUS_OK, STATUS_UNPARSEABLE, RewardScorer,
-                                    extract_boxed, math_reward, score_response)
+from stapo_megatron.rewards.answers import (STATUS_BAD_ANSWER, STATUS_OK, STATUS_UNPARSEABLE, extract_boxed,
+                                           math_reward, score_response)
+from stapo_megatron.rewards.scorer import RewardScorer
 
 # sympy never finishes comparing this with 1 (checked: > 20 s); a real hang, not a test hook.
 SLOW_RESPONSE = "so the answer is \\boxed{10^{10^{10^{10}}}}"
@@ -163,3 +164,23 @@ def test_scorer_bad_arguments(scorer):
         RewardScorer(num_workers=0)
     with pytest.raises(ValueError, match="timeout_s"):
         RewardScorer(timeout_s=0)
+
+
+# -- boxed_exact_match on answers in the benchmarks' published forms (issue 36, item 2) ---------
+
+@pytest.mark.parametrize("response,answer,reward", [
+    ("\\boxed{12}", "12.0", 1.0),  # amc23 publishes integer answers as floats
+    ("\\boxed{12.0}", "12", 1.0),
+    ("\\boxed{0.5}", "0.50", 1.0),
+    ("\\boxed{13}", "12.0", -1.0),
+    ("\\boxed{120}", "12.0", -1.0),
+    ("\\boxed{2, -2}", "$2$, $-2$", 1.0),  # OlympiadBench's final_answer list, joined as before
+    ("\\boxed{-2, 2}", "$2$, $-2$", 1.0),  # a set of answers: any order
+    ("\\boxed{2}", "$2$, $-2$", -1.0),  # half of the answers is wrong
+    ("\\boxed{2, -2}", "2, -2", 1.0),  # as prepare_data now writes it
+    ("\\boxed{(2,1)}", "(1,2)", -1.0),  # an ordered pair is one answer, not a set
+])
+def test_boxed_exact_match_on_published_answers(response, answer, reward):
+    from stapo_megatron.rewards.functions import boxed_exact_match
+
+    assert boxed_exact_match(f"so the answer is {response}.", answer) == (reward, STATUS_OK)

@@ -3,9 +3,9 @@
 Owns the path from a file (or an offline generator) to token ids of prompts the rollout engine
 samples from:
 
-- ``load_examples``: JSONL or parquet files, or HF dataset folders (``read_rows``), in the plain
-  layout (``prompt`` + ``answer``), in DAPO-Math-17k's layout (chat-message ``prompt``, answer in
-  ``reward_model.ground_truth``), or with named fields (``prompt_field`` / ``answer_field``);
+- ``load_examples``: JSONL or parquet files, or HF dataset folders, read row by row by
+  `stapo_megatron.data.rows` (plain ``prompt`` + ``answer``, DAPO-Math-17k's chat messages and
+  ``reward_model.ground_truth``, the benchmarks' layouts, or named fields), deduplicated on request;
 - ``reasoning_gym_split``: a fixed, disjoint train / held-out split of an offline reasoning-gym
   task (the embedded default trains on ``basic_arithmetic``);
 - ``format_prompt`` / ``tokenize_prompts``: the tokenizer's chat template around the question plus
@@ -17,12 +17,12 @@ tokenizer of the policy being trained, and evaluation formats the same way.
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import math
 import os
 import warnings
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
+
+from stapo_megatron.data.rows import (DAPO_POSTFIX, DAPO_PREFIX, Example, answer_from_value, answer_to_str,  # noqa: F401
+                                      example_from_row, field_value, question_from_value, read_rows)
 
 SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
 DEFAULT_PROMPT_TEMPLATE = "{question} " + SUFFIX
@@ -30,210 +30,19 @@ DEFAULT_PROMPT_TEMPLATE = "{question} " + SUFFIX
 JUSTRL_PROMPT_TEMPLATE = "{question}\n" + SUFFIX
 """JustRL's wrapper, which STAPO follows: question, a newline, the suffix (the paper recipes)."""
 
-# DAPO-Math-17k wraps every problem in an "Answer: $Answer" instruction. It contradicts the boxed
-# SUFFIX above, so the wrapper is removed and only the problem text is kept.
-DAPO_PREFIX = (
-    "Solve the following math problem step by step. The last line of your response should be of "
-    "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
-)
-DAPO_POSTFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
-
 # reasoning_gym_split stops looking for new unique questions after this many generated items per
 # requested example: small task spaces (few distinct questions) then fail loudly instead of looping.
 _MAX_DRAWS_PER_EXAMPLE = 20
-
-
-@dataclasses.dataclass
-class Example:
-    """One prompt with its reference answer."""
-
-    prompt: str
-    """The raw question text, without chat template or instruction suffix."""
-
-    answer: str
-    """The reference final answer (compared with math-verify, see ``stapo_megatron.rewards.scorer``)."""
-
-    id: str
-    """A stable identifier: the row's own id when it has one, else ``<file stem>-<row number>``."""
-
-
-def read_rows(path: str) -> Iterator[tuple[str, dict]]:
-    """Yield (location, row) for every row of a JSONL file, a parquet file or an HF dataset folder.
-
-    Location is ``file:line`` (JSONL), ``file:row N`` (parquet) or ``folder:row N`` (dataset
-    folder). A dataset folder is what ``datasets.Dataset.save_to_disk`` writes (see
-    ``_hf_dataset_tables``); it is read with pyarrow, so the ``datasets`` package is not needed.
-    """
-    if os.path.isdir(path):
-        rows = (row for table in _hf_dataset_tables(path) for row in table.to_pylist())
-        for i, row in enumerate(rows, start=1):
-            yield f"{path}:row {i}", row
-        return
-    if not os.path.isfile(path):
-        raise ValueError(f"dataset file {path!r} does not exist")
-    if path.endswith(".parquet"):
-        import pyarrow.parquet as pq  # only parquet users need pyarrow loaded
-
-        for i, row in enumerate(pq.read_table(path).to_pylist(), start=1):
-            yield f"{path}:row {i}", row
-        return
-    if not path.endswith(".jsonl"):
-        raise ValueError(f"dataset file {path!r}: expected a .jsonl or .parquet file or an HF dataset folder")
-    with open(path, "rb") as f:
-        for i, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{path}:{i}: invalid UTF-8 ({e.reason} at byte {e.start} of the line)") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i}: invalid JSON ({e})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")
-            yield f"{path}:{i}", row
-
-
-def _hf_dataset_tables(folder: str) -> list:
-    """The pyarrow tables of a ``datasets.Dataset.save_to_disk`` folder, in order.
-
-    That layout is ``state.json`` (its ``_data_files`` list names the shards), the shards
-    ``data-0000i-of-0000n.arrow`` (Arrow IPC streams) and ``dataset_info.json``. A
-    ``DatasetDict`` folder (``dataset_dict.json`` and one such folder per split) is refused with
-    the split folders to choose from.
-    """
-    import pyarrow as pa  # only dataset-folder users need pyarrow loaded
-
-    splits_file = os.path.join(folder, "dataset_dict.json")
-    if os.path.isfile(splits_file):
-        with open(splits_file, encoding="utf-8") as f:
-            splits = json.load(f).get("splits", [])
-        raise ValueError(f"{folder!r} is an HF DatasetDict with splits {splits}: give one split's folder, "
-                         f"e.g. {os.path.join(folder, splits[0] if splits else 'train')!r}")
-    state_file = os.path.join(folder, "state.json")
-    if not os.path.isfile(state_file):
-        raise ValueError(f"{folder!r} is a folder but not an HF dataset folder (no state.json, as "
-                         "datasets.Dataset.save_to_disk writes); give a .jsonl or .parquet file or such a folder")
-    with open(state_file, encoding="utf-8") as f:
-        files = [entry["filename"] for entry in json.load(f).get("_data_files", [])]
-    if not files:
-        raise ValueError(f"{state_file}: lists no data files (_data_files)")
-    tables = []
-    for name in files:
-        shard = os.path.join(folder, name)
-        if not os.path.isfile(shard):
-            raise ValueError(f"{state_file} names {name!r}, which is not in {folder!r}")
-        with pa.memory_map(shard) as source:
-            tables.append(pa.ipc.open_stream(source).read_all())
-    return tables
-
-
-def field_value(row: dict, field: str, where: str, setting: str) -> Any:
-    """The value of ``field`` in ``row``; a dotted name (``reward_model.ground_truth``) reads a
-    nested object.
-
-    Raises:
-        ValueError: naming the location, the setting that named the field and the fields present.
-    """
-    value: Any = row
-    for i, part in enumerate(field.split(".")):
-        if not isinstance(value, dict) or part not in value:
-            inner = ".".join(field.split(".")[:i])
-            present = sorted(value) if isinstance(value, dict) else f"none ({inner} is a {type(value).__name__})"
-            raise ValueError(f"{where}: no field {field!r} ({setting} = {field!r}); fields present"
-                             f"{' in ' + repr(inner) if inner else ''}: {present}")
-        value = value[part]
-    return value
-
-
-def _question_from_messages(messages: Sequence[Any], where: str) -> str:
-    """The problem text of a DAPO-style chat prompt: the last user message, wrapper removed."""
-    user = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
-    if not user or not isinstance(user[-1].get("content"), str):
-        raise ValueError(f"{where}: chat-message `prompt` has no user message with string content")
-    text = user[-1]["content"]
-    if text.startswith(DAPO_PREFIX):
-        text = text[len(DAPO_PREFIX):]
-    if text.endswith(DAPO_POSTFIX):
-        text = text[: -len(DAPO_POSTFIX)]
-    return text
-
-
-def answer_to_str(value: Any, where: str, field: str) -> str:
-    """A reference answer as text: numbers (AIME answers are often ints) become strings.
-
-    Raises:
-        ValueError: if the value is missing, empty, NaN/infinite (parquet's and pandas' missing
-            value, which would otherwise become the answer "nan"), or not a string/number.
-    """
-    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise ValueError(f"{where}: `{field}` must be a string or number, got {type(value).__name__}")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{where}: `{field}` is {value} (a missing value), not an answer")
-    text = str(value).strip()
-    if not text:
-        raise ValueError(f"{where}: `{field}` is empty")
-    return text
-
-
-def question_from_value(prompt: Any, where: str, field: str = "prompt") -> str:
-    """The question text of a prompt value: a string, or chat messages (the last user turn,
-    DAPO's wrapper removed). ValueError naming ``field`` if it is neither or empty."""
-    if isinstance(prompt, str):
-        question = prompt
-    elif isinstance(prompt, (list, tuple)):
-        question = _question_from_messages(prompt, where)
-    else:
-        raise ValueError(f"{where}: `{field}` must be a string or a list of chat messages, "
-                         f"got {type(prompt).__name__}")
-    if not question.strip():
-        raise ValueError(f"{where}: `{field}` is empty")
-    return question
-
-
-def answer_from_value(value: Any, where: str, field: str) -> str:
-    """``answer_to_str`` that also takes a list of answers (OlympiadBench's ``final_answer`` for
-    multi-part questions), joined with ", "."""
-    if isinstance(value, (list, tuple)):
-        if not value:
-            raise ValueError(f"{where}: `{field}` is an empty list")
-        value = ", ".join(answer_to_str(v, where, field) for v in value)
-    return answer_to_str(value, where, field)
-
-
-def _example_from_row(row: dict, where: str, default_id: str, prompt_field: str = "",
-                      answer_field: str = "") -> Example:
-    """Parse one row: named fields, else the plain or the DAPO-Math-17k layout (see ``load_examples``)."""
-    if prompt_field:
-        question = question_from_value(field_value(row, prompt_field, where, "prompt_field"), where, prompt_field)
-    elif "prompt" not in row:
-        raise ValueError(f"{where}: missing field `prompt` (fields present: {sorted(row)}; name another "
-                         "question field with prompt_field)")
-    else:
-        question = question_from_value(row["prompt"], where)
-
-    if answer_field:
-        answer = answer_from_value(field_value(row, answer_field, where, "answer_field"), where, answer_field)
-    elif "answer" in row:
-        answer = answer_to_str(row["answer"], where, "answer")
-    elif isinstance(row.get("reward_model"), dict) and "ground_truth" in row["reward_model"]:
-        answer = answer_to_str(row["reward_model"]["ground_truth"], where, "reward_model.ground_truth")
-    else:
-        raise ValueError(f"{where}: no answer: expected `answer` or `reward_model.ground_truth` (or name the "
-                         "answer field with answer_field)")
-
-    extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
-    row_id = row.get("id", extra.get("index", default_id))
-    return Example(prompt=question, answer=answer, id=str(row_id))
 
 
 def load_examples(path: str, dedupe: bool = False, prompt_field: str = "",
                   answer_field: str = "") -> list[Example]:
     """Load prompt/answer examples from a JSONL or parquet file or an HF dataset folder.
 
-    Accepted row layouts (one object per JSONL line, parquet row or dataset row):
+    Rows are read by `stapo_megatron.data.rows` (the one reader of training, held-out and
+    benchmark files: MATH's ``problem`` / ``solution``, OlympiadBench's ``final_answer`` lists,
+    ... as well as the layouts below). Accepted row layouts (one object per JSONL line, parquet
+    row or dataset row), among others:
 
     - plain: ``{"prompt": "<question>", "answer": "<final answer>", "id": optional}``;
     - DAPO-Math-17k: ``{"prompt": [{"role": "user", "content": ...}], "reward_model":
@@ -266,7 +75,8 @@ def load_examples(path: str, dedupe: bool = False, prompt_field: str = "",
     stem = os.path.splitext(os.path.basename(path.rstrip(os.sep)))[0]
     examples, seen, num_duplicates = [], set(), 0
     for n, (where, row) in enumerate(read_rows(path), start=1):
-        example = _example_from_row(row, where, f"{stem}-{n}", prompt_field, answer_field)
+        line_no = where.rpartition(":")[2].removeprefix("row ")  # the file's own numbering, blank lines counted
+        example = example_from_row(row, where, f"{stem}-{line_no or n}", prompt_field, answer_field)
         if dedupe:
             if example.prompt in seen:
                 num_duplicates += 1

@@ -9,8 +9,9 @@ of its step folders. A checkpoint is first exported to HF with the project's con
 (``stapo_megatron.conversion.mcore_to_hf``; a training checkpoint needs ``--hf-config``, the HF folder the run
 started from, unless it carries its own config); the HF folder starts the project's rollout
 engine (``rollout.registry.build_engine``: vLLM where installed, else transformers), which
-samples k responses per problem for each decoding; the training reward scores them
-(``stapo_megatron.eval.scoring``). Writes ``OUT/eval.json`` (all numbers: avg@k, pass@k, response
+samples k responses per problem for each decoding; a reward function scores them
+(``stapo_megatron.eval.scoring``): ``--reward``, by default the run's own (its ``config.yaml``,
+as the in-training evaluation scores), else math_verify; eval.json names it (``settings.reward``). Writes ``OUT/eval.json`` (all numbers: avg@k, pass@k, response
 lengths in tokens, truncation rate, generation and scoring seconds per set and decoding),
 ``OUT/eval.md`` (the table, also printed) and ``OUT/generations.jsonl`` (one line per sample: set,
 decoding, id, prompt, sample, response, reward, response_length, truncated).
@@ -30,13 +31,14 @@ import shutil
 import sys
 import tempfile
 import warnings
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from stapo_megatron.eval.config import eval_set_configs
 from stapo_megatron.data.examples import tokenize_prompts
 from stapo_megatron.eval.config import Decoding
 from stapo_megatron.eval.generate import EvalProgress, engine_generate_fn
 from stapo_megatron.eval.scoring import PAPER_DECODINGS, EvalSet, evaluate_sets, format_table, load_eval_set, paper_sets
+from stapo_megatron.rewards.functions import get_reward
 from stapo_megatron.rewards.scorer import RewardScorer
 from stapo_megatron.rollout.config import RolloutConfig
 from stapo_megatron.rollout.registry import ENGINE_NAMES, build_engine, resolve_engine
@@ -101,7 +103,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, help="use this k for every set (quick runs)")
     p.add_argument("--hf-config", help="HF folder with config.json/tokenizer, for a training checkpoint")
     p.add_argument("--hf-out", help="keep the HF export of a Megatron checkpoint here (default: a temporary "
-                                    "folder under --out, removed afterwards)")
+                                    "folder under --out, or under $TMPDIR when --out lies inside the model "
+                                    "folder; removed afterwards)")
     p.add_argument("--engine", choices=ENGINE_NAMES, default="auto", help="rollout engine")
     p.add_argument("--dtype", default="auto", help="engine dtype (auto = the HF folder's)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vLLM's GPU memory share")
@@ -109,6 +112,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-len", type=int, default=1024, help="longer prompts are dropped (warned)")
     p.add_argument("--no-chat-template", action="store_true", help="plain prompts (question + instruction)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i, sample j: seed + i k + j)")
+    p.add_argument("--reward", default="",
+                   help="reward function (a name of rewards.REWARDS or a dotted path; default: the run's "
+                        "reward from its config.yaml, else math_verify)")
     p.add_argument("--reward-workers", type=int, default=2, help="reward-checking processes")
     p.add_argument("--reward-timeout", type=float, default=5.0, help="time bound of one answer check (s)")
     return p
@@ -125,6 +131,48 @@ def load_sets(args: argparse.Namespace) -> List[EvalSet]:
     if not sets:
         raise ValueError("no evaluation sets: give --bench-dir with <name>.jsonl files or --set")
     return sets
+
+
+DEFAULT_REWARD = "math_verify"
+"""The reward of a model folder that is not a training run (an HF folder, a converted checkpoint)."""
+
+
+def run_reward(model: str) -> Tuple[Optional[str], Optional[str]]:
+    """(reward, the config.yaml it was read from) of a training run or step folder, else (None, None).
+
+    The run's ``config.yaml`` is read in the step folder itself, then the run folder (a step
+    folder's grandparent); its ``reward`` is a name or a section with one (``reward.name``).
+    """
+    import yaml
+
+    for folder in (model, os.path.dirname(os.path.dirname(os.path.abspath(model)))):
+        path = os.path.join(folder, "config.yaml")
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                cfg = yaml.safe_load(f) or {}
+            reward = cfg.get("reward") if isinstance(cfg, dict) else None
+            if isinstance(reward, dict):
+                reward = reward.get("name")
+            if isinstance(reward, str) and reward:
+                return reward, path
+    return None, None
+
+
+def choose_reward(args: argparse.Namespace) -> Tuple[str, str]:
+    """(reward name, where it came from): --reward, the run's config.yaml, or the default."""
+    if args.reward:
+        return args.reward, "--reward"
+    reward, path = run_reward(args.model)
+    return (reward, path) if reward else (DEFAULT_REWARD, "default (no run config.yaml)")
+
+
+def export_dir_parent(model: str, out: str) -> str:
+    """Where a temporary HF export goes: under ``out``, unless ``out`` lies inside the model
+    folder (``stapo-eval RUN --out RUN/eval``), whose converter would refuse to write into its
+    input: then the system's temporary folder (``$TMPDIR``)."""
+    model_abs, out_abs = os.path.realpath(model), os.path.realpath(out)
+    inside = os.path.commonpath([model_abs, out_abs]) == model_abs
+    return tempfile.gettempdir() if inside else out
 
 
 def is_hf_folder(path: str) -> bool:
@@ -158,6 +206,8 @@ def evaluate_model(hf_dir: str, sets: List[EvalSet], args: argparse.Namespace) -
     check_tokenizer(hf_dir)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     max_model_len = model_len_for(_tokenized(sets, tokenizer, args), args.max_tokens, hf_dir)
+    reward_name, reward_source = choose_reward(args)
+    reward = get_reward(reward_name)  # a bad name fails before the engine starts
     engine = build_engine(args.engine, hf_dir, RolloutConfig(
         max_model_len=max_model_len, seed=args.seed, dtype=resolve_dtype(hf_dir, args.dtype),
         gpu_memory_utilization=args.gpu_memory_utilization))
@@ -166,7 +216,8 @@ def evaluate_model(hf_dir: str, sets: List[EvalSet], args: argparse.Namespace) -
     try:
         generate = engine_generate_fn(engine, tokenizer, args.max_tokens, not args.no_chat_template, args.seed,
                                       progress)
-        with RewardScorer(num_workers=args.reward_workers, timeout_s=args.reward_timeout) as scorer, \
+        with RewardScorer(num_workers=args.reward_workers, timeout_s=args.reward_timeout, score_fn=reward.score_fn,
+                          failure_reward=reward.failure_reward) as scorer, \
                 open(path + ".partial", "w", encoding="utf-8") as generations:
             results = evaluate_sets(generate, sets, scorer, args.k, progress,
                                     lambda record: generations.write(json.dumps(record) + "\n"))
@@ -175,7 +226,8 @@ def evaluate_model(hf_dir: str, sets: List[EvalSet], args: argparse.Namespace) -
         engine.shutdown()
     results["settings"] = {"model": os.path.abspath(args.model), "engine": resolve_engine(args.engine),
                            "seed": args.seed, "max_tokens": args.max_tokens, "max_prompt_len": args.max_prompt_len,
-                           "chat_template": not args.no_chat_template, "k_override": args.k}
+                           "chat_template": not args.no_chat_template, "k_override": args.k,
+                           "reward": reward.name, "reward_source": reward_source}
     return results
 
 
@@ -194,7 +246,7 @@ def run(args: argparse.Namespace) -> dict:
     elif args.hf_out:
         results = evaluate_model(export_to_hf(args.model, args.hf_out, args.hf_config), sets, args)
     else:
-        tmp = tempfile.mkdtemp(prefix="hf-export-", dir=args.out)
+        tmp = tempfile.mkdtemp(prefix="hf-export-", dir=export_dir_parent(args.model, args.out))
         try:
             results = evaluate_model(export_to_hf(args.model, os.path.join(tmp, "hf"), args.hf_config), sets, args)
         finally:

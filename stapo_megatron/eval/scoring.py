@@ -25,10 +25,10 @@ import time
 import warnings
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from stapo_megatron.data.examples import Example, answer_from_value, field_value, question_from_value, read_rows
+from stapo_megatron.data.examples import Example, load_examples
 from stapo_megatron.eval.config import Decoding, EvalSetConfig
 from stapo_megatron.eval.generate import EvalProgress, GenerateFn, Response, length_stats
-from stapo_megatron.rewards.scorer import RewardScorer, extract_boxed
+from stapo_megatron.rewards.scorer import RewardScorer
 
 
 
@@ -36,11 +36,6 @@ PAPER_DECODINGS = (Decoding(1.0, 1.0, "T1.0_p1.0"), Decoding(0.7, 0.9, "T0.7_p0.
 PAPER_BENCHMARKS = {"aime24": 32, "aime25": 32, "amc23": 32, "math500": 4, "minerva": 4,
                     "olympiadbench": 4}
 """Benchmark file stem -> k of avg@k, as in the paper."""
-
-_QUESTION_FIELDS = ("problem", "question", "prompt")
-_ANSWER_FIELDS = ("answer", "final_answer", "solution")
-_ID_FIELDS = ("id", "unique_id", "idx")
-
 
 @dataclasses.dataclass
 class EvalSet:
@@ -56,74 +51,17 @@ class EvalSet:
     """Sampling settings."""
 
 
-def _benchmark_answer(row: dict, where: str, field: str = "") -> str:
-    """The reference answer of a benchmark row: ``field``, else the first of ``_ANSWER_FIELDS``.
-
-    A list (OlympiadBench's ``final_answer``) is joined with ", "; a field named ``solution`` is
-    a worked solution whose last ``\\boxed{}`` is the answer (MATH).
-    """
-    if not field:
-        field = next((f for f in _ANSWER_FIELDS if f in row), "")
-        if not field:
-            raise ValueError(f"{where}: no answer field; expected one of {_ANSWER_FIELDS} "
-                             f"(or name it: answer_field), fields present: {sorted(row)}")
-    value = field_value(row, field, where, "answer_field")
-    if field.rpartition(".")[2] == "solution":
-        boxed = extract_boxed(str(value))
-        if boxed is None:
-            raise ValueError(f"{where}: `{field}` has no \\boxed{{}} final answer")
-        return boxed
-    return answer_from_value(value, where, field)
-
-
-def _benchmark_question(row: dict, where: str, field: str = "") -> str:
-    """The question of a benchmark row: ``field``, else the first of ``_QUESTION_FIELDS``."""
-    if field:
-        return question_from_value(field_value(row, field, where, "prompt_field"), where, field)
-    field = next((k for k in _QUESTION_FIELDS if k in row), None)
-    if field is None or not isinstance(row[field], str) or not row[field].strip():
-        raise ValueError(f"{where}: no question; expected a non-empty string in one of "
-                         f"{_QUESTION_FIELDS} (or name its field: prompt_field)")
-    return row[field]
-
-
 def load_benchmark(path: str, prompt_field: str = "", answer_field: str = "") -> list[Example]:
-    """Load a benchmark: a JSONL or parquet file or an HF dataset folder, one problem per row.
-
-    Fields (the first present wins, unless named by ``prompt_field`` / ``answer_field``; a
-    dotted name reads a nested field):
-
-    - question: ``problem``, ``question``, ``prompt`` (a string; a named field may also hold
-      chat messages);
-    - answer: ``answer`` (string or number), ``final_answer`` (string, number, or a list of
-      them, joined with ", " as in OlympiadBench), ``solution`` (a worked solution; its last
-      ``\\boxed{}`` is the answer, as in MATH);
-    - id (optional): ``id``, ``unique_id``, ``idx``; else ``<file stem>-<row number>``.
-
-    Args:
-        path: the ``.jsonl`` / ``.parquet`` file or the dataset folder.
-        prompt_field: the question's field ("" = the list above).
-        answer_field: the answer's field ("" = the list above).
-
-    Returns:
-        The problems in file order.
+    """A benchmark's problems: ``load_examples`` (the one row reader, `stapo_megatron.data.rows`:
+    MATH's ``problem`` / ``solution``, OlympiadBench's ``final_answer`` lists, AIME's numbers, or
+    the fields ``prompt_field`` / ``answer_field`` name), with a missing file named as a benchmark.
 
     Raises:
-        ValueError: naming the file and line of a malformed row (or a missing named field and
-            the fields present), or if the file has no rows.
+        ValueError: naming the file and line of a malformed row, or if the file is missing or empty.
     """
     if not os.path.exists(path):
         raise ValueError(f"benchmark file {path!r} does not exist")
-    stem = os.path.splitext(os.path.basename(path.rstrip(os.sep)))[0]
-    examples = []
-    for n, (where, row) in enumerate(read_rows(path), start=1):
-        line_no = where.rpartition(":")[2].removeprefix("row ")
-        row_id = next((row[k] for k in _ID_FIELDS if k in row), f"{stem}-{line_no or n}")
-        examples.append(Example(prompt=_benchmark_question(row, where, prompt_field),
-                                answer=_benchmark_answer(row, where, answer_field), id=str(row_id)))
-    if not examples:
-        raise ValueError(f"benchmark file {path!r} has no rows")
-    return examples
+    return load_examples(path, prompt_field=prompt_field, answer_field=answer_field)
 
 
 def load_eval_set(cfg: EvalSetConfig) -> EvalSet:
@@ -310,6 +248,20 @@ def paper_sets(bench_dir: str, decodings: Sequence[Decoding] = PAPER_DECODINGS,
             continue
         found.append(EvalSet(name, load_benchmark(path), k, tuple(decodings)))
     return found, missing
+
+
+def paper_eval_set_configs(bench_dir: str, benchmarks: Mapping[str, int] = PAPER_BENCHMARKS) -> list[EvalSetConfig]:
+    """``TrainerConfig.eval_sets`` for the paper's benchmarks in ``bench_dir`` (the folder
+    ``scripts/prepare_data.py bench`` writes): one `EvalSetConfig` per ``<name>.jsonl`` found,
+    with the paper's k and both decodings. ValueError if the folder holds none of them."""
+    if not os.path.isdir(bench_dir):
+        raise ValueError(f"benchmark folder {bench_dir!r} does not exist")
+    found = [EvalSetConfig(name=name, path=os.path.join(bench_dir, f"{name}.jsonl"), k=k)
+             for name, k in benchmarks.items() if os.path.isfile(os.path.join(bench_dir, f"{name}.jsonl"))]
+    if not found:
+        raise ValueError(f"benchmark folder {bench_dir!r} has none of {', '.join(f'{n}.jsonl' for n in benchmarks)} "
+                         "(write them with scripts/prepare_data.py bench)")
+    return found
 
 
 def evaluate_suite(generate_fn: GenerateFn, bench_dir: str, scorer: RewardScorer,

@@ -4,7 +4,7 @@ A reward function is a picklable module-level ``(response, answer) -> (reward, s
 `stapo_megatron.rewards.scorer.RewardScorer` runs in its time-bounded worker processes; the status is
 one of ``rewards.STATUS_*`` (counted in the step metrics). Shipped:
 
-- ``math_verify`` (`stapo_megatron.rewards.scorer.score_response`): 1.0 when the last ``\\boxed{}`` is
+- ``math_verify`` (`stapo_megatron.rewards.answers.score_response`): 1.0 when the last ``\\boxed{}`` is
   equivalent to the reference under math-verify, else 0.0 (the project's original reward);
 - ``boxed_exact_match`` (`boxed_exact_match`): the paper's rule-based reward. STAPO follows
   JustRL, which uses DAPO's rule: +1 when the last ``\\boxed{}`` equals the reference after the
@@ -20,7 +20,7 @@ import dataclasses
 import re
 from typing import Callable, Dict, Tuple
 
-from stapo_megatron.rewards.scorer import STATUS_OK, STATUS_UNPARSEABLE, extract_boxed, score_response
+from stapo_megatron.rewards.answers import STATUS_OK, STATUS_UNPARSEABLE, extract_boxed, score_response
 from stapo_megatron.utils import load_dotted
 
 ScoreFn = Callable[[str, str], Tuple[float, str]]
@@ -79,11 +79,50 @@ def normalize_answer(answer: str) -> str:
     answer = answer.replace("$", "")
     if answer.replace(",", "").isdigit():
         answer = answer.replace(",", "")
-    return answer.strip()
+    return _canonical_number(answer.strip())
+
+
+# A plain decimal number: "12", "-3", "12.0", "0.50" (what a benchmark stores as a float).
+_DECIMAL = re.compile(r"-?\d+\.\d+|-?\d+")
+# Several answers each in its own $...$, comma-separated: OlympiadBench's "$2$, $-2$".
+_DOLLAR_LIST = re.compile(r"\s*\$[^$]*\$(\s*,\s*\$[^$]*\$)+\s*")
+
+
+def _canonical_number(answer: str) -> str:
+    """A decimal without trailing zeros after its point: "12.0" -> "12", "0.50" -> "0.5"
+    (amc23 publishes its integer answers as floats); anything else unchanged."""
+    if _DECIMAL.fullmatch(answer) and "." in answer:
+        answer = answer.rstrip("0").rstrip(".")
+    return "0" if answer == "-0" else answer
+
+
+def _top_level_parts(answer: str) -> list:
+    """``answer`` split at the commas outside any bracket: the items of a multi-answer list."""
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(answer):
+        depth += c in "([{"
+        depth -= c in ")]}"
+        if c == "," and depth == 0:
+            parts.append(answer[start:i])
+            start = i + 1
+    return parts + [answer[start:]]
+
+
+def same_answer(predicted: str, reference: str) -> bool:
+    """Whether two final answers agree after `normalize_answer`: equal, or both lists of several
+    answers (top-level commas) with the same items in any order (OlympiadBench's multi-answer
+    problems: ``\\boxed{-2, 2}`` answers ``"$2$, $-2$"``; half of the list does not)."""
+    if _DOLLAR_LIST.fullmatch(reference):  # Minerva's "$...$" unwrap would keep the first item only
+        reference = reference.replace("$", "")
+    predicted, reference = normalize_answer(predicted), normalize_answer(reference)
+    if predicted == reference:
+        return True
+    parts_p, parts_r = _top_level_parts(predicted), _top_level_parts(reference)
+    return len(parts_r) > 1 and sorted(map(_canonical_number, parts_p)) == sorted(map(_canonical_number, parts_r))
 
 
 def boxed_exact_match(response: str, answer: str) -> Tuple[float, str]:
-    """+1.0 if the response's last ``\\boxed{}`` equals ``answer`` after `normalize_answer`,
+    """+1.0 if the response's last ``\\boxed{}`` equals ``answer`` (`same_answer`),
     else -1.0 (also without a finished box: the status is then ``STATUS_UNPARSEABLE``).
 
     The reference may itself be boxed or in ``$...$``; both sides are normalised alike.
@@ -93,7 +132,7 @@ def boxed_exact_match(response: str, answer: str) -> Tuple[float, str]:
         return -1.0, STATUS_UNPARSEABLE
     reference = extract_boxed(answer) if "\\boxed" in answer else None
     reference = answer if reference is None else reference
-    return (1.0 if normalize_answer(predicted) == normalize_answer(reference) else -1.0), STATUS_OK
+    return (1.0 if same_answer(predicted, reference) else -1.0), STATUS_OK
 
 
 REWARDS: Dict[str, Reward] = {r.name: r for r in (

@@ -34,6 +34,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from stapo_megatron.train.checkpoint_optimizer import optimizer_sharded_state_dict, restore_loaded_optimizer_state
+
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.pt"
 
@@ -136,7 +138,7 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
 
 def _sharded(model, optimizer, is_loading: bool) -> Dict[str, Any]:
     model_sd = model.sharded_state_dict()
-    return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+    return {"model": model_sd, "optimizer": optimizer_sharded_state_dict(optimizer, model_sd, is_loading)}
 
 
 def save_checkpoint(run_dir: str, step: int, model, optimizer, trainer_state: Dict[str, Any],
@@ -312,6 +314,11 @@ def load_checkpoint(path: str, model, optimizer) -> Dict[str, Any]:
     missing = [k for k in missing if not k.endswith("_extra_state")]  # TE fp8 metadata only
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
-    optimizer.load_state_dict(state["optimizer"])
+    restore_loaded_optimizer_state(state["optimizer"])
+    # The distributed optimizer copies the loaded master weights into its shards in place; with
+    # fp32 training those are views of the model's parameters, which autograd refuses outside
+    # no_grad (megatron-core 0.16 - 0.19, distrib_optimizer._set_main_param_and_optimizer_states).
+    with torch.no_grad():
+        optimizer.load_state_dict(state["optimizer"])
     _set_rng_state(rng_state)
     return trainer_state
