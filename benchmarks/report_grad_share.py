@@ -5,7 +5,7 @@ that the S2T-silenced tokens carried before silencing, beside the fraction of to
 Reads a finished run folder, writes the table between the ``grad-share`` markers of
 benchmarks/RESULTS.md and the figure of one step (``stapo-plot --grad-norm``) to docs/figures/:
 
-    PATH=.venv/bin:$PATH .venv/bin/python launch/stapo_tiny.py steps=20 eval_every=20 save_every=0 \\
+    PATH=.venv/bin:$PATH .venv/bin/python launch/stapo_tiny.py steps=20 eval.every=20 save_every=0 \\
         output_dir=runs/gradnorm-demo --yes
     .venv/bin/python benchmarks/report_grad_share.py runs/gradnorm-demo --command "<the line above>"
 """

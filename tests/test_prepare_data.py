@@ -109,9 +109,9 @@ def test_paper_recipe_takes_the_prepared_benchmarks(tmp_path):
     assert _run("bench", "math500", str(tmp_path / "m.jsonl"), str(bench)).returncode == 0
     assert _run("bench", "aime25", str(tmp_path / "I.jsonl"), str(tmp_path / "II.jsonl"), str(bench)).returncode == 0
     cfg = with_paper_benchmarks(qwen3_1p7b(), str(bench))
-    assert [(s.name, s.k, s.path) for s in cfg.eval_sets] == [("aime25", 32, str(bench / "aime25.jsonl")),
+    assert [(s.name, s.k, s.path) for s in cfg.eval.sets] == [("aime25", 32, str(bench / "aime25.jsonl")),
                                                               ("math500", 4, str(bench / "math500.jsonl"))]
-    assert cfg.eval_sets[0].decodings == ("T1.0_p1.0", "T0.7_p0.9")
+    assert cfg.eval.sets[0].decodings == ("T1.0_p1.0", "T0.7_p0.9")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="has none of aime24.jsonl"):
         with_paper_benchmarks(qwen3_1p7b(), str(tmp_path / "empty"))

@@ -1,6 +1,6 @@
 """The one row reader of prompt data: a file's rows as `Example`s, whatever the layout.
 
-Training sets (``data.train_path``), held-out sets, benchmarks (``eval_sets``, ``stapo-eval``)
+Training sets (``data.train_path``), held-out sets, benchmarks (``eval.sets``, ``stapo-eval``)
 and ``scripts/prepare_data.py`` all read rows here:
 
 - ``read_rows``: the rows of a JSONL file, a parquet file or an HF dataset folder;

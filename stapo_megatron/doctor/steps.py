@@ -21,7 +21,7 @@ from typing import Dict, List, Optional
 
 from stapo_megatron.doctor.report import Check, failed, passed
 
-OVERRIDES = ["steps=2", "prompts_per_step=2", "minibatch_prompts=2", "micro_batch_size=2", "eval_every=0",
+OVERRIDES = ["steps=2", "prompts_per_step=2", "minibatch_prompts=2", "micro_batch_size=2", "eval.every=0",
              "save_every=0", "warmstart.steps=0", "rollout.group_size=4", "rollout.max_response_len=16"]
 """The tiny recipe, cut to two short steps (the doctor checks the stack, not learning: the random
 policy's rewards are 0, so the update's loss is 0, while every phase still runs)."""

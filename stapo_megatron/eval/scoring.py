@@ -251,7 +251,7 @@ def paper_sets(bench_dir: str, decodings: Sequence[Decoding] = PAPER_DECODINGS,
 
 
 def paper_eval_set_configs(bench_dir: str, benchmarks: Mapping[str, int] = PAPER_BENCHMARKS) -> list[EvalSetConfig]:
-    """``TrainerConfig.eval_sets`` for the paper's benchmarks in ``bench_dir`` (the folder
+    """``TrainerConfig.eval.sets`` for the paper's benchmarks in ``bench_dir`` (the folder
     ``scripts/prepare_data.py bench`` writes): one `EvalSetConfig` per ``<name>.jsonl`` found,
     with the paper's k and both decodings. ValueError if the folder holds none of them."""
     if not os.path.isdir(bench_dir):

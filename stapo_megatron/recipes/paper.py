@@ -286,10 +286,10 @@ def check_paper_config(size: str, cfg: TrainerConfig, num_nodes: Optional[int] =
 
 
 def with_paper_benchmarks(cfg: TrainerConfig, bench_dir: str) -> TrainerConfig:
-    """``cfg`` with ``eval_sets`` set to the paper's benchmarks found in ``bench_dir``, the folder
+    """``cfg`` with ``eval.sets`` set to the paper's benchmarks found in ``bench_dir``, the folder
     ``scripts/prepare_data.py bench`` writes (aime24/aime25/amc23 at k=32, math500/minerva/
     olympiadbench at k=4, both decodings; `stapo_megatron.eval.scoring.paper_eval_set_configs`)."""
     from stapo_megatron.eval.scoring import paper_eval_set_configs
 
-    cfg.eval_sets = paper_eval_set_configs(bench_dir)
+    cfg.eval.sets = paper_eval_set_configs(bench_dir)
     return cfg
