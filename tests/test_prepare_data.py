@@ -115,3 +115,34 @@ def test_paper_recipe_takes_the_prepared_benchmarks(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="has none of aime24.jsonl"):
         with_paper_benchmarks(qwen3_1p7b(), str(tmp_path / "empty"))
+
+
+def test_eval_sets_stand_in_for_the_held_out_file(tmp_path):
+    """A paper recipe with the benchmarks as eval.sets needs no data.eval_path (issue 36, item 8):
+    the paper check names it only when neither is given, and the trainer loads no held-out split."""
+    import pytest
+    from transformers import AutoTokenizer
+
+    from stapo_megatron.bridge.tiny import save_tiny_hf_model
+    from stapo_megatron.recipes.paper import check_paper_config, qwen3_1p7b, with_paper_benchmarks
+    from stapo_megatron.trainer.prompts import load_prompts
+
+    (tmp_path / "m.jsonl").write_text(json.dumps({"problem": "m", "solution": r"so \boxed{7}"}) + "\n")
+    bench = tmp_path / "bench"
+    assert _run("bench", "math500", str(tmp_path / "m.jsonl"), str(bench)).returncode == 0
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(4)))
+    cfg = qwen3_1p7b()
+    cfg.model.hf_dir, cfg.model.megatron_ckpt, cfg.data.train_path = "/m", "/c", str(train)
+    with pytest.raises(ValueError, match="data.eval_path is not set"):
+        check_paper_config("qwen3_1p7b", cfg)
+    cfg = with_paper_benchmarks(cfg, str(bench))
+    check_paper_config("qwen3_1p7b", cfg)  # complete: the benchmarks are the evaluation
+    hf = tmp_path / "hf"
+    save_tiny_hf_model(str(hf), "qwen3")
+    cfg.data.use_chat_template = False  # the tiny tokenizer has none
+    (train_ids, train_examples), (held_ids, held_examples) = load_prompts(cfg, AutoTokenizer.from_pretrained(hf))
+    assert len(train_ids) == 4 and held_ids == [] and held_examples == []
+    cfg.eval.sets = []
+    with pytest.raises(ValueError, match="or name the evaluation sets in eval.sets"):
+        load_prompts(cfg, AutoTokenizer.from_pretrained(hf))

@@ -74,9 +74,11 @@ class Evaluator:
         t0 = time.perf_counter()
         held_out = Decoding(cfg.eval.temperature, 1.0, "held_out")
         samples: List[Dict] = []
-        counts = self._counts(*self.held_out, cfg.eval.samples, held_out, samples)
-        row = dict(kind="eval", step=step, eval_accuracy=summarize(counts, cfg.eval.samples, held_out)["avg@k"],
-                   eval_num=int(counts.num_samples))
+        row = dict(kind="eval", step=step)
+        if self.held_out[0]:  # none when data.eval_path is unset and eval.sets are the evaluation
+            counts = self._counts(*self.held_out, cfg.eval.samples, held_out, samples)
+            row.update(eval_accuracy=summarize(counts, cfg.eval.samples, held_out)["avg@k"],
+                       eval_num=int(counts.num_samples))
         for eval_set, ids in self.eval_sets:
             for decoding in eval_set.decodings:
                 result = summarize(self._counts(ids, eval_set.examples, eval_set.k, decoding), eval_set.k, decoding)
@@ -122,8 +124,9 @@ class Evaluator:
 
     def _print(self, r: Dict) -> None:
         if self.rank == 0:
-            print(f"eval  {r['step']:>4} | held-out accuracy {r['eval_accuracy']:.3f} "
-                  f"({r['eval_num']} samples, {r['time_eval']:.1f}s)", flush=True)
+            held_out = (f"held-out accuracy {r['eval_accuracy']:.3f} ({r['eval_num']} samples, "
+                        if "eval_accuracy" in r else "no held-out set (")
+            print(f"eval  {r['step']:>4} | {held_out}{r['time_eval']:.1f}s)", flush=True)
             for key, value in r.items():
                 if key.startswith("eval/"):
                     print(f"eval  {r['step']:>4} | {key[len('eval/'):]} {value:.3f}", flush=True)

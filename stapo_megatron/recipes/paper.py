@@ -277,7 +277,8 @@ def check_paper_config(size: str, cfg: TrainerConfig, num_nodes: Optional[int] =
             ("model.hf_dir", cfg.model.hf_dir, f"the HF folder of {DISPLAY_NAMES[size]}"),
             ("model.megatron_ckpt", cfg.model.megatron_ckpt, "its `stapo-convert hf-to-mcore` checkpoint"),
             ("data.train_path", cfg.data.train_path, "DAPO-Math-17k, parquet or JSONL"),
-            ("data.eval_path", cfg.data.eval_path, "a held-out JSONL/parquet"),
+            ("data.eval_path", cfg.data.eval_path or cfg.eval.sets, "a held-out JSONL/parquet, or the benchmarks "
+                                                                   "in eval.sets: `with_paper_benchmarks`"),
         ):
             if not value:
                 problems.append(f"{field} is not set ({what})")

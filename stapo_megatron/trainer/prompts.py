@@ -25,9 +25,13 @@ def load_prompts(cfg: TrainerConfig, tokenizer) -> List[Tuple[List[List[int]], L
     """[(prompt token ids, examples) of the training set, the same of the held-out set]."""
     if cfg.data.train_path:
         train = data.load_examples(cfg.data.train_path, dedupe=cfg.data.dedupe, **cfg.data.training_fields())
-        if not cfg.data.eval_path:
-            raise ValueError("data.train_path is set but data.eval_path is not: give a held-out file")
-        held_out = data.load_examples(cfg.data.eval_path, **cfg.data.held_out_fields())
+        if cfg.data.eval_path:
+            held_out = data.load_examples(cfg.data.eval_path, **cfg.data.held_out_fields())
+        elif cfg.eval.sets:  # the named sets are the evaluation; no held-out split of the training data
+            held_out = []
+        else:
+            raise ValueError("data.train_path is set but data.eval_path is not: give a held-out file, "
+                             "or name the evaluation sets in eval.sets")
     else:
         train, held_out = data.reasoning_gym_split(
             cfg.data.reasoning_gym_task, cfg.data.num_train, cfg.data.num_eval, Seeds(cfg.seed, data_seed=cfg.data.seed).data_split,
