@@ -126,7 +126,7 @@ def method_loss(method: str) -> LossConfig:
     The shared constants (clip 0.2/0.28, dual clip c = 10 as JustRL sets it on veRL, no KL,
     tau_p 0.002, q 0.75, rho 0.2, T 1.0, tau_H from the current weights before each mini-batch
     as Algorithm 1 does: ``tau_h_source="exact"``), then the method's own
-    ``Method.loss_options`` (`stapo_megatron.method.registry.method_loss_config`). stapo: S2T with tau_p
+    ``Method.loss_options`` (`stapo_megatron.method.config.method_loss_config`). stapo: S2T with tau_p
     0.002 and q 0.75; justrl: the JustRL/DAPO objective without a mask; grpo: DeepSeekMath GRPO
     (symmetric clip 0.2, no dual clip, k3 KL with beta 0.04, per-sequence mean); entropy20: keep
     the 20% highest-entropy response tokens; random: silence as many S2T candidates, drawn at
