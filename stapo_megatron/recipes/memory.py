@@ -12,7 +12,8 @@ import dataclasses
 import math
 from typing import Dict, Optional
 
-from stapo_megatron.bridge.config import QwenSpec, padded_vocab_size
+from stapo_megatron.bridge.hf_config import QwenSpec
+from stapo_megatron.bridge.transformer_config import padded_vocab_size
 
 GB = 1e9
 """Decimal gigabyte: estimates are compared with 80e9 bytes, below an 80 GB card's 85.9e9."""
