@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from stapo_megatron.method import masks as s2t
+from stapo_megatron.trainer.seeds import SEED_STRIDE
 
 LossConfigT = Any
 """The `stapo_megatron.method.config.LossConfig` a mask or threshold reads (that module imports
@@ -109,7 +110,7 @@ def _entropy20_mask(config: LossConfigT, logprob, entropy, advantages, response_
 
 def _micro_seed(config: LossConfigT, seed) -> int:
     """The random controls' seed of one micro-batch: ``config.seed`` and the micro-batch's seed."""
-    return config.seed * 1_000_003 + int(seed if seed is not None else 0)
+    return config.seed * SEED_STRIDE + int(seed if seed is not None else 0)
 
 
 def _random_candidates_mask(config: LossConfigT, logprob, entropy, advantages, response_mask, threshold, seed):
