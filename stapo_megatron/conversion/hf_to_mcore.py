@@ -34,16 +34,6 @@ from stapo_megatron.bridge.hf_config import (  # noqa: F401  (HF_SUBDIR, copy_hf
     load_hf_config,
     spec_from_hf_config,
 )
-    DEFAULT_VOCAB_DIVISOR,
-    HF_SUBDIR,
-    QwenSpec,
-    check_architecture,
-    check_parallel_sizes,
-    copy_hf_side_files,
-    load_hf_config,
-    padded_vocab_size,
-    spec_from_hf_config,
-)
 from stapo_megatron.bridge.transformer_config import DEFAULT_VOCAB_DIVISOR, check_parallel_sizes, padded_vocab_size
 from stapo_megatron.bridge.mapping import LAYER_PREFIX, hf_shapes, mappings_for, megatron_shape
 from stapo_megatron.bridge.transforms import merge_qkv
