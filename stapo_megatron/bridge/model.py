@@ -16,7 +16,8 @@ from stapo_megatron.train import cpu_compat
 from stapo_megatron.train.mcore_versions import define_missing_te_names
 from stapo_megatron.bridge.hf_config import QwenSpec, spec_from_hf_config
 from stapo_megatron.bridge.kernels import use_transformer_engine
-from stapo_megatron.bridge.transformer_config import DEFAULT_VOCAB_DIVISOR, padded_vocab_size, transformer_config_from_spec
+from stapo_megatron.bridge.transformer_config import (DEFAULT_VOCAB_DIVISOR, padded_vocab_size,
+                                                       transformer_config_from_spec)
 from stapo_megatron.bridge.norm import final_norm, use_torch_norm
 
 

@@ -5,9 +5,9 @@ Aux-loss weight. Megatron's router attaches its per-layer switch loss ``aux_l`` 
 ``moe_aux_loss_coeff`` = c included) to the MoE output with ``MoEAuxLossAutoScaler``, whose
 backward feeds ``scale * aux_l`` (``scale``: a class-level tensor the schedule sets after each
 micro-batch's ``loss_func``). With ``calculate_per_token_loss`` the router pre-multiplies
-``aux_l`` by its token count, ``n_router`` (megatron-core 0.16.1 ``router.py``
-``attach_and_log_load_balancing_loss``: the micro-batch's routed tokens on this rank; 0.19.2:
-that times the TP x CP group size), because ``finalize_model_grads`` divides every gradient by
+``aux_l`` by its token count, ``n_router`` (megatron-core 0.16-0.18 ``router.py``
+``attach_and_log_load_balancing_loss``: the micro-batch's routed tokens on this rank; 0.19.0 and
+later: that times the TP x CP group size, `train.mcore_versions`), because ``finalize_model_grads`` divides every gradient by
 the all-reduced token count, which upstream assumes is every token of every micro-batch:
 
     grad_aux (upstream) = sum_{mb, dp} c * n_router * grad aux_l(mb) / N
