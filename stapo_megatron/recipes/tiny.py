@@ -5,7 +5,7 @@ import dataclasses
 import os
 import shutil
 
-from stapo_megatron.bridge.tiny import build_hf_model, transformers_config, tiny_qwen3_spec
+from stapo_megatron.bridge.tiny import build_hf_model, tiny_qwen3_spec, transformers_config
 from stapo_megatron.config import DataConfig, ModelConfig, OptimConfig, RolloutSampling, TrainerConfig, WarmStartConfig
 from stapo_megatron.data.tokenizer import build_char_tokenizer
 from stapo_megatron.method.config import method_loss_config
@@ -169,6 +169,7 @@ def tiny_qwen3_moe_config(vocab_size: int, eos_id: int, pad_id: int):
 
 
 def _demo_spec(vocab_size: int):
+    """The demo's dense tiny Qwen3 over a vocabulary of ``vocab_size`` (the char tokenizer's)."""
     return tiny_qwen3_spec(num_layers=3, hidden_size=128, ffn_hidden_size=384, vocab_size=vocab_size,
                            max_position_embeddings=512, rotary_base=10000.0)
 
