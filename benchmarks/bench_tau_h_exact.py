@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from stapo_megatron.method import masks as s2t
+from stapo_megatron.method import masks
 from stapo_megatron.method.config import LossConfig
 from stapo_megatron.train.loss import minibatch_threshold
 from stapo_megatron.train.schedule import PassContext, compute_logprob_entropy, old_policy_pass
@@ -55,8 +55,8 @@ def _masks_on_same_weights(model, mini, old_stats, config, groups, seq_len):
     lp_now, h_now = _flat([lp for lp, _ in current]), _flat([h for _, h in current])
     tau_exact = minibatch_threshold(config, lp_now, h_now, adv, mask)
     tau_old = minibatch_threshold(config, _flat([lp for lp, _ in old_stats]), _flat([h for _, h in old_stats]), adv, mask)
-    with_old = s2t.s2t_mask(lp_now, h_now, adv, mask, config.tau_p, tau_h=tau_old)
-    with_exact = s2t.s2t_mask(lp_now, h_now, adv, mask, config.tau_p, tau_h=tau_exact)
+    with_old = masks.s2t_mask(lp_now, h_now, adv, mask, config.tau_p, tau_h=tau_old)
+    with_exact = masks.s2t_mask(lp_now, h_now, adv, mask, config.tau_p, tau_h=tau_exact)
     return with_old, with_exact, float(tau_old), float(tau_exact)
 
 

@@ -1,4 +1,5 @@
-"""Small helpers every wing uses: the one dotted-path loader and the config field checks.
+"""Small helpers every wing uses: the one dotted-path loader, the config field checks and the seed
+stride.
 
 Imports nothing of the package (a leaf), so any module may use it without an import circle.
 """
@@ -7,6 +8,11 @@ from __future__ import annotations
 
 import importlib
 from typing import Any
+
+SEED_STRIDE = 1_000_003
+"""The prime that keeps seed streams apart: the rollout seeds (``seed x SEED_STRIDE``), the random
+controls (``loss.seed x SEED_STRIDE``, `method.registry`) and a micro-batch's part on CP rank r
+(``seed + r x SEED_STRIDE``, `train.context_parallel`; `trainer.seeds.Seeds` documents every stream)."""
 
 
 def is_dotted_path(path: Any) -> bool:

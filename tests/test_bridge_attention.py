@@ -63,7 +63,7 @@ def test_layer_spec_choices_and_cpu_fusions(parallel):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     from stapo_megatron.bridge import spec_from_hf_config
-    from stapo_megatron.bridge.config import fused_kernel_settings
+    from stapo_megatron.bridge.kernels import fused_kernel_settings
     from stapo_megatron.bridge.model import default_core_attention, layer_spec
 
     spec = spec_from_hf_config(tiny_config("qwen3"))

@@ -1,6 +1,6 @@
 """Tier a: the fused-kernel switches chosen per device and kernel availability, and RoPE numerics.
 
-`bridge.config.fused_kernel_settings` is a function of facts (CUDA or not, TE spec or not,
+`bridge.kernels.fused_kernel_settings` is a function of facts (CUDA or not, TE spec or not,
 which kernel modules import), so its choice for a GPU machine can be shown here. RoPE: with
 ``apply_rope_fusion`` off, Megatron rotates q/k as transformers and vLLM do (in bf16); TE's
 fused kernel would rotate in fp32 and round once, which is what the last check tells apart.
@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from stapo_megatron.bridge import spec_from_hf_config
-from stapo_megatron.bridge.config import fused_kernel_settings, transformer_config_from_spec
+from stapo_megatron.bridge.kernels import fused_kernel_settings
+from stapo_megatron.bridge.transformer_config import transformer_config_from_spec
 from stapo_megatron.bridge.tiny import tiny_config
 from tests.dist_utils import single_process_env
 

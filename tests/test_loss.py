@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from stapo_megatron.method import masks as s2t
+from stapo_megatron.method import masks
 from stapo_megatron.method.config import LossConfig
 from stapo_megatron.method.objective import stapo_loss
 from stapo_megatron.train.batching import MicroBatch
@@ -127,20 +127,20 @@ def test_loss_func_methods_and_metrics(method):
         ["loss_sum", "num_kept", "num_response", "num_silenced", "num_candidates"],
         metrics["stapo_sums"][:5].tolist(),
     ))
-    s2t_silenced = s2t.s2t_mask(logprob, entropy, adv, mask, tau_p=0.002, q=0.75)
+    s2t_silenced = masks.s2t_mask(logprob, entropy, adv, mask, tau_p=0.002, q=0.75)
     expected_silenced = {
         "stapo": s2t_silenced,
-        "justrl": s2t.no_mask(mask),
-        "entropy20": s2t.entropy20_mask(entropy, mask),
+        "justrl": masks.no_mask(mask),
+        "entropy20": masks.entropy20_mask(entropy, mask),
         # the random controls silence as many tokens as S2T would, seeded by config.seed and the
         # batch seed: drawn from S2T's candidates (random) or from all response tokens
-        "random": s2t.random_mask(s2t.s2t_candidates(logprob, adv, mask), int(s2t_silenced.sum()), seed=3),
-        "random_uniform": s2t.random_mask(mask, int(s2t_silenced.sum()), seed=3),
+        "random": masks.random_mask(masks.s2t_candidates(logprob, adv, mask), int(s2t_silenced.sum()), seed=3),
+        "random_uniform": masks.random_mask(mask, int(s2t_silenced.sum()), seed=3),
     }[method]
     assert expected_silenced.any() or method == "justrl"
     assert sums["num_silenced"] == expected_silenced.sum().item()
     assert sums["num_response"] == mask.sum().item()
-    assert sums["num_candidates"] == s2t.s2t_candidates(logprob, adv, mask).sum().item()
+    assert sums["num_candidates"] == masks.s2t_candidates(logprob, adv, mask).sum().item()
     keep = mask & ~expected_silenced
     assert num_kept.item() == keep.sum().item()
     # on-policy (ratio 1, nothing clipped): every kept token contributes -A

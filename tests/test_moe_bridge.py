@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from stapo_megatron.bridge import mappings_for, spec_from_hf_config, transformer_config_from_spec
-from stapo_megatron.bridge.config import check_parallel_sizes
+from stapo_megatron.bridge.transformer_config import check_parallel_sizes
 from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
 from stapo_megatron.conversion.cli import main
 from stapo_megatron.conversion.dcp_io import CheckpointReader

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from stapo_megatron.method import masks as s2t
+from stapo_megatron.method import masks
 from stapo_megatron.method.config import LossConfig
 from stapo_megatron.train.loss import loss_func, minibatch_threshold
 from stapo_megatron.method.config import method_loss_config
@@ -130,8 +130,8 @@ def test_random_control_draws_lie_in_the_candidate_pool(seed):
     mask, adv = batch.response_mask, batch.advantages
     config = LossConfig(method="random", seed=seed)
     threshold = minibatch_threshold(config, logprob, entropy, adv, mask)
-    candidates = s2t.s2t_candidates(logprob, adv, mask)
-    stapo = s2t.s2t_mask(logprob, entropy, adv, mask, tau_h=threshold)
+    candidates = masks.s2t_candidates(logprob, adv, mask)
+    stapo = masks.s2t_mask(logprob, entropy, adv, mask, tau_h=threshold)
     assert stapo.sum() > 0 and candidates.sum() > stapo.sum(), "the pool must be larger than what S2T takes"
     drawn = None
     for micro_seed in range(5):
@@ -140,7 +140,7 @@ def test_random_control_draws_lie_in_the_candidate_pool(seed):
         assert len(rows) == stapo.sum().item(), "as many tokens as S2T silences"
         assert (rows[:, 3] > 0).all() and (rows[:, 1].exp() < config.tau_p).all(), "every draw is a candidate"
         # the same draw as a mask (the method's seed: config.seed * 1_000_003 + the micro-batch's)
-        draw = s2t.random_mask(candidates, int(stapo.sum()), seed * 1_000_003 + micro_seed)
+        draw = masks.random_mask(candidates, int(stapo.sum()), seed * 1_000_003 + micro_seed)
         assert not (draw & ~candidates).any()
         torch.testing.assert_close(rows[:, 0], batch.labels[draw].float())
         drawn = draw if drawn is None else drawn | draw
@@ -152,9 +152,9 @@ def test_random_uniform_keeps_the_old_control():
     mask, adv = batch.response_mask, batch.advantages
     config = LossConfig(method="random_uniform")
     threshold = minibatch_threshold(config, logprob, entropy, adv, mask)
-    num = int(s2t.s2t_mask(logprob, entropy, adv, mask, tau_h=threshold).sum())
+    num = int(masks.s2t_mask(logprob, entropy, adv, mask, tau_h=threshold).sum())
     _, _, metrics = loss_func(config, dataclasses.replace(batch, seed=3), threshold, None, None, logits)
-    expected = s2t.random_mask(mask, num, seed=3)
+    expected = masks.random_mask(mask, num, seed=3)
     assert len(metrics["silenced_tokens"]) == num == expected.sum()
     assert (metrics["silenced_tokens"][:, 3] < 0).any(), "draws from all response tokens, A < 0 included"
 

@@ -78,26 +78,26 @@ def _quantile_data(rank):
 def _quantile_worker():
     import torch.distributed as dist
 
-    from stapo_megatron.method import masks as s2t
+    from stapo_megatron.method import masks
 
     dist.init_process_group("gloo")
     logprob, entropy, adv, mask = _quantile_data(dist.get_rank())
-    cand = s2t.s2t_candidates(logprob, adv, mask)
-    tau, count = s2t.s2t_threshold(entropy, cand, 0.75, dp_group=dist.group.WORLD)
-    silenced = s2t.s2t_mask(logprob, entropy, adv, mask, dp_group=dist.group.WORLD)
-    e20 = s2t.entropy20_threshold(entropy, mask, dp_group=dist.group.WORLD)
+    cand = masks.s2t_candidates(logprob, adv, mask)
+    tau, count = masks.s2t_threshold(entropy, cand, 0.75, dp_group=dist.group.WORLD)
+    silenced = masks.s2t_mask(logprob, entropy, adv, mask, dp_group=dist.group.WORLD)
+    e20 = masks.entropy20_threshold(entropy, mask, dp_group=dist.group.WORLD)
     return tau.item(), count, silenced, e20.item()
 
 
 def test_dp_quantile_equals_concatenated():
-    from stapo_megatron.method import masks as s2t
+    from stapo_megatron.method import masks
 
     results = run_distributed(2, _quantile_worker)
     data = [_quantile_data(r) for r in range(2)]
     logprob, entropy, adv, mask = (torch.cat(t) for t in zip(*data))
-    cand = s2t.s2t_candidates(logprob, adv, mask)
+    cand = masks.s2t_candidates(logprob, adv, mask)
     ref_tau = torch.quantile(entropy[cand], 0.75).item()
-    ref_silenced = s2t.s2t_mask(logprob, entropy, adv, mask)
+    ref_silenced = masks.s2t_mask(logprob, entropy, adv, mask)
     for tau, count, _, e20 in results:
         assert tau == pytest.approx(ref_tau, abs=1e-6) and count == int(cand.sum())
         assert e20 == pytest.approx(torch.quantile(entropy[mask], 0.8).item(), abs=1e-6)

@@ -374,7 +374,7 @@ def test_cp_and_ep_layout_errors_are_clear(recipe, overrides, message):
 
 def test_memory_settings_reach_megatron_transformer_config():
     """The recipe's sequence parallelism / recomputation are valid Megatron TransformerConfig fields."""
-    from stapo_megatron.bridge.config import transformer_config_from_spec
+    from stapo_megatron.bridge.transformer_config import transformer_config_from_spec
 
     cfg = paper.qwen3_1p7b()
     settings = cfg.model.memory_settings()

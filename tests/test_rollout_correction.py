@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from stapo_megatron.method import masks as s2t
+from stapo_megatron.method import masks
 from stapo_megatron.method import rollout_correction as rc
 from stapo_megatron.method.config import LossConfig, method_loss_config
 from stapo_megatron.method.registry import METHODS, get_method
@@ -189,8 +189,8 @@ def test_overlap_of_silenced_and_flagged_tokens_in_the_loss_metrics():
     _, _, metrics = loss_func(config, batch, threshold, None, None, logits)
     sums = dict(zip(METRIC_SUMS, metrics["stapo_sums"].tolist()))
     lp, _ = vocab_parallel_logprob_entropy(logits, batch.labels)
-    silenced = s2t.s2t_mask(lp, entropy, adv, mask, tau_h=threshold)
-    candidates = s2t.s2t_candidates(lp, adv, mask)
+    silenced = masks.s2t_mask(lp, entropy, adv, mask, tau_h=threshold)
+    candidates = masks.s2t_candidates(lp, adv, mask)
     rho = torch.exp(batch.old_logprob.double() - batch.rollout_logprob.double())
     flagged = mask & ((rho < 0.6) | (rho > 1.5))
     assert (silenced & flagged).any() and (silenced & ~flagged).any()  # both kinds occur here
@@ -219,10 +219,10 @@ def test_s2t_candidates_by_the_rollout_probability():
     _, _, metrics = loss_func(config, batch, threshold, None, None, logits)
     sums = dict(zip(METRIC_SUMS, metrics["stapo_sums"].tolist()))
     expected_candidates = rare & mask & (adv > 0)
-    expected = s2t.s2t_mask(batch.rollout_logprob, entropy, adv, mask, tau_h=threshold)
+    expected = masks.s2t_mask(batch.rollout_logprob, entropy, adv, mask, tau_h=threshold)
     assert sums["num_candidates"] == expected_candidates.sum().item() > 0
     assert sums["num_silenced"] == expected.sum().item() > 0
-    trainer_candidates = s2t.s2t_candidates(lp, adv, mask)
+    trainer_candidates = masks.s2t_candidates(lp, adv, mask)
     assert not torch.equal(trainer_candidates, expected_candidates)  # the option changes the selection
 
 

@@ -1,20 +1,19 @@
-"""HF Qwen <-> Megatron bridge: config mapping, model builder, mapping table, transforms.
+"""HF Qwen <-> Megatron bridge: config reading (`hf_config`), kernel choice (`kernels`),
+TransformerConfig (`transformer_config`), model builder, mapping table, transforms.
 
-Dense Qwen2/2.5/3 and Qwen3-MoE (`config.py` maps the router and expert fields; `model.py` builds
-the MoE layer spec; `mapping.py` has the router/expert rows with a per-expert wildcard).
+Dense Qwen2/2.5/3 and Qwen3-MoE (`hf_config.py` reads the router and expert fields,
+`transformer_config.py` maps them; `model.py` builds the MoE layer spec; `mapping.py` has the
+router/expert rows with a per-expert wildcard).
 
 Used by the converter (`stapo_megatron/conversion/`), the trainer and the rollout weight sync. Importing it
 does not import megatron-core; the functions that need it import it when called.
 """
 
-from stapo_megatron.bridge.config import (
+from stapo_megatron.bridge.hf_config import SUPPORTED_ARCHITECTURES, QwenSpec, load_hf_config, spec_from_hf_config
+from stapo_megatron.bridge.transformer_config import (
     DEFAULT_VOCAB_DIVISOR,
-    SUPPORTED_ARCHITECTURES,
-    QwenSpec,
     check_parallel_sizes,
-    load_hf_config,
     padded_vocab_size,
-    spec_from_hf_config,
     transformer_config_from_spec,
 )
 from stapo_megatron.bridge.mapping import ParamMapping, hf_shapes, mappings_for, megatron_shape

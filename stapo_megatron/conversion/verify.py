@@ -271,7 +271,7 @@ def verify(hf_dir: str, ckpt_dir: str, layouts: Sequence[tuple[int, int]], num_p
     from stapo_megatron.conversion.dcp_io import CheckpointReader
     from stapo_megatron.conversion.hf_to_mcore import load_spec
     from stapo_megatron.conversion.mcore_to_hf import resolve_checkpoint_dir
-    from stapo_megatron.bridge.config import check_parallel_sizes
+    from stapo_megatron.bridge.transformer_config import check_parallel_sizes
 
     hf_config, spec = load_spec(hf_dir)
     for tp, pp in layouts:

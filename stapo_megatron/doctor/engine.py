@@ -107,7 +107,7 @@ def engine_checks(groups, moe: bool = False) -> List[Check]:
     names += ["moe_routing"] if moe else []
     if importlib.util.find_spec("vllm") is None:
         return [skipped(n, "vllm is not installed") for n in names]
-    from stapo_megatron.bridge.config import spec_from_hf_config
+    from stapo_megatron.bridge.hf_config import spec_from_hf_config
     from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
     from stapo_megatron.data.tokenizer import build_char_tokenizer
     from stapo_megatron.rollout.config import RolloutConfig

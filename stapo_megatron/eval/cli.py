@@ -65,7 +65,7 @@ def resolve_dtype(hf_dir: str, dtype: str) -> str:
     weights in a half type); other values unchanged."""
     if dtype != "auto":
         return dtype
-    from stapo_megatron.bridge.config import load_hf_config
+    from stapo_megatron.bridge.hf_config import load_hf_config
 
     cfg = load_hf_config(hf_dir)
     return str(cfg.get("torch_dtype") or cfg.get("dtype") or "auto").replace("torch.", "")
@@ -74,7 +74,7 @@ def resolve_dtype(hf_dir: str, dtype: str) -> str:
 def model_len_for(prompt_lens: List[int], max_tokens: int, hf_dir: str) -> int:
     """vLLM's ``max_model_len``: the longest kept prompt plus ``max_tokens`` (rounded up to 8),
     checked against the model's ``max_position_embeddings``."""
-    from stapo_megatron.bridge.config import load_hf_config
+    from stapo_megatron.bridge.hf_config import load_hf_config
 
     needed = (max(prompt_lens, default=0) + max_tokens + 7) // 8 * 8
     limit = load_hf_config(hf_dir).get("max_position_embeddings")

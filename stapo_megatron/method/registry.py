@@ -35,7 +35,8 @@ from typing import Any, Callable, Dict, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from stapo_megatron.method import masks as s2t
+from stapo_megatron.method import masks
+from stapo_megatron.utils import SEED_STRIDE
 from stapo_megatron.utils import is_dotted_path, load_dotted
 
 LossConfigT = Any
@@ -85,15 +86,15 @@ class Method:
 def _s2t_threshold(config: LossConfigT, logprob, entropy, advantages, response_mask,
                    dp_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """tau_H: the q-quantile of S2T candidate entropies over the mini-batch (all DP ranks)."""
-    candidates = s2t.s2t_candidates(logprob, advantages, response_mask, config.tau_p)
-    tau_h, _ = s2t.s2t_threshold(entropy, candidates, config.entropy_quantile, dp_group)
+    candidates = masks.s2t_candidates(logprob, advantages, response_mask, config.tau_p)
+    tau_h, _ = masks.s2t_threshold(entropy, candidates, config.entropy_quantile, dp_group)
     return tau_h
 
 
 def _entropy20_threshold(config: LossConfigT, logprob, entropy, advantages, response_mask,
                          dp_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """The (1 - rho)-quantile of response-token entropies over the mini-batch."""
-    return s2t.entropy20_threshold(entropy, response_mask, config.entropy_top_fraction, dp_group)
+    return masks.entropy20_threshold(entropy, response_mask, config.entropy_top_fraction, dp_group)
 
 
 # -- masks --------------------------------------------------------------------------------------
@@ -101,37 +102,37 @@ def _entropy20_threshold(config: LossConfigT, logprob, entropy, advantages, resp
 
 def _stapo_mask(config: LossConfigT, logprob, entropy, advantages, response_mask, threshold, seed):
     """S2T: candidates (A > 0, p < tau_p) with H < tau_H."""
-    return s2t.s2t_mask(logprob, entropy, advantages, response_mask, config.tau_p, tau_h=threshold)
+    return masks.s2t_mask(logprob, entropy, advantages, response_mask, config.tau_p, tau_h=threshold)
 
 
 def _no_mask(config: LossConfigT, logprob, entropy, advantages, response_mask, threshold, seed):
     """Nothing silenced."""
-    return s2t.no_mask(response_mask)
+    return masks.no_mask(response_mask)
 
 
 def _entropy20_mask(config: LossConfigT, logprob, entropy, advantages, response_mask, threshold, seed):
     """Keep the top-rho entropy response tokens of the mini-batch."""
-    return s2t.entropy20_mask(entropy, response_mask, threshold=threshold)
+    return masks.entropy20_mask(entropy, response_mask, threshold=threshold)
 
 
 def _micro_seed(config: LossConfigT, seed) -> int:
     """The random controls' seed of one micro-batch: ``config.seed`` and the micro-batch's seed."""
-    return config.seed * 1_000_003 + int(seed if seed is not None else 0)
+    return config.seed * SEED_STRIDE + int(seed if seed is not None else 0)
 
 
 def _random_candidates_mask(config: LossConfigT, logprob, entropy, advantages, response_mask, threshold, seed):
     """As many tokens as S2T silences in this micro-batch, drawn at random from S2T's candidate
     pool (A > 0, p < tau_p): the control that asks whether the entropy criterion matters."""
     num_silenced = int(_stapo_mask(config, logprob, entropy, advantages, response_mask, threshold, seed).sum())
-    candidates = s2t.s2t_candidates(logprob, advantages, response_mask, config.tau_p)
-    return s2t.random_mask(candidates, num_silenced, _micro_seed(config, seed))
+    candidates = masks.s2t_candidates(logprob, advantages, response_mask, config.tau_p)
+    return masks.random_mask(candidates, num_silenced, _micro_seed(config, seed))
 
 
 def _random_uniform_mask(config: LossConfigT, logprob, entropy, advantages, response_mask, threshold, seed):
     """As many uniformly random response tokens as S2T silences in this micro-batch: the
     control that asks whether silencing any handful of tokens does the same."""
     num_silenced = int(_stapo_mask(config, logprob, entropy, advantages, response_mask, threshold, seed).sum())
-    return s2t.random_mask(response_mask, num_silenced, _micro_seed(config, seed))
+    return masks.random_mask(response_mask, num_silenced, _micro_seed(config, seed))
 
 
 # -- the registry -------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, Optional
 
-from stapo_megatron.bridge.config import QwenSpec, padded_vocab_size
+from stapo_megatron.bridge.hf_config import QwenSpec
+from stapo_megatron.bridge.transformer_config import padded_vocab_size
 from stapo_megatron.config import ModelConfig, TrainerConfig
 from stapo_megatron.config.layout import Cluster, rank_tokens
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Optional
 
-from stapo_megatron.bridge.config import QwenSpec
+from stapo_megatron.bridge.hf_config import QwenSpec
 from stapo_megatron.config import (DataConfig, EvalConfig, LossConfig, ModelConfig, OptimConfig, RewardConfig,
                                    RolloutSampling, TrainerConfig)
 from stapo_megatron.config.layout import Cluster

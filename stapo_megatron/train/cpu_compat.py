@@ -10,13 +10,16 @@ site on every gradient sync: `param_and_grad_buffer.py` `start_grad_sync` asks f
 ``torch.cuda.current_stream()`` to wait on CUDA-graph events).
 
 ``apply()`` is idempotent and does nothing when CUDA is available, so GPU runs always use
-upstream code unchanged. It is called by the helpers that build models and process groups
-(``stapo_megatron.train.parallel``); library users on CPU may call it themselves.
+upstream code unchanged. The ``Tensor.cuda`` / ``Tensor.type`` shims are not process-wide: they
+are active only while the upstream methods that need them run (`cuda_tensor_names`). ``apply()``
+is called by the helpers that build models and process groups (``stapo_megatron.train.parallel``);
+library users on CPU may call it themselves.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import types
 
@@ -177,6 +180,86 @@ class _CpuRNGStatesTracker:
             torch.set_rng_state(orig)
 
 
+_ORIG_TENSOR_CUDA = torch.Tensor.cuda
+_ORIG_TENSOR_TYPE = torch.Tensor.type
+_cuda_names_depth = 0
+
+
+def _cpu_tensor_type(self, dtype=None, non_blocking=False, **kwargs):
+    """``Tensor.type()`` that reports a CPU tensor by its CUDA name ("torch.cuda.FloatTensor")."""
+    if dtype is None and not kwargs and self.device.type == "cpu":
+        return _ORIG_TENSOR_TYPE(self).replace("torch.", "torch.cuda.", 1)
+    return _ORIG_TENSOR_TYPE(self, dtype, non_blocking, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_tensor_names():
+    """Inside: ``Tensor.cuda()`` returns the tensor itself and ``Tensor.type()`` names a CPU tensor
+    as its CUDA type; outside, both are torch's. Re-entrant (the scoped upstream calls nest:
+    ``DistributedOptimizer.__init__`` calls ``_build_model_and_main_param_groups``)."""
+    global _cuda_names_depth
+    if _cuda_names_depth == 0:
+        torch.Tensor.cuda = lambda self, *a, **k: self
+        torch.Tensor.type = _cpu_tensor_type
+    _cuda_names_depth += 1
+    try:
+        yield
+    finally:
+        _cuda_names_depth -= 1
+        if _cuda_names_depth == 0:
+            torch.Tensor.cuda = _ORIG_TENSOR_CUDA
+            torch.Tensor.type = _ORIG_TENSOR_TYPE
+
+
+# The upstream methods that call ``.cuda()`` on a tensor or compare ``.type()`` with CUDA type
+# names (the same call sites in megatron-core 0.16.1 and 0.19.2); only while they run is
+# `cuda_tensor_names` active, so the rest of the process sees torch's own Tensor methods.
+_CUDA_NAME_METHODS = (
+    # language_module.py: the tied embedding goes ``.cuda()`` before its PP all-reduce
+    ("megatron.core.models.common.language_module.language_module", "LanguageModule",
+     "setup_embeddings_and_output_layer"),
+    # optimizer.py: asserts ``param.type() == 'torch.cuda.FloatTensor'`` (mixed precision) and
+    # moves offloaded state back with ``.cuda()``
+    ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params", "__init__"),
+    ("megatron.core.optimizer.optimizer", "MegatronOptimizer", "restore_from_cpu"),
+    # distrib_optimizer.py: the same ``.type()`` tests, and ``send_tensor.cuda()`` when gathering state
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer", "_build_model_and_main_param_groups"),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer", "__init__"),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer", "get_parameter_state_dp_zero"),
+)
+# Functions, rebound in every module that imported them by name.
+_CUDA_NAME_FUNCTIONS = (
+    # clip_grads.py: ``assert param.grad.type() == 'torch.cuda.FloatTensor'``
+    ("clip_grad_by_total_norm_fp32", ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer")),
+    # tensor_parallel/data.py: ``data[key].cuda()``
+    ("broadcast_data", ("megatron.core.tensor_parallel.data", "megatron.core.tensor_parallel")),
+)
+
+
+def _with_cuda_tensor_names(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with cuda_tensor_names():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _scope_cuda_tensor_names() -> None:
+    """Wrap each of `_CUDA_NAME_METHODS` and `_CUDA_NAME_FUNCTIONS` in `cuda_tensor_names`."""
+    for module, cls_name, name in _CUDA_NAME_METHODS:
+        cls = getattr(importlib.import_module(module), cls_name)
+        attr = cls.__dict__[name]
+        if isinstance(attr, classmethod):
+            setattr(cls, name, classmethod(_with_cuda_tensor_names(attr.__func__)))
+        else:
+            setattr(cls, name, _with_cuda_tensor_names(attr))
+    for name, modules in _CUDA_NAME_FUNCTIONS:
+        wrapped = _with_cuda_tensor_names(getattr(importlib.import_module(modules[0]), name))
+        for module in modules:
+            setattr(importlib.import_module(module), name, wrapped)
+
+
 def apply() -> None:
     """Install the shims if CUDA is absent (idempotent)."""
     global _APPLIED
@@ -189,20 +272,7 @@ def apply() -> None:
     torch.cuda.current_device = lambda: torch.device("cpu")
     # pipeline_parallel/p2p_communication.py calls torch.cuda.synchronize() after p2p ops.
     torch.cuda.synchronize = lambda *a, **k: None
-    # models/common/language_module/language_module.py moves the tied embedding to
-    # .cuda() before its PP all-reduce; on CPU that must stay a CPU tensor.
-    torch.Tensor.cuda = lambda self, *a, **k: self
-
-    # optimizer/clip_grads.py and optimizer/optimizer.py assert
-    # ``param.type() == 'torch.cuda.FloatTensor'``; report CPU tensors by their CUDA name.
-    orig_type = torch.Tensor.type
-
-    def _type(self, dtype=None, non_blocking=False, **kwargs):
-        if dtype is None and not kwargs and self.device.type == "cpu":
-            return orig_type(self).replace("torch.", "torch.cuda.", 1)
-        return orig_type(self, dtype, non_blocking, **kwargs)
-
-    torch.Tensor.type = _type
+    _scope_cuda_tensor_names()
 
     proxy = _CpuTorch()
     for name in _CUDA_ALLOCATING_MODULES:
@@ -253,21 +323,3 @@ class _CpuTorchCudaSeed(_CpuTorch):
             )
         return super().__getattr__(name)
 
-
-def define_missing_te_names() -> None:
-    """megatron-core 0.16.1 ``transformer/moe/moe_utils.py`` imports ``te_general_gemm`` (and the
-    fused MoE kernels) only when transformer-engine imports, yet the router's
-    ``RouterGatingLinearFunction`` tests ``te_general_gemm is not None`` unconditionally: without
-    transformer-engine (the CPU, or a GPU with a plain pip install) every MoE forward fails with
-    NameError. 0.19.2 binds the names to None in that case; this does the same for 0.16.1.
-    Not a CUDA shim, so it is applied with or without CUDA (by `bridge.model.build_gpt_model`
-    for MoE models), and only fills names that are missing."""
-    from megatron.core.transformer.moe import moe_utils
-
-    if getattr(moe_utils, "HAVE_TE", True):
-        return
-    for name in ("te_general_gemm", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
-                 "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
-                 "fused_topk_with_score_function", "fused_unpermute"):
-        if not hasattr(moe_utils, name):
-            setattr(moe_utils, name, None)

@@ -51,7 +51,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from stapo_megatron.method import masks as s2t
+from stapo_megatron.method import masks
 from stapo_megatron.method.config import LossConfig
 from stapo_megatron.method.objective import stapo_loss
 from stapo_megatron.method.objectives import check_parallelism, clipped_tokens, get_objective
@@ -122,7 +122,7 @@ def loss_func(
     old_logprob = batch.old_logprob.float()
     # S2T's candidate test reads the trainer's p (the paper) or the sampler's (s2t_probability)
     select_logprob = rc.selection_logprob(config.s2t_probability, logprob.detach(), batch.rollout_logprob)
-    candidates = s2t.s2t_candidates(select_logprob, advantages, response_mask, config.tau_p)
+    candidates = masks.s2t_candidates(select_logprob, advantages, response_mask, config.tau_p)
     method = get_method(config.method)
     silenced = method.mask(
         config, select_logprob, entropy, advantages, response_mask, threshold, batch.seed

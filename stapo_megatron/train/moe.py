@@ -5,9 +5,9 @@ Aux-loss weight. Megatron's router attaches its per-layer switch loss ``aux_l`` 
 ``moe_aux_loss_coeff`` = c included) to the MoE output with ``MoEAuxLossAutoScaler``, whose
 backward feeds ``scale * aux_l`` (``scale``: a class-level tensor the schedule sets after each
 micro-batch's ``loss_func``). With ``calculate_per_token_loss`` the router pre-multiplies
-``aux_l`` by its token count, ``n_router`` (megatron-core 0.16.1 ``router.py``
-``attach_and_log_load_balancing_loss``: the micro-batch's routed tokens on this rank; 0.19.2:
-that times the TP x CP group size), because ``finalize_model_grads`` divides every gradient by
+``aux_l`` by its token count, ``n_router`` (megatron-core 0.16-0.18 ``router.py``
+``attach_and_log_load_balancing_loss``: the micro-batch's routed tokens on this rank; 0.19.0 and
+later: that times the TP x CP group size, `train.mcore_versions`), because ``finalize_model_grads`` divides every gradient by
 the all-reduced token count, which upstream assumes is every token of every micro-batch:
 
     grad_aux (upstream) = sum_{mb, dp} c * n_router * grad aux_l(mb) / N
@@ -61,12 +61,13 @@ Legend: ``T`` routed tokens of a micro-batch on this rank, ``E`` experts, ``M`` 
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+
+from stapo_megatron.train.mcore_versions import in_backward, router_aux_loss_token_factor
 
 
 def routers(model) -> list:
@@ -74,15 +75,6 @@ def routers(model) -> list:
     from megatron.core.transformer.moe.router import TopKRouter
 
     return [m for m in model.modules() if isinstance(m, TopKRouter)]
-
-
-def router_token_factor(router) -> int:
-    """What megatron-core multiplies the aux loss by per routed token under
-    ``calculate_per_token_loss``: 1 (0.16.1) or the TP x CP group size (0.19.2, where
-    ``attach_and_log_load_balancing_loss`` multiplies by ``num_local_tokens *
-    tp_cp_group.size()``). Read from the installed source, since the two versions differ."""
-    source = inspect.getsource(type(router).attach_and_log_load_balancing_loss)
-    return router.tp_cp_group.size() if "tp_cp_group.size()" in source else 1
 
 
 class _AuxScaleAtBackward(torch.autograd.Function):
@@ -127,7 +119,7 @@ class MoEStepMonitor:
         # per layer, per micro-batch: [2E + 1] = (tokens per expert, probability sums, tokens)
         self.stats: List[List[torch.Tensor]] = [[] for _ in self.routers]
         self.router_tokens = 0
-        self._token_factor = router_token_factor(self.routers[0]) if self.routers else 1
+        self._token_factor = router_aux_loss_token_factor(self.routers[0]) if self.routers else 1
         self._handles = []
         if self.is_moe and self.routers[0].config.pipeline_model_parallel_size > 1:
             warnings.warn("pipeline parallelism with MoE: only the last stage's MoE layers get the aux-loss weight "
@@ -145,7 +137,7 @@ class MoEStepMonitor:
 
     def _hook(self, i: int) -> Callable:
         def hook(router, inputs, output):
-            if torch._C._current_graph_task_id() != -1:
+            if in_backward():
                 # a forward rerun inside backward (activation recomputation): the micro-batch was
                 # counted at its forward; counting it again doubles the loads (torch's FSDP tells
                 # "in backward" the same way)

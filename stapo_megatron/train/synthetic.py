@@ -1,4 +1,5 @@
-"""Synthetic rollouts and a tiny Qwen3-shaped GPTModel: the demo and tests need no checkpoint.
+"""Synthetic rollouts and a tiny Qwen3 GPTModel (from `bridge.tiny`'s spec): the demo and tests need
+no checkpoint.
 
 Rollouts are G responses per prompt with binary rewards and group advantages (docs/design.md):
 A_i = (R_i - mean_j R_j) / (std_j R_j + eps); groups with all-equal rewards get A = 0.
@@ -12,6 +13,9 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from stapo_megatron.bridge.kernels import fused_kernel_settings
+from stapo_megatron.bridge.tiny import QWEN3_TINY, tiny_qwen3_spec
+from stapo_megatron.bridge.transformer_config import transformer_config_from_spec
 from stapo_megatron.train.batching import MicroBatch, group_advantages
 
 
@@ -25,39 +29,19 @@ def tiny_gpt_config(
     kv_channels: int = 32,
     ffn_hidden_size: int = 128,
 ):
-    """A Qwen3-like TransformerConfig (RMSNorm, SwiGLU, GQA, q/k norm, no biases) on fp32.
+    """The TransformerConfig of a tiny Qwen3 (`bridge.tiny.tiny_qwen3_spec`: RMSNorm, SwiGLU, GQA,
+    q/k norm, no biases) on fp32, with these sizes, for the local layer spec on the CPU kernels.
 
     ``use_cpu_initialization`` creates every weight at full size from one seed and then shards
     it, so a given seed yields the same model at any TP/PP (the basis of the parity tests).
     """
-    from megatron.core.transformer import TransformerConfig
-
-    return TransformerConfig(
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        num_attention_heads=num_attention_heads,
-        num_query_groups=num_query_groups,
-        kv_channels=kv_channels,
-        ffn_hidden_size=ffn_hidden_size,
-        normalization="RMSNorm",
-        layernorm_epsilon=1e-6,
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        add_bias_linear=False,
-        qk_layernorm=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        tensor_model_parallel_size=tensor_model_parallel_size,
-        pipeline_model_parallel_size=pipeline_model_parallel_size,
-        pipeline_dtype=torch.float32,
-        use_cpu_initialization=True,
-        calculate_per_token_loss=True,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-    )
+    spec = tiny_qwen3_spec(num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+                           num_query_groups=num_query_groups, kv_channels=kv_channels, ffn_hidden_size=ffn_hidden_size)
+    return transformer_config_from_spec(
+        spec, tensor_model_parallel_size, pipeline_model_parallel_size, use_te=False,
+        use_cpu_initialization=True, calculate_per_token_loss=True,
+        # the unfused kernels whatever the machine (the local spec's reference path)
+        **fused_kernel_settings(use_te=False, cuda=False))
 
 
 def build_tiny_gpt(config, vocab_size: int, max_seq_length: int, seed: int = 1234, core_attention: str = "local"):
@@ -86,7 +70,7 @@ def build_tiny_gpt(config, vocab_size: int, max_seq_length: int, seed: int = 123
         post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
-        rotary_base=1_000_000,
+        rotary_base=QWEN3_TINY.rotary_base,
     )
 
 

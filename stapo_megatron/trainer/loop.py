@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from stapo_megatron.bridge.config import load_hf_config
+from stapo_megatron.bridge.hf_config import load_hf_config
 from stapo_megatron.bridge.model import build_gpt_model, load_checkpoint
 from stapo_megatron.config import TrainerConfig, WarmStartConfig
 from stapo_megatron.eval.evaluator import Evaluator, eval_max_len, load_eval_sets

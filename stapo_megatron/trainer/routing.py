@@ -50,7 +50,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from stapo_megatron.bridge.config import spec_from_hf_config
+from stapo_megatron.bridge.hf_config import spec_from_hf_config
 from stapo_megatron.rollout.registry import resolve_engine
 from stapo_megatron.train.batching import NO_ROUTE, MicroBatch
 from stapo_megatron.train.minibatches import BatchLayout, build_minibatches

@@ -26,20 +26,26 @@ Which stream seeds what (``seed`` = ``TrainerConfig.seed``, k = the training ste
                                                                                sequence s of DP rank dp
     warmstart_microbatches(k)   k (+ position)                                 the same for warm-start step k
     random control (loss)       loss.seed x 1_000_003 + micro-batch seed       ``methods._random_mask``
+    CP rank r's part            micro-batch seed + r x 1_000_003               that rank's random-control draw
+                                                                               (``train.context_parallel``)
 
 ``ws`` = ``WarmStartConfig.seed`` and ``data`` = ``DataConfig.seed``, each ``seed`` when unset:
 fixing them (the demo does) gives every RL seed the same held-out problems and the same
 warm-started weights, so seeds differ only in what RL does.
 
-The multipliers keep the streams of different steps and ranks apart. The micro-batch seeds do not
-depend on ``seed`` (only the random control reads them, combined with ``LossConfig.seed``); the
-values are those the runs so far used, so fixed-seed results stay reproducible.
+1_000_003 is `SEED_STRIDE`, the one constant the modules that use it import. The multipliers keep
+the streams of different steps and ranks apart. The micro-batch seeds do not depend on ``seed``
+(only the random control reads them, combined with ``LossConfig.seed``); the values are those
+the runs so far used, so fixed-seed results stay reproducible.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Optional
+
+from stapo_megatron.utils import SEED_STRIDE  # defined in the leaf utils: method/ and train/ import it too
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +95,7 @@ class Seeds:
         ``samples_per_rank`` samples: the rank's first sample is global sample dp_rank x
         samples_per_rank, so every sample of the step gets its own seed, the same one whatever
         the DP size."""
-        return self.seed * 1_000_003 + step + dp_rank * samples_per_rank
+        return self.seed * SEED_STRIDE + step + dp_rank * samples_per_rank
 
     @property
     def evaluation(self) -> int:

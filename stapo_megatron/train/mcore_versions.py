@@ -1,0 +1,75 @@
+"""What differs between the megatron-core releases this package supports (0.16 to 0.19), in one place.
+
+Each difference is an explicit check of ``megatron.core.__version__`` (read with `packaging`),
+never a test of upstream source text, with the release that changed it:
+
+- ``router_aux_loss_token_factor``: 0.19.0's ``transformer/moe/router.py``
+  (``attach_and_log_load_balancing_loss``) multiplies the per-token aux loss by the TP x CP group
+  size; 0.16 to 0.18 do not.
+- ``define_missing_te_names``: 0.16's ``transformer/moe/moe_utils.py`` leaves the transformer-engine
+  MoE names undefined when transformer-engine does not import (0.17 binds them to None).
+
+Also the one use of a private torch call, `in_backward`: torch 2.13 has no public API that tells a
+forward run inside a backward pass (activation recomputation) from an ordinary forward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from packaging.version import Version
+
+ROUTER_TOKEN_FACTOR_SINCE = (0, 19)
+"""First megatron-core release whose router pre-multiplies the aux loss by the TP x CP size."""
+
+TE_MOE_NAMES_BOUND_SINCE = (0, 17)
+"""First megatron-core release that binds moe_utils' transformer-engine names to None without TE."""
+
+_TE_MOE_NAMES = ("te_general_gemm", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+                 "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
+                 "fused_topk_with_score_function", "fused_unpermute")
+
+
+@functools.lru_cache(maxsize=None)
+def mcore_release() -> tuple:
+    """(major, minor, patch) of the installed megatron-core; a pre-release (0.19.0rc1) counts as its
+    release, since the behaviour changes named here land before the final tag."""
+    import megatron.core
+
+    return Version(megatron.core.__version__).release[:3]
+
+
+def router_aux_loss_token_factor(router) -> int:
+    """What megatron-core multiplies the aux loss by per routed token under
+    ``calculate_per_token_loss``: 1 up to 0.18, the router's TP x CP group size from 0.19.0
+    (``attach_and_log_load_balancing_loss``: ``aux_loss * num_local_tokens * tp_cp_group.size()``)."""
+    if mcore_release() >= ROUTER_TOKEN_FACTOR_SINCE:
+        return router.tp_cp_group.size()
+    return 1
+
+
+def define_missing_te_names() -> None:
+    """megatron-core 0.16 ``transformer/moe/moe_utils.py`` imports ``te_general_gemm`` (and the
+    fused MoE kernels) only when transformer-engine imports, yet the router's
+    ``RouterGatingLinearFunction`` tests ``te_general_gemm is not None`` unconditionally: without
+    transformer-engine (the CPU, or a GPU with a plain pip install) every MoE forward fails with
+    NameError. 0.17 and later bind the names to None in that case; this does the same for 0.16.
+    Applied with or without CUDA (by `bridge.model.build_gpt_model` for MoE models); it only
+    fills names that are missing."""
+    if mcore_release() >= TE_MOE_NAMES_BOUND_SINCE:
+        return
+    from megatron.core.transformer.moe import moe_utils
+
+    if getattr(moe_utils, "HAVE_TE", True):
+        return
+    for name in _TE_MOE_NAMES:
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread, i.e. a forward now is
+    a recomputation inside backward. torch (checked with 2.13) has no public API for this;
+    ``torch._C._current_graph_task_id`` is what torch's own FSDP uses (-1 outside backward)."""
+    return torch._C._current_graph_task_id() != -1

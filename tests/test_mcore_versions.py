@@ -1,0 +1,52 @@
+"""Tier a: the megatron-core version checks of `train.mcore_versions` and its one private torch call."""
+
+import types
+
+import megatron.core
+import pytest
+import torch
+from packaging.version import Version
+
+from stapo_megatron.train import mcore_versions
+
+
+def test_release_is_the_installed_version():
+    assert mcore_versions.mcore_release() == Version(megatron.core.__version__).release[:3]
+    assert (0, 16) <= mcore_versions.mcore_release()[:2] <= (0, 19)
+
+
+@pytest.mark.parametrize("release, factor", [((0, 16, 1), 1), ((0, 18, 0), 1), ((0, 19, 0), 4), ((0, 19, 2), 4)])
+def test_router_token_factor_follows_the_release(monkeypatch, release, factor):
+    """0.19.0's router pre-multiplies the aux loss by the TP x CP size (4 here); 0.16-0.18 do not."""
+    monkeypatch.setattr(mcore_versions, "mcore_release", lambda: release)
+    router = types.SimpleNamespace(tp_cp_group=types.SimpleNamespace(size=lambda: 4))
+    assert mcore_versions.router_aux_loss_token_factor(router) == factor
+
+
+def test_missing_te_names_are_none_without_transformer_engine():
+    from megatron.core.transformer.moe import moe_utils
+
+    mcore_versions.define_missing_te_names()
+    if getattr(moe_utils, "HAVE_TE", True):
+        pytest.skip("transformer-engine imports: the names are upstream's")
+    assert moe_utils.te_general_gemm is None and moe_utils.fused_topk_with_score_function is None
+
+
+def test_in_backward_is_true_only_during_a_backward_pass():
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            seen.append(("forward", mcore_versions.in_backward()))
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(("backward", mcore_versions.in_backward()))
+            return grad * 2
+
+    x = torch.ones(3, requires_grad=True)
+    Probe.apply(x).sum().backward()
+    assert seen == [("forward", False), ("backward", True)]
+    assert not mcore_versions.in_backward()
