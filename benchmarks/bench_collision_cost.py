@@ -44,7 +44,7 @@ BASELINE = "61dd801"
 def _baseline_op(rev: str):
     """``vocab_parallel_logprob_entropy`` as it was at ``rev``."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    source = subprocess.run(["git", "show", f"{rev}:stapo_megatron/train/ops.py"], cwd=root, check=True,
+    source = subprocess.run(["git", "show", f"{rev}:stapo_megatron/mcore/ops.py"], cwd=root, check=True,
                             capture_output=True, text=True).stdout
     path = os.path.join(tempfile.mkdtemp(), "ops_baseline.py")
     with open(path, "w") as f:
@@ -64,7 +64,7 @@ def _timed(fn, logits, target, **kw) -> float:
 
 
 def measure(dtype, num_tokens: int, rounds: int, baseline_rev: str):
-    from stapo_megatron.train.ops import vocab_parallel_logprob_entropy as current
+    from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy as current
 
     before = _baseline_op(baseline_rev)
     gen = torch.Generator().manual_seed(0)

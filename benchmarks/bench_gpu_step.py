@@ -78,7 +78,7 @@ def _sync(device):
 
 def microbatches(spec, seq_len: int, num_microbatches: int, seed: int):
     """One sequence of seq_len tokens per micro-batch: an 1/8 prompt, the rest response."""
-    from stapo_megatron.train.synthetic import synthetic_rollouts
+    from stapo_megatron.mcore.synthetic import synthetic_rollouts
 
     prompt = seq_len // 8
     mbs, _ = synthetic_rollouts(1, num_microbatches, prompt, seq_len - prompt, spec.vocab_size, seed=seed,
@@ -89,12 +89,12 @@ def microbatches(spec, seq_len: int, num_microbatches: int, seed: int):
 def bench_one(name, hf_config, seq_len, args, device, dtype, rate):
     from stapo_megatron.bridge import build_gpt_model, spec_from_hf_config
     from stapo_megatron.method.config import LossConfig
-    from stapo_megatron.train.schedule import PassContext, old_policy_pass
-    from stapo_megatron.train.parallel import current_groups
+    from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
+    from stapo_megatron.mcore.parallel import current_groups
     from stapo_megatron.config import ModelConfig
     from stapo_megatron.recipes.memory import Layout, memory_estimate
-    from stapo_megatron.train.config import OptimConfig
-    from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
+    from stapo_megatron.mcore.config import OptimConfig
+    from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
 
     spec = spec_from_hf_config(hf_config)
     groups = current_groups()
@@ -187,7 +187,7 @@ def main():
 def worker(args, model_name: str, seq_len: str, device, dtype) -> None:
     """One (model, length) row in this fresh process."""
     from stapo_megatron.bridge.tiny import tiny_config
-    from stapo_megatron.train.parallel import destroy_parallel, init_parallel
+    from stapo_megatron.mcore.parallel import destroy_parallel, init_parallel
 
     hf_config = tiny_config("qwen3") if model_name == "tiny-qwen3" else QWEN3_CONFIGS[model_name]
     init_parallel(1, 1)

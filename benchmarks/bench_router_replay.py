@@ -4,8 +4,8 @@ The tiny Qwen3-MoE (4 layers, 4 experts, top-2; `stapo_megatron.bridge.tiny`) wi
 random weights is trained in fp32 by Megatron and sampled by the HF engine after a weight sync
 (`rollout.weight_sync`), once with an fp32 engine and once with a bf16 engine (what a GPU
 rollout runs). For each, Megatron recomputes the sampled tokens' log-probs (the pi_old pass,
-`train.schedule.compute_logprob_entropy`) with its own routing and with the engine's routes
-replayed (`train.router_replay`), and compares them with the sampler's log-probs per response
+`mcore.schedule.compute_logprob_entropy`) with its own routing and with the engine's routes
+replayed (`mcore.router_replay`), and compares them with the sampler's log-probs per response
 token, d = log pi_train - log pi_rollout:
 
 - ``routing disagreement``: share of (token, layer) top-k sets where Megatron's own routing
@@ -34,7 +34,7 @@ VARIANT = "qwen3-moe"
 
 def mismatch(model, groups, microbatches, replay: bool) -> dict:
     """Per response token, Megatron's log-prob (own routing or replayed) against the sampler's."""
-    from stapo_megatron.train.schedule import PassContext, compute_logprob_entropy
+    from stapo_megatron.mcore.schedule import PassContext, compute_logprob_entropy
 
     seq = microbatches[0].tokens.shape[1]
     ctx = PassContext(model, seq, 1.0, groups, model.qwen_spec.vocab_size, replay_routes=replay)

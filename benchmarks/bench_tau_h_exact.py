@@ -32,12 +32,12 @@ import torch
 
 from stapo_megatron.method import masks
 from stapo_megatron.method.config import LossConfig
-from stapo_megatron.train.loss import minibatch_threshold
-from stapo_megatron.train.schedule import PassContext, compute_logprob_entropy, old_policy_pass
-from stapo_megatron.train.parallel import destroy_parallel, init_parallel
-from stapo_megatron.train.config import OptimConfig
-from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
-from stapo_megatron.train.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
+from stapo_megatron.mcore.loss import minibatch_threshold
+from stapo_megatron.mcore.schedule import PassContext, compute_logprob_entropy, old_policy_pass
+from stapo_megatron.mcore.parallel import destroy_parallel, init_parallel
+from stapo_megatron.mcore.config import OptimConfig
+from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
+from stapo_megatron.mcore.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
 from malloc_check import check_jemalloc  # benchmarks/, the script's folder
 
 NUM_MINIBATCHES = 4

@@ -91,7 +91,7 @@ def main():
         os.environ.setdefault(key, value)
     if os.environ["RANK"] == "0":  # one line per run (every torchrun rank has the same environment)
         check_jemalloc()
-    from stapo_megatron.train.parallel import destroy_parallel, init_parallel
+    from stapo_megatron.mcore.parallel import destroy_parallel, init_parallel
 
     groups = init_parallel(args.tp, 1)
     rows = []

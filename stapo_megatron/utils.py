@@ -12,7 +12,7 @@ from typing import Any
 SEED_STRIDE = 1_000_003
 """The prime that keeps seed streams apart: the rollout seeds (``seed x SEED_STRIDE``), the random
 controls (``loss.seed x SEED_STRIDE``, `method.registry`) and a micro-batch's part on CP rank r
-(``seed + r x SEED_STRIDE``, `train.context_parallel`; `trainer.seeds.Seeds` documents every stream)."""
+(``seed + r x SEED_STRIDE``, `mcore.context_parallel`; `trainer.seeds.Seeds` documents every stream)."""
 
 
 def is_dotted_path(path: Any) -> bool:

@@ -26,14 +26,14 @@ import time
 
 import torch
 
-from stapo_megatron.train import checkpoint as ckpt
+from stapo_megatron.mcore import checkpoint as ckpt
 from stapo_megatron.method.config import LossConfig
-from stapo_megatron.train.schedule import PassContext, old_policy_pass
-from stapo_megatron.train.parallel import destroy_parallel, init_parallel
+from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
+from stapo_megatron.mcore.parallel import destroy_parallel, init_parallel
 from stapo_megatron.trainer.preemption import SaveOnSignal, StoppedForRequeue
-from stapo_megatron.train.config import OptimConfig
-from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
-from stapo_megatron.train.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
+from stapo_megatron.mcore.config import OptimConfig
+from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
+from stapo_megatron.mcore.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
 
 VOCAB, PROMPT, RESPONSE = 384, 4, 12
 

@@ -35,7 +35,7 @@ def one_rank_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parall
     """This process as a one-rank Megatron job (`single_process_env`, then `init_parallel`):
     yields its `Groups`; the parallel state and the default process group are destroyed on exit,
     also when the block (or ``init_parallel`` half-way) raises, so no later test finds them."""
-    from stapo_megatron.train.parallel import destroy_parallel, init_parallel
+    from stapo_megatron.mcore.parallel import destroy_parallel, init_parallel
 
     with single_process_env():
         try:

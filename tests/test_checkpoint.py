@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from stapo_megatron.train import checkpoint as ckpt
+from stapo_megatron.mcore import checkpoint as ckpt
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "ckpt_train_script.py")
 STEPS = 6

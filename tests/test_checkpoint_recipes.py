@@ -22,8 +22,8 @@ CASES = [(True, True), (True, False), (False, True), (False, False)]  # (use_dis
 def _build(bf16: bool, distributed: bool, seed: int):
     from stapo_megatron.bridge.model import build_gpt_model
     from stapo_megatron.bridge.tiny import tiny_config
-    from stapo_megatron.train.config import OptimConfig
-    from stapo_megatron.train.step import wrap_model_and_optimizer
+    from stapo_megatron.mcore.config import OptimConfig
+    from stapo_megatron.mcore.step import wrap_model_and_optimizer
 
     torch.manual_seed(seed)
     model = build_gpt_model(tiny_config("qwen3"), params_dtype=torch.bfloat16 if bf16 else torch.float32,
@@ -45,11 +45,11 @@ def _optimizer_state(optimizer):
 
 def _case_worker(run_dir: str, distributed: bool, bf16: bool):
     from stapo_megatron.method.config import LossConfig
-    from stapo_megatron.train import checkpoint as ckpt
-    from stapo_megatron.train.parallel import destroy_parallel, init_parallel
-    from stapo_megatron.train.schedule import PassContext, old_policy_pass
-    from stapo_megatron.train.step import policy_update
-    from stapo_megatron.train.synthetic import synthetic_rollouts
+    from stapo_megatron.mcore import checkpoint as ckpt
+    from stapo_megatron.mcore.parallel import destroy_parallel, init_parallel
+    from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
+    from stapo_megatron.mcore.step import policy_update
+    from stapo_megatron.mcore.synthetic import synthetic_rollouts
 
     groups = init_parallel(1, 1, backend="gloo")
     try:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from stapo_megatron.conversion.cli import main
-from stapo_megatron.train import checkpoint as ckpt
+from stapo_megatron.mcore import checkpoint as ckpt
 from stapo_megatron.bridge.tiny import save_tiny_hf_model
 
 

@@ -15,7 +15,7 @@ from stapo_megatron.recipes import memory, paper
 
 
 def test_constants_have_one_definition():
-    from stapo_megatron.train import context_parallel, packing
+    from stapo_megatron.mcore import context_parallel, packing
 
     assert packing.PACKING_MODES is layout.PACKING_MODES == ("padded", "fixed", "budget")
     assert context_parallel.sequence_multiple is layout.sequence_multiple

@@ -9,7 +9,7 @@ import yaml
 from stapo_megatron.config import DataConfig, EvalConfig, ModelConfig, RewardConfig, RolloutSampling, TrainerConfig
 from stapo_megatron.launch.entry import build_config
 from stapo_megatron.method.config import LossConfig
-from stapo_megatron.train.config import OptimConfig
+from stapo_megatron.mcore.config import OptimConfig
 
 NAN, INF = float("nan"), float("inf")
 
@@ -150,7 +150,7 @@ def test_rollout_timeout_fits_the_longest_response():
 def test_collective_timeout_is_set_for_the_phase_and_restored():
     import torch.distributed as dist
 
-    from stapo_megatron.train.parallel import collective_timeout, group_timeout, init_process_group
+    from stapo_megatron.mcore.parallel import collective_timeout, group_timeout, init_process_group
     from tests.dist_utils import single_process_env
 
     with single_process_env():

@@ -19,10 +19,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from stapo_megatron.train.context_parallel import local_positions, sequence_multiple, split_for_context_parallel, unsplit
-from stapo_megatron.train.minibatches import BatchLayout, build_minibatches
-from stapo_megatron.train.packing import pack_thd
-from stapo_megatron.train.records import record, records_from_lists
+from stapo_megatron.mcore.context_parallel import local_positions, sequence_multiple, split_for_context_parallel, unsplit
+from stapo_megatron.mcore.minibatches import BatchLayout, build_minibatches
+from stapo_megatron.mcore.packing import pack_thd
+from stapo_megatron.mcore.records import record, records_from_lists
 from tests.dist_utils import run_distributed
 
 ATTN_ATOL = 1e-5
@@ -34,7 +34,7 @@ FIELDS = ("tokens", "position_ids", "labels", "response_mask", "advantages", "ro
 
 def _rollouts(max_response=25, seed=7, vocab=VOCAB):
     """16 sequences of uneven lengths (prompt 3-8, response 2-24) with group advantages."""
-    from stapo_megatron.train.batching import group_advantages
+    from stapo_megatron.mcore.batching import group_advantages
 
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(1, vocab, (int(n),), generator=gen).tolist()
@@ -124,7 +124,7 @@ def test_config_refuses_unsupported_context_parallel():
         ModelConfig(context_parallel_size=2, pipeline_model_parallel_size=2)
     with pytest.raises(ValueError, match="model.cp_comm_type must be one of"):
         ModelConfig(cp_comm_type="ring")
-    # issue 34: "a2a+p2p" needs hierarchical CP groups that train.parallel does not build
+    # issue 34: "a2a+p2p" needs hierarchical CP groups that mcore.parallel does not build
     with pytest.raises(ValueError, match=r'cp_comm_type "a2a\+p2p" needs hierarchical context-parallel groups'):
         ModelConfig(context_parallel_size=4, cp_comm_type="a2a+p2p")
     assert ModelConfig(context_parallel_size=2, cp_comm_type="a2a").context_parallel_settings()["cp_comm_type"] == "a2a"
@@ -134,7 +134,7 @@ def test_config_refuses_unsupported_context_parallel():
 
 def test_loss_func_needs_the_cp_group_of_a_split_batch():
     from stapo_megatron.method.config import LossConfig
-    from stapo_megatron.train.loss import loss_func
+    from stapo_megatron.mcore.loss import loss_func
 
     prompts, responses, adv, lps = _rollouts()
     packed = pack_thd(records_from_lists(prompts[:2], responses[:2], adv[:2], lps[:2]), pad_id=0, align=8, seq_align=4)
@@ -152,8 +152,8 @@ def _attention_worker(cp):
     from megatron.core.transformer.enums import AttnMaskType
 
     from stapo_megatron.bridge.attention import SDPAttention
-    from stapo_megatron.train.parallel import init_parallel
-    from stapo_megatron.train.synthetic import tiny_gpt_config
+    from stapo_megatron.mcore.parallel import init_parallel
+    from stapo_megatron.mcore.synthetic import tiny_gpt_config
 
     groups = init_parallel(1, 1, context_parallel_size=cp)
     config = dataclasses.replace(tiny_gpt_config(1), context_parallel_size=cp)
@@ -215,9 +215,9 @@ def _sequence_inputs(config, model, groups, mbs):
     [-0.3, 0.3] and the +-0.1 bounds reject some sequences and keep others (0.3 k / n for n <= 24
     response tokens stays 1.4e-4 from both bounds; fp32 rounding of the sums is ~1e-6, so the
     CP sums cannot flip a flag). Returns max |ref - old| log-prob (the KL term is exercised)."""
-    from stapo_megatron.train.reference import add_reference_logprobs
-    from stapo_megatron.train.schedule import PassContext
-    from stapo_megatron.train.synthetic import build_tiny_gpt
+    from stapo_megatron.mcore.reference import add_reference_logprobs
+    from stapo_megatron.mcore.schedule import PassContext
+    from stapo_megatron.mcore.synthetic import build_tiny_gpt
 
     reference = build_tiny_gpt(config, VOCAB, 64, seed=4321, core_attention="sdpa")
     add_reference_logprobs(PassContext(reference, max(mb.tokens.shape[1] for mb in mbs), groups=groups), [mbs])
@@ -233,11 +233,11 @@ def _train_worker(tp, layouts, budgets, method="stapo"):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from stapo_megatron.train.config import OptimConfig
-    from stapo_megatron.train.parallel import init_parallel
-    from stapo_megatron.train.schedule import PassContext, old_policy_pass
-    from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
-    from stapo_megatron.train.synthetic import build_tiny_gpt, tiny_gpt_config
+    from stapo_megatron.mcore.config import OptimConfig
+    from stapo_megatron.mcore.parallel import init_parallel
+    from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
+    from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
+    from stapo_megatron.mcore.synthetic import build_tiny_gpt, tiny_gpt_config
 
     prompts, responses, adv, lps = _rollouts()
     loss_config = _loss_config(method)
@@ -340,11 +340,11 @@ def _checkpoint_worker(hf_dir, run_cp2, run_cp1):
     from stapo_megatron.bridge import build_gpt_model
     from stapo_megatron.bridge.tiny import tiny_config
     from stapo_megatron.method.config import LossConfig
-    from stapo_megatron.train import checkpoint as ckpt
-    from stapo_megatron.train.config import OptimConfig
-    from stapo_megatron.train.parallel import init_parallel
-    from stapo_megatron.train.schedule import PassContext, old_policy_pass
-    from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
+    from stapo_megatron.mcore import checkpoint as ckpt
+    from stapo_megatron.mcore.config import OptimConfig
+    from stapo_megatron.mcore.parallel import init_parallel
+    from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
+    from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
 
     spec = tiny_config("qwen3")
     data = [_rollouts(seed=s, vocab=spec["vocab_size"]) for s in (1, 2)]
@@ -434,7 +434,7 @@ def test_trainer_runs_at_cp2(tmp_path):
     import subprocess
     import sys
 
-    from stapo_megatron.train import checkpoint as ckpt
+    from stapo_megatron.mcore import checkpoint as ckpt
     from tests.dist_utils import _free_port
 
     here = os.path.dirname(__file__)
@@ -482,7 +482,7 @@ def _eval_worker(model_dir, held_out_path, bench_path, run_dirs):
     from stapo_megatron.rollout.hf_engine import HFEngine
     from stapo_megatron.runlog.config import LoggingConfig
     from stapo_megatron.runlog.metrics import RunLogger
-    from stapo_megatron.train.parallel import Groups, init_parallel
+    from stapo_megatron.mcore.parallel import Groups, init_parallel
 
     cp2 = init_parallel(1, 1, context_parallel_size=2)
     rank = dist.get_rank()

@@ -156,7 +156,7 @@ def test_training_checkpoint_without_hf_config(capsys, hf, tmp_path):
 
 
 def test_stapo_trainer_run_layout(hf, tmp_path):
-    # stapo_megatron.train.checkpoint: <run>/checkpoints/step_*/ and a `latest` marker naming one.
+    # stapo_megatron.mcore.checkpoint: <run>/checkpoints/step_*/ and a `latest` marker naming one.
     steps = tmp_path / "run" / "checkpoints"
     assert main(["hf-to-mcore", "--hf-dir", hf, "--out", str(steps / "step_00000010")]) == 0
     (steps / "latest").write_text("step_00000010\n")

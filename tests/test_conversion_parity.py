@@ -33,7 +33,7 @@ def _parity_worker(jobs, tokens_BS, save_root):
 
     from stapo_megatron.conversion.verify import _megatron_forward
     from stapo_megatron.bridge import build_gpt_model, load_checkpoint
-    from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.mcore.parallel import init_parallel
 
     out = {"logits": {}, "keys": {}, "inv_freq": {}, "plain_load_equal": {}}
     for tp, pp in LAYOUTS:

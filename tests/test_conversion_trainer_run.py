@@ -19,16 +19,16 @@ VARIANT = "qwen3"
 def _train_and_save(hf_dir, converted, run_dir, plain_dir):
     """One rank: load the converted model, take a real STAPO-loss step on synthetic rollouts,
     save it as the trainer does (step 1), and also as a plain model-only checkpoint."""
-    from stapo_megatron.train import checkpoint as ckpt
+    from stapo_megatron.mcore import checkpoint as ckpt
     from stapo_megatron.bridge import build_gpt_model, load_checkpoint
     from stapo_megatron.config import ModelConfig, TrainerConfig
     from stapo_megatron.method.config import LossConfig
-    from stapo_megatron.train.schedule import PassContext, old_policy_pass
-    from stapo_megatron.train.parallel import destroy_parallel, init_parallel
+    from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
+    from stapo_megatron.mcore.parallel import destroy_parallel, init_parallel
     from stapo_megatron.runlog.provenance import RunProvenance
-    from stapo_megatron.train.config import OptimConfig
-    from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
-    from stapo_megatron.train.synthetic import synthetic_rollouts
+    from stapo_megatron.mcore.config import OptimConfig
+    from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
+    from stapo_megatron.mcore.synthetic import synthetic_rollouts
 
     prompt, response = 4, 8
     groups = init_parallel(1, 1)

@@ -1,9 +1,9 @@
-"""Tier a: the CPU shims of `train.cpu_compat` act only inside the upstream calls that need them."""
+"""Tier a: the CPU shims of `mcore.cpu_compat` act only inside the upstream calls that need them."""
 
 import pytest
 import torch
 
-from stapo_megatron.train import cpu_compat
+from stapo_megatron.mcore import cpu_compat
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the shims apply only without CUDA")
 

@@ -79,7 +79,7 @@ def trainer_eval(files, tmp_path_factory):
     from stapo_megatron.data.examples import load_examples
     from stapo_megatron.eval.generate import engine_generate_fn
     from stapo_megatron.eval.scoring import PAPER_DECODINGS, avg_at_k
-    from stapo_megatron.train.parallel import destroy_parallel
+    from stapo_megatron.mcore.parallel import destroy_parallel
     from stapo_megatron.rollout.weight_sync import sync_weights
     from stapo_megatron.trainer.loop import Trainer
 

@@ -18,7 +18,7 @@ import uuid
 
 import pytest
 
-from stapo_megatron.train import checkpoint as ckpt
+from stapo_megatron.mcore import checkpoint as ckpt
 from stapo_megatron.trainer import faults
 from tests.dist_utils import _free_port, kill_marked
 

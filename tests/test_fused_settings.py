@@ -66,7 +66,7 @@ def test_unfused_rope_equals_transformers_and_vllm_in_bf16():
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
-    from stapo_megatron.train import cpu_compat
+    from stapo_megatron.mcore import cpu_compat
 
     cpu_compat.apply()
     q_SHD = (3 * torch.randn(SEQ, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(0))).bfloat16()

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from stapo_megatron.train.ops import vocab_parallel_logprob_entropy
+from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
 
 pytestmark = [
     pytest.mark.gpu,
@@ -61,11 +61,11 @@ def _policy_update_worker(steps):
     from stapo_megatron.bridge import build_gpt_model
     from stapo_megatron.bridge.tiny import tiny_config
     from stapo_megatron.method.config import LossConfig
-    from stapo_megatron.train.schedule import PassContext, old_policy_pass
-    from stapo_megatron.train.parallel import init_parallel
-    from stapo_megatron.train.config import OptimConfig
-    from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
-    from stapo_megatron.train.synthetic import synthetic_rollouts
+    from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
+    from stapo_megatron.mcore.parallel import init_parallel
+    from stapo_megatron.mcore.config import OptimConfig
+    from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
+    from stapo_megatron.mcore.synthetic import synthetic_rollouts
     from tests.test_rollout_engine import randomize
 
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 (the default; stated for the tolerance)
@@ -108,7 +108,7 @@ def test_policy_update_on_cuda_equals_cpu():
 def _attention_worker(dtype):
     from stapo_megatron.bridge import build_gpt_model
     from stapo_megatron.bridge.tiny import tiny_config
-    from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.mcore.parallel import init_parallel
     from tests.test_rollout_engine import randomize
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -170,7 +170,7 @@ def _trainer(run_dir, model_dir, steps):
 def test_two_trainer_steps_checkpoint_and_resume_on_cuda(tmp_path):
     """The tiny recipe on CUDA with the HF rollout engine (no vLLM): 2 steps with a checkpoint
     each, then a resume that runs step 3."""
-    from stapo_megatron.train import checkpoint as ckpt
+    from stapo_megatron.mcore import checkpoint as ckpt
 
     model_dir, run_dir = tmp_path / "model", tmp_path / "run"
     subprocess.run([sys.executable, os.path.join(HERE, "..", "examples", "prepare_tiny_model.py"), str(model_dir)],
@@ -195,7 +195,7 @@ def _packed_and_cp_attention_worker(dtype, device):
     against each sequence's causal SDPA alone: stapo-doctor's attention row
     (`stapo_megatron.doctor.kernels.attention_errors`), {path: (output error, gradient error)}."""
     from stapo_megatron.doctor.kernels import attention_errors
-    from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.mcore.parallel import init_parallel
 
     init_parallel(1, 1)
     return attention_errors(dtype, device)
@@ -217,7 +217,7 @@ def _router_replay_worker():
     """Router replay (R3) on this process's device, fp32: the replayed pass's log-probs and
     routing maps for random routes, and the loss/gradients of a replayed update with and without
     full recomputation (`tests/test_router_replay.py`'s checks, on one device)."""
-    from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.mcore.parallel import init_parallel
     from tests.test_moe_rollout_weight_sync import randomize_experts
     from tests.test_router_replay import (L, _loss_and_grads, _microbatch, build_replay_model, expected_maps,
                                           random_routes, replayed_pass)

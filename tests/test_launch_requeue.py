@@ -14,7 +14,7 @@ import pytest
 from stapo_megatron.launch import requeue
 
 SAVE = 'mkdir -p "$RUN/checkpoints/step_00000020" && echo step_00000020 > "$RUN/checkpoints/latest"; '
-"""What a save does to the run folder (train/checkpoint.py's layout)."""
+"""What a save does to the run folder (mcore/checkpoint.py's layout)."""
 
 
 def run_attempt(tmp_path, training: str, restart_count: int = 0, retries: int = 3, nemo_run: bool = False):

@@ -9,9 +9,9 @@ import torch
 from stapo_megatron.method import masks
 from stapo_megatron.method.config import LossConfig
 from stapo_megatron.method.objective import stapo_loss
-from stapo_megatron.train.batching import MicroBatch
-from stapo_megatron.train.loss import loss_func, minibatch_threshold
-from stapo_megatron.train.ops import vocab_parallel_logprob_entropy
+from stapo_megatron.mcore.batching import MicroBatch
+from stapo_megatron.mcore.loss import loss_func, minibatch_threshold
+from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
 
 FP32_TOL = 1e-5  # fp32 op vs float64 reference over a 500-entry vocabulary
 

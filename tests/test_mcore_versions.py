@@ -1,4 +1,4 @@
-"""Tier a: the megatron-core version checks of `train.mcore_versions` and its one private torch call."""
+"""Tier a: the megatron-core version checks of `mcore.mcore_versions` and its one private torch call."""
 
 import types
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from packaging.version import Version
 
-from stapo_megatron.train import mcore_versions
+from stapo_megatron.mcore import mcore_versions
 
 
 def test_release_is_the_installed_version():

@@ -12,8 +12,8 @@ from stapo_megatron.config.yaml_io import dump_config, parse_config
 from stapo_megatron.launch.entry import build_config
 from stapo_megatron.method import registry
 from stapo_megatron.method.config import LossConfig, method_loss_config
-from stapo_megatron.train.loss import loss_func, minibatch_threshold
-from stapo_megatron.train.ops import vocab_parallel_logprob_entropy
+from stapo_megatron.mcore.loss import loss_func, minibatch_threshold
+from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
 from tests.test_loss import _spiky_batch
 
 PLUGIN = "tests.user_method_plugin"

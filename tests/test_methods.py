@@ -6,7 +6,7 @@ import torch
 from stapo_megatron.method import registry as methods
 from stapo_megatron.launch.entry import build_config
 from stapo_megatron.method.config import LossConfig
-from stapo_megatron.train.loss import loss_func, minibatch_threshold
+from stapo_megatron.mcore.loss import loss_func, minibatch_threshold
 from stapo_megatron.recipes import paper
 from tests.test_loss import _spiky_batch
 

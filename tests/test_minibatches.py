@@ -1,5 +1,5 @@
-"""Tier a and b: the sequence record (`train.records`) and the one micro-batch builder
-(`train.minibatches.build_minibatches`) of every layout.
+"""Tier a and b: the sequence record (`mcore.records`) and the one micro-batch builder
+(`mcore.minibatches.build_minibatches`) of every layout.
 
 Tier a: a record's bytes round-trip bit for bit; the padded layout is the trainer's (rows padded to
 the longest of this rank's records, seeds ``microbatch_seed(first, dp_rank) + row``); "fixed"
@@ -12,8 +12,8 @@ layout builds on each rank what a single process builds from all ranks' records.
 import pytest
 import torch
 
-from stapo_megatron.train.minibatches import BatchLayout, build_minibatches, pack_planned, plan_budget
-from stapo_megatron.train.records import decode, encode, encoded_size, make_records, record, records_from_lists
+from stapo_megatron.mcore.minibatches import BatchLayout, build_minibatches, pack_planned, plan_budget
+from stapo_megatron.mcore.records import decode, encode, encoded_size, make_records, record, records_from_lists
 from tests.dist_utils import run_distributed
 
 L, K, E = 3, 2, 8
@@ -123,7 +123,7 @@ def test_fixed_layout_packs_the_padded_microbatches():
 def _budget_worker(lengths, mode):
     import torch.distributed as dist
 
-    from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.mcore.parallel import init_parallel
 
     groups = init_parallel(1, 1)
     rank = dist.get_rank()

@@ -3,7 +3,7 @@ coefficient c > 0) at CP=2 and at CP=2 x EP=2 against CP=1 (DP=2) on the same pa
 
 The rows are the same in every layout ("fixed" packing, every sequence padded to a multiple of
 4 as CP=2 needs, rows aligned to 16): megatron-core's load-balancing loss is a statistic of a
-whole micro-batch, padding included (`stapo_megatron.train.moe`), so CP=1 must route the same
+whole micro-batch, padding included (`stapo_megatron.mcore.moe`), so CP=1 must route the same
 rows. CP=1 puts micro-batches 0-1 on DP rank 0 and 2-3 on rank 1; CP=2 (DP=1) gives each rank
 its chunks of all four. In the same processes, per layout:
 
@@ -74,7 +74,7 @@ def _weights(model):
 
 def _rows(groups, mbs):
     """Each micro-batch's old log-probs over its whole packed row (gathered over CP)."""
-    from stapo_megatron.train.context_parallel import gather_row
+    from stapo_megatron.mcore.context_parallel import gather_row
 
     return [gather_row(mb.old_logprob, mb.cu_seqlens, groups.cp) for mb in mbs]
 
@@ -86,13 +86,13 @@ def _worker(layouts):
     from stapo_megatron.bridge import build_gpt_model
     from stapo_megatron.bridge.tiny import tiny_config
     from stapo_megatron.method.config import LossConfig
-    from stapo_megatron.train.config import OptimConfig
-    from stapo_megatron.train.minibatches import BatchLayout, build_minibatches
-    from stapo_megatron.train.parallel import init_parallel
-    from stapo_megatron.train.records import records_from_lists
-    from stapo_megatron.train.router_replay import replay_indices
-    from stapo_megatron.train.schedule import PassContext, old_policy_pass
-    from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
+    from stapo_megatron.mcore.config import OptimConfig
+    from stapo_megatron.mcore.minibatches import BatchLayout, build_minibatches
+    from stapo_megatron.mcore.parallel import init_parallel
+    from stapo_megatron.mcore.records import records_from_lists
+    from stapo_megatron.mcore.router_replay import replay_indices
+    from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
+    from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
     from stapo_megatron.trainer.routing import RouterCapture, routing_counts
 
     prompts, responses, adv, lps = _rollouts(vocab=VOCAB)

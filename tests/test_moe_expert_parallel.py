@@ -34,13 +34,13 @@ def _ep_worker(ckpt, run_dir):
     from stapo_megatron.bridge import build_gpt_model, load_checkpoint
     from stapo_megatron.bridge.tiny import tiny_config
     from stapo_megatron.method.config import LossConfig
-    from stapo_megatron.train.config import OptimConfig
-    from stapo_megatron.train.checkpoint import load_checkpoint as load_trainer_checkpoint
-    from stapo_megatron.train.checkpoint import save_checkpoint
-    from stapo_megatron.train.parallel import init_parallel
-    from stapo_megatron.train.schedule import PassContext, old_policy_pass
-    from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
-    from stapo_megatron.train.synthetic import synthetic_rollouts
+    from stapo_megatron.mcore.config import OptimConfig
+    from stapo_megatron.mcore.checkpoint import load_checkpoint as load_trainer_checkpoint
+    from stapo_megatron.mcore.checkpoint import save_checkpoint
+    from stapo_megatron.mcore.parallel import init_parallel
+    from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
+    from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
+    from stapo_megatron.mcore.synthetic import synthetic_rollouts
 
     def setup(ep, load=True):
         groups = init_parallel(1, 1, expert_model_parallel_size=ep)

@@ -28,7 +28,7 @@ def _moe_worker(ckpt, tokens_BS, save_dir):
 
     from stapo_megatron.bridge import build_gpt_model, load_checkpoint
     from stapo_megatron.conversion.verify import _megatron_forward
-    from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.mcore.parallel import init_parallel
 
     def logits(model):
         model.eval()

@@ -66,7 +66,7 @@ def _ep2_worker(hf_dir: str, tokens_BS: torch.Tensor, save_dir: str) -> dict:
     from stapo_megatron.rollout.config import RolloutConfig
     from stapo_megatron.rollout.hf_engine import HFEngine
     from stapo_megatron.rollout.weight_sync import iter_hf_weights, sync_weights
-    from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.mcore.parallel import init_parallel
     from stapo_megatron.trainer.routing import routing_counts, sample_microbatches
     from tests.test_rollout_engine import megatron_logprobs
     from tests.test_rollout_hf_engine import hf_logprobs
@@ -160,7 +160,7 @@ def _tp2_worker(hf_dir: str, tokens_BS: torch.Tensor, layout: str) -> dict:
     from stapo_megatron.rollout.config import RolloutConfig
     from stapo_megatron.rollout.hf_engine import HFEngine
     from stapo_megatron.rollout.weight_sync import sync_weights
-    from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.mcore.parallel import init_parallel
     from stapo_megatron.trainer.routing import routing_counts, sample_microbatches
     from tests.test_rollout_engine import megatron_logprobs
     from tests.test_rollout_hf_engine import hf_logprobs

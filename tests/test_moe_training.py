@@ -7,8 +7,8 @@ import torch
 
 from stapo_megatron.bridge import build_gpt_model
 from stapo_megatron.bridge.tiny import tiny_config
-from stapo_megatron.train.moe import MoEStepMonitor, routers
-from stapo_megatron.train.step import wrap_ddp
+from stapo_megatron.mcore.moe import MoEStepMonitor, routers
+from stapo_megatron.mcore.step import wrap_ddp
 
 COEFF = 0.1
 B, S = 2, 12

@@ -292,7 +292,7 @@ def test_loss_func_applies_the_s2t_mask_to_the_objective(name):
     the micro-batch on NAME's loss, as `stapo_loss` computes it from the same tensors."""
     from tests.test_loss import _spiky_batch
     from stapo_megatron.method import masks as s2t
-    from stapo_megatron.train.loss import loss_func, minibatch_threshold
+    from stapo_megatron.mcore.loss import loss_func, minibatch_threshold
 
     logits, logprob, entropy, batch = _spiky_batch()
     gen = torch.Generator().manual_seed(1)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from stapo_megatron.train.ops import vocab_parallel_logprob_entropy
+from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
 
 # fp32 op vs float64 reference: sums over ~1e3 terms in fp32 -> a few 1e-6 absolute.
 FP32_TOL = 1e-5
@@ -65,7 +65,7 @@ def test_no_grad_path_matches_grad_path():
 
 def test_chunking_is_invisible(monkeypatch):
     """Rows are processed in cache-sized chunks; results must not depend on the chunk size."""
-    import stapo_megatron.train.ops as ops
+    import stapo_megatron.mcore.ops as ops
 
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(37, 500, generator=gen)

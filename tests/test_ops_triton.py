@@ -16,7 +16,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 import torch
 
-from stapo_megatron.train.ops import vocab_parallel_logprob_entropy  # imports no triton: the workers choose the mode
+from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy  # imports no triton: the workers choose the mode
 from tests.dist_utils import run_distributed
 
 DEVICES = [
@@ -48,7 +48,7 @@ def _kernels(device):
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported in this process
     from triton.runtime.interpreter import InterpretedFunction
 
-    from stapo_megatron.train.kernels import logprob_entropy as kernels
+    from stapo_megatron.mcore.kernels import logprob_entropy as kernels
 
     assert isinstance(kernels._shard_stats_kernel, InterpretedFunction) == (device == "cpu")
     kernels.FWD_BLOCK_V = kernels.BWD_BLOCK_V = BLOCK_V
@@ -65,7 +65,7 @@ def interpreter():
 def _run(device, interpreter, check, *args):
     if device == "cpu":
         return interpreter.submit(check, device, *args).result()
-    from stapo_megatron.train.kernels import logprob_entropy as kernels
+    from stapo_megatron.mcore.kernels import logprob_entropy as kernels
 
     blocks = kernels.FWD_BLOCK_V, kernels.BWD_BLOCK_V
     try:
@@ -284,7 +284,7 @@ def test_kernels_compile_for_h100_with_vector_loads(flags):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from stapo_megatron.train.kernels import logprob_entropy as kernels
+    from stapo_megatron.mcore.kernels import logprob_entropy as kernels
 
     # What Triton infers at launch for aligned pointers and row lengths that are multiples of 16;
     # num_real is left ragged, as on the last TP rank of a padded vocabulary. ``flags`` sets every

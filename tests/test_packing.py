@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from stapo_megatron.bridge.tiny import tiny_config
-from stapo_megatron.train.batching import MicroBatch, pack_sequences
-from stapo_megatron.train.packing import imbalance, pack_thd, plan_fixed_count, plan_token_budget, sequence_ids
-from stapo_megatron.train.records import records_from_lists
+from stapo_megatron.mcore.batching import MicroBatch, pack_sequences
+from stapo_megatron.mcore.packing import imbalance, pack_thd, plan_fixed_count, plan_token_budget, sequence_ids
+from stapo_megatron.mcore.records import records_from_lists
 from tests.test_rollout_engine import randomize
 
 LOGIT_ATOL = 2e-5
@@ -82,7 +82,7 @@ def test_token_budget_errors():
 
 
 def _logits_and_grads(model, batch):
-    from stapo_megatron.train.schedule import packed_seq_params
+    from stapo_megatron.mcore.schedule import packed_seq_params
 
     model.zero_grad()
     out = model(batch.tokens, batch.position_ids, attention_mask=None, packed_seq_params=packed_seq_params(batch))
@@ -143,7 +143,7 @@ def test_config_packing_errors():
     from stapo_megatron.config import TrainerConfig
     from stapo_megatron.data.config import DataConfig
     from stapo_megatron.rollout.config import RolloutSampling
-    from stapo_megatron.train.config import ModelConfig
+    from stapo_megatron.mcore.config import ModelConfig
 
     short = dict(data=DataConfig(max_prompt_len=100), rollout=RolloutSampling(max_response_len=200))
     with pytest.raises(ValueError, match="max_tokens_per_microbatch must be > 0 with packing='budget', got 0"):

@@ -14,7 +14,7 @@ import torch
 
 from stapo_megatron.method import masks
 from stapo_megatron.method.config import LossConfig
-from stapo_megatron.train.loss import loss_func, minibatch_threshold
+from stapo_megatron.mcore.loss import loss_func, minibatch_threshold
 from stapo_megatron.method.config import method_loss_config
 from stapo_megatron.method.objective import stapo_loss
 from stapo_megatron.rewards.functions import REWARDS, boxed_exact_match, get_reward, normalize_answer
@@ -255,12 +255,12 @@ def _from_scratch_tau_h(model, mbs, tau_p, q):
 def _exact_and_reference_worker():
     from functools import partial
 
-    from stapo_megatron.train.parallel import init_parallel
-    from stapo_megatron.train.reference import add_reference_logprobs, frozen_copy
-    from stapo_megatron.train.config import OptimConfig
-    from stapo_megatron.train.schedule import PassContext, compute_logprob_entropy, old_policy_pass
-    from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
-    from stapo_megatron.train.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
+    from stapo_megatron.mcore.parallel import init_parallel
+    from stapo_megatron.mcore.reference import add_reference_logprobs, frozen_copy
+    from stapo_megatron.mcore.config import OptimConfig
+    from stapo_megatron.mcore.schedule import PassContext, compute_logprob_entropy, old_policy_pass
+    from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
+    from stapo_megatron.mcore.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
 
     groups = init_parallel(1, 1)
     build = partial(build_tiny_gpt, tiny_gpt_config(), VOCAB, PROMPT + RESPONSE)

@@ -24,7 +24,7 @@ def _full_inputs(dtype):
 def _op_worker(dtype):
     import torch.distributed as dist
 
-    from stapo_megatron.train.ops import vocab_parallel_logprob_entropy
+    from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -45,7 +45,7 @@ def _op_worker(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tp_shards_equal_unsharded(dtype):
-    from stapo_megatron.train.ops import vocab_parallel_logprob_entropy
+    from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
 
     logits, target, upstream = _full_inputs(dtype)
     x = logits.clone().requires_grad_()
@@ -114,11 +114,11 @@ def _train_worker(tp, pp, steps, method, init_ckpt, objective=None):
     from megatron.core import dist_checkpointing
 
     from stapo_megatron.method.config import LossConfig
-    from stapo_megatron.train.config import OptimConfig
-    from stapo_megatron.train.parallel import init_parallel
-    from stapo_megatron.train.schedule import PassContext, old_policy_pass
-    from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
-    from stapo_megatron.train.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
+    from stapo_megatron.mcore.config import OptimConfig
+    from stapo_megatron.mcore.parallel import init_parallel
+    from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
+    from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
+    from stapo_megatron.mcore.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
 
     groups = init_parallel(tp, pp)
     dp_size = torch.distributed.get_world_size(groups.dp)
@@ -200,10 +200,10 @@ def _manual_grad_norm_worker(init_ckpt):
     from megatron.core import dist_checkpointing
 
     from stapo_megatron.method.config import LossConfig
-    from stapo_megatron.train.loss import loss_func, minibatch_threshold
-    from stapo_megatron.train.schedule import PassContext, compute_logprob_entropy
-    from stapo_megatron.train.parallel import init_parallel
-    from stapo_megatron.train.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
+    from stapo_megatron.mcore.loss import loss_func, minibatch_threshold
+    from stapo_megatron.mcore.schedule import PassContext, compute_logprob_entropy
+    from stapo_megatron.mcore.parallel import init_parallel
+    from stapo_megatron.mcore.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
 
     init_parallel(1, 1)
     model = build_tiny_gpt(tiny_gpt_config(), VOCAB, PROMPT + RESPONSE)
@@ -251,11 +251,11 @@ def _replica_worker(tp, pp, steps):
     from stapo_megatron.bridge import build_gpt_model
     from stapo_megatron.bridge.tiny import tiny_config
     from stapo_megatron.method.config import LossConfig
-    from stapo_megatron.train.config import OptimConfig
-    from stapo_megatron.train.parallel import init_parallel
-    from stapo_megatron.train.schedule import PassContext, old_policy_pass
-    from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
-    from stapo_megatron.train.synthetic import synthetic_rollouts
+    from stapo_megatron.mcore.config import OptimConfig
+    from stapo_megatron.mcore.parallel import init_parallel
+    from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
+    from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
+    from stapo_megatron.mcore.synthetic import synthetic_rollouts
 
     groups = init_parallel(tp, pp)
     model = build_gpt_model(tiny_config("qwen3"), calculate_per_token_loss=True)
@@ -304,11 +304,11 @@ def _sequence_parallel_worker(sequence_parallel):
     from stapo_megatron.bridge import build_gpt_model
     from stapo_megatron.bridge.tiny import tiny_config
     from stapo_megatron.method.config import LossConfig
-    from stapo_megatron.train.config import OptimConfig
-    from stapo_megatron.train.parallel import init_parallel
-    from stapo_megatron.train.schedule import PassContext, old_policy_pass
-    from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
-    from stapo_megatron.train.synthetic import synthetic_rollouts
+    from stapo_megatron.mcore.config import OptimConfig
+    from stapo_megatron.mcore.parallel import init_parallel
+    from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
+    from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
+    from stapo_megatron.mcore.synthetic import synthetic_rollouts
     from tests.test_rollout_engine import randomize
 
     groups = init_parallel(2, 1)
@@ -360,11 +360,11 @@ def _overlap_worker(overlap_grad_reduce):
     """Two steps (two mini-batches of two micro-batches per DP rank each) of the tiny GPT at
     DP=2, with or without Megatron DDP's overlap_grad_reduce."""
     from stapo_megatron.method.config import LossConfig
-    from stapo_megatron.train.config import OptimConfig
-    from stapo_megatron.train.parallel import init_parallel
-    from stapo_megatron.train.schedule import PassContext, old_policy_pass
-    from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
-    from stapo_megatron.train.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
+    from stapo_megatron.mcore.config import OptimConfig
+    from stapo_megatron.mcore.parallel import init_parallel
+    from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
+    from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
+    from stapo_megatron.mcore.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
 
     groups = init_parallel(1, 1, seed=11)  # both runs build the same weights
     dp_rank = torch.distributed.get_rank(groups.dp)

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from stapo_megatron.train import checkpoint as ckpt
+from stapo_megatron.mcore import checkpoint as ckpt
 from stapo_megatron.trainer.preemption import REQUEUE_EXIT_CODE, SaveOnSignal, torchrun_env
 from tests.test_checkpoint import SCRIPT, STEPS, _rows, _run
 

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from stapo_megatron.train import checkpoint as ckpt
+from stapo_megatron.mcore import checkpoint as ckpt
 from stapo_megatron.config.yaml_io import dump_config, load_config, parse_config, write_config
 from stapo_megatron.runlog.provenance import PACKAGES, RunProvenance, collect, read_provenance
 from stapo_megatron.recipes.paper import paper_recipe

@@ -54,7 +54,7 @@ def megatron_logprobs(model, tokens_BS: torch.Tensor, tp_group, temperature: flo
     """log softmax(logits / T)[next token], ``[B, S-1]``, over the real (unpadded) vocabulary,
     from vocab-sharded logits through the trainer's op."""
     from stapo_megatron.conversion.verify import _megatron_forward
-    from stapo_megatron.train.ops import vocab_parallel_logprob_entropy
+    from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
 
     with torch.no_grad():
         logits_BSV = _megatron_forward(model, tokens_BS)
@@ -97,7 +97,7 @@ def _tp2_worker(hf_dir: str, tokens_BS: torch.Tensor, prompts: list, vllm_tp: in
     """One of two ranks: Megatron TP=2 with weights B and an external-launcher engine: its own
     (vllm_tp=1) or one vLLM TP=2 engine spanning both ranks."""
     from stapo_megatron.bridge import build_gpt_model
-    from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.mcore.parallel import init_parallel
     from stapo_megatron.rollout.config import RolloutConfig
     from stapo_megatron.rollout.vllm_engine import VLLMEngine
     from stapo_megatron.rollout.weight_sync import sync_weights

@@ -4,7 +4,7 @@ and the step metrics reduced over DP (gloo, 2 ranks).
 Stale engine: a tiny Qwen3 Megatron model (fp32, O(1) logits) is synced into the transformers
 engine (`HFEngine`, no mock), samples are drawn and the metrics show no mismatch (both sides
 fp32: |delta log p| below SYNCED_ATOL). Then one real policy update (Adam, the loss of
-``train.step.policy_update``) changes the trainer's weights and the weight sync is skipped: the
+``mcore.step.policy_update``) changes the trainer's weights and the weight sync is skipped: the
 engine samples with the previous step's weights. The metrics must show the mismatch, and
 icepop / seq_mask must reject exactly the flagged tokens / sequences. After the sync the
 mismatch is gone again.
@@ -35,8 +35,8 @@ G, MAX_TOKENS, SEQ = 4, 12, 32
 
 def _minibatch(prompts, samples, seed):
     """The samples as one mini-batch of two micro-batches, advantages +-1 alternating."""
-    from stapo_megatron.train.batching import pack_sequences, split_microbatches
-    from stapo_megatron.train.records import make_records
+    from stapo_megatron.mcore.batching import pack_sequences, split_microbatches
+    from stapo_megatron.mcore.records import make_records
 
     adv_PG = torch.tensor([1.0, -1.0]).repeat(len(samples) * G // 2).view(len(samples), G)
     batch = pack_sequences(make_records(prompts, samples, adv_PG, version=0), 0, SEQ)
@@ -50,9 +50,9 @@ def stale_run(tmp_path_factory):
     from stapo_megatron.rollout.config import RolloutConfig
     from stapo_megatron.rollout.hf_engine import HFEngine
     from stapo_megatron.rollout.weight_sync import sync_weights
-    from stapo_megatron.train.config import OptimConfig
-    from stapo_megatron.train.schedule import PassContext, old_policy_pass
-    from stapo_megatron.train.step import policy_update, wrap_model_and_optimizer
+    from stapo_megatron.mcore.config import OptimConfig
+    from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
+    from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
     from stapo_megatron.trainer.mismatch_metrics import rollout_mismatch
 
     hf_dir = str(tmp_path_factory.mktemp("stale") / "hf")
@@ -133,8 +133,8 @@ def test_masks_catch_the_stale_tokens(stale_run):
 
 def _dp_worker(seed_base: int):
     """One of two DP ranks: its own micro-batches; the step metrics reduced over DP."""
-    from stapo_megatron.train.batching import MicroBatch
-    from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.mcore.batching import MicroBatch
+    from stapo_megatron.mcore.parallel import init_parallel
     from stapo_megatron.trainer.mismatch_metrics import rollout_mismatch
 
     groups = init_parallel(1, 1)

@@ -64,7 +64,7 @@ def test_wake_weights_sync_then_kv_cache_from_dummy_weights(hf_dir):  # noqa: F8
     from stapo_megatron.bridge import build_gpt_model
     from stapo_megatron.rollout.vllm_engine import VLLMEngine
     from stapo_megatron.rollout.weight_sync import wake_and_sync
-    from stapo_megatron.train.parallel import destroy_parallel, init_parallel
+    from stapo_megatron.mcore.parallel import destroy_parallel, init_parallel
 
     with single_process_env():
         groups = init_parallel(1, 1)

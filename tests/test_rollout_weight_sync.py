@@ -29,7 +29,7 @@ def _stream_worker(save_root: str) -> dict:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from stapo_megatron.bridge import build_gpt_model
-    from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.mcore.parallel import init_parallel
     from stapo_megatron.rollout.weight_sync import iter_hf_weights
     from tests.test_rollout_engine import randomize
 

@@ -1,4 +1,4 @@
-"""Router replay (R3) for the tiny Qwen3-MoE (4 experts, top-2): `stapo_megatron.train.router_replay`.
+"""Router replay (R3) for the tiny Qwen3-MoE (4 experts, top-2): `stapo_megatron.mcore.router_replay`.
 
 - tier a: the routes' layout in padded and packed micro-batches (`NO_ROUTE` at each sequence's
   last token and padding), the sequence-parallel slice and the filler;
@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
-from stapo_megatron.train.batching import NO_ROUTE, MicroBatch, pack_sequences
-from stapo_megatron.train.minibatches import BatchLayout, pack_planned, plan_budget
-from stapo_megatron.train.packing import pack_thd
-from stapo_megatron.train.records import records_from_lists
-from stapo_megatron.train.router_replay import fill_missing, local_routes
+from stapo_megatron.mcore.batching import NO_ROUTE, MicroBatch, pack_sequences
+from stapo_megatron.mcore.minibatches import BatchLayout, pack_planned, plan_budget
+from stapo_megatron.mcore.packing import pack_thd
+from stapo_megatron.mcore.records import records_from_lists
+from stapo_megatron.mcore.router_replay import fill_missing, local_routes
 from tests.dist_utils import run_distributed
 
 VARIANT = "qwen3-moe"
@@ -172,7 +172,7 @@ def _microbatch(tokens_BS, routes_BSLK=None):
 
 def replayed_pass(model, groups, tokens_BS, routes_BSLK, replay=True):
     """(log-probs [B, S - 1], routing maps {layer: [N, E]}) of a no-grad pass."""
-    from stapo_megatron.train.schedule import PassContext, compute_logprob_entropy
+    from stapo_megatron.mcore.schedule import PassContext, compute_logprob_entropy
     from stapo_megatron.trainer.routing import RouterCapture
 
     ctx = PassContext(model, tokens_BS.shape[1], 1.0, groups, model.qwen_spec.vocab_size, replay_routes=replay)
@@ -242,7 +242,7 @@ def test_replay_routes_every_token_and_matches_forced_transformers(parallel, syn
     assert (natural - _hf_logprobs(engine, tokens_BS)).abs().max().item() <= LOGPROB_ATOL  # unforced: natural
     assert (replayed - natural).abs().max().item() > 0.1  # the check has teeth
     # nothing left behind in megatron-core's RouterReplay: a later pass routes on its own
-    from stapo_megatron.train.router_replay import replay_routers
+    from stapo_megatron.mcore.router_replay import replay_routers
     for _, replay in replay_routers(model):
         assert replay.replay_backward_list == [] and replay.target_topk_idx is None
         assert replay.router_replay_action is None
@@ -251,8 +251,8 @@ def test_replay_routes_every_token_and_matches_forced_transformers(parallel, syn
 def _loss_and_grads(model, microbatches, seq, held=None):
     """Summed loss and parameter gradients of a replayed pass; ``held`` gets, per micro-batch,
     how many targets the first router's FIFO holds when its loss runs (after its forward)."""
-    from stapo_megatron.train.router_replay import replay_routers
-    from stapo_megatron.train.schedule import run_microbatches
+    from stapo_megatron.mcore.router_replay import replay_routers
+    from stapo_megatron.mcore.schedule import run_microbatches
 
     replay = replay_routers(model)[0][1]
 
@@ -271,7 +271,7 @@ def _loss_and_grads(model, microbatches, seq, held=None):
 
 
 def test_full_recompute_replays_the_same_routes_in_backward(parallel):
-    from stapo_megatron.train.router_replay import replay_routers
+    from stapo_megatron.mcore.router_replay import replay_routers
     from tests.test_moe_rollout_weight_sync import randomize_experts
 
     plain = build_replay_model()
@@ -303,7 +303,7 @@ def test_full_recompute_replays_the_same_routes_in_backward(parallel):
 
 def test_replay_is_refused_without_routes_or_a_replay_model(parallel):
     from stapo_megatron.bridge import build_gpt_model
-    from stapo_megatron.train.schedule import PassContext, compute_logprob_entropy
+    from stapo_megatron.mcore.schedule import PassContext, compute_logprob_entropy
 
     tokens_BS = torch.randint(0, 300, (1, 8), generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="dense"):
@@ -331,7 +331,7 @@ def _layout_worker(hf_dir, tokens_BS, routes_BSLK, layout):
     from stapo_megatron.rollout.config import RolloutConfig
     from stapo_megatron.rollout.hf_engine import HFEngine
     from stapo_megatron.rollout.weight_sync import sync_weights
-    from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.mcore.parallel import init_parallel
     from tests.test_moe_rollout_weight_sync import randomize_experts
     from tests.test_rollout_engine import randomize
 
@@ -372,8 +372,8 @@ def test_replay_under_sequence_and_expert_parallelism(tmp_path, layout):
 
 
 def _pp_recompute_worker(tokens_MS, routes_MSLK):
-    from stapo_megatron.train.parallel import init_parallel
-    from stapo_megatron.train.router_replay import replay_routers
+    from stapo_megatron.mcore.parallel import init_parallel
+    from stapo_megatron.mcore.router_replay import replay_routers
     from tests.test_rollout_engine import randomize
 
     init_parallel(1, 2)
@@ -412,7 +412,7 @@ def test_pipeline_recompute_pops_each_microbatchs_own_routes(tmp_path):
 
 
 def _trainer_worker(run_dir, model_dir, packing, context_parallel_size=1):
-    import stapo_megatron.train.schedule as schedule
+    import stapo_megatron.mcore.schedule as schedule
     from stapo_megatron.recipes.tiny import tiny_moe_demo
     from stapo_megatron.trainer.loop import train
 
@@ -467,7 +467,7 @@ def test_trainer_steps_with_routing_replay(tmp_path, packing, cp):
 def _missing_routes_worker():
     from stapo_megatron.config import RolloutSampling, TrainerConfig
     from stapo_megatron.rollout.base import Sample
-    from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.mcore.parallel import init_parallel
     from stapo_megatron.trainer.routing import RoutingMonitor
 
     import torch.distributed as dist

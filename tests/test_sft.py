@@ -23,7 +23,7 @@ def _reference():
 
 
 def test_uniform_cross_entropy_matches_log_softmax_mean():
-    from stapo_megatron.train.sft import uniform_cross_entropy
+    from stapo_megatron.mcore.sft import uniform_cross_entropy
 
     logits, upstream = _inputs()
     ref, ref_grad = _reference()
@@ -40,7 +40,7 @@ def test_uniform_cross_entropy_matches_log_softmax_mean():
 def _tp_worker():
     import torch.distributed as dist
 
-    from stapo_megatron.train.sft import uniform_cross_entropy
+    from stapo_megatron.mcore.sft import uniform_cross_entropy
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

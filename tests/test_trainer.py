@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from stapo_megatron.train import checkpoint as ckpt
+from stapo_megatron.mcore import checkpoint as ckpt
 from stapo_megatron.runlog.progress import WALL_CLOCK_FIELDS
 from tests.dist_utils import _free_port
 

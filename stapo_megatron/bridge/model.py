@@ -3,7 +3,7 @@
 `build_gpt_model` is the single place that turns an HF Qwen config into a Megatron
 `TransformerConfig` + `GPTModel`; the trainer, the converter's verifier and the rollout weight
 sync all use it. Megatron's parallel state must be initialised first
-(`stapo_megatron.train.parallel.init_parallel`).
+(`stapo_megatron.mcore.parallel.init_parallel`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any, Iterable, List, Optional, Union
 
 import torch
 
-from stapo_megatron.train import cpu_compat
-from stapo_megatron.train.mcore_versions import define_missing_te_names
+from stapo_megatron.mcore import cpu_compat
+from stapo_megatron.mcore.mcore_versions import define_missing_te_names
 from stapo_megatron.bridge.hf_config import QwenSpec, spec_from_hf_config
 from stapo_megatron.bridge.kernels import use_transformer_engine
 from stapo_megatron.bridge.transformer_config import (DEFAULT_VOCAB_DIVISOR, padded_vocab_size,
@@ -84,7 +84,7 @@ def block_spec(layer, config, use_te: bool, vp_stage: Optional[int] = None):
 
 def _check_moe_context_parallel(cp: int, config_overrides: dict) -> None:
     """MoE with CP is exact for megatron-core's micro-batch switch loss (``aux_loss``; its counts
-    are reduced over TP x CP, and `stapo_megatron.train.moe` weights it over the whole row).
+    are reduced over TP x CP, and `stapo_megatron.mcore.moe` weights it over the whole row).
     Refused: router settings whose statistics stay per CP rank's chunks (a per-sequence or
     global-batch balance loss, per-rank expert capacity) or whose weight the fix does not set (z-loss)."""
     balance = config_overrides.get("moe_router_load_balancing_type", "aux_loss")
@@ -93,7 +93,7 @@ def _check_moe_context_parallel(cp: int, config_overrides: dict) -> None:
                          f"'aux_loss' (the micro-batch switch loss) is exact under context parallelism")
     if config_overrides.get("moe_z_loss_coeff"):
         raise ValueError(f"moe_z_loss_coeff={config_overrides['moe_z_loss_coeff']} with context_parallel_size {cp}: "
-                         f"the router z-loss's weight is not set by stapo_megatron.train.moe; use 0")
+                         f"the router z-loss's weight is not set by stapo_megatron.mcore.moe; use 0")
     if config_overrides.get("moe_expert_capacity_factor") is not None:
         raise ValueError(f"moe_expert_capacity_factor={config_overrides['moe_expert_capacity_factor']} with "
                          f"context_parallel_size {cp}: capacity would count one CP rank's chunks; use None (dropless)")
@@ -137,7 +137,7 @@ def build_gpt_model(
     pp = ps.get_pipeline_model_parallel_world_size()
     use_te = use_transformer_engine(use_te)
     cp = ps.get_context_parallel_world_size()
-    if cp > 1:  # the split itself is the caller's (train.context_parallel); attention and RoPE read this
+    if cp > 1:  # the split itself is the caller's (mcore.context_parallel); attention and RoPE read this
         config_overrides.setdefault("context_parallel_size", cp)
     if config_overrides.get("moe_enable_routing_replay") and not spec.is_moe:
         raise ValueError(f"moe_enable_routing_replay=True (rollout.routing_replay) needs a mixture-of-experts "
@@ -178,7 +178,7 @@ def build_gpt_model(
 
 DDP_PREFIX = "module."
 """Key prefix of a model saved through Megatron's DistributedDataParallel wrapper (what
-`stapo_megatron.train.checkpoint.save_checkpoint` writes); converted and Megatron-LM checkpoints have none."""
+`stapo_megatron.mcore.checkpoint.save_checkpoint` writes); converted and Megatron-LM checkpoints have none."""
 
 
 def _with_ddp_keys(model):
@@ -212,11 +212,11 @@ def load_checkpoint(model, checkpoint_dir: str) -> None:
     Entries of the checkpoint that the model does not have (optimizer state) are ignored.
     A trainer checkpoint stores the model under Megatron DDP's ``module.`` prefix; it is read
     into the bare model all the same. The checkpoint's ``.metadata`` is read without running
-    code first (`stapo_megatron.train.checkpoint.read_dcp_metadata`), so a crafted file is refused.
+    code first (`stapo_megatron.mcore.checkpoint.read_dcp_metadata`), so a crafted file is refused.
     """
     from megatron.core import dist_checkpointing
 
-    from stapo_megatron.train.checkpoint import read_dcp_metadata
+    from stapo_megatron.mcore.checkpoint import read_dcp_metadata
 
     stored = read_dcp_metadata(checkpoint_dir).state_dict_metadata
     probe = "embedding.word_embeddings.weight"

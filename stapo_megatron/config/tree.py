@@ -37,7 +37,7 @@ from stapo_megatron.method.objectives import check_parallelism
 from stapo_megatron.rewards.config import RewardConfig
 from stapo_megatron.rollout.config import EngineResources, RolloutConfig, RolloutSampling
 from stapo_megatron.runlog.config import LoggingConfig
-from stapo_megatron.train.config import ModelConfig, OptimConfig
+from stapo_megatron.mcore.config import ModelConfig, OptimConfig
 from stapo_megatron.trainer.config import WarmStartConfig
 from stapo_megatron.utils import check_at_least
 
@@ -79,7 +79,7 @@ class TrainerConfig:
     """Sequences per micro-batch (padded, ``packing="padded"``, and ``packing="fixed"``)."""
     packing: str = "padded"
     """How a mini-batch becomes micro-batches (`stapo_megatron.config.layout.PACKING_MODES`, built by
-    `stapo_megatron.train.packing`): "padded" right-pads
+    `stapo_megatron.mcore.packing`): "padded" right-pads
     ``micro_batch_size`` sequences to the step's longest ([N, S] rows); "fixed" packs the same
     sequences end to end (THD, no padding); "budget" packs whole sequences up to
     ``max_tokens_per_microbatch`` tokens per micro-batch, the same number of micro-batches on every

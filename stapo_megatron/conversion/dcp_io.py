@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from stapo_megatron.conversion.safetensors_io import cast_checked
 from stapo_megatron.bridge.model import DDP_PREFIX
-from stapo_megatron.train.checkpoint import read_dcp_metadata
+from stapo_megatron.mcore.checkpoint import read_dcp_metadata
 
 # What megatron.core.dist_checkpointing.save writes for the torch_dist backend (0.16 - 0.19).
 BACKEND_METADATA = {

@@ -35,7 +35,7 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 def resolve_checkpoint_dir(path: str) -> str:
     """The directory holding the dist checkpoint itself.
 
-    Follows a run's newest-checkpoint marker: ``latest`` (stapo_megatron.train.checkpoint, also under
+    Follows a run's newest-checkpoint marker: ``latest`` (stapo_megatron.mcore.checkpoint, also under
     ``<run>/checkpoints``) or Megatron-LM's ``latest_checkpointed_iteration.txt``.
     """
     if os.path.isfile(path):

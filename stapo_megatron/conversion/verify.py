@@ -160,7 +160,7 @@ def megatron_worker(ckpt_dir: str, hf_config: dict, layouts: Sequence[tuple[int,
     from megatron.core import parallel_state as ps
 
     from stapo_megatron.bridge import build_gpt_model, load_checkpoint
-    from stapo_megatron.train.parallel import init_parallel
+    from stapo_megatron.mcore.parallel import init_parallel
 
     results = {}
     for tp, pp in layouts:

@@ -34,7 +34,7 @@ CHECKS = ("versions", "collectives", "logprob_op", "attention", "te_spec", "vllm
 def one_rank_megatron() -> Iterator:
     """This process as a one-rank Megatron job (a store in memory, no address or port), for the
     in-process checks; yields its `Groups` and tears the parallel state down afterwards."""
-    from stapo_megatron.train.parallel import destroy_parallel, init_parallel
+    from stapo_megatron.mcore.parallel import destroy_parallel, init_parallel
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
@@ -77,7 +77,7 @@ def run_job(names: Sequence[str], moe: bool = False) -> Optional[List[Check]]:
     """Under torchrun with several ranks: the collectives over the whole job on every rank, then
     the other checks on rank 0 alone (the other ranks return None)."""
     from stapo_megatron.doctor import collectives
-    from stapo_megatron.train.parallel import init_process_group
+    from stapo_megatron.mcore.parallel import init_process_group
 
     init_process_group()
     rows = []

@@ -3,7 +3,7 @@ context-parallel attention against each sequence's causal SDPA, and the transfor
 spec against the local spec on the same converted weights.
 
 Each runs on this process's device (CUDA when there is one) inside a one-rank Megatron parallel
-state the caller has formed (`stapo_megatron.train.parallel.init_parallel`). On a CPU machine the
+state the caller has formed (`stapo_megatron.mcore.parallel.init_parallel`). On a CPU machine the
 op's Triton kernels run in Triton's interpreter in a spawned process (``TRITON_INTERPRET=1`` must
 be set before triton is first imported), at a small shape.
 """
@@ -44,7 +44,7 @@ and cuDNN attention against the local spec's separate ops (TF32 off; tests/test_
 def _op_errors(device: str, num_tokens: int, vocab: int, dtype: torch.dtype) -> Dict[str, float]:
     """Triton vs torch path of `vocab_parallel_logprob_entropy`: max |dlog p|, |dH|, and the gradient
     difference over the largest gradient entry's ulp."""
-    from stapo_megatron.train.ops import vocab_parallel_logprob_entropy
+    from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
 
     gen = torch.Generator().manual_seed(0)
     logits = (3 * torch.randn(num_tokens, vocab, generator=gen)).to(device, dtype)
@@ -66,7 +66,7 @@ def _interpreted_op_errors(num_tokens: int, vocab: int) -> Dict[str, float]:
     """`_op_errors` on the CPU with the kernels interpreted (in a process whose TRITON_INTERPRET is 1)."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    from stapo_megatron.train.kernels import logprob_entropy as kernels
+    from stapo_megatron.mcore.kernels import logprob_entropy as kernels
 
     if not isinstance(kernels._shard_stats_kernel, InterpretedFunction):
         raise RuntimeError("Triton's interpreter did not take the kernels (TRITON_INTERPRET set too late)")
@@ -111,8 +111,8 @@ def attention_errors(dtype: torch.dtype, device: str) -> Dict[str, Tuple[float, 
     from megatron.core.transformer.enums import AttnMaskType
 
     from stapo_megatron.bridge.attention import SDPAttention, chunk_attention
-    from stapo_megatron.train.context_parallel import local_positions
-    from stapo_megatron.train.synthetic import tiny_gpt_config
+    from stapo_megatron.mcore.context_parallel import local_positions
+    from stapo_megatron.mcore.synthetic import tiny_gpt_config
 
     config = tiny_gpt_config(1)
     attn = SDPAttention(config, 1, AttnMaskType.causal, "self")

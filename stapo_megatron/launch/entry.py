@@ -36,7 +36,7 @@ from stapo_megatron.config import TrainerConfig
 from stapo_megatron.config.yaml_io import load_config
 from stapo_megatron.method.registry import get_method
 from stapo_megatron.config.overrides import apply_overrides
-from stapo_megatron.train.parallel import init_process_group
+from stapo_megatron.mcore.parallel import init_process_group
 from stapo_megatron.recipes import paper
 
 RECIPES = ("tiny", "tiny_moe", *paper.LAYOUTS)

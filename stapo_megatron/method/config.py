@@ -32,7 +32,7 @@ class LossConfig:
     kl_coef: float = 0.0
     """beta of a k3 KL(pi_theta || pi_ref) penalty per kept token (GRPO: 0.04; 0 for STAPO and
     JustRL). > 0 makes the trainer build a frozen reference model from the initial weights and
-    run one no-grad forward per step (``stapo_megatron.train.reference``)."""
+    run one no-grad forward per step (``stapo_megatron.mcore.reference``)."""
     tau_p: float = 0.002
     """S2T probability threshold: candidates have p < tau_p."""
     entropy_quantile: float = 0.75

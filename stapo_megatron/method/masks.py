@@ -21,7 +21,7 @@ split over data-parallel ranks. Baselines, same calling style:
 Micro-batches and mini-batches: Megatron runs micro-batches one by one, but tau_H belongs to the
 whole mini-batch. Thresholds are therefore computed by ``*_threshold`` functions over the whole
 mini-batch's statistics and passed to the ``*_mask`` functions per micro-batch (see
-``stapo_megatron.train.loss`` for the two ways to get those statistics).
+``stapo_megatron.mcore.loss`` for the two ways to get those statistics).
 
 Legend: tensors are [B, T] (or any common shape); ``_T`` = flattened tokens.
 """
@@ -104,7 +104,7 @@ def s2t_mask(
 
     Args:
         logprob, entropy: current-policy log p of the sampled token and H of the next-token
-            distribution (see ``stapo_megatron.train.ops``).
+            distribution (see ``stapo_megatron.mcore.ops``).
         advantages: per-token advantage (the sequence advantage broadcast over its tokens).
         response_mask: True on response tokens that count in the loss.
         tau_p: probability threshold (paper: 0.002).

@@ -106,7 +106,7 @@ LAYOUTS: Dict[str, Layout] = {
     # (ETP x EP) = 2), full recomputation. The peers: verl TP=4 PP=2 EP=4 on 4 nodes, NeMo-RL
     # TP=2 EP=8 ETP=1 on 8 nodes with vLLM TP=4, slime TP=4 EP=8 ETP=1 on one node with CPU Adam
     # (README, the model table). At EP=8 on 4 nodes the estimate is 79.7 GB. MoE trains under
-    # CP too (train/moe.py), but CP=2 (DP=4) without recomputation is 121.8 GB per GPU by the
+    # CP too (mcore/moe.py), but CP=2 (DP=4) without recomputation is 121.8 GB per GPU by the
     # memory model (57.5 GB of activations; CP=4: 92.4 GB): `python -c "import dataclasses as d;
     # from stapo_megatron.recipes.paper import *; from stapo_megatron.recipes.memory import *;
     # print(describe(QWEN3_30B_A3B, LAYOUTS['qwen3_30b_a3b'].replace(context_parallel_size=2,

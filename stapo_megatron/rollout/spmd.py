@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 import torch.distributed as dist
 
 from stapo_megatron.rollout.base import RolloutEngine, Sample
-from stapo_megatron.train.parallel import Groups, barrier, collective_timeout
+from stapo_megatron.mcore.parallel import Groups, barrier, collective_timeout
 
 
 def generate_for_group(engine: RolloutEngine, mp_group: Optional[dist.ProcessGroup], prompt_token_ids, n: int,

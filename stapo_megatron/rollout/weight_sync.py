@@ -31,7 +31,7 @@ import torch.distributed as dist
 from stapo_megatron.bridge.hf_config import QwenSpec, spec_from_hf_config
 from stapo_megatron.bridge.mapping import ParamMapping, hf_shapes, mappings_for
 from stapo_megatron.bridge.transforms import split_gate_up, split_qkv, unpad_vocab
-from stapo_megatron.train.parallel import collective_device
+from stapo_megatron.mcore.parallel import collective_device
 
 
 def _unwrap(model) -> torch.nn.Module:
@@ -132,7 +132,7 @@ def iter_hf_weights(model, hf_config: Union[QwenSpec, dict, Any], groups) -> Ite
             wrapped in Megatron DDP. With DDP ``overlap_param_gather=True`` the caller must
             finish the parameter all-gather of the last optimizer step first.
         hf_config: the HF config (dict / PretrainedConfig) or `QwenSpec` the model was built from.
-        groups: `stapo_megatron.train.parallel.Groups` of this rank (``tp``, ``pp`` and, for MoE, ``ep`` are used).
+        groups: `stapo_megatron.mcore.parallel.Groups` of this rank (``tp``, ``pp`` and, for MoE, ``ep`` are used).
     Yields:
         ``(hf_name, tensor)`` in HF checkpoint order (embedding, layers, final norm, lm_head),
         in the model's parameter dtype, on the parameters' device. Every rank of the world must

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from stapo_megatron.config import TrainerConfig
 from stapo_megatron.config.layout import raise_problems, row_multiple, sequence_multiple, world_problems
 from stapo_megatron.rollout.spmd import generate_context_parallel_share
-from stapo_megatron.train.parallel import Groups, init_parallel
+from stapo_megatron.mcore.parallel import Groups, init_parallel
 
 
 def init_groups(cfg: TrainerConfig, seed: int) -> Groups:

@@ -28,14 +28,14 @@ from stapo_megatron.runlog.metrics import RunLogger
 from stapo_megatron.runlog.plots import plot_run
 from stapo_megatron.runlog.progress import Progress
 from stapo_megatron.runlog.provenance import RunProvenance
-from stapo_megatron.train import checkpoint as ckpt
-from stapo_megatron.train.batching import group_advantages
-from stapo_megatron.train.minibatches import BatchLayout, build_minibatches
-from stapo_megatron.train.parallel import collective_device, destroy_parallel
-from stapo_megatron.train.records import SequenceRecord, make_records
-from stapo_megatron.train.reference import add_reference_logprobs, frozen_copy, reset_reference
-from stapo_megatron.train.schedule import PassContext, old_policy_pass
-from stapo_megatron.train.step import build_optimizer, policy_update, wrap_ddp
+from stapo_megatron.mcore import checkpoint as ckpt
+from stapo_megatron.mcore.batching import group_advantages
+from stapo_megatron.mcore.minibatches import BatchLayout, build_minibatches
+from stapo_megatron.mcore.parallel import collective_device, destroy_parallel
+from stapo_megatron.mcore.records import SequenceRecord, make_records
+from stapo_megatron.mcore.reference import add_reference_logprobs, frozen_copy, reset_reference
+from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
+from stapo_megatron.mcore.step import build_optimizer, policy_update, wrap_ddp
 from stapo_megatron.trainer import faults, layout, routing
 from stapo_megatron.trainer.preemption import SaveOnSignal, StoppedForRequeue
 from stapo_megatron.trainer.prompts import load_prompts, pad_to, step_prompt_indices
@@ -89,7 +89,7 @@ class Trainer:
         # created on the backend's device (the same CUDA device under NCCL, the CPU under gloo).
         self.device = next(model.parameters()).device
         self.dp_device = collective_device(self.groups.dp)
-        self.batch_layout = BatchLayout(  # how a step's records become micro-batches (train/minibatches.py)
+        self.batch_layout = BatchLayout(  # how a step's records become micro-batches (mcore/minibatches.py)
             cfg.packing, cfg.micro_batch_size, cfg.max_tokens_per_microbatch, self.tokenizer.pad_token_id,
             self.seq_multiple, self.seq_align, self.groups.cp_size,
             dist.get_rank(self.groups.cp) if self.groups.cp_size > 1 else 0, self.device)

@@ -21,10 +21,10 @@ no-grad forward of this rank's micro-batches of the step (the packed or padded o
 trains on, carrying the rollout's routes per position: ``MicroBatch.routes``) through the policy
 (`routing_counts`, any TP/PP/EP/CP layout) with forward hooks on the
 Megatron routers, which return ``(probs, routing_map)``, ``routing_map`` [N, E] boolean over the
-router's tokens (`stapo_megatron.train.router_replay.local_routes` says which positions: S / TP
+router's tokens (`stapo_megatron.mcore.router_replay.local_routes` says which positions: S / TP
 per TP rank with sequence parallelism). Only positions with a rollout route count (not the last
 token of a sequence, not padding). Under context parallelism a micro-batch is CP rank r's part of
-the packed row (`stapo_megatron.train.context_parallel.split_for_context_parallel`, which takes
+the packed row (`stapo_megatron.mcore.context_parallel.split_for_context_parallel`, which takes
 ``routes`` at the same `local_positions` as the tokens), so each CP rank compares its own
 positions, in the order its routers see them, and the world sum counts every position once.
 
@@ -52,12 +52,12 @@ import torch.distributed as dist
 
 from stapo_megatron.bridge.hf_config import spec_from_hf_config
 from stapo_megatron.rollout.registry import resolve_engine
-from stapo_megatron.train.batching import NO_ROUTE, MicroBatch
-from stapo_megatron.train.minibatches import BatchLayout, build_minibatches
-from stapo_megatron.train.parallel import collective_device
-from stapo_megatron.train.records import records_from_lists
-from stapo_megatron.train.router_replay import local_routes
-from stapo_megatron.train.schedule import run_microbatches
+from stapo_megatron.mcore.batching import NO_ROUTE, MicroBatch
+from stapo_megatron.mcore.minibatches import BatchLayout, build_minibatches
+from stapo_megatron.mcore.parallel import collective_device
+from stapo_megatron.mcore.records import records_from_lists
+from stapo_megatron.mcore.router_replay import local_routes
+from stapo_megatron.mcore.schedule import run_microbatches
 
 
 def route_disagreement(rollout_TLK: torch.Tensor, train: torch.Tensor,

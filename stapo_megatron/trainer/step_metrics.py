@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from stapo_megatron.runlog.progress import describe
-from stapo_megatron.train import logit_grad
-from stapo_megatron.train.parallel import Groups
+from stapo_megatron.mcore import logit_grad
+from stapo_megatron.mcore.parallel import Groups
 from stapo_megatron.trainer.mismatch_metrics import overlap_metrics
 
 
@@ -59,12 +59,12 @@ def step_row(step: int, updates: List[Dict], rewards_PG: torch.Tensor, num_flat:
         clip_fraction=mean("clip_fraction"), approx_kl=mean("approx_kl"),
         grad_norm=mean("grad_norm"), skipped=sum(u["skipped"] for u in updates),
         lr=lr, **mismatch, **overlap_metrics(updates), **moe_metrics(updates),
-        **logit_grad.step_metrics(updates),  # the paper's gradient claim (train/logit_grad.py)
+        **logit_grad.step_metrics(updates),  # the paper's gradient claim (mcore/logit_grad.py)
     )
 
 
 def moe_metrics(updates: List[Dict]) -> Dict[str, float]:
-    """MoE models: the mini-batch updates' ``moe/...`` metrics (`stapo_megatron.train.moe`:
+    """MoE models: the mini-batch updates' ``moe/...`` metrics (`stapo_megatron.mcore.moe`:
     per-layer expert load and aux loss), averaged over the step's mini-batches; {} when dense."""
     keys = [k for k in updates[0] if k.startswith("moe/")] if updates else []
     return {k: sum(u[k] for u in updates) / len(updates) for k in keys}

@@ -25,13 +25,13 @@ import torch.distributed as dist
 
 from stapo_megatron.bridge.model import load_checkpoint
 from stapo_megatron.config import TrainerConfig, WarmStartConfig
-from stapo_megatron.train import checkpoint as ckpt
-from stapo_megatron.train.batching import MicroBatch
-from stapo_megatron.train.minibatches import BatchLayout, build_minibatches
-from stapo_megatron.train.records import records_from_lists
-from stapo_megatron.train.schedule import PassContext
-from stapo_megatron.train.sft import sft_step
-from stapo_megatron.train.step import build_optimizer
+from stapo_megatron.mcore import checkpoint as ckpt
+from stapo_megatron.mcore.batching import MicroBatch
+from stapo_megatron.mcore.minibatches import BatchLayout, build_minibatches
+from stapo_megatron.mcore.records import records_from_lists
+from stapo_megatron.mcore.schedule import PassContext
+from stapo_megatron.mcore.sft import sft_step
+from stapo_megatron.mcore.step import build_optimizer
 from stapo_megatron.trainer.layout import seq_align
 from stapo_megatron.trainer.prompts import step_prompt_indices
 from stapo_megatron.trainer.seeds import Seeds

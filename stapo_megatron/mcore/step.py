@@ -17,12 +17,12 @@ import torch
 from stapo_megatron.method.config import LossConfig
 from stapo_megatron.method.registry import get_method
 from stapo_megatron.method.rollout_correction import selection_logprob
-from stapo_megatron.train.batching import MicroBatch
-from stapo_megatron.train.config import OptimConfig
-from stapo_megatron.train.loss import loss_func, minibatch_threshold
-from stapo_megatron.train.loss_metrics import reduce_metrics
-from stapo_megatron.train.moe import MoEStepMonitor
-from stapo_megatron.train.schedule import PassContext, compute_logprob_entropy, run_microbatches
+from stapo_megatron.mcore.batching import MicroBatch
+from stapo_megatron.mcore.config import OptimConfig
+from stapo_megatron.mcore.loss import loss_func, minibatch_threshold
+from stapo_megatron.mcore.loss_metrics import reduce_metrics
+from stapo_megatron.mcore.moe import MoEStepMonitor
+from stapo_megatron.mcore.schedule import PassContext, compute_logprob_entropy, run_microbatches
 
 
 def wrap_ddp(model: torch.nn.Module, use_distributed_optimizer: bool = False, overlap_grad_reduce: bool = False):
@@ -110,7 +110,7 @@ class UpdateResult:
     metrics: Dict[str, float]
     """The same on every rank: loss, silenced count/fraction, tau_h, ..., grad_norm, skipped
     (1.0 when the optimizer skipped the step on a NaN/Inf gradient); for a MoE model also
-    per-layer expert load and aux loss (``moe/...``, `stapo_megatron.train.moe`)."""
+    per-layer expert load and aux loss (``moe/...``, `stapo_megatron.mcore.moe`)."""
     silenced_tokens: List[List[float]]
     """This rank's silenced tokens as (label id, log p, H, A, log p_rollout, mismatch-flagged)
     rows (last pipeline stage; empty elsewhere): the silenced-token inspector's input."""
@@ -159,7 +159,7 @@ def policy_update(
         )
     ctx.model.zero_grad_buffer()
     optimizer.zero_grad()
-    # MoE: expert-load metrics, and the aux loss weighted c x aux whatever the mask keeps (train/moe.py)
+    # MoE: expert-load metrics, and the aux loss weighted c x aux whatever the mask keeps (mcore/moe.py)
     moe = MoEStepMonitor(ctx.model, cp_group=ctx.cp_group)
     with moe:
         losses_reduced = run_microbatches(

@@ -26,7 +26,7 @@ class OptimConfig:
     """Shard optimizer state over DP (Megatron DistributedOptimizer)."""
     overlap_grad_reduce: bool = False
     """Reduce gradient buckets over DP during the last micro-batch's backward instead of after
-    it (Megatron DDP's ``overlap_grad_reduce``; `train.step.wrap_ddp` sets the schedule's
+    it (Megatron DDP's ``overlap_grad_reduce``; `mcore.step.wrap_ddp` sets the schedule's
     ``no_sync_func`` / ``grad_sync_func`` for it). The same gradients, earlier."""
     optimizer: str = "adam"
     """"adam" (AdamW) or "sgd" (plain SGD, momentum 0: used by the parity tests, where Adam
@@ -52,7 +52,7 @@ class OptimConfig:
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 """Megatron's ``cp_comm_type`` values (TransformerConfig) this project supports. Megatron's fourth,
 "a2a+p2p", needs hierarchical CP groups (``hierarchical_context_parallel_sizes`` in both
-``parallel_state.initialize_model_parallel`` and the TransformerConfig); `train.parallel` does not
+``parallel_state.initialize_model_parallel`` and the TransformerConfig); `mcore.parallel` does not
 build them, and without them megatron-core's TE attention passes ``cp_group=None`` (TE then
 attends within each rank's own chunks against row-wide ``cu_seqlens``), so it is refused."""
 
@@ -87,12 +87,12 @@ class ModelConfig:
     context_parallel_size: int = 1
     """Training CP: each packed sequence is padded to a multiple of 2 x CP tokens and split over
     the CP ranks in 2 x CP load-balanced chunks (rank r: chunks r and 2 CP - 1 - r;
-    `stapo_megatron.train.context_parallel`), DP = world / (TP x PP x CP). Needs packed
+    `stapo_megatron.mcore.context_parallel`), DP = world / (TP x PP x CP). Needs packed
     micro-batches (``TrainerConfig.packing`` "fixed" or "budget") and so PP = 1; the S2T
     statistics and the normaliser are reduced over DP x CP; GRPO's sequence-mean loss and the
     ``seq_mask`` rollout correction sum their per-sequence terms over CP (`cp_sum`). Mixture-of-experts
     models: the aux loss, its weight and the ``moe/*`` metrics are over whole rows, as at CP=1
-    (`stapo_megatron.train.moe`); EP folds over DP x CP."""
+    (`stapo_megatron.mcore.moe`); EP folds over DP x CP."""
     cp_comm_type: str = "p2p"
     """How attention exchanges K/V over CP on the transformer-engine spec (Megatron's
     ``cp_comm_type``: "p2p", "all_gather", "a2a"; "a2a+p2p" is refused, see ``CP_COMM_TYPES``);

@@ -2,7 +2,7 @@
 training's forwards send every token to the experts the rollout engine chose for it.
 
 What is replayed. A micro-batch carries the rollout's routes per position
-(``MicroBatch.routes`` [B, S, L, K], `stapo_megatron.train.batching`). Before the model runs,
+(``MicroBatch.routes`` [B, S, L, K], `stapo_megatron.mcore.batching`). Before the model runs,
 each MoE router of *this* model (megatron-core's ``TopKRouter.router_replay``, a
 ``RouterReplay`` built when ``TransformerConfig.moe_enable_routing_replay`` is set) gets its
 layer's indices as the replay target; megatron-core's ``topk_routing_with_score_function`` then
@@ -15,7 +15,7 @@ reference whose routers must not replay).
 
 Which positions. Megatron's router flattens its input [S_local, B, H] sequence-major: token
 ``s * B + b``. Under context parallelism the micro-batch is already CP rank r's part of the
-packed row (`stapo_megatron.train.context_parallel.split_for_context_parallel` takes ``routes``
+packed row (`stapo_megatron.mcore.context_parallel.split_for_context_parallel` takes ``routes``
 at the same positions as the tokens), so the routes need no further CP slicing. With sequence parallelism a TP rank's routers see its 1/TP slice of the
 sequence (S_local = S / TP, rank r the r-th slice), without it all of S (every TP rank routes
 every token). Expert parallelism dispatches after routing, so each rank routes its own tokens
@@ -56,8 +56,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from stapo_megatron.train.batching import NO_ROUTE, MicroBatch
-from stapo_megatron.train.context_parallel import local_positions
+from stapo_megatron.mcore.batching import NO_ROUTE, MicroBatch
+from stapo_megatron.mcore.context_parallel import local_positions
 
 
 def replay_routers(model) -> List[Tuple[int, object]]:
@@ -68,7 +68,7 @@ def replay_routers(model) -> List[Tuple[int, object]]:
         ValueError: a router without ``router_replay`` (the model was not built with
             ``moe_enable_routing_replay``), or no MoE router at all.
     """
-    from stapo_megatron.train.moe import routers
+    from stapo_megatron.mcore.moe import routers
 
     found = routers(model)
     if not found:

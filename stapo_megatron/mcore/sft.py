@@ -15,10 +15,10 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from stapo_megatron.train.batching import MicroBatch
-from stapo_megatron.train.ops import vocab_parallel_logprob_entropy, vocab_shard
-from stapo_megatron.train.parallel import collective_device
-from stapo_megatron.train.schedule import PassContext, run_microbatches
+from stapo_megatron.mcore.batching import MicroBatch
+from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy, vocab_shard
+from stapo_megatron.mcore.parallel import collective_device
+from stapo_megatron.mcore.schedule import PassContext, run_microbatches
 
 
 def uniform_cross_entropy(logits: torch.Tensor, tp_group=None, vocab_size: Optional[int] = None) -> torch.Tensor:

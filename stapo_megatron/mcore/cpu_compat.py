@@ -12,7 +12,7 @@ site on every gradient sync: `param_and_grad_buffer.py` `start_grad_sync` asks f
 ``apply()`` is idempotent and does nothing when CUDA is available, so GPU runs always use
 upstream code unchanged. The ``Tensor.cuda`` / ``Tensor.type`` shims are not process-wide: they
 are active only while the upstream methods that need them run (`cuda_tensor_names`). ``apply()``
-is called by the helpers that build models and process groups (``stapo_megatron.train.parallel``);
+is called by the helpers that build models and process groups (``stapo_megatron.mcore.parallel``);
 library users on CPU may call it themselves.
 """
 

@@ -7,12 +7,12 @@ backward feeds ``scale * aux_l`` (``scale``: a class-level tensor the schedule s
 micro-batch's ``loss_func``). With ``calculate_per_token_loss`` the router pre-multiplies
 ``aux_l`` by its token count, ``n_router`` (megatron-core 0.16-0.18 ``router.py``
 ``attach_and_log_load_balancing_loss``: the micro-batch's routed tokens on this rank; 0.19.0 and
-later: that times the TP x CP group size, `train.mcore_versions`), because ``finalize_model_grads`` divides every gradient by
+later: that times the TP x CP group size, `mcore.mcore_versions`), because ``finalize_model_grads`` divides every gradient by
 the all-reduced token count, which upstream assumes is every token of every micro-batch:
 
     grad_aux (upstream) = sum_{mb, dp} c * n_router * grad aux_l(mb) / N
 
-The STAPO normaliser N counts kept response tokens only (``train/loss.py``), so upstream's
+The STAPO normaliser N counts kept response tokens only (``mcore/loss.py``), so upstream's
 weight would be c * (all tokens / kept tokens): larger than c by the prompt, padding and
 silenced share, and moving with the STAPO mask. `MoEStepMonitor.scaled_loss` fixes it: at the start of
 a micro-batch's backward (the loss node runs before any MoE layer's) it sets the scale to
@@ -67,7 +67,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from stapo_megatron.train.mcore_versions import in_backward, router_aux_loss_token_factor
+from stapo_megatron.mcore.mcore_versions import in_backward, router_aux_loss_token_factor
 
 
 def routers(model) -> list:
@@ -123,7 +123,7 @@ class MoEStepMonitor:
         self._handles = []
         if self.is_moe and self.routers[0].config.pipeline_model_parallel_size > 1:
             warnings.warn("pipeline parallelism with MoE: only the last stage's MoE layers get the aux-loss weight "
-                          "of stapo_megatron.train.moe; earlier stages keep megatron-core's (c * all tokens / kept)")
+                          "of stapo_megatron.mcore.moe; earlier stages keep megatron-core's (c * all tokens / kept)")
 
     def __enter__(self) -> "MoEStepMonitor":
         for i, router in enumerate(self.routers):

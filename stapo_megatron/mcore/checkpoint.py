@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from stapo_megatron.train.checkpoint_optimizer import optimizer_sharded_state_dict, restore_loaded_optimizer_state
+from stapo_megatron.mcore.checkpoint_optimizer import optimizer_sharded_state_dict, restore_loaded_optimizer_state
 
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.pt"

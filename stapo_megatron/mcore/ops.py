@@ -26,7 +26,7 @@ logits, the cause of verl #1672/#2484) and no fp32 copy of the shard is held bey
 returned gradient. Like Megatron's CE, backward runs once (no retain_graph double backward).
 
 Two implementations compute the same partials and share steps 2-4: this module's torch path
-(CPU, and the reference) and the Triton kernels of ``stapo_megatron.train.kernels.logprob_entropy``
+(CPU, and the reference) and the Triton kernels of ``stapo_megatron.mcore.kernels.logprob_entropy``
 (chosen on CUDA tensors), whose forward reads each shard once and writes only [N] outputs and
 whose backward reads the logits once and writes the gradient once. Both take two options that
 change the backward: ``entropy_grad`` (a gradient also flows into H, dH/dz = -p (log p + H)) and
@@ -35,7 +35,7 @@ recomputes p from the logits in backward instead of keeping the numerators.
 
 The collision probability sum_v p_v^2 (at the same temperature) is what the squared norm of a
 token's logit gradient needs: ||d log p(y) / dz||^2 = 1 - 2 p(y) + sum_v p_v^2
-(``stapo_megatron.train.loss_metrics``). It rides in the packed SUM of step 3 (a fourth row of the
+(``stapo_megatron.mcore.loss_metrics``). It rides in the packed SUM of step 3 (a fourth row of the
 same all-reduce, so still 2 collectives), is a constant (no gradient) and changes neither the
 log-prob, the entropy nor their gradients: it is one more sum over the exp values step 1 already
 has. The Triton forward always computes it (one more FMA per element of a memory-bound pass); the
@@ -257,7 +257,7 @@ class _LogprobEntropyTriton(torch.autograd.Function):
         ctx, logits_NV, target_N, vocab_start, num_real, inv_temp, tp_group, needs_grad, entropy_grad, inplace,
         with_collision,
     ):
-        from stapo_megatron.train.kernels import logprob_entropy as kernels
+        from stapo_megatron.mcore.kernels import logprob_entropy as kernels
 
         if tp_group is None:  # the kernel finishes the rows itself: no partials, no extra launches
             logprob_N, entropy_N, log_z_N, collision_N = kernels.shard_stats(
@@ -276,7 +276,7 @@ class _LogprobEntropyTriton(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprob_N, grad_entropy_N, _grad_collision_N):
-        from stapo_megatron.train.kernels import logprob_entropy as kernels
+        from stapo_megatron.mcore.kernels import logprob_entropy as kernels
 
         logits_NV, target_N, log_z_N, entropy_N = ctx.saved_tensors
         grad_NV = kernels.logits_grad(
@@ -343,12 +343,12 @@ def vocab_parallel_logprob_entropy(
         inplace_backward: backward may write the gradient over ``logits``' storage (as Megatron's
             cross entropy does), so no second logits-sized buffer exists. Only when nothing else
             reads those logits after this op's backward.
-        impl: "triton" (the kernels of ``stapo_megatron.train.kernels.logprob_entropy``: CUDA tensors,
+        impl: "triton" (the kernels of ``stapo_megatron.mcore.kernels.logprob_entropy``: CUDA tensors,
             or Triton's interpreter), "torch" (any device; the reference), or "auto" = Triton on
             CUDA tensors when Triton is installed, torch otherwise.
         with_collision: also return the collision probability sum_v p_v^2 of softmax(logits / T)
             (a constant), for the per-token logit-gradient norm
-            (``stapo_megatron.train.loss_metrics.logit_grad_sq_norm``).
+            (``stapo_megatron.mcore.loss_metrics.logit_grad_sq_norm``).
 
     Returns:
         (logprob, entropy) or, with ``with_collision``, (logprob, entropy, collision): fp32

@@ -17,7 +17,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from stapo_megatron.train import cpu_compat
+from stapo_megatron.mcore import cpu_compat
 
 
 @dataclasses.dataclass

@@ -4,11 +4,11 @@ reference passes and the SFT warm-start.
 ``run_microbatches`` drives ``get_forward_backward_func()`` (no pipelining, 1F1B or interleaved,
 whatever ``parallel_state`` set up) over a list of `MicroBatch` objects; the caller gives a
 ``make_loss(batch)`` that returns Megatron's ``loss_func`` for one micro-batch (the STAPO loss of
-``stapo_megatron.train.loss``, the NLL of ``stapo_megatron.train.sft``, or the no-grad statistics
+``stapo_megatron.mcore.loss``, the NLL of ``stapo_megatron.mcore.sft``, or the no-grad statistics
 of ``compute_logprob_entropy``: the pi_old pass and the "exact" tau_H pre-pass). A `PassContext`
 carries what every pass needs besides the micro-batches.
 
-Packed micro-batches (``MicroBatch.cu_seqlens``, ``stapo_megatron.train.packing``) reach the
+Packed micro-batches (``MicroBatch.cu_seqlens``, ``stapo_megatron.mcore.packing``) reach the
 model with Megatron's ``PackedSeqParams(qkv_format="thd")``: RoPE restarts per sequence and the
 core attention (TE's, or the local spec's `SDPAttention`) keeps sequences apart. Their lengths
 differ between micro-batches; without pipelining no schedule reads ``seq_length``; with it the
@@ -16,7 +16,7 @@ p2p buffers would need Megatron's ``variable_seq_lengths``, not wired here (Valu
 
 Router replay (``replay_routes``, mixture-of-experts policies): each micro-batch's
 ``MicroBatch.routes`` become its routers' targets before its forward and their FIFO for a
-recomputation in backward, cleared after the pass (`stapo_megatron.train.router_replay`).
+recomputation in backward, cleared after the pass (`stapo_megatron.mcore.router_replay`).
 
 Legend: [B, S] = micro-batch x sequence, aligned with the labels ([1, T] packed).
 """
@@ -30,10 +30,10 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from stapo_megatron.train.batching import MicroBatch
-from stapo_megatron.train.ops import vocab_parallel_logprob_entropy
-from stapo_megatron.train.parallel import Groups
-from stapo_megatron.train.router_replay import clear_replay, replay_backward, set_replay_targets
+from stapo_megatron.mcore.batching import MicroBatch
+from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
+from stapo_megatron.mcore.parallel import Groups
+from stapo_megatron.mcore.router_replay import clear_replay, replay_backward, set_replay_targets
 
 
 def packed_seq_params(batch: MicroBatch):
@@ -69,7 +69,7 @@ class PassContext:
     """The real vocabulary if the output layer is padded (see ops); None: the layer's width."""
     replay_routes: bool = False
     """Router replay: the model's MoE routers take each micro-batch's ``routes`` (the policy's
-    passes with ``rollout.routing_replay``; never the frozen reference: `train.reference`)."""
+    passes with ``rollout.routing_replay``; never the frozen reference: `mcore.reference`)."""
 
     @property
     def tp_group(self) -> Optional[dist.ProcessGroup]:

@@ -21,11 +21,11 @@ bins are then filled longest-first into the lightest bin (LPT, a greedy cousin o
 Karmarkar-Karp partition verl and slime use), and the bins are dealt to the ranks the same way.
 Ties are broken by a seeded permutation, so a seed fixes the plan.
 
-Context parallelism (``context_parallel_size`` > 1): `train.minibatches.build_minibatches` pads every sequence to a
+Context parallelism (``context_parallel_size`` > 1): `mcore.minibatches.build_minibatches` pads every sequence to a
 multiple of 2 x CP tokens (``pack_thd``'s ``seq_align``: after its real tokens, no loss), plans
 the micro-batches with a budget of ``max_tokens`` x CP tokens of whole sequences (the budget is
 what one rank holds after the split), and keeps this CP rank's chunks of each packed row
-(`stapo_megatron.train.context_parallel`). The CP ranks of a DP replica plan the same
+(`stapo_megatron.mcore.context_parallel`). The CP ranks of a DP replica plan the same
 micro-batches from the same sequences.
 
 How a mini-batch is split never changes its statistics: the kept-token normaliser is summed by
@@ -45,8 +45,8 @@ from typing import List, Optional, Sequence
 import torch
 
 from stapo_megatron.config.layout import PACKING_MODES  # noqa: F401  (re-exported: the one definition)
-from stapo_megatron.train.batching import MicroBatch
-from stapo_megatron.train.records import NO_ROUTE, SequenceRecord, TokenFields, carries_routes, token_fields
+from stapo_megatron.mcore.batching import MicroBatch
+from stapo_megatron.mcore.records import NO_ROUTE, SequenceRecord, TokenFields, carries_routes, token_fields
 
 
 def pack_thd(

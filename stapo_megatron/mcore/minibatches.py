@@ -14,11 +14,11 @@ layout (``TrainerConfig.packing``): `build_minibatches` with a `BatchLayout`.
   ``all_to_all_single`` on the DP group's device for the whole step.
 
 Which records a rank trains does not change the update: the loss's normaliser and tau_H are
-mini-batch statistics summed / taken over all DP ranks (``train.loss``).
+mini-batch statistics summed / taken over all DP ranks (``mcore.loss``).
 
 Context parallelism (packed layouts): the CP ranks of one DP replica hold the same records
 (`trainer.layout` shares the replica's rollouts over CP) and build the same plan; each keeps its
-chunks of every packed row (``train.context_parallel``), so the token budget is per rank after
+chunks of every packed row (``mcore.context_parallel``), so the token budget is per rank after
 the split (the plan packs ``max_tokens x cp_size`` tokens of whole sequences).
 
 Seeds of the random-control masks: ``microbatch_seed(first, dp_rank)`` is the first seed of the
@@ -37,12 +37,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from stapo_megatron.train import records as rec
-from stapo_megatron.train.batching import MicroBatch, pack_sequences, split_microbatches
-from stapo_megatron.train.context_parallel import split_for_context_parallel
-from stapo_megatron.train.packing import PACKING_MODES, pack_thd, plan_fixed_count, plan_token_budget
-from stapo_megatron.train.parallel import collective_device
-from stapo_megatron.train.records import SequenceRecord
+from stapo_megatron.mcore import records as rec
+from stapo_megatron.mcore.batching import MicroBatch, pack_sequences, split_microbatches
+from stapo_megatron.mcore.context_parallel import split_for_context_parallel
+from stapo_megatron.mcore.packing import PACKING_MODES, pack_thd, plan_fixed_count, plan_token_budget
+from stapo_megatron.mcore.parallel import collective_device
+from stapo_megatron.mcore.records import SequenceRecord
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,8 +19,8 @@ from typing import Callable, List
 
 import torch
 
-from stapo_megatron.train.batching import MicroBatch
-from stapo_megatron.train.schedule import PassContext, compute_logprob_entropy
+from stapo_megatron.mcore.batching import MicroBatch
+from stapo_megatron.mcore.schedule import PassContext, compute_logprob_entropy
 
 
 def frozen_copy(policy: torch.nn.Module, build: Callable[[], torch.nn.Module]) -> torch.nn.Module:

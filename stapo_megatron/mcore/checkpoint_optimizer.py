@@ -1,6 +1,6 @@
 """The optimizer's part of a training checkpoint, and the megatron-core gaps it works around.
 
-`optimizer_sharded_state_dict` is what `stapo_megatron.train.checkpoint` saves and loads; it
+`optimizer_sharded_state_dict` is what `stapo_megatron.mcore.checkpoint` saves and loads; it
 names the distributed optimizer's sharding type (`OPTIMIZER_METADATA`) and stands in for
 megatron-core where its optimizers cannot save or resume the models built here (megatron-core
 0.16.1 - 0.19.2, each gap named at its function): a 16-bit optimizer over a model with fp32

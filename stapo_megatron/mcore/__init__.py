@@ -1,6 +1,9 @@
-"""Training on Megatron-Core: everything that runs the policy model.
+"""Training on Megatron-Core: everything that runs the policy model (named for Megatron-Core, so
+that it is not confused with ``trainer/``, the RL loop that calls it).
 
 - ``ops`` (+ ``kernels/``): log-prob and entropy on TP-sharded logits (torch and Triton paths).
+- ``records``: `SequenceRecord`, one sampled sequence as it travels from the rollout to the loss.
+- ``minibatches``: `build_minibatches`, the one builder of every layout (padded, fixed, budget).
 - ``batching``: `MicroBatch`, group advantages, packing rollouts into label-aligned micro-batches.
 - ``packing`` / ``context_parallel``: packed (THD) micro-batches and token budgets; the split of
   packed rows over context-parallel ranks (2 x CP chunks) and the K/V all-gather.
@@ -10,7 +13,8 @@
   ``logit_grad``: each token's logit-gradient norm and the step's shares of it (the paper's claim).
 - ``step``: DDP, the optimizer and one policy update (threshold, forward/backward, step).
 - ``reference``: GRPO's frozen reference model; ``sft``: the supervised warm-start step.
-- ``parallel``, ``checkpoint``, ``cpu_compat``: process groups, checkpoints, CPU shims.
+- ``parallel``, ``checkpoint`` (+ ``checkpoint_optimizer``), ``cpu_compat``: process groups, checkpoints
+  and their optimizer state, CPU shims.
 - ``mcore_versions``: what differs between megatron-core releases (explicit version checks).
 - ``synthetic``: a tiny GPTModel (from `bridge.tiny`'s spec) and synthetic rollouts for the demo,
   benchmarks and tests.

@@ -4,8 +4,8 @@
 The loss is split by job: the objective on plain tensors (``method/objective.py``:
 `stapo_loss`, `token_objective`; the other objectives' token losses, ``loss.objective``, in
 ``method/objectives.py``), which tokens each method silences (``method/registry.py``),
-the micro-batch runner shared with the SFT warm-start (``train/schedule.py``), the metrics
-(``train/loss_metrics.py``), and here the Megatron ``loss_func`` that joins them.
+the micro-batch runner shared with the SFT warm-start (``mcore/schedule.py``), the metrics
+(``mcore/loss_metrics.py``), and here the Megatron ``loss_func`` that joins them.
 
 STAPO objective (arXiv 2602.15620, Eq. for J_STAPO; the DAPO/JustRL token-level objective with
 clip-higher, no KL, no entropy bonus, plus the S2T mask of ``stapo_megatron.method.masks``):
@@ -16,7 +16,7 @@ clip-higher, no KL, no entropy bonus, plus the S2T mask of ``stapo_megatron.meth
 The denominator counts the kept tokens of the WHOLE mini-batch (all micro-batches, all DP ranks);
 for GRPO (``Method.loss_agg == "seq_mean_token_mean"``) it counts the mini-batch's sequences, and
 each sequence contributes its own mean token loss (``stapo_megatron.method.objective``). GRPO's KL term
-needs ``ref_logprob`` in the batch: the frozen reference's log-probs (``stapo_megatron.train.reference``).
+needs ``ref_logprob`` in the batch: the frozen reference's log-probs (``stapo_megatron.mcore.reference``).
 The loss function returns (sum of token losses, number of kept tokens, metrics); with
 ``calculate_per_token_loss=True`` Megatron's own ``finalize_model_grads`` all-reduces the token
 count over DP x CP (after broadcasting it from the last pipeline stage) and scales the gradients by
@@ -57,13 +57,13 @@ from stapo_megatron.method.objective import stapo_loss
 from stapo_megatron.method.objectives import check_parallelism, clipped_tokens, get_objective
 from stapo_megatron.method.registry import get_method
 from stapo_megatron.method import rollout_correction as rc
-from stapo_megatron.train.batching import MicroBatch
-from stapo_megatron.train.context_parallel import cp_sum
-from stapo_megatron.train import logit_grad
-from stapo_megatron.train.loss_metrics import metric_sums
-from stapo_megatron.train.ops import vocab_parallel_logprob_entropy
-from stapo_megatron.train.packing import sequence_ids
-from stapo_megatron.train.schedule import forward_step_func
+from stapo_megatron.mcore.batching import MicroBatch
+from stapo_megatron.mcore.context_parallel import cp_sum
+from stapo_megatron.mcore import logit_grad
+from stapo_megatron.mcore.loss_metrics import metric_sums
+from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
+from stapo_megatron.mcore.packing import sequence_ids
+from stapo_megatron.mcore.schedule import forward_step_func
 
 def minibatch_threshold(
     config: LossConfig,
@@ -156,7 +156,7 @@ def loss_func(
     sums = metric_sums(loss_sum, num_kept, logprob, old_logprob, entropy, response_mask, silenced, candidates,
                        is_clipped, normaliser, flagged=flagged, rejected=rejected, is_weight=is_weight,
                        tis_cap=config.rollout_correction.tis_cap)
-    # the paper's gradient claim: each token's logit-gradient norm before silencing (train/logit_grad.py)
+    # the paper's gradient claim: each token's logit-gradient norm before silencing (mcore/logit_grad.py)
     coef = logit_grad.logprob_coefficient(
         logprob.detach(), old_logprob, advantages, config.clip_ratio_low, config.clip_ratio_high,
         config.clip_ratio_c, is_weight, batch.ref_logprob, config.kl_coef)

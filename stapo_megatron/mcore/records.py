@@ -1,12 +1,12 @@
 """One sampled sequence as it travels from the rollout to the micro-batches: `SequenceRecord`.
 
 The trainer makes the records once per step, after the group advantages (`make_records`), and
-hands them to `stapo_megatron.train.minibatches.build_minibatches`; every layout (padded rows,
+hands them to `stapo_megatron.mcore.minibatches.build_minibatches`; every layout (padded rows,
 packed THD rows) takes its per-token fields from the one per-sequence routine `token_fields`,
 and the data-parallel exchange of the ``budget`` layout moves records as bytes
 (`encode` / `decode`), one all-to-all instead of pickled lists.
 
-Label alignment (``train.batching``): position t carries the label token t + 1, so a record of
+Label alignment (``mcore.batching``): position t carries the label token t + 1, so a record of
 P prompt and R response tokens has its response labels at positions P - 1 .. P + R - 2.
 
 Legend: P = prompt tokens, R = response tokens, n = P + R, L = MoE layers, K = experts per token.

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from stapo_megatron.config.layout import sequence_multiple  # noqa: F401  (the one definition; re-exported)
-from stapo_megatron.train.batching import MicroBatch
+from stapo_megatron.mcore.batching import MicroBatch
 from stapo_megatron.utils import SEED_STRIDE
 
 
