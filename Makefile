@@ -95,8 +95,8 @@ test: $(STAMP)
 # the pinned stack with PYTHONPATH. Runs the fast tier and the Megatron-DDP slow tests (.ci/run
 # runs it after `make test`).
 MCORE019 := .mcore019
-MCORE019_TESTS := tests/test_parallel.py tests/test_sft.py tests/test_checkpoint.py tests/test_checkpoint_recipes.py \
-	tests/test_conversion_parity.py tests/test_paper_fidelity.py tests/test_rollout_weight_sync.py
+MCORE019_TESTS := $(addprefix tests/integration/,test_parallel.py test_sft.py test_checkpoint.py \
+	test_checkpoint_recipes.py test_conversion_parity.py test_paper_fidelity.py test_rollout_weight_sync.py)
 $(MCORE019)/megatron/core/__init__.py:
 	rm -rf $(MCORE019) && mkdir -p $(MCORE019)/wheel
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -107,7 +107,7 @@ test-mcore019: $(STAMP) $(MCORE019)/megatron/core/__init__.py
 	PYTHONPATH=$(CURDIR)/$(MCORE019) $(PY) -m pytest tests -m "not slow" -p no:cacheprovider $(PYTEST_ARGS)
 	PYTHONPATH=$(CURDIR)/$(MCORE019) $(PY) -m pytest $(MCORE019_TESTS) -m "slow" -p no:cacheprovider $(PYTEST_ARGS)
 
-# The fast tier (a minute or two): everything not marked slow.
+# The fast tier (a minute or two): everything not marked slow (tests/integration/ is the slow tier).
 test-fast: $(STAMP)
 	$(PY) -m pytest tests -m "not slow" $(PYTEST_ARGS)
 

@@ -85,7 +85,7 @@ def one_update(model, optimizer, groups, mbs):
 
 
 def setup(args):
-    from tests.dist_utils import single_process_env
+    from tests.helpers.dist_utils import single_process_env
 
     from stapo_megatron.mcore.config import OptimConfig
     from stapo_megatron.mcore.parallel import init_parallel

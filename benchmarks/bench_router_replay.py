@@ -53,8 +53,8 @@ def measure(args) -> list:
     from stapo_megatron.rollout.hf_engine import HFEngine
     from stapo_megatron.rollout.weight_sync import sync_weights
     from stapo_megatron.trainer.routing import routing_counts, routing_metrics, sample_microbatches
-    from tests.dist_utils import one_rank_parallel
-    from tests.test_moe_rollout_weight_sync import randomize_experts
+    from tests.helpers.dist_utils import one_rank_parallel
+    from tests.rollout.test_moe_weight_sync import randomize_experts
 
     config = tiny_config(VARIANT)
     gen = torch.Generator().manual_seed(args.seed)

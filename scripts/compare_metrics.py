@@ -34,14 +34,17 @@ def same(a, b) -> bool:
     return a == b
 
 
-def differences(before: List[Dict], after: List[Dict]) -> List[str]:
-    """Every row / key whose value differs (wall-clock fields aside), as readable lines."""
+def differences(before: List[Dict], after: List[Dict], allow_added: bool = False) -> List[str]:
+    """Every row / key whose value differs (wall-clock fields aside), as readable lines;
+    ``allow_added``: a key only the later run logs (a new metric) is not a difference."""
     out = []
     if len(before) != len(after):
         out.append(f"{len(before)} rows before, {len(after)} after")
     for i, (b, a) in enumerate(zip(before, after)):
         keys = {k for k in list(b) + list(a) if not is_wall_clock(k)}
         for key in sorted(keys):
+            if key not in b and allow_added:
+                continue
             if key not in b or key not in a:
                 out.append(f"row {i} ({b.get('kind')} step {b.get('step')}): {key} only "
                            f"{'before' if key in b else 'after'}")
@@ -54,9 +57,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("before")
     parser.add_argument("after")
+    parser.add_argument("--allow-added", action="store_true",
+                        help="keys only AFTER logs (metrics a change added) are not differences")
     args = parser.parse_args(argv)
     before, after = load_rows(args.before), load_rows(args.after)
-    diffs = differences(before, after)
+    diffs = differences(before, after, args.allow_added)
     for line in diffs:
         print(line)
     if diffs:

@@ -4,7 +4,7 @@
     python scripts/memory_table.py --print    # print it
 
 The block sits between ``<!-- memory-table:begin -->`` and ``<!-- memory-table:end -->``;
-`tests/test_recipes.py` fails when it differs from what this script writes (so a change to a
+`tests/recipes/test_paper.py` fails when it differs from what this script writes (so a change to a
 layout or to the memory model cannot leave the README behind).
 """
 

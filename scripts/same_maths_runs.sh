@@ -10,7 +10,8 @@ PY_BIN=${PY_BIN:-$ROOT/.venv/bin}  # the venv with torchrun (PY_BIN=... to use a
 cd "$ROOT"
 export PYTHONPATH=$ROOT
 TR="$PY_BIN/torchrun --nproc-per-node 2"
-COMMON="steps=2 eval_every=2 save_every=0 warmstart.steps=20 seed=7"
+EVAL_EVERY=${EVAL_EVERY:-eval.every}  # EVAL_EVERY=eval_every for a checkout from before the eval section
+COMMON="steps=2 $EVAL_EVERY=2 save_every=0 warmstart.steps=20 seed=7"
 run() { name=$1; shift; $TR "$@" > "$OUT/$name.log" 2>&1; echo "$name rc=$?" >> "$OUT/done"; }
 run padded examples/demo_rl.py $COMMON packing=padded output_dir=$OUT/padded
 run budget examples/demo_rl.py $COMMON packing=budget output_dir=$OUT/budget

@@ -3,7 +3,7 @@
 import pytest
 import torch.distributed as dist
 
-from tests.dist_utils import one_rank_parallel
+from tests.helpers.dist_utils import one_rank_parallel
 
 
 def _fail_left_group(nodeid: str) -> None:

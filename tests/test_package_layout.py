@@ -8,6 +8,7 @@ except the importer's own parents.
 
 import ast
 import os
+import re
 import subprocess
 import sys
 
@@ -127,3 +128,132 @@ def test_light_modules_import_no_megatron_vllm_or_transformers(module):
             "('megatron', 'vllm', 'transformers', 'nemo_run', 'transformer_engine')); print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+TESTS = os.path.join(os.path.dirname(ROOT), "tests")
+TESTED_IN = {
+    "stapo_megatron.bridge.hf_config": "tests/bridge/test_tiny.py",
+    "stapo_megatron.bridge.kernels": "tests/bridge/test_fused_settings.py",
+    "stapo_megatron.bridge.mapping": "tests/bridge/test_moe_bridge.py",
+    "stapo_megatron.bridge.transformer_config": "tests/bridge/test_moe_bridge.py",
+    "stapo_megatron.config.overrides": "tests/config/test_tree.py",
+    "stapo_megatron.config.yaml_io": "tests/runlog/test_provenance.py",
+    "stapo_megatron.conversion.dcp_io": "tests/conversion/test_roundtrip.py",
+    "stapo_megatron.conversion.hf_to_mcore": "tests/conversion/test_cli.py",
+    "stapo_megatron.conversion.mcore_to_hf": "tests/conversion/test_cli.py",
+    "stapo_megatron.conversion.safetensors_io": "tests/conversion/test_roundtrip.py",
+    "stapo_megatron.data.config": "tests/data/test_examples.py",
+    "stapo_megatron.data.rows": "tests/data/test_examples.py",
+    "stapo_megatron.doctor.collectives": "tests/doctor/test_cli.py",
+    "stapo_megatron.doctor.kernels": "tests/gpu/test_gpu.py",
+    "stapo_megatron.doctor.report": "tests/doctor/test_cli.py",
+    "stapo_megatron.doctor.steps": "tests/doctor/test_cli.py",
+    "stapo_megatron.doctor.versions": "tests/doctor/test_cli.py",
+    "stapo_megatron.eval.config": "tests/eval/test_scoring.py",
+    "stapo_megatron.eval.generate": "tests/eval/test_evaluator.py",
+    "stapo_megatron.launch.arguments": "tests/integration/test_launch.py",
+    "stapo_megatron.launch.cli": "tests/integration/test_launch.py",
+    "stapo_megatron.launch.executors": "tests/launch/test_preflight.py",
+    "stapo_megatron.launch.paths": "tests/launch/test_preflight.py",
+    "stapo_megatron.launch.shipping": "tests/integration/test_launch.py",
+    "stapo_megatron.launch.timing": "tests/launch/test_preflight.py",
+    "stapo_megatron.mcore.batching": "tests/mcore/test_packing.py",
+    "stapo_megatron.mcore.loss_metrics": "tests/method/test_rollout_correction.py",
+    "stapo_megatron.mcore.parallel": "tests/mcore/test_context_parallel.py",
+    "stapo_megatron.mcore.records": "tests/mcore/test_minibatches.py",
+    "stapo_megatron.mcore.reference": "tests/mcore/test_context_parallel.py",
+    "stapo_megatron.mcore.schedule": "tests/mcore/test_router_replay.py",
+    "stapo_megatron.mcore.step": "tests/mcore/test_context_parallel.py",
+    "stapo_megatron.mcore.synthetic": "tests/mcore/test_context_parallel.py",
+    "stapo_megatron.method.config": "tests/method/test_objectives.py",
+    "stapo_megatron.method.objective": "tests/method/test_paper_fidelity.py",
+    "stapo_megatron.recipes.memory": "tests/recipes/test_paper.py",
+    "stapo_megatron.recipes.step_time": "tests/recipes/test_paper.py",
+    "stapo_megatron.recipes.tiny": "tests/recipes/test_paper.py",
+    "stapo_megatron.rewards.answers": "tests/rewards/test_functions.py",
+    "stapo_megatron.rewards.config": "tests/mcore/test_config.py",
+    "stapo_megatron.rewards.scorer": "tests/rewards/test_functions.py",
+    "stapo_megatron.rollout.base": "tests/mcore/test_router_replay.py",
+    "stapo_megatron.rollout.config": "tests/rollout/test_moe_engines.py",
+    "stapo_megatron.rollout.registry": "tests/rollout/test_hf_engine.py",
+    "stapo_megatron.runlog.config": "tests/runlog/test_tracking.py",
+    "stapo_megatron.runlog.report": "tests/runlog/test_compare.py",
+    "stapo_megatron.trainer.config": "tests/config/test_tree.py",
+    "stapo_megatron.trainer.loop": "tests/eval/test_evaluator.py",
+    "stapo_megatron.trainer.lr": "tests/method/test_paper_fidelity.py",
+    "stapo_megatron.trainer.mismatch_metrics": "tests/integration/test_rollout_mismatch_engine.py",
+    "stapo_megatron.trainer.prompts": "tests/data/test_examples.py",
+    "stapo_megatron.trainer.warmstart": "tests/trainer/test_seeds.py",
+}
+"""Modules whose tests are not in ``tests/<wing>/test_<module>.py``: the file that tests them (it
+imports the module or names of it). Everything else has its test file of that name."""
+TESTED_THROUGH = {
+    "stapo_megatron.bridge.norm": ("tests/bridge/test_model.py", "stapo_megatron.bridge.model"),
+    "stapo_megatron.doctor.engine": ("tests/integration/test_doctor.py", "stapo_megatron.doctor.cli"),
+    "stapo_megatron.launch.jobs": ("tests/integration/test_launch.py", "stapo_megatron.launch.cli"),
+    "stapo_megatron.mcore.checkpoint_optimizer": ("tests/integration/test_checkpoint_recipes.py",
+                                                  "stapo_megatron.mcore.checkpoint"),
+    "stapo_megatron.conversion.publish": ("tests/conversion/test_cli.py", "stapo_megatron.conversion.mcore_to_hf"),
+    "stapo_megatron.rollout.spmd": ("tests/mcore/test_context_parallel.py", "stapo_megatron.eval.evaluator"),
+    "stapo_megatron.trainer.layout": ("tests/eval/test_evaluator.py", "stapo_megatron.trainer.loop"),
+    "stapo_megatron.trainer.step_metrics": ("tests/eval/test_evaluator.py", "stapo_megatron.trainer.loop"),
+    "stapo_megatron.utils": ("tests/method/test_registry.py", "stapo_megatron.method.registry"),
+}
+"""Modules only a caller's tests reach: (test file, the calling module, which that file tests)."""
+
+
+def _public_names(path):
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    return [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and not n.name.startswith("_")]
+
+
+def _tests_module(test_file, module):
+    """Whether ``test_file`` imports ``module`` or one of its public names (this file, which names
+    every module in its tables, does not count)."""
+    if os.path.basename(test_file) == os.path.basename(__file__):
+        return False
+    with open(os.path.join(TESTS, os.path.relpath(test_file, "tests"))) as f:
+        text = f.read()
+    parent, leaf = module.rsplit(".", 1)
+    if re.search(rf"\b{re.escape(module)}\b", text) or re.search(rf"from {re.escape(parent)} import [^\n]*\b{leaf}\b", text):
+        return True
+    path = _modules()[module]
+    return any(re.search(rf"\bimport [^\n]*\b{name}\b", text) for name in _public_names(path))
+
+
+def test_every_module_has_its_test_file_or_says_where_it_is_tested():
+    """A newcomer finds a module's tests by name (tests/<wing>/test_<module>.py) or in the table
+    above, which must stay true: the named file exists and imports the module (or its caller)."""
+    problems = []
+    for module, path in sorted(_modules().items()):
+        if path.endswith("__init__.py"):
+            continue
+        rel = os.path.relpath(path, ROOT)[:-3].split(os.sep)
+        own = os.path.join(TESTS, *rel[:-1], f"test_{rel[-1]}.py")
+        if os.path.isfile(own):
+            continue
+        if module in TESTED_IN:
+            if not _tests_module(TESTED_IN[module], module):
+                problems.append(f"{module}: {TESTED_IN[module]} does not import it")
+        elif module in TESTED_THROUGH:
+            test_file, caller = TESTED_THROUGH[module]
+            if module not in _module_level_imports_of(caller) or not _tests_module(test_file, caller):
+                problems.append(f"{module}: {caller} does not import it or {test_file} does not test {caller}")
+        else:
+            problems.append(f"{module} has no {os.path.relpath(own, os.path.dirname(TESTS))} and is not in TESTED_IN")
+    stale = [m for m in list(TESTED_IN) + list(TESTED_THROUGH) if m not in _modules()]
+    assert not problems and not stale, "\n".join(problems + [f"{m}: listed but not a module" for m in stale])
+
+
+def _module_level_imports_of(module):
+    path = _modules()[module]
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    names = []
+    for node in ast.walk(tree):  # imports inside functions count: the caller runs them
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+    return names

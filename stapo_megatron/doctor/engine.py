@@ -7,7 +7,7 @@ stays under. With ``moe``: a Qwen3-MoE model, the experts vLLM routed each token
 Runner V2) and their disagreement with Megatron's routing (`trainer.routing`).
 
 Bounds of the mismatch. fp32 on the CPU: both sides compute the same function, so 1e-4 per token
-(tests/test_rollout_engine.py's LOGPROB_ATOL). bf16 on a GPU, from peers' published figures for
+(tests/rollout/test_vllm_engine.py's LOGPROB_ATOL). bf16 on a GPU, from peers' published figures for
 a synced dense model: mean |delta log p| 0.0047 (FSDP) and 0.0061 (Megatron) against vLLM for
 Qwen3-32B in bf16 (streams-rollout-market's engine-pair dashboard,
 https://shamanez.github.io/streams-rollout-market/dense_dashboard.html), and a token KL of
@@ -16,7 +16,7 @@ Secretly Brings You Off-Policy RL Training", https://fengyao.notion.site/off-pol
 summarised at https://comm-efficient-rlvr.pages.dev/train-inference-mis-match/). The doctor's
 bounds: 0.02 (three times the published dense figure: the tiny model's random O(1) logits are
 higher-entropy than a trained model's) and 1e-2 (the top of the published range). A missed or
-wrong weight sync gives O(0.1 - 1) (tests/test_rollout_mismatch_engine.py).
+wrong weight sync gives O(0.1 - 1) (tests/integration/test_rollout_mismatch_engine.py).
 """
 
 from __future__ import annotations

@@ -25,20 +25,20 @@ tokens on a GPU; a size Triton's interpreter runs in seconds on a CPU."""
 
 OP_VALUE_TOL = 1e-4
 """|log p| and |H| difference, Triton vs torch: both accumulate in fp32, in other orders over up
-to 151,936 terms (tests/test_ops_triton.py holds 2e-5 over 300 terms)."""
+to 151,936 terms (tests/mcore/kernels/test_logprob_entropy.py holds 2e-5 over 300 terms)."""
 
 OP_GRAD_ULPS = {torch.float32: 16, torch.bfloat16: 4}
 """Gradient difference in ulps of the logits' dtype at the largest gradient entry: in bf16 the torch
-path rounds up to three times (tests/test_ops_triton.py's PATH_GRAD_ATOL, 4 ulps); in fp32 the two
+path rounds up to three times (tests/mcore/kernels/test_logprob_entropy.py's PATH_GRAD_ATOL, 4 ulps); in fp32 the two
 log Z differ by a few ulps and so does every probability (that file's 1e-5 at |grad| <= 8)."""
 
 ATTENTION_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 """Max error over max reference value (outputs; gradients get 5x): fp32 sums in other orders;
-bf16 flash attention's P @ V in bf16 (tests/test_gpu.py's attention tolerances)."""
+bf16 flash attention's P @ V in bf16 (tests/gpu/test_gpu.py's attention tolerances)."""
 
 TE_LOGIT_TOL = 1e-3
 """TE spec vs local spec, fp32 weights, relative to the largest logit: TE's fused LayerNorm-linear
-and cuDNN attention against the local spec's separate ops (TF32 off; tests/test_conversion_parity.py)."""
+and cuDNN attention against the local spec's separate ops (TF32 off; tests/conversion/test_verify.py)."""
 
 
 def _op_errors(device: str, num_tokens: int, vocab: int, dtype: torch.dtype) -> Dict[str, float]:

@@ -30,8 +30,8 @@ micro-batches from the same sequences.
 
 How a mini-batch is split never changes its statistics: the kept-token normaliser is summed by
 Megatron over all micro-batches and DP ranks, and tau_H is the quantile over all candidates of
-all ranks (``method.masks``), DP x CP under context parallelism; ``tests/test_packing_invariance.py``
-and ``tests/test_context_parallel.py`` check it.
+all ranks (``method.masks``), DP x CP under context parallelism; ``tests/integration/test_packing_invariance.py``
+and ``tests/mcore/test_context_parallel.py`` check it.
 
 Legend: T = tokens of a packed row; L_i = length (prompt + response) of sequence i.
 """

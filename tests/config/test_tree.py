@@ -1,0 +1,63 @@
+"""The configuration tree: each component owns its config dataclass, the tree composes them, one parser
+applies overrides."""
+
+import dataclasses
+
+import pytest
+
+from stapo_megatron import config
+from stapo_megatron.config import EngineResources, RolloutConfig, RolloutSampling, TrainerConfig, WarmStartConfig
+from stapo_megatron.config.overrides import apply_overrides
+from stapo_megatron.launch.entry import build_config
+
+
+@pytest.mark.parametrize("name, owner", [
+    ("LossConfig", "method"), ("ModelConfig", "mcore"), ("OptimConfig", "mcore"), ("DataConfig", "data"),
+    ("EvalSetConfig", "eval"), ("EngineResources", "rollout"), ("RolloutConfig", "rollout"),
+    ("RolloutSampling", "rollout"), ("LoggingConfig", "runlog"), ("WarmStartConfig", "trainer"),
+])
+def test_every_config_lives_with_its_component_and_the_tree_composes_them(name, owner):
+    cls = getattr(config, name)
+    assert cls.__module__ == f"stapo_megatron.{owner}.config"
+    assert TrainerConfig.__module__ == "stapo_megatron.config.tree"
+
+
+@pytest.mark.parametrize("name", [n for n in config.__all__ if isinstance(getattr(config, n), type)])
+def test_every_field_has_a_docstring(name):
+    docs = config.field_docs(getattr(config, name))
+    assert docs and all(docs.values()), [f for f, d in docs.items() if not d]
+
+
+def test_engine_fields_are_declared_once():
+    shared = {f.name for f in dataclasses.fields(EngineResources)}
+    # vllm_model_runner_v2: the trainer asks vLLM for routed experts (router replay) only with V2
+    assert shared == {"tensor_parallel_size", "gpu_memory_utilization", "vllm_model_runner_v2"}
+    assert issubclass(RolloutSampling, EngineResources) and issubclass(RolloutConfig, EngineResources)
+    sampling = RolloutSampling(tensor_parallel_size=4, gpu_memory_utilization=0.4, vllm_model_runner_v2=True)
+    engine = sampling.engine_config(max_model_len=64, seed=3)
+    assert (engine.tensor_parallel_size, engine.gpu_memory_utilization, engine.max_model_len, engine.seed) == (4, 0.4, 64, 3)
+    assert engine.vllm_model_runner_v2
+    with pytest.raises(ValueError, match=r"RolloutConfig.gpu_memory_utilization must be in \(0, 1\], got 1.5"):
+        RolloutConfig(gpu_memory_utilization=1.5)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"stepz": 1}, "unknown override stepz: TrainerConfig has no field 'stepz' (did you mean 'steps'?)"),
+    ({"loss.tau_pp": 0.1}, "unknown override loss.tau_pp: LossConfig has no field 'tau_pp' (did you mean 'tau_p'?)"),
+    ({"rollout": {"max_len": 8}}, "RolloutSampling has no field 'max_len' (did you mean 'max_response_len'?)"),
+    ({"optim.zzz": 1}, "unknown override optim.zzz: OptimConfig has no field 'zzz' (fields: lr, "),
+    ({"loss.tau_p": "small"}, "override loss.tau_p='small': expected float, got str"),
+])
+def test_unknown_and_mistyped_overrides_name_the_field(overrides, message):
+    with pytest.raises(ValueError) as info:
+        apply_overrides(TrainerConfig(), overrides)
+    assert message in str(info.value)
+
+
+def test_one_parser_for_dotted_keys_sections_and_the_warm_start():
+    dotted = apply_overrides(TrainerConfig(), {"loss.tau_p": 0.01, "rollout.top_p": 0.9, "steps": 3})
+    nested = apply_overrides(TrainerConfig(), {"loss": {"tau_p": 0.01}, "rollout": {"top_p": 0.9}, "steps": 3})
+    assert dotted == nested and (dotted.loss.tau_p, dotted.rollout.top_p, dotted.steps) == (0.01, 0.9, 3)
+    assert apply_overrides(WarmStartConfig(), {"steps": 7}).steps == 7
+    with pytest.raises(ValueError, match=r"unknown override warmstart.stepz: .* \(did you mean 'steps'\?\)"):
+        build_config("tiny", warmstart={"stepz": 2})

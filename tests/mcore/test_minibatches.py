@@ -1,0 +1,137 @@
+"""Tier a and b: the sequence record (`mcore.records`) and the one micro-batch builder
+(`mcore.minibatches.build_minibatches`) of every layout.
+
+Tier a: a record's bytes round-trip bit for bit; the padded layout is the trainer's (rows padded to
+the longest of this rank's records, seeds ``microbatch_seed(first, dp_rank) + row``); "fixed"
+packs the padded micro-batches' sequences; bad input names its numbers.
+Tier b (gloo, 2 ranks): the "budget" exchange gives each rank exactly the records it trains
+(tokens, log-probs, advantage, version, routes bit for bit) and nothing else; at DP=2 every
+layout builds on each rank what a single process builds from all ranks' records.
+"""
+
+import pytest
+import torch
+
+from stapo_megatron.mcore.minibatches import BatchLayout, build_minibatches, pack_planned, plan_budget
+from stapo_megatron.mcore.records import decode, encode, encoded_size, make_records, record, records_from_lists
+from tests.helpers.dist_utils import run_distributed
+
+L, K, E = 3, 2, 8
+
+
+def _routes(n, seed):
+    """[n, L, K] distinct experts per position (int64, as engines give them)."""
+    return torch.rand(n, L, E, generator=torch.Generator().manual_seed(seed)).argsort(-1)[..., :K]
+
+
+def _records(lengths, seed=0, routes=False, version=0):
+    """Records of (prompt, response) lengths with random tokens, advantages and log-probs."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = lambda n: torch.randint(1, 300, (n,), generator=gen).tolist()  # noqa: E731
+    return [record(tokens(p), tokens(r), float(torch.randn(1, generator=gen)), (-torch.rand(r, generator=gen)).tolist(),
+                   _routes(p + r - 1, seed * 100 + i) if routes else None, version)
+            for i, (p, r) in enumerate(lengths)]
+
+
+def _same_record(a, b):
+    assert torch.equal(a.prompt_ids, b.prompt_ids) and torch.equal(a.response_ids, b.response_ids)
+    assert torch.equal(a.rollout_logprobs, b.rollout_logprobs) and a.advantage == b.advantage
+    assert a.version == b.version
+    assert (a.routes is None) == (b.routes is None)
+    if a.routes is not None:
+        assert b.routes.dtype == torch.int16 and torch.equal(b.routes, a.routes.to(torch.int16))
+
+
+def _same_microbatch(a, b):
+    for f in ("tokens", "position_ids", "labels", "response_mask", "advantages", "rollout_logprob", "routes",
+              "cu_seqlens"):
+        x, y = getattr(a, f), getattr(b, f)
+        assert (x is None and y is None) or torch.equal(x, y), f
+    assert (a.seed, a.max_seqlen, a.cp_size) == (b.seed, b.max_seqlen, b.cp_size)
+
+
+def test_record_bytes_round_trip():
+    for rec in _records([(3, 5), (1, 1), (7, 2)], routes=True, version=12) + _records([(4, 4)]):
+        data = encode(rec, rec.routes is not None)
+        shape = None if rec.routes is None else (L, K)
+        sizes = len(rec.prompt_ids), len(rec.response_ids)
+        assert data.dtype == torch.uint8 and len(data) == encoded_size(*sizes, shape)
+        _same_record(rec, decode(data, *sizes, shape))
+    # a chunk at an odd offset of a received buffer decodes as well
+    rec = _records([(3, 5)], routes=True)[0]
+    buffer = torch.cat([torch.zeros(3, dtype=torch.uint8), encode(rec, True)])
+    _same_record(rec, decode(buffer[3:], 3, 5, (L, K)))
+
+
+def test_make_records_flattens_groups_and_sets_the_version():
+    class Sample:  # the fields make_records reads of rollout.base.Sample
+        def __init__(self, ids):
+            self.token_ids, self.logprobs = ids, [-0.25] * len(ids)
+
+    prompts = [[1, 2], [3]]
+    samples = [[Sample([4]), Sample([5, 6])], [Sample([7, 8, 9]), Sample([10])]]
+    records = make_records(prompts, samples, torch.tensor([[0.5, -0.5], [1.0, -1.0]]), version=6)
+    assert [r.prompt_ids.tolist() + r.response_ids.tolist() for r in records] == [[1, 2, 4], [1, 2, 5, 6],
+                                                                                    [3, 7, 8, 9], [3, 10]]
+    assert [r.advantage for r in records] == [0.5, -0.5, 1.0, -1.0] and {r.version for r in records} == {6}
+    with pytest.raises(ValueError, match="3 advantages for 4 samples"):
+        make_records(prompts, samples, torch.zeros(3), version=0)
+
+
+def test_record_errors():
+    with pytest.raises(ValueError, match="sequence 1: 1 rollout log-probs for 2 response tokens"):
+        records_from_lists([[1], [2]], [[3], [4, 5]], [0.0, 0.0], [[0.0], [0.0]])
+    with pytest.raises(ValueError, match=r"prompt_ids must be \[P >= 1\], got \(0,\)"):
+        record([], [1], 0.0, [0.0])
+    with pytest.raises(ValueError, match="packing must be one of"):
+        BatchLayout("thd")
+    with pytest.raises(ValueError, match="micro_batch_size must be >= 1, got 0"):
+        BatchLayout("padded", micro_batch_size=0)
+    with pytest.raises(ValueError, match="6 records do not split into mini-batches of 4"):
+        build_minibatches(_records([(2, 2)] * 6), BatchLayout("padded"), minibatch_size=4)
+
+
+def test_padded_layout_is_the_trainers():
+    """Two mini-batches of 4 records: rows padded to the longest of ALL this rank's records
+    (21 -> 24), micro-batches of 2 rows seeded ``microbatch_seed(first, dp_rank) + row``."""
+    records = _records([(3, 5), (2, 2), (6, 15), (1, 3), (4, 4), (2, 9), (3, 3), (5, 1)])
+    seeds = []
+    minis, seq = build_minibatches(records, BatchLayout("padded", micro_batch_size=2, seq_multiple=8), 4,
+                                   lambda first, dp_rank: seeds.append((first, dp_rank)) or 1000 * first + 7)
+    assert seq == 24 and seeds == [(0, 0), (4, 0)]
+    assert [[mb.seed for mb in mini] for mini in minis] == [[7, 9], [4007, 4009]]
+    assert all(mb.tokens.shape == (2, 24) and not mb.is_packed for mini in minis for mb in mini)
+    row = minis[1][1]  # records 6 and 7
+    assert row.tokens[1, :6].tolist() == records[7].prompt_ids.tolist() + records[7].response_ids.tolist()
+    assert (row.advantages[1] == records[7].advantage).all()  # the padded layout's advantage fills the row
+    assert row.response_mask[1].nonzero().flatten().tolist() == [4]
+
+
+def test_fixed_layout_packs_the_padded_microbatches():
+    records = _records([(3, 5), (2, 2), (6, 15), (1, 3)], routes=True)
+    (padded,), _ = build_minibatches(records, BatchLayout("padded", micro_batch_size=2))
+    (fixed,), longest = build_minibatches(records, BatchLayout("fixed", micro_batch_size=2, seq_multiple=8))
+    assert [mb.seed for mb in fixed] == [0, 2] and longest == 32
+    for pad, pack in zip(padded, fixed):
+        bounds = pack.cu_seqlens.tolist()
+        for i in range(2):
+            n = (pack.cu_seqlens[i + 1] - pack.cu_seqlens[i]).item()
+            for f in ("tokens", "labels", "response_mask", "rollout_logprob", "advantages", "routes"):
+                assert torch.equal(getattr(pack, f)[0, bounds[i]:bounds[i] + n], getattr(pad, f)[i, :n]), f
+
+
+def _budget_worker(lengths, mode):
+    import torch.distributed as dist
+
+    from stapo_megatron.mcore.parallel import init_parallel
+
+    groups = init_parallel(1, 1)
+    rank = dist.get_rank()
+    records = _records(lengths, seed=3, routes=True, version=5)
+    share = len(records) // 2
+    layout = BatchLayout(mode, micro_batch_size=2, max_tokens=32, seq_multiple=8)
+    minis, longest = build_minibatches(records[rank * share:(rank + 1) * share], layout, share // 2,
+                                       lambda first, dp_rank: 100 * first + 10 * dp_rank, groups.dp)
+    return minis, longest
+
+
