@@ -38,6 +38,8 @@ setup(
         "tensorboard",
         # Significance tests of the method comparison (stapo_megatron.runlog.compare).
         "scipy",
+        # megatron-core version checks (stapo_megatron.mcore.mcore_versions); came only transitively.
+        "packaging",
     ],
     extras_require={
         # GPU-only: the transformer-engine layer spec. apex is optional and installed from
