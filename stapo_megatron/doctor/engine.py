@@ -65,7 +65,7 @@ def _mismatch_rows(model, engine, groups, samples, vocab_size: int, precision: s
     from stapo_megatron.mcore.batching import pack_sequences
     from stapo_megatron.mcore.parallel import collective_device
     from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
-    from stapo_megatron.trainer.step_metrics import rollout_mismatch
+    from stapo_megatron.trainer.mismatch_metrics import rollout_mismatch
 
     flat = [s for group in samples for s in group]
     prompts = [PROMPTS[i // NUM_SAMPLES] for i in range(len(flat))]

@@ -10,7 +10,7 @@ from stapo_megatron.mcore.minibatches import BatchLayout, build_minibatches
 from stapo_megatron.mcore.packing import pack_thd
 from stapo_megatron.mcore.records import record, records_from_lists
 from tests.helpers.dist_utils import run_distributed
-from tests.mcore.test_context_parallel import ATTN_ATOL, _attention_worker, _check_same, _checkpoint_worker, _eval_worker, _rollouts, _silenced, _train_worker  # noqa: F401
+from tests.mcore.test_context_parallel import ATTN_ATOL, EVAL_K, LOGGED, SET_K, _attention_worker, _check_same, _checkpoint_worker, _eval_worker, _rollouts, _silenced, _train_worker  # noqa: F401
 from tests.helpers import TESTS_DIR, HELPERS_DIR
 
 

@@ -11,7 +11,7 @@ from stapo_megatron.mcore.loss import loss_func, minibatch_threshold
 from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
 from tests.helpers.dist_utils import run_distributed
 from tests.mcore.test_loss import _spiky_batch
-from tests.mcore.test_logit_grad import COLLISION_TOL, _autograd_row_norms, _objective_inputs, _ref_probs, _tp_worker  # noqa: F401
+from tests.mcore.test_logit_grad import COLLISION_TOL, NORM_ATOL, NORM_RTOL, _autograd_row_norms, _objective_inputs, _ref_probs, _tp_worker  # noqa: F401
 
 
 @pytest.mark.slow

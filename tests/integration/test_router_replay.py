@@ -13,7 +13,7 @@ from stapo_megatron.mcore.packing import pack_thd
 from stapo_megatron.mcore.records import records_from_lists
 from stapo_megatron.mcore.router_replay import fill_missing, local_routes
 from tests.helpers.dist_utils import run_distributed
-from tests.mcore.test_router_replay import GRAD_RTOL, LOGPROB_ATOL, VARIANT, _layout_worker, _missing_routes_worker, _pp_recompute_worker, _trainer_worker, random_routes  # noqa: F401
+from tests.mcore.test_router_replay import GRAD_RTOL, L, LOGPROB_ATOL, VARIANT, _layout_worker, _missing_routes_worker, _pp_recompute_worker, _trainer_worker, random_routes  # noqa: F401
 
 
 @pytest.mark.slow
