@@ -63,6 +63,7 @@ def _mismatch_rows(model, engine, groups, samples, vocab_size: int, precision: s
     """The trainer's pi_old pass over the engine's samples, then its mismatch metrics."""
     from stapo_megatron.method.rollout_correction import RolloutCorrectionConfig
     from stapo_megatron.mcore.batching import pack_sequences
+    from stapo_megatron.mcore.records import records_from_lists
     from stapo_megatron.mcore.parallel import collective_device
     from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
     from stapo_megatron.trainer.mismatch_metrics import rollout_mismatch
@@ -71,8 +72,8 @@ def _mismatch_rows(model, engine, groups, samples, vocab_size: int, precision: s
     prompts = [PROMPTS[i // NUM_SAMPLES] for i in range(len(flat))]
     seq = max(len(p) + len(s.token_ids) for p, s in zip(prompts, flat))
     device = next(model.parameters()).device
-    batch = pack_sequences(prompts, [s.token_ids for s in flat], [0.0] * len(flat), [s.logprobs for s in flat], 0,
-                           seq + -seq % 8, device=device)
+    records = records_from_lists(prompts, [s.token_ids for s in flat], [0.0] * len(flat), [s.logprobs for s in flat])
+    batch = pack_sequences(records, 0, seq + -seq % 8, device=device)
     old_policy_pass(PassContext(model, batch.tokens.shape[1], 1.0, groups, vocab_size), [[batch]])
     # the metrics' reductions run on the group's backend device (CUDA under NCCL)
     m = rollout_mismatch([[batch]], RolloutCorrectionConfig(), groups, collective_device(groups.tokens))
