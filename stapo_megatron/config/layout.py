@@ -88,7 +88,7 @@ def config_problems(cfg: Any) -> List[str]:
     # groups are consecutive ranks too (TP is the innermost dimension); an engine wider than
     # a TP group would span two DP ranks, which sample different prompts.
     tp, vtp = m.tensor_model_parallel_size, cfg.rollout.tensor_parallel_size
-    if tp % vtp:
+    if tp % vtp and cfg.rollout.placement == "colocated":
         problems.append(f"vLLM TP {vtp} must divide Megatron TP {tp} (rollout.tensor_parallel_size={vtp}, "
                         f"model.tensor_model_parallel_size={tp}): a vLLM engine must not span two DP ranks")
     return problems
@@ -115,12 +115,22 @@ def _budget_problems(cfg: Any) -> List[str]:
 
 def world_problems(cfg: Any, world_size: int, gpus_per_node: Optional[int] = None,
                    whole_micro_batches: bool = False) -> List[str]:
-    """What ``cfg`` needs of ``world_size`` GPUs: TP x PP x CP dividing it (and, given
+    """What ``cfg`` needs of ``world_size`` GPUs (the job's: with ``rollout.placement=
+    "separate"``, the training ranks are all but the last ``rollout.engine_ranks``): TP x PP x CP
+    dividing the training ranks (and, given
     ``gpus_per_node``, the node topology), the prompts over DP and over a replica's CP ranks,
     the expert groups; with ``whole_micro_batches`` also every DP rank's sequences in whole
     micro-batches (the recipes' check: the trainer pads a short last one)."""
     m = cfg.model
     tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
+    engines = cfg.rollout.engine_ranks  # separate placement: the job's last ranks only generate
+    if engines:
+        if world_size <= engines:
+            return [f"rollout.engine_ranks={engines} leaves no training rank of the job's {world_size}"]
+        if gpus_per_node is not None and engines % gpus_per_node and gpus_per_node % engines:
+            return [f"rollout.engine_ranks={engines} must be whole nodes of {gpus_per_node} GPUs or divide "
+                    f"one (the trainers' TP groups must not straddle an engine)"]
+        world_size -= engines
     if world_size % (tp * pp * cp):
         return [f"{world_size} GPUs are not divisible by TP {tp} x PP {pp} x CP {cp}"]
     problems = []

@@ -37,6 +37,7 @@ from stapo_megatron.config.yaml_io import load_config
 from stapo_megatron.method.registry import get_method
 from stapo_megatron.config.overrides import apply_overrides
 from stapo_megatron.mcore.parallel import init_process_group
+from stapo_megatron.rollout.bridge import init_job
 from stapo_megatron.recipes import paper
 
 RECIPES = ("tiny", "tiny_moe", *paper.LAYOUTS)
@@ -128,9 +129,10 @@ def _from_yaml(path: str, recipe: str, method: Optional[str], output_dir: Option
     return cfg, warmstart
 
 
-def _prepare_tiny_model(model_dir: str, recipe: str = "tiny") -> None:
+def _prepare_tiny_model(model_dir: str, recipe: str = "tiny", bridge=None) -> None:
     """Global rank 0 writes the tiny model folder (atomically); the other ranks wait for it at a
-    barrier of the already formed process group (a failure of rank 0 ends their wait at once).
+    barrier of the already formed process group (a failure of rank 0 ends their wait at once;
+    separate placement: the job-wide group of ``bridge``).
 
     Global, not local: with several nodes sharing the output folder, one writer per node would
     race to rename its copy into place.
@@ -139,9 +141,12 @@ def _prepare_tiny_model(model_dir: str, recipe: str = "tiny") -> None:
 
     from stapo_megatron.recipes.tiny import prepare_tiny_model
 
-    if dist.get_rank() == 0:
+    if int(os.environ.get("RANK", "0")) == 0:
         prepare_tiny_model(model_dir, recipe)
-    dist.barrier()
+    if bridge is not None:
+        bridge.data.barrier().wait()
+    else:
+        dist.barrier()
 
 
 @record  # torchrun's summary then shows the error (e.g. the rank that failed first), not "N/A"
@@ -180,13 +185,23 @@ def run_recipe(
     faults.clear_record(cfg.run_dir)
     try:
         # the group forms first (under cfg.init_timeout_s), so that the shared setup below can
-        # wait at a barrier
-        init_process_group(cfg.init_timeout_s, cfg.distributed_timeout_s)
+        # wait at a barrier; separate placement splits the job into trainers and engines
+        bridge = None
+        if cfg.rollout.placement == "separate":
+            bridge = init_job(cfg.rollout.engine_ranks, cfg.rollout.tensor_parallel_size, cfg.init_timeout_s,
+                              cfg.distributed_timeout_s, cfg.rollout_timeout())
+        else:
+            init_process_group(cfg.init_timeout_s, cfg.distributed_timeout_s)
         if recipe in TINY:
-            _prepare_tiny_model(cfg.model.hf_dir, recipe)
+            _prepare_tiny_model(cfg.model.hf_dir, recipe, bridge)
+        if bridge is not None and bridge.is_engine:
+            from stapo_megatron.trainer.engine_server import run_engine_rank
+
+            run_engine_rank(cfg, bridge)
+            return
         from stapo_megatron.trainer.loop import train
 
-        train(cfg, warmstart_cfg)
+        train(cfg, warmstart_cfg, bridge)
     except StoppedForRequeue as stop:  # saved on the warning signal: the job script requeues on this mark
         if int(os.environ.get("RANK", "0")) == 0:
             requeue.mark_stopped(cfg.run_dir, stop.step)

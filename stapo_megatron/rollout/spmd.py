@@ -9,7 +9,7 @@ RolloutEngine`) knows nothing of the process groups.
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -27,9 +27,19 @@ def generate_for_group(engine: RolloutEngine, mp_group: Optional[dist.ProcessGro
     others' samples, and this call's collectives wait up to ``wait_timeout_s`` instead of the
     groups' own timeout: the wait for the slowest engine (a 15k-token response) happens here,
     not in the next collective under ``TrainerConfig.distributed_timeout_s``."""
+    return shared_over_group(lambda: engine.generate(prompt_token_ids, n, temperature, top_p, max_tokens, seed=seed),
+                             mp_group, wait_timeout_s)
+
+
+def shared_over_group(produce: Callable[[], list], mp_group: Optional[dist.ProcessGroup],
+                      wait_timeout_s: Optional[float] = None) -> list:
+    """``produce()`` (an engine's samples) on every rank, then the group's first rank's result
+    broadcast over ``mp_group``; with ``wait_timeout_s`` under that timeout and followed by a
+    job-wide barrier (`generate_for_group`). Also how `stapo_megatron.rollout.remote.RemoteEngine`'s
+    samples reach a model-parallel group (only its first rank receives them)."""
     waiting = wait_timeout_s is not None and dist.is_initialized()
     with collective_timeout(wait_timeout_s, [None, mp_group]) if waiting else contextlib.nullcontext():
-        samples = engine.generate(prompt_token_ids, n, temperature, top_p, max_tokens, seed=seed)
+        samples = produce()
         if mp_group is not None and dist.get_world_size(mp_group) > 1:
             box = [samples]
             dist.broadcast_object_list(box, src=dist.get_process_group_ranks(mp_group)[0], group=mp_group)

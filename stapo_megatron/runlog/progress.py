@@ -2,7 +2,8 @@
 
 Throughput counts the response tokens of a step over all DP ranks (they are generated and
 trained on in parallel) divided by that phase's time: ``rollout_tokens_per_s`` over
-``time_rollout`` (vLLM generation), ``train_tokens_per_s`` over ``time_train`` (the policy
+``time_rollout`` (vLLM generation; with separate placement the engine's own ``engine_generate_s``,
+as ``time_rollout`` is then the trainer's wait), ``train_tokens_per_s`` over ``time_train`` (the policy
 update's forward and backward passes). The ETA is the mean time per step since this process
 started its loop (evaluations and checkpoints included) times the steps left.
 """
@@ -53,8 +54,10 @@ class Progress:
         tokens = response_tokens(row, self.group_size)
         done = row["step"] - self.first_step
         per_step = (self.clock() - self.started) / max(done, 1)
+        # separate placement: the engines generated while the trainers did other work
+        generating = row.get("engine_generate_s", row["time_rollout"])
         return dict(
-            rollout_tokens_per_s=tokens / row["time_rollout"] if row["time_rollout"] > 0 else 0.0,
+            rollout_tokens_per_s=tokens / generating if generating > 0 else 0.0,
             train_tokens_per_s=tokens / row["time_train"] if row["time_train"] > 0 else 0.0,
             eta_s=per_step * (self.total_steps - row["step"]),
         )

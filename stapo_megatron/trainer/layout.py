@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from stapo_megatron.config import TrainerConfig
 from stapo_megatron.config.layout import raise_problems, row_multiple, sequence_multiple, world_problems
-from stapo_megatron.rollout.spmd import generate_context_parallel_share
+from stapo_megatron.rollout.spmd import generate_context_parallel_share, shared_over_group
 from stapo_megatron.mcore.parallel import Groups, init_parallel
 
 
@@ -36,7 +36,8 @@ def init_groups(cfg: TrainerConfig, seed: int) -> Groups:
         expert_tensor_parallel_size=m.expert_tensor_parallel_size,
         init_timeout_s=cfg.init_timeout_s, timeout_s=cfg.distributed_timeout_s,
     )
-    raise_problems(world_problems(cfg, dist.get_world_size()), f"the layout cannot run on {dist.get_world_size()} ranks")
+    job = dist.get_world_size() + cfg.rollout.engine_ranks  # separate placement: the engines' ranks too
+    raise_problems(world_problems(cfg, job), f"the layout cannot run on {job} ranks")
     return groups
 
 
@@ -63,8 +64,29 @@ def replica_rollout(engine, groups: Groups, prompts: List[List[int]], n: int, te
     over CP in rank order."""
     _, mine = generate_context_parallel_share(engine, groups, prompts, n, temperature, top_p, max_tokens, seed,
                                               wait_timeout_s)
+    return _gather_context_parallel(groups, mine)
+
+
+def _gather_context_parallel(groups: Groups, mine: List[List]) -> List[List]:
+    """A replica's samples from its CP ranks' shares, in rank order (the share itself without CP)."""
     if groups.cp_size == 1:
         return mine
     parts: List[Optional[List]] = [None] * groups.cp_size
     dist.all_gather_object(parts, mine, group=groups.cp)
     return [group for part in parts for group in part]
+
+
+def replica_submit(engine, groups: Groups, prompts: List[List[int]], n: int, temperature: float, top_p: float,
+                   max_tokens: int, seed: int):
+    """`replica_rollout`'s first half with separate placement: this CP rank's share of the
+    replica's prompts queued at the engines (`stapo_megatron.rollout.remote.RemoteEngine.submit`,
+    same seeds); returns the ticket `replica_receive` takes."""
+    cp, rank = groups.cp_size, dist.get_rank(groups.cp) if groups.cp is not None else 0
+    start, end = len(prompts) * rank // cp, len(prompts) * (rank + 1) // cp
+    return engine.submit(prompts[start:end], n, temperature, top_p, max_tokens, seed + start * n)
+
+
+def replica_receive(engine, groups: Groups, ticket, wait_timeout_s: Optional[float]) -> List[List]:
+    """`replica_rollout`'s second half: the samples of ``ticket``, identical on the replica's ranks."""
+    return _gather_context_parallel(groups, shared_over_group(lambda: engine.receive(ticket), groups.mp,
+                                                              wait_timeout_s))

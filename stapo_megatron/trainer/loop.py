@@ -19,11 +19,12 @@ from transformers import AutoTokenizer
 from stapo_megatron.bridge.hf_config import load_hf_config
 from stapo_megatron.bridge.model import build_gpt_model, load_checkpoint
 from stapo_megatron.config import TrainerConfig, WarmStartConfig
-from stapo_megatron.eval.evaluator import Evaluator, eval_max_len, load_eval_sets
+from stapo_megatron.eval.evaluator import Evaluator, load_eval_sets
 from stapo_megatron.rewards.functions import get_reward
 from stapo_megatron.rewards.scorer import RewardScorer
 from stapo_megatron.rollout.registry import build_engine
-from stapo_megatron.rollout.weight_sync import sync_weights, wake_and_sync
+from stapo_megatron.rollout.bridge import Bridge
+from stapo_megatron.rollout.remote import RemoteEngine
 from stapo_megatron.runlog.metrics import RunLogger
 from stapo_megatron.runlog.plots import plot_run
 from stapo_megatron.runlog.progress import Progress
@@ -38,19 +39,22 @@ from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
 from stapo_megatron.mcore.step import build_optimizer, policy_update, wrap_ddp
 from stapo_megatron.trainer import faults, layout, routing
 from stapo_megatron.trainer.preemption import SaveOnSignal, StoppedForRequeue
-from stapo_megatron.trainer.prompts import load_prompts, pad_to, step_prompt_indices
+from stapo_megatron.trainer.prompts import load_prompts, step_prompt_indices
 from stapo_megatron.trainer.seeds import Seeds
 from stapo_megatron.trainer.lr import warmup_lr
 from stapo_megatron.trainer.mismatch_metrics import rollout_mismatch
 from stapo_megatron.trainer.step_metrics import Timer, format_row, gather_silenced, step_row
 from stapo_megatron.trainer.warmstart import WarmStart
+from stapo_megatron.trainer.engine_server import engine_config
+from stapo_megatron.trainer.rollout_schedule import RolloutSchedule, weight_sync
 
 
 class Trainer:
     """Holds the model, optimizer, rollout engine and scorer of one run; ``run()`` trains."""
 
-    def __init__(self, cfg: TrainerConfig, warmstart: Optional[WarmStartConfig] = None):
-        self.cfg, self.warmstart = cfg, warmstart
+    def __init__(self, cfg: TrainerConfig, warmstart: Optional[WarmStartConfig] = None,
+                 bridge: Optional[Bridge] = None):
+        self.cfg, self.warmstart, self.bridge = cfg, warmstart, bridge
         self.seeds = Seeds(cfg.seed, warmstart.seed if warmstart else None, cfg.data.seed)
         self.groups = layout.init_groups(cfg, self.seeds.model_init)  # TP, PP, CP, EP from cfg.model, checked
         self.rank = dist.get_rank()
@@ -107,15 +111,16 @@ class Trainer:
         r = self.cfg.rollout
         reward = get_reward(self.cfg.reward.name)  # before the engine: a bad name fails fast
         self.routing = routing.RoutingMonitor(r, self.hf_config, self.model)  # MoE: the engine records its routes
-        self.engine = build_engine(r.engine, self.cfg.model.hf_dir, r.engine_config(
-            max_model_len=pad_to(self.cfg.data.max_prompt_len + max(r.max_response_len, eval_max_len(self.cfg))),
-            seed=self.seeds.engine(self.dp_rank), return_routed_experts=self.routing.enabled,
-            # the engine must run the dtype the trainer trains in, whatever the folder was saved in
-            dtype="bfloat16" if self.cfg.model.bf16 else "float32",
-            enable_sleep_mode=r.sleep_during_training and torch.cuda.is_available(),
-            # asleep, the weights are dropped (wake_and_sync rewrites them); run() syncs before any generate
-            sleep_level=2, load_format="dummy", enforce_eager=r.enforce_eager,
-        ))
+        if self.bridge is not None:  # separate placement: the engines run on the job's last ranks
+            asks = self.groups.mp is None or dist.get_rank(self.groups.mp) == 0
+            self.engine = RemoteEngine(self.bridge, asks, self.cfg.rollout_timeout(), r.weight_bucket_mb)
+        else:
+            self.engine = build_engine(r.engine, self.cfg.model.hf_dir, engine_config(
+                self.cfg, self.seeds.engine(self.dp_rank), self.routing.enabled))
+        self.schedule = RolloutSchedule(
+            self.cfg, self.engine, self.groups, lambda step: self._prompts(step)[0],
+            lambda step: self.seeds.rollout(step, self.dp_rank, self.cfg.prompts_per_step // self.dp_size * r.group_size),
+            weight_sync(self.model, self.hf_config, self.groups))
         self.scorer = RewardScorer(num_workers=self.cfg.reward.workers, timeout_s=self.cfg.reward.timeout_s,
                                    score_fn=reward.score_fn, failure_reward=reward.failure_reward)
         self.evaluator = Evaluator(self.cfg, self.held_out, self.eval_sets, self.engine, self.scorer, self.groups,
@@ -132,12 +137,12 @@ class Trainer:
             group["lr"] = warmup_lr(step, self.cfg.optim.lr, self.cfg.lr_warmup_steps)
         prompts, answers = self._prompts(step)
         with timer("rollout"):
-            samples = self._rollout(prompts, step)
+            samples, version = self.schedule.samples(step)
         with timer("reward"):
             rewards_PG, reward_info = self._score(samples, answers)
         self.engine.sleep()  # GPU: vLLM's memory goes to training until the weight sync
         adv_PG, num_flat = group_advantages(rewards_PG)
-        records = self._records(step, prompts, samples, adv_PG)
+        records = self._records(step, prompts, samples, adv_PG, version)
         minis, seq = build_minibatches(records, self.batch_layout, self.minibatch_size,
                                        partial(self.seeds.microbatches, step), self.groups.dp)
         ctx = self.context(seq)
@@ -150,10 +155,11 @@ class Trainer:
         with timer("train"):
             updates = [policy_update(ctx, self.optimizer, mini, self.cfg.loss) for mini in minis]
         with timer("weight_sync"):
-            wake_and_sync(self.model, self.hf_config, self.groups, self.engine)
+            self.schedule.after_update(step)
         row = step_row(step, [u.metrics for u in updates], rewards_PG, num_flat, samples, mismatch, reward_info,
                        self.cfg.loss.tau_h_source, self.optimizer.param_groups[0]["lr"], self.groups, self.dp_device)
         row.update(timer.seconds)
+        row.update(self._schedule_metrics(step - version))
         return row, [r for u in updates for r in u.silenced_tokens]
 
     def _prompts(self, step: int) -> Tuple[List[List[int]], List[str]]:
@@ -162,29 +168,25 @@ class Trainer:
                                   self.dp_size, self.dp_rank)
         return [self.train_ids[i] for i in idx], [self.train_ex[i].answer for i in idx]
 
-    def _rollout(self, prompts: List[List[int]], step: int) -> List[List]:
-        """G samples per prompt (``Sample`` lists), the same on every rank of a model-parallel group."""
-        r = self.cfg.rollout
-        # distinct seeds per DP rank; the wait for the slowest rank's engine is inside, under the rollout timeout
-        return layout.replica_rollout(self.engine, self.groups, prompts, r.group_size, r.temperature, r.top_p,
-                                      r.max_response_len, self.seeds.rollout(step, self.dp_rank, len(prompts) * r.group_size),
-                                      self.cfg.rollout_timeout())
-
-    def _score(self, samples: List[List], answers: List[str]) -> Tuple[torch.Tensor, Dict]:
-        """Rewards [P, G] of the samples against their prompts' answers, and the scorer's info."""
-        G = self.cfg.rollout.group_size
-        texts = [s.text for group in samples for s in group]
-        rewards, info = self.scorer.score(texts, [answer for answer in answers for _ in range(G)])
-        return torch.tensor(rewards, dtype=torch.float32).view(len(answers), G), info
+    def _schedule_metrics(self, staleness: int) -> Dict[str, float]:
+        """The step's staleness (updates between the generating policy and this step's) and, with
+        separate placement, what rank 0's engine reported with its samples: seconds generating
+        them, idle before (waiting for a request or weights) and loading weights (README,
+        "Asynchronous rollouts"); ``time_rollout`` is then the trainer's wait for them."""
+        row: Dict[str, float] = {"staleness": float(staleness)}
+        if isinstance(self.engine, RemoteEngine):
+            times = self.engine.last_times
+            row.update(engine_generate_s=times.generate, engine_idle_s=times.idle, engine_load_s=times.load)
+        return row
 
     def _records(self, step: int, prompts: List[List[int]], samples: List[List],
-                 adv_PG: torch.Tensor) -> List[SequenceRecord]:
+                 adv_PG: torch.Tensor, version: int) -> List[SequenceRecord]:
         """This rank's samples of ``step`` as sequence records, flat in (prompt, sample) order:
-        sampled by policy version ``step`` x mini-batches per step (RL optimizer updates so far),
-        with their MoE routes when the step carries them."""
+        sampled by the policy after ``version`` steps, i.e. ``version`` x mini-batches per step
+        RL optimizer updates (`RolloutSchedule`), with their MoE routes when the step carries them."""
         routes = self.routing.step_routes(step, samples)  # MoE: replayed and/or measured; None: not carried
         updates_per_step = self.cfg.prompts_per_step // self.cfg.minibatch_prompts
-        return make_records(prompts, samples, adv_PG, version=step * updates_per_step, routes=routes)
+        return make_records(prompts, samples, adv_PG, version=version * updates_per_step, routes=routes)
 
     def _save(self, step: int):
         ckpt.save_checkpoint(self.cfg.run_dir, step, self.model, self.optimizer,
@@ -217,7 +219,7 @@ class Trainer:
             self.provenance.write_run()
         self._start_services()
         start = self._begin()
-        sync_weights(self.model, self.hf_config, self.groups, self.engine)
+        self.schedule.start(start)  # the first sync; separate placement: the first requests
         rows = [self.evaluator.evaluate(0)] if start == 0 and self.evaluator.should_evaluate(0) else []
         consecutive_skips = 0
         progress = Progress(cfg.steps, start, cfg.rollout.group_size)
@@ -263,7 +265,8 @@ class Trainer:
         self.logger.close()
 
 
-def train(cfg: TrainerConfig, warmstart: Optional[WarmStartConfig] = None) -> List[Dict]:
+def train(cfg: TrainerConfig, warmstart: Optional[WarmStartConfig] = None,
+          bridge: Optional[Bridge] = None) -> List[Dict]:
     """Entry point (one call per process under torchrun): train, then tear down.
 
     A failure is recorded for `stapo_megatron.trainer.faults` before the teardown (which is when
@@ -276,7 +279,7 @@ def train(cfg: TrainerConfig, warmstart: Optional[WarmStartConfig] = None) -> Li
     """
     trainer = None
     try:
-        trainer = Trainer(cfg, warmstart)
+        trainer = Trainer(cfg, warmstart, bridge)
         rows = trainer.run()
     except Exception as error:
         raise faults.failed(cfg.run_dir, error)

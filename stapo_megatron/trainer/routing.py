@@ -223,6 +223,7 @@ class RoutingMonitor:
         """Whether the engine should record routes (`RolloutConfig.return_routed_experts`)."""
         return self.num_experts > 0 and (self.every > 0 or self.replay)
 
+
     def measuring(self, step: int) -> bool:
         """Whether ``step`` measures the routing disagreement."""
         return self.num_experts > 0 and self.every > 0 and step % self.every == 0
@@ -271,3 +272,8 @@ class RoutingMonitor:
         row["rollout_expert_load_max"] = float((load_LE.max(-1).values / load_LE.mean(-1).clamp(min=1)).max())
         row["time_routing"] = time.perf_counter() - start
         return row
+
+
+def routes_wanted(rollout, hf_config) -> bool:
+    """`RoutingMonitor.enabled` without the model: what a separately placed engine asks for."""
+    return bool(spec_from_hf_config(hf_config).num_moe_experts) and (rollout.routing_every > 0 or rollout.routing_replay)

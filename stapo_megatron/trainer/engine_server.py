@@ -1,0 +1,150 @@
+"""An engine rank of a separately placed job: build the rollout engine the colocated trainer
+would build (`engine_config`), then execute trainer 0's commands in their order (`serve`).
+
+Two threads. The listener takes every command off ``Bridge.control`` as soon as trainer 0 sends
+it, and for a weight transfer receives the buckets (staged, whole, in this process: the engine
+keeps generating with the old weights meanwhile, and trainer 0 waits only for the bytes to
+travel). The main thread executes the commands in order:
+
+* ``("weights", version, tensors)``: load them into the engine (between two requests);
+* ``("generate", ticket, jobs, sampling)``: generate this engine's slices of the request
+  (`stapo_megatron.rollout.remote.plan_chunks`) and post each to the rank that asked, without
+  waiting for it to take them; each reply's header carries the seconds spent generating, idle
+  (waiting for a command) and loading weights since the last reply;
+* ``("stop",)``: return (what is still queued is dropped: the trainers are done or stopping).
+
+All ranks of one engine (vLLM TP > 1) run the same commands; its first rank sends the samples.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from stapo_megatron.config import TrainerConfig
+from stapo_megatron.eval.evaluator import eval_max_len
+from stapo_megatron.rollout.bridge import Bridge, Outbox, broadcast_object, broadcast_tensor
+from stapo_megatron.rollout.config import RolloutConfig
+from stapo_megatron.rollout.registry import build_engine
+from stapo_megatron.rollout.remote import bucket_bytes, unpack_bucket
+from stapo_megatron.trainer.prompts import pad_to
+
+STOP_WAIT_S = 60.0
+"""At a stop, how long the engine waits for the trainers to take samples still in flight."""
+
+
+def engine_config(cfg: TrainerConfig, seed: int, return_routes: bool) -> RolloutConfig:
+    """The engine a run's rollouts and evaluation need: the same for colocated and separate
+    placement (so that both sample the same responses from the same weights)."""
+    r = cfg.rollout
+    return r.engine_config(
+        max_model_len=pad_to(cfg.data.max_prompt_len + max(r.max_response_len, eval_max_len(cfg))),
+        seed=seed, return_routed_experts=return_routes,
+        # the engine must run the dtype the trainer trains in, whatever the folder was saved in
+        dtype="bfloat16" if cfg.model.bf16 else "float32",
+        enable_sleep_mode=r.sleep_during_training and r.placement == "colocated" and torch.cuda.is_available(),
+        # asleep, the weights are dropped (wake_and_sync rewrites them); the trainer syncs before any generate
+        sleep_level=2, load_format="dummy", enforce_eager=r.enforce_eager,
+    )
+
+
+def run_engine_rank(cfg: TrainerConfig, bridge: Bridge) -> int:
+    """An engine rank's whole life (`stapo_megatron.launch.entry` calls it instead of training):
+    `serve`, then leave the engines' process group. Returns the requests served."""
+    from stapo_megatron.bridge.hf_config import load_hf_config
+    from stapo_megatron.trainer.routing import routes_wanted
+    from stapo_megatron.trainer.seeds import Seeds
+
+    seed = Seeds(cfg.seed, None, cfg.data.seed).engine(bridge.engine_index)
+    try:
+        return serve(cfg, bridge, seed, routes_wanted(cfg.rollout, load_hf_config(cfg.model.hf_dir)))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _listen(bridge: Bridge, inbox: "queue.Queue[Any]", stopping: threading.Event) -> None:
+    """The listener thread (module docstring); an exception is handed to the main thread."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        while True:
+            command = broadcast_object(bridge.control)
+            if command[0] == "weights":
+                tensors = []
+                while (manifest := broadcast_object(bridge.control)) is not None:
+                    flat = torch.empty(bucket_bytes(manifest), dtype=torch.uint8, device=device)
+                    tensors += unpack_bucket(manifest, broadcast_tensor(bridge.weights, flat))
+                command = ("weights", command[1], tensors)
+            if command[0] == "stop":
+                stopping.set()
+            inbox.put(command)
+            if command[0] == "stop":
+                return
+    except BaseException as error:  # noqa: BLE001  (handed over, raised by the main thread)
+        inbox.put(error)
+
+
+def serve(cfg: TrainerConfig, bridge: Bridge, seed: int, return_routes: bool) -> int:
+    """Run this engine rank until trainer 0 says stop; returns the requests it served.
+
+    Raises:
+        RuntimeError: trainer 0's commands stopped arriving (it died: the message says so) or
+            the engine failed.
+    """
+    engine = build_engine(cfg.rollout.engine, cfg.model.hf_dir, engine_config(cfg, seed, return_routes))
+    inbox: "queue.Queue[Any]" = queue.Queue()
+    stopping = threading.Event()
+    threading.Thread(target=_listen, args=(bridge, inbox, stopping), name="engine-listener", daemon=True).start()
+    outbox = Outbox(bridge.data)
+    idle = load = 0.0
+    served = 0
+    try:
+        while True:
+            waited = time.perf_counter()
+            command = inbox.get()
+            idle += time.perf_counter() - waited
+            if isinstance(command, BaseException):
+                raise RuntimeError(f"engine rank {bridge.rank}: trainer 0's commands stopped ({command})") from command
+            if command[0] == "stop":
+                return served
+            if command[0] == "weights":
+                started = time.perf_counter()
+                engine.update_weights(iter(command[2]))
+                load += time.perf_counter() - started
+                continue
+            _, ticket, jobs, (n, temperature, top_p, max_tokens) = command
+            for chunk, prompts, chunk_seed in jobs:
+                if chunk.engine != bridge.engine_index or stopping.is_set():
+                    continue
+                started = time.perf_counter()
+                samples = engine.generate(prompts, n, temperature, top_p, max_tokens, seed=chunk_seed) if prompts else []
+                took = time.perf_counter() - started
+                if bridge.is_engine_leader:
+                    outbox.send(chunk.dest, [ticket, chunk.index, _us(took), _us(idle), _us(load)], samples)
+                idle = load = 0.0
+            served += 1
+    finally:
+        engine.shutdown()
+        if not stopping.is_set():
+            outbox.pending.clear()  # failing: the trainers will not take them
+        else:
+            _drain(outbox)
+
+
+def _drain(outbox: Outbox) -> None:
+    """At a stop: the trainers have taken what they asked for; sends of steps they will never
+    train (a stop on the scheduler's signal) are abandoned after a short wait."""
+    try:
+        outbox.close(STOP_WAIT_S)
+    except RuntimeError:
+        outbox.pending.clear()
+
+
+def _us(seconds: float) -> int:
+    return int(seconds * 1e6)
+
