@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stapo-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo demo-moe demo-seeds demo-synthetic compare test test-fast test-mcore019 bench venv clean gpu-install-plan
+.PHONY: demo demo-async demo-moe demo-seeds demo-synthetic compare test test-fast test-mcore019 bench venv clean gpu-install-plan
 
 # CUDA machines (nvidia-smi present): the venv sees the system's packages, so the machine's own
 # CUDA torch stays (pip would otherwise pull another build), megatron-core is 0.19.2
@@ -63,6 +63,11 @@ venv: $(STAMP)
 ARGS ?=
 demo: $(STAMP)
 	$(VENV)/bin/nemo-run launch/stapo_tiny.py $(ARGS) --yes
+
+# The demo with separate placement and one-step-off rollouts (3 processes: 2 train, 1 generates;
+# README "Asynchronous rollouts"): writes runs/demo-async.
+demo-async: $(STAMP)
+	$(VENV)/bin/nemo-run launch/stapo_tiny_async.py $(ARGS) --yes
 
 # `make demo` for 5 seeds, one after another, each training its own warm-start as on a fresh
 # clone (about 35 minutes on 2 cores): the README's demo table and docs/figures/demo_seeds.png

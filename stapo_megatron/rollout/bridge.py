@@ -115,12 +115,20 @@ def init_job(engine_ranks: int, engine_tp: int, init_timeout_s: float, timeout_s
     dist.init_process_group(backend, store=dist.PrefixStore(side, store), rank=side_rank, world_size=side_size,
                             timeout=datetime.timedelta(seconds=init_timeout_s))
     dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s))
+    return connect(store, rank, world, engine_ranks, engine_tp, samples_timeout_s, backend)
+
+
+def connect(store, rank: int, world: int, engine_ranks: int, engine_tp: int, samples_timeout_s: float,
+            weights_backend: str = "gloo") -> Bridge:
+    """This rank's `Bridge`: the groups that cross the pools, formed over ``store`` (every rank
+    of the job calls it; the trainers other than 0 join ``data`` only)."""
+    trainers = world - engine_ranks
     bridge = Bridge(rank, trainers, engine_ranks, engine_tp,
                     data=_group(store, "bridge/data", rank, world, samples_timeout_s, "gloo"))
-    if rank == 0 or engine:
+    if rank == 0 or rank >= trainers:
         member = 0 if rank == 0 else 1 + rank - trainers
         bridge.control = _group(store, "bridge/control", member, engine_ranks + 1, ENGINE_WAIT_S, "gloo")
-        bridge.weights = _group(store, "bridge/weights", member, engine_ranks + 1, ENGINE_WAIT_S, backend)
+        bridge.weights = _group(store, "bridge/weights", member, engine_ranks + 1, ENGINE_WAIT_S, weights_backend)
     return bridge
 
 

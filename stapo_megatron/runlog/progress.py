@@ -2,7 +2,7 @@
 
 Throughput counts the response tokens of a step over all DP ranks (they are generated and
 trained on in parallel) divided by that phase's time: ``rollout_tokens_per_s`` over
-``time_rollout`` (vLLM generation; with separate placement the engine's own ``engine_generate_s``,
+``time_rollout`` (vLLM generation; with separate placement the engine's own ``time_engine_generate``,
 as ``time_rollout`` is then the trainer's wait), ``train_tokens_per_s`` over ``time_train`` (the policy
 update's forward and backward passes). The ETA is the mean time per step since this process
 started its loop (evaluations and checkpoints included) times the steps left.
@@ -55,7 +55,7 @@ class Progress:
         done = row["step"] - self.first_step
         per_step = (self.clock() - self.started) / max(done, 1)
         # separate placement: the engines generated while the trainers did other work
-        generating = row.get("engine_generate_s", row["time_rollout"])
+        generating = row.get("time_engine_generate", row["time_rollout"])
         return dict(
             rollout_tokens_per_s=tokens / generating if generating > 0 else 0.0,
             train_tokens_per_s=tokens / row["time_train"] if row["time_train"] > 0 else 0.0,

@@ -176,8 +176,15 @@ class Trainer:
         row: Dict[str, float] = {"staleness": float(staleness)}
         if isinstance(self.engine, RemoteEngine):
             times = self.engine.last_times
-            row.update(engine_generate_s=times.generate, engine_idle_s=times.idle, engine_load_s=times.load)
+            row.update(time_engine_generate=times.generate, time_engine_idle=times.idle, time_engine_load=times.load)
         return row
+
+    def _score(self, samples: List[List], answers: List[str]) -> Tuple[torch.Tensor, Dict]:
+        """Rewards [P, G] of the samples against their prompts' answers, and the scorer's info."""
+        G = self.cfg.rollout.group_size
+        texts = [s.text for group in samples for s in group]
+        rewards, info = self.scorer.score(texts, [answer for answer in answers for _ in range(G)])
+        return torch.tensor(rewards, dtype=torch.float32).view(len(answers), G), info
 
     def _records(self, step: int, prompts: List[List[int]], samples: List[List],
                  adv_PG: torch.Tensor, version: int) -> List[SequenceRecord]:

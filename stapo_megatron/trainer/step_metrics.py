@@ -81,8 +81,16 @@ def format_row(r: Dict, steps: int) -> str:
         f"|dlogp| {r['rollout_train_logprob_diff']:.1e} max {r['mismatch_abs_logprob_diff_max']:.1e} "
         f"flagged {r['mismatch_token_flagged_fraction']:.2%} (silenced {r['silenced_flagged_count']}) | "
         f"rollout {r['time_rollout']:.1f}s reward {r['time_reward']:.1f}s old {r['time_old_logprob']:.1f}s "
-        f"train {r['time_train']:.1f}s sync {r['time_weight_sync']:.1f}s{routing}"
+        f"train {r['time_train']:.1f}s sync {r['time_weight_sync']:.1f}s{routing}{_placement(r)}"
     )
+
+
+def _placement(r: Dict) -> str:
+    """Separate placement's part of the line: staleness, and rank 0's engine's busy/idle seconds."""
+    if "time_engine_generate" not in r:
+        return ""
+    return (f" | stale {r['staleness']:.0f} engine gen {r['time_engine_generate']:.1f}s "
+            f"idle {r['time_engine_idle']:.1f}s load {r['time_engine_load']:.1f}s")
 
 
 def gather_silenced(rows: List, groups: Groups) -> List:

@@ -1,0 +1,60 @@
+"""The real launch entry (`entry.run_recipe`, tiny recipe) with ``rollout.placement="separate"``
+or colocated, and an optional fault on the engine rank, for tests/integration/test_separate_placement.py.
+
+    torchrun --nproc-per-node N tests/helpers/separate_script.py OUTPUT_DIR FAULT [key=value ...]
+
+FAULT: ``none``, or ``engine-kill:K``: the engine rank SIGKILLs itself as it begins its K-th
+``generate`` (counted from 1; a point of the run, never a wall-clock moment). The ``key=value``
+arguments are `entry.parse_arguments`' (``rollout.max_staleness=1``).
+"""
+
+import os
+import signal
+import sys
+
+from stapo_megatron.launch import entry
+from stapo_megatron.trainer import engine_server
+
+SMALL = dict(
+    steps=3, prompts_per_step=16, minibatch_prompts=8, save_every=0, seed=7,
+    eval=dict(every=3), data=dict(num_eval=16),
+    warmstart=dict(steps=20),
+)
+"""The tiny recipe cut to a few steps that still learn (a warm-started policy: rewards, silenced tokens)."""
+
+
+def _inject(fault: str) -> None:
+    kind, _, where = fault.partition(":")
+    if kind not in ("none", "engine-kill"):
+        raise ValueError(f"unknown FAULT {fault!r}")
+    if kind == "none":
+        return
+    build = engine_server.build_engine
+
+    def build_dying(*args, **kwargs):
+        engine = build(*args, **kwargs)
+        generate, calls = engine.generate, [0]
+
+        def generate_or_die(*a, **k):
+            calls[0] += 1
+            if calls[0] == int(where):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return generate(*a, **k)
+
+        engine.generate = generate_or_die
+        return engine
+
+    engine_server.build_engine = build_dying
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = {**out.get(key, {}), **value} if isinstance(value, dict) else value
+    return out
+
+
+if __name__ == "__main__":
+    output_dir, fault = sys.argv[1], sys.argv[2]
+    _inject(fault)
+    entry.run_recipe("tiny", output_dir=output_dir, **_merge(SMALL, entry.parse_arguments(sys.argv[3:])))

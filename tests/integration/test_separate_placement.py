@@ -1,0 +1,82 @@
+"""Separate placement end to end (issue 33): engines on their own torchrun ranks, the real trainer
+and the real vLLM engine over gloo (tests/helpers/separate_script.py). k = 0 writes the colocated
+run's metrics exactly; k = 1 trains every step after the first on samples one update old and a
+resumed run starts a new pipeline; a killed engine ends the job naming its rank."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers.dist_utils import _free_port
+from tests.helpers import HELPERS_DIR
+from tests.scripts.test_compare_metrics import compare_metrics
+
+differences, load_rows = compare_metrics.differences, compare_metrics.load_rows
+
+SCRIPT = os.path.join(HELPERS_DIR, "separate_script.py")
+SEPARATE = ("rollout.placement=separate", "rollout.engine_ranks=1")
+
+
+def _launch(nproc: int, run_dir, fault: str = "none", *overrides: str, timeout: int = 900):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--max-restarts", "0",
+           "--master-port", str(_free_port()), SCRIPT, str(run_dir), fault, *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def _train_rows(run_dir):
+    return [r for r in load_rows(os.path.join(run_dir, "metrics.jsonl")) if r["kind"] == "train"]
+
+
+@pytest.mark.slow  # two launches of the tiny recipe (one and two processes), a few minutes
+def test_synchronous_separate_placement_writes_the_colocated_metrics(tmp_path):
+    colocated = _launch(1, tmp_path / "colocated")
+    assert colocated.returncode == 0, colocated.stderr[-4000:]
+    separate = _launch(2, tmp_path / "separate", "none", *SEPARATE)
+    assert separate.returncode == 0, separate.stderr[-4000:]
+    before = load_rows(tmp_path / "colocated" / "metrics.jsonl")
+    after = load_rows(tmp_path / "separate" / "metrics.jsonl")
+    assert [r["kind"] for r in after] == ["eval", "train", "train", "train", "eval"]
+    # every value the colocated run logs, exactly (wall-clock fields aside)
+    assert differences(before, after) == []
+    rows = _train_rows(tmp_path / "separate")
+    assert [r["staleness"] for r in rows] == [0.0, 0.0, 0.0]
+    assert sum(r["silenced_count"] for r in rows) > 0 and any(r["loss"] != 0 for r in rows)  # it trained
+    # the engine's reported busy time is the rollout throughput's denominator
+    assert all(r["time_engine_generate"] > 0 and r["rollout_tokens_per_s"] > 0 for r in rows)
+
+
+@pytest.mark.slow  # two launches with three processes (two trainers, one engine), a few minutes
+def test_one_step_off_trains_on_one_update_old_samples_and_resumes_with_a_fresh_pipeline(tmp_path):
+    run_dir = tmp_path / "run"
+    first = _launch(3, run_dir, "none", *SEPARATE, "rollout.max_staleness=1", "steps=4", "save_every=2",
+                    "eval.every=0")
+    assert first.returncode == 0, first.stderr[-4000:]
+    rows = _train_rows(run_dir)
+    assert [r["staleness"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    # samples of an older policy: the trainer's pi_old differs from the engine's log-probs
+    assert rows[0]["rollout_train_logprob_diff"] < 1e-5 < rows[1]["rollout_train_logprob_diff"]
+    # requeued: the next launch resumes from step 4 and regenerates what was in flight
+    second = _launch(3, run_dir, "none", *SEPARATE, "rollout.max_staleness=1", "steps=6", "save_every=2",
+                     "eval.every=0")
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert "resumed from" in second.stdout + second.stderr
+    rows = _train_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # nothing counted twice
+    assert [r["staleness"] for r in rows[4:]] == [0.0, 1.0]
+
+
+@pytest.mark.slow  # one launch that fails after its first step
+def test_killed_engine_ends_the_job_naming_its_rank(tmp_path):
+    # the engine's generate calls: 1 = evaluation at step 0 (eval.every=3), 2 = step 0, 3 = step 1
+    proc = _launch(2, tmp_path / "run", "engine-kill:3", *SEPARATE, timeout=600)
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert "rollout engine 0 (rank 1)" in output, output[-4000:]
+    assert "rank 1 failed first" in output, output[-4000:]
+    assert len(_train_rows(tmp_path / "run")) == 1  # step 1 was trained and logged; nothing after
+    record = json.load(open(tmp_path / "run" / "failures" / "rank_00000.json"))
+    assert record["peer_failure"], record
