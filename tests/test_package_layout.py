@@ -132,6 +132,7 @@ def test_light_modules_import_no_megatron_vllm_or_transformers(module):
 
 TESTS = os.path.join(os.path.dirname(ROOT), "tests")
 TESTED_IN = {
+    "stapo_megatron.trainer.engine_server": "tests/trainer/test_rollout_schedule.py",
     "stapo_megatron.bridge.hf_config": "tests/bridge/test_tiny.py",
     "stapo_megatron.bridge.kernels": "tests/bridge/test_fused_settings.py",
     "stapo_megatron.bridge.mapping": "tests/bridge/test_moe_bridge.py",
@@ -174,7 +175,6 @@ TESTED_IN = {
     "stapo_megatron.rewards.config": "tests/mcore/test_config.py",
     "stapo_megatron.rewards.scorer": "tests/rewards/test_functions.py",
     "stapo_megatron.rollout.base": "tests/mcore/test_router_replay.py",
-    "stapo_megatron.rollout.config": "tests/rollout/test_moe_engines.py",
     "stapo_megatron.rollout.registry": "tests/rollout/test_hf_engine.py",
     "stapo_megatron.runlog.config": "tests/runlog/test_tracking.py",
     "stapo_megatron.runlog.report": "tests/runlog/test_compare.py",

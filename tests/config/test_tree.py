@@ -44,7 +44,7 @@ def test_engine_fields_are_declared_once():
 @pytest.mark.parametrize("overrides, message", [
     ({"stepz": 1}, "unknown override stepz: TrainerConfig has no field 'stepz' (did you mean 'steps'?)"),
     ({"loss.tau_pp": 0.1}, "unknown override loss.tau_pp: LossConfig has no field 'tau_pp' (did you mean 'tau_p'?)"),
-    ({"rollout": {"max_len": 8}}, "RolloutSampling has no field 'max_len' (did you mean 'max_response_len'?)"),
+    ({"rollout": {"max_response": 8}}, "RolloutSampling has no field 'max_response' (did you mean 'max_response_len'?)"),
     ({"optim.zzz": 1}, "unknown override optim.zzz: OptimConfig has no field 'zzz' (fields: lr, "),
     ({"loss.tau_p": "small"}, "override loss.tau_p='small': expected float, got str"),
 ])

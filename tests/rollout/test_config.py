@@ -1,0 +1,42 @@
+"""The rollout configs' placement fields: separate placement and its refusals (issue 33, item 6),
+each naming the field and its value."""
+
+import pytest
+
+from stapo_megatron.config import ModelConfig, TrainerConfig
+from stapo_megatron.config.layout import world_problems
+from stapo_megatron.rollout.config import RolloutSampling
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(placement="remote"), "rollout.placement must be one of ('colocated', 'separate'), got 'remote'"),
+    (dict(placement="separate"), "rollout.placement='separate' needs rollout.engine_ranks >= 1"),
+    (dict(placement="separate", engine_ranks=3, tensor_parallel_size=2),
+     "rollout.engine_ranks=3 is not a multiple of rollout.tensor_parallel_size=2"),
+    (dict(placement="separate", engine_ranks=1, max_staleness=-1), "RolloutSampling.max_staleness must be >= 0, got -1"),
+    (dict(engine_ranks=2), "rollout.engine_ranks=2 needs rollout.placement='separate'"),
+    (dict(max_staleness=1), "rollout.max_staleness=1 needs rollout.placement='separate'"),
+    (dict(placement="separate", engine_ranks=1, weight_bucket_mb=0), "RolloutSampling.weight_bucket_mb must be >= 1"),
+])
+def test_placement_refusals_name_the_field(fields, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        RolloutSampling(**fields)
+
+
+def test_separate_placement_counts_its_engines():
+    r = RolloutSampling(placement="separate", engine_ranks=4, tensor_parallel_size=2, max_staleness=2)
+    assert r.num_engines == 2 and RolloutSampling().num_engines == 0
+
+
+def test_the_training_ranks_are_the_job_less_its_engine_ranks():
+    cfg = TrainerConfig(model=ModelConfig(tensor_model_parallel_size=2), prompts_per_step=8, minibatch_prompts=8,
+                        rollout=RolloutSampling(placement="separate", engine_ranks=4))
+    assert world_problems(cfg, 8) == []  # 4 training ranks: TP 2 x DP 2
+    assert world_problems(cfg, 7) == ["3 GPUs are not divisible by TP 2 x PP 1 x CP 1"]
+    assert world_problems(cfg, 4) == ["rollout.engine_ranks=4 leaves no training rank of the job's 4"]
+    assert world_problems(cfg, 12, gpus_per_node=4) == []  # 2 nodes train (DP 4), 1 generates
+    assert "must be whole nodes of 8 GPUs or divide one" in world_problems(
+        TrainerConfig(prompts_per_step=8, minibatch_prompts=8,
+                      rollout=RolloutSampling(placement="separate", engine_ranks=12)), 24, gpus_per_node=8)[0]
+    # the vLLM engine's TP need not divide Megatron's when the engines have their own ranks
+    TrainerConfig(rollout=RolloutSampling(placement="separate", engine_ranks=4, tensor_parallel_size=4))
