@@ -72,6 +72,9 @@ class Layout:
     seq_len: int = SEQ_LEN
     """Longest training sequence (prompt + response) in tokens: the activations and logits of a
     micro-batch are ``micro_batch_size`` such sequences."""
+    engine_ranks: int = 0
+    """Separate placement (``rollout.engine_ranks``): the job's last GPUs run only vLLM, at
+    ``vllm_gpu_memory_utilization`` of their card; the others only train. 0: colocated."""
 
     @classmethod
     def of(cls, cfg: TrainerConfig, cluster: Cluster) -> "Layout":
@@ -81,7 +84,8 @@ class Layout:
                    vllm_tensor_parallel_size=cfg.rollout.tensor_parallel_size,
                    vllm_gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
                    micro_batch_size=cfg.micro_batch_size, reference_model=cfg.loss.kl_coef > 0,
-                   seq_len=cfg.data.max_prompt_len + cfg.rollout.max_response_len)
+                   seq_len=cfg.data.max_prompt_len + cfg.rollout.max_response_len,
+                   engine_ranks=cfg.rollout.engine_ranks)
 
     def replace(self, **changes: Any) -> "Layout":
         """A copy with ``changes`` of its own fields or of its model's (`MODEL_FIELDS`)."""
@@ -99,10 +103,15 @@ class Layout:
         return self.num_nodes * self.gpus_per_node
 
     @property
+    def training_ranks(self) -> int:
+        """GPUs that train: all of them, less the engines' with separate placement."""
+        return self.world_size - self.engine_ranks
+
+    @property
     def data_parallel_size(self) -> int:
-        """DP = world / (TP x PP x CP)."""
-        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
-                                   * self.context_parallel_size)
+        """DP = training GPUs / (TP x PP x CP)."""
+        return self.training_ranks // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                                       * self.context_parallel_size)
 
     @property
     def expert_tensor_size(self) -> int:
@@ -113,8 +122,8 @@ class Layout:
     def expert_data_parallel_size(self) -> int:
         """Megatron's expert data-parallel size, world / (ETP x EP x PP): the ranks over which the
         distributed optimizer shards the expert parameters (the dense ones: DP x CP)."""
-        return self.world_size // (self.expert_tensor_size * self.expert_model_parallel_size
-                                   * self.pipeline_model_parallel_size)
+        return self.training_ranks // (self.expert_tensor_size * self.expert_model_parallel_size
+                                       * self.pipeline_model_parallel_size)
 
 
 for _name in MODEL_FIELDS:  # layout.tensor_model_parallel_size reads layout.model's: one copy of each
@@ -337,13 +346,14 @@ def memory_estimate(spec: QwenSpec, layout: Layout, seq_len: Optional[int] = Non
     else:
         activations = (spec.num_layers + 1) * kept_layer_bytes(spec, layout) * tokens
     logits = tokens * padded_vocab_size(spec.vocab_size, tp) / tp * (2 + 2)
-    vllm = layout.vllm_gpu_memory_utilization * gpu_bytes
+    vllm = layout.vllm_gpu_memory_utilization * gpu_bytes  # on a training GPU only when colocated
     reference = 2 * params if layout.reference_model else 0.0
     vllm_weights = 2 * num_params(spec) / layout.vllm_tensor_parallel_size
     kv_bytes_per_token = 2 * spec.num_layers * spec.kv_size * 2 / layout.vllm_tensor_parallel_size
     return MemoryEstimate(
         weights=2 * params, grads=4 * params, optimizer=optimizer,
-        activations=activations, logits=logits, overhead=FRAMEWORK_OVERHEAD_BYTES, vllm=vllm, reference=reference,
+        activations=activations, logits=logits, overhead=FRAMEWORK_OVERHEAD_BYTES,
+        vllm=0.0 if layout.engine_ranks else vllm, reference=reference,
         vllm_kv_tokens=int(max(0.0, vllm - vllm_weights - VLLM_RUNTIME_BYTES) / kv_bytes_per_token),
     )
 
@@ -353,6 +363,15 @@ def describe(spec: QwenSpec, layout: Layout) -> str:
     and the estimate's total against the budget."""
     est = memory_estimate(spec, layout)
     experts = (f" EP={layout.expert_model_parallel_size} ETP={layout.expert_tensor_size}" if spec.is_moe else "")
+    if layout.engine_ranks:  # separate placement: the two pools
+        engines = layout.engine_ranks // layout.vllm_tensor_parallel_size
+        return (f"{layout.num_nodes} x {layout.gpus_per_node} GPUs, separate placement: {layout.training_ranks} train "
+                f"(TP={layout.tensor_model_parallel_size} PP={layout.pipeline_model_parallel_size} "
+                f"CP={layout.context_parallel_size}{experts} DP={layout.data_parallel_size}; {layout.seq_len}-token "
+                f"sequences, recompute {layout.recompute_granularity or 'none'}; {est.training / GB:.1f} GB of "
+                f"{GPU_MEMORY_BYTES / GB:.0f} GB), {layout.engine_ranks} generate ({engines} vLLM engines of TP="
+                f"{layout.vllm_tensor_parallel_size} at {layout.vllm_gpu_memory_utilization} of the card: "
+                f"KV cache for {est.vllm_kv_tokens} tokens per GPU)")
     return (f"{layout.num_nodes} x {layout.gpus_per_node} GPUs: TP={layout.tensor_model_parallel_size} "
             f"PP={layout.pipeline_model_parallel_size} CP={layout.context_parallel_size}{experts} "
             f"DP={layout.data_parallel_size}; {layout.seq_len}-token sequences ("

@@ -57,15 +57,21 @@ ARCHITECTURES: Dict[str, QwenSpec] = {
     "qwen3_1p7b": _qwen3(28, 2048, 16, 6144, tied=True),
     "qwen3_8b": _qwen3(36, 4096, 32, 12288, tied=False),
     "qwen3_8b_32k": _qwen3(36, 4096, 32, 12288, tied=False),
+    "qwen3_8b_async": _qwen3(36, 4096, 32, 12288, tied=False),
     "qwen3_14b": _qwen3(40, 5120, 40, 17408, tied=False),
     "qwen3_30b_a3b": QWEN3_30B_A3B,
 }
 """The architecture of each recipe: Qwen3-{1.7B,8B,14B,30B-A3B}-Base (the training memory model
 and consistency checks use them; the trainer itself reads the architecture from ``model.hf_dir``)."""
 DISPLAY_NAMES = {"qwen3_1p7b": "Qwen3-1.7B-Base", "qwen3_8b": "Qwen3-8B-Base", "qwen3_8b_32k": "Qwen3-8B-Base",
+                 "qwen3_8b_async": "Qwen3-8B-Base",
                  "qwen3_14b": "Qwen3-14B-Base", "qwen3_30b_a3b": "Qwen3-30B-A3B-Base"}
 """The HF model each recipe starts from."""
 
+
+ASYNC_STALENESS = 1
+"""``rollout.max_staleness`` of the asynchronous recipe: one-step-off (verl's one_step_off, NeMo-RL's
+async GRPO at 1): step s trains on samples of the policy after step s - 1."""
 
 _NO_RECOMPUTE = dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
 """Model fields of a recipe that keeps every layer's activations (CP makes room for them)."""
@@ -95,6 +101,15 @@ LAYOUTS: Dict[str, Layout] = {
     "qwen3_8b_32k": Layout(num_nodes=4, model=_model(4, context_parallel_size=4, **_NO_RECOMPUTE),
                            vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.4,
                            vllm_gpu_memory_utilization_with_reference=0.35, seq_len=32768),
+    # The 8B on the same 4 nodes with separate placement and one-step-off rollouts (README,
+    # "Asynchronous rollouts"; not the paper's protocol): 2 nodes train (TP=4, CP=2, DP=2, the
+    # whole card: no vLLM share beside training), 2 nodes generate (4 vLLM engines of TP=4 at 0.85
+    # of their card) while the trainers train the step before. Of the splits 8/16/24 engine GPUs
+    # x vLLM TP 1/2/4, this is the fastest by recipes/step_time.py (6.4 min a step against the
+    # colocated 6.3: generation, bound by the longest response, dominates both);
+    # benchmarks/sim_async.py models the overlap with a length distribution.
+    "qwen3_8b_async": Layout(num_nodes=4, model=_model(4, context_parallel_size=2, **_NO_RECOMPUTE),
+                             vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.85, engine_ranks=16),
     # 8 nodes (the design's target): TP=4 within a node, CP=4 (two nodes per model replica,
     # DP=4): 4k tokens of a 16k sequence per rank, without recomputation; one vLLM TP=4 engine
     # per TP group at 0.35 of the card (0.3 beside GRPO's reference, +7.4 GB).
@@ -204,6 +219,8 @@ def paper_recipe(size: str, method: str = "stapo", run_dir: Optional[str] = None
             # MoE: the routing-disagreement pass is one more no-grad forward over the step's
             # samples (as the pi_old pass); a diagnostic, so every 10th step (dense: ignored)
             routing_every=ROUTING_EVERY,
+            **(dict(placement="separate", engine_ranks=layout.engine_ranks, max_staleness=ASYNC_STALENESS)
+               if layout.engine_ranks else {}),
         ),
         loss=loss,
         optim=OptimConfig(lr=1e-6, weight_decay=0.1, clip_grad=1.0, use_distributed_optimizer=True),
@@ -224,6 +241,12 @@ def qwen3_8b(method: str = "stapo", run_dir: Optional[str] = None) -> TrainerCon
 def qwen3_8b_32k(method: str = "stapo", run_dir: Optional[str] = None) -> TrainerConfig:
     """Qwen3-8B-Base with 32k-token sequences (responses <= 31744): 4 nodes, TP=4, CP=4, DP=2."""
     return paper_recipe("qwen3_8b_32k", method, run_dir)
+
+
+def qwen3_8b_async(method: str = "stapo", run_dir: Optional[str] = None) -> TrainerConfig:
+    """Qwen3-8B-Base with separate placement and one-step-off rollouts (``rollout.max_staleness``
+    1): 4 nodes, 2 train (TP=4, CP=2, DP=2), 2 generate (4 vLLM engines of TP=4)."""
+    return paper_recipe("qwen3_8b_async", method, run_dir)
 
 
 def qwen3_14b(method: str = "stapo", run_dir: Optional[str] = None) -> TrainerConfig:

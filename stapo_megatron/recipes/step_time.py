@@ -5,7 +5,8 @@ named constants, so that the launch defaults (time limit x requeues, the save-be
 signal) are derived from a stated number and a dry run can show it. A real run's
 ``time_step`` metric replaces it (`stapo_megatron.runlog.progress`).
 
-Step = rollout (vLLM decode, memory-bandwidth bound) + training (Megatron, FLOP bound):
+Step = rollout (vLLM decode, memory-bandwidth bound) + training (Megatron, FLOP bound), or the
+longer of the two with separate placement and ``rollout.max_staleness`` >= 1 (each on its own GPUs):
     rollout  = decode steps x (this GPU's weight shard + the KV cache read per decode step) / HBM
     training = (old-logprob forward + exact tau_H forward + reference forward + forward, backward
                and, with full recomputation, the recomputed forward) FLOPs of all sampled tokens
@@ -44,11 +45,14 @@ class StepTime:
     """vLLM generation of ``prompts_per_step x group_size`` responses."""
     training_s: float
     """Log-prob passes and the policy update."""
+    overlapped: bool = False
+    """Separate placement with ``rollout.max_staleness`` >= 1: the engines generate the next step
+    while the trainers train this one, so a step takes the longer of the two."""
 
     @property
     def total_s(self) -> float:
         """One step."""
-        return self.rollout_s + self.training_s
+        return max(self.rollout_s, self.training_s) if self.overlapped else self.rollout_s + self.training_s
 
 
 def estimate_step_time(spec, layout, cfg) -> StepTime:
@@ -64,7 +68,7 @@ def estimate_step_time(spec, layout, cfg) -> StepTime:
     mean_seq = MEAN_PROMPT_TOKENS + mean_response
     # rollout: each engine decodes its share, as many at once as its KV cache holds
     vtp = layout.vllm_tensor_parallel_size
-    engines = layout.world_size // vtp
+    engines = (layout.engine_ranks or layout.world_size) // vtp  # separate placement: its engine GPUs
     per_engine = math.ceil(sequences / engines)
     kv_tokens = memory_estimate(spec, layout).vllm_kv_tokens
     concurrent = max(1, min(per_engine, int(kv_tokens / mean_seq)))
@@ -78,8 +82,9 @@ def estimate_step_time(spec, layout, cfg) -> StepTime:
     forwards = 1 + (cfg.loss.tau_h_source == "exact") + (cfg.loss.kl_coef > 0) + update
     attention = 2 * 2 * spec.num_layers * (mean_seq / 2) * spec.q_size
     flops = forwards * (2 * num_active_params(spec) + attention) * sequences * mean_seq
-    training_s = flops / (layout.world_size * PEAK_BF16_FLOPS * TRAIN_MFU)
-    return StepTime(rollout_s=rollout_s, training_s=training_s)
+    training_s = flops / (layout.training_ranks * PEAK_BF16_FLOPS * TRAIN_MFU)
+    return StepTime(rollout_s=rollout_s, training_s=training_s,
+                    overlapped=bool(layout.engine_ranks) and cfg.rollout.max_staleness > 0)
 
 
 def signal_seconds(step: StepTime) -> int:

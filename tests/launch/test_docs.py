@@ -14,7 +14,7 @@ def read(*parts):
 
 
 def test_the_readme_names_the_sleep_level_the_trainer_uses():
-    levels = set(re.findall(r"sleep_level=(\d)", read("stapo_megatron", "trainer", "loop.py")))
+    levels = set(re.findall(r"sleep_level=(\d)", read("stapo_megatron", "trainer", "engine_server.py")))  # the engine config
     assert levels == {"2"}, levels
     said = set(re.findall(r"sleep(?:s)?\s*\(?\s*(?:at\s+)?level\s+(\d)", read("README.md")))
     assert said == levels, said
