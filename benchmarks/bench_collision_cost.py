@@ -44,8 +44,14 @@ BASELINE = "61dd801"
 def _baseline_op(rev: str):
     """``vocab_parallel_logprob_entropy`` as it was at ``rev``."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    source = subprocess.run(["git", "show", f"{rev}:stapo_megatron/mcore/ops.py"], cwd=root, check=True,
-                            capture_output=True, text=True).stdout
+    for folder in ("mcore", "train"):  # stapo_megatron/train was renamed mcore after the baseline
+        shown = subprocess.run(["git", "show", f"{rev}:stapo_megatron/{folder}/ops.py"], cwd=root,
+                               capture_output=True, text=True)
+        if shown.returncode == 0:
+            break
+    else:
+        raise ValueError(f"no stapo_megatron/{{mcore,train}}/ops.py at git revision {rev!r}: {shown.stderr.strip()}")
+    source = shown.stdout
     path = os.path.join(tempfile.mkdtemp(), "ops_baseline.py")
     with open(path, "w") as f:
         f.write(source)
