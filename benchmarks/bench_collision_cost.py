@@ -21,6 +21,8 @@ and the rounds' 10th-90th percentile spread, per dtype. Run under jemalloc, as `
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 \\
     MALLOC_CONF="retain:true,dirty_decay_ms:-1,muzzy_decay_ms:-1" \\
     .venv/bin/python benchmarks/bench_collision_cost.py [--rounds 15] [--tokens 1024] [--threads 1]
+
+``--pieces`` also times the eager pieces of one chunk of the torch path (``chunk_pieces``).
 """
 
 from __future__ import annotations
@@ -111,6 +113,34 @@ def _ratio_stats(times, reference, clock):
                 p10=deciles[0], p90=deciles[-1])
 
 
+def chunk_pieces(reps: int):
+    """CPU microseconds of the eager pieces of one fp32 chunk of the torch path (``ops._local_stats``:
+    rows_per_chunk rows of the vocabulary), interleaved rep by rep, median over reps: what the
+    collision sum's extra reduction costs against the pass it rides on, and the alternatives."""
+    from stapo_megatron.mcore import ops
+
+    rows = ops._rows_per_chunk(VOCAB, torch.device("cpu"))
+    z = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(0)) * 2
+    p, logp, scratch = torch.softmax(z, -1), torch.log_softmax(z, -1), torch.empty_like(z)
+    pieces = {
+        "exp (the chunk's exp before)": lambda: torch.exp(z, out=scratch),
+        "softmax (the chunk's exp now)": lambda: torch.softmax(z, -1, out=scratch),
+        "amax": lambda: z.amax(-1),
+        "sub": lambda: torch.sub(z, z[:, :1], out=scratch),
+        "vecdot(p, log p) (entropy)": lambda: torch.linalg.vecdot(p, logp),
+        "vecdot(p, p) (collision)": lambda: torch.linalg.vecdot(p, p),
+        "sum(p)": lambda: p.sum(-1),
+        "vector_norm(p)": lambda: torch.linalg.vector_norm(p, dim=-1),
+    }
+    times = {name: [] for name in pieces}
+    for _ in range(reps):
+        for name, fn in pieces.items():
+            t0 = time.thread_time()
+            fn()
+            times[name].append(time.thread_time() - t0)
+    return {"chunk_rows": rows, **{f"{name}_us": round(1e6 * statistics.median(t), 1) for name, t in times.items()}}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=15)
@@ -118,6 +148,7 @@ def main():
     parser.add_argument("--baseline", default=BASELINE, help="git revision of the op before the change")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--pieces", action="store_true", help="also time the chunk body's eager pieces")
     args = parser.parse_args()
     if args.threads:  # on an oversubscribed machine one thread per call is the steadier measure
         torch.set_num_threads(args.threads)
@@ -126,7 +157,9 @@ def main():
     check_jemalloc()
     print(json.dumps({"threads": torch.get_num_threads(), "cpus": os.cpu_count(),
                       "load_avg": os.getloadavg(), "python": sys.version.split()[0]}))
-    for name in args.dtypes.split(","):
+    if args.pieces:
+        print(json.dumps(chunk_pieces(reps=20 * args.rounds)), flush=True)
+    for name in filter(None, args.dtypes.split(",")):  # --dtypes "" with --pieces: the pieces only
         print(json.dumps(measure(getattr(torch, name), args.tokens, args.rounds, args.baseline)), flush=True)
 
 
