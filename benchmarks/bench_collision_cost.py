@@ -12,13 +12,17 @@ process so that the shared machine's load hits them alike:
 
 Logits as in bench_logprob_entropy.py (N tokens x the Qwen vocabulary 151936, randn * 2, TP = 1;
 N = 1024 by default to fit a shared machine's memory). Each round runs the three in a rotated
-order; per round the ratios default/before and collision/before; reported: the median ratio over
-rounds, a distribution-free 95% interval of that median, and the rounds' 10th-90th percentile
-spread, per dtype. default/before is an A/A control (the same computation): it shows the noise. Run under jemalloc, as `make bench` does:
+order; per round the ratios default/before, collision/before (the issue's goal: within 3% of the op
+before the change) and collision/default (the marginal cost of the sum in this tree), each by the
+wall clock and by the process's CPU time (suffix _cpu: blind to the time other jobs hold the
+cores); reported: the median ratio over rounds, a distribution-free 95% interval of that median,
+and the rounds' 10th-90th percentile spread, per dtype. Run under jemalloc, as `make bench` does:
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 \\
     MALLOC_CONF="retain:true,dirty_decay_ms:-1,muzzy_decay_ms:-1" \\
     .venv/bin/python benchmarks/bench_collision_cost.py [--rounds 15] [--tokens 1024] [--threads 1]
+
+``--pieces`` also times the eager pieces of one chunk of the torch path (``chunk_pieces``).
 """
 
 from __future__ import annotations
@@ -44,8 +48,14 @@ BASELINE = "61dd801"
 def _baseline_op(rev: str):
     """``vocab_parallel_logprob_entropy`` as it was at ``rev``."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    source = subprocess.run(["git", "show", f"{rev}:stapo_megatron/mcore/ops.py"], cwd=root, check=True,
-                            capture_output=True, text=True).stdout
+    for folder in ("mcore", "train"):  # stapo_megatron/train was renamed mcore after the baseline
+        shown = subprocess.run(["git", "show", f"{rev}:stapo_megatron/{folder}/ops.py"], cwd=root,
+                               capture_output=True, text=True)
+        if shown.returncode == 0:
+            break
+    else:
+        raise ValueError(f"no stapo_megatron/{{mcore,train}}/ops.py at git revision {rev!r}: {shown.stderr.strip()}")
+    source = shown.stdout
     path = os.path.join(tempfile.mkdtemp(), "ops_baseline.py")
     with open(path, "w") as f:
         f.write(source)
@@ -55,12 +65,13 @@ def _baseline_op(rev: str):
     return module.vocab_parallel_logprob_entropy
 
 
-def _timed(fn, logits, target, **kw) -> float:
+def _timed(fn, logits, target, **kw):
+    """(wall seconds, CPU seconds of this process) of one forward+backward."""
     x = logits.detach().requires_grad_()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     out = fn(x, target, **kw)
     out[0].sum().backward()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def measure(dtype, num_tokens: int, rounds: int, baseline_rev: str):
@@ -81,16 +92,53 @@ def measure(dtype, num_tokens: int, rounds: int, baseline_rev: str):
         for name in names[r % 3:] + names[:r % 3]:  # rotate the order: no side is always first
             times[name].append(runs[name]())
     out = {"dtype": str(dtype).replace("torch.", ""), "tokens": num_tokens, "rounds": rounds}
-    for name in names:
-        out[f"{name}_s_median"] = statistics.median(times[name])
-    for name in ("default", "collision"):
-        ratios = sorted(t / b for t, b in zip(times[name], times["before"]))
-        deciles = statistics.quantiles(ratios, n=10)
-        # distribution-free 95% interval of the median: order statistics n/2 -+ 0.98 sqrt(n)
-        k = max(0, int(len(ratios) / 2 - 0.98 * len(ratios) ** 0.5))
-        out[f"{name}_vs_before"] = dict(median=statistics.median(ratios), median_ci95=[ratios[k], ratios[-1 - k]],
-                                        p10=deciles[0], p90=deciles[-1])
+    # Wall time, and the process's CPU time: on an oversubscribed machine the wall clock also counts
+    # the time the scheduler gives to other jobs; CPU time does not (cache and memory contention stay).
+    for clock, suffix in ((0, ""), (1, "_cpu")):
+        for name in names:
+            out[f"{name}_s_median{suffix}"] = statistics.median(t[clock] for t in times[name])
+        out[f"collision_vs_default{suffix}"] = _ratio_stats(times["collision"], times["default"], clock)
+        for name in ("default", "collision"):
+            out[f"{name}_vs_before{suffix}"] = _ratio_stats(times[name], times["before"], clock)
     return out
+
+
+def _ratio_stats(times, reference, clock):
+    """Per-round ratios: median, a distribution-free 95% interval of the median, p10 and p90."""
+    ratios = sorted(t[clock] / b[clock] for t, b in zip(times, reference))
+    deciles = statistics.quantiles(ratios, n=10)
+    # order statistics n/2 -+ 0.98 sqrt(n)
+    k = max(0, int(len(ratios) / 2 - 0.98 * len(ratios) ** 0.5))
+    return dict(median=statistics.median(ratios), median_ci95=[ratios[k], ratios[-1 - k]],
+                p10=deciles[0], p90=deciles[-1])
+
+
+def chunk_pieces(reps: int):
+    """CPU microseconds of the eager pieces of one fp32 chunk of the torch path (``ops._local_stats``:
+    rows_per_chunk rows of the vocabulary), interleaved rep by rep, median over reps: what the
+    collision sum's extra reduction costs against the pass it rides on, and the alternatives."""
+    from stapo_megatron.mcore import ops
+
+    rows = ops._rows_per_chunk(VOCAB, torch.device("cpu"))
+    z = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(0)) * 2
+    p, logp, scratch = torch.softmax(z, -1), torch.log_softmax(z, -1), torch.empty_like(z)
+    pieces = {
+        "exp (the chunk's exp before)": lambda: torch.exp(z, out=scratch),
+        "softmax (the chunk's exp now)": lambda: torch.softmax(z, -1, out=scratch),
+        "amax": lambda: z.amax(-1),
+        "sub": lambda: torch.sub(z, z[:, :1], out=scratch),
+        "vecdot(p, log p) (entropy)": lambda: torch.linalg.vecdot(p, logp),
+        "vecdot(p, p) (collision)": lambda: torch.linalg.vecdot(p, p),
+        "sum(p)": lambda: p.sum(-1),
+        "vector_norm(p)": lambda: torch.linalg.vector_norm(p, dim=-1),
+    }
+    times = {name: [] for name in pieces}
+    for _ in range(reps):
+        for name, fn in pieces.items():
+            t0 = time.thread_time()
+            fn()
+            times[name].append(time.thread_time() - t0)
+    return {"chunk_rows": rows, **{f"{name}_us": round(1e6 * statistics.median(t), 1) for name, t in times.items()}}
 
 
 def main():
@@ -100,6 +148,7 @@ def main():
     parser.add_argument("--baseline", default=BASELINE, help="git revision of the op before the change")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--pieces", action="store_true", help="also time the chunk body's eager pieces")
     args = parser.parse_args()
     if args.threads:  # on an oversubscribed machine one thread per call is the steadier measure
         torch.set_num_threads(args.threads)
@@ -108,7 +157,9 @@ def main():
     check_jemalloc()
     print(json.dumps({"threads": torch.get_num_threads(), "cpus": os.cpu_count(),
                       "load_avg": os.getloadavg(), "python": sys.version.split()[0]}))
-    for name in args.dtypes.split(","):
+    if args.pieces:
+        print(json.dumps(chunk_pieces(reps=20 * args.rounds)), flush=True)
+    for name in filter(None, args.dtypes.split(",")):  # --dtypes "" with --pieces: the pieces only
         print(json.dumps(measure(getattr(torch, name), args.tokens, args.rounds, args.baseline)), flush=True)
 
 

@@ -5,19 +5,24 @@ and the full-vocabulary entropy H_t (a constant: it only selects the S2T mask). 
 layer column-parallel, rank r of the TP group holds logits for vocabulary ids
 [r * V_local, (r + 1) * V_local). This module computes both without gathering logits:
 
-    step 1  local pass (one read of the shard, in cache-sized row chunks): per row the local
-            max m_r, s_r = sum exp(z - m_r), w_r = sum exp(z - m_r) (z - m_r), target logit z_y
-            and, when asked (``with_collision``), q_r = sum exp(2 (z - m_r))
-    step 2  all-reduce MAX of m_r                                  -> global max M
+    step 1  local pass (one read of the shard, in cache-sized row chunks): per row a reference
+            point m_r and the sums relative to it, s_r = sum exp(z - m_r),
+            w_r = sum exp(z - m_r) (z - m_r), the target logit z_y and, when asked
+            (``with_collision``), q_r = sum exp(2 (z - m_r))
+    step 2  all-reduce MAX of m_r                                  -> global reference M
     step 3  rescale to M and all-reduce SUM of the packed (s, w, z_y[, q]):
                 S = sum_r exp(m_r - M) s_r
                 W = sum_r exp(m_r - M) (w_r + (m_r - M) s_r)
                 Q = sum_r exp(2 (m_r - M)) q_r
     step 4  normalise: log Z = M + log S, log p = z_y - log Z, H = log S - W / S, sum_v p_v^2 = Q / S^2
 
-with z = logits / temperature. When a gradient is needed, step 1 also writes the softmax
-numerators exp(z - m_r) into the buffer that backward will return, so backward is one in-place
-rescale by the per-row factor -g exp(m_r - log Z) / T plus the target entries g (1 - p_y) / T
+with z = logits / temperature. Any reference m_r >= max z keeps every exp(z - m_r) <= 1: the Triton
+kernel uses the local max (s_r = sum of the numerators), the torch path the local log-partition
+m_r = log sum_v exp(z_v), so that s_r = 1, w_r = sum p log p and q_r = sum p^2 of the local
+softmax p, which torch's fused softmax kernel gives at less than the cost of ``torch.exp`` alone.
+When a gradient is needed, the torch path also writes that local softmax into the buffer that
+backward will return, so backward is one in-place rescale by the per-row factor
+-g exp(m_r - log Z) / T plus the target entries g (1 - p_y) / T
 (computed in fp32 and written, never added to a rounded value): no second exp pass and no
 collective (the column-parallel output layer all-reduces its input gradient itself). Without a
 gradient only cache-sized fp32 scratch is used. The input is not modified unless the caller asks
@@ -25,21 +30,22 @@ for it (``inplace_backward``; Megatron's vocab_parallel_cross_entropy always ove
 logits, the cause of verl #1672/#2484) and no fp32 copy of the shard is held beyond the
 returned gradient. Like Megatron's CE, backward runs once (no retain_graph double backward).
 
-Two implementations compute the same partials and share steps 2-4: this module's torch path
+Two implementations compute such partials and share steps 2-4: this module's torch path
 (CPU, and the reference) and the Triton kernels of ``stapo_megatron.mcore.kernels.logprob_entropy``
 (chosen on CUDA tensors), whose forward reads each shard once and writes only [N] outputs and
 whose backward reads the logits once and writes the gradient once. Both take two options that
 change the backward: ``entropy_grad`` (a gradient also flows into H, dH/dz = -p (log p + H)) and
 ``inplace_backward`` (the gradient is written over the logits); with either, the torch path
-recomputes p from the logits in backward instead of keeping the numerators.
+recomputes p from the logits in backward instead of keeping the local softmax.
 
 The collision probability sum_v p_v^2 (at the same temperature) is what the squared norm of a
 token's logit gradient needs: ||d log p(y) / dz||^2 = 1 - 2 p(y) + sum_v p_v^2
 (``stapo_megatron.mcore.loss_metrics``). It rides in the packed SUM of step 3 (a fourth row of the
 same all-reduce, so still 2 collectives), is a constant (no gradient) and changes neither the
-log-prob, the entropy nor their gradients: it is one more sum over the exp values step 1 already
-has. The Triton forward always computes it (one more FMA per element of a memory-bound pass); the
-torch path only when asked, so callers that do not need it pay nothing.
+log-prob, the entropy nor their gradients: it is one more sum over the probabilities step 1
+already has in cache. The Triton forward always computes it (one more FMA per element of a
+memory-bound pass); the torch path only when asked (one more read of a cache-resident chunk,
+paid for by the fused softmax: benchmarks/bench_collision_cost.py).
 
 Masked vocabulary entries (logits = -inf) have p = 0 and contribute 0 log 0 = 0 to H; a shard
 whose entries are all -inf contributes nothing. A row with no finite logit on any rank has no
@@ -72,54 +78,83 @@ def _rows_per_chunk(vocab_local: int, device: torch.device) -> int:
     return max(1, budget // (4 * vocab_local))
 
 
-def _local_stats(logits_NV, target_N, vocab_start, inv_temp, exp_out_NV=None, with_collision=False):
-    """Step 1: per-row local max, sum-exp, sum exp*(z-m), the target logit and, if
-    ``with_collision``, sum exp(2 (z-m)) (fp32; else that partial is None).
+def _local_stats(logits_NV, target_N, vocab_start, inv_temp, p_out_NV=None, with_collision=False):
+    """Step 1 (torch path): per row the local log-partition m_r, s_r = 1, w_r = sum_v p log p, the
+    target logit and, if ``with_collision``, q_r = sum_v p^2 (fp32; else that partial is None),
+    with p the softmax of the local shard. A row whose shard is all -inf has m_r = -inf and
+    s_r = w_r = q_r = 0.
 
-    If ``exp_out_NV`` is given, the numerators exp(z - m_r) are also written into it: that
-    buffer becomes the returned gradient, so backward is a single in-place rescale.
+    If ``p_out_NV`` is given, the local probabilities are also written into it: that buffer
+    becomes the returned gradient, so backward is a single in-place rescale.
     """
     num_rows, vocab = logits_NV.shape
     fp32 = dict(dtype=torch.float32, device=logits_NV.device)
-    m_N, s_N, w_N = (torch.empty(num_rows, **fp32) for _ in range(3))
+    m_N, w_N = torch.empty(num_rows, **fp32), torch.empty(num_rows, **fp32)
+    s_N = torch.ones(num_rows, **fp32)
     q_N = torch.empty(num_rows, **fp32) if with_collision else None
     chunk = _rows_per_chunk(vocab, logits_NV.device)
-    d_CV = torch.empty(min(chunk, num_rows), vocab, **fp32)
-    e_CV = torch.empty_like(d_CV)
-    write_e_in_place = exp_out_NV is not None and exp_out_NV.dtype == torch.float32
+    logp_CV = torch.empty(min(chunk, num_rows), vocab, **fp32)
+    p_CV = torch.empty_like(logp_CV)
+    z_is_input = logits_NV.dtype == torch.float32 and inv_temp == 1.0 and logits_NV.is_contiguous()
+    write_p_in_place = p_out_NV is not None and p_out_NV.dtype == torch.float32 and p_out_NV.is_contiguous()
     for start in range(0, num_rows, chunk):
         x_CV = logits_NV[start : start + chunk]
-        rows = x_CV.shape[0]
-        end = start + rows
-        d = d_CV[:rows]
-        e = exp_out_NV[start:end] if write_e_in_place else e_CV[:rows]
-        m_C = x_CV.amax(dim=-1, keepdim=True)
-        # A row whose shard is all -inf (masked) is measured from 0, so its sums stay 0.
-        ref_C = m_C.float().nan_to_num(neginf=0.0)
-        if x_CV.dtype == torch.float32:
-            torch.sub(x_CV, ref_C, out=d)
-        else:  # upcast before subtracting: x - m rounded in bf16 would lose the low bits
-            d.copy_(x_CV).sub_(ref_C)
-        if inv_temp != 1.0:
-            d.mul_(inv_temp)
-        torch.exp(d, out=e)
-        if exp_out_NV is not None and not write_e_in_place:
-            exp_out_NV[start:end].copy_(e)
-        m_N[start:end] = m_C.squeeze(-1).float() * inv_temp
-        s_N[start:end] = e.sum(dim=-1)
-        if with_collision:  # e is still cache-resident: no second read of the shard
-            q_N[start:end] = torch.linalg.vecdot(e, e)
-        w_C = torch.linalg.vecdot(e, d)
-        if w_C.isnan().any():
-            # Masked (-inf) entries: e = 0 but e * d = 0 * -inf. Clamped, they add 0 log 0 = 0;
-            # done only for chunks that have them, so unmasked rows pay no extra pass.
-            w_C = torch.linalg.vecdot(e, d.clamp_(min=_NEG_MAX))
-        w_N[start:end] = w_C
+        end = start + x_CV.shape[0]
+        logp = logp_CV[: end - start]
+        p = p_out_NV[start:end] if write_p_in_place else p_CV[: end - start]
+        z = x_CV if z_is_input else _scaled_fp32(x_CV, inv_temp, out=logp)
+        lse_C = _softmax_and_lse(z, out=p)
+        torch.sub(z, lse_C, out=logp)  # log p; -inf where p = 0
+        # p is still cache-resident: the collision sum is a second read of it, not of the shard
+        q_C = torch.linalg.vecdot(p, p) if with_collision else None
+        w_C = torch.linalg.vecdot(p, logp)
+        if w_C.isnan().any():  # -inf logits; done only for chunks that have them
+            w_C, q_C = _masked_entries(p, logp, lse_C, s_N[start:end], with_collision)
+        if p_out_NV is not None and not write_p_in_place:
+            p_out_NV[start:end].copy_(p)
+        m_N[start:end], w_N[start:end] = lse_C.squeeze(-1), w_C
+        if with_collision:
+            q_N[start:end] = q_C
     local_ids_N = target_N - vocab_start
     owned_N = (local_ids_N >= 0) & (local_ids_N < vocab)
     picked_N = logits_NV.gather(-1, local_ids_N.clamp(0, vocab - 1).unsqueeze(-1)).squeeze(-1)
     z_target_N = torch.where(owned_N, picked_N.float() * inv_temp, 0.0)
     return m_N, s_N, w_N, z_target_N, q_N
+
+
+def _scaled_fp32(x_CV, inv_temp, out):
+    """z = x / T in fp32, written into ``out``: upcast before scaling, since x / T rounded in bf16
+    would lose the low bits."""
+    out.copy_(x_CV)
+    return out.mul_(inv_temp) if inv_temp != 1.0 else out
+
+
+def _softmax_and_lse(z_CV, out):
+    """p = softmax(z) per row into ``out``; returns the log-partition log sum_v exp(z_v), [C, 1].
+
+    torch's fused softmax (max, exp and sum in one kernel, with a cheaper vectorised exp) costs
+    less than ``torch.exp`` alone, which is what pays for the collision sum. The log-partition
+    needs no second exp-sum: the largest p is exp(0) / sum_v exp(z_v - max z), so
+    log sum_v exp(z_v) = max z - log max p, to within the kernel's rounding (a few ulp).
+    """
+    z_max_C = z_CV.amax(dim=-1, keepdim=True)
+    torch.softmax(z_CV, dim=-1, out=out)
+    return z_max_C - out.amax(dim=-1, keepdim=True).log()
+
+
+def _masked_entries(p_CV, logp_CV, lse_C, s_C, with_collision):
+    """Sums of a chunk with -inf logits: entries with p = 0 but p log p = 0 * -inf add 0 log 0 = 0
+    once clamped, and a row whose shard is all -inf (its softmax is 0 / 0) is zeroed and gets
+    m_r = -inf, s_r = 0, so that it contributes nothing. Fixes the arguments in place; returns
+    (w, q or None)."""
+    dead_C = lse_C.isnan()
+    if dead_C.any():
+        p_CV.masked_fill_(dead_C, 0.0)
+        logp_CV.masked_fill_(dead_C, 0.0)
+        lse_C.masked_fill_(dead_C, float("-inf"))
+        s_C.masked_fill_(dead_C.squeeze(-1), 0.0)
+    w_C = torch.linalg.vecdot(p_CV, logp_CV.clamp_(min=_NEG_MAX))
+    return w_C, torch.linalg.vecdot(p_CV, p_CV) if with_collision else None
 
 
 def _reduce_stats(m_N, s_N, w_N, z_target_N, q_N, tp_group):
@@ -193,26 +228,26 @@ class _LogprobEntropy(torch.autograd.Function):
         ctx, logits_NV, target_N, vocab_start, num_real, inv_temp, tp_group, needs_grad, entropy_grad, inplace,
         with_collision,
     ):
-        # With a log-prob-only gradient to come, the softmax numerators exp(z - m_r) go straight
+        # With a log-prob-only gradient to come, the local softmax exp(z - m_r) goes straight
         # into the buffer that backward returns (logits' dtype): no extra copy of the shard is
         # held, and backward needs no second exp pass. An entropy gradient needs log p, and an
         # in-place backward needs the logits' storage, so both recompute p in backward instead.
         # Without grad, only cache-sized scratch is used.
         recompute = entropy_grad or inplace
         grad_NV = torch.empty_like(logits_NV) if needs_grad and not recompute else None
-        real_NV, exp_out_NV = logits_NV, grad_NV
+        real_NV, p_out_NV = logits_NV, grad_NV
         if num_real < logits_NV.shape[-1]:
             # Padded vocabulary rows of the output layer (Megatron pads to a multiple of 128 x TP)
             # are not tokens: leave them out of the softmax; their gradient is zero.
             real_NV = logits_NV[:, :num_real]
             if grad_NV is not None:
                 grad_NV[:, num_real:] = 0
-                exp_out_NV = grad_NV[:, :num_real]
-        partials = _local_stats(real_NV, target_N, vocab_start, inv_temp, exp_out_NV, with_collision)
+                p_out_NV = grad_NV[:, :num_real]
+        partials = _local_stats(real_NV, target_N, vocab_start, inv_temp, p_out_NV, with_collision)
         log_z_N, logprob_N, entropy_N, collision_N = _normalise(*_reduce_stats(*partials, tp_group))
         m_N = partials[0]
         if grad_NV is not None:
-            # p = exp(z - m_r) * exp(m_r - log Z): the per-row factor applied in backward.
+            # p = exp(z - m_r) * exp(m_r - log Z): the per-row factor applied in backward (1 at TP = 1).
             ctx.save_for_backward(grad_NV, target_N, (m_N - log_z_N).exp(), logprob_N)
         elif needs_grad:
             ctx.save_for_backward(logits_NV, target_N, log_z_N, entropy_N)

@@ -83,6 +83,40 @@ def test_chunking_is_invisible(monkeypatch):
         torch.testing.assert_close(g, outs[0][2], atol=1e-7, rtol=0)
 
 
+def test_torch_partials_are_relative_to_the_local_log_partition():
+    """Step 1 of the torch path (fused softmax, log-partition as max z - log max p): m_r, s_r,
+    w_r, q_r and the softmax written for backward equal float64, for peaked, flat, partly masked
+    and wholly masked rows, and for bf16 and scaled inputs (which go through the fp32 scratch)."""
+    from stapo_megatron.mcore.ops import _local_stats
+
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(6, 300, generator=gen) * 3
+    logits[1, 7] = 40.0  # peaked: p ~ 1, H ~ 0
+    logits[2] = 0.5  # flat: p = 1/300
+    logits[3, ::3] = float("-inf")  # partly masked
+    logits[4] = float("-inf")  # wholly masked: contributes nothing
+    target = torch.tensor([0, 7, 5, 1, 2, 299])
+    for dtype, inv_temp in ((torch.float32, 1.0), (torch.float32, 1 / 0.7), (torch.bfloat16, 1.0)):
+        x = logits.to(dtype)
+        p_out = torch.full(x.shape, float("nan"), dtype=dtype)
+        m, s, w, z_y, q = _local_stats(x, target, 0, inv_temp, p_out, with_collision=True)
+        z = x.double() * inv_temp
+        lse = torch.logsumexp(z, dim=-1)
+        p = torch.softmax(z, dim=-1)
+        p[4] = 0.0
+        plogp = torch.where(p > 0, p * torch.log_softmax(z, dim=-1), 0.0)
+        live = torch.arange(6) != 4
+        # fp32 softmax and sums over 300 terms: a few 1e-7 relative, well inside 1e-5 absolute
+        torch.testing.assert_close(m[live].double(), lse[live], atol=FP32_TOL, rtol=0)
+        assert m[4].item() == float("-inf") and s[4].item() == 0.0 and w[4].item() == 0.0 and q[4].item() == 0.0
+        torch.testing.assert_close(s[live], torch.ones(5))
+        torch.testing.assert_close(w.double(), plogp.sum(-1), atol=FP32_TOL, rtol=0)
+        torch.testing.assert_close(q.double(), p.square().sum(-1), atol=FP32_TOL, rtol=0)
+        torch.testing.assert_close(z_y.double(), z.gather(-1, target[:, None]).squeeze(-1), atol=FP32_TOL, rtol=0)
+        # the buffer backward rescales: p in the logits' dtype (one bf16 ulp of p <= 1: 2^-8)
+        torch.testing.assert_close(p_out.double(), p, atol=2 ** -8 if dtype == torch.bfloat16 else 1e-6, rtol=0)
+
+
 def test_extreme_logits_are_finite():
     logits = torch.tensor([[1e4, -1e4, 0.0, 0.0], [-50.0, -50.0, -50.0, -50.0]], requires_grad=True)
     target = torch.tensor([1, 2])
