@@ -205,7 +205,10 @@ class RemoteEngine:
             return
         self.stopped = True
         if self.bridge.control is not None:
-            broadcast_object(self.bridge.control, ("stop",), timeout_s=60.0)
+            try:
+                broadcast_object(self.bridge.control, ("stop",), timeout_s=60.0)
+            except RuntimeError:  # an engine is gone (the job is failing): nothing left to stop
+                pass
 
 
 def unpack_bucket(manifest: List[Tuple[str, Tuple[int, ...], str]], flat: torch.Tensor) -> List[Tuple[str, torch.Tensor]]:

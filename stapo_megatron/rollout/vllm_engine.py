@@ -115,6 +115,13 @@ class VLLMEngine:
             for i in range(len(prompt_token_ids))
         ]
         prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
+        if seed is not None:
+            # Seeded calls depend only on their arguments and the weights, not on the calls
+            # before: a prefix cached by another batch (an evaluation's prompts sharing the
+            # template) holds KV equal only up to float rounding, which can flip a sampled token.
+            # Separate placement orders requests differently from colocated engines; within
+            # this call the G samples of a prompt still share its cached prefix.
+            self.llm.reset_prefix_cache()
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         return [[_to_sample(c, self.returns_routes) for c in out.outputs] for out in outputs]
 

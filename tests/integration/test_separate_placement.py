@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from tests.helpers.dist_utils import _free_port
+from tests.trainer.test_faults import _root_causes, _two_nodes
 from tests.helpers import HELPERS_DIR
 from tests.scripts.test_compare_metrics import compare_metrics
 
@@ -69,14 +70,17 @@ def test_one_step_off_trains_on_one_update_old_samples_and_resumes_with_a_fresh_
     assert [r["staleness"] for r in rows[4:]] == [0.0, 1.0]
 
 
-@pytest.mark.slow  # one launch that fails after its first step
+@pytest.mark.slow  # one two-node launch that fails after its first step
 def test_killed_engine_ends_the_job_naming_its_rank(tmp_path):
-    # the engine's generate calls: 1 = evaluation at step 0 (eval.every=3), 2 = step 0, 3 = step 1
-    proc = _launch(2, tmp_path / "run", "engine-kill:3", *SEPARATE, timeout=600)
-    assert proc.returncode != 0
-    output = proc.stdout + proc.stderr
-    assert "rollout engine 0 (rank 1)" in output, output[-4000:]
-    assert "rank 1 failed first" in output, output[-4000:]
+    """Two "nodes" (torchrun agents): the trainer is rank 0 and the engine rank 1 (on one node
+    torchrun would SIGTERM the trainer as soon as the engine dies, before it could say why). The
+    engine dies at its third generate: 1 = evaluation at step 0 (eval.every=3), 2 = step 0, 3 = step 1."""
+    codes, outputs = _two_nodes(tmp_path / "run", "engine-kill:3", *SEPARATE, script=SCRIPT)
+    assert codes[0] != 0 and codes[1] != 0, outputs
+    (survivor, cause), (killed, killed_cause) = _root_causes(outputs)
+    assert (survivor, killed) == (0, 1) and "SIGKILL" in killed_cause
+    assert "rank 1 failed first: it ended without a failure record, so it was killed" in cause, cause
+    assert "rollout engine 0 (rank 1) sent no samples for request" in cause, cause
     assert len(_train_rows(tmp_path / "run")) == 1  # step 1 was trained and logged; nothing after
     record = json.load(open(tmp_path / "run" / "failures" / "rank_00000.json"))
     assert record["peer_failure"], record

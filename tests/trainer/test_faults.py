@@ -32,8 +32,9 @@ def _torchrun(*args):
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--max-restarts", "0", *args]
 
 
-def _two_nodes(output_dir, fault, *overrides):
-    """Start the fault script under two torchrun agents; (exit code, output) of each agent.
+def _two_nodes(output_dir, fault, *overrides, script=SCRIPT):
+    """Start the fault script (or ``script``, same arguments) under two torchrun agents; (exit
+    code, output) of each agent.
 
     The first agent hosts the rendezvous store (as the first node of a Slurm job does); the
     fault is injected on the second one's rank. (Were the failing node the store's host, the
@@ -46,7 +47,7 @@ def _two_nodes(output_dir, fault, *overrides):
     for node, log in enumerate(logs):
         cmd = _torchrun("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                         "--rdzv-id", "faults", "--rdzv-conf", f"join_timeout=300,is_host={int(node == 0)}",
-                        SCRIPT, str(output_dir), fault, *overrides)
+                        script, str(output_dir), fault, *overrides)
         env = dict(os.environ, OMP_NUM_THREADS="1", STAPO_TEST_LAUNCH=marker, STAPO_TEST_FAULTY_NODE=str(node))
         agents.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
     try:
