@@ -140,21 +140,24 @@ DEFAULT_REWARD = "math_verify"
 def run_reward(model: str) -> Tuple[Optional[str], Optional[str]]:
     """(reward, the config.yaml it was read from) of a training run or step folder, else (None, None).
 
-    The run's ``config.yaml`` is read in the step folder itself, then the run folder (a step
-    folder's grandparent); its ``reward`` is a name or a section with one (``reward.name``).
+    The run's ``config.yaml`` is looked for in the step folder itself, then in the run folder (a
+    step folder's grandparent), and read with the launcher's own reader
+    (`stapo_megatron.config.yaml_io.load_config`: the reward is ``trainer.reward.name``).
+
+    Raises:
+        ValueError: a config.yaml that reader refuses, naming the file and ``--reward``.
     """
-    import yaml
+    from stapo_megatron.config.yaml_io import load_config
 
     for folder in (model, os.path.dirname(os.path.dirname(os.path.abspath(model)))):
         path = os.path.join(folder, "config.yaml")
         if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                cfg = yaml.safe_load(f) or {}
-            reward = cfg.get("reward") if isinstance(cfg, dict) else None
-            if isinstance(reward, dict):
-                reward = reward.get("name")
-            if isinstance(reward, str) and reward:
-                return reward, path
+            try:
+                cfg = load_config(path)[1]
+            except ValueError as e:
+                raise ValueError(f"cannot read the run's reward from {path}: {e}; pass --reward NAME "
+                                 "to choose the reward instead") from None
+            return cfg.reward.name, path
     return None, None
 
 
