@@ -41,7 +41,8 @@ from stapo_megatron.eval.scoring import PAPER_DECODINGS, EvalSet, evaluate_sets,
 from stapo_megatron.rewards.functions import get_reward
 from stapo_megatron.rewards.scorer import RewardScorer
 from stapo_megatron.rollout.config import RolloutConfig
-from stapo_megatron.rollout.registry import ENGINE_NAMES, build_engine, resolve_engine
+from stapo_megatron.eval.engine import build_eval_engine, check_tensor_parallel
+from stapo_megatron.rollout.registry import ENGINE_NAMES, resolve_engine
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -106,6 +107,8 @@ def _parser() -> argparse.ArgumentParser:
                                     "folder under --out, or under $TMPDIR when --out lies inside the model "
                                     "folder; removed afterwards)")
     p.add_argument("--engine", choices=ENGINE_NAMES, default="auto", help="rollout engine")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the model over this many GPUs (vLLM's own worker processes; vLLM engine only)")
     p.add_argument("--dtype", default="auto", help="engine dtype (auto = the HF folder's)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vLLM's GPU memory share")
     p.add_argument("--max-tokens", type=int, default=20480, help="response length limit (the paper: 20480)")
@@ -211,9 +214,9 @@ def evaluate_model(hf_dir: str, sets: List[EvalSet], args: argparse.Namespace) -
     max_model_len = model_len_for(_tokenized(sets, tokenizer, args), args.max_tokens, hf_dir)
     reward_name, reward_source = choose_reward(args)
     reward = get_reward(reward_name)  # a bad name fails before the engine starts
-    engine = build_engine(args.engine, hf_dir, RolloutConfig(
+    engine = build_eval_engine(args.engine, hf_dir, RolloutConfig(
         max_model_len=max_model_len, seed=args.seed, dtype=resolve_dtype(hf_dir, args.dtype),
-        gpu_memory_utilization=args.gpu_memory_utilization))
+        gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size))
     progress = EvalProgress(sys.stderr)
     path = os.path.join(args.out, GENERATIONS)
     try:
@@ -228,7 +231,8 @@ def evaluate_model(hf_dir: str, sets: List[EvalSet], args: argparse.Namespace) -
     finally:
         engine.shutdown()
     results["settings"] = {"model": os.path.abspath(args.model), "engine": resolve_engine(args.engine),
-                           "seed": args.seed, "max_tokens": args.max_tokens, "max_prompt_len": args.max_prompt_len,
+                           "tensor_parallel_size": args.tensor_parallel_size, "seed": args.seed,
+                           "max_tokens": args.max_tokens, "max_prompt_len": args.max_prompt_len,
                            "chat_template": not args.no_chat_template, "k_override": args.k,
                            "reward": reward.name, "reward_source": reward_source}
     return results
@@ -242,6 +246,7 @@ def run(args: argparse.Namespace) -> dict:
     """Load the sets, get an HF folder for the model, evaluate, write eval.json and eval.md."""
     if not os.path.isdir(args.model):
         raise ValueError(f"model {args.model!r} is not a folder (an HF folder or a Megatron checkpoint)")
+    check_tensor_parallel(args.engine, args.tensor_parallel_size)  # before a checkpoint's export
     sets = load_sets(args)
     os.makedirs(args.out, exist_ok=True)
     if is_hf_folder(args.model):
