@@ -46,7 +46,13 @@ from stapo_megatron.rollout.registry import ENGINE_NAMES, resolve_engine
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The description as written, and every option's default in --help."""
+    """The description as written, and the default of every option that has one in --help (not
+    "(default: None)" for required or unset options, nor a second default where the help names it)."""
+
+    def _get_help_string(self, action):
+        if action.required or action.default in (None, "", False, []) or "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -100,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
                         "[,decodings=T1.0_p1.0+T0.7_p0.9]; repeatable")
     p.add_argument("--decodings", default="+".join(d.name for d in PAPER_DECODINGS),
                    help="decodings of the --bench-dir sets, T<temperature>_p<top_p> joined with '+' "
-                        "(default: the paper's two)")
+                        "(default: the paper's two, %(default)s)")
     p.add_argument("--k", type=int, help="use this k for every set (quick runs)")
     p.add_argument("--hf-config", help="HF folder with config.json/tokenizer, for a training checkpoint")
     p.add_argument("--hf-out", help="keep the HF export of a Megatron checkpoint here (default: a temporary "

@@ -29,6 +29,10 @@ def test_help_shows_the_defaults(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: 20480)" in text and "(default: 1024)" in text and "(default: auto)" in text
     assert "(k=32)" in text
+    # one default per option, none for the required --out or unset options (issue 36's new-user pass)
+    assert "(default: None)" not in text and "(default: [])" not in text
+    assert "(default: T1.0_p1.0+T0.7_p0.9)" not in text  # not twice for --decodings
+    assert "(default: the paper's two, T1.0_p1.0+T0.7_p0.9)" in text
 
 
 def test_folder_without_tokenizer_is_named(tmp_path, tiny_hf):
