@@ -113,7 +113,7 @@ class CheckedRunContext(cli_api.RunContext):
         the code a Slurm job would not get (`shipping.code_problems`)."""
         problems = []
         if self.executor is not None and not self.dryrun:
-            problems += executors.unset_settings(self.executor)
+            problems += executors.unset_settings(self.executor) + executors.missing_sbatch(self.executor)
         is_recipe = getattr(task, "__fn_or_cls__", None) is entry.run_recipe
         if self.emit_sbatch and (not isinstance(self.executor, run.SlurmExecutor) or not is_recipe):
             raise cli_api.RunContextError(emit_sbatch_refusal(self.executor, is_recipe))
