@@ -5,5 +5,7 @@
 - ``scoring``: loading benchmark sets, scoring responses, avg@k / pass@k, tables.
 - ``evaluator``: the in-training `Evaluator` the loop asks (``should_evaluate(step)`` /
   ``evaluate(step)``).
+- ``engine``: the engine ``stapo-eval`` samples with (``--tensor-parallel-size``: vLLM's own
+  worker processes).
 - ``cli``: ``stapo-eval``.
 """

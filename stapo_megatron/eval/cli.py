@@ -41,11 +41,18 @@ from stapo_megatron.eval.scoring import PAPER_DECODINGS, EvalSet, evaluate_sets,
 from stapo_megatron.rewards.functions import get_reward
 from stapo_megatron.rewards.scorer import RewardScorer
 from stapo_megatron.rollout.config import RolloutConfig
-from stapo_megatron.rollout.registry import ENGINE_NAMES, build_engine, resolve_engine
+from stapo_megatron.eval.engine import build_eval_engine, check_tensor_parallel
+from stapo_megatron.rollout.registry import ENGINE_NAMES, resolve_engine
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The description as written, and every option's default in --help."""
+    """The description as written, and the default of every option that has one in --help (not
+    "(default: None)" for required or unset options, nor a second default where the help names it)."""
+
+    def _get_help_string(self, action):
+        if action.required or action.default in (None, "", False, []) or "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
@@ -99,13 +106,15 @@ def _parser() -> argparse.ArgumentParser:
                         "[,decodings=T1.0_p1.0+T0.7_p0.9]; repeatable")
     p.add_argument("--decodings", default="+".join(d.name for d in PAPER_DECODINGS),
                    help="decodings of the --bench-dir sets, T<temperature>_p<top_p> joined with '+' "
-                        "(default: the paper's two)")
+                        "(default: the paper's two, %(default)s)")
     p.add_argument("--k", type=int, help="use this k for every set (quick runs)")
     p.add_argument("--hf-config", help="HF folder with config.json/tokenizer, for a training checkpoint")
     p.add_argument("--hf-out", help="keep the HF export of a Megatron checkpoint here (default: a temporary "
                                     "folder under --out, or under $TMPDIR when --out lies inside the model "
                                     "folder; removed afterwards)")
     p.add_argument("--engine", choices=ENGINE_NAMES, default="auto", help="rollout engine")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the model over this many GPUs (vLLM's own worker processes; vLLM engine only)")
     p.add_argument("--dtype", default="auto", help="engine dtype (auto = the HF folder's)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vLLM's GPU memory share")
     p.add_argument("--max-tokens", type=int, default=20480, help="response length limit (the paper: 20480)")
@@ -140,21 +149,24 @@ DEFAULT_REWARD = "math_verify"
 def run_reward(model: str) -> Tuple[Optional[str], Optional[str]]:
     """(reward, the config.yaml it was read from) of a training run or step folder, else (None, None).
 
-    The run's ``config.yaml`` is read in the step folder itself, then the run folder (a step
-    folder's grandparent); its ``reward`` is a name or a section with one (``reward.name``).
+    The run's ``config.yaml`` is looked for in the step folder itself, then in the run folder (a
+    step folder's grandparent), and read with the launcher's own reader
+    (`stapo_megatron.config.yaml_io.load_config`: the reward is ``trainer.reward.name``).
+
+    Raises:
+        ValueError: a config.yaml that reader refuses, naming the file and ``--reward``.
     """
-    import yaml
+    from stapo_megatron.config.yaml_io import load_config
 
     for folder in (model, os.path.dirname(os.path.dirname(os.path.abspath(model)))):
         path = os.path.join(folder, "config.yaml")
         if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                cfg = yaml.safe_load(f) or {}
-            reward = cfg.get("reward") if isinstance(cfg, dict) else None
-            if isinstance(reward, dict):
-                reward = reward.get("name")
-            if isinstance(reward, str) and reward:
-                return reward, path
+            try:
+                cfg = load_config(path)[1]
+            except ValueError as e:
+                raise ValueError(f"cannot read the run's reward from {path}: {e}; pass --reward NAME "
+                                 "to choose the reward instead") from None
+            return cfg.reward.name, path
     return None, None
 
 
@@ -208,9 +220,9 @@ def evaluate_model(hf_dir: str, sets: List[EvalSet], args: argparse.Namespace) -
     max_model_len = model_len_for(_tokenized(sets, tokenizer, args), args.max_tokens, hf_dir)
     reward_name, reward_source = choose_reward(args)
     reward = get_reward(reward_name)  # a bad name fails before the engine starts
-    engine = build_engine(args.engine, hf_dir, RolloutConfig(
+    engine = build_eval_engine(args.engine, hf_dir, RolloutConfig(
         max_model_len=max_model_len, seed=args.seed, dtype=resolve_dtype(hf_dir, args.dtype),
-        gpu_memory_utilization=args.gpu_memory_utilization))
+        gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size))
     progress = EvalProgress(sys.stderr)
     path = os.path.join(args.out, GENERATIONS)
     try:
@@ -225,7 +237,8 @@ def evaluate_model(hf_dir: str, sets: List[EvalSet], args: argparse.Namespace) -
     finally:
         engine.shutdown()
     results["settings"] = {"model": os.path.abspath(args.model), "engine": resolve_engine(args.engine),
-                           "seed": args.seed, "max_tokens": args.max_tokens, "max_prompt_len": args.max_prompt_len,
+                           "tensor_parallel_size": args.tensor_parallel_size, "seed": args.seed,
+                           "max_tokens": args.max_tokens, "max_prompt_len": args.max_prompt_len,
                            "chat_template": not args.no_chat_template, "k_override": args.k,
                            "reward": reward.name, "reward_source": reward_source}
     return results
@@ -239,6 +252,7 @@ def run(args: argparse.Namespace) -> dict:
     """Load the sets, get an HF folder for the model, evaluate, write eval.json and eval.md."""
     if not os.path.isdir(args.model):
         raise ValueError(f"model {args.model!r} is not a folder (an HF folder or a Megatron checkpoint)")
+    check_tensor_parallel(args.engine, args.tensor_parallel_size)  # before a checkpoint's export
     sets = load_sets(args)
     os.makedirs(args.out, exist_ok=True)
     if is_hf_folder(args.model):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -96,7 +97,8 @@ class EvalConfig:
     """Named evaluation sets scored with the held-out set (every ``every`` steps, at step 0
     and the end), sampled with ``max_response_len`` tokens at most (as the held-out set);
     dicts of `EvalSetConfig` fields, or one string ``name=..,path=..;...`` (what a ``key=value``
-    override gives), are accepted (`eval_set_configs`)."""
+    override gives), are accepted (`eval_set_configs`); in the string, ``bench_dir=DIR`` stands
+    for the paper's benchmarks found in DIR (``scripts/prepare_data.py bench``'s folder)."""
 
     def __post_init__(self):
         check_at_least(self, 0, "every")
@@ -113,11 +115,12 @@ def eval_set_configs(sets: Any) -> List[EvalSetConfig]:
 
     Takes `EvalSetConfig` objects, dicts of its fields, or one string (what the command line can
     carry): sets separated by ";", each ``name=..,path=..[,k=4][,prompt_field=..]
-    [,answer_field=..][,decodings=T1.0_p1.0+T0.7_p0.9]``. An unknown field is refused with the
+    [,answer_field=..][,decodings=T1.0_p1.0+T0.7_p0.9]``, or ``bench_dir=DIR``: the paper's
+    benchmarks found in DIR (`paper_eval_set_configs`). An unknown field is refused with the
     closest field names; names must be unique.
     """
     if isinstance(sets, str):
-        sets = [_eval_set_fields(spec) for spec in sets.split(";") if spec.strip()]
+        sets = [fields for spec in sets.split(";") if spec.strip() for fields in _eval_set_specs(spec)]
     if not isinstance(sets, (list, tuple)):
         raise ValueError(f"eval.sets must be a list of EvalSetConfig (or dicts of its fields) or a string "
                          f"'name=..,path=..;...', got {type(sets).__name__}")
@@ -139,6 +142,38 @@ def eval_set_configs(sets: Any) -> List[EvalSetConfig]:
     if len(set(names)) != len(names):
         raise ValueError(f"eval.sets names must be unique, got {names}")
     return out
+
+
+PAPER_BENCHMARKS = {"aime24": 32, "aime25": 32, "amc23": 32, "math500": 4, "minerva": 4,
+                    "olympiadbench": 4}
+"""Benchmark file stem -> k of avg@k, as in the paper."""
+BENCH_DIR_KEY = "bench_dir"
+"""The ``eval.sets`` string item that stands for the paper's benchmarks in one folder."""
+
+
+def paper_eval_set_configs(bench_dir: str, benchmarks: Dict[str, int] = PAPER_BENCHMARKS) -> List[EvalSetConfig]:
+    """``TrainerConfig.eval.sets`` for the paper's benchmarks in ``bench_dir`` (the folder
+    ``scripts/prepare_data.py bench`` writes): one `EvalSetConfig` per ``<name>.jsonl`` found,
+    with the paper's k and both decodings. ValueError if the folder holds none of them."""
+    if not os.path.isdir(bench_dir):
+        raise ValueError(f"benchmark folder {bench_dir!r} does not exist")
+    found = [EvalSetConfig(name=name, path=os.path.join(bench_dir, f"{name}.jsonl"), k=k)
+             for name, k in benchmarks.items() if os.path.isfile(os.path.join(bench_dir, f"{name}.jsonl"))]
+    if not found:
+        raise ValueError(f"benchmark folder {bench_dir!r} has none of {', '.join(f'{n}.jsonl' for n in benchmarks)} "
+                         "(write them with scripts/prepare_data.py bench)")
+    return found
+
+
+def _eval_set_specs(spec: str) -> List[Any]:
+    """The sets of one ``;``-separated item: ``bench_dir=DIR`` (the paper's benchmarks there, as
+    `EvalSetConfig` objects) or one set's fields (a dict)."""
+    key, sep, value = spec.partition("=")
+    if sep and key.strip() == BENCH_DIR_KEY:
+        if "," in value:
+            raise ValueError(f"eval set {spec!r}: {BENCH_DIR_KEY}=DIR takes no other fields")
+        return list(paper_eval_set_configs(value.strip()))
+    return [_eval_set_fields(spec)]
 
 
 def _eval_set_fields(spec: str) -> Dict[str, Any]:

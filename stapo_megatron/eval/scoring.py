@@ -26,16 +26,13 @@ import warnings
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from stapo_megatron.data.examples import Example, load_examples
-from stapo_megatron.eval.config import Decoding, EvalSetConfig
+from stapo_megatron.eval.config import PAPER_BENCHMARKS, Decoding, EvalSetConfig, paper_eval_set_configs  # noqa: F401
 from stapo_megatron.eval.generate import EvalProgress, GenerateFn, Response, length_stats
 from stapo_megatron.rewards.scorer import RewardScorer
 
 
 
 PAPER_DECODINGS = (Decoding(1.0, 1.0, "T1.0_p1.0"), Decoding(0.7, 0.9, "T0.7_p0.9"))
-PAPER_BENCHMARKS = {"aime24": 32, "aime25": 32, "amc23": 32, "math500": 4, "minerva": 4,
-                    "olympiadbench": 4}
-"""Benchmark file stem -> k of avg@k, as in the paper."""
 
 @dataclasses.dataclass
 class EvalSet:
@@ -248,20 +245,6 @@ def paper_sets(bench_dir: str, decodings: Sequence[Decoding] = PAPER_DECODINGS,
             continue
         found.append(EvalSet(name, load_benchmark(path), k, tuple(decodings)))
     return found, missing
-
-
-def paper_eval_set_configs(bench_dir: str, benchmarks: Mapping[str, int] = PAPER_BENCHMARKS) -> list[EvalSetConfig]:
-    """``TrainerConfig.eval.sets`` for the paper's benchmarks in ``bench_dir`` (the folder
-    ``scripts/prepare_data.py bench`` writes): one `EvalSetConfig` per ``<name>.jsonl`` found,
-    with the paper's k and both decodings. ValueError if the folder holds none of them."""
-    if not os.path.isdir(bench_dir):
-        raise ValueError(f"benchmark folder {bench_dir!r} does not exist")
-    found = [EvalSetConfig(name=name, path=os.path.join(bench_dir, f"{name}.jsonl"), k=k)
-             for name, k in benchmarks.items() if os.path.isfile(os.path.join(bench_dir, f"{name}.jsonl"))]
-    if not found:
-        raise ValueError(f"benchmark folder {bench_dir!r} has none of {', '.join(f'{n}.jsonl' for n in benchmarks)} "
-                         "(write them with scripts/prepare_data.py bench)")
-    return found
 
 
 def evaluate_suite(generate_fn: GenerateFn, bench_dir: str, scorer: RewardScorer,

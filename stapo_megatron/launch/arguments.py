@@ -58,6 +58,23 @@ def launch_files() -> List[str]:
     return lines
 
 
+PAPER_EXECUTOR = "executors.paper_slurm_executor("
+"""What a paper recipe's launch file calls for its default executor (Slurm, the recipe's nodes)."""
+
+
+def paper_launch_files() -> List[str]:
+    """``launch/NAME.py`` of each launch file whose default executor is a paper recipe's Slurm
+    executor (the ones ``--emit-sbatch`` writes a script of)."""
+    names = sorted(os.listdir(LAUNCH_DIR)) if os.path.isdir(LAUNCH_DIR) else []
+    found = []
+    for name in names:
+        if name.endswith(".py"):
+            with open(os.path.join(LAUNCH_DIR, name), encoding="utf-8") as f:
+                if PAPER_EXECUTOR in f.read():
+                    found.append(f"launch/{name}")
+    return found
+
+
 def usage(synopsis: str) -> str:
     """``nemo-run --help``: the synopsis, the launch files, the added options and arguments."""
     files = launch_files()

@@ -54,8 +54,8 @@ from nemo_run.cli.cli_parser import parse_cli_args  # noqa: E402
 
 from stapo_megatron.config.yaml_io import dump_config  # noqa: E402
 from stapo_megatron.launch import entry, executors, preflight, requeue, shipping, timing  # noqa: E402
-from stapo_megatron.launch.arguments import (ADDED_OPTIONS, split_env_args, split_executor_args, split_flag,  # noqa: E402
-                                             split_save_config, usage)
+from stapo_megatron.launch.arguments import (ADDED_OPTIONS, paper_launch_files, split_env_args,  # noqa: E402
+                                             split_executor_args, split_flag, split_save_config, usage)
 from stapo_megatron.launch.jobs import failed_jobs, render_dryrun  # noqa: E402
 from stapo_megatron.launch.arguments import calls_nemo_run_main, load_entrypoint  # noqa: E402, F401
 
@@ -113,11 +113,10 @@ class CheckedRunContext(cli_api.RunContext):
         the code a Slurm job would not get (`shipping.code_problems`)."""
         problems = []
         if self.executor is not None and not self.dryrun:
-            problems += executors.unset_settings(self.executor)
+            problems += executors.unset_settings(self.executor) + executors.missing_sbatch(self.executor)
         is_recipe = getattr(task, "__fn_or_cls__", None) is entry.run_recipe
         if self.emit_sbatch and (not isinstance(self.executor, run.SlurmExecutor) or not is_recipe):
-            raise cli_api.RunContextError("--emit-sbatch writes the sbatch script of a recipe on a Slurm executor "
-                                          "(launch/stapo_14b.py, stapo_8b.py, stapo_1p7b.py)")
+            raise cli_api.RunContextError(emit_sbatch_refusal(self.executor, is_recipe))
         if is_recipe:
             problems += self._recipe(task)
         if not self.emit_sbatch:
@@ -171,7 +170,8 @@ class CheckedRunContext(cli_api.RunContext):
         text = dump_config(cfg, warmstart, recipe)
         if self.dryrun and not self.emit_sbatch:
             print(f"# ---- resolved configuration (dry run) ----\n{text}", flush=True)
-        if self.save_config:
+        if self.save_config:  # its folder too: the README saves it on the shared file system, maybe new
+            os.makedirs(os.path.dirname(self.save_config), exist_ok=True)
             with open(self.save_config, "w", encoding="utf-8") as f:
                 f.write(text)
             print(f"wrote the resolved configuration to {self.save_config} (launch it with config={self.save_config})")
@@ -216,6 +216,16 @@ class CheckedRunContext(cli_api.RunContext):
         os.chmod(self.emit_sbatch, 0o755)
         print(f"wrote {self.emit_sbatch}: submit it with `sbatch {self.emit_sbatch}` (plain sbatch + torchrun, "
               f"the code and .venv of {root})", flush=True)
+
+
+def emit_sbatch_refusal(executor, is_recipe: bool) -> str:
+    """Why ``--emit-sbatch`` writes nothing for this launch file, and the files it does write."""
+    what = ("runs a recipe" if is_recipe else "does not run a recipe (`entry.run_recipe`)")
+    where = type(executor).__name__ if executor is not None else "no executor"
+    return (f"--emit-sbatch writes the sbatch script of a recipe on a Slurm executor; this launch file {what} "
+            f"on {where}" + (" (this machine: run it with --yes, or see its command with --dryrun)"
+                             if isinstance(executor, run.LocalExecutor) else "")
+            + f". The paper recipes' launch files: {', '.join(paper_launch_files())}")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -43,6 +43,7 @@ configuration from the environment.
 import getpass
 import os
 import shlex
+import shutil
 from typing import Dict, List, Optional, Sequence
 
 import nemo_run as run
@@ -223,6 +224,18 @@ def unset_settings(executor) -> List[str]:
         if not value or str(value).startswith(PLACEHOLDER_PREFIX):
             missing.append(f"{field} (set {variable} or {key}=...)")
     return missing
+
+
+def missing_sbatch(executor) -> List[str]:
+    """A Slurm executor that submits on this machine (`run.LocalTunnel`: no ``STAPO_SLURM_HOST``)
+    needs ``sbatch`` here; without it NeMo-Run fails only after creating the experiment, with
+    "sbatch: command not found"."""
+    if (not isinstance(executor, run.SlurmExecutor) or not isinstance(executor.tunnel, run.LocalTunnel)
+            or shutil.which("sbatch")):
+        return []
+    return ["sbatch is not on this machine's PATH: run nemo-run on the cluster's login node, set "
+            "STAPO_SLURM_HOST (and STAPO_SLURM_USER) to submit over SSH, or write a script with "
+            "--emit-sbatch and submit it there"]
 
 
 def check_submission(executor) -> None:

@@ -29,6 +29,10 @@ def test_help_shows_the_defaults(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: 20480)" in text and "(default: 1024)" in text and "(default: auto)" in text
     assert "(k=32)" in text
+    # one default per option, none for the required --out or unset options (issue 36's new-user pass)
+    assert "(default: None)" not in text and "(default: [])" not in text
+    assert "(default: T1.0_p1.0+T0.7_p0.9)" not in text  # not twice for --decodings
+    assert "(default: the paper's two, T1.0_p1.0+T0.7_p0.9)" in text
 
 
 def test_folder_without_tokenizer_is_named(tmp_path, tiny_hf):
@@ -147,11 +151,14 @@ def test_eval_of_a_run_into_its_own_folder_scores_with_the_runs_reward(tmp_path,
     """The README's ``stapo-eval RUN ... --out RUN/eval`` (issue 36, item 8): the checkpoint's HF
     export must not go inside RUN; the run's reward (its config.yaml) scores, and eval.json says
     which. boxed_exact_match scores an unboxed response -1, math_verify 0."""
+    from stapo_megatron.config.yaml_io import write_config
     from stapo_megatron.conversion.hf_to_mcore import convert_hf_to_mcore
+    from stapo_megatron.recipes.paper import qwen3_1p7b
 
     run = tmp_path / "run"
     convert_hf_to_mcore(tiny_hf, str(run))
-    (run / "config.yaml").write_text("seed: 0\nreward: boxed_exact_match\n")
+    # the config.yaml a training run writes (the trainer's own writer), here the paper recipes' reward
+    write_config(str(run / "config.yaml"), qwen3_1p7b(), recipe="qwen3_1p7b")
     common = ["--set", f"name=bench,path={_problems(tmp_path, 2)},k=2,decodings=T1.0_p1.0", "--engine", "hf",
               "--max-tokens", "4", "--no-chat-template", "--dtype", "float32", "--reward-workers", "1"]
     for out, extra, reward, source, value in [
@@ -171,3 +178,26 @@ def test_default_reward_without_a_run_config(tiny_hf):
     args = eval_cli._parser().parse_args([tiny_hf, "--out", "x", "--reward", "no_such_reward"])
     with pytest.raises(ValueError, match="reward must be one of"):
         eval_cli.get_reward(eval_cli.choose_reward(args)[0])
+
+
+def test_the_runs_reward_is_read_from_the_config_yaml_training_writes(tmp_path):
+    """A run folder and its step folders carry the config.yaml of `config.yaml_io.write_config`
+    (the reward under ``trainer.reward.name``): the reward is read from there, not defaulted."""
+    from stapo_megatron.config.yaml_io import write_config
+    from stapo_megatron.recipes.paper import qwen3_8b
+    from stapo_megatron.recipes.tiny import tiny_demo
+
+    run, step = tmp_path / "run", tmp_path / "run" / "checkpoints" / "step_00000004"
+    step.mkdir(parents=True)
+    write_config(str(run / "config.yaml"), qwen3_8b(), recipe="qwen3_8b")
+    assert eval_cli.run_reward(str(run)) == ("boxed_exact_match", str(run / "config.yaml"))
+    assert eval_cli.run_reward(str(step)) == ("boxed_exact_match", str(run / "config.yaml"))
+    cfg, warmstart = tiny_demo(run_dir=str(run))
+    write_config(str(step / "config.yaml"), cfg, warmstart, recipe="tiny")  # the step's own copy comes first
+    assert eval_cli.run_reward(str(step)) == ("math_verify", str(step / "config.yaml"))
+
+
+def test_an_unreadable_run_config_names_the_file_and_the_way_out(tmp_path):
+    (tmp_path / "config.yaml").write_text("seed: 0\nreward: boxed_exact_match\n")  # not a run's layout
+    with pytest.raises(ValueError, match=r"cannot read the run's reward from .*config.yaml.*--reward"):
+        eval_cli.run_reward(str(tmp_path))

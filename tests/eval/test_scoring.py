@@ -230,3 +230,29 @@ def test_eval_sets_from_a_string():
         sets="name=aime24,path=/b/aime24.jsonl,k=32;name=m,path=/b/m,decodings=T0.6_p0.95+T1_p1;"))
     assert cfg.eval.sets == [EvalSetConfig(name="aime24", path="/b/aime24.jsonl", k=32),
                              EvalSetConfig(name="m", path="/b/m", decodings=("T0.6_p0.95", "T1_p1"))]
+
+
+def test_bench_dir_in_an_eval_sets_string_is_the_paper_benchmarks_found_there(tmp_path):
+    """A cluster launch has only key=value overrides: ``eval.sets=bench_dir=DIR`` wires in the
+    benchmarks prepare_data wrote (issue 36 item 8; `with_paper_benchmarks` needs Python), also
+    beside other sets, through the same parser the launch entry uses."""
+    from stapo_megatron.eval.config import eval_set_configs
+    from stapo_megatron.launch.entry import build_config, parse_arguments
+
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    for name in ("aime25", "math500", "notes"):
+        _write_jsonl(bench / f"{name}.jsonl", [{"prompt": "1+1", "answer": "2"}])
+    sets = eval_set_configs(f"bench_dir={bench};name=gsm,path=/data/gsm.jsonl,k=2")
+    assert [(s.name, s.k, s.path) for s in sets] == [("aime25", 32, str(bench / "aime25.jsonl")),
+                                                     ("math500", 4, str(bench / "math500.jsonl")),
+                                                     ("gsm", 2, "/data/gsm.jsonl")]
+    assert sets[0].decodings == tuple(d.name for d in PAPER_DECODINGS)
+    with pytest.raises(ValueError, match="bench_dir=DIR takes no other fields"):
+        eval_set_configs(f"bench_dir={bench},k=4")
+    with pytest.raises(ValueError, match="benchmark folder '/nonexistent' does not exist"):
+        eval_set_configs("bench_dir=/nonexistent")
+    arguments = parse_arguments(["model.hf_dir=/m", "model.megatron_ckpt=/c", "data.train_path=/t.jsonl",
+                                 f"eval.sets=bench_dir={bench}"])
+    cfg, _ = build_config("qwen3_8b", **arguments)  # the paths check passes: the sets are the evaluation
+    assert [s.name for s in cfg.eval.sets] == ["aime25", "math500"] and cfg.data.eval_path is None

@@ -487,3 +487,43 @@ def test_help_lists_the_launch_files_and_the_added_options(tmp_path):
         assert text in out, text
     code, out = nemo_run(tmp_path, "launch/stapo_14b.py", "--help")
     assert code == 0 and "--save-config PATH" in out and "method=NAME" in out and "--dryrun" in out, out
+
+
+def _quickstart_steps(first: int, last: int) -> str:
+    """The README's "Cluster quickstart (Slurm)" shell block, steps ``first`` to ``last``."""
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    block = re.search(r"```bash\n(# 1\. convert the base model.*?)```", text, re.S).group(1)
+    steps = re.split(r"^(?=# \d\. )", block, flags=re.M)
+    return "".join(s for s in steps if s and first <= int(s[2]) <= last)
+
+
+def test_the_readme_quickstart_saves_a_config_its_launch_takes(tmp_path):
+    """Steps 2 and 3 of the README's cluster quickstart, as written (the shared file system /lustre
+    a temporary folder, the submission a dry run): the saved configuration is launched back
+    without a problem. It once saved into the checkout (`--save-config qwen3-14b-stapo.yaml`),
+    and the launch then refused the relative config path and the checkout's new file."""
+    from tests.launch.test_preflight import write_hf_config
+
+    lustre = tmp_path / "lustre"
+    write_hf_config(lustre / "models" / "Qwen3-14B-Base", "qwen3_14b")
+    (lustre / "ckpt" / "qwen3-14b").mkdir(parents=True)
+    (lustre / "data").mkdir()
+    for name in ("dapo-math-17k.parquet", "heldout.jsonl"):
+        (lustre / "data" / name).write_text("{}\n")
+    code_dir = tmp_path / "code"  # a clean checkout: the job's code, whatever state this one is in
+    _git_checkout(code_dir)("commit", "-qam", "clean")
+    subprocess.run(["git", "-C", str(code_dir), "clean", "-fdq"], check=True)
+    script = _quickstart_steps(2, 3).replace("/lustre", str(lustre)).replace("--yes --detach", "--dryrun")
+    assert script.count("nemo-run launch/stapo_14b.py") == 2, script
+    script = script.replace("nemo-run ", f"{NEMO_RUN} ")
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("STAPO_")}
+    environ.update(NEMORUN_HOME=str(tmp_path / "home"), COLUMNS="250", STAPO_CODE_DIR=str(code_dir))
+    proc = subprocess.run(["bash", "-ec", script], cwd=REPO, env=environ, capture_output=True, text=True,
+                          timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert out.count("# ---- sbatch script of task stapo_14b") == 2, out
+    assert "a submission would be refused" not in out, out
+    saved = re.search(r"wrote the resolved configuration to (\S+) ", out).group(1)
+    assert saved.startswith(str(lustre) + "/"), saved  # on the shared file system, not in the checkout

@@ -29,3 +29,22 @@ def test_the_config_reference_says_which_ratio_icepop_bounds():
     code = read("stapo_megatron", "method", "rollout_correction.py")
     assert "return old_logprob.to(dtype) - rollout_logprob.to(dtype)" in code
     assert "_outside(delta_BS, config.token_lower, config.token_upper)" in code
+
+
+def _jobs_at_4h(size):
+    """Jobs a paper recipe's 3,000 steps need in 4 h jobs (`launch.timing`'s estimate)."""
+    from stapo_megatron.launch.entry import build_config
+    from stapo_megatron.recipes import paper, step_time
+
+    cfg = build_config(size, check_paths=False)[0]
+    step = step_time.estimate_step_time(paper.ARCHITECTURES[size], paper.layout_for(size, cfg), cfg)
+    return step_time.jobs_needed(cfg.steps, step, 4 * 3600, step_time.signal_seconds(step))
+
+
+def test_the_readme_job_counts_are_the_estimates():
+    """The README's range of jobs per paper recipe at 4 h said 75-100 while the dry runs print
+    71-99 (the 30B-A3B's retries, 103, are its 99 jobs plus the failure allowance)."""
+    jobs = {size: _jobs_at_4h(size) for size in ("qwen3_1p7b", "qwen3_8b", "qwen3_14b", "qwen3_30b_a3b")}
+    text = " ".join(read("README.md").split())
+    assert f"every paper recipe with 4 h jobs: {min(jobs.values())}-{max(jobs.values())}," in text, jobs
+    assert f"`stapo_8b_32k` ~{round(_jobs_at_4h('qwen3_8b_32k'), -1)}," in text

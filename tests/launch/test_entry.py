@@ -59,3 +59,36 @@ def test_entry_usage():
     proc = subprocess.run([sys.executable, "-m", "stapo_megatron.launch.entry", "qwen9"], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode != 0 and "recipe must be one of ('tiny', 'tiny_moe', 'qwen3_1p7b'" in proc.stderr
+
+
+def _readme_cpu_trial():
+    """The README's "A paper recipe on this CPU" block: (its ``CPU`` overrides, its commands)."""
+    import re
+
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    block = re.search(r"<!-- cpu-paper-trial:begin -->\n```bash\n(.*?)```\n<!-- cpu-paper-trial:end -->",
+                      text, re.S).group(1)
+    overrides = re.search(r'^CPU="(.*?)"$', block, re.S | re.M).group(1).split()
+    return overrides, [line for line in block.splitlines() if line and not line.startswith(("CPU=", " "))]
+
+
+def test_the_readme_cpu_trial_of_a_paper_recipe_is_a_valid_paper_config():
+    """The overrides the README gives for a paper recipe at DP=2 on the CPU pass the recipe's own
+    checks on the 1 x 2 processes of its torchrun command (the layout, the batches over DP, the
+    per-rank token budget), keep the recipe's bf16 and distributed optimizer, save every step and
+    resume: the new-user pass of issue 36 ran exactly these commands."""
+    from stapo_megatron.launch.entry import build_config
+
+    overrides, commands = _readme_cpu_trial()
+    runs = [c for c in commands if "-m stapo_megatron.launch.entry" in c]
+    assert len(runs) == 2 and all("--nproc-per-node 2" in c and " qwen3_1p7b $CPU output_dir=runs/p1 " in c
+                                  for c in runs)
+    steps = [parse_arguments(c.split("$CPU ")[1].split())["steps"] for c in runs]
+    assert steps == [2, 4]  # the second run resumes from the first one's last checkpoint
+    cfg, _ = build_config("qwen3_1p7b", output_dir="runs/p1", num_nodes=1, gpus_per_node=2, steps=2,
+                          **parse_arguments(overrides))
+    assert (cfg.model.bf16, cfg.optim.use_distributed_optimizer, cfg.save_every) == (True, True, 1)
+    assert (cfg.model.tensor_model_parallel_size, cfg.rollout.tensor_parallel_size) == (1, 1)
+    assert cfg.data.max_prompt_len + cfg.rollout.max_response_len <= 512  # the tiny model's positions
+    assert any(c.startswith("stapo-eval runs/p1 ") for c in commands)
