@@ -19,6 +19,7 @@ All ranks of one engine (vLLM TP > 1) run the same commands; its first rank send
 from __future__ import annotations
 
 import queue
+import signal
 import threading
 import time
 from typing import Any
@@ -58,9 +59,15 @@ def run_engine_rank(cfg: TrainerConfig, bridge: Bridge) -> int:
     `serve`, then leave the engines' process group. Returns the requests served."""
     from stapo_megatron.bridge.hf_config import load_hf_config
     from stapo_megatron.trainer.routing import routes_wanted
+    from stapo_megatron.trainer.preemption import DEFAULT_SIGNALS
     from stapo_megatron.trainer.seeds import Seeds
 
     seed = Seeds(cfg.seed, None, cfg.data.seed).engine(bridge.engine_index)
+    # The scheduler's warning signal (torchrun forwards it to every rank) is the trainers' to act
+    # on: they save at the next step boundary and send "stop". Its default action would end this
+    # rank at once, and the trainers' next receive with it.
+    for sig in DEFAULT_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     try:
         return serve(cfg, bridge, seed, routes_wanted(cfg.rollout, load_hf_config(cfg.model.hf_dir)))
     finally:

@@ -3,17 +3,21 @@ or colocated, and an optional fault on the engine rank, for tests/integration/te
 
     torchrun --nproc-per-node N tests/helpers/separate_script.py OUTPUT_DIR FAULT [key=value ...]
 
-FAULT: ``none``, or ``engine-kill:K``: the engine rank SIGKILLs itself as it begins its K-th
-``generate`` (counted from 1; a point of the run, never a wall-clock moment). The ``key=value``
+FAULT: ``none``; ``engine-kill:K``: the engine rank SIGKILLs itself as it begins its K-th
+``generate`` (counted from 1; a point of the run, never a wall-clock moment); ``signal:K``:
+trainer rank 0 writes ``<run_dir>/waiting_for_signal`` after training step K (0-based) and waits
+there for the scheduler's warning signal. The ``key=value``
 arguments are `entry.parse_arguments`' (``rollout.max_staleness=1``).
 """
 
 import os
 import signal
 import sys
+import time
 
 from stapo_megatron.launch import entry
 from stapo_megatron.trainer import engine_server
+from stapo_megatron.trainer.loop import Trainer
 
 SMALL = dict(
     steps=3, prompts_per_step=16, minibatch_prompts=8, save_every=0, seed=7,
@@ -23,12 +27,30 @@ SMALL = dict(
 """The tiny recipe cut to a few steps that still learn (a warm-started policy: rewards, silenced tokens)."""
 
 
+def _wait_for_signal_after(step: int) -> None:
+    """Trainer rank 0, after training step ``step`` (0-based): write ``waiting_for_signal`` and
+    wait there until the warning signal has arrived (the test sends it to torchrun)."""
+    train_step = Trainer.train_step
+
+    def train_then_wait(self, s):
+        out = train_step(self, s)
+        if s == step and int(os.environ["RANK"]) == 0:
+            open(os.path.join(self.cfg.run_dir, "waiting_for_signal"), "w").close()
+            while not self.stop_signal.received:
+                time.sleep(0.05)
+        return out
+
+    Trainer.train_step = train_then_wait
+
+
 def _inject(fault: str) -> None:
     kind, _, where = fault.partition(":")
-    if kind not in ("none", "engine-kill"):
+    if kind not in ("none", "engine-kill", "signal"):
         raise ValueError(f"unknown FAULT {fault!r}")
     if kind == "none":
         return
+    if kind == "signal":
+        return _wait_for_signal_after(int(where))
     build = engine_server.build_engine
 
     def build_dying(*args, **kwargs):

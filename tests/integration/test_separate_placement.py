@@ -5,8 +5,10 @@ resumed run starts a new pipeline; a killed engine ends the job naming its rank.
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -84,3 +86,34 @@ def test_killed_engine_ends_the_job_naming_its_rank(tmp_path):
     assert len(_train_rows(tmp_path / "run")) == 1  # step 1 was trained and logged; nothing after
     record = json.load(open(tmp_path / "run" / "failures" / "rank_00000.json"))
     assert record["peer_failure"], record
+
+
+@pytest.mark.slow  # two launches with three processes
+def test_warning_signal_saves_and_the_engines_stop_cleanly(tmp_path):
+    """Slurm's warning signal reaches every rank through torchrun: the trainers save at the next
+    step boundary and stop for a requeue; the engine rank ignores it and stops when told (it
+    records no failure); the requeued job resumes."""
+    from stapo_megatron.launch.requeue import STOPPED_MARKER
+    from stapo_megatron.trainer.preemption import torchrun_env
+
+    run_dir = tmp_path / "run"
+    args = [*SEPARATE, "rollout.max_staleness=1", "steps=5", "eval.every=0"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--max-restarts", "0",
+           "--master-port", str(_free_port()), SCRIPT, str(run_dir), "signal:1", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", **torchrun_env(120))
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True)
+    try:
+        while not (run_dir / "waiting_for_signal").exists():
+            assert proc.poll() is None, proc.stderr.read()[-4000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGUSR1)  # to torchrun only, as Slurm's --signal reaches it
+        log = proc.communicate(timeout=600)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode != 0, log[-4000:]
+    assert (run_dir / STOPPED_MARKER).exists(), log[-4000:]
+    assert not (run_dir / "failures").exists() or os.listdir(run_dir / "failures") == []  # the engine too
+    assert [r["step"] for r in _train_rows(run_dir)] == [1, 2]  # the signal arrived in step 2: saved, stopped
+    resumed = _launch(3, run_dir, "none", *args)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert [r["step"] for r in _train_rows(run_dir)] == [1, 2, 3, 4, 5]
