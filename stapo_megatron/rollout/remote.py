@@ -115,12 +115,13 @@ class RemoteEngine:
         counts: List[Optional[int]] = [None] * dist.get_world_size()
         dist.all_gather_object(counts, len(prompt_token_ids) if self.asks else None)
         plan = plan_chunks(counts, self.bridge.num_engines)
+        # each asker's prompts and its own seed (the DP replicas sample with different seeds)
         requests: Optional[List] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(prompt_token_ids if self.asks else None, requests, dst=0)
+        dist.gather_object((prompt_token_ids, seed) if self.asks else None, requests, dst=0)
         ticket = Ticket(self.tickets, self.transfers - 1, [c for c in plan if c.dest == dist.get_rank()])
         self.tickets += 1
         if dist.get_rank() == 0:
-            jobs = [(c, requests[c.dest][c.start:c.end], None if seed is None else seed + c.start * n) for c in plan]
+            jobs = [(c, requests[c.dest][0][c.start:c.end], _offset(requests[c.dest][1], c.start * n)) for c in plan]
             broadcast_object(self.bridge.control, ("generate", ticket.id, jobs, (n, temperature, top_p, max_tokens)))
         return ticket
 
@@ -209,6 +210,10 @@ class RemoteEngine:
                 broadcast_object(self.bridge.control, ("stop",), timeout_s=60.0)
             except RuntimeError:  # an engine is gone (the job is failing): nothing left to stop
                 pass
+
+
+def _offset(seed: Optional[int], by: int) -> Optional[int]:
+    return None if seed is None else seed + by
 
 
 def unpack_bucket(manifest: List[Tuple[str, Tuple[int, ...], str]], flat: torch.Tensor) -> List[Tuple[str, torch.Tensor]]:

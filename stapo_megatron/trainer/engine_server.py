@@ -18,11 +18,13 @@ All ranks of one engine (vLLM TP > 1) run the same commands; its first rank send
 
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -75,6 +77,23 @@ def run_engine_rank(cfg: TrainerConfig, bridge: Bridge) -> int:
             dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def _engine_pool_env(bridge: Bridge) -> Iterator[None]:
+    """torchrun's ``RANK`` and ``WORLD_SIZE`` as the engines' own group numbers them while the
+    engine is built: vLLM's external launcher reads them from the environment (and forms its TP
+    groups from them) next to the already formed default group, which is the engines' alone."""
+    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
+    os.environ.update(RANK=str(bridge.rank - bridge.trainers), WORLD_SIZE=str(bridge.engine_ranks))
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def _listen(bridge: Bridge, inbox: "queue.Queue[Any]", stopping: threading.Event) -> None:
     """The listener thread (module docstring); an exception is handed to the main thread."""
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -103,7 +122,8 @@ def serve(cfg: TrainerConfig, bridge: Bridge, seed: int, return_routes: bool) ->
         RuntimeError: trainer 0's commands stopped arriving (it died: the message says so) or
             the engine failed.
     """
-    engine = build_engine(cfg.rollout.engine, cfg.model.hf_dir, engine_config(cfg, seed, return_routes))
+    with _engine_pool_env(bridge):
+        engine = build_engine(cfg.rollout.engine, cfg.model.hf_dir, engine_config(cfg, seed, return_routes))
     inbox: "queue.Queue[Any]" = queue.Queue()
     stopping = threading.Event()
     threading.Thread(target=_listen, args=(bridge, inbox, stopping), name="engine-listener", daemon=True).start()

@@ -34,11 +34,13 @@ def _train_rows(run_dir):
     return [r for r in load_rows(os.path.join(run_dir, "metrics.jsonl")) if r["kind"] == "train"]
 
 
-@pytest.mark.slow  # two launches of the tiny recipe (one and two processes), a few minutes
+@pytest.mark.slow  # two launches of the tiny recipe (two and three processes), a few minutes
 def test_synchronous_separate_placement_writes_the_colocated_metrics(tmp_path):
-    colocated = _launch(1, tmp_path / "colocated")
+    """DP = 2 both ways: the one engine serves both replicas, each with its own seeds (a DP = 1
+    run would not notice a replica sampled with another's)."""
+    colocated = _launch(2, tmp_path / "colocated")
     assert colocated.returncode == 0, colocated.stderr[-4000:]
-    separate = _launch(2, tmp_path / "separate", "none", *SEPARATE)
+    separate = _launch(3, tmp_path / "separate", "none", *SEPARATE)
     assert separate.returncode == 0, separate.stderr[-4000:]
     before = load_rows(tmp_path / "colocated" / "metrics.jsonl")
     after = load_rows(tmp_path / "separate" / "metrics.jsonl")
