@@ -82,6 +82,9 @@ def _engine_pool_env(bridge: Bridge) -> Iterator[None]:
     """torchrun's ``RANK`` and ``WORLD_SIZE`` as the engines' own group numbers them while the
     engine is built: vLLM's external launcher reads them from the environment (and forms its TP
     groups from them) next to the already formed default group, which is the engines' alone."""
+    if bridge.engine_ranks == 1:  # one engine process: vLLM's own executor, no launcher to inform
+        yield
+        return
     saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
     os.environ.update(RANK=str(bridge.rank - bridge.trainers), WORLD_SIZE=str(bridge.engine_ranks))
     try:
