@@ -28,6 +28,8 @@ import os
 import pickle
 import random
 import shutil
+import signal
+import threading
 from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
@@ -35,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from stapo_megatron.mcore.checkpoint_optimizer import optimizer_sharded_state_dict, restore_loaded_optimizer_state
+from stapo_megatron.mcore.mcore_versions import checkpoint_writer_queue
 
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.pt"
@@ -141,6 +144,27 @@ def _sharded(model, optimizer, is_loading: bool) -> Dict[str, Any]:
     return {"model": model_sd, "optimizer": optimizer_sharded_state_dict(optimizer, model_sd, is_loading)}
 
 
+WARNING_SIGNALS = (signal.SIGUSR1,)
+"""Slurm's warning before the time limit (`stapo_megatron.trainer.preemption.DEFAULT_SIGNALS`)."""
+
+
+def _start_writer_ignoring_warning() -> None:
+    """Start megatron-core's checkpoint-writer queue, a Manager process it spawns at the first
+    save and keeps, with the warning signal ignored (an ignored signal stays ignored across the
+    spawn). Slurm signals every process of the job step and torchrun forwards the signal to its
+    workers' process groups; the Manager's default action would end it, and the save the
+    signal asks for would then fail in ``dist_checkpointing.save`` (a broken pipe). Only from
+    the main thread, where handlers can be set (the trainer saves there)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in WARNING_SIGNALS}
+    try:
+        checkpoint_writer_queue()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def save_checkpoint(run_dir: str, step: int, model, optimizer, trainer_state: Dict[str, Any],
                     write_extra: Optional[Callable[[str], None]] = None, keep_last: int = 0) -> str:
     """Collective: save model, optimizer, RNG and ``trainer_state`` as step ``step``; publish it.
@@ -161,6 +185,7 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, trainer_state: Di
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a run killed while saving
         os.makedirs(tmp)
     _barrier()
+    _start_writer_ignoring_warning()
     dist_checkpointing.save(_sharded(model, optimizer, is_loading=False), tmp)
     torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{_rank():05d}.pt"))
     if _rank() == 0:

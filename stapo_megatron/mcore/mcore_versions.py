@@ -73,3 +73,15 @@ def in_backward() -> bool:
     a recomputation inside backward. torch (checked with 2.13) has no public API for this;
     ``torch._C._current_graph_task_id`` is what torch's own FSDP uses (-1 outside backward)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def checkpoint_writer_queue():
+    """megatron-core's checkpoint-writer results queue (a Manager process started from the
+    ``spawn`` context at the first save): ``_get_write_results_queue()`` in 0.16,
+    ``get_write_results_queue(mp_mode)`` from 0.17 (0.19.2's ``filesystem_async.py``), both
+    caching it in the module's ``_results_queue``."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if mcore_release() >= (0, 17, 0):
+        return filesystem_async.get_write_results_queue()
+    return filesystem_async._get_write_results_queue()

@@ -61,9 +61,7 @@ def test_one_step_off_trains_on_one_update_old_samples_and_resumes_with_a_fresh_
                     "eval.every=0")
     assert first.returncode == 0, first.stderr[-4000:]
     rows = _train_rows(run_dir)
-    assert [r["staleness"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
-    # samples of an older policy: the trainer's pi_old differs from the engine's log-probs
-    assert rows[0]["rollout_train_logprob_diff"] < 1e-5 < rows[1]["rollout_train_logprob_diff"]
+    assert [r["staleness"] for r in rows] == [0.0, 1.0, 1.0, 1.0]  # (the exact versions: test_rollout_schedule.py)
     # requeued: the next launch resumes from step 4 and regenerates what was in flight
     second = _launch(3, run_dir, "none", *SEPARATE, "rollout.max_staleness=1", "steps=6", "save_every=2",
                      "eval.every=0")

@@ -70,3 +70,36 @@ def test_genuine_states_load_weights_only(tmp_path):
     assert (loaded["numpy"][1] == state["numpy"][1]).all()
     torch.save({"data_position": 48, "step": 3}, tmp_path / ckpt.TRAINER_STATE)
     assert ckpt.read_trainer_state(str(tmp_path)) == {"data_position": 48, "step": 3}
+
+
+def test_the_checkpoint_writer_outlives_the_warning_signal(monkeypatch):
+    """megatron-core's checkpoint writer keeps a spawned Manager process from the first save on;
+    Slurm's warning signal reaches every process of the job, and by default it would end the
+    Manager, so the save the signal asks for failed with a broken pipe. It is started ignoring
+    the signal: a real SIGUSR1 leaves it running and its queue working, and this process's own
+    handler is kept."""
+    import signal
+
+    import psutil
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from stapo_megatron.mcore.mcore_versions import checkpoint_writer_queue
+
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)  # a fresh Manager, as at a run's first save
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    handler = signal.signal(signal.SIGUSR1, lambda *a: None)
+    try:
+        ckpt._start_writer_ignoring_warning()
+        assert signal.getsignal(signal.SIGUSR1) not in (signal.SIG_IGN, signal.SIG_DFL)  # ours, restored
+        started = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        assert started, "no Manager process was started"
+        for process in started:
+            os.kill(process.pid, signal.SIGUSR1)
+        for process in started:  # a killed process would be reaped at once; a live one times out
+            with pytest.raises(psutil.TimeoutExpired):
+                process.wait(timeout=2)
+        queue = checkpoint_writer_queue()
+        queue.put("still there")
+        assert queue.get(timeout=10) == "still there"
+    finally:
+        signal.signal(signal.SIGUSR1, handler)
