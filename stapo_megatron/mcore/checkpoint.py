@@ -256,6 +256,7 @@ def save_model_only(model, path: str) -> str:
         os.makedirs(tmp)
     _barrier()
     inner = model.module if hasattr(model, "module") else model
+    _start_writer_ignoring_warning()  # the first save of a run may be this one (the warm-start's)
     dist_checkpointing.save(inner.sharded_state_dict(), tmp)
     _barrier()
     if _rank() == 0:
