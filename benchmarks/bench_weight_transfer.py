@@ -2,7 +2,8 @@
 real code (`RemoteEngine.update_weights` on one side, the engine's listener thread,
 `stapo_megatron.trainer.engine_server._listen`, on the other), per bucket size.
 
-    .venv/bin/python benchmarks/bench_weight_transfer.py [--gb 1.0] [--engines 1] [--buckets 64,256,1024] [--repeats 3]
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 PYTHONPATH=. .venv/bin/python benchmarks/bench_weight_transfer.py \
+        [--gb 1.0] [--engines 1] [--buckets 64,256,1024] [--repeats 3]
 
 Starts 1 + ``--engines`` processes on this machine (gloo over loopback TCP on the CPU; NCCL between
 GPUs when run on a GPU node) joined by a TCP store; trainer 0 streams ``--gb`` of bf16 tensors of
@@ -23,6 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from malloc_check import check_jemalloc  # benchmarks/, the script's folder
 
 SHAPES = [(4096 * 3, 4096), (4096, 4096), (22016, 4096), (4096, 11008)]
 """A decoder layer's matrices (QKV, O, gate+up, down) of a 7B-class model, cycled to fill ``--gb``."""
@@ -79,6 +81,8 @@ def main() -> None:
     parser.add_argument("--buckets", type=lambda s: [int(x) for x in s.split(",")], default=[64, 256, 1024])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        check_jemalloc()  # the CPU copies into and out of the buckets
     from tests.helpers.dist_utils import _free_port
 
     ctx = mp.get_context("spawn")
