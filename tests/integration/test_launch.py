@@ -212,6 +212,10 @@ LAYOUT_LINES = {
     "1p7b": r"# 2 x 8 GPUs: TP=2 PP=1 CP=1 DP=8; 16384-token sequences \(16384 per CP rank\), recompute full;",
     "30b_a3b": r"# 4 x 8 GPUs: TP=4 PP=1 CP=1 EP=16 ETP=1 DP=8; 16384-token sequences \(16384 per CP rank\), "
                r"recompute full; vLLM TP=4 at 0\.4 of the card;",
+    # separate placement: both pools
+    "8b_async": r"# 4 x 8 GPUs, separate placement: 16 train \(TP=4 PP=1 CP=2 DP=2; 16384-token sequences, recompute "
+                r"none; [\d.]+ GB of 80 GB\), 16 generate \(4 vLLM engines of TP=4 at 0\.85 of the card: KV cache for "
+                r"\d+ tokens per GPU\)",
 }
 
 
@@ -265,6 +269,15 @@ def test_submission_checks_every_path_on_the_login_node(tmp_path):
     assert code == 1, out
     assert f"data.train_path='/data/train.parquet' does not exist (outside the container: {tmp_path}/train.parquet)" in out
     assert "aime24" not in out.split("not launched:")[1]
+
+
+def test_tiny_async_dryrun_starts_the_engine_rank_too(tmp_path):
+    """`make demo-async`: three processes, the last the engine (rollout.engine_ranks=1)."""
+    code, out = nemo_run(tmp_path, "launch/stapo_tiny_async.py", "--dryrun", f"output_dir={tmp_path}/fresh-run")
+    assert code == 0, out
+    args = re.findall(r"'([^']*)'", re.search(r"'args': \[(.*?)\]", out, re.S).group(1))
+    assert args[args.index("--nproc-per-node") + 1] == "3"
+    assert re.search(r"placement: separate", out) and re.search(r"engine_ranks: 1", out) and "max_staleness: 1" in out
 
 
 def test_tiny_dryrun_shows_the_torchrun_command(tmp_path):
