@@ -5,8 +5,9 @@ real code (`RemoteEngine.update_weights` on one side, the engine's listener thre
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 PYTHONPATH=. .venv/bin/python benchmarks/bench_weight_transfer.py \
         [--gb 1.0] [--engines 1] [--buckets 64,256,1024] [--repeats 3]
 
-Starts 1 + ``--engines`` processes on this machine (gloo over loopback TCP on the CPU; NCCL between
-GPUs when run on a GPU node) joined by a TCP store; trainer 0 streams ``--gb`` of bf16 tensors of
+Starts 1 + ``--engines`` processes on this machine (gloo over loopback TCP, CPU tensors: the trainers'
+NCCL path needs a GPU per process, two at least, which the lent one-GPU machine does not have)
+joined by a TCP store; trainer 0 streams ``--gb`` of bf16 tensors of
 a 4096-wide layer's shapes. A transfer's time runs from the call until every engine holds the
 whole set (a barrier after). Prints one row per bucket size: the median seconds per GB and the
 GB/s, and the engine's staged copy's size (what separate placement costs an engine's host).
@@ -81,8 +82,7 @@ def main() -> None:
     parser.add_argument("--buckets", type=lambda s: [int(x) for x in s.split(",")], default=[64, 256, 1024])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        check_jemalloc()  # the CPU copies into and out of the buckets
+    check_jemalloc()  # the CPU copies into and out of the buckets
     from tests.helpers.dist_utils import _free_port
 
     ctx = mp.get_context("spawn")
@@ -94,7 +94,7 @@ def main() -> None:
     total, rows = results.get(timeout=3600)
     for p in procs:
         p.join(timeout=60)
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores), gloo"
+    device = f"CPU ({os.cpu_count()} cores), gloo"
     print(f"weight transfer, {total / 1e9:.2f} GB bf16, trainer 0 -> {args.engines} engine(s), {device}, "
           f"median of {args.repeats}")
     print("| bucket (MiB) | s per GB | GB/s |")

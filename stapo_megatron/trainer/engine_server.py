@@ -97,9 +97,13 @@ def _engine_pool_env(bridge: Bridge) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def _listen(bridge: Bridge, inbox: "queue.Queue[Any]", stopping: threading.Event) -> None:
-    """The listener thread (module docstring); an exception is handed to the main thread."""
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+def _listen(bridge: Bridge, inbox: "queue.Queue[Any]", stopping: threading.Event,
+            device: torch.device = torch.device("cpu")) -> None:
+    """The listener thread (module docstring), receiving weights onto ``device`` (the engine's
+    GPU: the current CUDA device is per thread, so it is set here again); an exception is handed
+    to the main thread."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     try:
         while True:
             command = broadcast_object(bridge.control)
@@ -108,6 +112,8 @@ def _listen(bridge: Bridge, inbox: "queue.Queue[Any]", stopping: threading.Event
                 while (manifest := broadcast_object(bridge.control)) is not None:
                     flat = torch.empty(bucket_bytes(manifest), dtype=torch.uint8, device=device)
                     tensors += unpack_bucket(manifest, broadcast_tensor(bridge.weights, flat))
+                if device.type == "cuda":  # NCCL's wait orders streams only: the bytes must be there
+                    torch.cuda.current_stream().synchronize()  # before the main thread loads them
                 command = ("weights", command[1], tensors)
             if command[0] == "stop":
                 stopping.set()
@@ -129,7 +135,9 @@ def serve(cfg: TrainerConfig, bridge: Bridge, seed: int, return_routes: bool) ->
         engine = build_engine(cfg.rollout.engine, cfg.model.hf_dir, engine_config(cfg, seed, return_routes))
     inbox: "queue.Queue[Any]" = queue.Queue()
     stopping = threading.Event()
-    threading.Thread(target=_listen, args=(bridge, inbox, stopping), name="engine-listener", daemon=True).start()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    threading.Thread(target=_listen, args=(bridge, inbox, stopping, device), name="engine-listener",
+                     daemon=True).start()
     outbox = Outbox(bridge.data)
     idle = load = 0.0
     served = 0
