@@ -41,13 +41,20 @@ class SequenceRecord:
     version: int = 0
     """The policy version that sampled the response: the number of optimizer updates the policy
     had taken when it generated it (the trainer's RL updates; asynchronous rollouts compare it
-    with the trainer's version to know how stale a record is)."""
+    with the trainer's version to know how stale a record is). A partial rollout's response was
+    sampled by several: this is the oldest."""
+    loss_mask: Optional[torch.Tensor] = None
+    """[R] bool: the response tokens the loss sees (None: all). Partial rollouts with
+    ``rollout.mask_stale_tokens`` leave out the tokens an older policy than the bound sampled."""
 
     def __post_init__(self):
         if self.prompt_ids.dim() != 1 or len(self.prompt_ids) < 1:
             raise ValueError(f"prompt_ids must be [P >= 1], got {tuple(self.prompt_ids.shape)}")
         if self.rollout_logprobs.shape != self.response_ids.shape or self.response_ids.dim() != 1:
             raise ValueError(f"rollout_logprobs {tuple(self.rollout_logprobs.shape)} must match response_ids "
+                             f"{tuple(self.response_ids.shape)} ([R])")
+        if self.loss_mask is not None and self.loss_mask.shape != self.response_ids.shape:
+            raise ValueError(f"loss_mask {tuple(self.loss_mask.shape)} must match response_ids "
                              f"{tuple(self.response_ids.shape)} ([R])")
 
     @property
@@ -115,7 +122,7 @@ def token_fields(rec: SequenceRecord, index: int, with_routes: bool) -> TokenFie
     tokens = torch.cat([rec.prompt_ids, rec.response_ids])
     n, start = len(tokens), len(rec.prompt_ids) - 1
     mask = torch.zeros(n, dtype=torch.bool)
-    mask[start:n - 1] = True
+    mask[start:n - 1] = True if rec.loss_mask is None else rec.loss_mask
     logprob = torch.zeros(n, dtype=torch.float32)
     logprob[start:n - 1] = rec.rollout_logprobs
     routes = sequence_routes(rec.routes, index, n) if with_routes else None
@@ -155,14 +162,17 @@ def encoded_size(prompt_len: int, response_len: int, route_shape: Optional[Seque
     """Bytes of `encode` for a record of these sizes (``route_shape`` = (L, K) or None)."""
     n = prompt_len + response_len
     routes = 0 if route_shape is None else (n - 1) * route_shape[0] * route_shape[1] * 2
-    return n * 8 + response_len * 4 + 4 + 8 + routes
+    return n * 8 + response_len * 4 + 4 + 8 + response_len + routes
 
 
 def encode(rec: SequenceRecord, with_routes: bool) -> torch.Tensor:
     """The record as uint8 bytes: tokens (int64), log-probs and advantage (float32), version
-    (int64) and, ``with_routes``, the routes (int16); the sizes travel apart (`decode`)."""
+    (int64), the loss mask (a byte per response token) and, ``with_routes``, the routes (int16);
+    the sizes travel apart (`decode`)."""
+    keep = rec.loss_mask if rec.loss_mask is not None else torch.ones(len(rec.response_ids), dtype=torch.bool)
     parts = [torch.cat([rec.prompt_ids, rec.response_ids]), rec.rollout_logprobs,
-             torch.tensor([rec.advantage], dtype=torch.float32), torch.tensor([rec.version], dtype=torch.long)]
+             torch.tensor([rec.advantage], dtype=torch.float32), torch.tensor([rec.version], dtype=torch.long),
+             keep.to(torch.uint8)]
     if with_routes:
         parts.append(rec.routes.to(torch.int16))
     return torch.cat([_as_bytes(p) for p in parts])
@@ -172,14 +182,14 @@ def decode(data: torch.Tensor, prompt_len: int, response_len: int,
            route_shape: Optional[Sequence[int]]) -> SequenceRecord:
     """The record `encode` wrote into ``data`` (uint8 on the CPU)."""
     n = prompt_len + response_len
-    sizes = [n * 8, response_len * 4, 4, 8]
+    sizes = [n * 8, response_len * 4, 4, 8, response_len]
     if route_shape is not None:
         sizes.append((n - 1) * route_shape[0] * route_shape[1] * 2)
     # clone: a slice of a received buffer need not be aligned for a wider dtype's view
-    tokens, logprobs, advantage, version, *routes = (part.clone() for part in data.split(sizes))
+    tokens, logprobs, advantage, version, keep, *routes = (part.clone() for part in data.split(sizes))
     tokens = tokens.view(torch.long)
     return SequenceRecord(
         prompt_ids=tokens[:prompt_len], response_ids=tokens[prompt_len:],
         rollout_logprobs=logprobs.view(torch.float32), advantage=float(advantage.view(torch.float32)),
         routes=routes[0].view(torch.int16).view(n - 1, *route_shape) if routes else None,
-        version=int(version.view(torch.long)))
+        version=int(version.view(torch.long)), loss_mask=None if bool(keep.all()) else keep.bool())

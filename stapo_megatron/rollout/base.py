@@ -42,6 +42,9 @@ class Sample:
     router chose for every token it forwarded (the P prompt tokens and the R response tokens but
     the last, which is sampled and never forwarded), per MoE layer, in the router's top-k order.
     vLLM's ``CompletionOutput.routed_experts`` layout; None when not recorded (dense models)."""
+    versions: Optional[list[int]] = None
+    """Partial rollouts (`stapo_megatron.trainer.partial`): the policy version (steps trained) that
+    sampled each token of ``token_ids``; None: one policy sampled them all."""
 
 
 class RolloutEngine(Protocol):

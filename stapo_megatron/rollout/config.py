@@ -133,6 +133,23 @@ class RolloutSampling(EngineResources):
     weight_bucket_mb: int = 512
     """``placement="separate"``: the weight transfer sends the HF tensors in buckets of about
     this many MiB (one tensor larger than it travels alone): the trainers' extra memory."""
+    partial: bool = False
+    """Partial rollouts (separate placement, ``max_staleness`` >= 1; APRIL, slime's
+    ``--partial-rollout``): each engine keeps a pool of its replica's prompts in flight and, per
+    step, generates in rounds of ``partial_tokens`` tokens until the step's prompts have all G
+    samples finished; it returns the first complete groups in admission order and keeps the rest,
+    continued next step with the weights it then holds (`stapo_megatron.trainer.partial`). Each
+    token keeps the policy version that sampled it (``Sample.versions``)."""
+    oversample: float = 1.0
+    """Partial rollouts: the pool holds up to ``oversample`` x the replica's prompts per step, so
+    that the long responses of one step need not hold the next up (the prompts enter the pool in
+    data order; a step trains the first groups to finish)."""
+    partial_tokens: int = 0
+    """Partial rollouts: new tokens per unfinished response and round (0: ``max_response_len // 4``)."""
+    mask_stale_tokens: bool = False
+    """Partial rollouts: leave the tokens sampled by a policy older than ``max_staleness``
+    updates out of the loss (slime's ``--mask-offpolicy-in-partial-rollout``); the step counts
+    them (``stale_tokens``) either way."""
     routing_replay: bool = False
     """Mixture-of-experts policies: router replay ("R3", arXiv 2510.11370). Training's forwards
     of the policy (the pi_old pass, the tau_H pre-pass and the update, recomputation included)
@@ -170,6 +187,8 @@ class RolloutSampling(EngineResources):
             raise ValueError(f"rollout.placement must be one of {PLACEMENTS}, got {self.placement!r}")
         check_at_least(self, 0, "engine_ranks", "max_staleness")
         check_at_least(self, 1, "weight_bucket_mb")
+        check_at_least(self, 0, "partial_tokens")
+        self._check_partial()
         if self.placement == "colocated":
             for name in ("engine_ranks", "max_staleness"):
                 if getattr(self, name):
@@ -183,6 +202,28 @@ class RolloutSampling(EngineResources):
             raise ValueError(f"rollout.engine_ranks={self.engine_ranks} is not a multiple of "
                              f"rollout.tensor_parallel_size={self.tensor_parallel_size} (each engine spans "
                              f"tensor_parallel_size ranks)")
+
+    def _check_partial(self) -> None:
+        """Partial rollouts need separate engines that run ahead of training."""
+        if not (self.oversample >= 1 and math.isfinite(self.oversample)):
+            raise ValueError(f"rollout.oversample must be >= 1, got {self.oversample}")
+        if not self.partial:
+            for name, default in (("oversample", 1.0), ("partial_tokens", 0), ("mask_stale_tokens", False)):
+                if getattr(self, name) != default:
+                    raise ValueError(f"rollout.{name}={getattr(self, name)} needs rollout.partial=True")
+            return
+        if self.placement != "separate" or self.max_staleness < 1:
+            raise ValueError(f"rollout.partial=True needs rollout.placement='separate' and rollout.max_staleness >= 1 "
+                             f"(got placement={self.placement!r}, max_staleness={self.max_staleness}): unfinished "
+                             f"responses continue with newer weights")
+        if self.routing_replay:
+            raise ValueError("rollout.partial=True with rollout.routing_replay=True is not supported (a continued "
+                             "response's routes would come from two engines' passes)")
+
+    @property
+    def round_tokens(self) -> int:
+        """Partial rollouts' tokens per round (`partial_tokens`, or a quarter of the longest response)."""
+        return self.partial_tokens or max(1, self.max_response_len // 4)
 
     @property
     def num_engines(self) -> int:

@@ -103,6 +103,9 @@ class RemoteEngine:
         self.last_times = EngineTimes()
         """What the engines reported with the last ticket ``receive`` took (zero where this rank
         did not ask): for the step's metrics."""
+        self.policy_version: Optional[int] = None
+        """The policy version (steps trained) of the next ``update_weights``, set by the schedule:
+        the engines tag partial rollouts' tokens with it (None: the transfer's index)."""
         self.early: dict = {}
         """Replies read before their ticket was asked for: (ticket, chunk, engine rank) -> reply."""
         self.stopped = False
@@ -112,17 +115,34 @@ class RemoteEngine:
         """Queue ``n`` samples per prompt (prompt i's j-th seeded ``seed + i * n + j``) and return
         at once. Collective over the training ranks (module docstring)."""
         check_generate_args(prompt_token_ids, n, temperature, top_p, max_tokens)
+        return self._submit("generate", prompt_token_ids, seed, (n, temperature, top_p, max_tokens))
+
+    def submit_partial(self, fresh: List[Tuple[int, List[int]]], want: int, capacity: int, n: int,
+                       temperature: float, top_p: float, max_tokens: int, round_tokens: int, seed: int) -> Ticket:
+        """Partial rollouts (`stapo_megatron.trainer.partial`): ``fresh`` (index, prompt ids) of
+        the step into this rank's pool at its engine; ``receive`` returns ``[reply]``, a dict with
+        the ``want`` groups the pool finished first (``groups``) and its state. Collective as
+        ``submit``; every asker's pool lives on one engine (as many askers as engines or more)."""
+        return self._submit("partial", fresh, seed,
+                            (n, temperature, top_p, max_tokens, want, capacity, round_tokens), whole=True)
+
+    def _submit(self, kind: str, prompts: list, seed: Optional[int], sampling: tuple, whole: bool = False) -> Ticket:
+        prompt_token_ids = prompts
         counts: List[Optional[int]] = [None] * dist.get_world_size()
         dist.all_gather_object(counts, len(prompt_token_ids) if self.asks else None)
         plan = plan_chunks(counts, self.bridge.num_engines)
+        if whole and any(c.index for c in plan):
+            raise ValueError(f"rollout.partial=True needs at least as many trainer replicas asking as engines "
+                             f"({sum(c is not None for c in counts)} replicas, {self.bridge.num_engines} engines): "
+                             f"each replica's pool lives on one engine")
         # each asker's prompts and its own seed (the DP replicas sample with different seeds)
         requests: Optional[List] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object((prompt_token_ids, seed) if self.asks else None, requests, dst=0)
         ticket = Ticket(self.tickets, self.transfers - 1, [c for c in plan if c.dest == dist.get_rank()])
         self.tickets += 1
         if dist.get_rank() == 0:
-            jobs = [(c, requests[c.dest][0][c.start:c.end], _offset(requests[c.dest][1], c.start * n)) for c in plan]
-            broadcast_object(self.bridge.control, ("generate", ticket.id, jobs, (n, temperature, top_p, max_tokens)))
+            jobs = [(c, requests[c.dest][0][c.start:c.end], _offset(requests[c.dest][1], c.start * sampling[0])) for c in plan]
+            broadcast_object(self.bridge.control, (kind, ticket.id, jobs, sampling))
         return ticket
 
     def receive(self, ticket: Ticket) -> List[List[Sample]]:
@@ -176,7 +196,8 @@ class RemoteEngine:
             for _ in named_tensors:
                 pass
             return
-        broadcast_object(control, ("weights", self.transfers - 1))
+        version = self.transfers - 1 if self.policy_version is None else self.policy_version
+        broadcast_object(control, ("weights", version))
         bucket, size = [], 0
         for name, tensor in named_tensors:
             nbytes = tensor.numel() * tensor.element_size()

@@ -11,6 +11,8 @@ travel). The main thread executes the commands in order:
   (`stapo_megatron.rollout.remote.plan_chunks`) and post each to the rank that asked, without
   waiting for it to take them; each reply's header carries the seconds spent generating, idle
   (waiting for a command) and loading weights since the last reply;
+* ``("partial", ticket, jobs, sampling)``: partial rollouts (`stapo_megatron.trainer.partial`):
+  the step's prompts go into the asker's pool, whose first finished groups are posted back;
 * ``("stop",)``: return (what is still queued is dropped: the trainers are done or stopping).
 
 All ranks of one engine (vLLM TP > 1) run the same commands; its first rank sends the samples.
@@ -35,6 +37,7 @@ from stapo_megatron.rollout.bridge import Bridge, Outbox, broadcast_object, broa
 from stapo_megatron.rollout.config import RolloutConfig
 from stapo_megatron.rollout.registry import build_engine
 from stapo_megatron.rollout.remote import bucket_bytes, unpack_bucket
+from stapo_megatron.trainer.partial import PartialPool
 from stapo_megatron.trainer.prompts import pad_to
 
 STOP_WAIT_S = 60.0
@@ -140,7 +143,8 @@ def serve(cfg: TrainerConfig, bridge: Bridge, seed: int, return_routes: bool) ->
                      daemon=True).start()
     outbox = Outbox(bridge.data)
     idle = load = 0.0
-    served = 0
+    served = version = 0
+    pools: dict = {}  # partial rollouts: trainer rank -> its PartialPool
     try:
         while True:
             waited = time.perf_counter()
@@ -152,15 +156,25 @@ def serve(cfg: TrainerConfig, bridge: Bridge, seed: int, return_routes: bool) ->
                 return served
             if command[0] == "weights":
                 started = time.perf_counter()
+                version = command[1]
                 engine.update_weights(iter(command[2]))
                 load += time.perf_counter() - started
                 continue
-            _, ticket, jobs, (n, temperature, top_p, max_tokens) = command
+            kind, ticket, jobs, sampling = command
             for chunk, prompts, chunk_seed in jobs:
                 if chunk.engine != bridge.engine_index or stopping.is_set():
                     continue
                 started = time.perf_counter()
-                samples = engine.generate(prompts, n, temperature, top_p, max_tokens, seed=chunk_seed) if prompts else []
+                if kind == "partial":  # prompts: (index, ids) of the step; the pool decides what returns
+                    pool = pools.setdefault(chunk.dest, PartialPool())
+                    n, temperature, top_p, max_tokens, want, capacity, round_tokens = sampling
+                    groups = pool.step(engine, prompts, want, capacity, n, temperature, top_p, max_tokens,
+                                       round_tokens, chunk_seed, version)
+                    samples = [dict(groups=groups, pool=len(pool.groups), waiting=len(pool.waiting),
+                                    continued=pool.continued)]
+                else:
+                    n, temperature, top_p, max_tokens = sampling
+                    samples = engine.generate(prompts, n, temperature, top_p, max_tokens, seed=chunk_seed) if prompts else []
                 took = time.perf_counter() - started
                 if bridge.is_engine_leader:
                     outbox.send(chunk.dest, [ticket, chunk.index, _us(took), _us(idle), _us(load)], samples)

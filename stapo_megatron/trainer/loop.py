@@ -46,6 +46,7 @@ from stapo_megatron.trainer.mismatch_metrics import rollout_mismatch
 from stapo_megatron.trainer.step_metrics import Timer, format_row, gather_silenced, step_row
 from stapo_megatron.trainer.warmstart import WarmStart
 from stapo_megatron.trainer.engine_server import engine_config
+from stapo_megatron.trainer.partial import partial_metrics, stale_mask
 from stapo_megatron.trainer.rollout_schedule import RolloutSchedule, weight_sync
 
 
@@ -120,7 +121,7 @@ class Trainer:
         self.schedule = RolloutSchedule(
             self.cfg, self.engine, self.groups, lambda step: self._prompts(step)[0],
             lambda step: self.seeds.rollout(step, self.dp_rank, self.cfg.prompts_per_step // self.dp_size * r.group_size),
-            weight_sync(self.model, self.hf_config, self.groups))
+            weight_sync(self.model, self.hf_config, self.groups), indexed_prompts=self._indexed_prompts)
         self.scorer = RewardScorer(num_workers=self.cfg.reward.workers, timeout_s=self.cfg.reward.timeout_s,
                                    score_fn=reward.score_fn, failure_reward=reward.failure_reward)
         self.evaluator = Evaluator(self.cfg, self.held_out, self.eval_sets, self.engine, self.scorer, self.groups,
@@ -138,6 +139,9 @@ class Trainer:
         prompts, answers = self._prompts(step)
         with timer("rollout"):
             samples, version = self.schedule.samples(step)
+        if self.schedule.partial:  # the engines' pools chose the step's groups
+            indices, prompts = self.schedule.step_prompts
+            answers = [self.train_ex[i].answer for i in indices]
         with timer("reward"):
             rewards_PG, reward_info = self._score(samples, answers)
         self.engine.sleep()  # GPU: vLLM's memory goes to training until the weight sync
@@ -159,7 +163,7 @@ class Trainer:
         row = step_row(step, [u.metrics for u in updates], rewards_PG, num_flat, samples, mismatch, reward_info,
                        self.cfg.loss.tau_h_source, self.optimizer.param_groups[0]["lr"], self.groups, self.dp_device)
         row.update(timer.seconds)
-        row.update(self._schedule_metrics(step - version))
+        row.update(self._schedule_metrics(step - version, step, samples))
         return row, [r for u in updates for r in u.silenced_tokens]
 
     def _prompts(self, step: int) -> Tuple[List[List[int]], List[str]]:
@@ -168,12 +172,21 @@ class Trainer:
                                   self.dp_size, self.dp_rank)
         return [self.train_ids[i] for i in idx], [self.train_ex[i].answer for i in idx]
 
-    def _schedule_metrics(self, staleness: int) -> Dict[str, float]:
+    def _indexed_prompts(self, step: int) -> List[Tuple[int, List[int]]]:
+        """This DP rank's prompts of ``step`` with their training-set indices (partial rollouts)."""
+        idx = step_prompt_indices(step, self.cfg.prompts_per_step, self.seeds.data_order, len(self.train_ids),
+                                  self.dp_size, self.dp_rank)
+        return [(i, self.train_ids[i]) for i in idx]
+
+    def _schedule_metrics(self, staleness: int, step: int, samples: List[List]) -> Dict[str, float]:
         """The step's staleness (updates between the generating policy and this step's) and, with
         separate placement, what rank 0's engine reported with its samples: seconds generating
         them, idle before (waiting for a request or weights) and loading weights (README,
         "Asynchronous rollouts"); ``time_rollout`` is then the trainer's wait for them."""
         row: Dict[str, float] = {"staleness": float(staleness)}
+        if self.schedule.partial:
+            row.update(partial_metrics(step, self.cfg.rollout.max_staleness, samples, self.schedule.pool_state,
+                                       self.groups, self.dp_device))
         if isinstance(self.engine, RemoteEngine):
             times = self.engine.last_times
             row.update(time_engine_generate=times.generate, time_engine_idle=times.idle, time_engine_load=times.load)
@@ -193,7 +206,14 @@ class Trainer:
         RL optimizer updates (`RolloutSchedule`), with their MoE routes when the step carries them."""
         routes = self.routing.step_routes(step, samples)  # MoE: replayed and/or measured; None: not carried
         updates_per_step = self.cfg.prompts_per_step // self.cfg.minibatch_prompts
-        return make_records(prompts, samples, adv_PG, version=version * updates_per_step, routes=routes)
+        records = make_records(prompts, samples, adv_PG, version=version * updates_per_step, routes=routes)
+        if self.schedule.partial:  # each response's oldest token, and (an option) the stale tokens left out
+            r = self.cfg.rollout
+            for rec, sample in zip(records, [s for group in samples for s in group]):
+                rec.version = min(sample.versions) * updates_per_step
+                keep = stale_mask(sample.versions, step - r.max_staleness) if r.mask_stale_tokens else None
+                rec.loss_mask = None if keep is None else torch.tensor(keep)
+        return records
 
     def _save(self, step: int):
         ckpt.save_checkpoint(self.cfg.run_dir, step, self.model, self.optimizer,

@@ -21,7 +21,10 @@ steps after a resume are fresher than the bound).
 from __future__ import annotations
 
 import collections
-from typing import Callable, Dict, List, Tuple
+import math
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch.distributed as dist
 
 from stapo_megatron.config import TrainerConfig
 from stapo_megatron.mcore.parallel import Groups
@@ -43,11 +46,21 @@ class RolloutSchedule:
     """
 
     def __init__(self, cfg: TrainerConfig, engine, groups: Groups, prompts: Callable[[int], List[List[int]]],
-                 seed: Callable[[int], int], sync: Callable):
+                 seed: Callable[[int], int], sync: Callable,
+                 indexed_prompts: Optional[Callable[[int], List[Tuple[int, List[int]]]]] = None):
         self.cfg, self.engine, self.groups = cfg, engine, groups
         self.prompts, self.seed, self.sync = prompts, seed, sync
         self.separate = cfg.rollout.placement == "separate"
         self.ahead = cfg.rollout.max_staleness
+        self.partial = cfg.rollout.partial
+        """Partial rollouts: the engines' pools decide which prompts a step trains (`step_prompts`)."""
+        self.indexed_prompts = indexed_prompts
+        if self.partial and (groups.cp_size > 1 or indexed_prompts is None):
+            raise ValueError("rollout.partial=True is not supported with context parallelism (each replica's pool "
+                             f"lives on one engine; model.context_parallel_size={groups.cp_size})")
+        self.step_prompts: Tuple[List[int], List[List[int]]] = ([], [])
+        """Partial rollouts: (training-set indices, prompt ids) of the groups the last ``samples`` returned."""
+        self.pool_state: dict = {}
         self.version = 0
         """Steps trained by the policy the engines hold (or will, once their queue reaches it)."""
         self.pending: Dict[int, Tuple[object, int]] = {}
@@ -56,6 +69,7 @@ class RolloutSchedule:
 
     def start(self, step: int) -> None:
         """The first sync (the weights after ``step`` steps), then the first requests."""
+        self._tag(step)
         self.sync(self.engine, wake=False)
         self.version = step
         if self.separate:
@@ -74,12 +88,15 @@ class RolloutSchedule:
         else:
             ticket, version = self.pending.pop(step) if step in self.pending else self._submit(step, keep=False)
             samples = layout.replica_receive(self.engine, self.groups, ticket, self.cfg.rollout_timeout())
+            if self.partial:
+                samples, version = self._partial_step(samples[0])
         self.staleness[step - version] += 1
         return samples, version
 
     def after_update(self, step: int) -> dict:
         """Step ``step`` has updated the policy: hand its weights to the engines and (separate
         placement) request step ``step + 1 + max_staleness``. Returns the sync's statistics."""
+        self._tag(step + 1)
         stats = self.sync(self.engine, wake=not self.separate)
         self.version = step + 1
         following = step + 1 + self.ahead
@@ -87,8 +104,35 @@ class RolloutSchedule:
             self._submit(following)
         return stats
 
+    def _tag(self, version: int) -> None:
+        """Tell a separate engine which policy version its next weights are (tokens keep it)."""
+        if self.separate:
+            self.engine.policy_version = version
+
+    def _partial_step(self, reply: dict) -> Tuple[List[List], int]:
+        """A partial rollout's reply: its groups' samples (the prompts in `step_prompts`) and the
+        oldest policy version among their tokens."""
+        groups = reply["groups"]
+        self.step_prompts = ([g.index for g in groups], [g.prompt for g in groups])
+        self.pool_state = {k: reply[k] for k in ("pool", "waiting", "continued")}
+        samples = [g.samples for g in groups]
+        oldest = min(min(s.versions) for group in samples for s in group if s.versions)
+        return samples, oldest
+
     def _submit(self, step: int, keep: bool = True):
         r = self.cfg.rollout
+        if self.partial:  # the step's prompts into this replica's pool (no CP: checked at start)
+            asks = self.groups.mp is None or dist.get_rank(self.groups.mp) == 0
+            fresh, ahead = self.indexed_prompts(step), self.indexed_prompts(step + 1)
+            per_step = len(fresh)
+            extra = math.ceil((r.oversample - 1) * per_step)  # the next step's first prompts: the over-sampling
+            window = [(step * per_step + j, i, ids) for j, (i, ids) in enumerate(fresh + ahead[:extra])]
+            ticket = self.engine.submit_partial(
+                window if asks else [], per_step, per_step + extra, r.group_size,
+                r.temperature, r.top_p, r.max_response_len, r.round_tokens, self.seed(step))
+            if keep:
+                self.pending[step] = (ticket, self.version)
+            return ticket, self.version
         ticket = layout.replica_submit(self.engine, self.groups, self.prompts(step), r.group_size, r.temperature,
                                        r.top_p, r.max_response_len, self.seed(step))
         if keep:

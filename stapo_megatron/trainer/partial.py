@@ -1,0 +1,149 @@
+"""Partial rollouts on an engine rank (``rollout.partial``; APRIL, arXiv 2509.18521; slime's
+``--partial-rollout``): `PartialPool`, one per trainer replica an engine serves.
+
+Per step the trainers send a window of the replica's prompts in data order (the step's P and the
+next step's first ``(oversample - 1)`` x P); the pool takes the ones it has not seen and admits
+them while it holds fewer than ``oversample`` x P groups, then generates in rounds: every group not yet started gets
+its G samples of at most ``rollout.round_tokens`` tokens, every unfinished response a
+continuation of at most as many (its prompt and its tokens so far as the prompt). After each
+round the groups whose G responses have all finished (EOS, or ``max_response_len`` tokens) are
+counted in admission order; once P are, the step stops waiting: the first P are returned and the
+rest stay, to be continued by the next step's rounds with the weights the engine holds then.
+Every token keeps the policy version that sampled it (`stapo_megatron.rollout.base.Sample.versions`).
+
+Deterministic: rounds are counted in tokens, not time, and each call is seeded from the step's
+seed, the round and the group's place, so the same weights and seeds give the same steps.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Deque, List, Optional, Sequence, Tuple
+
+from stapo_megatron.rollout.base import Sample
+
+ROUND_SEED_STRIDE = 1_000_003
+"""Seed distance between two rounds of a step (more samples than any round draws)."""
+
+
+@dataclasses.dataclass
+class Group:
+    """One prompt's G responses in progress."""
+
+    index: int
+    """The prompt's index in the training set (its answer, at the trainer)."""
+    prompt: List[int]
+    samples: List[Sample] = dataclasses.field(default_factory=list)
+    """Empty until the group's first round; then G responses growing round by round."""
+
+    def finished(self, max_tokens: int) -> bool:
+        return bool(self.samples) and all(_done(s, max_tokens) for s in self.samples)
+
+
+def _done(sample: Sample, max_tokens: int) -> bool:
+    return sample.finish_reason == "stop" or len(sample.token_ids) >= max_tokens
+
+
+class PartialPool:
+    """The groups in flight for one trainer replica (module docstring)."""
+
+    def __init__(self):
+        self.groups: List[Group] = []
+        self.waiting: Deque[Tuple[int, List[int]]] = collections.deque()
+        self.next_position = 0
+        """The replica's prompt stream position after the last one taken (windows overlap)."""
+        self.continued = 0
+        """Responses that were continued in a later step than their first tokens (counted once)."""
+
+    def step(self, engine, fresh: Sequence[Tuple[int, int, List[int]]], want: int, capacity: int, n: int,
+             temperature: float, top_p: float, max_tokens: int, round_tokens: int, seed: int,
+             version: int) -> List[Group]:
+        """Take the prompts of ``fresh`` (stream position, training-set index, prompt ids: a
+        window of the replica's data order that may overlap the last one) not taken before, admit
+        them while the pool holds fewer than ``capacity`` groups, generate rounds until ``want``
+        groups are complete and return them (admission order); ``version``: the policy version the
+        engine holds.
+
+        Raises:
+            RuntimeError: the pool ran dry before ``want`` groups finished (more wanted than sent).
+        """
+        for position, index, prompt in fresh:
+            if position >= self.next_position:
+                self.waiting.append((index, list(prompt)))
+                self.next_position = position + 1
+        while len(self.groups) < capacity and self.waiting:
+            self.groups.append(Group(*self.waiting.popleft()))
+        for group in self.groups:  # responses started in an earlier step continue now
+            self.continued += sum(1 for s in group.samples if not _done(s, max_tokens))
+        for round_index in range(max_tokens // max(1, round_tokens) + 2):
+            done = [g for g in self.groups if g.finished(max_tokens)]
+            if len(done) >= want:
+                taken = done[:want]
+                self.groups = [g for g in self.groups if not any(g is t for t in taken)]
+                return taken
+            self._round(engine, n, temperature, top_p, max_tokens, round_tokens,
+                        seed + round_index * ROUND_SEED_STRIDE, version)
+        raise RuntimeError(f"partial rollouts: {len(done)} of the {want} groups a step needs finished, and the pool "
+                           f"({len(self.groups)} groups, {len(self.waiting)} waiting) has nothing left to generate")
+
+    def _round(self, engine, n: int, temperature: float, top_p: float, max_tokens: int, round_tokens: int,
+               seed: int, version: int) -> None:
+        """One round: new groups start, unfinished responses continue (two seeded calls)."""
+        new = [g for g in self.groups if not g.samples]
+        going = [(g, s) for g in self.groups if g.samples for s in g.samples if not _done(s, max_tokens)]
+        if new:
+            out = engine.generate([g.prompt for g in new], n, temperature, top_p, min(round_tokens, max_tokens),
+                                  seed=seed)
+            for group, samples in zip(new, out):
+                group.samples = [dataclasses.replace(s, versions=[version] * len(s.token_ids)) for s in samples]
+        offset = seed + len(new) * n  # distinct seeds for every response of the round
+        limits = [min(round_tokens, max_tokens - len(s.token_ids)) for _, s in going]
+        for limit in sorted(set(limits)):  # one call per budget (near max_tokens they differ)
+            part = [pair for pair, lim in zip(going, limits) if lim == limit]
+            out = engine.generate([g.prompt + s.token_ids for g, s in part], 1, temperature, top_p, limit, seed=offset)
+            offset += len(part)
+            for (_, sample), (more,) in zip(part, out):
+                _extend(sample, more, version)
+
+
+def _extend(sample: Sample, more: Sample, version: int) -> None:
+    """Append a continuation to a response in place."""
+    sample.token_ids = sample.token_ids + more.token_ids
+    sample.logprobs = sample.logprobs + more.logprobs
+    sample.versions = (sample.versions or []) + [version] * len(more.token_ids)
+    sample.text = sample.text + more.text
+    sample.finish_reason = more.finish_reason
+
+
+def group_samples(groups: Sequence[Group]) -> Tuple[List[int], List[List[int]], List[List[Sample]]]:
+    """(indices, prompts, samples) of returned groups, for the trainer's step."""
+    return [g.index for g in groups], [g.prompt for g in groups], [g.samples for g in groups]
+
+
+def stale_mask(versions: Optional[Sequence[int]], oldest: int) -> Optional[List[bool]]:
+    """Per token: sampled by a policy of version >= ``oldest`` (None when all are)."""
+    if versions is None or min(versions, default=oldest) >= oldest:
+        return None
+    return [v >= oldest for v in versions]
+
+
+def partial_metrics(step: int, max_staleness: int, samples: Sequence[Sequence[Sample]], pool_state: dict,
+                    groups, device) -> dict:
+    """The step's partial-rollout metrics, summed over DP: tokens sampled by a policy older than
+    the bound (``stale_tokens``, their fraction), the tokens' mean age in steps, responses that
+    more than one policy sampled; and rank 0's replica's pool (groups in flight, prompts waiting)."""
+    import torch
+    import torch.distributed as dist
+
+    flat = [s for group in samples for s in group]
+    versions = [v for s in flat for v in (s.versions or [])]
+    sums = torch.tensor([sum(v < step - max_staleness for v in versions), len(versions),
+                         sum(step - v for v in versions), sum(len(set(s.versions or [])) > 1 for s in flat)],
+                        dtype=torch.float64, device=device)
+    if groups.dp is not None and dist.get_world_size(groups.dp) > 1:
+        dist.all_reduce(sums, group=groups.dp)
+    stale, total, age, resumed = sums.tolist()
+    return dict(stale_tokens=stale, stale_token_fraction=stale / max(total, 1.0), token_age_mean=age / max(total, 1.0),
+                resumed_responses=resumed, pool_groups=float(pool_state.get("pool", 0)),
+                pool_waiting=float(pool_state.get("waiting", 0)))
