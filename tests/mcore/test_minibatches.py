@@ -135,3 +135,24 @@ def _budget_worker(lengths, mode):
     return minis, longest
 
 
+
+
+def test_a_records_loss_mask_reaches_its_response_mask_and_survives_the_byte_exchange():
+    """Partial rollouts leave stale tokens out of the loss through ``SequenceRecord.loss_mask``:
+    the token fields drop them from the response mask, and the budget layout's byte exchange
+    (`records.encode` / `decode`) carries the mask."""
+    import torch
+
+    from stapo_megatron.mcore.records import decode, encode, encoded_size, record, token_fields
+
+    rec = record([5, 6, 7], [8, 9, 10, 11], 0.5, [-0.1, -0.2, -0.3, -0.4], version=3)
+    rec.loss_mask = torch.tensor([False, False, True, True])
+    fields = token_fields(rec, 0, with_routes=False)
+    # the labels of positions 2..5 are the response tokens; the first two are left out
+    assert fields.response_mask.tolist() == [False, False, False, False, True, True, False]
+    data = encode(rec, with_routes=False)
+    assert data.numel() == encoded_size(3, 4, None)
+    back = decode(data, 3, 4, None)
+    assert back.loss_mask.tolist() == [False, False, True, True] and back.version == 3
+    whole = record([5], [8, 9], 0.0, [-0.1, -0.2])
+    assert decode(encode(whole, False), 1, 2, None).loss_mask is None  # all kept: no mask

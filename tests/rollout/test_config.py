@@ -17,6 +17,13 @@ from stapo_megatron.rollout.config import RolloutSampling
     (dict(engine_ranks=2), "rollout.engine_ranks=2 needs rollout.placement='separate'"),
     (dict(max_staleness=1), "rollout.max_staleness=1 needs rollout.placement='separate'"),
     (dict(placement="separate", engine_ranks=1, weight_bucket_mb=0), "RolloutSampling.weight_bucket_mb must be >= 1"),
+    (dict(placement="separate", engine_ranks=1, partial=True),
+     "rollout.partial=True needs rollout.placement='separate' and rollout.max_staleness >= 1"),
+    (dict(partial=True), "rollout.partial=True needs rollout.placement='separate'"),
+    (dict(placement="separate", engine_ranks=1, max_staleness=1, partial=True, oversample=0.5),
+     "rollout.oversample must be >= 1, got 0.5"),
+    (dict(oversample=2.0), "rollout.oversample=2.0 needs rollout.partial=True"),
+    (dict(mask_stale_tokens=True), "rollout.mask_stale_tokens=True needs rollout.partial=True"),
 ])
 def test_placement_refusals_name_the_field(fields, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
