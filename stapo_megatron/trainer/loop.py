@@ -46,7 +46,7 @@ from stapo_megatron.trainer.mismatch_metrics import rollout_mismatch
 from stapo_megatron.trainer.step_metrics import Timer, format_row, gather_silenced, step_row
 from stapo_megatron.trainer.warmstart import WarmStart
 from stapo_megatron.trainer.engine_server import engine_config
-from stapo_megatron.trainer.partial import partial_metrics, stale_mask
+from stapo_megatron.trainer.partial import mark_token_versions
 from stapo_megatron.trainer.rollout_schedule import RolloutSchedule, weight_sync
 
 
@@ -163,34 +163,18 @@ class Trainer:
         row = step_row(step, [u.metrics for u in updates], rewards_PG, num_flat, samples, mismatch, reward_info,
                        self.cfg.loss.tau_h_source, self.optimizer.param_groups[0]["lr"], self.groups, self.dp_device)
         row.update(timer.seconds)
-        row.update(self._schedule_metrics(step - version, step, samples))
+        row.update(self.schedule.metrics(step, version, samples, self.dp_device))
         return row, [r for u in updates for r in u.silenced_tokens]
 
     def _prompts(self, step: int) -> Tuple[List[List[int]], List[str]]:
         """This DP rank's prompts of ``step`` (token ids) and their reference answers."""
-        idx = step_prompt_indices(step, self.cfg.prompts_per_step, self.seeds.data_order, len(self.train_ids),
-                                  self.dp_size, self.dp_rank)
+        idx = [i for i, _ in self._indexed_prompts(step)]
         return [self.train_ids[i] for i in idx], [self.train_ex[i].answer for i in idx]
 
     def _indexed_prompts(self, step: int) -> List[Tuple[int, List[int]]]:
-        """This DP rank's prompts of ``step`` with their training-set indices (partial rollouts)."""
-        idx = step_prompt_indices(step, self.cfg.prompts_per_step, self.seeds.data_order, len(self.train_ids),
-                                  self.dp_size, self.dp_rank)
-        return [(i, self.train_ids[i]) for i in idx]
-
-    def _schedule_metrics(self, staleness: int, step: int, samples: List[List]) -> Dict[str, float]:
-        """The step's staleness (updates between the generating policy and this step's) and, with
-        separate placement, what rank 0's engine reported with its samples: seconds generating
-        them, idle before (waiting for a request or weights) and loading weights (README,
-        "Asynchronous rollouts"); ``time_rollout`` is then the trainer's wait for them."""
-        row: Dict[str, float] = {"staleness": float(staleness)}
-        if self.schedule.partial:
-            row.update(partial_metrics(step, self.cfg.rollout.max_staleness, samples, self.schedule.pool_state,
-                                       self.groups, self.dp_device))
-        if isinstance(self.engine, RemoteEngine):
-            times = self.engine.last_times
-            row.update(time_engine_generate=times.generate, time_engine_idle=times.idle, time_engine_load=times.load)
-        return row
+        """(training-set index, token ids) of this DP rank's prompts of ``step``."""
+        return [(i, self.train_ids[i]) for i in step_prompt_indices(
+            step, self.cfg.prompts_per_step, self.seeds.data_order, len(self.train_ids), self.dp_size, self.dp_rank)]
 
     def _score(self, samples: List[List], answers: List[str]) -> Tuple[torch.Tensor, Dict]:
         """Rewards [P, G] of the samples against their prompts' answers, and the scorer's info."""
@@ -208,11 +192,7 @@ class Trainer:
         updates_per_step = self.cfg.prompts_per_step // self.cfg.minibatch_prompts
         records = make_records(prompts, samples, adv_PG, version=version * updates_per_step, routes=routes)
         if self.schedule.partial:  # each response's oldest token, and (an option) the stale tokens left out
-            r = self.cfg.rollout
-            for rec, sample in zip(records, [s for group in samples for s in group]):
-                rec.version = min(sample.versions) * updates_per_step
-                keep = stale_mask(sample.versions, step - r.max_staleness) if r.mask_stale_tokens else None
-                rec.loss_mask = None if keep is None else torch.tensor(keep)
+            mark_token_versions(records, samples, step, self.cfg.rollout, updates_per_step)
         return records
 
     def _save(self, step: int):

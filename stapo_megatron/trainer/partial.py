@@ -147,3 +147,16 @@ def partial_metrics(step: int, max_staleness: int, samples: Sequence[Sequence[Sa
     return dict(stale_tokens=stale, stale_token_fraction=stale / max(total, 1.0), token_age_mean=age / max(total, 1.0),
                 resumed_responses=resumed, pool_groups=float(pool_state.get("pool", 0)),
                 pool_waiting=float(pool_state.get("waiting", 0)))
+
+
+def mark_token_versions(records: Sequence, samples: Sequence[Sequence[Sample]], step: int, rollout,
+                        updates_per_step: int) -> None:
+    """Partial rollouts' records (flat in the samples' order): the version of each response's
+    oldest token (in RL optimizer updates), and with ``rollout.mask_stale_tokens`` the tokens of a
+    policy older than ``max_staleness`` steps left out of the loss (``SequenceRecord.loss_mask``)."""
+    import torch
+
+    for rec, sample in zip(records, [s for group in samples for s in group]):
+        rec.version = min(sample.versions) * updates_per_step
+        keep = stale_mask(sample.versions, step - rollout.max_staleness) if rollout.mask_stale_tokens else None
+        rec.loss_mask = None if keep is None else torch.tensor(keep)

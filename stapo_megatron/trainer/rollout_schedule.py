@@ -30,6 +30,7 @@ from stapo_megatron.config import TrainerConfig
 from stapo_megatron.mcore.parallel import Groups
 from stapo_megatron.rollout.weight_sync import sync_weights, wake_and_sync
 from stapo_megatron.trainer import layout
+from stapo_megatron.trainer.partial import partial_metrics
 
 
 class RolloutSchedule:
@@ -103,6 +104,20 @@ class RolloutSchedule:
         if self.separate and following < self.cfg.steps:
             self._submit(following)
         return stats
+
+    def metrics(self, step: int, version: int, samples: List[List], device) -> Dict[str, float]:
+        """The step's staleness (updates between the generating policy and this step's: with
+        partial rollouts, of its oldest token), the partial-rollout metrics, and with separate
+        placement what rank 0's engine reported with its samples: seconds generating them, idle
+        before (no request or weights) and loading weights (README, "Asynchronous rollouts");
+        ``time_rollout`` is then the trainers' wait for them."""
+        row: Dict[str, float] = {"staleness": float(step - version)}
+        if self.partial:
+            row.update(partial_metrics(step, self.ahead, samples, self.pool_state, self.groups, device))
+        if self.separate:
+            times = self.engine.last_times
+            row.update(time_engine_generate=times.generate, time_engine_idle=times.idle, time_engine_load=times.load)
+        return row
 
     def _tag(self, version: int) -> None:
         """Tell a separate engine which policy version its next weights are (tokens keep it)."""
