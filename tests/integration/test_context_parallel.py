@@ -70,9 +70,11 @@ def test_cp2_s2t_on_gspo_trains_as_cp1():
 @pytest.mark.slow
 def test_checkpoint_cp2_resumes_at_cp1_and_back_and_exports(tmp_path):
     """A checkpoint saved at CP=2 loads at CP=1 (weights bit-equal) and the next update there
-    equals CP=2's own next update (Adam moments restored; 1e-6 absolute at lr 1e-3: reduction
-    order, as above); CP=1's save loads at CP=2 bit-equal; the CP-trained run exports to HF
-    (`stapo-convert mcore-to-hf`) with the weights it trained."""
+    equals CP=2's own next update (Adam moments restored; 2e-6 absolute at lr 1e-3, 0.2% of a
+    step: reduction order, as above, which Adam amplifies where |g| is near eps, the embedding
+    rows of rare tokens: 1.1e-6 measured since the op's torch path computes each chunk with
+    torch.softmax, 2026-11-26); CP=1's save loads at CP=2 bit-equal; the CP-trained run exports
+    to HF (`stapo-convert mcore-to-hf`) with the weights it trained."""
     from safetensors.torch import load_file
 
     from stapo_megatron.bridge.tiny import save_tiny_hf_model
@@ -85,7 +87,7 @@ def test_checkpoint_cp2_resumes_at_cp1_and_back_and_exports(tmp_path):
         assert res["state"] == {"layout": "cp2", "step": 1}
         for name, want in res["saved_cp2"].items():
             assert torch.equal(res["loaded_cp1"][name], want), name
-            torch.testing.assert_close(res["next_cp1"][name], res["next_cp2"][name], atol=1e-6, rtol=0, msg=name)
+            torch.testing.assert_close(res["next_cp1"][name], res["next_cp2"][name], atol=2e-6, rtol=0, msg=name)
             assert torch.equal(res["loaded_cp2"][name], res["next_cp1"][name]), name
         assert all(not torch.equal(res["next_cp2"][n], w) for n, w in res["saved_cp2"].items()), "the update moves"
         assert res["loss_cp1"] == pytest.approx(res["loss_cp2"], rel=2e-5)
