@@ -127,9 +127,9 @@ class RemoteEngine:
                             (n, temperature, top_p, max_tokens, want, capacity, round_tokens), whole=True)
 
     def _submit(self, kind: str, prompts: list, seed: Optional[int], sampling: tuple, whole: bool = False) -> Ticket:
-        prompt_token_ids = prompts
+        """Queue a ``kind`` command of every asker's ``prompts`` (``whole``: one engine per asker)."""
         counts: List[Optional[int]] = [None] * dist.get_world_size()
-        dist.all_gather_object(counts, len(prompt_token_ids) if self.asks else None)
+        dist.all_gather_object(counts, len(prompts) if self.asks else None)
         plan = plan_chunks(counts, self.bridge.num_engines)
         if whole and any(c.index for c in plan):
             raise ValueError(f"rollout.partial=True needs at least as many trainer replicas asking as engines "
@@ -137,7 +137,7 @@ class RemoteEngine:
                              f"each replica's pool lives on one engine")
         # each asker's prompts and its own seed (the DP replicas sample with different seeds)
         requests: Optional[List] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object((prompt_token_ids, seed) if self.asks else None, requests, dst=0)
+        dist.gather_object((prompts, seed) if self.asks else None, requests, dst=0)
         ticket = Ticket(self.tickets, self.transfers - 1, [c for c in plan if c.dest == dist.get_rank()])
         self.tickets += 1
         if dist.get_rank() == 0:
