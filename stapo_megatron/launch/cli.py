@@ -147,7 +147,7 @@ class CheckedRunContext(cli_api.RunContext):
         text = dump_config(cfg, warmstart, recipe)
         if self.dryrun and not self.emit_sbatch:
             print(f"# ---- resolved configuration (dry run) ----\n{text}", flush=True)
-        if self.save_config:  # its folder too: the README saves it on the shared file system, maybe new
+        if self.save_config:  # its folder too: the docs save it on the shared file system, maybe new
             os.makedirs(os.path.dirname(self.save_config), exist_ok=True)
             with open(self.save_config, "w", encoding="utf-8") as f:
                 f.write(text)
