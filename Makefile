@@ -56,7 +56,7 @@ venv: $(STAMP)
 
 # The embedded default main job: STAPO RL of a tiny Qwen3 on this CPU (vLLM rollouts, math
 # rewards, Megatron training, DP=2 over gloo), launched through NeMo-Run (launch/stapo_tiny.py:
-# LocalExecutor + torchrun, 2 processes): about 6-7 minutes on 2 cores, the warm-start included
+# LocalExecutor + torchrun, 2 processes): a few minutes on 2 cores, the warm-start included
 # (docs/results.md has the measured times). Writes runs/demo/.
 # `nemo-run` exits non-zero when the job fails, so make does too. ARGS passes overrides:
 #   make demo ARGS="seed=7 output_dir=runs/demo7"
