@@ -218,3 +218,18 @@ def test_the_launching_page_job_counts_are_the_estimates():
     text = " ".join(read(os.path.join("docs", "launching.md")).split())
     assert f"every paper recipe with 4 h jobs: {min(jobs.values())}-{max(jobs.values())}," in text, jobs
     assert f"`stapo_8b_32k` ~{round(_jobs_at_4h('qwen3_8b_32k'), -1)}," in text
+
+
+@pytest.mark.parametrize("page, block", [
+    ("README.md", "demo-summary"),             # examples/demo_seeds.py
+    ("docs/results.md", "demo-seeds"),         # examples/demo_seeds.py
+    ("docs/results.md", "compare"),            # stapo_megatron.runlog.compare (make compare)
+    ("docs/results.md", "demo-moe"),           # examples/demo_moe.py
+    ("docs/recipes.md", "memory-table"),       # scripts/memory_table.py
+    ("docs/launching.md", "cpu-paper-trial"),  # read by tests/launch/test_entry.py
+])
+def test_generated_blocks_have_their_markers(page, block):
+    """Each script that writes a block finds its markers once, in the page it writes to."""
+    text = read(page)
+    assert text.count(f"<!-- {block}:begin -->") == 1 and text.count(f"<!-- {block}:end -->") == 1, (page, block)
+    assert text.index(f"<!-- {block}:begin -->") < text.index(f"<!-- {block}:end -->")
