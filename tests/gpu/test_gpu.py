@@ -67,7 +67,7 @@ def _policy_update_worker(steps):
     from stapo_megatron.mcore.config import OptimConfig
     from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
     from stapo_megatron.mcore.synthetic import synthetic_rollouts
-    from tests.rollout.test_vllm_engine import randomize
+    from tests.helpers.engine_parity import randomize
 
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 (the default; stated for the tolerance)
     groups = init_parallel(1, 1)
@@ -110,7 +110,7 @@ def _attention_worker(dtype):
     from stapo_megatron.bridge import build_gpt_model
     from stapo_megatron.bridge.tiny import tiny_config
     from stapo_megatron.mcore.parallel import init_parallel
-    from tests.rollout.test_vllm_engine import randomize
+    from tests.helpers.engine_parity import randomize
 
     torch.backends.cuda.matmul.allow_tf32 = False
     init_parallel(1, 1)

@@ -3,8 +3,7 @@
 import warnings
 import pytest
 import torch
-from stapo_megatron.bridge.tiny import save_tiny_hf_model
-from tests.rollout.test_moe_engines import LOGPROB_ATOL, PROMPTS, _hf_model, moe_dir  # noqa: F401
+from tests.helpers.moe_engines import LOGPROB_ATOL, PROMPTS, _hf_model, moe_dir  # noqa: F401
 
 
 @pytest.mark.slow

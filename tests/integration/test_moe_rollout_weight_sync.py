@@ -9,7 +9,7 @@ from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
 from stapo_megatron.conversion.mcore_to_hf import convert_mcore_to_hf
 from stapo_megatron.conversion.safetensors_io import index_checkpoint, read_rows
 from tests.helpers.dist_utils import run_distributed
-from tests.rollout.test_vllm_engine import randomize
+from tests.helpers.engine_parity import randomize
 from tests.rollout.test_moe_weight_sync import LOGPROB_ATOL, VARIANT, _ep2_worker, _tp2_worker  # noqa: F401
 
 

@@ -333,7 +333,7 @@ def _layout_worker(hf_dir, tokens_BS, routes_BSLK, layout):
     from stapo_megatron.rollout.weight_sync import sync_weights
     from stapo_megatron.mcore.parallel import init_parallel
     from tests.rollout.test_moe_weight_sync import randomize_experts
-    from tests.rollout.test_vllm_engine import randomize
+    from tests.helpers.engine_parity import randomize
 
     tp2 = layout == "tp2-sp"
     groups = init_parallel(2, 1) if tp2 else init_parallel(1, 1, expert_model_parallel_size=2)
@@ -357,7 +357,7 @@ def _layout_worker(hf_dir, tokens_BS, routes_BSLK, layout):
 def _pp_recompute_worker(tokens_MS, routes_MSLK):
     from stapo_megatron.mcore.parallel import init_parallel
     from stapo_megatron.mcore.router_replay import replay_routers
-    from tests.rollout.test_vllm_engine import randomize
+    from tests.helpers.engine_parity import randomize
 
     init_parallel(1, 2)
     plain = build_replay_model()

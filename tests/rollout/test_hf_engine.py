@@ -16,7 +16,7 @@ import torch
 
 from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
 from tests.helpers.dist_utils import one_rank_parallel
-from tests.rollout.test_vllm_engine import fixed_sequences, megatron_logprobs, randomize, recompute_samples
+from tests.helpers.engine_parity import fixed_sequences, hf_logprobs, megatron_logprobs, randomize, recompute_samples
 
 LOGPROB_ATOL = 1e-4
 """See the module docstring."""
@@ -24,13 +24,6 @@ LOGPROB_ATOL = 1e-4
 VARIANT = "qwen3"
 TEMPERATURE = 0.7
 PROMPTS = [[5, 17, 200, 3], [42] * 6, [1, 2, 3, 4, 5, 6, 7, 8, 9]]
-
-
-def hf_logprobs(engine, tokens_BS: torch.Tensor) -> torch.Tensor:
-    """The engine model's untempered log-prob of every token given its prefix, ``[B, S-1]``."""
-    with torch.no_grad():
-        logits_BSV = engine.model(tokens_BS.to(engine.device)).logits.float().cpu()
-    return torch.log_softmax(logits_BSV[:, :-1], -1).gather(-1, tokens_BS[:, 1:, None])[..., 0]
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
 from stapo_megatron.conversion.mcore_to_hf import convert_mcore_to_hf
 from stapo_megatron.conversion.safetensors_io import index_checkpoint, read_rows
 from tests.helpers.dist_utils import run_distributed
-from tests.rollout.test_vllm_engine import randomize
+from tests.helpers.engine_parity import randomize
 
 LOGPROB_ATOL = 1e-4
 """Per token, fp32 on both sides (HF's eager experts and SDPA vs Megatron's SequentialMLP and
@@ -68,8 +68,8 @@ def _ep2_worker(hf_dir: str, tokens_BS: torch.Tensor, save_dir: str) -> dict:
     from stapo_megatron.rollout.weight_sync import iter_hf_weights, sync_weights
     from stapo_megatron.mcore.parallel import init_parallel
     from stapo_megatron.trainer.routing import routing_counts, sample_microbatches
-    from tests.rollout.test_vllm_engine import megatron_logprobs
-    from tests.rollout.test_hf_engine import hf_logprobs
+    from tests.helpers.engine_parity import megatron_logprobs
+    from tests.helpers.engine_parity import hf_logprobs
 
     groups = init_parallel(1, 1, expert_model_parallel_size=2)
     model = build_gpt_model(tiny_config(VARIANT), params_dtype=torch.float32)
@@ -133,8 +133,8 @@ def _tp2_worker(hf_dir: str, tokens_BS: torch.Tensor, layout: str) -> dict:
     from stapo_megatron.rollout.weight_sync import sync_weights
     from stapo_megatron.mcore.parallel import init_parallel
     from stapo_megatron.trainer.routing import routing_counts, sample_microbatches
-    from tests.rollout.test_vllm_engine import megatron_logprobs
-    from tests.rollout.test_hf_engine import hf_logprobs
+    from tests.helpers.engine_parity import megatron_logprobs
+    from tests.helpers.engine_parity import hf_logprobs
     import torch.distributed as dist
 
     tp2 = layout == "tp2-sp"
