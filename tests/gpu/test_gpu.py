@@ -219,7 +219,7 @@ def _router_replay_worker():
     routing maps for random routes, and the loss/gradients of a replayed update with and without
     full recomputation (`tests/mcore/test_router_replay.py`'s checks, on one device)."""
     from stapo_megatron.mcore.parallel import init_parallel
-    from tests.rollout.test_moe_weight_sync import randomize_experts
+    from tests.helpers.moe_sync_workers import randomize_experts
     from tests.mcore.test_router_replay import (L, _loss_and_grads, _microbatch, build_replay_model, expected_maps,
                                           random_routes, replayed_pass)
 

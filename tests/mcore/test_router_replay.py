@@ -204,7 +204,7 @@ def synced(parallel, tmp_path_factory):
     from stapo_megatron.rollout.config import RolloutConfig
     from stapo_megatron.rollout.hf_engine import HFEngine
     from stapo_megatron.rollout.weight_sync import sync_weights
-    from tests.rollout.test_moe_weight_sync import randomize_experts
+    from tests.helpers.moe_sync_workers import randomize_experts
 
     hf_dir = str(tmp_path_factory.mktemp("moe") / "hf")
     save_tiny_hf_model(hf_dir, VARIANT, dtype=torch.float32, seed=0)
@@ -272,7 +272,7 @@ def _loss_and_grads(model, microbatches, seq, held=None):
 
 def test_full_recompute_replays_the_same_routes_in_backward(parallel):
     from stapo_megatron.mcore.router_replay import replay_routers
-    from tests.rollout.test_moe_weight_sync import randomize_experts
+    from tests.helpers.moe_sync_workers import randomize_experts
 
     plain = build_replay_model()
     randomize_experts(plain, seed=7)
@@ -332,7 +332,7 @@ def _layout_worker(hf_dir, tokens_BS, routes_BSLK, layout):
     from stapo_megatron.rollout.hf_engine import HFEngine
     from stapo_megatron.rollout.weight_sync import sync_weights
     from stapo_megatron.mcore.parallel import init_parallel
-    from tests.rollout.test_moe_weight_sync import randomize_experts
+    from tests.helpers.moe_sync_workers import randomize_experts
     from tests.helpers.engine_parity import randomize
 
     tp2 = layout == "tp2-sp"
