@@ -220,8 +220,8 @@ def _router_replay_worker():
     full recomputation (`tests/mcore/test_router_replay.py`'s checks, on one device)."""
     from stapo_megatron.mcore.parallel import init_parallel
     from tests.helpers.moe_sync_workers import randomize_experts
-    from tests.mcore.test_router_replay import (L, _loss_and_grads, _microbatch, build_replay_model, expected_maps,
-                                          random_routes, replayed_pass)
+    from tests.helpers.router_replay_workers import (L, _loss_and_grads, _microbatch, build_replay_model, expected_maps,
+                                                    random_routes, replayed_pass)
 
     torch.backends.cuda.matmul.allow_tf32 = False
     groups = init_parallel(1, 1)

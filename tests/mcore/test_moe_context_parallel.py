@@ -33,7 +33,7 @@ import torch
 
 from tests.helpers.dist_utils import run_distributed
 from tests.mcore.test_context_parallel import COUNTS, VALUES, _rollouts
-from tests.mcore.test_router_replay import E, K, L, random_routes
+from tests.helpers.router_replay_workers import E, K, L, random_routes
 
 VOCAB = 300
 COEFF = 0.05
