@@ -290,7 +290,7 @@ def test_clip_cov_drops_eligible_tokens_only():
 def test_loss_func_applies_the_s2t_mask_to_the_objective(name):
     """``loss.method=stapo loss.objective=NAME`` through Megatron's loss_func: the S2T mask of
     the micro-batch on NAME's loss, as `stapo_loss` computes it from the same tensors."""
-    from tests.mcore.test_loss import _spiky_batch
+    from tests.helpers.spiky_batch import _spiky_batch
     from stapo_megatron.method import masks as s2t
     from stapo_megatron.mcore.loss import loss_func, minibatch_threshold
 
