@@ -13,7 +13,7 @@ from stapo_megatron.bridge.transformer_config import check_parallel_sizes
 from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
 from stapo_megatron.conversion.cli import main
 from stapo_megatron.conversion.dcp_io import CheckpointReader
-from tests.conversion.test_roundtrip import _assert_bit_exact
+from tests.helpers.conversion_parity import _assert_bit_exact
 
 # Qwen3-30B-A3B's config.json (released spelling: num_experts; transformers-5 rope_parameters).
 QWEN3_30B_A3B = dict(

@@ -8,22 +8,10 @@ import torch
 
 from stapo_megatron.conversion.cli import main
 from stapo_megatron.conversion.dcp_io import CheckpointReader
-from stapo_megatron.conversion.safetensors_io import index_checkpoint, read_rows
+from stapo_megatron.conversion.safetensors_io import index_checkpoint
 from stapo_megatron.bridge.tiny import save_tiny_hf_model
 from tests.helpers import REPO_DIR
-
-
-def _tensors(hf_dir):
-    return {name: read_rows(info) for name, info in index_checkpoint(hf_dir).items()}
-
-
-def _assert_bit_exact(a_dir, b_dir):
-    a, b = _tensors(a_dir), _tensors(b_dir)
-    assert sorted(a) == sorted(b)
-    for name in a:
-        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
-        # Compare bit patterns, not values (NaN-safe and sign-of-zero exact).
-        assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
+from tests.helpers.conversion_parity import _assert_bit_exact
 
 
 def _roundtrip(tmp_path, variant, dtype=torch.bfloat16, hf_shard="50GB", extra_to=(), extra_back=()):

@@ -8,8 +8,8 @@ from stapo_megatron.conversion.verify import FP32_LOGIT_TOL, compare, fixed_prom
 from stapo_megatron.bridge import spec_from_hf_config
 from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
 from tests.helpers.dist_utils import run_distributed
-from tests.conversion.test_roundtrip import _assert_bit_exact
-from tests.conversion.test_verify import LAYOUTS, SAVED_BY_MEGATRON, VARIANTS, converted, megatron_run  # noqa: F401
+from tests.helpers.conversion_parity import (LAYOUTS, SAVED_BY_MEGATRON, VARIANTS, _assert_bit_exact,  # noqa: F401
+                                             converted, megatron_run)
 
 
 @pytest.mark.slow
