@@ -3,7 +3,6 @@
 its positions, paths no container mount holds, and the save signal / requeue budget of the final
 configuration. Real configs (`entry.build_config`) and real executors (NeMo-Run's SlurmExecutor)."""
 
-import json
 import re
 
 import pytest
@@ -15,20 +14,7 @@ import fiddle as fdl  # noqa: E402
 from stapo_megatron.launch import executors, paths, preflight, timing  # noqa: E402
 from stapo_megatron.launch.entry import build_config  # noqa: E402
 from stapo_megatron.recipes import paper, step_time  # noqa: E402
-
-
-def write_hf_config(folder, size, **changes):
-    """A config.json of the recipe's architecture (HF spelling), with ``changes``."""
-    spec = paper.ARCHITECTURES[size]
-    hf = {"architectures": [spec.architecture], "num_hidden_layers": spec.num_layers, "hidden_size": spec.hidden_size,
-          "num_attention_heads": spec.num_attention_heads, "num_key_value_heads": spec.num_query_groups,
-          "max_position_embeddings": spec.max_position_embeddings}
-    if spec.num_moe_experts:
-        hf["num_experts"] = spec.num_moe_experts
-    hf.update(changes)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps({k: v for k, v in hf.items() if v is not None}))
-    return str(folder)
+from tests.helpers.launch_cli import write_hf_config  # noqa: E402
 
 
 def config(size, **overrides):
@@ -133,10 +119,6 @@ def test_a_run_of_hundreds_of_jobs_prints_a_longer_time_limit(capsys, monkeypatc
 
 
 # ---- through the `nemo-run` command (slow: 10-30 s of imports each) ----
-
-SLURM = ["run.executor.account=a", "run.executor.container_image=img", "run.executor.tunnel.job_dir=/lustre/jobs"]
-
-
 
 
 def test_a_submission_from_a_machine_without_sbatch_is_refused_first(tmp_path, monkeypatch):
