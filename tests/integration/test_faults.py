@@ -3,14 +3,10 @@
 import json
 import os
 import subprocess
-import sys
-import tempfile
-import uuid
 import pytest
 from stapo_megatron.mcore import checkpoint as ckpt
-from stapo_megatron.trainer import faults
-from tests.helpers.dist_utils import _free_port, kill_marked
-from tests.trainer.test_faults import SCRIPT, _record, _root_causes, _torchrun, _two_nodes  # noqa: F401
+from tests.helpers.dist_utils import _free_port
+from tests.helpers.two_node_faults import SCRIPT, _record, _root_causes, _torchrun, _two_nodes  # noqa: F401
 
 
 @pytest.mark.slow  # one two-node launch: 30 s to minutes of imports on a loaded 2-core machine
