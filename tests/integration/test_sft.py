@@ -2,9 +2,8 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 from tests.helpers.dist_utils import run_distributed
-from tests.mcore.test_sft import V, _reference, _tp_worker  # noqa: F401
+from tests.helpers.uniform_ce import V, _reference, _tp_worker  # noqa: F401
 
 
 @pytest.mark.slow
