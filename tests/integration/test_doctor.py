@@ -1,4 +1,4 @@
-"""stapo-doctor (issue 34): its rows' logic (tier a) and its CPU subset end to end (slow): every: the multi-process and end-to-end tests (the single-process ones and the helpers are in ``tests/doctor/test_cli.py``)."""
+"""stapo-doctor (issue 34): its rows' logic (tier a) and its CPU subset end to end (slow): every: the multi-process and end-to-end tests (the single-process ones are in ``tests/doctor/test_cli.py``)."""
 
 import json
 import subprocess

@@ -1,4 +1,4 @@
-"""The checks `nemo-run` runs before a submission, on their own (`stapo_megatron.launch.preflight`,: the multi-process and end-to-end tests (the single-process ones and the helpers are in ``tests/launch/test_preflight.py``)."""
+"""The checks `nemo-run` runs before a submission, on their own (`stapo_megatron.launch.preflight`,: the multi-process and end-to-end tests (the single-process ones are in ``tests/launch/test_preflight.py``)."""
 
 import pytest
 from tests.helpers.launch_cli import write_hf_config

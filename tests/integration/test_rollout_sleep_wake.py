@@ -1,4 +1,4 @@
-"""The engine's GPU settings as the CPU can show them, and the trainer's sleep/wake order with the: the multi-process and end-to-end tests (the single-process ones and the helpers are in ``tests/rollout/test_sleep_wake.py``)."""
+"""The engine's GPU settings as the CPU can show them, and the trainer's sleep/wake order with the: the multi-process and end-to-end tests (the single-process ones are in ``tests/rollout/test_sleep_wake.py``)."""
 
 import pytest
 import torch
