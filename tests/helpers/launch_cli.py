@@ -1,6 +1,6 @@
 """What the launch tests share: ``nemo-run`` run from the checkout, the sbatch script a dry run
-prints, a paper recipe's save signal and requeue budget, a recipe architecture's config.json, and
-the bash line that does to a run folder what a checkpoint save does."""
+prints, a paper recipe's config and its save signal and requeue budget, a recipe architecture's
+config.json, and the bash line that does to a run folder what a checkpoint save does."""
 
 import json
 import os
@@ -43,6 +43,13 @@ def paper_signal_and_retries(size, **overrides):
     step = step_time.estimate_step_time(paper.ARCHITECTURES[size], paper.layout_for(size, cfg), cfg)
     signal_s = step_time.signal_seconds(step)
     return signal_s, step_time.jobs_needed(cfg.steps, step, 4 * 3600, signal_s) - 1 + FAILURE_RETRIES
+
+
+def config(size, **overrides):
+    """A paper recipe's final TrainerConfig with ``overrides``, its paths unchecked."""
+    from stapo_megatron.launch.entry import build_config
+
+    return build_config(size, check_paths=False, **overrides)[0]
 
 
 def write_hf_config(folder, size, **changes):
