@@ -68,3 +68,7 @@ def write_hf_config(folder, size, **changes):
 
 SAVE = 'mkdir -p "$RUN/checkpoints/step_00000020" && echo step_00000020 > "$RUN/checkpoints/latest"; '
 """What a save does to the run folder (mcore/checkpoint.py's layout)."""
+
+
+PAPER_FILES = [f"launch/stapo_{name.removeprefix('qwen3_')}.py" for name in sorted(paper.LAYOUTS)]
+"""The launch file of each paper recipe (``qwen3_8b_32k`` -> ``launch/stapo_8b_32k.py``)."""

@@ -10,7 +10,6 @@ different kernels (HF's SDPA attention and RMSNorm vs Megatron's local spec); on
 or swapped gate/up moves log-probs by O(0.1 - 1).
 """
 
-
 import pytest
 import torch
 
@@ -129,15 +128,3 @@ def test_update_weights_rejects_unknown_and_incomplete_streams(synced):
         engine.update_weights([(name, torch.zeros(3))])
     with pytest.raises(ValueError, match="did not provide"):
         engine.update_weights([(name, params[name].detach().clone())])
-
-
-def test_engine_choice():
-    from stapo_megatron.rollout.config import RolloutConfig
-    from stapo_megatron.rollout.registry import build_engine, resolve_engine
-
-    assert resolve_engine("hf") == "hf" and resolve_engine("vllm") == "vllm"
-    assert resolve_engine("auto") in ("vllm", "hf")
-    with pytest.raises(ValueError, match="rollout engine must be one of"):
-        resolve_engine("sglang")
-    with pytest.raises(FileNotFoundError, match="config.json"):
-        build_engine("hf", "/nonexistent", RolloutConfig())
