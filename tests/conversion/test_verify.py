@@ -9,7 +9,6 @@ import torch
 
 from stapo_megatron.conversion.verify import compare, fixed_prompts, hf_logits
 from stapo_megatron.bridge.tiny import tiny_config
-from tests.helpers.conversion_parity import converted  # noqa: F401
 
 
 @pytest.mark.gpu
