@@ -1,4 +1,6 @@
-"""Checkpoints: atomic publish, resume after SIGKILL at several points, exact continuation: the multi-process and end-to-end tests (the single-process ones are in ``tests/mcore/test_checkpoint_resume.py``)."""
+"""Checkpoints: atomic publish, resume after SIGKILL at several points, exact continuation: the
+multi-process and end-to-end tests (the single-process ones are in
+``tests/mcore/test_checkpoint_resume.py``)."""
 
 import os
 import pytest

@@ -1,4 +1,6 @@
-"""Tier b: Megatron logits from converted checkpoints equal transformers logits (fp32) at: the multi-process and end-to-end tests (the single-process ones are in ``tests/conversion/test_verify.py``)."""
+"""Tier b: Megatron logits from converted checkpoints equal transformers logits (fp32) at: the
+multi-process and end-to-end tests (the single-process ones are in
+``tests/conversion/test_verify.py``)."""
 
 import os
 import pytest

@@ -1,4 +1,6 @@
-"""stapo-doctor (issue 34): its rows' logic (tier a) and its CPU subset end to end (slow): every: the multi-process and end-to-end tests (the single-process ones are in ``tests/doctor/test_cli.py``)."""
+"""stapo-doctor end to end (slow): its CPU subset passes every check that applies to a CPU machine,
+with numbers inside its bounds, skips the GPU-only ones with their reason, and the launch file
+renders a one- or two-node job. (Its rows' logic: the tests/doctor/ unit tests.)"""
 
 import json
 import subprocess

@@ -1,4 +1,6 @@
-"""Faults of a two-node job, simulated on this machine, and the failure records behind its messages: the multi-process and end-to-end tests (the single-process ones are in ``tests/trainer/test_faults.py``)."""
+"""Faults of a two-node job, simulated on this machine, and the failure records behind its messages:
+the multi-process and end-to-end tests (the single-process ones are in
+``tests/trainer/test_faults.py``)."""
 
 import json
 import os

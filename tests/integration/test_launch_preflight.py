@@ -1,4 +1,6 @@
-"""The checks `nemo-run` runs before a submission, on their own (`stapo_megatron.launch.preflight`,: the multi-process and end-to-end tests (the single-process ones are in ``tests/launch/test_preflight.py``)."""
+"""The checks `nemo-run` runs before a submission (`stapo_megatron.launch.preflight`), through the
+command: the end-to-end tests (the single-process ones are in ``tests/launch/test_preflight.py``,
+``test_paths.py`` and ``test_timing.py``)."""
 
 import pytest
 from tests.helpers.launch_cli import write_hf_config

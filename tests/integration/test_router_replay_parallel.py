@@ -1,4 +1,6 @@
-"""Router replay (R3) for the tiny Qwen3-MoE (4 experts, top-2): `stapo_megatron.mcore.router_replay`: the multi-process and end-to-end tests (the single-process ones are in ``tests/mcore/test_router_replay.py``)."""
+"""Router replay (R3) for the tiny Qwen3-MoE (4 experts, top-2): `stapo_megatron.mcore.router_replay`:
+the multi-process and end-to-end tests (the single-process ones are in
+``tests/mcore/test_router_replay.py``)."""
 
 import math
 import pytest

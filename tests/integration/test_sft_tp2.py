@@ -1,4 +1,5 @@
-"""The warm-start's label-smoothing term: cross-entropy to the uniform distribution, TP-sharded: the multi-process and end-to-end tests (the single-process ones are in ``tests/mcore/test_sft.py``)."""
+"""The warm-start's label-smoothing term: cross-entropy to the uniform distribution, TP-sharded: the
+multi-process and end-to-end tests (the single-process ones are in ``tests/mcore/test_sft.py``)."""
 
 import pytest
 import torch
