@@ -145,7 +145,6 @@ TESTED_IN = {
     "stapo_megatron.mcore.schedule": "tests/mcore/test_router_replay.py",
     "stapo_megatron.mcore.step": "tests/mcore/test_context_parallel.py",
     "stapo_megatron.mcore.synthetic": "tests/mcore/test_context_parallel.py",
-    "stapo_megatron.rollout.base": "tests/trainer/test_routing.py",
     "stapo_megatron.trainer.loop": "tests/integration/test_eval_sets.py",
 }
 """Modules whose tests are not in ``tests/<wing>/test_<module>.py``: the file that tests them (it
