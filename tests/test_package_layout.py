@@ -159,7 +159,6 @@ TESTED_THROUGH = {
                                           "stapo_megatron.conversion.mcore_to_hf"),
     "stapo_megatron.rollout.spmd": ("tests/mcore/test_context_parallel.py", "stapo_megatron.eval.evaluator"),
     "stapo_megatron.trainer.layout": ("tests/integration/test_eval_sets.py", "stapo_megatron.trainer.loop"),
-    "stapo_megatron.trainer.step_metrics": ("tests/integration/test_eval_sets.py", "stapo_megatron.trainer.loop"),
 }
 """Modules only a caller's tests reach: (test file, the calling module, which that file tests)."""
 
