@@ -24,9 +24,9 @@ from stapo_megatron.mcore.minibatches import BatchLayout, pack_planned, plan_bud
 from stapo_megatron.mcore.packing import pack_thd
 from stapo_megatron.mcore.records import records_from_lists
 from stapo_megatron.mcore.router_replay import fill_missing, local_routes
-from tests.helpers.router_replay_workers import (E, GRAD_RTOL, K, L, LOGPROB_ATOL, VARIANT, _hf_logprobs, _loss_and_grads,
-                                                _microbatch, build_replay_model, expected_maps, forced_hf_routes,
-                                                random_routes, replayed_pass)
+from tests.helpers.router_replay_workers import (E, GRAD_RTOL, K, L, LOGPROB_ATOL, VARIANT, _hf_logprobs,
+                                                _loss_and_grads, _microbatch, build_replay_model, expected_maps,
+                                                forced_hf_routes, random_routes, replayed_pass)
 
 
 # ---------------------------------------------------------------------------- tier a: layout
@@ -101,7 +101,7 @@ def test_replay_config_is_checked():
     with pytest.raises(ValueError, match="vllm_model_runner_v2=True"):
         RolloutSampling(routing_replay=True, engine="vllm")
     RolloutSampling(routing_replay=True, engine="vllm", vllm_model_runner_v2=True)  # a GPU run may
-    # context parallelism splits the routes with the tokens (tests/mcore/test_moe_context_parallel.py)
+    # context parallelism splits the routes with the tokens (tests/integration/test_moe_context_parallel.py)
     TrainerConfig(packing="fixed", model=ModelConfig(context_parallel_size=2),
                   rollout=RolloutSampling(routing_replay=True, engine="hf"))
     # the machine: vLLM returns routes only from Model Runner V2 on a GPU; the HF engine always
