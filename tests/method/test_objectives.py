@@ -20,7 +20,8 @@ import torch
 
 from stapo_megatron.method.config import LossConfig, method_loss_config
 from stapo_megatron.method.objective import stapo_loss
-from stapo_megatron.method.objectives import OBJECTIVES, clip_cov_generator, clip_cov_token_loss, get_objective, kl_cov_token_loss
+from stapo_megatron.method.objectives import (OBJECTIVES, clip_cov_generator, clip_cov_token_loss, get_objective,
+                                              kl_cov_token_loss)
 
 F64 = torch.float64
 
