@@ -7,7 +7,7 @@ stays under. With ``moe``: a Qwen3-MoE model, the experts vLLM routed each token
 Runner V2) and their disagreement with Megatron's routing (`trainer.routing`).
 
 Bounds of the mismatch. fp32 on the CPU: both sides compute the same function, so 1e-4 per token
-(tests/rollout/test_vllm_engine.py's LOGPROB_ATOL). bf16 on a GPU, from peers' published figures for
+(tests/helpers/engine_parity.py's LOGPROB_ATOL). bf16 on a GPU, from peers' published figures for
 a synced dense model: mean |delta log p| 0.0047 (FSDP) and 0.0061 (Megatron) against vLLM for
 Qwen3-32B in bf16 (streams-rollout-market's engine-pair dashboard,
 https://shamanez.github.io/streams-rollout-market/dense_dashboard.html), and a token KL of

@@ -67,7 +67,7 @@ def _policy_update_worker(steps):
     from stapo_megatron.mcore.config import OptimConfig
     from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
     from stapo_megatron.mcore.synthetic import synthetic_rollouts
-    from tests.rollout.test_vllm_engine import randomize
+    from tests.helpers.engine_parity import randomize
 
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 (the default; stated for the tolerance)
     groups = init_parallel(1, 1)
@@ -110,7 +110,7 @@ def _attention_worker(dtype):
     from stapo_megatron.bridge import build_gpt_model
     from stapo_megatron.bridge.tiny import tiny_config
     from stapo_megatron.mcore.parallel import init_parallel
-    from tests.rollout.test_vllm_engine import randomize
+    from tests.helpers.engine_parity import randomize
 
     torch.backends.cuda.matmul.allow_tf32 = False
     init_parallel(1, 1)
@@ -219,9 +219,9 @@ def _router_replay_worker():
     routing maps for random routes, and the loss/gradients of a replayed update with and without
     full recomputation (`tests/mcore/test_router_replay.py`'s checks, on one device)."""
     from stapo_megatron.mcore.parallel import init_parallel
-    from tests.rollout.test_moe_weight_sync import randomize_experts
-    from tests.mcore.test_router_replay import (L, _loss_and_grads, _microbatch, build_replay_model, expected_maps,
-                                          random_routes, replayed_pass)
+    from tests.helpers.moe_sync_workers import randomize_experts
+    from tests.helpers.router_replay_workers import (L, _loss_and_grads, _microbatch, build_replay_model, expected_maps,
+                                                    random_routes, replayed_pass)
 
     torch.backends.cuda.matmul.allow_tf32 = False
     groups = init_parallel(1, 1)

@@ -11,7 +11,7 @@ import torch
 from stapo_megatron.conversion.cli import main
 from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
 from tests.helpers.dist_utils import run_distributed
-from tests.conversion.test_roundtrip import _assert_bit_exact
+from tests.helpers.conversion_parity import _assert_bit_exact
 
 VARIANT = "qwen3"
 

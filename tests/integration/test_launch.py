@@ -16,30 +16,14 @@ import pytest
 
 from stapo_megatron.method.registry import METHODS
 from tests.helpers import REPO_DIR
+from tests.helpers.launch_cli import NEMO_RUN, nemo_run, paper_signal_and_retries, sbatch_script
 
 REPO = REPO_DIR
-NEMO_RUN = os.path.join(os.path.dirname(sys.executable), "nemo-run")
 ID = r"\d+"  # NeMo-Run experiment ids end in time.time_ns()
 
 pytest.importorskip("nemo_run")
 # every test starts the `nemo-run` command (10-30 s of imports each): the slow tier
 pytestmark = pytest.mark.slow
-
-
-def nemo_run(tmp_path, *args, env=None, timeout=300):
-    """Run ``nemo-run ARGS`` from the checkout with its own NEMORUN_HOME and no STAPO_* settings."""
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("STAPO_")}
-    # NEMORUN_HOME: experiments and local job states go to tmp; COLUMNS: rich tables unwrapped
-    environ.update(NEMORUN_HOME=str(tmp_path / "nemo_run_home"), COLUMNS="250", **(env or {}))
-    proc = subprocess.run([NEMO_RUN, *args], cwd=REPO, env=environ, capture_output=True, text=True,
-                          timeout=timeout)
-    return proc.returncode, proc.stdout + proc.stderr
-
-
-def sbatch_script(output: str) -> str:
-    match = re.search(r"^# ---- sbatch script of task .*?\n(#!/bin/bash.*)", output, re.M | re.S)
-    assert match, output
-    return match.group(1)
 
 
 OVERRIDES = [
@@ -55,18 +39,6 @@ ENV_SETTINGS = {
 COMMON_ENV = {"STAPO_SLURM_PARTITION": "batch", "STAPO_HF_HOME": "/hf/home",
               # an SSH login node that does not exist: a dry run must never connect to it
               "STAPO_SLURM_HOST": "login.invalid", "STAPO_SLURM_USER": "me"}
-
-
-def paper_signal_and_retries(size, **overrides):
-    """The save signal and requeue budget of a paper recipe's FINAL configuration (its step time)."""
-    from stapo_megatron.launch.entry import build_config
-    from stapo_megatron.launch.timing import FAILURE_RETRIES
-    from stapo_megatron.recipes import paper, step_time
-
-    cfg = build_config(size, check_paths=False, **overrides)[0]
-    step = step_time.estimate_step_time(paper.ARCHITECTURES[size], paper.layout_for(size, cfg), cfg)
-    signal_s = step_time.signal_seconds(step)
-    return signal_s, step_time.jobs_needed(cfg.steps, step, 4 * 3600, signal_s) - 1 + FAILURE_RETRIES
 
 
 @pytest.mark.parametrize("short, nodes, settings", [
@@ -454,7 +426,7 @@ def test_include_uncommitted_ships_the_working_tree(tmp_path):
 def test_emit_sbatch_writes_a_plain_torchrun_script(tmp_path):
     from stapo_megatron.launch.entry import parse_arguments
 
-    from tests.launch.test_preflight import write_hf_config
+    from tests.helpers.launch_cli import write_hf_config
 
     write_hf_config(tmp_path / "model", "qwen3_14b")
     (tmp_path / "ckpt").mkdir()
@@ -516,7 +488,7 @@ def test_the_docs_quickstart_saves_a_config_its_launch_takes(tmp_path):
     a temporary folder, the submission a dry run): the saved configuration is launched back
     without a problem. It once saved into the checkout (`--save-config qwen3-14b-stapo.yaml`),
     and the launch then refused the relative config path and the checkout's new file."""
-    from tests.launch.test_preflight import write_hf_config
+    from tests.helpers.launch_cli import write_hf_config
 
     lustre = tmp_path / "lustre"
     write_hf_config(lustre / "models" / "Qwen3-14B-Base", "qwen3_14b")

@@ -1,19 +1,18 @@
-"""The checks `nemo-run` runs before a submission, on their own (`stapo_megatron.launch.preflight`,: the multi-process and end-to-end tests (the single-process ones and the helpers are in ``tests/launch/test_preflight.py``)."""
+"""The checks `nemo-run` runs before a submission (`stapo_megatron.launch.preflight`), through the
+command: the end-to-end tests (the single-process ones are in ``tests/launch/test_preflight.py``,
+``test_paths.py`` and ``test_timing.py``)."""
 
-import json
-import re
 import pytest
-import fiddle as fdl
-from stapo_megatron.launch import executors, paths, preflight, timing
-from stapo_megatron.launch.entry import build_config
-from stapo_megatron.recipes import paper, step_time
-from tests.launch.test_preflight import SLURM, write_hf_config  # noqa: F401
+from tests.helpers.launch_cli import write_hf_config
+
+
+SLURM = ["run.executor.account=a", "run.executor.container_image=img", "run.executor.tunnel.job_dir=/lustre/jobs"]
 
 
 @pytest.mark.slow
 def test_dryrun_names_every_path_no_container_mount_holds(tmp_path):
     """A dry run with every path on a shared file system and no mounts: each one named."""
-    from tests.integration.test_launch import nemo_run, sbatch_script
+    from tests.helpers.launch_cli import nemo_run, sbatch_script
 
     shared = [f"{key}=/shared/stapo/{key}" for key in ("model.hf_dir", "model.megatron_ckpt", "data.train_path",
                                                        "data.eval_path")]
@@ -32,7 +31,7 @@ def test_dryrun_names_every_path_no_container_mount_holds(tmp_path):
 def test_signal_and_budget_come_from_the_overridden_and_loaded_configuration(tmp_path):
     """Refused before: the recipe's 720 s signal is shorter than the overridden step; a saved
     config with steps=10 printed the recipe's 3000-step budget."""
-    from tests.integration.test_launch import nemo_run, paper_signal_and_retries, sbatch_script
+    from tests.helpers.launch_cli import nemo_run, paper_signal_and_retries, sbatch_script
 
     longer = ["rollout.max_response_len=31744", "model.context_parallel_size=4"]
     code, out = nemo_run(tmp_path, "launch/stapo_8b.py", "--dryrun", "output_dir=/lustre/r", *longer,
@@ -58,7 +57,7 @@ def test_signal_and_budget_come_from_the_overridden_and_loaded_configuration(tmp
 def test_emit_sbatch_lists_every_problem_at_once(tmp_path):
     """A dense 8B folder for the MoE recipe, no eval_path and a missing train file: all named in
     one refusal (before, only the missing eval_path was)."""
-    from tests.integration.test_launch import nemo_run
+    from tests.helpers.launch_cli import nemo_run
 
     model = write_hf_config(tmp_path / "model", "qwen3_8b")
     (tmp_path / "ckpt").mkdir()

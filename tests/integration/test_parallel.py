@@ -309,7 +309,7 @@ def _sequence_parallel_worker(sequence_parallel):
     from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
     from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
     from stapo_megatron.mcore.synthetic import synthetic_rollouts
-    from tests.rollout.test_vllm_engine import randomize
+    from tests.helpers.engine_parity import randomize
 
     groups = init_parallel(2, 1)
     config = tiny_config("qwen3")

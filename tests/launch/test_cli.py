@@ -1,8 +1,6 @@
 """Tier a: the messages of ``nemo-run`` (`stapo_megatron.launch.cli`) that need no job: why
 ``--emit-sbatch`` writes nothing for a launch file, and which launch files it does write."""
 
-import os
-
 import pytest
 
 pytest.importorskip("nemo_run")
@@ -10,16 +8,8 @@ pytest.importorskip("nemo_run")
 import fiddle as fdl  # noqa: E402
 import nemo_run as run  # noqa: E402
 
-from stapo_megatron.launch import arguments, cli, executors  # noqa: E402
-from stapo_megatron.recipes import paper  # noqa: E402
-
-PAPER_FILES = [f"launch/stapo_{name.removeprefix('qwen3_')}.py" for name in sorted(paper.LAYOUTS)]
-"""The launch file of each paper recipe (``qwen3_8b_32k`` -> ``launch/stapo_8b_32k.py``)."""
-
-
-def test_paper_launch_files_are_every_paper_recipes_file():
-    assert all(os.path.isfile(os.path.join(os.path.dirname(arguments.LAUNCH_DIR), f)) for f in PAPER_FILES)
-    assert arguments.paper_launch_files() == sorted(PAPER_FILES)  # five, not the tiny or doctor files
+from stapo_megatron.launch import cli, executors  # noqa: E402
+from tests.helpers.launch_cli import PAPER_FILES  # noqa: E402
 
 
 def test_emit_sbatch_refusal_of_a_local_launch_file_names_every_paper_file():

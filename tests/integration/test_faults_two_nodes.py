@@ -1,16 +1,14 @@
-"""Faults of a two-node job, simulated on this machine, and the failure records behind its messages: the multi-process and end-to-end tests (the single-process ones and the helpers are in ``tests/trainer/test_faults.py``)."""
+"""Faults of a two-node job, simulated on this machine, and the failure records behind its messages:
+the multi-process and end-to-end tests (the single-process ones are in
+``tests/trainer/test_faults.py``)."""
 
 import json
 import os
 import subprocess
-import sys
-import tempfile
-import uuid
 import pytest
 from stapo_megatron.mcore import checkpoint as ckpt
-from stapo_megatron.trainer import faults
-from tests.helpers.dist_utils import _free_port, kill_marked
-from tests.trainer.test_faults import SCRIPT, _record, _root_causes, _torchrun, _two_nodes  # noqa: F401
+from tests.helpers.dist_utils import _free_port
+from tests.helpers.two_node_faults import SCRIPT, _record, _root_causes, _torchrun, _two_nodes  # noqa: F401
 
 
 @pytest.mark.slow  # one two-node launch: 30 s to minutes of imports on a loaded 2-core machine

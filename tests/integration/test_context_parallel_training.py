@@ -1,4 +1,6 @@
-"""Context parallelism: the split of packed rows (tier a) and, on gloo (tier b), the all-gather CP: the multi-process and end-to-end tests (the single-process ones and the helpers are in ``tests/mcore/test_context_parallel.py``)."""
+"""Context parallelism: the split of packed rows (tier a) and, on gloo (tier b), the all-gather CP: the
+multi-process and end-to-end tests (the single-process ones are in
+``tests/mcore/test_context_parallel.py``)."""
 
 import dataclasses
 import os

@@ -1,10 +1,10 @@
-"""The warm-start's label-smoothing term: cross-entropy to the uniform distribution, TP-sharded: the multi-process and end-to-end tests (the single-process ones and the helpers are in ``tests/mcore/test_sft.py``)."""
+"""The warm-start's label-smoothing term: cross-entropy to the uniform distribution, TP-sharded: the
+multi-process and end-to-end tests (the single-process ones are in ``tests/mcore/test_sft.py``)."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 from tests.helpers.dist_utils import run_distributed
-from tests.mcore.test_sft import V, _reference, _tp_worker  # noqa: F401
+from tests.helpers.uniform_ce import V, _reference, _tp_worker  # noqa: F401
 
 
 @pytest.mark.slow

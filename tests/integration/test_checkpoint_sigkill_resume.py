@@ -1,14 +1,11 @@
-"""Checkpoints: atomic publish, resume after SIGKILL at several points, exact continuation: the multi-process and end-to-end tests (the single-process ones and the helpers are in ``tests/mcore/test_checkpoint_resume.py``)."""
+"""Checkpoints: atomic publish, resume after SIGKILL at several points, exact continuation: the
+multi-process and end-to-end tests (the single-process ones are in
+``tests/mcore/test_checkpoint_resume.py``)."""
 
-import json
 import os
-import subprocess
-import sys
-import tempfile
-import uuid
 import pytest
 from stapo_megatron.mcore import checkpoint as ckpt
-from tests.mcore.test_checkpoint_resume import STEPS, _rows, _run, _run_to_end  # noqa: F401
+from tests.helpers.checkpoint_runs import STEPS, _rows, _run, _run_to_end  # noqa: F401
 
 
 @pytest.mark.slow

@@ -1,4 +1,6 @@
-"""The save on the scheduler's warning signal (Slurm ``--signal=USR1@S``), with a real SIGUSR1 sent: the multi-process and end-to-end tests (the single-process ones and the helpers are in ``tests/trainer/test_preemption.py``)."""
+"""The save on the scheduler's warning signal (Slurm ``--signal=USR1@S``), with a real SIGUSR1 sent:
+the multi-process and end-to-end tests (the single-process ones are in
+``tests/trainer/test_preemption.py``)."""
 
 import os
 import signal
@@ -8,9 +10,11 @@ import tempfile
 import time
 import pytest
 from stapo_megatron.mcore import checkpoint as ckpt
-from stapo_megatron.trainer.preemption import REQUEUE_EXIT_CODE, SaveOnSignal, torchrun_env
-from tests.mcore.test_checkpoint_resume import SCRIPT, STEPS, _rows, _run
-from tests.trainer.test_preemption import WAIT_LIMIT_S  # noqa: F401
+from stapo_megatron.trainer.preemption import torchrun_env
+from tests.helpers.checkpoint_runs import SCRIPT, STEPS, _rows, _run
+
+WAIT_LIMIT_S = 300.0
+"""Upper bound on waiting for the run to reach its waiting point (a hang guard, not a timing)."""
 
 
 @pytest.mark.slow
