@@ -247,13 +247,22 @@ capacity factor). An allowance, not derived: the aux loss pulls it towards 1, an
 load metrics of a run (max / mean tokens per expert) say what it is."""
 
 
+NORM_BYTES = 4
+"""Bytes per token and hidden unit that one RMSNorm of a decoder layer keeps on CUDA: its bf16
+input (torch's fused RMSNorm; the per-row fp32 rstd is negligible) and its bf16 output, kept by
+the linear that follows (`kept_layer_bytes`)."""
+
+
 def kept_layer_bytes(spec: QwenSpec, layout: Layout) -> float:
     """Bytes per token that one decoder layer keeps for its backward without recomputation
-    (local spec, SDPA / flash attention, bf16), counted op by op from the tensors autograd saves
-    (``torch.autograd.graph.saved_tensors_hooks`` on a Qwen3-1.7B-shaped layer, CPU):
+    (local spec, SDPA / flash attention, bf16, on CUDA), counted op by op from the tensors
+    autograd saves (``torch.autograd.graph.saved_tensors_hooks`` on a Qwen3-1.7B-shaped layer):
 
-    - each of the two RMSNorms: its fp32 input copy and fp32 normalised output (torch's RMSNorm
-      computes in fp32) and the bf16 output the next linear saves: 10 h bytes;
+    - each of the two RMSNorms: 4 h. On CUDA ``torch.nn.RMSNorm`` runs torch's fused kernel,
+      which keeps its bf16 input and one fp32 rstd per row; the next linear keeps the bf16
+      output. (The CPU's composite RMSNorm keeps an fp32 input copy and the fp32 normalised
+      output besides, 10 h: counting that, the model over-counted the GPU by 12 h per layer,
+      +10% at 8k and +13% at 16k tokens on the H200.)
     - q/k norms: two fp32 copies of q and k: 8 (q + kv);
     - attention: the fused QKV output (v is a view of it), q and k after RoPE, the output
       (kept by flash attention and by the output projection): 6 (q + kv) [+ 4 kv x (CP - 1) for
@@ -262,21 +271,23 @@ def kept_layer_bytes(spec: QwenSpec, layout: Layout) -> float:
       logits and probabilities (8 E), then per routed copy (top-k, x `MOE_ROUTING_IMBALANCE`)
       the permuted input and expert output (4 h) and the expert MLP (10 moe_ffn / ETP).
 
-    h-sized terms are split over TP with sequence parallelism, q/kv/ffn over TP. Checked on the
-    H100 (benchmarks/RESULTS.md): Qwen3-1.7B, 4 x 8192 tokens, no recomputation, 69.8 GB
-    allocated against `memory_estimate`'s 70.5 GB without its allowance (+1.0%).
+    h-sized terms are split over TP with sequence parallelism, q/kv/ffn over TP. Calibrated
+    against the GPU's ``max_memory_allocated`` (``tests/recipes/test_memory_calibration.py``
+    holds the measured rows): Qwen3-1.7B, 4 x 8192 / 16384 tokens without recomputation on the
+    H200, 64.2 / 97.3 GB allocated against `memory_estimate`'s 64.7 / 98.3 GB without its
+    allowance (+0.7% / +1.0%).
     """
     tp = layout.tensor_model_parallel_size
     sp = tp if layout.sequence_parallel else 1
     h, q, kv, cp = spec.hidden_size, spec.q_size, spec.kv_size, layout.context_parallel_size
     gathered = 4 * kv * (cp - 1) if layout.cp_comm_type == "all_gather" else 0
-    attention = 10 * h / sp + (14 * (q + kv) + gathered) / tp
+    attention = NORM_BYTES * h / sp + (14 * (q + kv) + gathered) / tp
     if spec.is_moe:
         copies = spec.moe_router_topk * MOE_ROUTING_IMBALANCE
-        mlp = 10 * h / sp + 8 * spec.num_moe_experts / sp + copies * (
+        mlp = NORM_BYTES * h / sp + 8 * spec.num_moe_experts / sp + copies * (
             4 * h / sp + 10 * spec.moe_ffn_hidden_size / layout.expert_tensor_size)
     else:
-        mlp = 10 * h / sp + 10 * spec.ffn_hidden_size / tp
+        mlp = NORM_BYTES * h / sp + 10 * spec.ffn_hidden_size / tp
     return attention + mlp
 
 
