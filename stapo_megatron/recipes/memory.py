@@ -263,7 +263,8 @@ def kept_layer_bytes(spec: QwenSpec, layout: Layout) -> float:
       output. (The CPU's composite RMSNorm keeps an fp32 input copy and the fp32 normalised
       output besides, 10 h: counting that, the model over-counted the GPU by 12 h per layer,
       +10% at 8k and +13% at 16k tokens on the H200.)
-    - q/k norms: two fp32 copies of q and k: 8 (q + kv);
+    - q/k norms: 8 (q + kv), two fp32 copies of q and k as counted on the CPU (the H200's
+      16k - 8k difference is within 1% of the model with it);
     - attention: the fused QKV output (v is a view of it), q and k after RoPE, the output
       (kept by flash attention and by the output projection): 6 (q + kv) [+ 4 kv x (CP - 1) for
       the K and V gathered over CP with ``cp_comm_type="all_gather"``];
