@@ -204,7 +204,9 @@ def test_two_trainer_steps_checkpoint_and_resume_on_cuda(tmp_path, request):
     """The tiny recipe on CUDA with the HF rollout engine (no vLLM): 2 steps with a checkpoint
     each, then a resume that runs step 3. Two processes of about 20 s each on a GPU: start-up
     (imports, CUDA, the first Triton compilations), a 2-step warm-start, one reward worker, no
-    evaluation (`tests/helpers/hf_engine_trainer_script.py`); a failure prints the phases' times."""
+    evaluation (`tests/helpers/hf_engine_trainer_script.py`); a failure prints the phases' times.
+    After 2 warm-start steps most rewards are 0: what is checked here is the loop, the checkpoint
+    and the resume on CUDA; the update's numerics are `test_policy_update_on_cuda_equals_cpu`'s."""
     from stapo_megatron.mcore import checkpoint as ckpt
 
     deadline = _deadline(request)
@@ -285,7 +287,11 @@ def _router_replay_worker():
     def keep_contributions(module, inputs, output):
         ids = inputs[0].detach().reshape(-1).cpu()
         hits.index_add_(0, ids, torch.ones(len(ids), dtype=torch.float64))
-        output.register_hook(lambda g: abs_sum.index_add_(0, ids, g.detach().abs().reshape(len(ids), -1).double().cpu()))
+
+        def add(grad):  # returns None: the gradient flows on unchanged
+            abs_sum.index_add_(0, ids, grad.detach().abs().reshape(len(ids), -1).double().cpu())
+
+        output.register_hook(add)
 
     hook = plain.embedding.word_embeddings.register_forward_hook(keep_contributions)
     results, routes = [], []
