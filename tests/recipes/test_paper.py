@@ -8,7 +8,6 @@ import dataclasses
 
 import pytest
 
-from stapo_megatron.config import ModelConfig
 from stapo_megatron.data.examples import SUFFIX
 from stapo_megatron.launch.entry import build_config
 from stapo_megatron.recipes import memory, paper
