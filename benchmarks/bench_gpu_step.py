@@ -17,8 +17,14 @@ Per shape and length it prints:
   estimate (`stapo_megatron.recipes.memory.memory_estimate`, training part, for this layout),
 - the STAPO / JustRL time ratio (median of per-round ratios).
 
+``--packing budget`` fills each micro-batch with whole sequences up to the --seq-lens token
+budget (the trainer's ``packing="budget"``, SDPA's varlen path), their lengths drawn from the
+paper's distribution as `bench_packing.py` draws them; the TFLOP/s count the real sequences
+(attention within each), and the row ends with the sequences and the budget's fill.
+
     source .whl/gpu-env.sh && python3 benchmarks/bench_gpu_step.py            # the H100 run
     .venv/bin/python benchmarks/bench_gpu_step.py --device cpu --tiny          # a CPU smoke run
+    python3 benchmarks/bench_gpu_step.py --models qwen3-1.7b --seq-lens 16384 --recompute none --packing budget
 """
 
 from __future__ import annotations
@@ -133,7 +139,8 @@ def bench_one(name, hf_config, seq_len, args, device, dtype, rate):
     else:
         mbs = microbatches(spec, seq_len, args.num_microbatches, seed=0)
         flops, fill = model_flops(spec, seq_len * args.num_microbatches, seq_len), ""
-    ctx = PassContext(model, seq_len, groups=groups, vocab_size=spec.vocab_size)
+    rows = max(mb.tokens.shape[1] for mb in mbs)  # packed: the longest packed row (bench_packing.py)
+    ctx = PassContext(model, rows, groups=groups, vocab_size=spec.vocab_size)
     old_policy_pass(ctx, [mbs])
     methods = {"stapo": LossConfig(method="stapo"), "justrl": LossConfig(method="justrl")}
     times = {m: [] for m in methods}
