@@ -9,7 +9,7 @@
 # Budgets (seconds; the call's limit is 600, the cold start is counted apart):
 #     doctor 40 (its rows took 13 s on the H200, plus imports) + GPU tier 270 (the H200 of 2026-11-27:
 #     ~120 s for the 25 tests that finished alone, ~85 s estimated for the rest, the trainer test
-#     cut to ~40 s) + RMSNorm saved bytes 15 + op at N=16384 with the sweep 60
+#     cut to ~40 s) + saved bytes of a norm and a SwiGLU 15 + op at N=16384 with the sweep 60
 #   + Qwen3-1.7B one sequence of 8k and 16k tokens, no recomputation 100 (two fresh processes,
 #     3 x 2 updates each: 1.2 s and 2.7 s on the H200) + the same at a 16k budget packed 45
 #   = 530 s <= 540 s: 9 minutes, 70 s short of the call's 600 s limit.
@@ -46,19 +46,9 @@ fi
 part doctor 40 "$PY" -m stapo_megatron.doctor.cli --skip stapo_steps
 # 2. the GPU tier alone, each test under its own time limit (TIMEOUT)
 part pytest_gpu 270 "$PY" -m pytest -v "${TIMEOUT[@]}" --durations=0 -p no:cacheprovider "${TIER[@]}"
-# 3. what torch's RMSNorm keeps for its backward here (the memory model counts 4 bytes per token and
-# hidden unit on CUDA: its bf16 input and output, fused kernel; the CPU composite op keeps fp32 copies)
-part rmsnorm_saved_bytes 15 "$PY" -c "
-import torch
-dev = '${DEV[1]}'
-norm = torch.nn.RMSNorm(2048, eps=1e-6, device=dev, dtype=torch.bfloat16)
-x = torch.randn(4096, 2048, device=dev, dtype=torch.bfloat16, requires_grad=True)
-saved = []
-with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-    norm(x)
-big = sum(t.numel() * t.element_size() for t in saved if t.numel() >= x.numel() and t.data_ptr() != x.data_ptr())
-print(f'{dev}: RMSNorm saves {[(tuple(t.shape), str(t.dtype)) for t in saved]}; besides its input '
-      f'{big / x.shape[0] / x.shape[1]:.1f} bytes per token and hidden unit')"
+# 3. what a layer's RMSNorm and SwiGLU keep for the backward here beyond their input (the memory
+# model: 8 bytes per token and hidden unit for the norm's fp32 copies, 0 for the fused SwiGLU)
+part saved_bytes 15 "$PY" benchmarks/saved_bytes.py "${DEV[@]}"
 # 4. the op at N = 16,384 against the HBM bound and its block/warps sweep
 part bench_logprob_entropy_16k 60 "$PY" benchmarks/bench_logprob_entropy.py "${OP[@]}"
 # 5. Qwen3-1.7B update without recomputation: one sequence of 8k and 16k tokens per micro-batch

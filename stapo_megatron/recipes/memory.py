@@ -247,48 +247,49 @@ capacity factor). An allowance, not derived: the aux loss pulls it towards 1, an
 load metrics of a run (max / mean tokens per expert) say what it is."""
 
 
-NORM_BYTES = 4
-"""Bytes per token and hidden unit that one RMSNorm of a decoder layer keeps on CUDA: its bf16
-input (torch's fused RMSNorm; the per-row fp32 rstd is negligible) and its bf16 output, kept by
-the linear that follows (`kept_layer_bytes`)."""
+SWIGLU_BYTES = 6
+"""Bytes per token and MLP unit (ffn, an expert's moe_ffn) that a SwiGLU MLP keeps on CUDA:
+Megatron's fused SwiGLU (``bias_activation_fusion``, on wherever Triton is:
+`stapo_megatron.bridge.kernels`) saves only its bf16 input, gate and up (4), and recomputes
+silu(gate) in its backward; the second linear keeps the bf16 product (2). Unfused (the CPU)
+it keeps silu(gate) besides (8; ``benchmarks/saved_bytes.py`` measures both)."""
 
 
 def kept_layer_bytes(spec: QwenSpec, layout: Layout) -> float:
     """Bytes per token that one decoder layer keeps for its backward without recomputation
-    (local spec, SDPA / flash attention, bf16, on CUDA), counted op by op from the tensors
-    autograd saves (``torch.autograd.graph.saved_tensors_hooks`` on a Qwen3-1.7B-shaped layer):
+    (local spec, SDPA / flash attention, bf16, on CUDA with Triton), counted op by op from the
+    tensors autograd saves (``torch.autograd.graph.saved_tensors_hooks`` on a Qwen3-1.7B-shaped
+    layer on the CPU; the MLP as Megatron's fused SwiGLU saves on CUDA):
 
-    - each of the two RMSNorms: 4 h. On CUDA ``torch.nn.RMSNorm`` runs torch's fused kernel,
-      which keeps its bf16 input and one fp32 rstd per row; the next linear keeps the bf16
-      output. (The CPU's composite RMSNorm keeps an fp32 input copy and the fp32 normalised
-      output besides, 10 h: counting that, the model over-counted the GPU by 12 h per layer,
-      +10% at 8k and +13% at 16k tokens on the H200.)
-    - q/k norms: 8 (q + kv), two fp32 copies of q and k as counted on the CPU (the H200's
-      16k - 8k difference is within 1% of the model with it);
+    - each of the two RMSNorms: its fp32 input copy and fp32 normalised output (torch's RMSNorm
+      computes in fp32) and the bf16 output the next linear saves: 10 h bytes;
+    - q/k norms: two fp32 copies of q and k: 8 (q + kv);
     - attention: the fused QKV output (v is a view of it), q and k after RoPE, the output
       (kept by flash attention and by the output projection): 6 (q + kv) [+ 4 kv x (CP - 1) for
       the K and V gathered over CP with ``cp_comm_type="all_gather"``];
-    - dense MLP: gate/up output, silu(gate), its product with up: 10 ffn. MoE: the router's fp32
-      logits and probabilities (8 E), then per routed copy (top-k, x `MOE_ROUTING_IMBALANCE`)
-      the permuted input and expert output (4 h) and the expert MLP (10 moe_ffn / ETP).
+    - dense MLP: `SWIGLU_BYTES` ffn, the fused SwiGLU's input and the second linear's input
+      (counting 10 ffn, more than even the unfused SwiGLU keeps, the model over-counted the
+      GPU by 4 ffn per layer: +10% at 8k and +13% at 16k tokens on the H200). MoE: the router's fp32 logits and
+      probabilities (8 E), then per routed copy (top-k, x `MOE_ROUTING_IMBALANCE`) the permuted
+      input and expert output (4 h) and the expert MLP (`SWIGLU_BYTES` moe_ffn / ETP).
 
     h-sized terms are split over TP with sequence parallelism, q/kv/ffn over TP. Calibrated
     against the GPU's ``max_memory_allocated`` (``tests/recipes/test_memory_calibration.py``
     holds the measured rows): Qwen3-1.7B, 4 x 8192 / 16384 tokens without recomputation on the
     H200, 64.2 / 97.3 GB allocated against `memory_estimate`'s 64.7 / 98.3 GB without its
-    allowance (+0.7% / +1.0%).
+    allowance (+0.7% / +1.1%).
     """
     tp = layout.tensor_model_parallel_size
     sp = tp if layout.sequence_parallel else 1
     h, q, kv, cp = spec.hidden_size, spec.q_size, spec.kv_size, layout.context_parallel_size
     gathered = 4 * kv * (cp - 1) if layout.cp_comm_type == "all_gather" else 0
-    attention = NORM_BYTES * h / sp + (14 * (q + kv) + gathered) / tp
+    attention = 10 * h / sp + (14 * (q + kv) + gathered) / tp
     if spec.is_moe:
         copies = spec.moe_router_topk * MOE_ROUTING_IMBALANCE
-        mlp = NORM_BYTES * h / sp + 8 * spec.num_moe_experts / sp + copies * (
-            4 * h / sp + 10 * spec.moe_ffn_hidden_size / layout.expert_tensor_size)
+        mlp = 10 * h / sp + 8 * spec.num_moe_experts / sp + copies * (
+            4 * h / sp + SWIGLU_BYTES * spec.moe_ffn_hidden_size / layout.expert_tensor_size)
     else:
-        mlp = NORM_BYTES * h / sp + 10 * spec.ffn_hidden_size / tp
+        mlp = 10 * h / sp + SWIGLU_BYTES * spec.ffn_hidden_size / tp
     return attention + mlp
 
 

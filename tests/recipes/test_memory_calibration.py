@@ -55,13 +55,14 @@ def test_estimate_within_ten_percent_of_the_gpu(device, model, recompute, seq_le
 
 def test_no_recompute_slope_is_the_h200s():
     """The 16k - 8k difference is what one layer keeps per token (x 29: 28 layers and one layer's
-    gradients) plus the logits: 33.1 GB measured on the H200. Counting the CPU's composite
-    RMSNorm (10 h per norm) made it 39.5 GB (+19%); CUDA's fused RMSNorm keeps 4 h."""
+    gradients) plus the logits: 33.1 GB measured on the H200. Counting 10 ffn for the SwiGLU MLP made
+    it 39.5 GB (+19%); Megatron's fused SwiGLU on CUDA keeps its input (4 ffn) and
+    the second linear its product (2 ffn)."""
     slope = allocator_gb("qwen3-1.7b", NONE, 16384) - allocator_gb("qwen3-1.7b", NONE, 8192)
     assert slope == pytest.approx(97.3 - 64.2, rel=0.05)
     spec = _spec("qwen3-1.7b")
     per_layer = memory.kept_layer_bytes(spec, _bench_layout(NONE))
-    assert per_layer == 2 * memory.NORM_BYTES * 2048 + 14 * (2048 + 1024) + 10 * 6144
+    assert per_layer == 20 * 2048 + 14 * (2048 + 1024) + memory.SWIGLU_BYTES * 6144
 
 
 def test_selective_counts_as_none_and_bad_settings_are_refused():

@@ -137,9 +137,9 @@ def test_memory_estimate_of_14b_with_cp_by_hand():
     assert est.weights == 2 * params and est.optimizer == pytest.approx(12 * params / (4 * 4))
     tokens = 16384 // 4
     assert est.logits == pytest.approx(tokens * 152064 / 4 * 4)
-    # per token and layer: two RMSNorms (4 h each on CUDA, / TP with sequence parallelism), q/k
-    # norms and attention (14 (q + kv)), the SwiGLU MLP (10 ffn), all / TP
-    per_layer = (8 * 5120 + 14 * (5120 + 1024) + 10 * 17408) / 4
+    # per token and layer: two RMSNorms (10 h each, / TP with sequence parallelism), q/k norms
+    # and attention (14 (q + kv)), the fused SwiGLU MLP (6 ffn on CUDA), all / TP
+    per_layer = (20 * 5120 + 14 * (5120 + 1024) + 6 * 17408) / 4
     assert memory.kept_layer_bytes(spec, layout) == per_layer
     assert est.activations == pytest.approx((40 + 1) * per_layer * tokens)  # every layer + one layer's gradients
     # CP divides what scales with tokens, nothing else
@@ -408,6 +408,6 @@ def test_dry_run_layout_line_shows_cp_and_ep():
     line = memory.describe(paper.ARCHITECTURES["qwen3_14b"], paper.LAYOUTS["qwen3_14b"])
     assert line.startswith("8 x 8 GPUs: TP=4 PP=1 CP=4 DP=4; 16384-token sequences (4096 per CP rank), "
                            "recompute none; vLLM TP=4 at 0.35 of the card; ")
-    assert line.endswith(" = 72.3 GB of 80 GB")
+    assert line.endswith(" = 71.9 GB of 80 GB")
     line = memory.describe(paper.ARCHITECTURES["qwen3_30b_a3b"], paper.LAYOUTS["qwen3_30b_a3b"])
     assert "TP=4 PP=1 CP=1 EP=16 ETP=1 DP=8;" in line and "recompute full" in line
