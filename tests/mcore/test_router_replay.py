@@ -24,6 +24,7 @@ from stapo_megatron.mcore.minibatches import BatchLayout, pack_planned, plan_bud
 from stapo_megatron.mcore.packing import pack_thd
 from stapo_megatron.mcore.records import records_from_lists
 from stapo_megatron.mcore.router_replay import fill_missing, local_routes
+from tests.helpers.route_recorder import RouteRecorder
 from tests.helpers.router_replay_workers import (E, GRAD_RTOL, K, L, LOGPROB_ATOL, VARIANT, _hf_logprobs,
                                                 _loss_and_grads, _microbatch, build_replay_model, expected_maps,
                                                 forced_hf_routes, random_routes, replayed_pass)
@@ -177,10 +178,15 @@ def test_full_recompute_replays_the_same_routes_in_backward(parallel):
         router = model.decoder.layers[0].mlp.router
         router.register_forward_hook(lambda *_, key=id(model): calls.__setitem__(key, calls.get(key, 0) + 1))
     held_plain, held_recompute = [], []
-    loss_plain, grads_plain = _loss_and_grads(plain, mbs, 12, held_plain)
-    loss_recompute, grads_recompute = _loss_and_grads(recompute, mbs, 12, held_recompute)
-    # the recomputation really reran the routers: once more per micro-batch, in backward
+    with RouteRecorder(plain) as rec_plain:
+        loss_plain, grads_plain = _loss_and_grads(plain, mbs, 12, held_plain)
+    with RouteRecorder(recompute) as rec_recompute:
+        loss_recompute, grads_recompute = _loss_and_grads(recompute, mbs, 12, held_recompute)
+    # the recomputation really reran the routers: once more per micro-batch, in backward, on the
+    # micro-batch's own targets (every layer, every token)
     assert calls[id(plain)] == 3 and calls[id(recompute)] == 6
+    assert rec_plain.mismatches(mbs, E) == dict(forward=3 * L, recompute=0, own=0, mismatched=0)
+    assert rec_recompute.mismatches(mbs, E) == dict(forward=3 * L, recompute=3 * L, own=0, mismatched=0)
     # only a recomputing model keeps a micro-batch's targets past its forward (until its backward)
     assert held_plain == [0, 0, 0] and held_recompute == [1, 1, 1]
     assert math.isclose(loss_plain, loss_recompute, rel_tol=GRAD_RTOL)
