@@ -10,9 +10,15 @@ run, not even for ``--dryrun``), then run with NeMo-Run's ``LAZY_CLI``, under wh
 """
 
 import ast
+import contextlib
+import difflib
+import inspect
+import logging
 import os
+import re
 import runpy
-from typing import List
+import typing
+from typing import Any, Iterable, Iterator, List, Optional
 
 LAUNCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "launch")
 """The checkout's launch files (``launch/*.py``)."""
@@ -138,6 +144,93 @@ def split_save_config(args: List[str], option: str = "--save-config"):
 def split_flag(args: List[str], flag: str):
     """(whether ``flag`` is among ``args``, the other arguments)."""
     return flag in args, [a for a in args if a != flag]
+
+
+RUN_KEY_ALIASES = {"run_dir": "output_dir"}
+"""Settings a launch spells differently from the configuration (`TrainerConfig.run_dir` is
+``output_dir=`` on the command line)."""
+
+
+def run_key_problem(args: Iterable[str], settings: List[str]) -> Optional[str]:
+    """Why a ``key=value`` argument whose key starts with ``run`` but not ``run.`` (``run_dir=/x``)
+    cannot be given (NeMo-Run 0.11.1 takes every such key for its own ``run.*`` options and fails
+    with "Run overwrites must start with 'run.'"), naming the setting meant: its alias
+    (`RUN_KEY_ALIASES`) or the closest of ``settings`` (the launch's own); None when there is none."""
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if not sep or arg.startswith("-") or not key.startswith("run") or key[3:4] in ("", ".", "["):
+            continue
+        alias = RUN_KEY_ALIASES.get(key)
+        if alias in settings:
+            hint = f"; the run's folder is {alias}={value}"
+        else:
+            close = difflib.get_close_matches(key, settings, n=3)
+            hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+        return (f"unknown setting {key!r}{hint}. (Keys that start with 'run' are NeMo-Run's own options: "
+                f"run.executor.FIELD=VALUE; nemo-run --help lists the settings.)")
+    return None
+
+
+TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+              list: "a list such as ['a', 'b']", dict: "a dict such as {'a': 1}", tuple: "a tuple such as (1, 2)"}
+"""How a message names the type a NeMo-Run override expects (`expected`)."""
+
+
+def expected(annotation: Any) -> str:
+    """``annotation`` in words: ``an integer``, ``an integer or None``, ``one of 'a', 'b'``."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Union:
+        words = " or ".join(expected(a) for a in args if a is not type(None))
+        return words + (" or None" if type(None) in args else "")
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    base = origin or annotation
+    return TYPE_WORDS.get(base, getattr(base, "__name__", str(base)))
+
+
+def _settings_of(config: Any) -> List[str]:
+    """The keyword names a NeMo-Run ``Config`` / ``Partial`` takes (its target's parameters)."""
+    target = getattr(config, "__fn_or_cls__", None)
+    if target is None:
+        return []
+    return [p.name for p in inspect.signature(target).parameters.values()
+            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+
+
+def parse_error_message(error: Exception, prefix: str, root: Any = None) -> str:
+    """One sentence for NeMo-Run's parse error of an override ``prefix + key=value`` (its own text
+    repeats the value three times with a context dict): the type the key expects
+    (``run.executor.nodes expects an integer, got 'abc'``), or, for a key ``root`` (the
+    ``Config`` parsed into) does not have, the closest ones."""
+    reason = getattr(error, "reason", None)  # NeMo-Run re-raises a ParseError with its context as the reason
+    context = reason if isinstance(reason, dict) else getattr(error, "context", {}) or {}
+    key, value = context.get("key"), context.get("value")
+    if key is not None and "expected_type" in context:
+        return f"{prefix}{key} expects {expected(context['expected_type'])}, got {value!r}"
+    text = re.sub(r" \(Argument: .*", "", str(error.args[0]) if error.args else str(error), flags=re.S)
+    if key is not None and "No parameter named" in text:
+        owner, _, name = key.rpartition(".")
+        target = root
+        for part in owner.split(".") if owner else []:
+            target = getattr(target, part, None)
+        names = _settings_of(target)
+        kind = getattr(getattr(target, "__fn_or_cls__", None), "__name__", "it")
+        close = difflib.get_close_matches(name, names, n=3)
+        hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+        listing = f"; its settings: {', '.join(names)}" if names and not close else ""
+        return f"unknown setting {prefix}{key}: {kind} has no {name!r}{hint}{listing}"
+    return f"{prefix}{key}={value}: {text}" if key is not None else text
+
+
+@contextlib.contextmanager
+def quiet_parser() -> Iterator[None]:
+    """Keep NeMo-Run's parser from logging its raw error before the caller names it (`parse_error_message`)."""
+    logger = logging.getLogger("nemo_run.cli.cli_parser")
+    disabled, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
 
 
 def calls_nemo_run_main(path: str) -> bool:
