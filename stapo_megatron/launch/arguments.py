@@ -197,13 +197,25 @@ def _settings_of(config: Any) -> List[str]:
             if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
 
 
+def _parse_error_context(error: Exception) -> dict:
+    """The key, value and expected type of NeMo-Run's parse error (those it has)."""
+    reason = getattr(error, "reason", None)  # NeMo-Run re-raises a ParseError with its context as the reason
+    return reason if isinstance(reason, dict) else getattr(error, "context", None) or {}
+
+
+def run_option_prefix(error: Exception, args: Iterable[str]) -> str:
+    """``run.executor.`` when the key of NeMo-Run's parse ``error`` is one of the ``executor.*``
+    ``args`` (``run.`` taken off), else ``run.``."""
+    key = _parse_error_context(error).get("key")
+    return "run.executor." if key and any(a.startswith(f"executor.{key}") for a in args) else "run."
+
+
 def parse_error_message(error: Exception, prefix: str, root: Any = None) -> str:
     """One sentence for NeMo-Run's parse error of an override ``prefix + key=value`` (its own text
     repeats the value three times with a context dict): the type the key expects
     (``run.executor.nodes expects an integer, got 'abc'``), or, for a key ``root`` (the
     ``Config`` parsed into) does not have, the closest ones."""
-    reason = getattr(error, "reason", None)  # NeMo-Run re-raises a ParseError with its context as the reason
-    context = reason if isinstance(reason, dict) else getattr(error, "context", {}) or {}
+    context = _parse_error_context(error)
     key, value = context.get("key"), context.get("value")
     if key is not None and "expected_type" in context:
         return f"{prefix}{key} expects {expected(context['expected_type'])}, got {value!r}"
@@ -214,11 +226,12 @@ def parse_error_message(error: Exception, prefix: str, root: Any = None) -> str:
         for part in owner.split(".") if owner else []:
             target = getattr(target, part, None)
         names = _settings_of(target)
-        kind = getattr(getattr(target, "__fn_or_cls__", None), "__name__", "it")
+        if not names:
+            return f"unknown setting {prefix}{key}"
+        kind = target.__fn_or_cls__.__name__
         close = difflib.get_close_matches(name, names, n=3)
-        hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
-        listing = f"; its settings: {', '.join(names)}" if names and not close else ""
-        return f"unknown setting {prefix}{key}: {kind} has no {name!r}{hint}{listing}"
+        hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else f"; its settings: {', '.join(names)}"
+        return f"unknown setting {prefix}{key}: {kind} has no {name!r}{hint}"
     return f"{prefix}{key}={value}: {text}" if key is not None else text
 
 

@@ -59,8 +59,8 @@ from stapo_megatron.config.tree import TrainerConfig  # noqa: E402
 from stapo_megatron.config.yaml_io import dump_config  # noqa: E402
 from stapo_megatron.launch import entry, executors, preflight, requeue, shipping, timing  # noqa: E402
 from stapo_megatron.launch.arguments import (ADDED_OPTIONS, paper_launch_files, parse_error_message,  # noqa: E402
-                                             quiet_parser, run_key_problem, split_env_args, split_executor_args,
-                                             split_flag, split_save_config, usage)
+                                             quiet_parser, run_key_problem, run_option_prefix, split_env_args,
+                                             split_executor_args, split_flag, split_save_config, usage)
 from stapo_megatron.launch.jobs import failed_jobs, render_dryrun  # noqa: E402
 from stapo_megatron.launch.arguments import calls_nemo_run_main, load_entrypoint  # noqa: E402, F401
 
@@ -100,8 +100,7 @@ class CheckedRunContext(cli_api.RunContext):
             with parse_errors_named("run.executor.", config):
                 self.executor = parse_cli_args(config, fields)
             args = others
-        prefix = "run.executor." if any(a.startswith("executor.") for a in args) else "run."
-        with parse_errors_named(prefix):
+        with parse_errors_named(lambda error: run_option_prefix(error, args)):
             remaining = super().parse_args(args, lazy)
         if env:
             if self.executor is None:
@@ -239,14 +238,16 @@ def emit_sbatch_refusal(executor, is_recipe: bool) -> str:
 
 
 @contextlib.contextmanager
-def parse_errors_named(prefix: str, root=None) -> Iterator[None]:
+def parse_errors_named(prefix, root=None) -> Iterator[None]:
     """NeMo-Run's parse errors of ``prefix + key=value`` overrides as one sentence
-    (`arguments.parse_error_message`), refused as a RunContextError ("Error: ...", exit code 1)."""
+    (`arguments.parse_error_message`), refused as a RunContextError ("Error: ...", exit code 1).
+    ``prefix``: the text, or a function of the error that returns it."""
     try:
         with quiet_parser():
             yield
     except CLIException as e:
-        raise cli_api.RunContextError(parse_error_message(e, prefix, root)) from None
+        text = prefix(e) if callable(prefix) else prefix
+        raise cli_api.RunContextError(parse_error_message(e, text, root)) from None
 
 
 def launch_settings(fn) -> List[str]:

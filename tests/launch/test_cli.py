@@ -71,3 +71,17 @@ def test_nemo_run_parse_errors_become_one_sentence(override, message):
     with pytest.raises(CLIException) as raised, arguments.quiet_parser():
         parse_cli_args(config, [override])
     assert arguments.parse_error_message(raised.value, "run.executor.", config) == message
+
+
+def test_a_parse_error_names_the_run_option_it_came_from():
+    """With ``run.executor=NAME``, NeMo-Run parses the executor's fields and its own options together."""
+    from nemo_run.cli.cli_parser import CLIException, parse_cli_args
+
+    with pytest.raises(CLIException) as raised, arguments.quiet_parser():
+        parse_cli_args(executors.slurm_executor(nodes=2), ["nodes=abc"])
+    assert arguments.run_option_prefix(raised.value, ["executor=slurm", "executor.nodes=abc"]) == "run.executor."
+    assert arguments.run_option_prefix(raised.value, ["nodes=abc"]) == "run."
+    assert arguments.parse_error_message(raised.value, "run.") == "run.nodes expects an integer, got 'abc'"
+    with pytest.raises(CLIException) as raised, arguments.quiet_parser():
+        parse_cli_args(executors.slurm_executor(nodes=2), ["nodez=2"])
+    assert arguments.parse_error_message(raised.value, "run.executor.") == "unknown setting run.executor.nodez"
