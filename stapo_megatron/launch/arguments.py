@@ -36,7 +36,8 @@ ADDED_OPTIONS = """Options added by this package (besides NeMo-Run's, listed by 
 
 Arguments (key=value, no dashes):
   method=NAME               stapo (default), justrl, entropy20, random, grpo, ... (stapo_megatron/method/registry.py)
-  output_dir=PATH           the run folder (absolute on Slurm)
+  output_dir=PATH           the run folder, TrainerConfig.run_dir (absolute on Slurm; not run_dir=:
+                            keys that start with run are NeMo-Run's own, run.executor.FIELD=VALUE)
   config=PATH               start from a configuration YAML (--save-config, or a run's config.yaml)
   FIELD=VALUE               a top-level TrainerConfig field: steps=100, seed=1, ...
   SECTION.FIELD=VALUE       a nested field: model.hf_dir=..., data.train_path=..., rollout.max_response_len=8192,
@@ -230,7 +231,8 @@ def parse_error_message(error: Exception, prefix: str, root: Any = None) -> str:
             return f"unknown setting {prefix}{key}"
         kind = target.__fn_or_cls__.__name__
         close = difflib.get_close_matches(name, names, n=3)
-        hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else f"; its settings: {', '.join(names)}"
+        hint = (f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close
+                else f"; its settings: {', '.join(names)}")
         return f"unknown setting {prefix}{key}: {kind} has no {name!r}{hint}"
     return f"{prefix}{key}={value}: {text}" if key is not None else text
 

@@ -17,7 +17,11 @@ and ``nemorun`` commands; this package provides ``nemo-run``.) What it adds:
   closest ones); a real submission also needs a Slurm executor with its account, image and job
   dir (``executors.check_submission``), and the checks of `preflight` (an absolute, mounted
   ``output_dir``; every path read present and mounted; the model folder matching the recipe),
-  all listed at once;
+  all listed at once, the recipe's first (its layout: every problem, also where the config
+  refuses its first one);
+- an argument NeMo-Run would misread or refuse with its raw parse error is named in one sentence
+  (``run_dir=`` -> ``output_dir=``; ``run.executor.nodes expects an integer, got 'abc'``:
+  `arguments.run_key_problem`, `arguments.parse_error_message`);
 - on Slurm the save signal and the requeue budget are derived from the final configuration
   (`timing.apply_final`), and the job requeues itself only when that can progress (`requeue`);
 - a dry run prints the resolved configuration (YAML, every field); ``--save-config PATH`` also
@@ -253,7 +257,8 @@ def parse_errors_named(prefix, root=None) -> Iterator[None]:
 def launch_settings(fn) -> List[str]:
     """The ``key=value`` settings a launch file's function takes: its parameters, and for a recipe
     the top-level `TrainerConfig` fields (``run_dir`` is ``output_dir``)."""
-    names = [p.name for p in inspect.signature(fn).parameters.values() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    names = [p.name for p in inspect.signature(fn).parameters.values()
+             if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
     if fn is entry.run_recipe:
         names += [f.name for f in dataclasses.fields(TrainerConfig) if f.name not in names and f.name != "run_dir"]
     return names

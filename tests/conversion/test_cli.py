@@ -515,8 +515,8 @@ def test_conversion_onto_a_full_disk_names_the_sizes(hf, tmp_path):
     if subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", mount],
                       capture_output=True).returncode:
         pytest.skip("no user namespaces here to mount a small tmpfs in")
-    convert = f"from stapo_megatron.conversion.cli import main; raise SystemExit(main(['hf-to-mcore', '--hf-dir', {hf!r}, " \
-              f"'--out', {str(disk / 'ckpt')!r}]))"
+    convert = f"from stapo_megatron.conversion.cli import main; raise SystemExit(main(['hf-to-mcore', " \
+              f"'--hf-dir', {hf!r}, '--out', {str(disk / 'ckpt')!r}]))"
     script = f"{mount} && (cat /dev/zero > {disk}/fill 2>/dev/null; df -B1 --output=avail {disk} | tail -1; " \
              f"exec {sys.executable} -c \"{convert}\")"
     proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
