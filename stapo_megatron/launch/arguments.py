@@ -44,9 +44,15 @@ Arguments (key=value, no dashes):
                             loss.tau_p=0.01, optim.lr=1e-6, logging.*, warmstart.* (tiny recipe)
   run.executor.FIELD=VALUE  an executor field: run.executor.account=..., run.executor.nodes=2,
                             run.executor.env_vars.NAME=VALUE (added to the recipe's environment)
+Also: a failed job, or an error, exits non-zero naming the task and its log (NeMo-Run 0.11.1 exits 0);
+run.executor.FIELD=VALUE also reaches the launch file's default executor; before a dry run or a
+submission the configuration and its layout are checked, and a submission's Slurm settings, paths and
+mounts, every problem listed at once (the recipe's first); a key NeMo-Run would misread (run_dir=) or a
+value of the wrong type (run.executor.nodes=abc) is named in one sentence; on Slurm the save signal and the requeues follow the estimated
+step time, and the job runs git archive of the checkout's HEAD.
 Every field with its default and meaning: docs/config-reference.md; the resolved values of a
-launch file: nemo-run LAUNCH --dryrun. Cluster settings (STAPO_* variables):
-stapo_megatron/launch/executors.py."""
+launch file: nemo-run LAUNCH --dryrun; all of the above explained: docs/launching.md. Cluster
+settings (STAPO_* variables): stapo_megatron/launch/executors.py."""
 
 
 def launch_files() -> List[str]:

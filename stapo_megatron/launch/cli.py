@@ -3,40 +3,13 @@
 Runs a launch file (one that ends in ``run.cli.main(fn, ...)``) with NeMo-Run's own command
 line: the same ``key=value`` parsing, ``run.executor=NAME`` / ``run.executor.<field>=value``,
 ``--dryrun``, ``--yes``, ``--detach``, ``--name``. (nemo-run itself installs only the ``nemo``
-and ``nemorun`` commands; this package provides ``nemo-run``.) What it adds:
+and ``nemorun`` commands; this package provides ``nemo-run``.) What it adds is listed once, in
+`arguments.ADDED_OPTIONS` (printed by ``nemo-run --help``); docs/launching.md explains each addition.
 
-- the exit code: NeMo-Run 0.11.1 returns 0 when a job fails, and also when its CLI catches an
-  error; here a failed job (its state after the run) or an error exits non-zero, naming the
-  failed task and where its log is;
-- ``--dryrun`` also renders the scheduler request (the sbatch script, the torchrun command)
-  through ``Experiment.dryrun``, which writes files locally and never connects to a cluster;
-- ``run.executor.<field>=value`` also applies to the launch file's default executor (NeMo-Run
-  0.11.1 applies executor fields only together with ``run.executor=NAME``);
-- before a real submission and before a dry run, the task's recipe is built with its overrides
-  and checked (``entry.build_config``, the one override parser: an unknown field names the
-  closest ones); a real submission also needs a Slurm executor with its account, image and job
-  dir (``executors.check_submission``), and the checks of `preflight` (an absolute, mounted
-  ``output_dir``; every path read present and mounted; the model folder matching the recipe),
-  all listed at once, the recipe's first (its layout: every problem, also where the config
-  refuses its first one);
-- an argument NeMo-Run would misread or refuse with its raw parse error is named in one sentence
-  (``run_dir=`` -> ``output_dir=``; ``run.executor.nodes expects an integer, got 'abc'``:
-  `arguments.run_key_problem`, `arguments.parse_error_message`);
-- on Slurm the save signal and the requeue budget are derived from the final configuration
-  (`timing.apply_final`), and the job requeues itself only when that can progress (`requeue`);
-- a dry run prints the resolved configuration (YAML, every field); ``--save-config PATH`` also
-  writes it to PATH, and ``config=PATH`` launches from such a file (overrides apply on top).
-  (NeMo-Run's own ``--to-yaml`` is left as it is: it writes the task, recipe name and overrides.)
-- the code a Slurm job runs is ``git archive`` of the checkout's HEAD (`shipping.code_root`,
-  whatever the working directory): uncommitted changes are refused by name, or shipped with
-  ``--include-uncommitted``;
-- ``--emit-sbatch PATH`` writes a plain sbatch + torchrun script of the job (checked like a
-  submission; for clusters without NeMo-Run or containers) instead of submitting;
-- ``-y`` is ``--yes`` (NeMo-Run gives it to both ``--yes`` and ``--yaml``; ``--yes`` wins there too).
-
-This module is the NeMo-Run RunContext subclass and the console entry; each addition lives in the
-module named above (launch files and arguments: `arguments`; dry-run rendering and failed jobs:
-`jobs`).
+This module is the NeMo-Run RunContext subclass and the console entry; each addition lives in its
+own module: launch files and arguments `arguments`, dry-run rendering and failed jobs `jobs`, the
+checks before a submission `preflight` and `executors.check_submission`, the save signal and the
+requeue budget `timing`, the job scripts' requeue rules `requeue`, the code a job runs `shipping`.
 """
 
 import contextlib
@@ -183,7 +156,7 @@ class CheckedRunContext(cli_api.RunContext):
         text = dump_config(cfg, warmstart, recipe)
         if self.dryrun and not self.emit_sbatch:
             print(f"# ---- resolved configuration (dry run) ----\n{text}", flush=True)
-        if self.save_config:  # its folder too: the README saves it on the shared file system, maybe new
+        if self.save_config:  # its folder too: the docs save it on the shared file system, maybe new
             os.makedirs(os.path.dirname(self.save_config), exist_ok=True)
             with open(self.save_config, "w", encoding="utf-8") as f:
                 f.write(text)

@@ -4,7 +4,7 @@
 and a cluster, checked by `stapo_megatron.config.layout`); `memory_estimate`
 gives the bytes of each component on the most loaded GPU (its assumptions are in its docstring).
 The paper recipes (`stapo_megatron.recipes.paper`) choose their layouts with it, the launcher's
-dry run prints it, and ``scripts/memory_table.py`` writes the README's table from it.
+dry run prints it, and ``scripts/memory_table.py`` writes the table of docs/recipes.md from it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A run written by the trainer's checkpointing (Megatron DDP: ``module.``-prefixed keys, a
 ``latest`` marker over ``step_*`` directories, the run's provenance and HF config in each
-checkpoint) exports to HF with no --hf-config and verifies (README: run folders are accepted by
+checkpoint) exports to HF with no --hf-config and verifies (docs/conversion.md: run folders are accepted by
 `stapo-convert mcore-to-hf` and `verify`)."""
 
 import os

@@ -222,7 +222,7 @@ LAYOUT_LINES = {
 
 @pytest.mark.parametrize("short", sorted(LAYOUT_LINES))
 def test_documented_paper_dryrun_renders_with_a_placeholder_output_dir(tmp_path, short):
-    """`nemo-run launch/stapo_14b.py --dryrun`, as the README and the launch files write it: the
+    """`nemo-run launch/stapo_14b.py --dryrun`, as the docs and the launch files write it: the
     script, the layout with CP / EP and the memory estimate, the step time."""
     code, out = nemo_run(tmp_path, f"launch/stapo_{short}.py", "--dryrun")
     assert code == 0, out
@@ -504,16 +504,16 @@ def test_help_lists_the_launch_files_and_the_added_options(tmp_path):
 
 
 def _quickstart_steps(first: int, last: int) -> str:
-    """The README's "Cluster quickstart (Slurm)" shell block, steps ``first`` to ``last``."""
-    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+    """The "Cluster quickstart (Slurm)" shell block of docs/launching.md, steps ``first`` to ``last``."""
+    with open(os.path.join(REPO, "docs", "launching.md"), encoding="utf-8") as f:
         text = f.read()
     block = re.search(r"```bash\n(# 1\. convert the base model.*?)```", text, re.S).group(1)
     steps = re.split(r"^(?=# \d\. )", block, flags=re.M)
     return "".join(s for s in steps if s and first <= int(s[2]) <= last)
 
 
-def test_the_readme_quickstart_saves_a_config_its_launch_takes(tmp_path):
-    """Steps 2 and 3 of the README's cluster quickstart, as written (the shared file system /lustre
+def test_the_docs_quickstart_saves_a_config_its_launch_takes(tmp_path):
+    """Steps 2 and 3 of the cluster quickstart in docs/launching.md, as written (the shared file system /lustre
     a temporary folder, the submission a dry run): the saved configuration is launched back
     without a problem. It once saved into the checkout (`--save-config qwen3-14b-stapo.yaml`),
     and the launch then refused the relative config path and the checkout's new file."""

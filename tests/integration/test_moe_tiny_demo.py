@@ -30,7 +30,7 @@ def test_tiny_moe_launch_runs_and_logs_routing(tmp_path):
         assert r["routing_tokens"] >= 64 * 10
         assert r["routing_disagreement_mean"] == 0.0 and r["routing_disagreement_max"] == 0.0
         assert r["routing_expert_mismatch"] == 0.0 and r["rollout_expert_load_max"] >= 1.0
-    # the README's demo-moe table (examples/demo_moe.py) reads the same rows: one line per step
+    # the demo-moe table of docs/results.md (examples/demo_moe.py) reads the same rows: one line per step
     spec = importlib.util.spec_from_file_location("demo_moe", os.path.join(ROOT, "examples", "demo_moe.py"))
     demo_moe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(demo_moe)

@@ -61,11 +61,11 @@ def test_entry_usage():
     assert proc.returncode != 0 and "recipe must be one of ('tiny', 'tiny_moe', 'qwen3_1p7b'" in proc.stderr
 
 
-def _readme_cpu_trial():
-    """The README's "A paper recipe on this CPU" block: (its ``CPU`` overrides, its commands)."""
+def _docs_cpu_trial():
+    """The "A paper recipe on this CPU" block of docs/launching.md: (its ``CPU`` overrides, its commands)."""
     import re
 
-    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+    with open(os.path.join(REPO, "docs", "launching.md"), encoding="utf-8") as f:
         text = f.read()
     block = re.search(r"<!-- cpu-paper-trial:begin -->\n```bash\n(.*?)```\n<!-- cpu-paper-trial:end -->",
                       text, re.S).group(1)
@@ -73,14 +73,14 @@ def _readme_cpu_trial():
     return overrides, [line for line in block.splitlines() if line and not line.startswith(("CPU=", " "))]
 
 
-def test_the_readme_cpu_trial_of_a_paper_recipe_is_a_valid_paper_config():
-    """The overrides the README gives for a paper recipe at DP=2 on the CPU pass the recipe's own
-    checks on the 1 x 2 processes of its torchrun command (the layout, the batches over DP, the
+def test_the_docs_cpu_trial_of_a_paper_recipe_is_a_valid_paper_config():
+    """The overrides docs/launching.md gives for a paper recipe at DP=2 on the CPU pass the recipe's
+    own checks on the 1 x 2 processes of its torchrun command (the layout, the batches over DP, the
     per-rank token budget), keep the recipe's bf16 and distributed optimizer, save every step and
-    resume: the new-user pass of issue 36 ran exactly these commands."""
+    resume."""
     from stapo_megatron.launch.entry import build_config
 
-    overrides, commands = _readme_cpu_trial()
+    overrides, commands = _docs_cpu_trial()
     runs = [c for c in commands if "-m stapo_megatron.launch.entry" in c]
     assert len(runs) == 2 and all("--nproc-per-node 2" in c and " qwen3_1p7b $CPU output_dir=runs/p1 " in c
                                   for c in runs)

@@ -401,8 +401,8 @@ def test_prepare_tiny_model_refuses_a_foreign_folder(tmp_path):
     assert not list(tmp_path.parent.glob(f"{tmp_path.name}.tmp-*")), "no temporary folder left behind"
 
 
-def test_readme_memory_table_is_current():
-    """README.md's memory table is what `scripts/memory_table.py` writes from `memory_estimate`
+def test_docs_memory_table_is_current():
+    """docs/recipes.md's memory table is what `scripts/memory_table.py` writes from `memory_estimate`
     (run `python scripts/memory_table.py` after changing a layout or the memory model)."""
     import importlib.util
     import os
@@ -411,8 +411,8 @@ def test_readme_memory_table_is_current():
     spec = importlib.util.spec_from_file_location("memory_table", os.path.join(root, "scripts", "memory_table.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
-        assert module.block() in f.read(), "README.md's memory table is stale: run python scripts/memory_table.py"
+    with open(os.path.join(root, "docs", "recipes.md"), encoding="utf-8") as f:
+        assert module.block() in f.read(), "docs/recipes.md's memory table is stale: run python scripts/memory_table.py"
 
 
 def test_layout_problems_checks_the_per_rank_budget_itself():
