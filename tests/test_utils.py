@@ -1,12 +1,12 @@
 """Tier a: the package's small helpers: dotted paths (both spellings, and each way one can fail,
-named with its field) and the integer field check."""
+named with its field), the integer field check and sizes in messages."""
 
 import dataclasses
 import os.path
 
 import pytest
 
-from stapo_megatron.utils import check_at_least, is_dotted_path, load_dotted
+from stapo_megatron.utils import check_at_least, format_bytes, is_dotted_path, load_dotted
 
 
 def test_dotted_path_form():
@@ -45,3 +45,11 @@ def test_check_at_least_names_the_class_and_field():
         check_at_least(Sizes(), 3, "ranks")
     with pytest.raises(ValueError, match=r"^Sizes.workers must be >= 1, got 0$"):
         check_at_least(Sizes(workers=0), 1, "workers", "ranks")
+
+
+@pytest.mark.parametrize("nbytes, text", [
+    (0, "0 B"), (1, "1 B"), (1023, "1023 B"), (1024, "1.00 KiB"), (1536, "1.50 KiB"), (64 * 1024, "64.0 KiB"),
+    (1_234_567, "1.18 MiB"), (768 * 2**20, "768 MiB"), (12 * 2**30, "12.0 GiB"), (3 * 2**40, "3.00 TiB"),
+    (1 << 62, "4.00 EiB"), (1 << 70, "1024 EiB"), (2.5 * 2**30, "2.50 GiB")])
+def test_format_bytes_picks_the_unit_by_magnitude(nbytes, text):
+    assert format_bytes(nbytes) == text

@@ -28,3 +28,17 @@ def test_one_parser_for_dotted_keys_sections_and_the_warm_start():
     assert apply_overrides(WarmStartConfig(), {"steps": 7}).steps == 7
     with pytest.raises(ValueError, match=r"unknown override warmstart.stepz: .* \(did you mean 'steps'\?\)"):
         build_config("tiny", warmstart={"stepz": 2})
+
+
+def test_unchecked_overrides_leave_the_refusal_to_the_caller():
+    """``check=False`` skips `TrainerConfig.__post_init__` (which raises the first layout problem),
+    so that a recipe's check lists them all; the sections' own checks still run."""
+    budget = {"packing": "budget", "max_tokens_per_microbatch": 8}
+    with pytest.raises(ValueError, match="max_tokens_per_microbatch 8 < the longest sequence"):
+        apply_overrides(TrainerConfig(), budget)
+    base = TrainerConfig()
+    unchecked = apply_overrides(base, {**budget, "model.tensor_model_parallel_size": 3}, check=False)
+    assert (unchecked.max_tokens_per_microbatch, unchecked.model.tensor_model_parallel_size) == (8, 3)
+    assert (base.max_tokens_per_microbatch, base.model.tensor_model_parallel_size) == (0, 1)  # a copy
+    with pytest.raises(ValueError, match="unknown override model.tp"):
+        apply_overrides(base, {"model.tp": 3}, check=False)

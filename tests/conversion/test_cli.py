@@ -1,6 +1,7 @@
 """Tier a: bad input gets a clear error, exit code 2, and nothing complete-looking at the output."""
 
 import json
+import re
 import os
 import shutil
 import struct
@@ -152,7 +153,8 @@ def test_checkpoint_shape_disagrees_with_config(capsys, hf, tmp_path):
 def test_progress_reports_tensors_and_bytes(capsys, hf, tmp_path):
     assert main(["hf-to-mcore", "--hf-dir", hf, "--out", str(tmp_path / "ckpt")]) == 0
     err = capsys.readouterr().err
-    assert "[hf-to-mcore]" in err and "tensors" in err and "MiB" in err
+    # the tiny checkpoint's few hundred KiB in KiB (whole MiB printed "0/0 MiB")
+    assert re.search(r"^\[hf-to-mcore\] (\d+)/\1 tensors, ([\d.]+ KiB)/\2, ", err, re.M), err
 
 
 def _snapshot(path):
@@ -422,3 +424,38 @@ def test_disk_filling_up_during_hf_to_mcore(hf, tmp_path):
     assert str(out) in proc.stderr
     assert "inline_container" not in proc.stderr and "Traceback" not in proc.stderr
     assert sorted(os.listdir(tmp_path)) == ["hf"]  # no output, no staged folder
+
+
+def test_too_little_free_space_is_refused_before_writing(capsys, hf, tmp_path):
+    from stapo_megatron.conversion.hf_to_mcore import check_free_space
+
+    with pytest.raises(OSError, match=r"needs 4.00 EiB but the file system of .* free \(.* more needed\); nothing was "
+                                      r"written"):
+        check_free_space(str(tmp_path / "out"), 1 << 62)
+
+
+def test_conversion_onto_a_full_disk_names_the_sizes(hf, tmp_path):
+    """A real full file system: a 64 KiB tmpfs, filled, mounted in a user and mount namespace of
+    the converter's process (the sizes were printed as "0.00 GiB" either side)."""
+    import subprocess
+    import sys
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = f"mount -t tmpfs -o size=64k tmpfs {disk}"
+    if subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", mount],
+                      capture_output=True).returncode:
+        pytest.skip("no user namespaces here to mount a small tmpfs in")
+    convert = f"from stapo_megatron.conversion.cli import main; raise SystemExit(main(['hf-to-mcore', " \
+              f"'--hf-dir', {hf!r}, '--out', {str(disk / 'ckpt')!r}]))"
+    script = f"{mount} && (cat /dev/zero > {disk}/fill 2>/dev/null; df -B1 --output=avail {disk} | tail -1; " \
+             f"exec {sys.executable} -c \"{convert}\")"
+    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.stdout.split() == ["0"], proc.stdout + proc.stderr  # the disk is full
+    assert proc.returncode == 2, proc.stderr
+    needed = re.search(r"the checkpoint needs ([\d.]+ KiB) but the file system of (.*) has 0 B free "
+                       r"\(\1 more needed\); nothing was written", proc.stderr)
+    assert needed and needed.group(2) == str(disk), proc.stderr
+    assert 64 < float(needed.group(1).split()[0]) < 1024  # the tiny checkpoint: more than the disk, < 1 MiB
+    assert "Traceback" not in proc.stderr

@@ -108,9 +108,10 @@ def test_submission_without_account_is_refused(tmp_path):
     code, out = nemo_run(tmp_path, "launch/stapo_14b.py", "--yes", "data.train_path=/d/train.parquet",
                          env={"STAPO_CONTAINER_IMAGE": "img:1", "STAPO_SLURM_JOB_DIR": "/lustre/jobs"})
     assert code == 1, out
-    assert "Error: not launched:\n- account (set STAPO_SLURM_ACCOUNT or run.executor.account=...)\n" in out
+    assert "Error: not launched:\n- recipe qwen3_14b cannot run:\n" in out  # the recipe's problems first
+    assert "\n- account (set STAPO_SLURM_ACCOUNT or run.executor.account=...)\n" in out
     assert "container_image" not in out and "tunnel.job_dir" not in out
-    assert "recipe qwen3_14b cannot run" in out and "model.hf_dir is not set" in out
+    assert "model.hf_dir is not set" in out
     assert "data.eval_path is not set" in out and "data.train_path is not set" not in out
     assert not (tmp_path / "nemo_run_home" / "experiments").exists()  # nothing was submitted
 

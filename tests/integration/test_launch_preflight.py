@@ -70,3 +70,37 @@ def test_emit_sbatch_lists_every_problem_at_once(tmp_path):
     assert f"data.train_path='{tmp_path}/train.jsonl' does not exist" in refused
     assert "has architectures='Qwen3ForCausalLM', but recipe qwen3_30b_a3b trains Qwen3-30B-A3B-Base" in refused
     assert "has num_hidden_layers=36" in refused and "(num_experts=128)" in refused
+
+
+@pytest.mark.slow
+def test_a_layout_tp_cannot_split_is_named_before_the_missing_cluster(tmp_path):
+    """TP=3 on Qwen3-14B was refused for the missing Slurm settings and sbatch, and for a token
+    budget, without naming the heads TP=3 cannot divide: now one list, the recipe's problems first."""
+    from tests.helpers.launch_cli import nemo_run
+
+    code, out = nemo_run(tmp_path, "launch/stapo_14b.py", "model.tensor_model_parallel_size=3")
+    assert code == 1, out
+    listed = out.split("Error: not launched:\n")[1]
+    assert listed.startswith("- recipe qwen3_14b cannot run:\n"
+                             "  - num_attention_heads 40 is not divisible by tensor_model_parallel_size 3\n"
+                             "  - num_query_groups 8 is not divisible by tensor_model_parallel_size 3\n"), out
+    assert "  - 64 GPUs are not divisible by TP 3 x PP 1 x CP 4\n" in listed
+    environment = listed.index("- account (set STAPO_SLURM_ACCOUNT or run.executor.account=...)\n")
+    assert listed.index("  - data.eval_path is not set") < environment
+    assert "- tunnel.job_dir (set STAPO_SLURM_JOB_DIR" in listed[environment:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch, argument, message", [
+    ("stapo_tiny", "run_dir=/x", "nemo-run: unknown setting 'run_dir'; the run's folder is output_dir=/x."),
+    ("stapo_14b", "run.executor.nodes=abc", "Error: run.executor.nodes expects an integer, got 'abc'\n"),
+])
+def test_a_misread_argument_is_named_in_one_sentence(tmp_path, launch, argument, message):
+    """NeMo-Run's own messages: "Run overwrites must start with 'run.'", and a parse error
+    repeating 'abc' with its context dict."""
+    from tests.helpers.launch_cli import nemo_run
+
+    code, out = nemo_run(tmp_path, f"launch/{launch}.py", argument, "--dryrun")
+    assert code == (2 if launch == "stapo_tiny" else 1), out
+    assert message in out
+    assert "Context" not in out and "overwrites must start" not in out and "Traceback" not in out
