@@ -16,13 +16,15 @@ layer column-parallel, rank r of the TP group holds logits for vocabulary ids
                 Q = sum_r exp(2 (m_r - M)) q_r
     step 4  normalise: log Z = M + log S, log p = z_y - log Z, H = log S - W / S, sum_v p_v^2 = Q / S^2
 
-with z = logits / temperature. Any reference m_r >= max z keeps every exp(z - m_r) <= 1: the Triton
-kernel uses the local max (s_r = sum of the numerators), the torch path the local log-partition
-m_r = log sum_v exp(z_v), so that s_r = 1, w_r = sum p log p and q_r = sum p^2 of the local
-softmax p, which torch's fused softmax kernel gives at less than the cost of ``torch.exp`` alone.
+with z = logits / temperature and m_r the local max z (every exp(z - m_r) <= 1). The torch path
+gets exp(z - m_r) from torch's fused softmax kernel, at less than the cost of ``torch.exp`` alone:
+its local softmax p is exp(z - m_r) times one per-row factor, the largest entry p_max_r, so
+s_r, w_r and q_r are the sums of p, p (z - m_r) and p^2 divided by p_max_r (and p_max_r^2). The
+softmax's own normaliser is not used: torch's CPU kernel accumulates it in fp32 term by term and
+loses the small terms beside a dominant token (``_softmax_sums``).
 When a gradient is needed, the torch path also writes that local softmax into the buffer that
 backward will return, so backward is one in-place rescale by the per-row factor
--g exp(m_r - log Z) / T plus the target entries g (1 - p_y) / T
+-g exp(m_r - M) / (S p_max_r T) plus the target entries g (1 - p_y) / T
 (computed in fp32 and written, never added to a rounded value): no second exp pass and no
 collective (the column-parallel output layer all-reduces its input gradient itself). Without a
 gradient only cache-sized fp32 scratch is used. The input is not modified unless the caller asks
@@ -79,47 +81,43 @@ def _rows_per_chunk(vocab_local: int, device: torch.device) -> int:
 
 
 def _local_stats(logits_NV, target_N, vocab_start, inv_temp, p_out_NV=None, with_collision=False):
-    """Step 1 (torch path): per row the local log-partition m_r, s_r = 1, w_r = sum_v p log p, the
-    target logit and, if ``with_collision``, q_r = sum_v p^2 (fp32; else that partial is None),
-    with p the softmax of the local shard. A row whose shard is all -inf has m_r = -inf and
-    s_r = w_r = q_r = 0.
+    """Step 1 (torch path): per row the partials relative to the local max m_r (s_r, w_r, the
+    target logit and, if ``with_collision``, q_r; else that partial is None), all fp32, and the
+    largest local softmax entry p_max_r. A row whose shard is all -inf has m_r = -inf,
+    s_r = w_r = q_r = 0 and p_max_r = 1.
 
-    If ``p_out_NV`` is given, the local probabilities are also written into it: that buffer
-    becomes the returned gradient, so backward is a single in-place rescale.
+    If ``p_out_NV`` is given, the local softmax p = p_max_r exp(z - m_r) is also written into it:
+    that buffer becomes the returned gradient, so backward is a single in-place rescale.
     """
     num_rows, vocab = logits_NV.shape
     fp32 = dict(dtype=torch.float32, device=logits_NV.device)
-    m_N, w_N = torch.empty(num_rows, **fp32), torch.empty(num_rows, **fp32)
-    s_N = torch.ones(num_rows, **fp32)
+    m_N, s_N, w_N, p_max_N = (torch.empty(num_rows, **fp32) for _ in range(4))
     q_N = torch.empty(num_rows, **fp32) if with_collision else None
     chunk = _rows_per_chunk(vocab, logits_NV.device)
-    logp_CV = torch.empty(min(chunk, num_rows), vocab, **fp32)
-    p_CV = torch.empty_like(logp_CV)
+    shifted_CV = torch.empty(min(chunk, num_rows), vocab, **fp32)
+    p_CV = torch.empty_like(shifted_CV)
     z_is_input = logits_NV.dtype == torch.float32 and inv_temp == 1.0 and logits_NV.is_contiguous()
     write_p_in_place = p_out_NV is not None and p_out_NV.dtype == torch.float32 and p_out_NV.is_contiguous()
     for start in range(0, num_rows, chunk):
         x_CV = logits_NV[start : start + chunk]
         end = start + x_CV.shape[0]
-        logp = logp_CV[: end - start]
+        shifted = shifted_CV[: end - start]
         p = p_out_NV[start:end] if write_p_in_place else p_CV[: end - start]
-        z = x_CV if z_is_input else _scaled_fp32(x_CV, inv_temp, out=logp)
-        lse_C = _softmax_and_lse(z, out=p)
-        torch.sub(z, lse_C, out=logp)  # log p; -inf where p = 0
-        # p is still cache-resident: the collision sum is a second read of it, not of the shard
-        q_C = torch.linalg.vecdot(p, p) if with_collision else None
-        w_C = torch.linalg.vecdot(p, logp)
-        if w_C.isnan().any():  # -inf logits; done only for chunks that have them
-            w_C, q_C = _masked_entries(p, logp, lse_C, s_N[start:end], with_collision)
+        z = x_CV if z_is_input else _scaled_fp32(x_CV, inv_temp, out=shifted)
+        z_max_C = z.amax(dim=-1, keepdim=True)
+        torch.softmax(z, dim=-1, out=p)
+        torch.sub(z, z_max_C, out=shifted)  # z - m_r <= 0; -inf where p = 0
+        sums = _softmax_sums(p, shifted, z_max_C, with_collision)
         if p_out_NV is not None and not write_p_in_place:
             p_out_NV[start:end].copy_(p)
-        m_N[start:end], w_N[start:end] = lse_C.squeeze(-1), w_C
+        m_N[start:end], s_N[start:end], w_N[start:end], p_max_N[start:end] = z_max_C.squeeze(-1), *sums[:3]
         if with_collision:
-            q_N[start:end] = q_C
+            q_N[start:end] = sums[3]
     local_ids_N = target_N - vocab_start
     owned_N = (local_ids_N >= 0) & (local_ids_N < vocab)
     picked_N = logits_NV.gather(-1, local_ids_N.clamp(0, vocab - 1).unsqueeze(-1)).squeeze(-1)
     z_target_N = torch.where(owned_N, picked_N.float() * inv_temp, 0.0)
-    return m_N, s_N, w_N, z_target_N, q_N
+    return (m_N, s_N, w_N, z_target_N, q_N), p_max_N
 
 
 def _scaled_fp32(x_CV, inv_temp, out):
@@ -129,32 +127,34 @@ def _scaled_fp32(x_CV, inv_temp, out):
     return out.mul_(inv_temp) if inv_temp != 1.0 else out
 
 
-def _softmax_and_lse(z_CV, out):
-    """p = softmax(z) per row into ``out``; returns the log-partition log sum_v exp(z_v), [C, 1].
+def _softmax_sums(p_CV, shifted_CV, z_max_C, with_collision):
+    """(s, w, p_max, q or None) of a chunk, [C] each, from its softmax p and shifted = z - max z
+    (scratch: overwritten).
 
     torch's fused softmax (max, exp and sum in one kernel, with a cheaper vectorised exp) costs
-    less than ``torch.exp`` alone, which is what pays for the collision sum. The log-partition
-    needs no second exp-sum: the largest p is exp(0) / sum_v exp(z_v - max z), so
-    log sum_v exp(z_v) = max z - log max p, to within the kernel's rounding (a few ulp).
+    less than ``torch.exp`` alone, but its CPU kernel adds up exp(z - max z) in fp32 vector lanes
+    one term after another: where one token dominates, the lane that holds its exp(0) = 1 drops
+    every term below 2^-24, and at V = 151,936 the normaliser comes out up to 2e-5 too small
+    (p off by as much). The kernel's p is still exp(z - max z) times one per-row factor, to an
+    ulp: that factor is p_max (exp(0) times it), so the sums relative to m_r = max z are the
+    cascade sums of p divided by p_max, and the normaliser's error never reaches the results.
+    The products are formed in the scratch (cheaper than ``vecdot``'s temporary).
     """
-    z_max_C = z_CV.amax(dim=-1, keepdim=True)
-    torch.softmax(z_CV, dim=-1, out=out)
-    return z_max_C - out.amax(dim=-1, keepdim=True).log()
-
-
-def _masked_entries(p_CV, logp_CV, lse_C, s_C, with_collision):
-    """Sums of a chunk with -inf logits: entries with p = 0 but p log p = 0 * -inf add 0 log 0 = 0
-    once clamped, and a row whose shard is all -inf (its softmax is 0 / 0) is zeroed and gets
-    m_r = -inf, s_r = 0, so that it contributes nothing. Fixes the arguments in place; returns
-    (w, q or None)."""
-    dead_C = lse_C.isnan()
-    if dead_C.any():
-        p_CV.masked_fill_(dead_C, 0.0)
-        logp_CV.masked_fill_(dead_C, 0.0)
-        lse_C.masked_fill_(dead_C, float("-inf"))
-        s_C.masked_fill_(dead_C.squeeze(-1), 0.0)
-    w_C = torch.linalg.vecdot(p_CV, logp_CV.clamp_(min=_NEG_MAX))
-    return w_C, torch.linalg.vecdot(p_CV, p_CV) if with_collision else None
+    p_max_C, s_C = p_CV.amax(dim=-1), p_CV.sum(dim=-1)
+    products_CV = shifted_CV.mul_(p_CV)
+    w_C = products_CV.sum(dim=-1)
+    if w_C.isnan().any():  # -inf logits; done only for chunks that have them
+        # an entry with p = 0 adds 0 (z - m_r) = 0 log 0 = 0; a row whose shard is all -inf (its
+        # softmax is 0 / 0) is zeroed and gets p_max = 1, so that it contributes nothing
+        dead_C = z_max_C.squeeze(-1) == float("-inf")
+        p_CV[dead_C] = 0.0
+        products_CV[dead_C] = 0.0
+        s_C.masked_fill_(dead_C, 0.0)
+        p_max_C.masked_fill_(dead_C, 1.0)
+        w_C = products_CV.nan_to_num_(nan=0.0).sum(dim=-1)
+    # p is still cache-resident: the collision sum is a second read of it, not of the shard
+    q_C = torch.mul(p_CV, p_CV, out=products_CV).sum(dim=-1) / p_max_C.square() if with_collision else None
+    return s_C / p_max_C, w_C / p_max_C, p_max_C, q_C
 
 
 def _reduce_stats(m_N, s_N, w_N, z_target_N, q_N, tp_group):
@@ -243,12 +243,17 @@ class _LogprobEntropy(torch.autograd.Function):
             if grad_NV is not None:
                 grad_NV[:, num_real:] = 0
                 p_out_NV = grad_NV[:, :num_real]
-        partials = _local_stats(real_NV, target_N, vocab_start, inv_temp, p_out_NV, with_collision)
-        log_z_N, logprob_N, entropy_N, collision_N = _normalise(*_reduce_stats(*partials, tp_group))
-        m_N = partials[0]
+        partials, p_max_N = _local_stats(real_NV, target_N, vocab_start, inv_temp, p_out_NV, with_collision)
+        global_stats = _reduce_stats(*partials, tp_group)
+        log_z_N, logprob_N, entropy_N, collision_N = _normalise(*global_stats)
         if grad_NV is not None:
-            # p = exp(z - m_r) * exp(m_r - log Z): the per-row factor applied in backward (1 at TP = 1).
-            ctx.save_for_backward(grad_NV, target_N, (m_N - log_z_N).exp(), logprob_N)
+            # p = exp(z - log Z) = [p_max_r exp(z - m_r)] exp(m_r - M) / (S p_max_r): the bracket is
+            # the buffer, the rest the per-row factor applied in backward (1 / sum of the buffer at
+            # TP = 1), formed from M and S rather than log Z, whose rounding (half an ulp of a
+            # logit) would scale the whole row.
+            global_m_N, sum_exp_N = global_stats[:2]
+            row_scale_N = (partials[0] - global_m_N).clamp(min=_NEG_MAX).exp() / (sum_exp_N * p_max_N)
+            ctx.save_for_backward(grad_NV, target_N, row_scale_N, logprob_N)
         elif needs_grad:
             ctx.save_for_backward(logits_NV, target_N, log_z_N, entropy_N)
         ctx.vocab_start, ctx.num_real, ctx.inv_temp = vocab_start, num_real, inv_temp

@@ -11,8 +11,7 @@ This module owns the two passes over the logits that the op makes on a GPU; the 
                   z_y = z_target if this shard owns the target, else 0
                   q_r = sum_v exp(2 (z_v - m_r))   (for the collision probability sum_v p_v^2)
               the partials ``ops._reduce_stats`` combines (``ops._local_stats``, the torch path,
-              gives the same sums relative to the local log-partition instead of the local max,
-              so that its s_r = 1). When the running max moves from m to
+              gives the same sums from a fused softmax). When the running max moves from m to
               m', the sums already taken are rescaled: s <- a s, w <- a (w + (m - m') s),
               q <- a^2 q with a = exp(m - m'), which is rare after the first blocks and done only then. Sums are
               kept per lane and reduced once at the end of the row, so a block costs one
