@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
+from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy
 from tests.helpers import TESTS_DIR, HELPERS_DIR
 
 pytestmark = [

@@ -1,7 +1,7 @@
-"""Triton kernels for the vocab-parallel log-prob + entropy op (``ops.vocab_parallel_logprob_entropy``).
+"""Triton kernels for the vocab-parallel log-prob + entropy op (``logprob_entropy.vocab_parallel_logprob_entropy``).
 
 This module owns the two passes over the logits that the op makes on a GPU; the TP combination
-(``ops._reduce_stats``: MAX, then one packed SUM) and the autograd wiring stay in ``ops``.
+(``combine.reduce_stats``: MAX, then one packed SUM) and the autograd wiring (``triton_path``) are not here.
 
     forward   one read of each row's local shard, one program per row, looping over vocabulary
               blocks with an online max. With z = x / T, per row:
@@ -10,8 +10,8 @@ This module owns the two passes over the logits that the op makes on a GPU; the 
                   w_r = sum_v exp(z_v - m_r) (z_v - m_r)
                   z_y = z_target if this shard owns the target, else 0
                   q_r = sum_v exp(2 (z_v - m_r))   (for the collision probability sum_v p_v^2)
-              the partials ``ops._reduce_stats`` combines (``ops._local_stats``, the torch path,
-              gives the same sums from a fused softmax). When the running max moves from m to
+              the partials ``combine.reduce_stats`` combines (``torch_path._local_stats`` gives
+              the same sums from a fused softmax). When the running max moves from m to
               m', the sums already taken are rescaled: s <- a s, w <- a (w + (m - m') s),
               q <- a^2 q with a = exp(m - m'), which is rare after the first blocks and done only then. Sums are
               kept per lane and reduced once at the end of the row, so a block costs one
