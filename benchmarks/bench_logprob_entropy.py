@@ -359,18 +359,18 @@ def gpu_suite(device, tokens, vocab, dtype, reps, tune):
 def _tune(logits, target, w, reps, method, copy_ms):
     from stapo_megatron.ops import triton_kernels as kernels
 
-    default = kernels.FWD_BLOCK_V, kernels.FWD_NUM_WARPS, kernels.BWD_BLOCK_V, kernels.BWD_NUM_WARPS
+    name = torch.cuda.get_device_name(logits.device) if logits.is_cuda else ""
+    print(f"the table's shapes for {name!r} (with a gradient, without): {kernels.launch_shapes(name)}")
     print(f"tuning at N = {logits.shape[0]}: | block | warps | no-grad fwd (ms) | / bound | fwd+bwd (ms) | / bound |")
     for block, warps in TUNE_SHAPES:
-        kernels.FWD_BLOCK_V, kernels.FWD_NUM_WARPS = block, warps
-        kernels.BWD_BLOCK_V, kernels.BWD_NUM_WARPS = block, warps
+        kernels.FORCED_SHAPE = block, warps
         t0 = _measure(method, logits, target, w, False, reps)[0]
         t = _measure(method, logits, target, w, True, reps)[0]
         print(
             f"| {block} | {warps} | {t0:.2f} | {t0 / (0.5 * copy_ms):.2f} | {t:.2f} | {t / (1.5 * copy_ms):.2f} |",
             flush=True,
         )
-    kernels.FWD_BLOCK_V, kernels.FWD_NUM_WARPS, kernels.BWD_BLOCK_V, kernels.BWD_NUM_WARPS = default
+    kernels.FORCED_SHAPE = None
 
 
 def main():

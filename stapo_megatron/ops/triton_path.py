@@ -31,10 +31,12 @@ class LogprobEntropyTriton(torch.autograd.Function):
 
         if tp_group is None:  # the kernel finishes the rows itself: no partials, no extra launches
             logprob_N, entropy_N, log_z_N, collision_N = kernels.shard_stats(
-                logits_NV, target_N, vocab_start, num_real, inv_temp, finalize=True
+                logits_NV, target_N, vocab_start, num_real, inv_temp, finalize=True, with_grad=needs_grad
             )
         else:
-            partials = kernels.shard_stats(logits_NV, target_N, vocab_start, num_real, inv_temp, finalize=False)
+            partials = kernels.shard_stats(
+                logits_NV, target_N, vocab_start, num_real, inv_temp, finalize=False, with_grad=needs_grad
+            )
             if not with_collision:  # the kernel wrote q anyway; it need not travel
                 partials = partials[:4] + (None,)
             log_z_N, logprob_N, entropy_N, collision_N = normalise(*reduce_stats(*partials, tp_group))

@@ -1,4 +1,5 @@
-"""Tier a: the Triton kernels themselves, compiled for a GPU without one (no launch)."""
+"""Tier a: the Triton kernels themselves without a GPU: compiled for one (no launch), and their
+launch shapes per device."""
 
 from __future__ import annotations
 
@@ -44,3 +45,24 @@ def test_kernels_compile_for_h100_with_vector_loads(flags):
         src = ASTSource(fn, sig, constexprs, {(i,): [["tt.divisibility", 16]] for i in aligned})
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
         assert "ld.global.v4.b32" in ptx, f"{fn.__name__}: logits are not read 16 bytes at a time"
+
+
+@pytest.mark.parametrize("name,with_grad,no_grad", [
+    ("NVIDIA H200", (2048, 4), (4096, 8)),
+    ("NVIDIA H200 NVL", (2048, 4), (4096, 8)),
+    ("NVIDIA H100 80GB HBM3", (4096, 8), (2048, 4)),
+    ("NVIDIA H100 PCIe", (4096, 8), (2048, 4)),
+    ("NVIDIA GH200 480GB", (4096, 8), (4096, 8)),  # not an H200: the default
+    ("NVIDIA A100-SXM4-80GB", (4096, 8), (4096, 8)),
+    ("", (4096, 8), (4096, 8)),  # the interpreter
+])
+def test_launch_shapes_are_looked_up_by_device_name(name, with_grad, no_grad):
+    """The table's entry for each measured device, the default for any other."""
+    pytest.importorskip("triton")
+    from stapo_megatron.ops import triton_kernels as kernels
+
+    assert kernels.launch_shapes(name) == (with_grad, no_grad)
+    if not name.startswith("NVIDIA H"):
+        assert kernels.launch_shapes(name) == kernels.DEFAULT_LAUNCH_SHAPES
+    for _, *shapes in kernels.LAUNCH_SHAPES:  # powers of two the kernels can take, as swept
+        assert all(block & (block - 1) == 0 and warps in (1, 2, 4, 8, 16, 32) for block, warps in shapes)
