@@ -24,15 +24,13 @@ MIN_OWN_TEST_FILE_SHARE = 0.80
 SHARED_FROM_TEST_FILES = {
     ("tests/integration/test_context_parallel_training.py", "tests.mcore.test_context_parallel"),
     ("tests/integration/test_moe_context_parallel.py", "tests.mcore.test_context_parallel"),
-    ("tests/integration/test_logit_grad.py", "tests.mcore.test_logit_grad"),
-    ("tests/integration/test_logit_grad.py", "tests.mcore.test_loss"),
-    ("tests/integration/test_ops_triton.py", "tests.mcore.kernels.test_logprob_entropy"),
-    ("tests/mcore/test_logit_grad.py", "tests.mcore.test_loss"),
+    ("tests/integration/test_logit_grad_tp.py", "tests.ops.test_logit_grad"),
+    ("tests/integration/test_triton_path_tp.py", "tests.ops.test_triton_path"),
     ("tests/mcore/test_packing.py", "tests.rollout.test_vllm_engine"),
 }
 """(test file, test module it imports) whose shared code has still to move to tests/helpers/;
 nothing may join, and an entry that no longer holds fails (remove it)."""
-SHARED_NAMES = {"test_logit_grad.py"}
+SHARED_NAMES = set()
 """Test-file names still held by an integration file and a unit file (to be named apart)."""
 
 

@@ -59,9 +59,9 @@ from stapo_megatron.method.registry import get_method
 from stapo_megatron.method import rollout_correction as rc
 from stapo_megatron.mcore.batching import MicroBatch
 from stapo_megatron.mcore.context_parallel import cp_sum
-from stapo_megatron.mcore import logit_grad
+from stapo_megatron.ops import logit_grad
 from stapo_megatron.mcore.loss_metrics import metric_sums
-from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
+from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy
 from stapo_megatron.mcore.packing import sequence_ids
 from stapo_megatron.mcore.schedule import forward_step_func
 
@@ -156,7 +156,7 @@ def loss_func(
     sums = metric_sums(loss_sum, num_kept, logprob, old_logprob, entropy, response_mask, silenced, candidates,
                        is_clipped, normaliser, flagged=flagged, rejected=rejected, is_weight=is_weight,
                        tis_cap=config.rollout_correction.tis_cap)
-    # the paper's gradient claim: each token's logit-gradient norm before silencing (mcore/logit_grad.py)
+    # the paper's gradient claim: each token's logit-gradient norm before silencing (ops/logit_grad.py)
     coef = logit_grad.logprob_coefficient(
         logprob.detach(), old_logprob, advantages, config.clip_ratio_low, config.clip_ratio_high,
         config.clip_ratio_c, is_weight, batch.ref_logprob, config.kl_coef)

@@ -50,7 +50,7 @@ def megatron_logprobs(model, tokens_BS: torch.Tensor, tp_group, temperature: flo
     """log softmax(logits / T)[next token], ``[B, S-1]``, over the real (unpadded) vocabulary,
     from vocab-sharded logits through the trainer's op."""
     from stapo_megatron.conversion.verify import _megatron_forward
-    from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
+    from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy
 
     with torch.no_grad():
         logits_BSV = _megatron_forward(model, tokens_BS)

@@ -4,7 +4,7 @@ distribution: what the STAPO mask silences, for the loss and method tests."""
 import torch
 
 from stapo_megatron.mcore.batching import MicroBatch
-from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
+from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy
 
 
 def _spiky_batch(seed=0, B=8, S=12, V=64):

@@ -24,7 +24,7 @@ def _full_inputs(dtype):
 def _op_worker(dtype):
     import torch.distributed as dist
 
-    from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
+    from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -45,7 +45,7 @@ def _op_worker(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tp_shards_equal_unsharded(dtype):
-    from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
+    from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy
 
     logits, target, upstream = _full_inputs(dtype)
     x = logits.clone().requires_grad_()

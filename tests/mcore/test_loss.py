@@ -11,7 +11,7 @@ from stapo_megatron.method.config import LossConfig
 from stapo_megatron.method.objective import stapo_loss
 from stapo_megatron.mcore.batching import MicroBatch
 from stapo_megatron.mcore.loss import loss_func, minibatch_threshold
-from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
+from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy
 
 from tests.helpers.spiky_batch import _spiky_batch
 

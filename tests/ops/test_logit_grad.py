@@ -1,4 +1,4 @@
-"""The per-token logit-gradient norm (mcore/logit_grad.py) and the op's collision sum against autograd.
+"""The per-token logit-gradient norm (ops/logit_grad.py) and the op's collision sum against autograd.
 
 Tier a: the fused op's sum_v p_v^2 against a float64 softmax; each token's norm from the op against
 the norm of the autograd gradient of that token's loss term w.r.t. its logits; a micro-batch's
@@ -14,11 +14,11 @@ import torch
 
 from stapo_megatron.method.config import LossConfig
 from stapo_megatron.method.objective import stapo_loss, token_objective
-from stapo_megatron.mcore import logit_grad
+from stapo_megatron.ops import logit_grad
 from stapo_megatron.mcore.loss import loss_func, minibatch_threshold
-from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
+from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy
 from tests.helpers.dist_utils import run_distributed
-from tests.mcore.test_loss import _spiky_batch
+from tests.helpers.spiky_batch import _spiky_batch
 
 # fp32 op vs float64: sum p^2 and p accumulate in fp32 over <= 600 terms (a few ulps of 1).
 COLLISION_TOL = 1e-6

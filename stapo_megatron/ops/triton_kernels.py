@@ -1,7 +1,7 @@
-"""Triton kernels for the vocab-parallel log-prob + entropy op (``ops.vocab_parallel_logprob_entropy``).
+"""Triton kernels for the vocab-parallel log-prob + entropy op (``logprob_entropy.vocab_parallel_logprob_entropy``).
 
 This module owns the two passes over the logits that the op makes on a GPU; the TP combination
-(``ops._reduce_stats``: MAX, then one packed SUM) and the autograd wiring stay in ``ops``.
+(``combine.reduce_stats``: MAX, then one packed SUM) and the autograd wiring (``triton_path``) are not here.
 
     forward   one read of each row's local shard, one program per row, looping over vocabulary
               blocks with an online max. With z = x / T, per row:
@@ -10,9 +10,8 @@ This module owns the two passes over the logits that the op makes on a GPU; the 
                   w_r = sum_v exp(z_v - m_r) (z_v - m_r)
                   z_y = z_target if this shard owns the target, else 0
                   q_r = sum_v exp(2 (z_v - m_r))   (for the collision probability sum_v p_v^2)
-              the partials ``ops._reduce_stats`` combines (``ops._local_stats``, the torch path,
-              gives the same sums relative to the local log-partition instead of the local max,
-              so that its s_r = 1). When the running max moves from m to
+              the partials ``combine.reduce_stats`` combines (``torch_path._local_stats`` gives
+              the same sums from a fused softmax). When the running max moves from m to
               m', the sums already taken are rescaled: s <- a s, w <- a (w + (m - m') s),
               q <- a^2 q with a = exp(m - m'), which is rare after the first blocks and done only then. Sums are
               kept per lane and reduced once at the end of the row, so a block costs one
@@ -31,8 +30,11 @@ Entries past ``num_real`` (padded vocabulary) are read as -inf: probability 0, g
 Logits that are -inf (masked vocabulary) contribute 0 log 0 = 0: differences are clamped to the
 most negative finite float before they meet a zero probability.
 
-Launch shapes (block size, warps) are module constants so the benchmark can sweep them; they are
-plain launches, not ``triton.autotune``, because autotuning would re-run the in-place backward.
+Launch shapes (block size B, warps) come from a table per device (``LAUNCH_SHAPES``), one shape
+for the two kernels when a gradient will be taken and one for the forward alone, each the best of
+a measured sweep; ``FORCED_SHAPE`` overrides them (the benchmark's sweep, the tests' small blocks).
+They are plain launches, not ``triton.autotune``, because autotuning would re-run the in-place
+backward.
 
 Legend: N = flattened tokens (one program each), V = local vocabulary shard (row length),
 B = vocabulary block of one loop iteration.
@@ -41,15 +43,33 @@ B = vocabulary block of one loop iteration.
 from __future__ import annotations
 
 import contextlib
+import functools
+import re
+from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-# Forward / backward launch shapes on a GPU: B elements a loop iteration, warps a program.
-FWD_BLOCK_V, FWD_NUM_WARPS = 4096, 8
-BWD_BLOCK_V, BWD_NUM_WARPS = 4096, 8
+# (device-name pattern, (B, warps) with a gradient: forward and backward, (B, warps) without: the
+# forward alone); the first pattern found in torch.cuda.get_device_name wins. Each entry is the best
+# of `benchmarks/bench_logprob_entropy.py --device cuda --tune` (bf16 logits x V = 151,936, both
+# kernels swept at one shape) on that device:
+LAUNCH_SHAPES = (
+    # NVIDIA H200, 2026-11-27, N = 16,384: fwd+bwd 4.80 ms at 2048 / 4 (1.37x the 3-pass HBM bound)
+    # against 5.12 ms at 4096 / 8 (the run's table); no-grad 2.25 ms at 4096 / 8 (2048 / 4: 2.26), kept.
+    (r"\bH200\b", (2048, 4), (4096, 8)),
+    # NVIDIA H100 80GB HBM3, 2026-11-24, N = 4,096 (benchmarks/results/h100-2026-11-24/): fwd+bwd
+    # 1.61 ms at 4096 / 8 (1.29x), the best; no-grad 0.62 ms at 2048 / 4 (1.49x the 1-pass bound)
+    # against 0.69 ms at 4096 / 8 (the run's table; 0.76 in the sweep).
+    (r"\bH100\b", (4096, 8), (2048, 4)),
+)
+DEFAULT_LAUNCH_SHAPES = ((4096, 8), (4096, 8))
+"""Any other device, and the interpreter: 4096 / 8 for both (the H100's fwd+bwd best)."""
+
+FORCED_SHAPE: Optional[Tuple[int, int]] = None
+"""(B, warps) for every launch when set: the benchmark's sweep, the tests' small blocks."""
 
 # The most negative finite fp32 (0 * it is 0, 0 * -inf is NaN); a constexpr because kernels may
 # read no other kind of global.
@@ -154,11 +174,28 @@ def _check_device(t: torch.Tensor) -> None:
         )
 
 
-def _block(vocab: int, block_v: int) -> int:
-    return min(block_v, max(16, triton.next_power_of_2(vocab)))
+@functools.lru_cache(maxsize=None)
+def launch_shapes(device_name: str) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+    """((B, warps) with a gradient, (B, warps) without) for a device named ``device_name``."""
+    for pattern, with_grad, no_grad in LAUNCH_SHAPES:
+        if re.search(pattern, device_name):
+            return with_grad, no_grad
+    return DEFAULT_LAUNCH_SHAPES
 
 
-def shard_stats(logits_NV, target_N, vocab_start: int, num_real: int, inv_temp: float, finalize: bool):
+def _launch_shape(logits_NV, vocab: int, with_grad: bool) -> Tuple[int, int]:
+    """(B, warps) of a launch over rows of ``vocab`` entries: B no larger than the row needs."""
+    if FORCED_SHAPE is not None:
+        block_v, num_warps = FORCED_SHAPE
+    else:
+        name = torch.cuda.get_device_name(logits_NV.device) if logits_NV.is_cuda else ""
+        block_v, num_warps = launch_shapes(name)[0 if with_grad else 1]
+    return min(block_v, max(16, triton.next_power_of_2(vocab))), num_warps
+
+
+def shard_stats(
+    logits_NV, target_N, vocab_start: int, num_real: int, inv_temp: float, finalize: bool, with_grad: bool,
+):
     """One read of the local shard per row (forward).
 
     Args:
@@ -168,6 +205,7 @@ def shard_stats(logits_NV, target_N, vocab_start: int, num_real: int, inv_temp: 
         num_real: entries of the shard that are real vocabulary (the rest is padding).
         inv_temp: 1 / temperature.
         finalize: the shard is the whole vocabulary (TP = 1): finish the rows here.
+        with_grad: ``logits_grad`` will follow (the launch shape of the pair, not the forward's alone).
 
     Returns:
         finalize: (log p, H, log Z, sum_v p_v^2), fp32 [N]; else the partials
@@ -177,11 +215,12 @@ def shard_stats(logits_NV, target_N, vocab_start: int, num_real: int, inv_temp: 
     num_rows = logits_NV.shape[0]
     outs = [torch.empty(num_rows, dtype=torch.float32, device=logits_NV.device) for _ in range(5)]
     if num_rows:
+        block_v, num_warps = _launch_shape(logits_NV, num_real, with_grad)
         with torch.cuda.device(logits_NV.device) if logits_NV.is_cuda else contextlib.nullcontext():
             _shard_stats_kernel[(num_rows,)](
                 logits_NV, logits_NV.stride(0), target_N, *outs, logits_NV.shape[1], num_real, vocab_start, inv_temp,
                 FINALIZE=finalize, HAS_PADDING=num_real < logits_NV.shape[1],
-                BLOCK_V=_block(num_real, FWD_BLOCK_V), num_warps=FWD_NUM_WARPS,
+                BLOCK_V=block_v, num_warps=num_warps,
             )
     return tuple(outs[:4]) if finalize else tuple(outs)
 
@@ -212,12 +251,13 @@ def logits_grad(
         g_logprob_N = g_logprob_N.float().contiguous()
         g_entropy_N = g_entropy_N.float().contiguous() if entropy_grad else g_logprob_N
         entropy_N = entropy_N if entropy_grad else log_z_N
+        block_v, num_warps = _launch_shape(logits_NV, vocab_local, with_grad=True)
         with torch.cuda.device(logits_NV.device) if logits_NV.is_cuda else contextlib.nullcontext():
             _logits_grad_kernel[(num_rows,)](
                 logits_NV, logits_NV.stride(0), out_NV, out_NV.stride(0), target_N,
                 log_z_N, g_logprob_N, entropy_N, g_entropy_N,
                 vocab_local, num_real, vocab_start, inv_temp,
                 ENTROPY_GRAD=entropy_grad, HAS_PADDING=num_real < vocab_local,
-                BLOCK_V=_block(vocab_local, BWD_BLOCK_V), num_warps=BWD_NUM_WARPS,
+                BLOCK_V=block_v, num_warps=num_warps,
             )
     return out_NV

@@ -1,4 +1,4 @@
-"""The Triton kernels of the log-prob/entropy op equal its torch path (tiers a and b, and c on a GPU).
+"""The op's Triton path (its kernels) equals its torch path (tiers a and b, and c on a GPU).
 
 On a CPU machine the kernels run in Triton's interpreter, inside spawned processes that set
 TRITON_INTERPRET=1 before triton is imported (Triton reads the flag when a kernel is decorated;
@@ -16,8 +16,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 import torch
 
-from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy  # imports no triton: the workers choose the mode
-from tests.helpers.dist_utils import run_distributed
+from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy  # imports no triton: the workers choose the mode
 
 DEVICES = [
     "cpu",
@@ -48,10 +47,10 @@ def _kernels(device):
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported in this process
     from triton.runtime.interpreter import InterpretedFunction
 
-    from stapo_megatron.mcore.kernels import logprob_entropy as kernels
+    from stapo_megatron.ops import triton_kernels as kernels
 
     assert isinstance(kernels._shard_stats_kernel, InterpretedFunction) == (device == "cpu")
-    kernels.FWD_BLOCK_V = kernels.BWD_BLOCK_V = BLOCK_V
+    kernels.FORCED_SHAPE = (BLOCK_V, 4)
     return kernels
 
 
@@ -65,13 +64,12 @@ def interpreter():
 def _run(device, interpreter, check, *args):
     if device == "cpu":
         return interpreter.submit(check, device, *args).result()
-    from stapo_megatron.mcore.kernels import logprob_entropy as kernels
+    from stapo_megatron.ops import triton_kernels as kernels
 
-    blocks = kernels.FWD_BLOCK_V, kernels.BWD_BLOCK_V
     try:
         return check(device, *args)
     finally:  # the native module is shared with the rest of the session
-        kernels.FWD_BLOCK_V, kernels.BWD_BLOCK_V = blocks
+        kernels.FORCED_SHAPE = None
 
 
 def _reference(logits, target, temperature, vocab_size):
@@ -244,42 +242,3 @@ def test_triton_impl_refuses_cpu_tensors_outside_the_interpreter():
         pytest.skip("this session runs Triton interpreted")
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         vocab_parallel_logprob_entropy(torch.randn(2, 8), torch.zeros(2, dtype=torch.long), impl="triton")
-
-
-@pytest.mark.parametrize("flags", [False, True])
-def test_kernels_compile_for_h100_with_vector_loads(flags):
-    """Compile for sm_90 here (no GPU needed): catches what the interpreter accepts and a GPU would not
-    (e.g. non-constexpr globals), and checks 16-byte loads when only the real vocabulary is ragged."""
-    triton = pytest.importorskip("triton")
-    pytest.importorskip("triton.backends.nvidia")
-    if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 4):
-        pytest.skip("ASTSource attrs format of triton >= 3.4")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("this session runs Triton interpreted")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from stapo_megatron.mcore.kernels import logprob_entropy as kernels
-
-    # What Triton infers at launch for aligned pointers and row lengths that are multiples of 16;
-    # num_real is left ragged, as on the last TP rank of a padded vocabulary. ``flags`` sets every
-    # constexpr switch (FINALIZE / ENTROPY_GRAD and HAS_PADDING) at once.
-    common = dict(logits_ptr="*bf16", row_stride="i32", target_ptr="*i64")
-    stats_sig = dict(common, out0_ptr="*fp32", out1_ptr="*fp32", out2_ptr="*fp32", out3_ptr="*fp32",
-                     out4_ptr="*fp32",
-                     vocab_local="i32", num_real="i32", vocab_start="i32", inv_temp="fp32",
-                     FINALIZE="constexpr", HAS_PADDING="constexpr", BLOCK_V="constexpr")
-    grad_sig = dict(logits_ptr="*bf16", row_stride="i32", grad_ptr="*bf16", grad_row_stride="i32",
-                    target_ptr="*i64", log_z_ptr="*fp32", g_logprob_ptr="*fp32", entropy_ptr="*fp32",
-                    g_entropy_ptr="*fp32", vocab_local="i32", num_real="i32", vocab_start="i32", inv_temp="fp32",
-                    ENTROPY_GRAD="constexpr", HAS_PADDING="constexpr", BLOCK_V="constexpr")
-    divisible = ("row_stride", "grad_row_stride", "vocab_local")
-    for fn, sig, flag in [
-        (kernels._shard_stats_kernel, stats_sig, "FINALIZE"),
-        (kernels._logits_grad_kernel, grad_sig, "ENTROPY_GRAD"),
-    ]:
-        aligned = [i for i, (name, ty) in enumerate(sig.items()) if ty.startswith("*") or name in divisible]
-        constexprs = {flag: flags, "HAS_PADDING": flags, "BLOCK_V": 4096}
-        src = ASTSource(fn, sig, constexprs, {(i,): [["tt.divisibility", 16]] for i in aligned})
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
-        assert "ld.global.v4.b32" in ptx, f"{fn.__name__}: logits are not read 16 bytes at a time"

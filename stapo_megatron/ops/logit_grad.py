@@ -10,7 +10,7 @@ loss term l_t with respect to its logits x_t (all V entries, every TP shard):
     g_t := || d l_t / d x_t ||^2 = c_t^2 (1 - 2 p(y_t) + sum_v p_v^2) / T^2
 
 with p_t = softmax(x_t / T) at the loss temperature T and sum_v p_v^2 the collision probability
-from the fused op (``ops.vocab_parallel_logprob_entropy(with_collision=True)``). For the clipped
+from the fused op (``logprob_entropy.vocab_parallel_logprob_entropy(with_collision=True)``). For the clipped
 surrogate l_t = w_t max(-r A, -clip(r, 1 - eps_low, 1 + eps_high) A) (+ beta k3(ref, log p)),
 r = exp(log p - log p_old), w_t the rollout correction's constant IS weight:
 

@@ -1,4 +1,4 @@
-"""The per-token logit-gradient norm (mcore/logit_grad.py) and the op's collision sum against autograd: the multi-process and end-to-end tests (the single-process ones and the helpers are in ``tests/mcore/test_logit_grad.py``)."""
+"""The per-token logit-gradient norm (ops/logit_grad.py) and the op's collision sum against autograd: the multi-process and end-to-end tests (the single-process ones and the helpers are in ``tests/ops/test_logit_grad.py``)."""
 
 import dataclasses
 import math
@@ -6,12 +6,12 @@ import pytest
 import torch
 from stapo_megatron.method.config import LossConfig
 from stapo_megatron.method.objective import stapo_loss, token_objective
-from stapo_megatron.mcore import logit_grad
+from stapo_megatron.ops import logit_grad
 from stapo_megatron.mcore.loss import loss_func, minibatch_threshold
-from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
+from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy
 from tests.helpers.dist_utils import run_distributed
-from tests.mcore.test_loss import _spiky_batch
-from tests.mcore.test_logit_grad import COLLISION_TOL, NORM_ATOL, NORM_RTOL, _autograd_row_norms, _objective_inputs, _ref_probs, _tp_worker  # noqa: F401
+from tests.helpers.spiky_batch import _spiky_batch
+from tests.ops.test_logit_grad import COLLISION_TOL, NORM_ATOL, NORM_RTOL, _autograd_row_norms, _objective_inputs, _ref_probs, _tp_worker  # noqa: F401
 
 
 @pytest.mark.slow
