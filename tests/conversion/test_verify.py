@@ -4,17 +4,20 @@ gives transformers' logits. (Tier b, Megatron logits from converted checkpoints 
 ``tests/integration/test_conversion_parity.py``.)
 """
 
+import importlib.util
+
 import pytest
 import torch
 
 from stapo_megatron.conversion.verify import compare, fixed_prompts, hf_logits
 from stapo_megatron.bridge.tiny import tiny_config
+from tests.helpers.conversion_parity import converted  # noqa: F401  (the fixture)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (transformer-engine layer spec)")
-def test_te_spec_loads_the_same_checkpoint(converted):
-    pytest.importorskip("transformer_engine")
+@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None, reason="transformer-engine is not installed")
+def test_te_spec_loads_the_same_checkpoint(converted):  # noqa: F811
     from stapo_megatron.conversion.verify import megatron_logits
 
     _, jobs = converted
