@@ -78,7 +78,7 @@ def _sync(device):
 
 def microbatches(spec, seq_len: int, num_microbatches: int, seed: int):
     """One sequence of seq_len tokens per micro-batch: an 1/8 prompt, the rest response."""
-    from stapo_megatron.mcore.synthetic import synthetic_rollouts
+    from stapo_megatron.recipes.synthetic import synthetic_rollouts
 
     prompt = seq_len // 8
     mbs, _ = synthetic_rollouts(1, num_microbatches, prompt, seq_len - prompt, spec.vocab_size, seed=seed,

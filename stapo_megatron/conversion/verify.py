@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from stapo_megatron.recipes.memory import num_params
+from stapo_megatron.bridge.hf_config import num_params
 
 FP32_LOGIT_TOL = 1e-5
 """Accepted max |logit_megatron - logit_hf| in fp32, relative to the logit scale

@@ -30,7 +30,8 @@ from stapo_megatron.eval.scoring import Counts, EvalSet, load_eval_set, score_re
 from stapo_megatron.rewards.scorer import RewardScorer
 from stapo_megatron.rollout.base import RolloutEngine
 from stapo_megatron.rollout.spmd import generate_context_parallel_share
-from stapo_megatron.mcore.parallel import Groups, collective_device
+from stapo_megatron.mcore.parallel import Groups
+from stapo_megatron.utils import collective_device
 
 
 def eval_max_len(cfg: TrainerConfig) -> int:

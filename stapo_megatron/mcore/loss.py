@@ -57,12 +57,12 @@ from stapo_megatron.method.objective import stapo_loss
 from stapo_megatron.method.objectives import check_parallelism, clipped_tokens, get_objective
 from stapo_megatron.method.registry import get_method
 from stapo_megatron.method import rollout_correction as rc
-from stapo_megatron.mcore.batching import MicroBatch
-from stapo_megatron.mcore.context_parallel import cp_sum
+from stapo_megatron.batch.microbatch import MicroBatch
+from stapo_megatron.batch.context_parallel import cp_sum
 from stapo_megatron.mcore import logit_grad
 from stapo_megatron.mcore.loss_metrics import metric_sums
 from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
-from stapo_megatron.mcore.packing import sequence_ids
+from stapo_megatron.batch.packing import sequence_ids
 from stapo_megatron.mcore.schedule import forward_step_func
 
 def minibatch_threshold(

@@ -31,7 +31,7 @@ import torch
 
 SequenceSum = Callable[[torch.Tensor], torch.Tensor]
 """Sums a per-sequence tensor [N] over the ranks that hold the other parts of the same sequences
-(context parallelism: an all-reduce over the CP group, ``mcore.context_parallel.cp_sum``)."""
+(context parallelism: an all-reduce over the CP group, ``batch.context_parallel.cp_sum``)."""
 
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
 """How token losses are averaged: over all kept tokens of the mini-batch (DAPO/JustRL, STAPO) or
@@ -98,7 +98,7 @@ def stapo_loss(
             its pg_losses the same way): the KL term and the normaliser are not weighted.
             None = 1.
         sequence_ids: for a packed row (several sequences in one row), the sequence index of
-            every token (``mcore.packing.sequence_ids``); only "seq_mean_token_mean" reads it.
+            every token (``batch.packing.sequence_ids``); only "seq_mean_token_mean" reads it.
         sequence_sum, count_sequences: context parallelism ("seq_mean_token_mean" with
             ``sequence_ids``): the rows hold only this rank's part of every sequence.
             ``sequence_sum`` adds the per-sequence kept-token counts over the ranks holding the

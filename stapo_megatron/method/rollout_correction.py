@@ -96,7 +96,7 @@ def log_ratio(old_logprob: torch.Tensor, rollout_logprob: torch.Tensor) -> torch
 def segments(response_mask: torch.Tensor, sequence_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[B, S] int64: the sequence of every token, numbered over the micro-batch. A row is one
     sequence, unless ``sequence_ids`` ([B, S] or [1, S]: a packed row's sequence index per
-    token, ``mcore.packing.sequence_ids``) splits it."""
+    token, ``batch.packing.sequence_ids``) splits it."""
     B, S = response_mask.shape
     rows = torch.arange(B, device=response_mask.device)[:, None]
     if sequence_ids is None:

@@ -1,7 +1,7 @@
 """The per-GPU memory model of colocated STAPO training and vLLM rollouts on 80 GB GPUs.
 
 `Layout` says where a run goes and the settings that decide its memory per GPU (a `ModelConfig`
-and a cluster, checked by `stapo_megatron.config.layout`); `memory_estimate`
+and a cluster, checked by `stapo_megatron.config.parallel_layout`); `memory_estimate`
 gives the bytes of each component on the most loaded GPU (its assumptions are in its docstring).
 The paper recipes (`stapo_megatron.recipes.paper`) choose their layouts with it, the launcher's
 dry run prints it, and ``scripts/memory_table.py`` writes the README's table from it.
@@ -12,10 +12,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, Optional
 
-from stapo_megatron.bridge.hf_config import QwenSpec
+from stapo_megatron.bridge.hf_config import QwenSpec, dense_layer_params, expert_params, num_params
 from stapo_megatron.bridge.transformer_config import padded_vocab_size
 from stapo_megatron.config import ModelConfig, TrainerConfig
-from stapo_megatron.config.layout import Cluster, rank_tokens
+from stapo_megatron.batch.alignment import rank_tokens
+from stapo_megatron.config.parallel_layout import Cluster
 
 GB = 1e9
 """Decimal gigabyte: estimates are compared with 80e9 bytes, below an 80 GB card's 85.9e9."""
@@ -186,44 +187,13 @@ class MemoryEstimate:
         return {name: round(getattr(self, name) / GB, 1) for name in names}
 
 
-def _dense_layer_params(spec: QwenSpec) -> int:
-    """Parameters of one decoder layer outside its experts: q/k/v/o, the two RMSNorms, the q/k
-    norms, and the dense gate/up/down (a dense model) or the router (an MoE layer)."""
-    h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
-    attention = h * (q + 2 * kv) + q * h
-    mlp = h * spec.num_moe_experts if spec.is_moe else 3 * h * spec.ffn_hidden_size
-    norms = 2 * h + (2 * spec.kv_channels if spec.qk_layernorm else 0)
-    return attention + mlp + norms
-
-
-def _expert_params(spec: QwenSpec) -> int:
-    """Parameters of one expert (gate/up/down of width ``moe_ffn_hidden_size``); 0 for a dense model."""
-    return 3 * spec.hidden_size * spec.moe_ffn_hidden_size if spec.is_moe else 0
-
-
-def num_params(spec: QwenSpec) -> int:
-    """Parameters of the HF model (unpadded vocabulary; every expert of an MoE)."""
-    embeddings = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
-    experts = (spec.num_moe_experts or 0) * _expert_params(spec)
-    return spec.num_layers * (_dense_layer_params(spec) + experts) + embeddings + spec.hidden_size
-
-
-def num_active_params(spec: QwenSpec) -> int:
-    """Parameters one token passes through: `num_params` with ``moe_router_topk`` experts per MoE
-    layer instead of all of them (= `num_params` for a dense model)."""
-    if not spec.is_moe:
-        return num_params(spec)
-    idle = spec.num_moe_experts - spec.moe_router_topk
-    return num_params(spec) - spec.num_layers * idle * _expert_params(spec)
-
-
 def expert_params_per_gpu(spec: QwenSpec, layout: Layout) -> int:
     """Expert parameters on one rank: its layers' experts / EP, each split over ETP."""
     if not spec.is_moe:
         return 0
     local_experts = spec.num_moe_experts // layout.expert_model_parallel_size
     per_stage = spec.num_layers // layout.pipeline_model_parallel_size
-    return per_stage * local_experts * _expert_params(spec) // layout.expert_tensor_size
+    return per_stage * local_experts * expert_params(spec) // layout.expert_tensor_size
 
 
 def params_per_gpu(spec: QwenSpec, layout: Layout) -> int:
@@ -231,7 +201,7 @@ def params_per_gpu(spec: QwenSpec, layout: Layout) -> int:
     untied models, or any model with PP > 1) the output layer / TP on the stages holding them,
     plus its experts (`expert_params_per_gpu`)."""
     tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
-    layers = spec.num_layers // pp * _dense_layer_params(spec) // tp
+    layers = spec.num_layers // pp * dense_layer_params(spec) // tp
     vocab_rows = padded_vocab_size(spec.vocab_size, tp) // tp * spec.hidden_size
     # PP = 1: the one stage holds the embedding and, untied, the output layer. PP > 1: the
     # first stage holds the embedding, the last the output layer (a copy when tied).

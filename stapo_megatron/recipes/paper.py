@@ -12,7 +12,7 @@ docstring). Context parallelism splits each packed sequence over CP ranks (2 x C
 chunks): the 8B and 14B recipes use it to drop full recomputation, ``qwen3_8b_32k`` to train
 32k-token sequences. ``qwen3_30b_a3b`` is the mixture-of-experts model with expert parallelism
 (EP). A recipe's `Layout` holds the `ModelConfig` its `TrainerConfig` trains with; the layout
-checks (`layout_problems`) are the one validator's, `stapo_megatron.config.layout`, plus the
+checks (`layout_problems`) are the one validator's, `stapo_megatron.config.parallel_layout`, plus the
 memory estimate.
 """
 
@@ -24,11 +24,12 @@ from typing import Dict, List, Optional
 from stapo_megatron.bridge.hf_config import QwenSpec
 from stapo_megatron.config import (DataConfig, EvalConfig, LossConfig, ModelConfig, OptimConfig, RewardConfig,
                                    RolloutSampling, TrainerConfig)
-from stapo_megatron.config.layout import Cluster
-from stapo_megatron.config.layout import layout_problems as check_layout
+from stapo_megatron.batch.alignment import rank_tokens
+from stapo_megatron.config.parallel_layout import Cluster
+from stapo_megatron.config.parallel_layout import layout_problems as check_layout
 from stapo_megatron.data.examples import JUSTRL_PROMPT_TEMPLATE
 from stapo_megatron.method.config import method_loss_config
-from stapo_megatron.recipes.memory import GB, GPU_MEMORY_BYTES, MAX_PROMPT_LEN, Layout, memory_estimate, rank_tokens
+from stapo_megatron.recipes.memory import GB, GPU_MEMORY_BYTES, MAX_PROMPT_LEN, Layout, memory_estimate
 
 
 def _qwen3(num_layers, hidden, heads, ffn, tied) -> QwenSpec:
@@ -267,7 +268,7 @@ def qwen3_30b_a3b(method: str = "stapo", run_dir: Optional[str] = None) -> Train
 
 def layout_problems(spec: QwenSpec, layout: Layout, cfg: TrainerConfig) -> List[str]:
     """Why ``cfg`` cannot run on ``layout``'s cluster (empty when it can): the one validator's
-    problems (`stapo_megatron.config.layout.layout_problems`: heads, layers, experts, GPUs and
+    problems (`stapo_megatron.config.parallel_layout.layout_problems`: heads, layers, experts, GPUs and
     batches over TP/PP/CP/EP/DP, the node topology, the CP token budget, vLLM groups), then the
     memory estimate of ``layout``."""
     problems = check_layout(cfg, layout.cluster, spec)

@@ -1,5 +1,5 @@
 """The parallel layout a run trains on: Megatron's process groups from `ModelConfig` (TP, PP, CP,
-EP), checked on the job's world size by the one validator (`stapo_megatron.config.layout`, which
+EP), checked on the job's world size by the one validator (`stapo_megatron.config.parallel_layout`, which
 also owns the alignments a packed row needs), and how the context-parallel (CP) ranks of one
 data-parallel replica share its rollouts.
 
@@ -20,14 +20,15 @@ from typing import List, Optional
 import torch.distributed as dist
 
 from stapo_megatron.config import TrainerConfig
-from stapo_megatron.config.layout import raise_problems, row_multiple, sequence_multiple, world_problems
+from stapo_megatron.batch.alignment import row_multiple, sequence_multiple
+from stapo_megatron.config.parallel_layout import raise_problems, world_problems
 from stapo_megatron.rollout.spmd import generate_context_parallel_share, shared_over_group
 from stapo_megatron.mcore.parallel import Groups, init_parallel
 
 
 def init_groups(cfg: TrainerConfig, seed: int) -> Groups:
     """Initialise torch.distributed and Megatron's parallel state for ``cfg.model``'s layout,
-    then check the layout on the job's world size (`config.layout.world_problems`: the prompts
+    then check the layout on the job's world size (`config.parallel_layout.world_problems`: the prompts
     over DP and over a replica's CP ranks, the expert groups; one ValueError naming them all)."""
     m = cfg.model
     groups = init_parallel(
@@ -49,7 +50,7 @@ def seq_align(cfg: TrainerConfig) -> int:
 
 
 def seq_multiple(cfg: TrainerConfig) -> int:
-    """A padded batch's length, or a packed row's, is a multiple of this (`config.layout.row_multiple`)."""
+    """A padded batch's length, or a packed row's, is a multiple of this (`batch.alignment.row_multiple`)."""
     m = cfg.model
     return row_multiple(m.context_parallel_size, m.tensor_model_parallel_size, m.sequence_parallel)
 

@@ -1,10 +1,9 @@
 """The STAPO training loop (docs/design.md, "One training step"), SPMD: one process per device.
 
 Per step: (1) this DP rank's prompts; (2) G rollouts per prompt; (3) rewards; (4) group advantages, one
-`SequenceRecord` per sample, laid out as `MicroBatch` objects by `build_minibatches` (padded, or packed
-balanced over DP); (5) pi_old log-probs (``schedule.old_policy_pass``; MoE: RoutingMonitor); (6) per PPO
-mini-batch a Megatron forward_backward and an optimizer step; (7) weight sync into the engine; (8) metrics,
-evaluation (`Evaluator`), checkpoint. Warm-start: `WarmStart`. Started by torchrun: ``train(config)``."""
+`SequenceRecord` per sample, laid out as `MicroBatch` objects by `build_minibatches`; (5) pi_old log-probs
+(``schedule.old_policy_pass``; MoE: RoutingMonitor); (6) per PPO mini-batch a forward_backward and an optimizer step;
+(7) weight sync; (8) metrics, evaluation (`Evaluator`), checkpoint. Warm-start: `WarmStart`. Run: ``train(config)``."""
 
 from __future__ import annotations
 
@@ -30,10 +29,11 @@ from stapo_megatron.runlog.plots import plot_run
 from stapo_megatron.runlog.progress import Progress
 from stapo_megatron.runlog.provenance import RunProvenance
 from stapo_megatron.mcore import checkpoint as ckpt
-from stapo_megatron.mcore.batching import group_advantages
-from stapo_megatron.mcore.minibatches import BatchLayout, build_minibatches
-from stapo_megatron.mcore.parallel import collective_device, destroy_parallel
-from stapo_megatron.mcore.records import SequenceRecord, make_records
+from stapo_megatron.batch.microbatch import group_advantages
+from stapo_megatron.batch.minibatches import BatchLayout, build_minibatches
+from stapo_megatron.mcore.parallel import destroy_parallel
+from stapo_megatron.utils import collective_device
+from stapo_megatron.batch.records import SequenceRecord, make_records
 from stapo_megatron.mcore.reference import add_reference_logprobs, frozen_copy, reset_reference
 from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
 from stapo_megatron.mcore.step import build_optimizer, policy_update, wrap_ddp
@@ -94,7 +94,7 @@ class Trainer:
         # created on the backend's device (the same CUDA device under NCCL, the CPU under gloo).
         self.device = next(model.parameters()).device
         self.dp_device = collective_device(self.groups.dp)
-        self.batch_layout = BatchLayout(  # how a step's records become micro-batches (mcore/minibatches.py)
+        self.batch_layout = BatchLayout(  # how a step's records become micro-batches (batch/minibatches.py)
             cfg.packing, cfg.micro_batch_size, cfg.max_tokens_per_microbatch, self.tokenizer.pad_token_id,
             self.seq_multiple, self.seq_align, self.groups.cp_size,
             dist.get_rank(self.groups.cp) if self.groups.cp_size > 1 else 0, self.device)

@@ -26,9 +26,9 @@ import torch.distributed as dist
 from stapo_megatron.bridge.model import load_checkpoint
 from stapo_megatron.config import TrainerConfig, WarmStartConfig
 from stapo_megatron.mcore import checkpoint as ckpt
-from stapo_megatron.mcore.batching import MicroBatch
-from stapo_megatron.mcore.minibatches import BatchLayout, build_minibatches
-from stapo_megatron.mcore.records import records_from_lists
+from stapo_megatron.batch.microbatch import MicroBatch
+from stapo_megatron.batch.minibatches import BatchLayout, build_minibatches
+from stapo_megatron.batch.records import records_from_lists
 from stapo_megatron.mcore.schedule import PassContext
 from stapo_megatron.mcore.sft import sft_step
 from stapo_megatron.mcore.step import build_optimizer

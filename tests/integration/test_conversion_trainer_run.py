@@ -28,7 +28,7 @@ def _train_and_save(hf_dir, converted, run_dir, plain_dir):
     from stapo_megatron.runlog.provenance import RunProvenance
     from stapo_megatron.mcore.config import OptimConfig
     from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
-    from stapo_megatron.mcore.synthetic import synthetic_rollouts
+    from stapo_megatron.recipes.synthetic import synthetic_rollouts
 
     prompt, response = 4, 8
     groups = init_parallel(1, 1)

@@ -1,11 +1,11 @@
-"""Tier a and b: the sequence record (`mcore.records`) and the one micro-batch builder: the multi-process and end-to-end tests (the single-process ones and the helpers are in ``tests/mcore/test_minibatches.py``)."""
+"""Tier a and b: the sequence record (`batch.records`) and the one micro-batch builder: the multi-process and end-to-end tests (the single-process ones and the helpers are in ``tests/batch/test_minibatches.py``)."""
 
 import pytest
 import torch
-from stapo_megatron.mcore.minibatches import BatchLayout, build_minibatches, pack_planned, plan_budget
-from stapo_megatron.mcore.records import decode, encode, encoded_size, make_records, record, records_from_lists
+from stapo_megatron.batch.minibatches import BatchLayout, build_minibatches, pack_planned, plan_budget
+from stapo_megatron.batch.records import decode, encode, encoded_size, make_records, record, records_from_lists
 from tests.helpers.dist_utils import run_distributed
-from tests.mcore.test_minibatches import _budget_worker, _records, _same_microbatch  # noqa: F401
+from tests.batch.test_minibatches import _budget_worker, _records, _same_microbatch  # noqa: F401
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import zlib
 import pytest
 import torch
 from tests.helpers.dist_utils import run_distributed
-from tests.mcore.test_context_parallel import COUNTS, VALUES, _rollouts
+from tests.batch.test_context_parallel import COUNTS, VALUES, _rollouts
 from tests.mcore.test_router_replay import E, K, L, random_routes
 from tests.mcore.test_moe_context_parallel import LAYOUTS, LOGPROB_ATOL, _assert_same_weights, _check_metrics, _logprob_rows, _merged, results  # noqa: F401
 

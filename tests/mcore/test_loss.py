@@ -9,7 +9,7 @@ import torch
 from stapo_megatron.method import masks
 from stapo_megatron.method.config import LossConfig
 from stapo_megatron.method.objective import stapo_loss
-from stapo_megatron.mcore.batching import MicroBatch
+from stapo_megatron.batch.microbatch import MicroBatch
 from stapo_megatron.mcore.loss import loss_func, minibatch_threshold
 from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
 

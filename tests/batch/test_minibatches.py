@@ -1,5 +1,5 @@
-"""Tier a and b: the sequence record (`mcore.records`) and the one micro-batch builder
-(`mcore.minibatches.build_minibatches`) of every layout.
+"""Tier a and b: the sequence record (`batch.records`) and the one micro-batch builder
+(`batch.minibatches.build_minibatches`) of every layout.
 
 Tier a: a record's bytes round-trip bit for bit; the padded layout is the trainer's (rows padded to
 the longest of this rank's records, seeds ``microbatch_seed(first, dp_rank) + row``); "fixed"
@@ -12,8 +12,8 @@ layout builds on each rank what a single process builds from all ranks' records.
 import pytest
 import torch
 
-from stapo_megatron.mcore.minibatches import BatchLayout, build_minibatches, pack_planned, plan_budget
-from stapo_megatron.mcore.records import decode, encode, encoded_size, make_records, record, records_from_lists
+from stapo_megatron.batch.minibatches import BatchLayout, build_minibatches, pack_planned, plan_budget
+from stapo_megatron.batch.records import decode, encode, encoded_size, make_records, record, records_from_lists
 from tests.helpers.dist_utils import run_distributed
 
 L, K, E = 3, 2, 8
@@ -143,7 +143,7 @@ def test_a_records_loss_mask_reaches_its_response_mask_and_survives_the_byte_exc
     (`records.encode` / `decode`) carries the mask."""
     import torch
 
-    from stapo_megatron.mcore.records import decode, encode, encoded_size, record, token_fields
+    from stapo_megatron.batch.records import decode, encode, encoded_size, record, token_fields
 
     rec = record([5, 6, 7], [8, 9, 10, 11], 0.5, [-0.1, -0.2, -0.3, -0.4], version=3)
     rec.loss_mask = torch.tensor([False, False, True, True])

@@ -19,10 +19,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from stapo_megatron.mcore.context_parallel import local_positions, sequence_multiple, split_for_context_parallel, unsplit
-from stapo_megatron.mcore.minibatches import BatchLayout, build_minibatches
-from stapo_megatron.mcore.packing import pack_thd
-from stapo_megatron.mcore.records import record, records_from_lists
+from stapo_megatron.batch.alignment import sequence_multiple
+from stapo_megatron.batch.context_parallel import local_positions, split_for_context_parallel, unsplit
+from stapo_megatron.batch.minibatches import BatchLayout, build_minibatches
+from stapo_megatron.batch.packing import pack_thd
+from stapo_megatron.batch.records import record, records_from_lists
 from tests.helpers.dist_utils import run_distributed
 
 ATTN_ATOL = 1e-5
@@ -34,7 +35,7 @@ FIELDS = ("tokens", "position_ids", "labels", "response_mask", "advantages", "ro
 
 def _rollouts(max_response=25, seed=7, vocab=VOCAB):
     """16 sequences of uneven lengths (prompt 3-8, response 2-24) with group advantages."""
-    from stapo_megatron.mcore.batching import group_advantages
+    from stapo_megatron.batch.microbatch import group_advantages
 
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(1, vocab, (int(n),), generator=gen).tolist()
@@ -153,7 +154,7 @@ def _attention_worker(cp):
 
     from stapo_megatron.bridge.attention import SDPAttention
     from stapo_megatron.mcore.parallel import init_parallel
-    from stapo_megatron.mcore.synthetic import tiny_gpt_config
+    from stapo_megatron.recipes.synthetic import tiny_gpt_config
 
     groups = init_parallel(1, 1, context_parallel_size=cp)
     config = dataclasses.replace(tiny_gpt_config(1), context_parallel_size=cp)
@@ -207,7 +208,7 @@ def _sequence_inputs(config, model, groups, mbs):
     CP sums cannot flip a flag). Returns max |ref - old| log-prob (the KL term is exercised)."""
     from stapo_megatron.mcore.reference import add_reference_logprobs
     from stapo_megatron.mcore.schedule import PassContext
-    from stapo_megatron.mcore.synthetic import build_tiny_gpt
+    from stapo_megatron.recipes.synthetic import build_tiny_gpt
 
     reference = build_tiny_gpt(config, VOCAB, 64, seed=4321, core_attention="sdpa")
     add_reference_logprobs(PassContext(reference, max(mb.tokens.shape[1] for mb in mbs), groups=groups), [mbs])
@@ -227,7 +228,7 @@ def _train_worker(tp, layouts, budgets, method="stapo"):
     from stapo_megatron.mcore.parallel import init_parallel
     from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
     from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
-    from stapo_megatron.mcore.synthetic import build_tiny_gpt, tiny_gpt_config
+    from stapo_megatron.recipes.synthetic import build_tiny_gpt, tiny_gpt_config
 
     prompts, responses, adv, lps = _rollouts()
     loss_config = _loss_config(method)

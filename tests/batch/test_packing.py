@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from stapo_megatron.bridge.tiny import tiny_config
-from stapo_megatron.mcore.batching import MicroBatch, pack_sequences
-from stapo_megatron.mcore.packing import imbalance, pack_thd, plan_fixed_count, plan_token_budget, sequence_ids
-from stapo_megatron.mcore.records import records_from_lists
+from stapo_megatron.batch.microbatch import MicroBatch, pack_sequences
+from stapo_megatron.batch.packing import imbalance, pack_thd, plan_fixed_count, plan_token_budget, sequence_ids
+from stapo_megatron.batch.records import records_from_lists
 from tests.rollout.test_vllm_engine import randomize
 
 LOGIT_ATOL = 2e-5

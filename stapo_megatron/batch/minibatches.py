@@ -18,7 +18,7 @@ mini-batch statistics summed / taken over all DP ranks (``mcore.loss``).
 
 Context parallelism (packed layouts): the CP ranks of one DP replica hold the same records
 (`trainer.layout` shares the replica's rollouts over CP) and build the same plan; each keeps its
-chunks of every packed row (``mcore.context_parallel``), so the token budget is per rank after
+chunks of every packed row (``batch.context_parallel``), so the token budget is per rank after
 the split (the plan packs ``max_tokens x cp_size`` tokens of whole sequences).
 
 Seeds of the random-control masks: ``microbatch_seed(first, dp_rank)`` is the first seed of the
@@ -37,12 +37,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from stapo_megatron.mcore import records as rec
-from stapo_megatron.mcore.batching import MicroBatch, pack_sequences, split_microbatches
-from stapo_megatron.mcore.context_parallel import split_for_context_parallel
-from stapo_megatron.mcore.packing import PACKING_MODES, pack_thd, plan_fixed_count, plan_token_budget
-from stapo_megatron.mcore.parallel import collective_device
-from stapo_megatron.mcore.records import SequenceRecord
+from stapo_megatron.batch import records as rec
+from stapo_megatron.batch.alignment import PACKING_MODES
+from stapo_megatron.batch.microbatch import MicroBatch, pack_sequences, split_microbatches
+from stapo_megatron.batch.context_parallel import split_for_context_parallel
+from stapo_megatron.batch.packing import pack_thd, plan_fixed_count, plan_token_budget
+from stapo_megatron.utils import collective_device
+from stapo_megatron.batch.records import SequenceRecord
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +51,7 @@ class BatchLayout:
     """How a mini-batch's records become micro-batches on this rank."""
 
     packing: str
-    """One of `packing.PACKING_MODES`: "padded", "fixed" or "budget" (module docstring)."""
+    """One of `alignment.PACKING_MODES`: "padded", "fixed" or "budget" (module docstring)."""
     micro_batch_size: int = 1
     """Records per micro-batch ("padded", "fixed")."""
     max_tokens: int = 0
