@@ -92,7 +92,7 @@ def bench_one(name, hf_config, seq_len, args, device, dtype, rate):
     from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
     from stapo_megatron.mcore.parallel import current_groups
     from stapo_megatron.config import ModelConfig
-    from stapo_megatron.recipes.memory import Layout, memory_estimate
+    from stapo_megatron.recipes.memory import ParallelLayout, memory_estimate
     from stapo_megatron.mcore.config import OptimConfig
     from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
 
@@ -122,8 +122,8 @@ def bench_one(name, hf_config, seq_len, args, device, dtype, rate):
     ratio = statistics.median(a / b for a, b in zip(times["stapo"], times["justrl"]))
     tflops = model_flops(spec, seq_len * args.num_microbatches, seq_len) / t / 1e12
     # the memory model of every recompute mode ("selective" is counted as none there)
-    layout = Layout(num_nodes=1, gpus_per_node=1, vllm_tensor_parallel_size=1, vllm_gpu_memory_utilization=0.0,
-                    model=ModelConfig(**recompute))
+    layout = ParallelLayout(num_nodes=1, gpus_per_node=1, vllm_tensor_parallel_size=1,
+                            vllm_gpu_memory_utilization=0.0, model=ModelConfig(**recompute))
     estimate = memory_estimate(spec, layout, seq_len=seq_len)
     peak = torch.cuda.max_memory_allocated() / GB if device.type == "cuda" else float("nan")
     reserved = torch.cuda.max_memory_reserved() / GB if device.type == "cuda" else float("nan")

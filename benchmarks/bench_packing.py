@@ -60,11 +60,11 @@ def rollouts(lens, seed: int):
 
 
 def microbatches(mode: str, data, cap: int):
-    from stapo_megatron.batch.minibatches import BatchLayout, build_minibatches
+    from stapo_megatron.batch.minibatches import MicroBatchLayout, build_minibatches
     from stapo_megatron.batch.records import records_from_lists
 
     # the trainer's builder: padded rows to the longest sequence (rounded to 8), or the token budget
-    layout = BatchLayout("padded" if mode == "padded" else "budget", micro_batch_size=1, max_tokens=cap,
+    layout = MicroBatchLayout("padded" if mode == "padded" else "budget", micro_batch_size=1, max_tokens=cap,
                          seq_multiple=8)
     (mbs,), _ = build_minibatches(records_from_lists(*data), layout)
     return mbs

@@ -234,7 +234,7 @@ TESTED_THROUGH = {
                                                   "stapo_megatron.mcore.checkpoint"),
     "stapo_megatron.conversion.publish": ("tests/conversion/test_cli.py", "stapo_megatron.conversion.mcore_to_hf"),
     "stapo_megatron.rollout.spmd": ("tests/batch/test_context_parallel.py", "stapo_megatron.eval.evaluator"),
-    "stapo_megatron.trainer.layout": ("tests/eval/test_evaluator.py", "stapo_megatron.trainer.loop"),
+    "stapo_megatron.trainer.replicas": ("tests/eval/test_evaluator.py", "stapo_megatron.trainer.loop"),
     "stapo_megatron.trainer.step_metrics": ("tests/eval/test_evaluator.py", "stapo_megatron.trainer.loop"),
     "stapo_megatron.utils": ("tests/method/test_registry.py", "stapo_megatron.method.registry"),
 }

@@ -4,7 +4,7 @@ Owns the cluster a run goes on (`Cluster`) and `layout_problems`: why a `Trainer
 on a cluster (as torchtitan's ``ParallelDims._validate``, in one place). The alignments it checks
 against are the batch layout's (`stapo_megatron.batch.alignment`). It is asked by the
 config tree (`TrainerConfig.__post_init__`: `config_problems`, the checks that need no world
-size), by the trainer once its process group has formed (`trainer.layout.init_groups`:
+size), by the trainer once its process group has formed (`trainer.replicas.init_groups`:
 `world_problems` on the job's world size) and by the paper recipes (`recipes.paper.
 layout_problems`: all of them on the recipe's cluster, with the model's architecture and, there,
 the memory estimate).

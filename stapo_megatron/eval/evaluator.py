@@ -6,7 +6,7 @@ alike) and every named set of ``TrainerConfig.eval.sets`` per decoding
 (``eval/<set>/<decoding>/avg@<k>`` and ``pass@<k>``), sampled with one seed (`Seeds.evaluation`)
 so that evaluations at different steps differ by the weights only.
 
-Each set is spread over DP x CP as the training rollouts are (`trainer.layout`): DP replica d
+Each set is spread over DP x CP as the training rollouts are (`trainer.replicas`): DP replica d
 takes problems d, d + DP, d + 2 DP, ..., and CP rank c of the replica samples and scores the c-th
 contiguous 1/CP of those with the seeds they have without CP
 (`rollout.spmd.generate_context_parallel_share`); the counts are summed over DP x CP, so each

@@ -56,7 +56,7 @@ class StepTime:
 
 
 def estimate_step_time(spec, layout, cfg) -> StepTime:
-    """The step time of ``cfg`` on ``layout`` (a `memory.Layout` after overrides) for ``spec``.
+    """The step time of ``cfg`` on ``layout`` (a `memory.ParallelLayout` after overrides) for ``spec``.
 
     Evaluation (every ``eval.every`` steps) and the weight sync are not included.
     """

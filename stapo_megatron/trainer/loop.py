@@ -22,7 +22,7 @@ from stapo_megatron.eval.evaluator import Evaluator, load_eval_sets
 from stapo_megatron.rewards.functions import get_reward
 from stapo_megatron.rewards.scorer import RewardScorer
 from stapo_megatron.rollout.registry import build_engine
-from stapo_megatron.rollout.bridge import Bridge
+from stapo_megatron.rollout.transport import Transport
 from stapo_megatron.rollout.remote import RemoteEngine
 from stapo_megatron.runlog.metrics import RunLogger
 from stapo_megatron.runlog.plots import plot_run
@@ -30,14 +30,14 @@ from stapo_megatron.runlog.progress import Progress
 from stapo_megatron.runlog.provenance import RunProvenance
 from stapo_megatron.mcore import checkpoint as ckpt
 from stapo_megatron.batch.microbatch import group_advantages
-from stapo_megatron.batch.minibatches import BatchLayout, build_minibatches
+from stapo_megatron.batch.minibatches import MicroBatchLayout, build_minibatches
 from stapo_megatron.mcore.parallel import destroy_parallel
 from stapo_megatron.utils import collective_device
 from stapo_megatron.batch.records import SequenceRecord, make_records
 from stapo_megatron.mcore.reference import add_reference_logprobs, frozen_copy, reset_reference
 from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
 from stapo_megatron.mcore.step import build_optimizer, policy_update, wrap_ddp
-from stapo_megatron.trainer import faults, layout, routing
+from stapo_megatron.trainer import faults, replicas, routing
 from stapo_megatron.trainer.preemption import SaveOnSignal, StoppedForRequeue
 from stapo_megatron.trainer.prompts import load_prompts, step_prompt_indices
 from stapo_megatron.trainer.seeds import Seeds
@@ -54,10 +54,10 @@ class Trainer:
     """Holds the model, optimizer, rollout engine and scorer of one run; ``run()`` trains."""
 
     def __init__(self, cfg: TrainerConfig, warmstart: Optional[WarmStartConfig] = None,
-                 bridge: Optional[Bridge] = None):
-        self.cfg, self.warmstart, self.bridge = cfg, warmstart, bridge
+                 transport: Optional[Transport] = None):
+        self.cfg, self.warmstart, self.transport = cfg, warmstart, transport
         self.seeds = Seeds(cfg.seed, warmstart.seed if warmstart else None, cfg.data.seed)
-        self.groups = layout.init_groups(cfg, self.seeds.model_init)  # TP, PP, CP, EP from cfg.model, checked
+        self.groups = replicas.init_groups(cfg, self.seeds.model_init)  # TP, PP, CP, EP from cfg.model, checked
         self.rank = dist.get_rank()
         self.dp_size, self.dp_rank = dist.get_world_size(self.groups.dp), dist.get_rank(self.groups.dp)
         self.minibatch_size = cfg.minibatch_prompts // self.dp_size * cfg.rollout.group_size  # this rank's records
@@ -83,7 +83,7 @@ class Trainer:
                         core_attention="sdpa" if cfg.packing != "padded" else None)  # packed (and CP): SDPAttention
         model = build()
         # lengths: sequence parallelism splits them over TP, context parallelism into 2 x CP chunks
-        self.seq_multiple, self.seq_align = layout.seq_multiple(cfg), layout.seq_align(cfg)
+        self.seq_multiple, self.seq_align = replicas.seq_multiple(cfg), replicas.seq_align(cfg)
         if cfg.model.megatron_ckpt:
             load_checkpoint(model, cfg.model.megatron_ckpt)
         # the output layer is padded to a multiple of 128 x TP; the softmax must not see it
@@ -94,7 +94,7 @@ class Trainer:
         # created on the backend's device (the same CUDA device under NCCL, the CPU under gloo).
         self.device = next(model.parameters()).device
         self.dp_device = collective_device(self.groups.dp)
-        self.batch_layout = BatchLayout(  # how a step's records become micro-batches (batch/minibatches.py)
+        self.batch_layout = MicroBatchLayout(  # how a step's records become micro-batches (batch/minibatches.py)
             cfg.packing, cfg.micro_batch_size, cfg.max_tokens_per_microbatch, self.tokenizer.pad_token_id,
             self.seq_multiple, self.seq_align, self.groups.cp_size,
             dist.get_rank(self.groups.cp) if self.groups.cp_size > 1 else 0, self.device)
@@ -112,9 +112,9 @@ class Trainer:
         r = self.cfg.rollout
         reward = get_reward(self.cfg.reward.name)  # before the engine: a bad name fails fast
         self.routing = routing.RoutingMonitor(r, self.hf_config, self.model)  # MoE: the engine records its routes
-        if self.bridge is not None:  # separate placement: the engines run on the job's last ranks
+        if self.transport is not None:  # separate placement: the engines run on the job's last ranks
             asks = self.groups.mp is None or dist.get_rank(self.groups.mp) == 0
-            self.engine = RemoteEngine(self.bridge, asks, self.cfg.rollout_timeout(), r.weight_bucket_mb)
+            self.engine = RemoteEngine(self.transport, asks, self.cfg.rollout_timeout(), r.weight_bucket_mb)
         else:
             self.engine = build_engine(r.engine, self.cfg.model.hf_dir, engine_config(
                 self.cfg, self.seeds.engine(self.dp_rank), self.routing.enabled))
@@ -273,7 +273,7 @@ class Trainer:
 
 
 def train(cfg: TrainerConfig, warmstart: Optional[WarmStartConfig] = None,
-          bridge: Optional[Bridge] = None) -> List[Dict]:
+          transport: Optional[Transport] = None) -> List[Dict]:
     """Entry point (one call per process under torchrun): train, then tear down.
 
     A failure is recorded for `stapo_megatron.trainer.faults` before the teardown (which is when
@@ -286,7 +286,7 @@ def train(cfg: TrainerConfig, warmstart: Optional[WarmStartConfig] = None,
     """
     trainer = None
     try:
-        trainer = Trainer(cfg, warmstart, bridge)
+        trainer = Trainer(cfg, warmstart, transport)
         rows = trainer.run()
     except Exception as error:
         raise faults.failed(cfg.run_dir, error)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from stapo_megatron.config import TrainerConfig
 from stapo_megatron.mcore.parallel import Groups
 from stapo_megatron.rollout.weight_sync import sync_weights, wake_and_sync
-from stapo_megatron.trainer import layout
+from stapo_megatron.trainer import replicas
 from stapo_megatron.trainer.partial import partial_metrics
 
 
@@ -83,12 +83,12 @@ class RolloutSchedule:
         r = self.cfg.rollout
         if not self.separate:
             prompts = self.prompts(step)
-            samples = layout.replica_rollout(self.engine, self.groups, prompts, r.group_size, r.temperature, r.top_p,
+            samples = replicas.replica_rollout(self.engine, self.groups, prompts, r.group_size, r.temperature, r.top_p,
                                              r.max_response_len, self.seed(step), self.cfg.rollout_timeout())
             version = step
         else:
             ticket, version = self.pending.pop(step) if step in self.pending else self._submit(step, keep=False)
-            samples = layout.replica_receive(self.engine, self.groups, ticket, self.cfg.rollout_timeout())
+            samples = replicas.replica_receive(self.engine, self.groups, ticket, self.cfg.rollout_timeout())
             if self.partial:
                 samples, version = self._partial_step(samples[0])
         self.staleness[step - version] += 1
@@ -148,7 +148,7 @@ class RolloutSchedule:
             if keep:
                 self.pending[step] = (ticket, self.version)
             return ticket, self.version
-        ticket = layout.replica_submit(self.engine, self.groups, self.prompts(step), r.group_size, r.temperature,
+        ticket = replicas.replica_submit(self.engine, self.groups, self.prompts(step), r.group_size, r.temperature,
                                        r.top_p, r.max_response_len, self.seed(step))
         if keep:
             self.pending[step] = (ticket, self.version)

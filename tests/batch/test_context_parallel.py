@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from stapo_megatron.batch.alignment import sequence_multiple
 from stapo_megatron.batch.context_parallel import local_positions, split_for_context_parallel, unsplit
-from stapo_megatron.batch.minibatches import BatchLayout, build_minibatches
+from stapo_megatron.batch.minibatches import MicroBatchLayout, build_minibatches
 from stapo_megatron.batch.packing import pack_thd
 from stapo_megatron.batch.records import record, records_from_lists
 from tests.helpers.dist_utils import run_distributed
@@ -96,15 +96,15 @@ def test_split_errors():
     with pytest.raises(ValueError, match="seq_align must divide align"):
         pack_thd(records_from_lists(prompts[:2], responses[:2], adv[:2], lps[:2]), pad_id=0, align=6, seq_align=4)
     with pytest.raises(ValueError, match="context_parallel_size 2 needs packed micro-batches"):
-        BatchLayout("padded", micro_batch_size=2, cp_size=2)
+        MicroBatchLayout("padded", micro_batch_size=2, cp_size=2)
     records = records_from_lists(prompts, responses, adv, lps)
     longest = max(r.length for r in records)
     with pytest.raises(ValueError, match=r"> max_tokens_per_microbatch 8 x context_parallel_size 2 = 16"):
-        build_minibatches(records, BatchLayout("budget", max_tokens=8, cp_size=2, seq_align=4))
+        build_minibatches(records, MicroBatchLayout("budget", max_tokens=8, cp_size=2, seq_align=4))
     # a sequence longer than one rank's budget trains when CP splits it
     budget = -(-longest // 4) * 2
     assert budget < longest
-    (mbs,), _ = build_minibatches(records, BatchLayout("budget", max_tokens=budget, cp_size=2, cp_rank=1, seq_align=4,
+    (mbs,), _ = build_minibatches(records, MicroBatchLayout("budget", max_tokens=budget, cp_size=2, cp_rank=1, seq_align=4,
                                                        seq_multiple=8))
     assert all(mb.tokens.shape[1] <= budget and mb.cp_size == 2 for mb in mbs)
     assert sum(int(mb.response_mask.sum()) for mb in mbs) > 0
@@ -240,7 +240,7 @@ def _train_worker(tp, layouts, budgets, method="stapo"):
         model = build_tiny_gpt(config, VOCAB, 64, core_attention="sdpa")
         model, optimizer = wrap_model_and_optimizer(
             model, OptimConfig(optimizer="sgd", lr=0.5, weight_decay=0.0, clip_grad=0.0))
-        mbs = _rank_microbatches((prompts, responses, adv, lps), groups, seed=3, layout=BatchLayout(
+        mbs = _rank_microbatches((prompts, responses, adv, lps), groups, seed=3, layout=MicroBatchLayout(
             "budget", max_tokens=budget, seq_multiple=8 * cp, seq_align=2 * cp, cp_size=cp,
             cp_rank=dist.get_rank(groups.cp)))
         ctx = PassContext(model, max(mb.tokens.shape[1] for mb in mbs), groups=groups)
@@ -305,7 +305,7 @@ def _checkpoint_worker(hf_dir, run_cp2, run_cp1):
 
     def update(groups, model, optimizer, rollouts):
         cp = groups.cp_size
-        mbs = _rank_microbatches(rollouts, groups, seed=0, layout=BatchLayout(
+        mbs = _rank_microbatches(rollouts, groups, seed=0, layout=MicroBatchLayout(
             "budget", max_tokens=48 // cp, seq_multiple=8, seq_align=2 * cp, cp_size=cp,
             cp_rank=dist.get_rank(groups.cp)))
         ctx = PassContext(model, max(mb.tokens.shape[1] for mb in mbs), groups=groups)

@@ -12,7 +12,7 @@ layout builds on each rank what a single process builds from all ranks' records.
 import pytest
 import torch
 
-from stapo_megatron.batch.minibatches import BatchLayout, build_minibatches, pack_planned, plan_budget
+from stapo_megatron.batch.minibatches import MicroBatchLayout, build_minibatches, pack_planned, plan_budget
 from stapo_megatron.batch.records import decode, encode, encoded_size, make_records, record, records_from_lists
 from tests.helpers.dist_utils import run_distributed
 
@@ -84,11 +84,11 @@ def test_record_errors():
     with pytest.raises(ValueError, match=r"prompt_ids must be \[P >= 1\], got \(0,\)"):
         record([], [1], 0.0, [0.0])
     with pytest.raises(ValueError, match="packing must be one of"):
-        BatchLayout("thd")
+        MicroBatchLayout("thd")
     with pytest.raises(ValueError, match="micro_batch_size must be >= 1, got 0"):
-        BatchLayout("padded", micro_batch_size=0)
+        MicroBatchLayout("padded", micro_batch_size=0)
     with pytest.raises(ValueError, match="6 records do not split into mini-batches of 4"):
-        build_minibatches(_records([(2, 2)] * 6), BatchLayout("padded"), minibatch_size=4)
+        build_minibatches(_records([(2, 2)] * 6), MicroBatchLayout("padded"), minibatch_size=4)
 
 
 def test_padded_layout_is_the_trainers():
@@ -96,7 +96,7 @@ def test_padded_layout_is_the_trainers():
     (21 -> 24), micro-batches of 2 rows seeded ``microbatch_seed(first, dp_rank) + row``."""
     records = _records([(3, 5), (2, 2), (6, 15), (1, 3), (4, 4), (2, 9), (3, 3), (5, 1)])
     seeds = []
-    minis, seq = build_minibatches(records, BatchLayout("padded", micro_batch_size=2, seq_multiple=8), 4,
+    minis, seq = build_minibatches(records, MicroBatchLayout("padded", micro_batch_size=2, seq_multiple=8), 4,
                                    lambda first, dp_rank: seeds.append((first, dp_rank)) or 1000 * first + 7)
     assert seq == 24 and seeds == [(0, 0), (4, 0)]
     assert [[mb.seed for mb in mini] for mini in minis] == [[7, 9], [4007, 4009]]
@@ -109,8 +109,8 @@ def test_padded_layout_is_the_trainers():
 
 def test_fixed_layout_packs_the_padded_microbatches():
     records = _records([(3, 5), (2, 2), (6, 15), (1, 3)], routes=True)
-    (padded,), _ = build_minibatches(records, BatchLayout("padded", micro_batch_size=2))
-    (fixed,), longest = build_minibatches(records, BatchLayout("fixed", micro_batch_size=2, seq_multiple=8))
+    (padded,), _ = build_minibatches(records, MicroBatchLayout("padded", micro_batch_size=2))
+    (fixed,), longest = build_minibatches(records, MicroBatchLayout("fixed", micro_batch_size=2, seq_multiple=8))
     assert [mb.seed for mb in fixed] == [0, 2] and longest == 32
     for pad, pack in zip(padded, fixed):
         bounds = pack.cu_seqlens.tolist()
@@ -129,7 +129,7 @@ def _budget_worker(lengths, mode):
     rank = dist.get_rank()
     records = _records(lengths, seed=3, routes=True, version=5)
     share = len(records) // 2
-    layout = BatchLayout(mode, micro_batch_size=2, max_tokens=32, seq_multiple=8)
+    layout = MicroBatchLayout(mode, micro_batch_size=2, max_tokens=32, seq_multiple=8)
     minis, longest = build_minibatches(records[rank * share:(rank + 1) * share], layout, share // 2,
                                        lambda first, dp_rank: 100 * first + 10 * dp_rank, groups.dp)
     return minis, longest

@@ -1,5 +1,5 @@
 """Tier a: the one layout validator (``config/parallel_layout.py``): the
-config tree, the trainer's world-size check and the recipes ask it, and a recipe's `Layout` is
+config tree, the trainer's world-size check and the recipes ask it, and a recipe's `ParallelLayout` is
 derived from its `ModelConfig` and cluster (nothing copied between them)."""
 
 import dataclasses
@@ -32,9 +32,10 @@ def _cfg(**changes):
 
 
 def test_world_problems_name_every_field_and_value():
-    """What the trainer checks once its group has formed (`trainer.layout.init_groups`)."""
+    """What the trainer checks once its group has formed (`trainer.replicas.init_groups`)."""
     assert parallel_layout.world_problems(_cfg(model=dict(context_parallel_size=2)), 4) == []
-    assert parallel_layout.world_problems(_cfg(model=dict(tensor_model_parallel_size=2, context_parallel_size=2)), 6) == [
+    cfg = _cfg(model=dict(tensor_model_parallel_size=2, context_parallel_size=2))
+    assert parallel_layout.world_problems(cfg, 6) == [
         "6 GPUs are not divisible by TP 2 x PP 1 x CP 2"]
     assert parallel_layout.world_problems(_cfg(prompts_per_step=10, model=dict(context_parallel_size=2)), 16) == [
         "prompts_per_step 10 is not divisible by minibatch_prompts 4",
@@ -66,7 +67,7 @@ def test_the_config_tree_raises_the_validators_first_problem():
 @pytest.mark.parametrize("size", sorted(paper.LAYOUTS))
 def test_a_recipe_layout_is_derived_from_its_model_config(size):
     """The recipe trains with its layout's `ModelConfig` (every parallel and memory field), and the
-    layout derived back from the recipe (`Layout.of`) is the recipe's: the same estimate."""
+    layout derived back from the recipe (`ParallelLayout.of`) is the recipe's: the same estimate."""
     recipe_layout, cfg = paper.LAYOUTS[size], paper.paper_recipe(size)
     assert cfg.model == recipe_layout.model and cfg.model is not recipe_layout.model
     derived = paper.layout_for(size, cfg)

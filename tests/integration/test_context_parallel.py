@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from stapo_megatron.batch.alignment import sequence_multiple
 from stapo_megatron.batch.context_parallel import local_positions, split_for_context_parallel, unsplit
-from stapo_megatron.batch.minibatches import BatchLayout, build_minibatches
+from stapo_megatron.batch.minibatches import MicroBatchLayout, build_minibatches
 from stapo_megatron.batch.packing import pack_thd
 from stapo_megatron.batch.records import record, records_from_lists
 from tests.helpers.dist_utils import run_distributed

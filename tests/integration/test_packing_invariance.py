@@ -45,7 +45,7 @@ def _rollouts():
 def _worker(tp, modes):
     from stapo_megatron.method.config import LossConfig
     from stapo_megatron.mcore.config import OptimConfig
-    from stapo_megatron.batch.minibatches import BatchLayout, build_minibatches
+    from stapo_megatron.batch.minibatches import MicroBatchLayout, build_minibatches
     from stapo_megatron.mcore.parallel import init_parallel
     from stapo_megatron.batch.records import records_from_lists
     from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
@@ -64,7 +64,7 @@ def _worker(tp, modes):
         model, optimizer = wrap_model_and_optimizer(
             model, OptimConfig(optimizer="sgd", lr=0.5, weight_decay=0.0, clip_grad=0.0))
         # the trainer's builder: "budget" moves sequences between the DP ranks, the others do not
-        (mbs,), _ = build_minibatches(mine, BatchLayout(mode, micro_batch_size=2, max_tokens=BUDGET, seq_multiple=tp),
+        (mbs,), _ = build_minibatches(mine, MicroBatchLayout(mode, micro_batch_size=2, max_tokens=BUDGET, seq_multiple=tp),
                                       microbatch_seed=lambda first, rank: 3, dp_group=groups.dp)
         ctx = PassContext(model, max(mb.tokens.shape[1] for mb in mbs), groups=groups)
         old_policy_pass(ctx, [mbs])

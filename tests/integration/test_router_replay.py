@@ -8,7 +8,7 @@ import pytest
 import torch
 from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
 from stapo_megatron.batch.microbatch import NO_ROUTE, MicroBatch, pack_sequences
-from stapo_megatron.batch.minibatches import BatchLayout, pack_planned, plan_budget
+from stapo_megatron.batch.minibatches import MicroBatchLayout, pack_planned, plan_budget
 from stapo_megatron.batch.packing import pack_thd
 from stapo_megatron.batch.records import records_from_lists
 from stapo_megatron.mcore.router_replay import fill_missing, local_routes

@@ -87,7 +87,7 @@ def _worker(layouts):
     from stapo_megatron.bridge.tiny import tiny_config
     from stapo_megatron.method.config import LossConfig
     from stapo_megatron.mcore.config import OptimConfig
-    from stapo_megatron.batch.minibatches import BatchLayout, build_minibatches
+    from stapo_megatron.batch.minibatches import MicroBatchLayout, build_minibatches
     from stapo_megatron.mcore.parallel import init_parallel
     from stapo_megatron.batch.records import records_from_lists
     from stapo_megatron.mcore.router_replay import replay_indices
@@ -113,7 +113,7 @@ def _worker(layouts):
         rank = dist.get_rank(groups.dp)
         (mbs,), _ = build_minibatches(
             records[rank * share:(rank + 1) * share],
-            BatchLayout("fixed", micro_batch_size=4, seq_multiple=16, seq_align=4, cp_size=cp,
+            MicroBatchLayout("fixed", micro_batch_size=4, seq_multiple=16, seq_align=4, cp_size=cp,
                         cp_rank=dist.get_rank(groups.cp)),
             microbatch_seed=lambda first, dp_rank: 3, dp_group=groups.dp)
         ctx = PassContext(model, max(mb.tokens.shape[1] for mb in mbs), groups=groups, vocab_size=VOCAB)

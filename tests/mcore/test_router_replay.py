@@ -22,7 +22,7 @@ import torch
 
 from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
 from stapo_megatron.batch.microbatch import NO_ROUTE, MicroBatch, pack_sequences
-from stapo_megatron.batch.minibatches import BatchLayout, pack_planned, plan_budget
+from stapo_megatron.batch.minibatches import MicroBatchLayout, pack_planned, plan_budget
 from stapo_megatron.batch.packing import pack_thd
 from stapo_megatron.batch.records import records_from_lists
 from stapo_megatron.mcore.router_replay import fill_missing, local_routes
@@ -79,7 +79,7 @@ def test_packed_row_carries_each_sequences_routes():
     assert torch.equal(row[5:10], routes[1].to(torch.int16)) and (row[10:] == NO_ROUTE).all()
     # a record's routes go to the micro-batch that holds it (here DP rank 1's of a 2-rank budget plan)
     records = records_from_lists(prompts * 2, responses * 2, [0.0] * 4, [[0.0] * 2, [0.0] * 4] * 2, routes=routes * 2)
-    layout = BatchLayout("budget", max_tokens=16)
+    layout = MicroBatchLayout("budget", max_tokens=16)
     plan = plan_budget([r.length for r in records], layout, num_ranks=2, seed=0)
     mbs = pack_planned(records.__getitem__, plan[1], layout, seed=0)
     assert mbs

@@ -157,9 +157,10 @@ def test_no_recompute_estimate_matches_the_h100_measurement():
     16384 tokens 43.2 GB. The estimate without its allowance: 70.5 GB (+1.0%) and 45.0 GB (+4.1%).
     Tolerance 5%: the written model is meant to be within a few percent, not exact."""
     spec = dataclasses.replace(paper.ARCHITECTURES["qwen3_1p7b"], max_position_embeddings=40960)
-    bench = memory.Layout(num_nodes=1, gpus_per_node=1, vllm_tensor_parallel_size=1, vllm_gpu_memory_utilization=0.0,
-                          model=ModelConfig(recompute_granularity="full", recompute_method="uniform",
-                                            recompute_num_layers=1))
+    bench = memory.ParallelLayout(num_nodes=1, gpus_per_node=1, vllm_tensor_parallel_size=1,
+                                  vllm_gpu_memory_utilization=0.0,
+                                  model=ModelConfig(recompute_granularity="full", recompute_method="uniform",
+                                                    recompute_num_layers=1))
     for layout, seq_len, measured in ((bench.replace(**paper._NO_RECOMPUTE), 8192, 69.8),
                                       (bench, 16384, 43.2)):
         est = memory.memory_estimate(spec, layout, seq_len=seq_len)
@@ -275,7 +276,7 @@ def test_grpo_is_deepseekmath_grpo_and_shares_the_rest():
     loss = cfg.loss
     assert (loss.clip_ratio_low, loss.clip_ratio_high, loss.clip_ratio_c, loss.kl_coef) == (0.2, 0.2, None, 0.04)
     base = paper.qwen3_8b(run_dir=cfg.run_dir)
-    # beside the reference model vLLM gets a smaller share (Layout.vllm_gpu_memory_utilization_with_reference)
+    # beside the reference model vLLM gets a smaller share (ParallelLayout.vllm_gpu_memory_utilization_with_reference)
     assert (cfg.rollout.gpu_memory_utilization, base.rollout.gpu_memory_utilization) == (0.35, 0.4)
     assert dataclasses.replace(cfg, loss=base.loss, rollout=base.rollout) == base
     assert dataclasses.replace(cfg.rollout, gpu_memory_utilization=0.4) == base.rollout

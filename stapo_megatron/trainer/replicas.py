@@ -1,7 +1,8 @@
-"""The parallel layout a run trains on: Megatron's process groups from `ModelConfig` (TP, PP, CP,
-EP), checked on the job's world size by the one validator (`stapo_megatron.config.parallel_layout`, which
-also owns the alignments a packed row needs), and how the context-parallel (CP) ranks of one
-data-parallel replica share its rollouts.
+"""The data-parallel replicas a run trains on: Megatron's process groups from `ModelConfig` (TP,
+PP, CP, EP), checked on the job's world size by the one validator
+(`stapo_megatron.config.parallel_layout`), the alignments of the replica's rows
+(`stapo_megatron.batch.alignment`), and how the context-parallel (CP) ranks of one replica share
+its rollouts.
 
 Rollouts under CP: the CP ranks of a DP replica train the same sequences (each its chunks of
 them), so they need the same samples. Rather than every CP rank's engine sampling all of the
