@@ -91,7 +91,7 @@ def bench_one(name, hf_config, seq_len, args, device, dtype, rate):
     from stapo_megatron.method.config import LossConfig
     from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
     from stapo_megatron.mcore.parallel import current_groups
-    from stapo_megatron.config import ModelConfig
+    from stapo_megatron.mcore.config import ModelConfig
     from stapo_megatron.recipes.memory import ParallelLayout, memory_estimate
     from stapo_megatron.mcore.config import OptimConfig
     from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer

@@ -38,14 +38,9 @@ from stapo_megatron.rewards.config import RewardConfig
 from stapo_megatron.rollout.config import EngineResources, RolloutConfig, RolloutSampling
 from stapo_megatron.runlog.config import LoggingConfig
 from stapo_megatron.mcore.config import ModelConfig, OptimConfig
-from stapo_megatron.trainer.config import WarmStartConfig
 from stapo_megatron.utils import check_at_least
 
-__all__ = [
-    "DataConfig", "EngineResources", "EvalConfig", "EvalSetConfig", "LoggingConfig", "LossConfig", "ModelConfig",
-    "OptimConfig", "RewardConfig", "RolloutConfig", "RolloutSampling", "TrainerConfig", "WarmStartConfig",
-    "eval_set_configs", "field_docs",
-]
+__all__ = ["TrainerConfig", "field_docs"]
 
 
 def field_docs(cls: type) -> Dict[str, str]:
@@ -184,6 +179,11 @@ class TrainerConfig:
             return self.rollout_timeout_s
         longest = max(self.rollout.max_response_len, self.eval.max_response_len or 0)
         return max(self.distributed_timeout_s, SECONDS_PER_RESPONSE_TOKEN * longest)
+
+    def longest_sequence(self) -> int:
+        """The longest sequence an engine holds: the prompt limit plus training's or evaluation's
+        response limit, whichever is longer."""
+        return self.data.max_prompt_len + max(self.rollout.max_response_len, self.eval.max_response_len or 0)
 
 
 SECONDS_PER_RESPONSE_TOKEN = 0.2

@@ -14,7 +14,8 @@ from typing import Any, Dict, Optional
 
 from stapo_megatron.bridge.hf_config import QwenSpec, dense_layer_params, expert_params, num_params
 from stapo_megatron.bridge.transformer_config import padded_vocab_size
-from stapo_megatron.config import ModelConfig, TrainerConfig
+from stapo_megatron.config import TrainerConfig
+from stapo_megatron.mcore.config import ModelConfig
 from stapo_megatron.batch.alignment import rank_tokens
 from stapo_megatron.config.parallel_layout import Cluster
 

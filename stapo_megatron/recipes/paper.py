@@ -22,8 +22,13 @@ import dataclasses
 from typing import Dict, List, Optional
 
 from stapo_megatron.bridge.hf_config import QwenSpec
-from stapo_megatron.config import (DataConfig, EvalConfig, LossConfig, ModelConfig, OptimConfig, RewardConfig,
-                                   RolloutSampling, TrainerConfig)
+from stapo_megatron.config import TrainerConfig
+from stapo_megatron.data.config import DataConfig
+from stapo_megatron.eval.config import EvalConfig
+from stapo_megatron.mcore.config import ModelConfig, OptimConfig
+from stapo_megatron.method.config import LossConfig
+from stapo_megatron.rewards.config import RewardConfig
+from stapo_megatron.rollout.config import RolloutSampling
 from stapo_megatron.batch.alignment import rank_tokens
 from stapo_megatron.config.parallel_layout import Cluster
 from stapo_megatron.config.parallel_layout import layout_problems as check_layout

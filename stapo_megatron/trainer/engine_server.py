@@ -32,9 +32,8 @@ import torch
 import torch.distributed as dist
 
 from stapo_megatron.config import TrainerConfig
-from stapo_megatron.eval.evaluator import eval_max_len
 from stapo_megatron.rollout.transport import Transport, Outbox, broadcast_object, broadcast_tensor
-from stapo_megatron.rollout.config import RolloutConfig
+from stapo_megatron.rollout.config import RolloutConfig, RolloutSampling
 from stapo_megatron.rollout.registry import build_engine
 from stapo_megatron.rollout.remote import bucket_bytes, unpack_bucket
 from stapo_megatron.trainer.partial import PartialPool
@@ -44,15 +43,16 @@ STOP_WAIT_S = 60.0
 """At a stop, how long the engine waits for the trainers to take samples still in flight."""
 
 
-def engine_config(cfg: TrainerConfig, seed: int, return_routes: bool) -> RolloutConfig:
+def engine_config(rollout: RolloutSampling, seed: int, return_routes: bool, max_sequence_len: int,
+                  bf16: bool) -> RolloutConfig:
     """The engine a run's rollouts and evaluation need: the same for colocated and separate
-    placement (so that both sample the same responses from the same weights)."""
-    r = cfg.rollout
+    placement (so that both sample the same responses from the same weights). ``max_sequence_len``:
+    `TrainerConfig.longest_sequence`; ``bf16``: the trainer's dtype."""
+    r = rollout
     return r.engine_config(
-        max_model_len=pad_to(cfg.data.max_prompt_len + max(r.max_response_len, eval_max_len(cfg))),
-        seed=seed, return_routed_experts=return_routes,
+        max_model_len=pad_to(max_sequence_len), seed=seed, return_routed_experts=return_routes,
         # the engine must run the dtype the trainer trains in, whatever the folder was saved in
-        dtype="bfloat16" if cfg.model.bf16 else "float32",
+        dtype="bfloat16" if bf16 else "float32",
         enable_sleep_mode=r.sleep_during_training and r.placement == "colocated" and torch.cuda.is_available(),
         # asleep, the weights are dropped (wake_and_sync rewrites them); the trainer syncs before any generate
         sleep_level=2, load_format="dummy", enforce_eager=r.enforce_eager,
@@ -135,7 +135,8 @@ def serve(cfg: TrainerConfig, transport: Transport, seed: int, return_routes: bo
             the engine failed.
     """
     with _engine_pool_env(transport):
-        engine = build_engine(cfg.rollout.engine, cfg.model.hf_dir, engine_config(cfg, seed, return_routes))
+        engine = build_engine(cfg.rollout.engine, cfg.model.hf_dir, engine_config(
+            cfg.rollout, seed, return_routes, cfg.longest_sequence(), cfg.model.bf16))
     inbox: "queue.Queue[Any]" = queue.Queue()
     stopping = threading.Event()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

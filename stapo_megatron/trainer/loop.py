@@ -18,7 +18,8 @@ from transformers import AutoTokenizer
 from stapo_megatron.bridge.hf_config import load_hf_config
 from stapo_megatron.bridge.model import build_gpt_model, load_checkpoint
 from stapo_megatron.config import TrainerConfig, WarmStartConfig
-from stapo_megatron.eval.evaluator import Evaluator, load_eval_sets
+from stapo_megatron.config.yaml_io import dump_config
+from stapo_megatron.eval.evaluator import Evaluator, eval_max_len, load_eval_sets
 from stapo_megatron.rewards.functions import get_reward
 from stapo_megatron.rewards.scorer import RewardScorer
 from stapo_megatron.rollout.registry import build_engine
@@ -43,7 +44,7 @@ from stapo_megatron.trainer.prompts import load_prompts, step_prompt_indices
 from stapo_megatron.trainer.seeds import Seeds
 from stapo_megatron.trainer.lr import warmup_lr
 from stapo_megatron.trainer.mismatch_metrics import rollout_mismatch
-from stapo_megatron.trainer.step_metrics import Timer, format_row, gather_silenced, step_row
+from stapo_megatron.trainer.step_metrics import SkipGuard, Timer, format_row, gather_silenced, step_row
 from stapo_megatron.trainer.warmstart import WarmStart
 from stapo_megatron.trainer.engine_server import engine_config
 from stapo_megatron.trainer.partial import mark_token_versions
@@ -63,13 +64,15 @@ class Trainer:
         self.minibatch_size = cfg.minibatch_prompts // self.dp_size * cfg.rollout.group_size  # this rank's records
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
         self.hf_config = load_hf_config(cfg.model.hf_dir)
-        (self.train_ids, self.train_ex), self.held_out = load_prompts(cfg, self.tokenizer)
-        self.eval_sets = load_eval_sets(cfg, self.tokenizer)
+        (self.train_ids, self.train_ex), self.held_out = load_prompts(cfg.data, self.tokenizer, self.seeds.data_split,
+                                                                      bool(cfg.eval.sets))
+        self.eval_sets = load_eval_sets(cfg.eval, self.tokenizer, cfg.data.max_prompt_len, cfg.data.use_chat_template)
         self._build_model()
         self.logger = RunLogger(cfg.run_dir, enabled=self.rank == 0, logging=cfg.logging, config=cfg,
                                 plot_every_eval=True)
         # config, git commit, command, versions: into the run folder and every checkpoint (rank 0)
-        self.provenance = RunProvenance(cfg, warmstart) if self.rank == 0 else None
+        self.provenance = (RunProvenance(dump_config(cfg, warmstart), cfg.run_dir, cfg.model.hf_dir)
+                           if self.rank == 0 else None)
         self.stop_signal = SaveOnSignal().install()  # Slurm's time-limit warning: save at the next step boundary, stop
         self.stopped_at: Optional[int] = None
         self.engine = self.scorer = self.evaluator = None
@@ -83,7 +86,7 @@ class Trainer:
                         core_attention="sdpa" if cfg.packing != "padded" else None)  # packed (and CP): SDPAttention
         model = build()
         # lengths: sequence parallelism splits them over TP, context parallelism into 2 x CP chunks
-        self.seq_multiple, self.seq_align = replicas.seq_multiple(cfg), replicas.seq_align(cfg)
+        self.seq_multiple, self.seq_align = replicas.seq_multiple(cfg.model), replicas.seq_align(cfg.model)
         if cfg.model.megatron_ckpt:
             load_checkpoint(model, cfg.model.megatron_ckpt)
         # the output layer is padded to a multiple of 128 x TP; the softmax must not see it
@@ -108,24 +111,26 @@ class Trainer:
                            self.groups, self.vocab_size, replay_routes=model is None and self.cfg.rollout.routing_replay)
 
     def _start_services(self) -> None:
-        """The reward scorer, the rollout engine and the evaluator that samples with it."""
-        r = self.cfg.rollout
-        reward = get_reward(self.cfg.reward.name)  # before the engine: a bad name fails fast
+        """The reward scorer, the rollout engine, its schedule and the evaluator that samples with it."""
+        cfg, r, timeout = self.cfg, self.cfg.rollout, self.cfg.rollout_timeout()
+        reward = get_reward(cfg.reward.name)  # before the engine: a bad name fails fast
         self.routing = routing.RoutingMonitor(r, self.hf_config, self.model)  # MoE: the engine records its routes
         if self.transport is not None:  # separate placement: the engines run on the job's last ranks
             asks = self.groups.mp is None or dist.get_rank(self.groups.mp) == 0
-            self.engine = RemoteEngine(self.transport, asks, self.cfg.rollout_timeout(), r.weight_bucket_mb)
+            self.engine = RemoteEngine(self.transport, asks, timeout, r.weight_bucket_mb)
         else:
-            self.engine = build_engine(r.engine, self.cfg.model.hf_dir, engine_config(
-                self.cfg, self.seeds.engine(self.dp_rank), self.routing.enabled))
-        self.schedule = RolloutSchedule(
-            self.cfg, self.engine, self.groups, lambda step: self._prompts(step)[0],
-            lambda step: self.seeds.rollout(step, self.dp_rank, self.cfg.prompts_per_step // self.dp_size * r.group_size),
-            weight_sync(self.model, self.hf_config, self.groups), indexed_prompts=self._indexed_prompts)
-        self.scorer = RewardScorer(num_workers=self.cfg.reward.workers, timeout_s=self.cfg.reward.timeout_s,
+            self.engine = build_engine(r.engine, cfg.model.hf_dir, engine_config(
+                r, self.seeds.engine(self.dp_rank), self.routing.enabled, cfg.longest_sequence(), cfg.model.bf16))
+        per_rank = cfg.prompts_per_step // self.dp_size * r.group_size  # this rank's samples of a step
+        self.schedule = RolloutSchedule(r, self.engine, self.groups, lambda step: self._prompts(step)[0],
+                                        lambda step: self.seeds.rollout(step, self.dp_rank, per_rank),
+                                        weight_sync(self.model, self.hf_config, self.groups), cfg.steps, timeout,
+                                        self._indexed_prompts)
+        self.scorer = RewardScorer(num_workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s,
                                    score_fn=reward.score_fn, failure_reward=reward.failure_reward)
-        self.evaluator = Evaluator(self.cfg, self.held_out, self.eval_sets, self.engine, self.scorer, self.groups,
-                                   self.seeds.evaluation, self.logger)
+        self.evaluator = Evaluator(cfg.eval, self.held_out, self.eval_sets, self.engine, self.scorer, self.groups,
+                                   self.seeds.evaluation, self.logger, cfg.steps,
+                                   eval_max_len(cfg.eval, r.max_response_len), timeout, cfg.logging.num_samples)
 
     def train_step(self, step: int) -> Tuple[Dict, List]:
         """One training step, one line per phase (docs/design.md, "One training step").
@@ -228,7 +233,7 @@ class Trainer:
         start = self._begin()
         self.schedule.start(start)  # the first sync; separate placement: the first requests
         rows = [self.evaluator.evaluate(0)] if start == 0 and self.evaluator.should_evaluate(0) else []
-        consecutive_skips = 0
+        skips = SkipGuard(cfg.max_consecutive_skips, cfg.run_dir)
         progress = Progress(cfg.steps, start, cfg.rollout.group_size)
         for step in range(start, cfg.steps):
             row, silenced_rows = self.train_step(step)
@@ -239,13 +244,7 @@ class Trainer:
                                      lambda t: self.tokenizer.decode([t]))
             if self.rank == 0:
                 print(format_row(row, cfg.steps), flush=True)
-            consecutive_skips = consecutive_skips + 1 if row["skipped"] else 0
-            if consecutive_skips > cfg.max_consecutive_skips:
-                raise RuntimeError(
-                    f"{consecutive_skips} consecutive steps had a NaN/Inf loss or gradient (last at step "
-                    f"{step + 1}); stopping. Check the learning rate and the data; the last good "
-                    f"checkpoint is {ckpt.find_latest(cfg.run_dir)}"
-                )
+            skips.check(row, step)
             done = step + 1
             if self.evaluator.should_evaluate(done):
                 rows.append(self.evaluator.evaluate(done))

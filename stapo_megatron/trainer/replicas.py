@@ -24,6 +24,7 @@ from stapo_megatron.config import TrainerConfig
 from stapo_megatron.batch.alignment import row_multiple, sequence_multiple
 from stapo_megatron.config.parallel_layout import raise_problems, world_problems
 from stapo_megatron.rollout.spmd import generate_context_parallel_share, shared_over_group
+from stapo_megatron.mcore.config import ModelConfig
 from stapo_megatron.mcore.parallel import Groups, init_parallel
 
 
@@ -43,16 +44,14 @@ def init_groups(cfg: TrainerConfig, seed: int) -> Groups:
     return groups
 
 
-def seq_align(cfg: TrainerConfig) -> int:
+def seq_align(m: ModelConfig) -> int:
     """Every packed sequence's length is padded to a multiple of this (2 x CP chunks, each
     rank's part split over TP by sequence parallelism; 1 without CP)."""
-    m = cfg.model
     return sequence_multiple(m.context_parallel_size, m.tensor_model_parallel_size, m.sequence_parallel)
 
 
-def seq_multiple(cfg: TrainerConfig) -> int:
+def seq_multiple(m: ModelConfig) -> int:
     """A padded batch's length, or a packed row's, is a multiple of this (`batch.alignment.row_multiple`)."""
-    m = cfg.model
     return row_multiple(m.context_parallel_size, m.tensor_model_parallel_size, m.sequence_parallel)
 
 

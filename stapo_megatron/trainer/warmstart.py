@@ -130,7 +130,7 @@ class WarmStart:
         cp = groups.cp_size
         layout = MicroBatchLayout("fixed" if cp > 1 else "padded", self.cfg.micro_batch_size,
                              pad_id=self.tokenizer.pad_token_id, seq_multiple=self.seq_multiple,
-                             seq_align=seq_align(self.cfg), cp_size=cp,
+                             seq_align=seq_align(self.cfg.model), cp_size=cp,
                              cp_rank=dist.get_rank(groups.cp) if cp > 1 else 0, device=device)
         seed = self.seeds.warmstart_microbatches(step)
         (mbs,), seq = build_minibatches(records, layout, microbatch_seed=lambda first, dp_rank: seed)

@@ -111,7 +111,8 @@ def test_split_errors():
 
 
 def test_config_refuses_unsupported_context_parallel():
-    from stapo_megatron.config import ModelConfig, TrainerConfig
+    from stapo_megatron.config import TrainerConfig
+    from stapo_megatron.mcore.config import ModelConfig
 
     cp2 = ModelConfig(context_parallel_size=2)
     with pytest.raises(ValueError, match="context_parallel_size 2 needs packed micro-batches: packing='fixed'"):
@@ -356,9 +357,12 @@ def _eval_worker(model_dir, held_out_path, bench_path, run_dirs):
 
     import torch.distributed as dist
 
-    from stapo_megatron.config import DataConfig, EvalConfig, RolloutSampling, TrainerConfig
+    from stapo_megatron.config import TrainerConfig
+    from stapo_megatron.data.config import DataConfig
+    from stapo_megatron.eval.config import EvalConfig
+    from stapo_megatron.rollout.config import RolloutSampling
     from stapo_megatron.data.examples import load_examples, tokenize_prompts
-    from stapo_megatron.eval.evaluator import Evaluator, load_eval_sets
+    from stapo_megatron.eval.evaluator import Evaluator, eval_max_len, load_eval_sets
     from stapo_megatron.rewards.scorer import RewardScorer
     from stapo_megatron.rollout.config import RolloutConfig
     from stapo_megatron.rollout.hf_engine import HFEngine
@@ -381,14 +385,17 @@ def _eval_worker(model_dir, held_out_path, bench_path, run_dirs):
     generate, asked = engine.generate, []
     engine.generate = lambda prompts, *a, **k: asked.append(len(prompts)) or generate(prompts, *a, **k)
     ids, examples, _ = tokenize_prompts(engine.tokenizer, load_examples(held_out_path), 256, use_chat_template=False)
-    sets = load_eval_sets(cfg, engine.tokenizer)
+    sets = load_eval_sets(cfg.eval, engine.tokenizer, cfg.data.max_prompt_len, cfg.data.use_chat_template)
     out = {}
     with RewardScorer(num_workers=1, score_fn=_parity_reward) as scorer:
         layouts = (("cp2", cp2), ("cp1", Groups(tp=None, dp=alone, pp=None, is_last_stage=True, pp_last_rank=rank)))
         for name, groups in layouts:
             asked.clear()
             logger = RunLogger(run_dirs[name], enabled=rank == 0, logging=cfg.logging)
-            out[name] = Evaluator(cfg, (ids, examples), sets, engine, scorer, groups, 11, logger).evaluate(0)
+            evaluator = Evaluator(cfg.eval, (ids, examples), sets, engine, scorer, groups, 11, logger, cfg.steps,
+                                  eval_max_len(cfg.eval, cfg.rollout.max_response_len), cfg.rollout_timeout(),
+                                  cfg.logging.num_samples)
+            out[name] = evaluator.evaluate(0)
             logger.close()
             out[name + "_asked"] = sum(asked)
             if rank == 0:

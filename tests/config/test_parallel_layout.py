@@ -9,7 +9,9 @@ import sys
 
 import pytest
 
-from stapo_megatron.config import ModelConfig, RolloutSampling, TrainerConfig
+from stapo_megatron.config import TrainerConfig
+from stapo_megatron.mcore.config import ModelConfig
+from stapo_megatron.rollout.config import RolloutSampling
 from stapo_megatron.config import parallel_layout
 from stapo_megatron.recipes import memory, paper
 

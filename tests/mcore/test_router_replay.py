@@ -113,7 +113,9 @@ def test_filler_is_k_distinct_valid_experts_spread_over_positions():
 
 
 def test_replay_config_is_checked():
-    from stapo_megatron.config import ModelConfig, RolloutSampling, TrainerConfig
+    from stapo_megatron.config import TrainerConfig
+    from stapo_megatron.mcore.config import ModelConfig
+    from stapo_megatron.rollout.config import RolloutSampling
     from stapo_megatron.trainer.routing import check_replay_engine
 
     with pytest.raises(ValueError, match="vllm_model_runner_v2=True"):
@@ -402,7 +404,8 @@ def _trainer_worker(run_dir, model_dir, packing, context_parallel_size=1):
 
 
 def _missing_routes_worker():
-    from stapo_megatron.config import RolloutSampling, TrainerConfig
+    from stapo_megatron.config import TrainerConfig
+    from stapo_megatron.rollout.config import RolloutSampling
     from stapo_megatron.rollout.base import Sample
     from stapo_megatron.mcore.parallel import init_parallel
     from stapo_megatron.trainer.routing import RoutingMonitor

@@ -10,7 +10,7 @@ import pytest
 
 from stapo_megatron.batch import alignment
 from stapo_megatron.bridge import hf_config
-from stapo_megatron.config import ModelConfig
+from stapo_megatron.mcore.config import ModelConfig
 from stapo_megatron.data.examples import SUFFIX
 from stapo_megatron.launch.entry import build_config
 from stapo_megatron.recipes import memory, paper

@@ -70,8 +70,8 @@ def test_step_s_is_generated_by_the_policy_after_s_minus_k_updates(versions, k):
 
     with one_rank_parallel():
         engine = RemoteEngine(trainer, asks=True, timeout_s=120, bucket_mb=1)
-        schedule = RolloutSchedule(cfg, engine, Groups(None, None, None, True, 0), lambda s: PROMPTS,
-                                   lambda s: 1000 * s, sync)
+        schedule = RolloutSchedule(cfg.rollout, engine, Groups(None, None, None, True, 0), lambda s: PROMPTS,
+                                   lambda s: 1000 * s, sync, cfg.steps, cfg.rollout_timeout())
         schedule.start(0)
         got = []
         for step in range(STEPS):
@@ -84,7 +84,7 @@ def test_step_s_is_generated_by_the_policy_after_s_minus_k_updates(versions, k):
     assert synced == [False] * (STEPS + 1)  # separate engines never sleep: no wake
     assert [v for _, v, _ in got] == [max(0, s - k) for s in range(STEPS)]
     assert schedule.staleness == collections.Counter(s - max(0, s - k) for s in range(STEPS))
-    local = HFEngine(hf_dir, engine_config(cfg, 0, False))
+    local = HFEngine(hf_dir, engine_config(cfg.rollout, 0, False, cfg.longest_sequence(), cfg.model.bf16))
     for step, version, tokens in got:
         local.update_weights(iter(tensors[version].items()))
         expected = local.generate(PROMPTS, 2, cfg.rollout.temperature, 1.0, 6, seed=1000 * step)
