@@ -11,7 +11,7 @@ mismatch"; verl's ``rollout_corr_helper``, decoupled mode):
                                                              the tokens being samples of pi_rollout)
     g_i     = exp( mean_{t in response_i} delta_t )          (sequence i's geometric-mean ratio)
 
-Corrections (`RolloutCorrectionConfig.mode`), entering the loss of ``method.objective.stapo_loss``:
+Corrections (`RolloutCorrectionConfig.mode`), entering the loss of ``method.objective.policy_loss``:
 
     tis       w_t = min(rho_t, C)           multiplies the clipped surrogate of token t (not KL);
                                             the normaliser still counts tokens, not weights

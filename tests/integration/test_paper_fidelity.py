@@ -8,7 +8,7 @@ from stapo_megatron.method import masks
 from stapo_megatron.method.config import LossConfig
 from stapo_megatron.mcore.loss import loss_func, minibatch_threshold
 from stapo_megatron.method.config import method_loss_config
-from stapo_megatron.method.objective import stapo_loss
+from stapo_megatron.method.objective import policy_loss
 from stapo_megatron.rewards.functions import REWARDS, boxed_exact_match, get_reward, normalize_answer
 from stapo_megatron.rewards.answers import STATUS_OK, STATUS_UNPARSEABLE
 from stapo_megatron.rewards.scorer import RewardScorer
