@@ -67,7 +67,7 @@ def _memory_rank(rank: int, cp: int, tokens: int, port: int, queue) -> None:
     import torch.distributed as dist
 
     from stapo_megatron.batch.context_parallel import split_for_context_parallel
-    from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
+    from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy
     from stapo_megatron.batch.packing import pack_thd
     from stapo_megatron.mcore.parallel import destroy_parallel, init_parallel
     from stapo_megatron.batch.records import record

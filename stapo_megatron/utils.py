@@ -1,5 +1,5 @@
 """Small helpers every wing uses: the one dotted-path loader, the config field checks, the seed
-stride and the device of a collective.
+stride, the one way sizes are written in messages (`format_bytes`) and the device of a collective.
 
 Imports nothing of the package (a leaf), so any module may use it without an import circle.
 """
@@ -59,3 +59,20 @@ def collective_device(group: Any = None) -> Any:
     if dist.is_initialized() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+"""`format_bytes`'s units, each 1024 times the one before."""
+
+
+def format_bytes(nbytes: float) -> str:
+    """``nbytes`` in the largest unit of `BYTE_UNITS` that keeps the number >= 1, with at least
+    three significant figures (``0 B``, ``512 B``, ``64.0 KiB``, ``1.18 MiB``, ``768 MiB``, ``12.0 GiB``),
+    so that a message shows a size of any magnitude (a full disk has 0 B free, not "0.00 GiB")."""
+    value, unit = float(nbytes), 0
+    while abs(value) >= 1024 and unit < len(BYTE_UNITS) - 1:
+        value, unit = value / 1024, unit + 1
+    if unit == 0:
+        return f"{nbytes:.0f} B"
+    digits = 2 if abs(value) < 10 else 1 if abs(value) < 100 else 0
+    return f"{value:.{digits}f} {BYTE_UNITS[unit]}"

@@ -35,6 +35,7 @@ from stapo_megatron.trainer.preemption import StoppedForRequeue
 from stapo_megatron.config import TrainerConfig
 from stapo_megatron.config.yaml_io import load_config
 from stapo_megatron.method.registry import get_method
+from stapo_megatron.config.parallel_layout import config_problems
 from stapo_megatron.config.overrides import apply_overrides
 from stapo_megatron.mcore.parallel import init_process_group
 from stapo_megatron.rollout.transport import init_job
@@ -105,7 +106,13 @@ def build_config(
         cfg, warmstart = TINY_RECIPES[recipe](run_dir=run_dir, method=method or "stapo")
     else:
         cfg, warmstart = paper.paper_recipe(recipe, method or "stapo", run_dir=output_dir), None
-    cfg = apply_overrides(cfg, {**overrides, **sections})
+    try:
+        cfg = apply_overrides(cfg, {**overrides, **sections})
+    except ValueError as refusal:
+        if recipe in TINY:
+            raise
+        raise _every_layout_problem(recipe, cfg, {**overrides, **sections}, refusal, num_nodes, gpus_per_node,
+                                    check_paths) from None
     if warmstart_overrides:
         if warmstart is None:
             raise ValueError(f"recipe {recipe} has no warm-start; drop the warmstart.* overrides")
@@ -113,6 +120,22 @@ def build_config(
     if recipe not in TINY:
         paper.check_paper_config(recipe, cfg, num_nodes, gpus_per_node, check_paths)
     return cfg, warmstart
+
+
+def _every_layout_problem(recipe: str, cfg: Any, overrides: Dict[str, Any], refusal: ValueError,
+                          num_nodes: Optional[int], gpus_per_node: Optional[int], check_paths: bool) -> ValueError:
+    """The error of a paper recipe whose overrides `TrainerConfig` refused (``refusal``) at the
+    first of its layout problems: every problem of the layout and paths (`paper.check_paper_config`
+    on the configuration unchecked), so that e.g. TP=3 on Qwen3-14B names its 40 heads and 8 KV
+    heads, not only a token budget TP=3 changes. Any other refusal is returned as it is."""
+    unchecked = apply_overrides(cfg, overrides, check=False)
+    if str(refusal) not in config_problems(unchecked):
+        return refusal
+    try:
+        paper.check_paper_config(recipe, unchecked, num_nodes, gpus_per_node, check_paths)
+    except ValueError as listed:
+        return listed
+    return refusal
 
 
 def _from_yaml(path: str, recipe: str, method: Optional[str], output_dir: Optional[str]) -> Tuple[Any, Optional[Any]]:

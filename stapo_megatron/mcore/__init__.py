@@ -1,12 +1,11 @@
 """Training on Megatron-Core: everything that runs the policy model (named for Megatron-Core, so
 that it is not confused with ``trainer/``, the RL loop that calls it). The micro-batches it trains
-on are laid out in ``batch/``.
+on are laid out in ``batch/``, the log-prob/entropy op is ``ops/``.
 
-- ``ops`` (+ ``kernels/``): log-prob and entropy on TP-sharded logits (torch and Triton paths).
 - ``schedule``: the one micro-batch runner on Megatron's schedules; `PassContext`; the no-grad
   log-prob pass and `old_policy_pass`, which fills each micro-batch's pi_old log-probs.
-- ``loss`` / ``loss_metrics``: the STAPO loss in Megatron's schedule and its reduced metrics;
-  ``logit_grad``: each token's logit-gradient norm and the step's shares of it (the paper's claim).
+- ``loss`` / ``loss_metrics``: the STAPO loss in Megatron's schedule and its reduced metrics (the
+  log-prob/entropy op and the logit-gradient norm they use are the ``stapo_megatron.ops`` wing).
 - ``step``: DDP, the optimizer and one policy update (threshold, forward/backward, step).
 - ``reference``: GRPO's frozen reference model; ``sft``: the supervised warm-start step.
 - ``parallel``, ``checkpoint`` (+ ``checkpoint_optimizer``), ``cpu_compat``: process groups, checkpoints

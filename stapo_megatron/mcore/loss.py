@@ -61,9 +61,9 @@ from stapo_megatron.method.registry import get_method
 from stapo_megatron.method import rollout_correction as rc
 from stapo_megatron.batch.microbatch import MicroBatch
 from stapo_megatron.batch.context_parallel import cp_sum
-from stapo_megatron.mcore import logit_grad
+from stapo_megatron.ops import logit_grad
 from stapo_megatron.mcore.loss_metrics import metric_sums
-from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
+from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy
 from stapo_megatron.batch.packing import sequence_ids
 from stapo_megatron.mcore.schedule import forward_step_func
 
@@ -195,7 +195,7 @@ def loss_func(
 def loss_diagnostics(config: LossConfig, batch: MicroBatch, t: LossTerms, loss_sum: torch.Tensor,
                      normaliser: torch.Tensor) -> Dict[str, torch.Tensor]:
     """What `loss_func` reports besides the loss: the metric sums (``loss_metrics.metric_sums``),
-    the logit-gradient norm sums (the paper's gradient claim, ``mcore/logit_grad.py``) and the
+    the logit-gradient norm sums (the paper's gradient claim, ``ops/logit_grad.py``) and the
     silenced tokens' rows (label id, log p, H, A, log p_rollout, flagged, ||d l_t / d logits||)."""
     logprob, old_logprob, advantages, silenced = t.logprob, t.old_logprob, t.advantages, t.silenced
     is_clipped = clipped_tokens(config, logprob, old_logprob, advantages, t.trained_mask & ~silenced, t.seq_ids,
@@ -207,7 +207,7 @@ def loss_diagnostics(config: LossConfig, batch: MicroBatch, t: LossTerms, loss_s
     sums = metric_sums(loss_sum, num_kept, logprob, old_logprob, t.entropy, t.response_mask, silenced, t.candidates,
                        is_clipped, normaliser, flagged=flagged, rejected=t.rejected, is_weight=t.is_weight,
                        tis_cap=config.rollout_correction.tis_cap)
-    # each token's logit-gradient norm before silencing
+    # the paper's gradient claim: each token's logit-gradient norm before silencing (ops/logit_grad.py)
     coef = logit_grad.logprob_coefficient(
         logprob.detach(), old_logprob, advantages, config.clip_ratio_low, config.clip_ratio_high,
         config.clip_ratio_c, t.is_weight, batch.ref_logprob, config.kl_coef)

@@ -33,7 +33,7 @@ means no real token attends to them. Not invisible to the load-balancing aux los
 computes it from every routed token's own (unreplayed) top-k and probabilities, and a filler
 position's expert output enters its later layers' inputs, hence its router probabilities there.
 That is why the filler must not depend on the layout (with each CP rank's local index the
-weights after a replayed update at CP=2 differed from CP=1's, `tests/mcore/test_moe_context_parallel.py`);
+weights after a replayed update at CP=2 differed from CP=1's, `tests/integration/test_moe_context_parallel.py`);
 the expert-load metrics count it too.
 
 Recomputation. Full activation recomputation reruns each layer's router in the backward pass,

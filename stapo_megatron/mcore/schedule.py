@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from stapo_megatron.batch.microbatch import MicroBatch
-from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
+from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy
 from stapo_megatron.mcore.parallel import Groups
 from stapo_megatron.mcore.router_replay import clear_replay, replay_backward, set_replay_targets
 

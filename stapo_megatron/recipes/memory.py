@@ -4,7 +4,7 @@
 and a cluster, checked by `stapo_megatron.config.parallel_layout`); `memory_estimate`
 gives the bytes of each component on the most loaded GPU (its assumptions are in its docstring).
 The paper recipes (`stapo_megatron.recipes.paper`) choose their layouts with it, the launcher's
-dry run prints it, and ``scripts/memory_table.py`` writes the README's table from it.
+dry run prints it, and ``scripts/memory_table.py`` writes the table of docs/recipes.md from it.
 """
 
 from __future__ import annotations
@@ -218,10 +218,19 @@ capacity factor). An allowance, not derived: the aux loss pulls it towards 1, an
 load metrics of a run (max / mean tokens per expert) say what it is."""
 
 
+SWIGLU_BYTES = 6
+"""Bytes per token and MLP unit (ffn, an expert's moe_ffn) that a SwiGLU MLP keeps on CUDA:
+Megatron's fused SwiGLU (``bias_activation_fusion``, on wherever Triton is:
+`stapo_megatron.bridge.kernels`) saves only its bf16 input, gate and up (4), and recomputes
+silu(gate) in its backward; the second linear keeps the bf16 product (2). Unfused (the CPU)
+it keeps silu(gate) besides (8; ``benchmarks/saved_bytes.py`` measures both)."""
+
+
 def kept_layer_bytes(spec: QwenSpec, layout: ParallelLayout) -> float:
     """Bytes per token that one decoder layer keeps for its backward without recomputation
-    (local spec, SDPA / flash attention, bf16), counted op by op from the tensors autograd saves
-    (``torch.autograd.graph.saved_tensors_hooks`` on a Qwen3-1.7B-shaped layer, CPU):
+    (local spec, SDPA / flash attention, bf16, on CUDA with Triton), counted op by op from the
+    tensors autograd saves (``torch.autograd.graph.saved_tensors_hooks`` on a Qwen3-1.7B-shaped
+    layer on the CPU; the MLP as Megatron's fused SwiGLU saves on CUDA):
 
     - each of the two RMSNorms: its fp32 input copy and fp32 normalised output (torch's RMSNorm
       computes in fp32) and the bf16 output the next linear saves: 10 h bytes;
@@ -229,13 +238,17 @@ def kept_layer_bytes(spec: QwenSpec, layout: ParallelLayout) -> float:
     - attention: the fused QKV output (v is a view of it), q and k after RoPE, the output
       (kept by flash attention and by the output projection): 6 (q + kv) [+ 4 kv x (CP - 1) for
       the K and V gathered over CP with ``cp_comm_type="all_gather"``];
-    - dense MLP: gate/up output, silu(gate), its product with up: 10 ffn. MoE: the router's fp32
-      logits and probabilities (8 E), then per routed copy (top-k, x `MOE_ROUTING_IMBALANCE`)
-      the permuted input and expert output (4 h) and the expert MLP (10 moe_ffn / ETP).
+    - dense MLP: `SWIGLU_BYTES` ffn, the fused SwiGLU's input and the second linear's input
+      (counting 10 ffn, more than even the unfused SwiGLU keeps, the model over-counted the
+      GPU by 4 ffn per layer: +10% at 8k and +13% at 16k tokens on the H200). MoE: the router's fp32 logits and
+      probabilities (8 E), then per routed copy (top-k, x `MOE_ROUTING_IMBALANCE`) the permuted
+      input and expert output (4 h) and the expert MLP (`SWIGLU_BYTES` moe_ffn / ETP).
 
-    h-sized terms are split over TP with sequence parallelism, q/kv/ffn over TP. Checked on the
-    H100 (benchmarks/RESULTS.md): Qwen3-1.7B, 4 x 8192 tokens, no recomputation, 69.8 GB
-    allocated against `memory_estimate`'s 70.5 GB without its allowance (+1.0%).
+    h-sized terms are split over TP with sequence parallelism, q/kv/ffn over TP. Calibrated
+    against the GPU's ``max_memory_allocated`` (``tests/recipes/test_memory_calibration.py``
+    holds the measured rows): Qwen3-1.7B, 4 x 8192 / 16384 tokens without recomputation on the
+    H200, 64.2 / 97.3 GB allocated against `memory_estimate`'s 64.7 / 98.3 GB without its
+    allowance (+0.7% / +1.1%).
     """
     tp = layout.tensor_model_parallel_size
     sp = tp if layout.sequence_parallel else 1
@@ -245,9 +258,9 @@ def kept_layer_bytes(spec: QwenSpec, layout: ParallelLayout) -> float:
     if spec.is_moe:
         copies = spec.moe_router_topk * MOE_ROUTING_IMBALANCE
         mlp = 10 * h / sp + 8 * spec.num_moe_experts / sp + copies * (
-            4 * h / sp + 10 * spec.moe_ffn_hidden_size / layout.expert_tensor_size)
+            4 * h / sp + SWIGLU_BYTES * spec.moe_ffn_hidden_size / layout.expert_tensor_size)
     else:
-        mlp = 10 * h / sp + 10 * spec.ffn_hidden_size / tp
+        mlp = 10 * h / sp + SWIGLU_BYTES * spec.ffn_hidden_size / tp
     return attention + mlp
 
 

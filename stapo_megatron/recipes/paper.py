@@ -98,7 +98,7 @@ LAYOUTS: Dict[str, ParallelLayout] = {
     # 4 nodes: TP=4 (at TP=2 training and vLLM's share exceed the budget), CP=2 inside the node
     # (TP x CP = 8 GPUs): each rank holds 8k of a 16k sequence, which pays for keeping every
     # layer's activations (21 GB) instead of full recomputation; vLLM's share goes from 0.5 to
-    # 0.4 for it (0.35 with GRPO's reference). README's memory table gives the components.
+    # 0.4 for it (0.35 with GRPO's reference). docs/recipes.md's memory table gives the components.
     "qwen3_8b": ParallelLayout(num_nodes=4, model=_model(4, context_parallel_size=2, **_NO_RECOMPUTE),
                                vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.4,
                                vllm_gpu_memory_utilization_with_reference=0.35),
@@ -108,7 +108,7 @@ LAYOUTS: Dict[str, ParallelLayout] = {
     "qwen3_8b_32k": ParallelLayout(num_nodes=4, model=_model(4, context_parallel_size=4, **_NO_RECOMPUTE),
                                    vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.4,
                                    vllm_gpu_memory_utilization_with_reference=0.35, seq_len=32768),
-    # The 8B on the same 4 nodes with separate placement and one-step-off rollouts (README,
+    # The 8B on the same 4 nodes with separate placement and one-step-off rollouts (docs/async.md,
     # "Asynchronous rollouts"; not the paper's protocol): 2 nodes train (TP=4, CP=2, DP=2, the
     # whole card: no vLLM share beside training), 2 nodes generate (4 vLLM engines of TP=4 at 0.85
     # of their card) while the trainers train the step before. Of the splits 8/16/24 engine GPUs
@@ -127,7 +127,7 @@ LAYOUTS: Dict[str, ParallelLayout] = {
     # EP=16 with ETP=1 (8 whole experts per rank; the expert optimizer shards over world /
     # (ETP x EP) = 2), full recomputation. The peers: verl TP=4 PP=2 EP=4 on 4 nodes, NeMo-RL
     # TP=2 EP=8 ETP=1 on 8 nodes with vLLM TP=4, slime TP=4 EP=8 ETP=1 on one node with CPU Adam
-    # (README, the model table). At EP=8 on 4 nodes the estimate is 79.7 GB. MoE trains under
+    # (docs/recipes.md, the memory table). At EP=8 on 4 nodes the estimate is 79.7 GB. MoE trains under
     # CP too (mcore/moe.py), but CP=2 (DP=4) without recomputation is 121.8 GB per GPU by the
     # memory model (57.5 GB of activations; CP=4: 92.4 GB): `python -c "import dataclasses as d;
     # from stapo_megatron.recipes.paper import *; from stapo_megatron.recipes.memory import *;
@@ -137,7 +137,7 @@ LAYOUTS: Dict[str, ParallelLayout] = {
                                     model=_model(4, expert_model_parallel_size=16, expert_tensor_parallel_size=1),
                                     vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.4),
 }
-"""The parallel layout of each paper recipe (see `memory_estimate` and the README table)."""
+"""The parallel layout of each paper recipe (see `memory_estimate` and the table of docs/recipes.md)."""
 
 
 # -- recipes ----------------------------------------------------------------------------------
@@ -189,7 +189,7 @@ def paper_recipe(size: str, method: str = "stapo", run_dir: Optional[str] = None
     mini-batches of 64 prompts; prompts <= 1024 tokens in JustRL's prompt wrapper, responses
     <= 15360 (``qwen3_8b_32k``: 31744); sampling T=1.0, top-p 1.0; clip 0.2/0.28 with dual clip 10; no KL, no entropy
     bonus; the +1/-1 boxed exact-match reward; held-out evaluation every 20 steps with responses
-    <= 20480 tokens. The README's fidelity table lists each setting against the paper.
+    <= 20480 tokens. docs/recipes.md's fidelity table lists each setting against the paper.
     ``model.hf_dir``, ``model.megatron_ckpt`` and ``data.train_path`` / ``data.eval_path``
     (DAPO-Math-17k and a held-out set) are left empty for the user (`check_paper_config`).
     """

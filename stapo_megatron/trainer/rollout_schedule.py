@@ -111,7 +111,7 @@ class RolloutSchedule:
         """The step's staleness (updates between the generating policy and this step's: with
         partial rollouts, of its oldest token), the partial-rollout metrics, and with separate
         placement what rank 0's engine reported with its samples: seconds generating them, idle
-        before (no request or weights) and loading weights (README, "Asynchronous rollouts");
+        before (no request or weights) and loading weights (docs/async.md);
         ``time_rollout`` is then the trainers' wait for them."""
         row: Dict[str, float] = {"staleness": float(step - version)}
         if self.partial:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from stapo_megatron.runlog.progress import describe
-from stapo_megatron.mcore import logit_grad
+from stapo_megatron.ops import logit_grad
 from stapo_megatron.mcore.checkpoint import find_latest
 from stapo_megatron.mcore.parallel import Groups
 from stapo_megatron.trainer.mismatch_metrics import overlap_metrics
@@ -61,7 +61,7 @@ def step_row(step: int, updates: List[Dict], rewards_PG: torch.Tensor, num_flat:
         clip_fraction=mean("clip_fraction"), approx_kl=mean("approx_kl"),
         grad_norm=mean("grad_norm"), skipped=sum(u["skipped"] for u in updates),
         lr=lr, **mismatch, **overlap_metrics(updates), **moe_metrics(updates),
-        **logit_grad.step_metrics(updates),  # the paper's gradient claim (mcore/logit_grad.py)
+        **logit_grad.step_metrics(updates),  # the paper's gradient claim (ops/logit_grad.py)
     )
 
 

@@ -12,42 +12,9 @@ layout builds on each rank what a single process builds from all ranks' records.
 import pytest
 import torch
 
-from stapo_megatron.batch.minibatches import MicroBatchLayout, build_minibatches, pack_planned, plan_budget
+from stapo_megatron.batch.minibatches import MicroBatchLayout, build_minibatches
 from stapo_megatron.batch.records import decode, encode, encoded_size, make_records, record, records_from_lists
-from tests.helpers.dist_utils import run_distributed
-
-L, K, E = 3, 2, 8
-
-
-def _routes(n, seed):
-    """[n, L, K] distinct experts per position (int64, as engines give them)."""
-    return torch.rand(n, L, E, generator=torch.Generator().manual_seed(seed)).argsort(-1)[..., :K]
-
-
-def _records(lengths, seed=0, routes=False, version=0):
-    """Records of (prompt, response) lengths with random tokens, advantages and log-probs."""
-    gen = torch.Generator().manual_seed(seed)
-    tokens = lambda n: torch.randint(1, 300, (n,), generator=gen).tolist()  # noqa: E731
-    return [record(tokens(p), tokens(r), float(torch.randn(1, generator=gen)), (-torch.rand(r, generator=gen)).tolist(),
-                   _routes(p + r - 1, seed * 100 + i) if routes else None, version)
-            for i, (p, r) in enumerate(lengths)]
-
-
-def _same_record(a, b):
-    assert torch.equal(a.prompt_ids, b.prompt_ids) and torch.equal(a.response_ids, b.response_ids)
-    assert torch.equal(a.rollout_logprobs, b.rollout_logprobs) and a.advantage == b.advantage
-    assert a.version == b.version
-    assert (a.routes is None) == (b.routes is None)
-    if a.routes is not None:
-        assert b.routes.dtype == torch.int16 and torch.equal(b.routes, a.routes.to(torch.int16))
-
-
-def _same_microbatch(a, b):
-    for f in ("tokens", "position_ids", "labels", "response_mask", "advantages", "rollout_logprob", "routes",
-              "cu_seqlens"):
-        x, y = getattr(a, f), getattr(b, f)
-        assert (x is None and y is None) or torch.equal(x, y), f
-    assert (a.seed, a.max_seqlen, a.cp_size) == (b.seed, b.max_seqlen, b.cp_size)
+from tests.helpers.minibatch_records import K, L, _records, _same_record
 
 
 def test_record_bytes_round_trip():
@@ -118,23 +85,6 @@ def test_fixed_layout_packs_the_padded_microbatches():
             n = (pack.cu_seqlens[i + 1] - pack.cu_seqlens[i]).item()
             for f in ("tokens", "labels", "response_mask", "rollout_logprob", "advantages", "routes"):
                 assert torch.equal(getattr(pack, f)[0, bounds[i]:bounds[i] + n], getattr(pad, f)[i, :n]), f
-
-
-def _budget_worker(lengths, mode):
-    import torch.distributed as dist
-
-    from stapo_megatron.mcore.parallel import init_parallel
-
-    groups = init_parallel(1, 1)
-    rank = dist.get_rank()
-    records = _records(lengths, seed=3, routes=True, version=5)
-    share = len(records) // 2
-    layout = MicroBatchLayout(mode, micro_batch_size=2, max_tokens=32, seq_multiple=8)
-    minis, longest = build_minibatches(records[rank * share:(rank + 1) * share], layout, share // 2,
-                                       lambda first, dp_rank: 100 * first + 10 * dp_rank, groups.dp)
-    return minis, longest
-
-
 
 
 def test_a_records_loss_mask_reaches_its_response_mask_and_survives_the_byte_exchange():

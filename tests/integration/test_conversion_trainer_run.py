@@ -1,6 +1,6 @@
 """A run written by the trainer's checkpointing (Megatron DDP: ``module.``-prefixed keys, a
 ``latest`` marker over ``step_*`` directories, the run's provenance and HF config in each
-checkpoint) exports to HF with no --hf-config and verifies (README: run folders are accepted by
+checkpoint) exports to HF with no --hf-config and verifies (docs/conversion.md: run folders are accepted by
 `stapo-convert mcore-to-hf` and `verify`)."""
 
 import os
@@ -11,7 +11,7 @@ import torch
 from stapo_megatron.conversion.cli import main
 from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
 from tests.helpers.dist_utils import run_distributed
-from tests.conversion.test_roundtrip import _assert_bit_exact
+from tests.helpers.conversion_parity import _assert_bit_exact
 
 VARIANT = "qwen3"
 

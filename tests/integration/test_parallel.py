@@ -24,7 +24,7 @@ def _full_inputs(dtype):
 def _op_worker(dtype):
     import torch.distributed as dist
 
-    from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
+    from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -45,7 +45,7 @@ def _op_worker(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tp_shards_equal_unsharded(dtype):
-    from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
+    from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy
 
     logits, target, upstream = _full_inputs(dtype)
     x = logits.clone().requires_grad_()
@@ -309,7 +309,7 @@ def _sequence_parallel_worker(sequence_parallel):
     from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
     from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
     from stapo_megatron.recipes.synthetic import synthetic_rollouts
-    from tests.rollout.test_vllm_engine import randomize
+    from tests.helpers.engine_parity import randomize
 
     groups = init_parallel(2, 1)
     config = tiny_config("qwen3")

@@ -20,7 +20,7 @@ from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
 from stapo_megatron.method import rollout_correction as rc
 from stapo_megatron.method.config import LossConfig
 from tests.helpers.dist_utils import one_rank_parallel, run_distributed
-from tests.rollout.test_vllm_engine import randomize
+from tests.helpers.engine_parity import randomize
 
 pytestmark = pytest.mark.slow
 

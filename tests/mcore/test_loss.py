@@ -11,7 +11,9 @@ from stapo_megatron.method.config import LossConfig
 from stapo_megatron.method.objective import PolicyLossConfig, policy_loss
 from stapo_megatron.batch.microbatch import MicroBatch
 from stapo_megatron.mcore.loss import loss_func, minibatch_threshold
-from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
+from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy
+
+from tests.helpers.spiky_batch import _spiky_batch
 
 FP32_TOL = 1e-5  # fp32 op vs float64 reference over a 500-entry vocabulary
 
@@ -99,21 +101,6 @@ def test_config_validation():
         LossConfig(tau_h_source="new")
     with pytest.raises(ValueError, match="clip_ratio_c"):
         LossConfig(clip_ratio_c=0.5)
-
-
-def _spiky_batch(seed=0, B=8, S=12, V=64):
-    """Logits where some sampled tokens are rare (p < tau_p) under a confident distribution."""
-    gen = torch.Generator().manual_seed(seed)
-    logits = torch.randn(B, S, V, generator=gen)
-    logits[..., 0] += torch.rand(B, S, generator=gen) * 12  # confident on token 0: low H
-    labels = torch.randint(1, V, (B, S), generator=gen)
-    logprob, entropy = vocab_parallel_logprob_entropy(logits, labels)
-    adv = torch.tensor([1.0, -1.0] * (B // 2))[:, None].expand(B, S).contiguous()
-    mask = torch.ones(B, S, dtype=torch.bool)
-    mask[:, :3] = False  # prompt
-    batch = MicroBatch(tokens=labels, position_ids=torch.arange(S).expand(B, S), labels=labels, response_mask=mask,
-                       advantages=adv, old_logprob=logprob.detach())
-    return logits, logprob, entropy, batch
 
 
 @pytest.mark.parametrize("method", ["stapo", "justrl", "entropy20", "random", "random_uniform"])

@@ -21,7 +21,7 @@ from stapo_megatron.runlog.metrics import RunLogger, summarize_silenced
 from stapo_megatron.batch.microbatch import MicroBatch
 from stapo_megatron.mcore.loss import loss_func, minibatch_threshold
 from stapo_megatron.mcore.loss_metrics import METRIC_SUMS
-from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
+from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy
 
 FP32_TOL = 1e-5
 """fp32 op and fp32 loss vs the float64 reference over a 64-entry vocabulary."""
