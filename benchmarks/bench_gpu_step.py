@@ -84,7 +84,7 @@ def _sync(device):
 
 def microbatches(spec, seq_len: int, num_microbatches: int, seed: int):
     """One sequence of seq_len tokens per micro-batch: an 1/8 prompt, the rest response."""
-    from stapo_megatron.mcore.synthetic import synthetic_rollouts
+    from stapo_megatron.recipes.synthetic import synthetic_rollouts
 
     prompt = seq_len // 8
     mbs, _ = synthetic_rollouts(1, num_microbatches, prompt, seq_len - prompt, spec.vocab_size, seed=seed,
@@ -98,12 +98,12 @@ def packed_microbatches(spec, budget: int, num_microbatches: int, seed: int):
     them (prompt uniform in [100, 1024], response log-normal, median 3000, capped at 15360; scaled
     down so that the longest fits ``budget``). Returns (micro-batches, sequence lengths in them)."""
     from bench_packing import PROMPT_RANGE, RESPONSE_CAP, lengths, rollouts  # benchmarks/, this script's folder
-    from stapo_megatron.mcore.minibatches import BatchLayout, build_minibatches
-    from stapo_megatron.mcore.records import records_from_lists
+    from stapo_megatron.batch.minibatches import MicroBatchLayout, build_minibatches
+    from stapo_megatron.batch.records import records_from_lists
 
     scale = max(1, -(-(PROMPT_RANGE[1] + RESPONSE_CAP) // budget))
     lens = lengths(8 * (num_microbatches + 1), 8, scale, seed)  # ~3 sequences per 16k budget: enough
-    layout = BatchLayout("budget", micro_batch_size=1, max_tokens=budget, seq_multiple=8)
+    layout = MicroBatchLayout("budget", micro_batch_size=1, max_tokens=budget, seq_multiple=8)
     prompts, responses, advantages, logprobs = rollouts(lens, seed)
     prompts, responses = ([[t % spec.vocab_size for t in seq] for seq in seqs] for seqs in (prompts, responses))
     (mbs,), _ = build_minibatches(records_from_lists(prompts, responses, advantages, logprobs), layout)
@@ -119,8 +119,8 @@ def bench_one(name, hf_config, seq_len, args, device, dtype, rate):
     from stapo_megatron.method.config import LossConfig
     from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
     from stapo_megatron.mcore.parallel import current_groups
-    from stapo_megatron.config import ModelConfig
-    from stapo_megatron.recipes.memory import Layout, memory_estimate
+    from stapo_megatron.mcore.config import ModelConfig
+    from stapo_megatron.recipes.memory import ParallelLayout, memory_estimate
     from stapo_megatron.mcore.config import OptimConfig
     from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
 
@@ -158,8 +158,8 @@ def bench_one(name, hf_config, seq_len, args, device, dtype, rate):
     ratio = statistics.median(a / b for a, b in zip(times["stapo"], times["justrl"]))
     tflops = flops / t / 1e12
     # the memory model of every recompute mode ("selective" is counted as none there)
-    layout = Layout(num_nodes=1, gpus_per_node=1, vllm_tensor_parallel_size=1, vllm_gpu_memory_utilization=0.0,
-                    model=ModelConfig(**recompute))
+    layout = ParallelLayout(num_nodes=1, gpus_per_node=1, vllm_tensor_parallel_size=1,
+                            vllm_gpu_memory_utilization=0.0, model=ModelConfig(**recompute))
     estimate = memory_estimate(spec, layout, seq_len=seq_len)
     peak = torch.cuda.max_memory_allocated() / GB if device.type == "cuda" else float("nan")
     reserved = torch.cuda.max_memory_reserved() / GB if device.type == "cuda" else float("nan")

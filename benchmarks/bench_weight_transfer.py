@@ -43,34 +43,34 @@ def _tensors(gb: float):
 
 
 def _rank(rank: int, world: int, port: int, args, results) -> None:
-    from stapo_megatron.rollout.bridge import connect
+    from stapo_megatron.rollout.transport import connect
     from stapo_megatron.rollout.remote import RemoteEngine
     from stapo_megatron.trainer.engine_server import _listen
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
-    bridge = connect(store, rank, world, args.engines, 1, samples_timeout_s=600)
+    transport = connect(store, rank, world, args.engines, 1, samples_timeout_s=600)
     tensors, total = _tensors(args.gb) if rank == 0 else (None, 0)
     inbox, stopping = queue.Queue(), threading.Event()
     if rank > 0:
-        threading.Thread(target=_listen, args=(bridge, inbox, stopping), daemon=True).start()
+        threading.Thread(target=_listen, args=(transport, inbox, stopping), daemon=True).start()
     rows = []
     for bucket_mb in args.buckets:
         times = []
         for _ in range(args.repeats):
-            bridge.data.barrier().wait()
+            transport.data.barrier().wait()
             start = time.perf_counter()
             if rank == 0:
-                RemoteEngine(bridge, True, 600, bucket_mb).update_weights(iter(tensors))
+                RemoteEngine(transport, True, 600, bucket_mb).update_weights(iter(tensors))
             else:
                 command = inbox.get()
                 assert command[0] == "weights", command
-            bridge.data.barrier().wait()  # every engine holds the whole set
+            transport.data.barrier().wait()  # every engine holds the whole set
             times.append(time.perf_counter() - start)
         rows.append((bucket_mb, statistics.median(times)))
     if rank == 0:
         results.put((total, rows))
-        RemoteEngine(bridge, True, 600, 1).shutdown()
+        RemoteEngine(transport, True, 600, 1).shutdown()
     else:
         assert inbox.get()[0] == "stop"
 

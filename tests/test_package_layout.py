@@ -107,6 +107,45 @@ def test_the_circle_finder_finds_one():
     assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
 
 
+FLOORS = (
+    ("utils",),
+    ("ops", "method", "batch", "rewards"),
+    ("mcore", "data"),
+    ("bridge",),
+    ("rollout", "conversion"),
+    ("config",),
+    ("eval",),
+    ("recipes",),
+    ("runlog",),
+    ("trainer",),
+    ("doctor", "launch"),
+)
+"""The wings from the ground floor up: a wing imports only the wings of the floors below it."""
+ARROWS_UP = {
+    ("config", "eval"), ("config", "runlog"), ("config", "trainer"),  # the tree composes the sections they own
+}
+"""The imports that run up the floors (wing -> wing). Remove one when it goes; never add one."""
+
+
+def _wing(module):
+    return module.split(".")[1] if "." in module else "(package)"
+
+
+def test_the_wings_stand_on_their_floors():
+    floor = {wing: i for i, wings in enumerate(FLOORS) for wing in wings}
+    graph = _graph()
+    unplaced = sorted({_wing(m) for m in graph} - set(floor) - {"(package)"})
+    assert not unplaced, f"wings without a floor in FLOORS: {unplaced}"
+    up = {}
+    for module, targets in graph.items():
+        for target in targets:
+            a, b = _wing(module), _wing(target)
+            if a != b and "(package)" not in (a, b) and floor[b] >= floor[a]:
+                up.setdefault((a, b), []).append(f"{module} -> {target}")
+    assert not set(up) - ARROWS_UP, {arrow: up[arrow] for arrow in set(up) - ARROWS_UP}
+    assert not ARROWS_UP - set(up), f"gone, remove from ARROWS_UP: {sorted(ARROWS_UP - set(up))}"
+
+
 def test_no_module_over_the_line_limit():
     sizes = {m: sum(1 for _ in open(p)) for m, p in _modules().items()}
     assert not {m: n for m, n in sizes.items() if n > MAX_MODULE_LINES}
@@ -137,14 +176,14 @@ TESTED_IN = {
     "stapo_megatron.doctor.kernels": "tests/gpu/test_gpu.py",
     "stapo_megatron.eval.generate": "tests/eval/test_cli.py",
     "stapo_megatron.launch.shipping": "tests/integration/test_launch.py",
-    "stapo_megatron.mcore.batching": "tests/mcore/test_packing.py",
+    "stapo_megatron.batch.microbatch": "tests/batch/test_packing.py",
     "stapo_megatron.mcore.loss_metrics": "tests/method/test_rollout_correction.py",
-    "stapo_megatron.mcore.parallel": "tests/mcore/test_context_parallel.py",
-    "stapo_megatron.mcore.records": "tests/mcore/test_minibatches.py",
-    "stapo_megatron.mcore.reference": "tests/mcore/test_context_parallel.py",
+    "stapo_megatron.mcore.parallel": "tests/batch/test_context_parallel.py",
+    "stapo_megatron.batch.records": "tests/batch/test_minibatches.py",
+    "stapo_megatron.mcore.reference": "tests/batch/test_context_parallel.py",
     "stapo_megatron.mcore.schedule": "tests/mcore/test_router_replay.py",
-    "stapo_megatron.mcore.step": "tests/mcore/test_context_parallel.py",
-    "stapo_megatron.mcore.synthetic": "tests/mcore/test_context_parallel.py",
+    "stapo_megatron.mcore.step": "tests/batch/test_context_parallel.py",
+    "stapo_megatron.recipes.synthetic": "tests/batch/test_context_parallel.py",
     "stapo_megatron.trainer.loop": "tests/integration/test_eval_sets.py",
 }
 """Modules whose tests are not in ``tests/<wing>/test_<module>.py``: the file that tests them (it
@@ -157,8 +196,8 @@ TESTED_THROUGH = {
                                                   "stapo_megatron.mcore.checkpoint"),
     "stapo_megatron.conversion.publish": ("tests/conversion/test_mcore_to_hf.py",
                                           "stapo_megatron.conversion.mcore_to_hf"),
-    "stapo_megatron.rollout.spmd": ("tests/mcore/test_context_parallel.py", "stapo_megatron.eval.evaluator"),
-    "stapo_megatron.trainer.layout": ("tests/integration/test_eval_sets.py", "stapo_megatron.trainer.loop"),
+    "stapo_megatron.rollout.spmd": ("tests/batch/test_context_parallel.py", "stapo_megatron.eval.evaluator"),
+    "stapo_megatron.trainer.replicas": ("tests/integration/test_eval_sets.py", "stapo_megatron.trainer.loop"),
 }
 """Modules only a caller's tests reach: (test file, the calling module, which that file tests)."""
 

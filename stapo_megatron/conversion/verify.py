@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from stapo_megatron.recipes.memory import num_params
+from stapo_megatron.bridge.hf_config import num_params
 from stapo_megatron.utils import format_bytes
 
 FP32_LOGIT_TOL = 1e-5

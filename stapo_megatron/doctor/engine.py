@@ -63,9 +63,9 @@ def _free_gpu_bytes() -> int:
 def _mismatch_rows(model, engine, groups, samples, vocab_size: int, precision: str) -> List[Check]:
     """The trainer's pi_old pass over the engine's samples, then its mismatch metrics."""
     from stapo_megatron.method.rollout_correction import RolloutCorrectionConfig
-    from stapo_megatron.mcore.batching import pack_sequences
-    from stapo_megatron.mcore.records import records_from_lists
-    from stapo_megatron.mcore.parallel import collective_device
+    from stapo_megatron.batch.microbatch import pack_sequences
+    from stapo_megatron.batch.records import records_from_lists
+    from stapo_megatron.utils import collective_device
     from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
     from stapo_megatron.trainer.mismatch_metrics import rollout_mismatch
 

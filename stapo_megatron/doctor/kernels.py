@@ -111,8 +111,8 @@ def attention_errors(dtype: torch.dtype, device: str) -> Dict[str, Tuple[float, 
     from megatron.core.transformer.enums import AttnMaskType
 
     from stapo_megatron.bridge.attention import SDPAttention, chunk_attention
-    from stapo_megatron.mcore.context_parallel import local_positions
-    from stapo_megatron.mcore.synthetic import tiny_gpt_config
+    from stapo_megatron.batch.context_parallel import local_positions
+    from stapo_megatron.recipes.synthetic import tiny_gpt_config
 
     config = tiny_gpt_config(1)
     attn = SDPAttention(config, 1, AttnMaskType.causal, "self")

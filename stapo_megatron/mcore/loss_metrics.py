@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from stapo_megatron.ops import logit_grad
-from stapo_megatron.mcore.parallel import collective_device
+from stapo_megatron.utils import collective_device
 
 # Per-micro-batch sums reported by the loss function, reduced over micro-batches and DP ranks.
 METRIC_SUMS = (

@@ -19,7 +19,7 @@ from typing import Callable, List
 
 import torch
 
-from stapo_megatron.mcore.batching import MicroBatch
+from stapo_megatron.batch.microbatch import MicroBatch
 from stapo_megatron.mcore.schedule import PassContext, compute_logprob_entropy
 
 

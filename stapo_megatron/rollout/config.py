@@ -120,7 +120,7 @@ class RolloutSampling(EngineResources):
     hosts an engine; all ranks generate, then all train (vLLM sleeps during training on GPUs).
     "separate": the last ``engine_ranks`` ranks of the job run only engines
     (`stapo_megatron.trainer.engine_server`), the others only train; samples and weights travel over
-    their own process groups (`stapo_megatron.rollout.bridge`), and with ``max_staleness`` > 0
+    their own process groups (`stapo_megatron.rollout.transport`), and with ``max_staleness`` > 0
     generation of later steps overlaps training (docs/async.md)."""
     engine_ranks: int = 0
     """``placement="separate"``: how many ranks (GPUs) of the job run engines, the job's last

@@ -1,7 +1,7 @@
 """An engine rank of a separately placed job: build the rollout engine the colocated trainer
 would build (`engine_config`), then execute trainer 0's commands in their order (`serve`).
 
-Two threads. The listener takes every command off ``Bridge.control`` as soon as trainer 0 sends
+Two threads. The listener takes every command off ``Transport.control`` as soon as trainer 0 sends
 it, and for a weight transfer receives the buckets (staged, whole, in this process: the engine
 keeps generating with the old weights meanwhile, and trainer 0 waits only for the bytes to
 travel). The main thread executes the commands in order:
@@ -32,9 +32,8 @@ import torch
 import torch.distributed as dist
 
 from stapo_megatron.config import TrainerConfig
-from stapo_megatron.eval.evaluator import eval_max_len
-from stapo_megatron.rollout.bridge import Bridge, Outbox, broadcast_object, broadcast_tensor
-from stapo_megatron.rollout.config import RolloutConfig
+from stapo_megatron.rollout.transport import Transport, Outbox, broadcast_object, broadcast_tensor
+from stapo_megatron.rollout.config import RolloutConfig, RolloutSampling
 from stapo_megatron.rollout.registry import build_engine
 from stapo_megatron.rollout.remote import bucket_bytes, unpack_bucket
 from stapo_megatron.trainer.partial import PartialPool
@@ -44,22 +43,23 @@ STOP_WAIT_S = 60.0
 """At a stop, how long the engine waits for the trainers to take samples still in flight."""
 
 
-def engine_config(cfg: TrainerConfig, seed: int, return_routes: bool) -> RolloutConfig:
+def engine_config(rollout: RolloutSampling, seed: int, return_routes: bool, max_sequence_len: int,
+                  bf16: bool) -> RolloutConfig:
     """The engine a run's rollouts and evaluation need: the same for colocated and separate
-    placement (so that both sample the same responses from the same weights)."""
-    r = cfg.rollout
+    placement (so that both sample the same responses from the same weights). ``max_sequence_len``:
+    `TrainerConfig.longest_sequence`; ``bf16``: the trainer's dtype."""
+    r = rollout
     return r.engine_config(
-        max_model_len=pad_to(cfg.data.max_prompt_len + max(r.max_response_len, eval_max_len(cfg))),
-        seed=seed, return_routed_experts=return_routes,
+        max_model_len=pad_to(max_sequence_len), seed=seed, return_routed_experts=return_routes,
         # the engine must run the dtype the trainer trains in, whatever the folder was saved in
-        dtype="bfloat16" if cfg.model.bf16 else "float32",
+        dtype="bfloat16" if bf16 else "float32",
         enable_sleep_mode=r.sleep_during_training and r.placement == "colocated" and torch.cuda.is_available(),
         # asleep, the weights are dropped (wake_and_sync rewrites them); the trainer syncs before any generate
         sleep_level=2, load_format="dummy", enforce_eager=r.enforce_eager,
     )
 
 
-def run_engine_rank(cfg: TrainerConfig, bridge: Bridge) -> int:
+def run_engine_rank(cfg: TrainerConfig, transport: Transport) -> int:
     """An engine rank's whole life (`stapo_megatron.launch.entry` calls it instead of training):
     `serve`, then leave the engines' process group. Returns the requests served."""
     from stapo_megatron.bridge.hf_config import load_hf_config
@@ -67,29 +67,29 @@ def run_engine_rank(cfg: TrainerConfig, bridge: Bridge) -> int:
     from stapo_megatron.trainer.preemption import DEFAULT_SIGNALS
     from stapo_megatron.trainer.seeds import Seeds
 
-    seed = Seeds(cfg.seed, None, cfg.data.seed).engine(bridge.engine_index)
+    seed = Seeds(cfg.seed, None, cfg.data.seed).engine(transport.engine_index)
     # The scheduler's warning signal (torchrun forwards it to every rank) is the trainers' to act
     # on: they save at the next step boundary and send "stop". Its default action would end this
     # rank at once, and the trainers' next receive with it.
     for sig in DEFAULT_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     try:
-        return serve(cfg, bridge, seed, routes_wanted(cfg.rollout, load_hf_config(cfg.model.hf_dir)))
+        return serve(cfg, transport, seed, routes_wanted(cfg.rollout, load_hf_config(cfg.model.hf_dir)))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 @contextlib.contextmanager
-def _engine_pool_env(bridge: Bridge) -> Iterator[None]:
+def _engine_pool_env(transport: Transport) -> Iterator[None]:
     """torchrun's ``RANK`` and ``WORLD_SIZE`` as the engines' own group numbers them while the
     engine is built: vLLM's external launcher reads them from the environment (and forms its TP
     groups from them) next to the already formed default group, which is the engines' alone."""
-    if bridge.engine_ranks == 1:  # one engine process: vLLM's own executor, no launcher to inform
+    if transport.engine_ranks == 1:  # one engine process: vLLM's own executor, no launcher to inform
         yield
         return
     saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
-    os.environ.update(RANK=str(bridge.rank - bridge.trainers), WORLD_SIZE=str(bridge.engine_ranks))
+    os.environ.update(RANK=str(transport.rank - transport.trainers), WORLD_SIZE=str(transport.engine_ranks))
     try:
         yield
     finally:
@@ -100,7 +100,7 @@ def _engine_pool_env(bridge: Bridge) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def _listen(bridge: Bridge, inbox: "queue.Queue[Any]", stopping: threading.Event,
+def _listen(transport: Transport, inbox: "queue.Queue[Any]", stopping: threading.Event,
             device: torch.device = torch.device("cpu")) -> None:
     """The listener thread (module docstring), receiving weights onto ``device`` (the engine's
     GPU: the current CUDA device is per thread, so it is set here again); an exception is handed
@@ -109,12 +109,12 @@ def _listen(bridge: Bridge, inbox: "queue.Queue[Any]", stopping: threading.Event
         torch.cuda.set_device(device)
     try:
         while True:
-            command = broadcast_object(bridge.control)
+            command = broadcast_object(transport.control)
             if command[0] == "weights":
                 tensors = []
-                while (manifest := broadcast_object(bridge.control)) is not None:
+                while (manifest := broadcast_object(transport.control)) is not None:
                     flat = torch.empty(bucket_bytes(manifest), dtype=torch.uint8, device=device)
-                    tensors += unpack_bucket(manifest, broadcast_tensor(bridge.weights, flat))
+                    tensors += unpack_bucket(manifest, broadcast_tensor(transport.weights, flat))
                 if device.type == "cuda":  # NCCL's wait orders streams only: the bytes must be there
                     torch.cuda.current_stream().synchronize()  # before the main thread loads them
                 command = ("weights", command[1], tensors)
@@ -127,21 +127,22 @@ def _listen(bridge: Bridge, inbox: "queue.Queue[Any]", stopping: threading.Event
         inbox.put(error)
 
 
-def serve(cfg: TrainerConfig, bridge: Bridge, seed: int, return_routes: bool) -> int:
+def serve(cfg: TrainerConfig, transport: Transport, seed: int, return_routes: bool) -> int:
     """Run this engine rank until trainer 0 says stop; returns the requests it served.
 
     Raises:
         RuntimeError: trainer 0's commands stopped arriving (it died: the message says so) or
             the engine failed.
     """
-    with _engine_pool_env(bridge):
-        engine = build_engine(cfg.rollout.engine, cfg.model.hf_dir, engine_config(cfg, seed, return_routes))
+    with _engine_pool_env(transport):
+        engine = build_engine(cfg.rollout.engine, cfg.model.hf_dir, engine_config(
+            cfg.rollout, seed, return_routes, cfg.longest_sequence(), cfg.model.bf16))
     inbox: "queue.Queue[Any]" = queue.Queue()
     stopping = threading.Event()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    threading.Thread(target=_listen, args=(bridge, inbox, stopping, device), name="engine-listener",
+    threading.Thread(target=_listen, args=(transport, inbox, stopping, device), name="engine-listener",
                      daemon=True).start()
-    outbox = Outbox(bridge.data)
+    outbox = Outbox(transport.data)
     idle = load = 0.0
     served = version = 0
     pools: dict = {}  # partial rollouts: trainer rank -> its PartialPool
@@ -151,7 +152,8 @@ def serve(cfg: TrainerConfig, bridge: Bridge, seed: int, return_routes: bool) ->
             command = inbox.get()
             idle += time.perf_counter() - waited
             if isinstance(command, BaseException):
-                raise RuntimeError(f"engine rank {bridge.rank}: trainer 0's commands stopped ({command})") from command
+                raise RuntimeError(f"engine rank {transport.rank}: trainer 0's commands stopped "
+                                   f"({command})") from command
             if command[0] == "stop":
                 return served
             if command[0] == "weights":
@@ -162,7 +164,7 @@ def serve(cfg: TrainerConfig, bridge: Bridge, seed: int, return_routes: bool) ->
                 continue
             kind, ticket, jobs, sampling = command
             for chunk, prompts, chunk_seed in jobs:
-                if chunk.engine != bridge.engine_index or stopping.is_set():
+                if chunk.engine != transport.engine_index or stopping.is_set():
                     continue
                 started = time.perf_counter()
                 if kind == "partial":  # prompts: (index, ids) of the step; the pool decides what returns
@@ -176,7 +178,7 @@ def serve(cfg: TrainerConfig, bridge: Bridge, seed: int, return_routes: bool) ->
                     n, temperature, top_p, max_tokens = sampling
                     samples = engine.generate(prompts, n, temperature, top_p, max_tokens, seed=chunk_seed) if prompts else []
                 took = time.perf_counter() - started
-                if bridge.is_engine_leader:
+                if transport.is_engine_leader:
                     outbox.send(chunk.dest, [ticket, chunk.index, _us(took), _us(idle), _us(load)], samples)
                 idle = load = 0.0
             served += 1

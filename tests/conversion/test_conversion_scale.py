@@ -15,7 +15,7 @@ import pytest
 from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
 from stapo_megatron.conversion import verify
 from stapo_megatron.conversion.cli import main
-from stapo_megatron.recipes.memory import num_params
+from stapo_megatron.bridge.hf_config import num_params
 from stapo_megatron.recipes.paper import QWEN3_30B_A3B
 
 GIB = 2**30

@@ -3,7 +3,8 @@
 
 import pytest
 
-from stapo_megatron.config import EvalConfig, EvalSetConfig, TrainerConfig
+from stapo_megatron.config import TrainerConfig
+from stapo_megatron.eval.config import EvalConfig, EvalSetConfig
 from stapo_megatron.eval.scoring import PAPER_DECODINGS
 from tests.helpers.jsonl_files import _write_jsonl
 

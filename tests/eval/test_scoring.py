@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from stapo_megatron.config import EvalSetConfig
+from stapo_megatron.eval.config import EvalSetConfig
 from stapo_megatron.data.examples import Example
 from stapo_megatron.eval.scoring import (PAPER_BENCHMARKS, PAPER_DECODINGS, Counts, Decoding, EvalSet, avg_at_k,
                                        evaluate_sets, evaluate_suite, format_table, load_benchmark, load_eval_set,

@@ -66,7 +66,7 @@ def _policy_update_worker(steps):
     from stapo_megatron.mcore.parallel import init_parallel
     from stapo_megatron.mcore.config import OptimConfig
     from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
-    from stapo_megatron.mcore.synthetic import synthetic_rollouts
+    from stapo_megatron.recipes.synthetic import synthetic_rollouts
     from tests.helpers.engine_parity import randomize
 
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 (the default; stated for the tolerance)

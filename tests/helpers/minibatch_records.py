@@ -4,8 +4,8 @@ the "budget" exchange."""
 
 import torch
 
-from stapo_megatron.mcore.minibatches import BatchLayout, build_minibatches
-from stapo_megatron.mcore.records import record
+from stapo_megatron.batch.minibatches import MicroBatchLayout, build_minibatches
+from stapo_megatron.batch.records import record
 
 L, K, E = 3, 2, 8
 
@@ -50,7 +50,7 @@ def _budget_worker(lengths, mode):
     rank = dist.get_rank()
     records = _records(lengths, seed=3, routes=True, version=5)
     share = len(records) // 2
-    layout = BatchLayout(mode, micro_batch_size=2, max_tokens=32, seq_multiple=8)
+    layout = MicroBatchLayout(mode, micro_batch_size=2, max_tokens=32, seq_multiple=8)
     minis, longest = build_minibatches(records[rank * share:(rank + 1) * share], layout, share // 2,
                                        lambda first, dp_rank: 100 * first + 10 * dp_rank, groups.dp)
     return minis, longest

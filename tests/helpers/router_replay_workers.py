@@ -9,7 +9,7 @@ import dataclasses
 import torch
 
 from stapo_megatron.bridge.tiny import tiny_config
-from stapo_megatron.mcore.batching import NO_ROUTE, MicroBatch
+from stapo_megatron.batch.microbatch import NO_ROUTE, MicroBatch
 from stapo_megatron.mcore.router_replay import fill_missing, local_routes
 
 VARIANT = "qwen3-moe"
@@ -198,7 +198,8 @@ def _trainer_worker(run_dir, model_dir, packing, context_parallel_size=1):
 
 
 def _missing_routes_worker():
-    from stapo_megatron.config import RolloutSampling, TrainerConfig
+    from stapo_megatron.config import TrainerConfig
+    from stapo_megatron.rollout.config import RolloutSampling
     from stapo_megatron.rollout.base import Sample
     from stapo_megatron.mcore.parallel import init_parallel
     from stapo_megatron.trainer.routing import RoutingMonitor

@@ -3,7 +3,7 @@ distribution: what the STAPO mask silences, for the loss and method tests."""
 
 import torch
 
-from stapo_megatron.mcore.batching import MicroBatch
+from stapo_megatron.batch.microbatch import MicroBatch
 from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy
 
 

@@ -1,18 +1,19 @@
 """Context parallelism: the split of packed rows (tier a) and, on gloo (tier b), the all-gather CP: the
 multi-process and end-to-end tests (the single-process ones are in
-``tests/mcore/test_context_parallel.py``)."""
+``tests/batch/test_context_parallel.py``)."""
 
 import dataclasses
 import os
 import pytest
 import torch
 import torch.distributed as dist
-from stapo_megatron.mcore.context_parallel import local_positions, sequence_multiple, split_for_context_parallel, unsplit
-from stapo_megatron.mcore.minibatches import BatchLayout, build_minibatches
-from stapo_megatron.mcore.packing import pack_thd
-from stapo_megatron.mcore.records import record, records_from_lists
+from stapo_megatron.batch.alignment import sequence_multiple
+from stapo_megatron.batch.context_parallel import local_positions, split_for_context_parallel, unsplit
+from stapo_megatron.batch.minibatches import MicroBatchLayout, build_minibatches
+from stapo_megatron.batch.packing import pack_thd
+from stapo_megatron.batch.records import record, records_from_lists
 from tests.helpers.dist_utils import run_distributed
-from tests.mcore.test_context_parallel import ATTN_ATOL, EVAL_K, LOGGED, SET_K, _attention_worker, _check_same, _checkpoint_worker, _eval_worker, _rollouts, _silenced, _train_worker  # noqa: F401
+from tests.batch.test_context_parallel import ATTN_ATOL, EVAL_K, LOGGED, SET_K, _attention_worker, _check_same, _checkpoint_worker, _eval_worker, _rollouts, _silenced, _train_worker  # noqa: F401
 from tests.helpers import TESTS_DIR, HELPERS_DIR
 
 

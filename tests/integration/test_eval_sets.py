@@ -73,7 +73,11 @@ def files(tmp_path_factory):
 def trainer_eval(files, tmp_path_factory):
     """One evaluation of the trainer (vLLM engine, DP=1) and, on the same engine, avg_at_k through
     the GenerateFn stapo-eval uses."""
-    from stapo_megatron.config import DataConfig, EvalConfig, ModelConfig, RolloutSampling, TrainerConfig
+    from stapo_megatron.config import TrainerConfig
+    from stapo_megatron.data.config import DataConfig
+    from stapo_megatron.eval.config import EvalConfig
+    from stapo_megatron.mcore.config import ModelConfig
+    from stapo_megatron.rollout.config import RolloutSampling
     from stapo_megatron.data.examples import load_examples
     from stapo_megatron.eval.generate import engine_generate_fn
     from stapo_megatron.eval.scoring import PAPER_DECODINGS, avg_at_k

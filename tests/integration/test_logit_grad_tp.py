@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 from stapo_megatron.method.config import LossConfig
-from stapo_megatron.method.objective import stapo_loss, token_objective
+from stapo_megatron.method.objective import policy_loss, token_objective
 from stapo_megatron.ops import logit_grad
 from stapo_megatron.mcore.loss import loss_func, minibatch_threshold
 from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy

@@ -1,10 +1,10 @@
-"""Tier a and b: the sequence record (`mcore.records`) and the one micro-batch builder: the
+"""Tier a and b: the sequence record (`batch.records`) and the one micro-batch builder: the
 multi-process and end-to-end tests (the single-process ones are in
-``tests/mcore/test_minibatches.py``)."""
+``tests/batch/test_minibatches.py``)."""
 
 import pytest
-from stapo_megatron.mcore.minibatches import BatchLayout, pack_planned, plan_budget
-from stapo_megatron.mcore.records import decode, encode, encoded_size, make_records, record, records_from_lists
+from stapo_megatron.batch.minibatches import MicroBatchLayout, pack_planned, plan_budget
+from stapo_megatron.batch.records import decode, encode, encoded_size, make_records, record, records_from_lists
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.minibatch_records import _budget_worker, _records, _same_microbatch  # noqa: F401
 
@@ -19,7 +19,7 @@ def test_dp2_builds_what_one_process_plans(mode):
                (2, 2), (7, 14), (1, 1), (3, 12), (2, 6), (4, 18), (6, 2), (1, 9)]
     records = _records(lengths, seed=3, routes=True, version=5)
     results = run_distributed(2, _budget_worker, lengths, mode)
-    layout = BatchLayout(mode, micro_batch_size=2, max_tokens=32, seq_multiple=8)
+    layout = MicroBatchLayout(mode, micro_batch_size=2, max_tokens=32, seq_multiple=8)
     moved = False
     for m, start in enumerate((0, 4)):
         # mini-batch m: rank 0's records start..start+3 then rank 1's, in rank order

@@ -17,7 +17,7 @@ its chunks of all four. In the same processes, per layout:
    weights after a replayed STAPO update equal CP=1's;
 4. a STAPO update without replay: loss, counts, metrics (``moe/*`` included) and weights.
 
-Tolerances (fp32, CPU), those of `tests/mcore/test_context_parallel.py` for the same reason (the same
+Tolerances (fp32, CPU), those of `tests/batch/test_context_parallel.py` for the same reason (the same
 per-token terms summed over other ranks and in another order, measured ~1e-7): counts exact
 (integers; expert loads are integer counts); losses and metrics 2e-5 relative; weights 1e-6
 absolute after lr = 0.5 SGD steps; log-probs 1e-5 absolute.
@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from tests.helpers.dist_utils import run_distributed
-from tests.mcore.test_context_parallel import COUNTS, VALUES, _rollouts
+from tests.batch.test_context_parallel import COUNTS, VALUES, _rollouts
 from tests.helpers.router_replay_workers import E, L, random_routes
 
 VOCAB = 300
@@ -74,7 +74,7 @@ def _weights(model):
 
 def _rows(groups, mbs):
     """Each micro-batch's old log-probs over its whole packed row (gathered over CP)."""
-    from stapo_megatron.mcore.context_parallel import gather_row
+    from stapo_megatron.batch.context_parallel import gather_row
 
     return [gather_row(mb.old_logprob, mb.cu_seqlens, groups.cp) for mb in mbs]
 
@@ -87,9 +87,9 @@ def _worker(layouts):
     from stapo_megatron.bridge.tiny import tiny_config
     from stapo_megatron.method.config import LossConfig
     from stapo_megatron.mcore.config import OptimConfig
-    from stapo_megatron.mcore.minibatches import BatchLayout, build_minibatches
+    from stapo_megatron.batch.minibatches import MicroBatchLayout, build_minibatches
     from stapo_megatron.mcore.parallel import init_parallel
-    from stapo_megatron.mcore.records import records_from_lists
+    from stapo_megatron.batch.records import records_from_lists
     from stapo_megatron.mcore.router_replay import replay_indices
     from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
     from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
@@ -113,7 +113,7 @@ def _worker(layouts):
         rank = dist.get_rank(groups.dp)
         (mbs,), _ = build_minibatches(
             records[rank * share:(rank + 1) * share],
-            BatchLayout("fixed", micro_batch_size=4, seq_multiple=16, seq_align=4, cp_size=cp,
+            MicroBatchLayout("fixed", micro_batch_size=4, seq_multiple=16, seq_align=4, cp_size=cp,
                         cp_rank=dist.get_rank(groups.cp)),
             microbatch_seed=lambda first, dp_rank: 3, dp_group=groups.dp)
         ctx = PassContext(model, max(mb.tokens.shape[1] for mb in mbs), groups=groups, vocab_size=VOCAB)

@@ -39,7 +39,7 @@ def _exact_and_reference_worker():
     from stapo_megatron.mcore.config import OptimConfig
     from stapo_megatron.mcore.schedule import PassContext, compute_logprob_entropy, old_policy_pass
     from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
-    from stapo_megatron.mcore.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
+    from stapo_megatron.recipes.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
 
     groups = init_parallel(1, 1)
     build = partial(build_tiny_gpt, tiny_gpt_config(), VOCAB, PROMPT + RESPONSE)

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 from stapo_megatron.bridge.tiny import save_tiny_hf_model
-from stapo_megatron.mcore.batching import NO_ROUTE, MicroBatch, pack_sequences
-from stapo_megatron.mcore.packing import pack_thd
-from stapo_megatron.mcore.records import records_from_lists
+from stapo_megatron.batch.microbatch import NO_ROUTE, MicroBatch, pack_sequences
+from stapo_megatron.batch.packing import pack_thd
+from stapo_megatron.batch.records import records_from_lists
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.router_replay_workers import GRAD_RTOL, L, LOGPROB_ATOL, VARIANT, _layout_worker, _missing_routes_worker, _pp_recompute_worker, _trainer_worker, random_routes  # noqa: F401
 

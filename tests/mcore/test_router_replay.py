@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
-from stapo_megatron.mcore.batching import NO_ROUTE, MicroBatch, pack_sequences
-from stapo_megatron.mcore.minibatches import BatchLayout, pack_planned, plan_budget
-from stapo_megatron.mcore.packing import pack_thd
-from stapo_megatron.mcore.records import records_from_lists
+from stapo_megatron.batch.microbatch import NO_ROUTE, MicroBatch, pack_sequences
+from stapo_megatron.batch.minibatches import MicroBatchLayout, pack_planned, plan_budget
+from stapo_megatron.batch.packing import pack_thd
+from stapo_megatron.batch.records import records_from_lists
 from stapo_megatron.mcore.router_replay import fill_missing, local_routes
 from tests.helpers.route_recorder import RouteRecorder
 from tests.helpers.router_replay_workers import (E, GRAD_RTOL, K, L, LOGPROB_ATOL, VARIANT, _hf_logprobs,
@@ -62,7 +62,7 @@ def test_packed_row_carries_each_sequences_routes():
     assert torch.equal(row[5:10], routes[1].to(torch.int16)) and (row[10:] == NO_ROUTE).all()
     # a record's routes go to the micro-batch that holds it (here DP rank 1's of a 2-rank budget plan)
     records = records_from_lists(prompts * 2, responses * 2, [0.0] * 4, [[0.0] * 2, [0.0] * 4] * 2, routes=routes * 2)
-    layout = BatchLayout("budget", max_tokens=16)
+    layout = MicroBatchLayout("budget", max_tokens=16)
     plan = plan_budget([r.length for r in records], layout, num_ranks=2, seed=0)
     mbs = pack_planned(records.__getitem__, plan[1], layout, seed=0)
     assert mbs
@@ -96,7 +96,9 @@ def test_filler_is_k_distinct_valid_experts_spread_over_positions():
 
 
 def test_replay_config_is_checked():
-    from stapo_megatron.config import ModelConfig, RolloutSampling, TrainerConfig
+    from stapo_megatron.config import TrainerConfig
+    from stapo_megatron.mcore.config import ModelConfig
+    from stapo_megatron.rollout.config import RolloutSampling
     from stapo_megatron.trainer.routing import check_replay_engine
 
     with pytest.raises(ValueError, match="vllm_model_runner_v2=True"):

@@ -28,7 +28,8 @@ def test_covariance_objectives_are_refused_under_context_parallelism():
         else:
             with pytest.raises(ValueError, match=rf"loss.objective='{name}' with model.context_parallel_size=2"):
                 check_parallelism(name, 2)
-    from stapo_megatron.config import ModelConfig, TrainerConfig
+    from stapo_megatron.config import TrainerConfig
+    from stapo_megatron.mcore.config import ModelConfig
 
     with pytest.raises(ValueError, match=r"loss.objective='kl_cov' with model.context_parallel_size=2"):
         TrainerConfig(model=ModelConfig(context_parallel_size=2), packing="fixed", loss=LossConfig(objective="kl_cov"))

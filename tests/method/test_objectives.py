@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from stapo_megatron.method.config import LossConfig, method_loss_config
-from stapo_megatron.method.objective import stapo_loss
+from stapo_megatron.method.objective import PolicyLossConfig, policy_loss
 from stapo_megatron.method.objectives import (OBJECTIVES, clip_cov_generator, clip_cov_token_loss, get_objective,
                                               kl_cov_token_loss)
 
@@ -109,9 +109,10 @@ def _inputs(dtype, seed=0, B=6, T=24):
 
 def _ours(name, config, lp, old, adv, mask, silenced, sequence_ids=None, seed=5, is_weight=None):
     objective = get_objective(name)
-    loss_sum, normaliser = stapo_loss(lp, old, adv, mask, silenced, config.clip_ratio_low, config.clip_ratio_high,
-                                      config.clip_ratio_c, loss_agg=objective.loss_agg, sequence_ids=sequence_ids,
-                                      token_loss=objective.build(config, sequence_ids, None, seed), is_weight=is_weight)
+    policy = PolicyLossConfig(config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio_c,
+                              loss_agg=objective.loss_agg, token_loss=objective.build(config, sequence_ids, None, seed))
+    loss_sum, normaliser = policy_loss(lp, old, adv, mask, silenced, policy, sequence_ids=sequence_ids,
+                                       is_weight=is_weight)
     return loss_sum / normaliser
 
 
@@ -289,7 +290,7 @@ def test_clip_cov_drops_eligible_tokens_only():
 @pytest.mark.parametrize("name", list(OBJECTIVES))
 def test_loss_func_applies_the_s2t_mask_to_the_objective(name):
     """``loss.method=stapo loss.objective=NAME`` through Megatron's loss_func: the S2T mask of
-    the micro-batch on NAME's loss, as `stapo_loss` computes it from the same tensors."""
+    the micro-batch on NAME's loss, as `policy_loss` computes it from the same tensors."""
     from tests.helpers.spiky_batch import _spiky_batch
     from stapo_megatron.method import masks as s2t
     from stapo_megatron.mcore.loss import loss_func, minibatch_threshold
@@ -306,9 +307,9 @@ def test_loss_func_applies_the_s2t_mask_to_the_objective(name):
     silenced = s2t.s2t_mask(logprob, entropy, adv, mask, tau_p=0.002, tau_h=threshold)
     assert silenced.any() and metrics["stapo_sums"][3].item() == silenced.sum().item()
     objective = get_objective(name)
-    want, want_n = stapo_loss(logprob, batch.old_logprob, adv, mask, silenced, config.clip_ratio_low,
-                              config.clip_ratio_high, config.clip_ratio_c, loss_agg=objective.loss_agg,
-                              token_loss=objective.build(config, None, None, 3))
+    want, want_n = policy_loss(logprob, batch.old_logprob, adv, mask, silenced, PolicyLossConfig(
+        config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio_c, loss_agg=objective.loss_agg,
+        token_loss=objective.build(config, None, None, 3)))
     assert int(normaliser) == int(want_n) == (int(mask.any(-1).sum()) if objective.loss_agg != "token_mean"
                                                else int((mask & ~silenced).sum()))
     torch.testing.assert_close(loss_sum, want, rtol=1e-6, atol=1e-6)

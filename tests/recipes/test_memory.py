@@ -6,7 +6,9 @@ import dataclasses
 
 import pytest
 
-from stapo_megatron.config import ModelConfig
+from stapo_megatron.batch import alignment
+from stapo_megatron.bridge import hf_config
+from stapo_megatron.mcore.config import ModelConfig
 from stapo_megatron.recipes import memory, paper
 
 
@@ -20,8 +22,8 @@ def test_parameter_counts_match_the_model_cards(size, total, non_embedding):
     spec = paper.ARCHITECTURES[size]
     embeddings = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
     # the model cards give one decimal (8B: 6.95B non-embedding)
-    assert round(memory.num_params(spec) / 1e9, 1) == total
-    assert round((memory.num_params(spec) - embeddings) / 1e9, 1) == non_embedding
+    assert round(hf_config.num_params(spec) / 1e9, 1) == total
+    assert round((hf_config.num_params(spec) - embeddings) / 1e9, 1) == non_embedding
 
 
 def test_30b_a3b_active_parameters_match_the_model_card():
@@ -33,12 +35,12 @@ def test_30b_a3b_active_parameters_match_the_model_card():
     attention = 2048 * (4096 + 2 * 512) + 4096 * 2048
     layer = attention + 2048 * 128 + 2 * 2048 + 2 * 128  # + router, two RMSNorms, q/k norms
     embeddings = 2 * 151936 * 2048  # untied
-    assert memory.num_params(spec) == 48 * (layer + 128 * expert) + embeddings + 2048
-    assert memory.num_active_params(spec) == 48 * (layer + 8 * expert) + embeddings + 2048
-    assert round(memory.num_active_params(spec) / 1e9, 1) == 3.4  # 3.35B: the card rounds down to 3.3B
-    assert 3.3e9 < memory.num_active_params(spec) < 3.4e9
+    assert hf_config.num_params(spec) == 48 * (layer + 128 * expert) + embeddings + 2048
+    assert hf_config.num_active_params(spec) == 48 * (layer + 8 * expert) + embeddings + 2048
+    assert round(hf_config.num_active_params(spec) / 1e9, 1) == 3.4  # 3.35B: the card rounds down to 3.3B
+    assert 3.3e9 < hf_config.num_active_params(spec) < 3.4e9
     dense = paper.ARCHITECTURES["qwen3_8b"]
-    assert memory.num_active_params(dense) == memory.num_params(dense)
+    assert hf_config.num_active_params(dense) == hf_config.num_params(dense)
 
 
 def test_memory_estimate_of_14b_by_hand():
@@ -58,7 +60,7 @@ def test_memory_estimate_of_14b_by_hand():
     assert est.activations == pytest.approx(kept + 2 * one_layer)
     card = 80 * 2**30  # vLLM's fraction is of the card's total memory (85.9e9 bytes), not of 80e9
     assert est.vllm == 0.4 * card
-    assert est.vllm_kv_tokens == int((0.4 * card - 2 * memory.num_params(spec) / 4 - 2e9) / (2 * 40 * 1024 * 2 / 4))
+    assert est.vllm_kv_tokens == int((0.4 * card - 2 * hf_config.num_params(spec) / 4 - 2e9) / (2 * 40 * 1024 * 2 / 4))
     assert est.reference == 0
 
 
@@ -102,7 +104,7 @@ def test_memory_estimate_of_30b_a3b_by_hand():
     copies = 8 * memory.MOE_ROUTING_IMBALANCE
     one_layer = 2 * (4 * 2048 / 4 + (2 * 4096 + 2 * 512) / 4 + copies * (3 * 768 + 2048 / 4)) * 16384
     assert est.activations == pytest.approx(2 * 2048 / 4 * 16384 * 48 + 2 * one_layer)
-    assert est.vllm_kv_tokens == int((0.4 * 80 * 2**30 - 2 * memory.num_params(spec) / 4 - 2e9)
+    assert est.vllm_kv_tokens == int((0.4 * 80 * 2**30 - 2 * hf_config.num_params(spec) / 4 - 2e9)
                                      / (2 * 48 * 512 * 2 / 4))
     # EP = 8 on the same GPUs holds twice the experts: 79.7 GB, at the budget's edge
     ep8 = memory.memory_estimate(spec, layout.replace(expert_model_parallel_size=8))
@@ -120,7 +122,7 @@ def test_layout_problems_checks_the_per_rank_budget_itself():
                         "context_parallel_size 2 = 8192 tokens per rank (a sequence is never split between "
                         "micro-batches; context parallelism splits it over its ranks)"]
     # an odd length rounds up to whole 2 x CP chunks: 16385 tokens over CP 4 -> 8 chunks of 2049
-    assert memory.rank_tokens(16385, 4) == 2 * 2049 and memory.rank_tokens(16385, 1) == 16385
+    assert alignment.rank_tokens(16385, 4) == 2 * 2049 and alignment.rank_tokens(16385, 1) == 16385
 
 
 def test_dry_run_layout_line_shows_cp_and_ep():

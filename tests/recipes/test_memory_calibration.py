@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 
-from stapo_megatron.config import ModelConfig
+from stapo_megatron.mcore.config import ModelConfig
 from stapo_megatron.recipes import memory, paper
 
 FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -39,8 +39,8 @@ def _spec(model):
 
 
 def _bench_layout(recompute):
-    return memory.Layout(num_nodes=1, gpus_per_node=1, vllm_tensor_parallel_size=1, vllm_gpu_memory_utilization=0.0,
-                         model=ModelConfig(**recompute))
+    return memory.ParallelLayout(num_nodes=1, gpus_per_node=1, vllm_tensor_parallel_size=1,
+                                 vllm_gpu_memory_utilization=0.0, model=ModelConfig(**recompute))
 
 
 def allocator_gb(model, recompute, seq_len):

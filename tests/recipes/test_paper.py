@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 
+from stapo_megatron.batch import alignment
 from stapo_megatron.data.examples import SUFFIX
 from stapo_megatron.launch.entry import build_config
 from stapo_megatron.recipes import memory, paper
@@ -40,7 +41,7 @@ def test_recipe_is_consistent_with_its_layout(size):
     # the packing budget is one CP rank's share of the longest sequence, the estimate's tokens
     longest = cfg.data.max_prompt_len + cfg.rollout.max_response_len
     assert longest == layout.seq_len and cfg.packing == "budget"
-    assert cfg.max_tokens_per_microbatch == memory.rank_tokens(longest, cp) == -(-longest // cp)
+    assert cfg.max_tokens_per_microbatch == alignment.rank_tokens(longest, cp) == -(-longest // cp)
     if spec.is_moe:
         assert spec.num_moe_experts % ep == 0 and layout.world_size % (ep * layout.expert_tensor_size * pp) == 0
     assert memory.memory_estimate(spec, layout).total < memory.GPU_MEMORY_BYTES
@@ -126,7 +127,7 @@ def test_grpo_is_deepseekmath_grpo_and_shares_the_rest():
     loss = cfg.loss
     assert (loss.clip_ratio_low, loss.clip_ratio_high, loss.clip_ratio_c, loss.kl_coef) == (0.2, 0.2, None, 0.04)
     base = paper.qwen3_8b(run_dir=cfg.run_dir)
-    # beside the reference model vLLM gets a smaller share (Layout.vllm_gpu_memory_utilization_with_reference)
+    # beside the reference model vLLM gets a smaller share (ParallelLayout.vllm_gpu_memory_utilization_with_reference)
     assert (cfg.rollout.gpu_memory_utilization, base.rollout.gpu_memory_utilization) == (0.35, 0.4)
     assert dataclasses.replace(cfg, loss=base.loss, rollout=base.rollout) == base
     assert dataclasses.replace(cfg.rollout, gpu_memory_utilization=0.4) == base.rollout

@@ -30,7 +30,7 @@ def test_cuda_graphs_on_gpus_eager_on_cpu():
 def test_trainer_engine_config_sleeps_at_level_2_from_dummy_weights():
     """The trainer's engine: sleep level 2 and dummy weights (its first sync precedes any
     generate), CUDA graphs unless `RolloutSampling.enforce_eager` says otherwise."""
-    from stapo_megatron.config import RolloutSampling
+    from stapo_megatron.rollout.config import RolloutSampling
 
     sampling = RolloutSampling()
     engine = sampling.engine_config(sleep_level=2, load_format="dummy", enforce_eager=sampling.enforce_eager)

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from stapo_megatron.mcore import checkpoint as ckpt
-from stapo_megatron.config.yaml_io import load_config, write_config
+from stapo_megatron.config.yaml_io import dump_config, load_config, write_config
 from stapo_megatron.runlog.provenance import PACKAGES, RunProvenance, collect, read_provenance
 from stapo_megatron.recipes.tiny import tiny_demo
 
@@ -26,7 +26,7 @@ def test_run_provenance_files(tmp_path):
     assert record["command"] == ["train.py", "steps=3"]
     assert len(record["git"]["commit"] or "x" * 40) == 40 and record["git"]["dirty"] in (True, False, None)
 
-    prov = RunProvenance(cfg, warmstart, record)
+    prov = RunProvenance(dump_config(cfg, warmstart), cfg.run_dir, cfg.model.hf_dir, record)
     prov.write_run()
     prov.write_run()  # a resumed run keeps the earlier start
     stored = read_provenance(cfg.run_dir)

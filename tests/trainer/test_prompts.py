@@ -8,7 +8,7 @@ def test_held_out_file_has_its_own_field_mapping(tmp_path):
     import dataclasses as dc
     import json as js
 
-    from stapo_megatron.config import DataConfig, TrainerConfig
+    from stapo_megatron.data.config import DataConfig
     from stapo_megatron.data.tokenizer import build_char_tokenizer
     from stapo_megatron.trainer.prompts import load_prompts
 
@@ -18,8 +18,8 @@ def test_held_out_file_has_its_own_field_mapping(tmp_path):
     tokenizer = build_char_tokenizer(str(tmp_path / "tok"))
     data = DataConfig(train_path=str(train), eval_path=str(held_out), use_chat_template=False)
     with pytest.raises(ValueError, match="aime.jsonl:1"):
-        load_prompts(TrainerConfig(data=data), tokenizer)  # the training file's mapping: no `prompt`
+        load_prompts(data, tokenizer, 0, eval_sets=False)  # the training file's mapping: no `prompt`
     data = dc.replace(data, eval_prompt_field="problem", eval_answer_field="solution")
-    (_, train_kept), (_, held_kept) = load_prompts(TrainerConfig(data=data), tokenizer)
+    (_, train_kept), (_, held_kept) = load_prompts(data, tokenizer, 0, eval_sets=False)
     assert [e.answer for e in train_kept] == ["1", "2", "3"]
     assert [(e.prompt, e.answer) for e in held_kept] == [("0*2", "0"), ("1*2", "2")]

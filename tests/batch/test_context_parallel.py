@@ -19,10 +19,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from stapo_megatron.mcore.context_parallel import local_positions, sequence_multiple, split_for_context_parallel, unsplit
-from stapo_megatron.mcore.minibatches import BatchLayout, build_minibatches
-from stapo_megatron.mcore.packing import pack_thd
-from stapo_megatron.mcore.records import record, records_from_lists
+from stapo_megatron.batch.alignment import sequence_multiple
+from stapo_megatron.batch.context_parallel import local_positions, split_for_context_parallel, unsplit
+from stapo_megatron.batch.minibatches import MicroBatchLayout, build_minibatches
+from stapo_megatron.batch.packing import pack_thd
+from stapo_megatron.batch.records import record, records_from_lists
 from tests.helpers.dist_utils import run_distributed
 
 ATTN_ATOL = 1e-5
@@ -34,7 +35,7 @@ FIELDS = ("tokens", "position_ids", "labels", "response_mask", "advantages", "ro
 
 def _rollouts(max_response=25, seed=7, vocab=VOCAB):
     """16 sequences of uneven lengths (prompt 3-8, response 2-24) with group advantages."""
-    from stapo_megatron.mcore.batching import group_advantages
+    from stapo_megatron.batch.microbatch import group_advantages
 
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(1, vocab, (int(n),), generator=gen).tolist()
@@ -95,22 +96,23 @@ def test_split_errors():
     with pytest.raises(ValueError, match="seq_align must divide align"):
         pack_thd(records_from_lists(prompts[:2], responses[:2], adv[:2], lps[:2]), pad_id=0, align=6, seq_align=4)
     with pytest.raises(ValueError, match="context_parallel_size 2 needs packed micro-batches"):
-        BatchLayout("padded", micro_batch_size=2, cp_size=2)
+        MicroBatchLayout("padded", micro_batch_size=2, cp_size=2)
     records = records_from_lists(prompts, responses, adv, lps)
     longest = max(r.length for r in records)
     with pytest.raises(ValueError, match=r"> max_tokens_per_microbatch 8 x context_parallel_size 2 = 16"):
-        build_minibatches(records, BatchLayout("budget", max_tokens=8, cp_size=2, seq_align=4))
+        build_minibatches(records, MicroBatchLayout("budget", max_tokens=8, cp_size=2, seq_align=4))
     # a sequence longer than one rank's budget trains when CP splits it
     budget = -(-longest // 4) * 2
     assert budget < longest
-    (mbs,), _ = build_minibatches(records, BatchLayout("budget", max_tokens=budget, cp_size=2, cp_rank=1, seq_align=4,
+    (mbs,), _ = build_minibatches(records, MicroBatchLayout("budget", max_tokens=budget, cp_size=2, cp_rank=1, seq_align=4,
                                                        seq_multiple=8))
     assert all(mb.tokens.shape[1] <= budget and mb.cp_size == 2 for mb in mbs)
     assert sum(int(mb.response_mask.sum()) for mb in mbs) > 0
 
 
 def test_config_refuses_unsupported_context_parallel():
-    from stapo_megatron.config import ModelConfig, TrainerConfig
+    from stapo_megatron.config import TrainerConfig
+    from stapo_megatron.mcore.config import ModelConfig
 
     cp2 = ModelConfig(context_parallel_size=2)
     with pytest.raises(ValueError, match="context_parallel_size 2 needs packed micro-batches: packing='fixed'"):
@@ -153,7 +155,7 @@ def _attention_worker(cp):
 
     from stapo_megatron.bridge.attention import SDPAttention
     from stapo_megatron.mcore.parallel import init_parallel
-    from stapo_megatron.mcore.synthetic import tiny_gpt_config
+    from stapo_megatron.recipes.synthetic import tiny_gpt_config
 
     groups = init_parallel(1, 1, context_parallel_size=cp)
     config = dataclasses.replace(tiny_gpt_config(1), context_parallel_size=cp)
@@ -207,7 +209,7 @@ def _sequence_inputs(config, model, groups, mbs):
     CP sums cannot flip a flag). Returns max |ref - old| log-prob (the KL term is exercised)."""
     from stapo_megatron.mcore.reference import add_reference_logprobs
     from stapo_megatron.mcore.schedule import PassContext
-    from stapo_megatron.mcore.synthetic import build_tiny_gpt
+    from stapo_megatron.recipes.synthetic import build_tiny_gpt
 
     reference = build_tiny_gpt(config, VOCAB, 64, seed=4321, core_attention="sdpa")
     add_reference_logprobs(PassContext(reference, max(mb.tokens.shape[1] for mb in mbs), groups=groups), [mbs])
@@ -227,7 +229,7 @@ def _train_worker(tp, layouts, budgets, method="stapo"):
     from stapo_megatron.mcore.parallel import init_parallel
     from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
     from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
-    from stapo_megatron.mcore.synthetic import build_tiny_gpt, tiny_gpt_config
+    from stapo_megatron.recipes.synthetic import build_tiny_gpt, tiny_gpt_config
 
     prompts, responses, adv, lps = _rollouts()
     loss_config = _loss_config(method)
@@ -239,7 +241,7 @@ def _train_worker(tp, layouts, budgets, method="stapo"):
         model = build_tiny_gpt(config, VOCAB, 64, core_attention="sdpa")
         model, optimizer = wrap_model_and_optimizer(
             model, OptimConfig(optimizer="sgd", lr=0.5, weight_decay=0.0, clip_grad=0.0))
-        mbs = _rank_microbatches((prompts, responses, adv, lps), groups, seed=3, layout=BatchLayout(
+        mbs = _rank_microbatches((prompts, responses, adv, lps), groups, seed=3, layout=MicroBatchLayout(
             "budget", max_tokens=budget, seq_multiple=8 * cp, seq_align=2 * cp, cp_size=cp,
             cp_rank=dist.get_rank(groups.cp)))
         ctx = PassContext(model, max(mb.tokens.shape[1] for mb in mbs), groups=groups)
@@ -304,7 +306,7 @@ def _checkpoint_worker(hf_dir, run_cp2, run_cp1):
 
     def update(groups, model, optimizer, rollouts):
         cp = groups.cp_size
-        mbs = _rank_microbatches(rollouts, groups, seed=0, layout=BatchLayout(
+        mbs = _rank_microbatches(rollouts, groups, seed=0, layout=MicroBatchLayout(
             "budget", max_tokens=48 // cp, seq_multiple=8, seq_align=2 * cp, cp_size=cp,
             cp_rank=dist.get_rank(groups.cp)))
         ctx = PassContext(model, max(mb.tokens.shape[1] for mb in mbs), groups=groups)
@@ -355,9 +357,12 @@ def _eval_worker(model_dir, held_out_path, bench_path, run_dirs):
 
     import torch.distributed as dist
 
-    from stapo_megatron.config import DataConfig, EvalConfig, RolloutSampling, TrainerConfig
+    from stapo_megatron.config import TrainerConfig
+    from stapo_megatron.data.config import DataConfig
+    from stapo_megatron.eval.config import EvalConfig
+    from stapo_megatron.rollout.config import RolloutSampling
     from stapo_megatron.data.examples import load_examples, tokenize_prompts
-    from stapo_megatron.eval.evaluator import Evaluator, load_eval_sets
+    from stapo_megatron.eval.evaluator import Evaluator, eval_max_len, load_eval_sets
     from stapo_megatron.rewards.scorer import RewardScorer
     from stapo_megatron.rollout.config import RolloutConfig
     from stapo_megatron.rollout.hf_engine import HFEngine
@@ -380,14 +385,17 @@ def _eval_worker(model_dir, held_out_path, bench_path, run_dirs):
     generate, asked = engine.generate, []
     engine.generate = lambda prompts, *a, **k: asked.append(len(prompts)) or generate(prompts, *a, **k)
     ids, examples, _ = tokenize_prompts(engine.tokenizer, load_examples(held_out_path), 256, use_chat_template=False)
-    sets = load_eval_sets(cfg, engine.tokenizer)
+    sets = load_eval_sets(cfg.eval, engine.tokenizer, cfg.data.max_prompt_len, cfg.data.use_chat_template)
     out = {}
     with RewardScorer(num_workers=1, score_fn=_parity_reward) as scorer:
         layouts = (("cp2", cp2), ("cp1", Groups(tp=None, dp=alone, pp=None, is_last_stage=True, pp_last_rank=rank)))
         for name, groups in layouts:
             asked.clear()
             logger = RunLogger(run_dirs[name], enabled=rank == 0, logging=cfg.logging)
-            out[name] = Evaluator(cfg, (ids, examples), sets, engine, scorer, groups, 11, logger).evaluate(0)
+            evaluator = Evaluator(cfg.eval, (ids, examples), sets, engine, scorer, groups, 11, logger, cfg.steps,
+                                  eval_max_len(cfg.eval, cfg.rollout.max_response_len), cfg.rollout_timeout(),
+                                  cfg.logging.num_samples)
+            out[name] = evaluator.evaluate(0)
             logger.close()
             out[name + "_asked"] = sum(asked)
             if rank == 0:

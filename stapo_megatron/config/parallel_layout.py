@@ -1,55 +1,24 @@
-"""The parallel layout, validated once: the constants a layout is built from and every check of it.
+"""The parallel layout, validated once: every check of a layout and the cluster it goes on.
 
-Owns the packing modes (`PACKING_MODES`), the alignments of a packed sequence and row
-(`sequence_multiple`, `row_multiple`), the tokens one context-parallel rank holds (`rank_tokens`),
-the cluster a run goes on (`Cluster`), and `layout_problems`: why a `TrainerConfig` cannot run
-on a cluster (as torchtitan's ``ParallelDims._validate``, in one place). It is asked by the
+Owns the cluster a run goes on (`Cluster`) and `layout_problems`: why a `TrainerConfig` cannot run
+on a cluster (as torchtitan's ``ParallelDims._validate``, in one place). The alignments it checks
+against are the batch layout's (`stapo_megatron.batch.alignment`). It is asked by the
 config tree (`TrainerConfig.__post_init__`: `config_problems`, the checks that need no world
-size), by the trainer once its process group has formed (`trainer.layout.init_groups`:
+size), by the trainer once its process group has formed (`trainer.replicas.init_groups`:
 `world_problems` on the job's world size) and by the paper recipes (`recipes.paper.
 layout_problems`: all of them on the recipe's cluster, with the model's architecture and, there,
 the memory estimate).
 
-Imports no torch (the config tree imports it). Each function returns a list of problems, each a
-sentence naming the fields and their values; the callers raise them as one ValueError.
+Each function returns a list of problems, each a sentence naming the fields and their values; the
+callers raise them as one ValueError.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, List, Optional
 
-PACKING_MODES = ("padded", "fixed", "budget")
-"""How a mini-batch becomes micro-batches (`TrainerConfig.packing`): "padded": [N, S] rows of
-``micro_batch_size``; "fixed" the same sequences per micro-batch, packed; "budget" packed to a
-token budget."""
-ROW_MULTIPLE = 8
-"""A padded batch's length, or a packed row's, is a multiple of this (tensor-core friendly)."""
-
-
-def sequence_multiple(context_parallel_size: int, tensor_parallel_size: int = 1,
-                      sequence_parallel: bool = False) -> int:
-    """What every sequence's length is padded to a multiple of: 2 x CP chunks, each rank's part
-    further split over TP by sequence parallelism (1 without CP: no padding)."""
-    if context_parallel_size == 1:
-        return 1
-    return 2 * context_parallel_size * (tensor_parallel_size if sequence_parallel else 1)
-
-
-def row_multiple(context_parallel_size: int, tensor_parallel_size: int = 1, sequence_parallel: bool = False) -> int:
-    """A padded batch's length, or a packed row's, is a multiple of this: `ROW_MULTIPLE`, times TP
-    under sequence parallelism (it splits the sequence over TP), and whole CP chunks."""
-    return math.lcm(ROW_MULTIPLE, tensor_parallel_size if sequence_parallel else 1,
-                    sequence_multiple(context_parallel_size, tensor_parallel_size, sequence_parallel))
-
-
-def rank_tokens(seq_len: int, context_parallel_size: int, tensor_parallel_size: int = 1,
-                sequence_parallel: bool = False) -> int:
-    """Tokens one CP rank holds of a ``seq_len``-token sequence: the sequence padded to a
-    multiple of `sequence_multiple`, over CP (``seq_len`` at CP = 1)."""
-    multiple = sequence_multiple(context_parallel_size, tensor_parallel_size, sequence_parallel)
-    return -(-seq_len // multiple) * multiple // context_parallel_size
+from stapo_megatron.batch.alignment import PACKING_MODES, rank_tokens, sequence_multiple
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """One builder from a step's sequence records to each PPO mini-batch's micro-batches, for every
-layout (``TrainerConfig.packing``): `build_minibatches` with a `BatchLayout`.
+layout (``TrainerConfig.packing``): `build_minibatches` with a `MicroBatchLayout`.
 
 - "padded": this DP rank's records, right-padded to the longest of them (rounded up to
   ``seq_multiple``) in [N, S] rows, mini-batches of ``minibatch_size`` records cut into
@@ -17,8 +17,8 @@ Which records a rank trains does not change the update: the loss's normaliser an
 mini-batch statistics summed / taken over all DP ranks (``mcore.loss``).
 
 Context parallelism (packed layouts): the CP ranks of one DP replica hold the same records
-(`trainer.layout` shares the replica's rollouts over CP) and build the same plan; each keeps its
-chunks of every packed row (``mcore.context_parallel``), so the token budget is per rank after
+(`trainer.replicas` shares the replica's rollouts over CP) and build the same plan; each keeps its
+chunks of every packed row (``batch.context_parallel``), so the token budget is per rank after
 the split (the plan packs ``max_tokens x cp_size`` tokens of whole sequences).
 
 Seeds of the random-control masks: ``microbatch_seed(first, dp_rank)`` is the first seed of the
@@ -37,20 +37,21 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from stapo_megatron.mcore import records as rec
-from stapo_megatron.mcore.batching import MicroBatch, pack_sequences, split_microbatches
-from stapo_megatron.mcore.context_parallel import split_for_context_parallel
-from stapo_megatron.mcore.packing import PACKING_MODES, pack_thd, plan_fixed_count, plan_token_budget
-from stapo_megatron.mcore.parallel import collective_device
-from stapo_megatron.mcore.records import SequenceRecord
+from stapo_megatron.batch import records as rec
+from stapo_megatron.batch.alignment import PACKING_MODES
+from stapo_megatron.batch.microbatch import MicroBatch, pack_sequences, split_microbatches
+from stapo_megatron.batch.context_parallel import split_for_context_parallel
+from stapo_megatron.batch.packing import pack_thd, plan_fixed_count, plan_token_budget
+from stapo_megatron.utils import collective_device
+from stapo_megatron.batch.records import SequenceRecord
 
 
 @dataclasses.dataclass(frozen=True)
-class BatchLayout:
+class MicroBatchLayout:
     """How a mini-batch's records become micro-batches on this rank."""
 
     packing: str
-    """One of `packing.PACKING_MODES`: "padded", "fixed" or "budget" (module docstring)."""
+    """One of `alignment.PACKING_MODES`: "padded", "fixed" or "budget" (module docstring)."""
     micro_batch_size: int = 1
     """Records per micro-batch ("padded", "fixed")."""
     max_tokens: int = 0
@@ -87,7 +88,7 @@ def _first_record(first: int, dp_rank: int) -> int:
     return 0
 
 
-def build_minibatches(records: Sequence[SequenceRecord], layout: BatchLayout, minibatch_size: Optional[int] = None,
+def build_minibatches(records: Sequence[SequenceRecord], layout: MicroBatchLayout, minibatch_size: Optional[int] = None,
                       microbatch_seed: Callable[[int, int], int] = _first_record,
                       dp_group=None) -> Tuple[List[List[MicroBatch]], int]:
     """This DP rank's micro-batches of each mini-batch, and the longest row (padded S, packed T).
@@ -95,7 +96,7 @@ def build_minibatches(records: Sequence[SequenceRecord], layout: BatchLayout, mi
     Args:
         records: this DP rank's records of the step, mini-batch after mini-batch (every DP rank
             holds as many).
-        layout: the `BatchLayout`.
+        layout: the `MicroBatchLayout`.
         minibatch_size: records of this rank per mini-batch (None: all in one mini-batch).
         microbatch_seed: the first mask seed of the mini-batch at this rank's record ``first``
             (module docstring; default 0).
@@ -121,7 +122,7 @@ def build_minibatches(records: Sequence[SequenceRecord], layout: BatchLayout, mi
     return minis, max(mb.tokens.shape[1] for mini in minis for mb in mini)  # this rank's tokens (after a CP split)
 
 
-def pack_planned(record_of: Callable[[int], SequenceRecord], plan: List[List[int]], layout: BatchLayout,
+def pack_planned(record_of: Callable[[int], SequenceRecord], plan: List[List[int]], layout: MicroBatchLayout,
                  seed: int) -> List[MicroBatch]:
     """The packed micro-batches of one rank's ``plan`` (lists of record indices in the
     mini-batch; ``record_of(index)`` gives the record), each with seed ``seed`` + its first
@@ -132,7 +133,7 @@ def pack_planned(record_of: Callable[[int], SequenceRecord], plan: List[List[int
         for idx in plan]
 
 
-def plan_budget(lengths: Sequence[int], layout: BatchLayout, num_ranks: int, seed: int) -> List[List[List[int]]]:
+def plan_budget(lengths: Sequence[int], layout: MicroBatchLayout, num_ranks: int, seed: int) -> List[List[List[int]]]:
     """`packing.plan_token_budget` of a mini-batch's record lengths under ``layout``: every
     sequence padded to ``seq_align``, ``max_tokens x cp_size`` tokens of them per micro-batch."""
     padded = [-(-n // layout.seq_align) * layout.seq_align for n in lengths]

@@ -1,15 +1,15 @@
 """Separate placement's processes: which ranks of the job train and which generate, and the
-process groups between them (`Bridge`); the object and tensor messages that cross them.
+process groups between them (`Transport`); the object and tensor messages that cross them.
 
 One torchrun (or srun + torchrun) job, nothing else started: of its W ranks the first T = W - E
-train and the last E = ``rollout.engine_ranks`` run engines (`stapo_megatron.rollout.server`).
+train and the last E = ``rollout.engine_ranks`` run engines (`stapo_megatron.trainer.engine_server`).
 `init_job` reads torchrun's store and forms
 
 * the default process group of each side: the T trainers (Megatron's world: its groups never
   see an engine) or the E engines (vLLM's external launcher forms its TP groups in it);
 * ``data``: all W ranks (gloo): the samples, from an engine to the trainers that asked;
 * ``control``: trainer 0 and the E engines (gloo): trainer 0's commands, in one order every
-  engine executes (`stapo_megatron.rollout.server`), and the weight buckets' manifests;
+  engine executes (`stapo_megatron.trainer.engine_server`), and the weight buckets' manifests;
 * ``weights``: the same ranks (NCCL between GPUs, gloo on the CPU): the weight buckets.
 
 These groups are not registered with ``torch.distributed`` (each side's default group is its
@@ -39,7 +39,7 @@ SAMPLES_TAG, HEADER_TAG = 11, 12
 
 
 @dataclasses.dataclass
-class Bridge:
+class Transport:
     """This rank's place in a separately placed job and the groups that cross the two pools."""
 
     rank: int
@@ -91,7 +91,7 @@ def _group(store, prefix: str, rank: int, size: int, timeout_s: float, backend: 
 
 
 def init_job(engine_ranks: int, engine_tp: int, init_timeout_s: float, timeout_s: float,
-             samples_timeout_s: float) -> Bridge:
+             samples_timeout_s: float) -> Transport:
     """Split torchrun's job into trainers and engines (module docstring) and form the groups.
 
     Args:
@@ -119,17 +119,17 @@ def init_job(engine_ranks: int, engine_tp: int, init_timeout_s: float, timeout_s
 
 
 def connect(store, rank: int, world: int, engine_ranks: int, engine_tp: int, samples_timeout_s: float,
-            weights_backend: str = "gloo") -> Bridge:
-    """This rank's `Bridge`: the groups that cross the pools, formed over ``store`` (every rank
+            weights_backend: str = "gloo") -> Transport:
+    """This rank's `Transport`: the groups that cross the two pools, formed over ``store`` (every rank
     of the job calls it; the trainers other than 0 join ``data`` only)."""
     trainers = world - engine_ranks
-    bridge = Bridge(rank, trainers, engine_ranks, engine_tp,
-                    data=_group(store, "bridge/data", rank, world, samples_timeout_s, "gloo"))
+    transport = Transport(rank, trainers, engine_ranks, engine_tp,
+                          data=_group(store, "transport/data", rank, world, samples_timeout_s, "gloo"))
     if rank == 0 or rank >= trainers:
         member = 0 if rank == 0 else 1 + rank - trainers
-        bridge.control = _group(store, "bridge/control", member, engine_ranks + 1, ENGINE_WAIT_S, "gloo")
-        bridge.weights = _group(store, "bridge/weights", member, engine_ranks + 1, ENGINE_WAIT_S, weights_backend)
-    return bridge
+        transport.control = _group(store, "transport/control", member, engine_ranks + 1, ENGINE_WAIT_S, "gloo")
+        transport.weights = _group(store, "transport/weights", member, engine_ranks + 1, ENGINE_WAIT_S, weights_backend)
+    return transport
 
 
 def _wait(work, timeout_s: Optional[float]) -> None:

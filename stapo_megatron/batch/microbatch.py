@@ -13,7 +13,7 @@ token when prompt_len - 1 <= t < prompt_len + response_len - 1.
 filled by ``schedule.old_policy_pass``, its reference log-probs by ``reference``, read by the
 loss (``loss.loss_func``) and the SFT step. A micro-batch is either padded (B rows of S tokens,
 ``cu_seqlens`` None) or packed (THD: one row of T tokens holding several whole sequences one
-after another, ``cu_seqlens`` their boundaries; built by ``stapo_megatron.mcore.packing``).
+after another, ``cu_seqlens`` their boundaries; built by ``stapo_megatron.batch.packing``).
 Every per-token field has the same layout in both, so the loss, masks and metrics, which are
 elementwise or sums, read either.
 
@@ -34,7 +34,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from stapo_megatron.mcore.records import NO_ROUTE, SequenceRecord, carries_routes, token_fields
+from stapo_megatron.batch.records import NO_ROUTE, SequenceRecord, carries_routes, token_fields
 
 __all__ = ["NO_ROUTE", "MicroBatch", "group_advantages", "pack_sequences", "split_microbatches"]
 
@@ -73,7 +73,7 @@ class MicroBatch:
     position, `NO_ROUTE` where it has none (module docstring); None: not carried."""
     cp_size: int = 1
     """Packed only: the context-parallel ranks the row is split over. With ``cp_size`` > 1 the
-    tensors hold this rank's 1 / cp_size of every sequence (``mcore.context_parallel``) while
+    tensors hold this rank's 1 / cp_size of every sequence (``batch.context_parallel``) while
     ``cu_seqlens`` and ``max_seqlen`` stay those of the whole row (Megatron's convention)."""
 
     def __post_init__(self):
@@ -104,7 +104,7 @@ class MicroBatch:
     def rows(self, start: int, stop: int) -> "MicroBatch":
         """Rows ``start:stop`` of every tensor (views), the same seed."""
         if self.is_packed:
-            raise ValueError("a packed micro-batch has one row; split sequences with mcore.packing instead")
+            raise ValueError("a packed micro-batch has one row; split sequences with batch.packing instead")
         return dataclasses.replace(self, **{k: getattr(self, k)[start:stop] for k in self._tensor_fields()})
 
     def to(self, device, non_blocking: bool = False) -> "MicroBatch":

@@ -1,7 +1,8 @@
-"""The parallel layout a run trains on: Megatron's process groups from `ModelConfig` (TP, PP, CP,
-EP), checked on the job's world size by the one validator (`stapo_megatron.config.layout`, which
-also owns the alignments a packed row needs), and how the context-parallel (CP) ranks of one
-data-parallel replica share its rollouts.
+"""The data-parallel replicas a run trains on: Megatron's process groups from `ModelConfig` (TP,
+PP, CP, EP), checked on the job's world size by the one validator
+(`stapo_megatron.config.parallel_layout`), the alignments of the replica's rows
+(`stapo_megatron.batch.alignment`), and how the context-parallel (CP) ranks of one replica share
+its rollouts.
 
 Rollouts under CP: the CP ranks of a DP replica train the same sequences (each its chunks of
 them), so they need the same samples. Rather than every CP rank's engine sampling all of the
@@ -20,14 +21,16 @@ from typing import List, Optional
 import torch.distributed as dist
 
 from stapo_megatron.config import TrainerConfig
-from stapo_megatron.config.layout import raise_problems, row_multiple, sequence_multiple, world_problems
+from stapo_megatron.batch.alignment import row_multiple, sequence_multiple
+from stapo_megatron.config.parallel_layout import raise_problems, world_problems
 from stapo_megatron.rollout.spmd import generate_context_parallel_share, shared_over_group
+from stapo_megatron.mcore.config import ModelConfig
 from stapo_megatron.mcore.parallel import Groups, init_parallel
 
 
 def init_groups(cfg: TrainerConfig, seed: int) -> Groups:
     """Initialise torch.distributed and Megatron's parallel state for ``cfg.model``'s layout,
-    then check the layout on the job's world size (`config.layout.world_problems`: the prompts
+    then check the layout on the job's world size (`config.parallel_layout.world_problems`: the prompts
     over DP and over a replica's CP ranks, the expert groups; one ValueError naming them all)."""
     m = cfg.model
     groups = init_parallel(
@@ -41,16 +44,14 @@ def init_groups(cfg: TrainerConfig, seed: int) -> Groups:
     return groups
 
 
-def seq_align(cfg: TrainerConfig) -> int:
+def seq_align(m: ModelConfig) -> int:
     """Every packed sequence's length is padded to a multiple of this (2 x CP chunks, each
     rank's part split over TP by sequence parallelism; 1 without CP)."""
-    m = cfg.model
     return sequence_multiple(m.context_parallel_size, m.tensor_model_parallel_size, m.sequence_parallel)
 
 
-def seq_multiple(cfg: TrainerConfig) -> int:
-    """A padded batch's length, or a packed row's, is a multiple of this (`config.layout.row_multiple`)."""
-    m = cfg.model
+def seq_multiple(m: ModelConfig) -> int:
+    """A padded batch's length, or a packed row's, is a multiple of this (`batch.alignment.row_multiple`)."""
     return row_multiple(m.context_parallel_size, m.tensor_model_parallel_size, m.sequence_parallel)
 
 

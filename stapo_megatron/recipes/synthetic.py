@@ -16,7 +16,7 @@ import torch
 from stapo_megatron.bridge.kernels import fused_kernel_settings
 from stapo_megatron.bridge.tiny import QWEN3_TINY, tiny_qwen3_spec
 from stapo_megatron.bridge.transformer_config import transformer_config_from_spec
-from stapo_megatron.mcore.batching import MicroBatch, group_advantages
+from stapo_megatron.batch.microbatch import MicroBatch, group_advantages
 
 
 def tiny_gpt_config(

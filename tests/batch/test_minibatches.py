@@ -1,5 +1,5 @@
-"""Tier a and b: the sequence record (`mcore.records`) and the one micro-batch builder
-(`mcore.minibatches.build_minibatches`) of every layout.
+"""Tier a and b: the sequence record (`batch.records`) and the one micro-batch builder
+(`batch.minibatches.build_minibatches`) of every layout.
 
 Tier a: a record's bytes round-trip bit for bit; the padded layout is the trainer's (rows padded to
 the longest of this rank's records, seeds ``microbatch_seed(first, dp_rank) + row``); "fixed"
@@ -12,8 +12,8 @@ layout builds on each rank what a single process builds from all ranks' records.
 import pytest
 import torch
 
-from stapo_megatron.mcore.minibatches import BatchLayout, build_minibatches
-from stapo_megatron.mcore.records import decode, encode, encoded_size, make_records, record, records_from_lists
+from stapo_megatron.batch.minibatches import MicroBatchLayout, build_minibatches
+from stapo_megatron.batch.records import decode, encode, encoded_size, make_records, record, records_from_lists
 from tests.helpers.minibatch_records import K, L, _records, _same_record
 
 
@@ -51,11 +51,11 @@ def test_record_errors():
     with pytest.raises(ValueError, match=r"prompt_ids must be \[P >= 1\], got \(0,\)"):
         record([], [1], 0.0, [0.0])
     with pytest.raises(ValueError, match="packing must be one of"):
-        BatchLayout("thd")
+        MicroBatchLayout("thd")
     with pytest.raises(ValueError, match="micro_batch_size must be >= 1, got 0"):
-        BatchLayout("padded", micro_batch_size=0)
+        MicroBatchLayout("padded", micro_batch_size=0)
     with pytest.raises(ValueError, match="6 records do not split into mini-batches of 4"):
-        build_minibatches(_records([(2, 2)] * 6), BatchLayout("padded"), minibatch_size=4)
+        build_minibatches(_records([(2, 2)] * 6), MicroBatchLayout("padded"), minibatch_size=4)
 
 
 def test_padded_layout_is_the_trainers():
@@ -63,7 +63,7 @@ def test_padded_layout_is_the_trainers():
     (21 -> 24), micro-batches of 2 rows seeded ``microbatch_seed(first, dp_rank) + row``."""
     records = _records([(3, 5), (2, 2), (6, 15), (1, 3), (4, 4), (2, 9), (3, 3), (5, 1)])
     seeds = []
-    minis, seq = build_minibatches(records, BatchLayout("padded", micro_batch_size=2, seq_multiple=8), 4,
+    minis, seq = build_minibatches(records, MicroBatchLayout("padded", micro_batch_size=2, seq_multiple=8), 4,
                                    lambda first, dp_rank: seeds.append((first, dp_rank)) or 1000 * first + 7)
     assert seq == 24 and seeds == [(0, 0), (4, 0)]
     assert [[mb.seed for mb in mini] for mini in minis] == [[7, 9], [4007, 4009]]
@@ -76,8 +76,8 @@ def test_padded_layout_is_the_trainers():
 
 def test_fixed_layout_packs_the_padded_microbatches():
     records = _records([(3, 5), (2, 2), (6, 15), (1, 3)], routes=True)
-    (padded,), _ = build_minibatches(records, BatchLayout("padded", micro_batch_size=2))
-    (fixed,), longest = build_minibatches(records, BatchLayout("fixed", micro_batch_size=2, seq_multiple=8))
+    (padded,), _ = build_minibatches(records, MicroBatchLayout("padded", micro_batch_size=2))
+    (fixed,), longest = build_minibatches(records, MicroBatchLayout("fixed", micro_batch_size=2, seq_multiple=8))
     assert [mb.seed for mb in fixed] == [0, 2] and longest == 32
     for pad, pack in zip(padded, fixed):
         bounds = pack.cu_seqlens.tolist()
@@ -93,7 +93,7 @@ def test_a_records_loss_mask_reaches_its_response_mask_and_survives_the_byte_exc
     (`records.encode` / `decode`) carries the mask."""
     import torch
 
-    from stapo_megatron.mcore.records import decode, encode, encoded_size, record, token_fields
+    from stapo_megatron.batch.records import decode, encode, encoded_size, record, token_fields
 
     rec = record([5, 6, 7], [8, 9, 10, 11], 0.5, [-0.1, -0.2, -0.3, -0.4], version=3)
     rec.loss_mask = torch.tensor([False, False, True, True])

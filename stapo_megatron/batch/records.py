@@ -1,12 +1,12 @@
 """One sampled sequence as it travels from the rollout to the micro-batches: `SequenceRecord`.
 
 The trainer makes the records once per step, after the group advantages (`make_records`), and
-hands them to `stapo_megatron.mcore.minibatches.build_minibatches`; every layout (padded rows,
+hands them to `stapo_megatron.batch.minibatches.build_minibatches`; every layout (padded rows,
 packed THD rows) takes its per-token fields from the one per-sequence routine `token_fields`,
 and the data-parallel exchange of the ``budget`` layout moves records as bytes
 (`encode` / `decode`), one all-to-all instead of pickled lists.
 
-Label alignment (``mcore.batching``): position t carries the label token t + 1, so a record of
+Label alignment (``batch.microbatch``): position t carries the label token t + 1, so a record of
 P prompt and R response tokens has its response labels at positions P - 1 .. P + R - 2.
 
 Legend: P = prompt tokens, R = response tokens, n = P + R, L = MoE layers, K = experts per token.
@@ -34,7 +34,7 @@ class SequenceRecord:
     rollout_logprobs: torch.Tensor
     """[R] float32: the sampler's log-prob of each response token (the train/rollout mismatch)."""
     advantage: float
-    """The group advantage of the response (a float32 value, ``batching.group_advantages``)."""
+    """The group advantage of the response (a float32 value, ``microbatch.group_advantages``)."""
     routes: Optional[torch.Tensor] = None
     """MoE, when this step carries routes: [n - 1, L, K] int, the experts the engine routed
     every forwarded token to (``Sample.routed_experts``); None: not carried."""

@@ -27,10 +27,8 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from stapo_megatron.config.layout import sequence_multiple  # noqa: F401  (the one definition; re-exported)
-from stapo_megatron.mcore.batching import MicroBatch
+from stapo_megatron.batch.microbatch import MicroBatch
 from stapo_megatron.utils import SEED_STRIDE
-
 
 
 def local_positions(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:

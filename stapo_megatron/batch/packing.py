@@ -2,7 +2,7 @@
 
 Packing (`pack_thd`): the sequences of a micro-batch are laid end to end in one row of T tokens
 with ``cu_seqlens`` marking where each starts, instead of N rows right-padded to the longest.
-Every per-token field is built exactly as ``batching.pack_sequences`` builds a row (the label at
+Every per-token field is built exactly as ``microbatch.pack_sequences`` builds a row (the label at
 position t is token t + 1, the response mask, advantages, rollout log-probs), sequence by
 sequence, and the RoPE positions restart at 0 in every sequence (Megatron rotates a THD row
 per ``cu_seqlens``; ``position_ids`` say the same). The attention keeps each sequence to itself
@@ -21,17 +21,17 @@ bins are then filled longest-first into the lightest bin (LPT, a greedy cousin o
 Karmarkar-Karp partition verl and slime use), and the bins are dealt to the ranks the same way.
 Ties are broken by a seeded permutation, so a seed fixes the plan.
 
-Context parallelism (``context_parallel_size`` > 1): `mcore.minibatches.build_minibatches` pads every sequence to a
+Context parallelism (``context_parallel_size`` > 1): `batch.minibatches.build_minibatches` pads every sequence to a
 multiple of 2 x CP tokens (``pack_thd``'s ``seq_align``: after its real tokens, no loss), plans
 the micro-batches with a budget of ``max_tokens`` x CP tokens of whole sequences (the budget is
 what one rank holds after the split), and keeps this CP rank's chunks of each packed row
-(`stapo_megatron.mcore.context_parallel`). The CP ranks of a DP replica plan the same
+(`stapo_megatron.batch.context_parallel`). The CP ranks of a DP replica plan the same
 micro-batches from the same sequences.
 
 How a mini-batch is split never changes its statistics: the kept-token normaliser is summed by
 Megatron over all micro-batches and DP ranks, and tau_H is the quantile over all candidates of
 all ranks (``method.masks``), DP x CP under context parallelism; ``tests/integration/test_packing_invariance.py``
-and ``tests/mcore/test_context_parallel.py`` check it.
+and ``tests/batch/test_context_parallel.py`` check it.
 
 Legend: T = tokens of a packed row; L_i = length (prompt + response) of sequence i.
 """
@@ -44,9 +44,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from stapo_megatron.config.layout import PACKING_MODES  # noqa: F401  (re-exported: the one definition)
-from stapo_megatron.mcore.batching import MicroBatch
-from stapo_megatron.mcore.records import NO_ROUTE, SequenceRecord, TokenFields, carries_routes, token_fields
+from stapo_megatron.batch.microbatch import MicroBatch
+from stapo_megatron.batch.records import NO_ROUTE, SequenceRecord, TokenFields, carries_routes, token_fields
 
 
 def pack_thd(
@@ -59,12 +58,12 @@ def pack_thd(
 ) -> MicroBatch:
     """One packed `MicroBatch` [1, T] of the records, T = sum L_i rounded up to ``align``.
 
-    Per token the fields are each record's `records.token_fields` (as ``batching.pack_sequences``
+    Per token the fields are each record's `records.token_fields` (as ``microbatch.pack_sequences``
     lays them in a padded row), the advantage on its n tokens, positions restarting at 0 per
-    sequence. ``seq_align`` > 1 (context parallelism: 2 x CP, `context_parallel.sequence_multiple`)
+    sequence. ``seq_align`` > 1 (context parallelism: 2 x CP, `alignment.sequence_multiple`)
     pads every sequence to a multiple of it after its real tokens (pad tokens, no loss, positions
     running on); ``align`` must then be a multiple of it. When the records carry routes, the
-    row's routes [1, T, L, K] hold `batching.NO_ROUTE` at each sequence's last token and padding.
+    row's routes [1, T, L, K] hold `microbatch.NO_ROUTE` at each sequence's last token and padding.
     """
     if align < 1 or seq_align < 1 or align % seq_align:
         raise ValueError(f"align ({align}) and seq_align ({seq_align}) must be >= 1 and seq_align must divide align")
