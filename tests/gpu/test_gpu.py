@@ -202,8 +202,8 @@ def _deadline(request, fraction=0.9):
 
 def test_two_trainer_steps_checkpoint_and_resume_on_cuda(tmp_path, request):
     """The tiny recipe on CUDA with the HF rollout engine (no vLLM): 2 steps with a checkpoint
-    each, then a resume that runs step 3. Two processes of about 20 s each on a GPU: start-up
-    (imports, CUDA, the first Triton compilations), a 2-step warm-start, one reward worker, no
+    each, then a resume that runs step 3. Two processes, 45 s and 32 s on the H200 (2026-11-27):
+    imports 10-14 s, CUDA and the first Triton compilations, a 2-step warm-start, one reward worker, no
     evaluation (`tests/helpers/hf_engine_trainer_script.py`); a failure prints the phases' times.
     After 2 warm-start steps most rewards are 0: what is checked here is the loop, the checkpoint
     and the resume on CUDA; the update's numerics are `test_policy_update_on_cuda_equals_cpu`'s."""
