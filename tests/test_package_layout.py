@@ -178,16 +178,17 @@ TESTED_IN = {
     "stapo_megatron.launch.shipping": "tests/integration/test_launch.py",
     "stapo_megatron.batch.microbatch": "tests/batch/test_packing.py",
     "stapo_megatron.mcore.loss_metrics": "tests/method/test_rollout_correction.py",
-    "stapo_megatron.mcore.parallel": "tests/batch/test_context_parallel.py",
+    "stapo_megatron.mcore.parallel": "tests/integration/test_context_parallel_training.py",
     "stapo_megatron.batch.records": "tests/batch/test_minibatches.py",
-    "stapo_megatron.mcore.reference": "tests/batch/test_context_parallel.py",
+    "stapo_megatron.mcore.reference": "tests/integration/test_context_parallel_training.py",
     "stapo_megatron.mcore.schedule": "tests/mcore/test_router_replay.py",
-    "stapo_megatron.mcore.step": "tests/batch/test_context_parallel.py",
-    "stapo_megatron.recipes.synthetic": "tests/batch/test_context_parallel.py",
+    "stapo_megatron.mcore.step": "tests/integration/test_context_parallel_training.py",
+    "stapo_megatron.recipes.synthetic": "tests/integration/test_context_parallel_training.py",
     "stapo_megatron.trainer.loop": "tests/integration/test_eval_sets.py",
 }
 """Modules whose tests are not in ``tests/<wing>/test_<module>.py``: the file that tests them (it
-imports the module or names of it). Everything else has its test file of that name."""
+imports the module or names of it, itself or through the ``tests/helpers/`` module of its
+workers). Everything else has its test file of that name."""
 TESTED_THROUGH = {
     "stapo_megatron.bridge.norm": ("tests/bridge/test_model.py", "stapo_megatron.bridge.model"),
     "stapo_megatron.doctor.engine": ("tests/integration/test_doctor.py", "stapo_megatron.doctor.cli"),
@@ -196,7 +197,8 @@ TESTED_THROUGH = {
                                                   "stapo_megatron.mcore.checkpoint"),
     "stapo_megatron.conversion.publish": ("tests/conversion/test_mcore_to_hf.py",
                                           "stapo_megatron.conversion.mcore_to_hf"),
-    "stapo_megatron.rollout.spmd": ("tests/batch/test_context_parallel.py", "stapo_megatron.eval.evaluator"),
+    "stapo_megatron.rollout.spmd": ("tests/integration/test_context_parallel_training.py",
+                                    "stapo_megatron.eval.evaluator"),
     "stapo_megatron.trainer.replicas": ("tests/integration/test_eval_sets.py", "stapo_megatron.trainer.loop"),
 }
 """Modules only a caller's tests reach: (test file, the calling module, which that file tests)."""
@@ -209,12 +211,17 @@ def _public_names(path):
 
 
 def _tests_module(test_file, module):
-    """Whether ``test_file`` imports ``module`` or one of its public names (this file, which names
-    every module in its tables, does not count)."""
+    """Whether ``test_file`` imports ``module`` or one of its public names, itself or through a
+    ``tests/helpers/`` module it imports (where shared workers live); this file, which names every
+    module in its tables, does not count."""
     if os.path.basename(test_file) == os.path.basename(__file__):
         return False
     with open(os.path.join(TESTS, os.path.relpath(test_file, "tests"))) as f:
         text = f.read()
+    for helper in sorted(set(re.findall(r"\btests\.helpers\.(\w+)", text))):
+        if os.path.isfile(os.path.join(TESTS, "helpers", f"{helper}.py")):
+            with open(os.path.join(TESTS, "helpers", f"{helper}.py")) as f:
+                text += "\n" + f.read()
     parent, leaf = module.rsplit(".", 1)
     if re.search(rf"\b{re.escape(module)}\b", text) or re.search(rf"from {re.escape(parent)} import [^\n]*\b{leaf}\b", text):
         return True

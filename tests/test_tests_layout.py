@@ -21,13 +21,7 @@ REPO = os.path.dirname(TESTS)
 MIN_OWN_TEST_FILE_SHARE = 0.80
 """Of the package's modules (``__init__.py`` files aside), the share with a test file of their name."""
 
-SHARED_FROM_TEST_FILES = {
-    ("tests/integration/test_context_parallel_training.py", "tests.batch.test_context_parallel"),
-    ("tests/integration/test_moe_context_parallel.py", "tests.batch.test_context_parallel"),
-    ("tests/integration/test_logit_grad_tp.py", "tests.ops.test_logit_grad"),
-    ("tests/integration/test_triton_path_tp.py", "tests.ops.test_triton_path"),
-    ("tests/batch/test_packing.py", "tests.rollout.test_vllm_engine"),
-}
+SHARED_FROM_TEST_FILES = set()
 """(test file, test module it imports) whose shared code has still to move to tests/helpers/;
 nothing may join, and an entry that no longer holds fails (remove it)."""
 SHARED_NAMES = set()

@@ -31,7 +31,7 @@ micro-batches from the same sequences.
 How a mini-batch is split never changes its statistics: the kept-token normaliser is summed by
 Megatron over all micro-batches and DP ranks, and tau_H is the quantile over all candidates of
 all ranks (``method.masks``), DP x CP under context parallelism; ``tests/integration/test_packing_invariance.py``
-and ``tests/batch/test_context_parallel.py`` check it.
+and ``tests/integration/test_context_parallel_training.py`` check it.
 
 Legend: T = tokens of a packed row; L_i = length (prompt + response) of sequence i.
 """

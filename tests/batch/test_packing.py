@@ -16,7 +16,7 @@ from stapo_megatron.bridge.tiny import tiny_config
 from stapo_megatron.batch.microbatch import MicroBatch, pack_sequences
 from stapo_megatron.batch.packing import imbalance, pack_thd, plan_fixed_count, plan_token_budget, sequence_ids
 from stapo_megatron.batch.records import records_from_lists
-from tests.rollout.test_vllm_engine import randomize
+from tests.helpers.engine_parity import randomize
 
 LOGIT_ATOL = 2e-5
 GRAD_RTOL = 2e-5

@@ -1,4 +1,4 @@
-"""benchmarks/sim_async.py (issue 33's schedule model) against cases worked out by hand.
+"""benchmarks/sim_async.py (the asynchronous schedule's model) against cases worked out by hand.
 
 Every case uses a decode model where one iteration costs exactly 1 s (no KV, per-sequence or
 prefill cost), training costs (tokens / trainer GPUs) s and a weight transfer 1 s, so each

@@ -1,4 +1,4 @@
-"""Tier a: conversion at scale (issue 36 item 9). `stapo-convert verify` starts TP x PP x EP
+"""Tier a: conversion at scale. `stapo-convert verify` starts TP x PP x EP
 processes on one host: their memory is estimated first and a layout that does not fit is refused
 before any rank starts; a rank the kernel kills is named with its signal; `hf-to-mcore` checks
 ``--ep`` as `verify` does."""

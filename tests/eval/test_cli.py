@@ -1,5 +1,5 @@
 """Tier a: stapo-eval's command line: defaults in --help, a folder without a tokenizer, the
-engine's context length from the prompts, --dtype auto as the folder's dtype (issue 27)."""
+engine's context length from the prompts, --dtype auto as the folder's dtype."""
 
 import json
 import os
@@ -29,7 +29,7 @@ def test_help_shows_the_defaults(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: 20480)" in text and "(default: 1024)" in text and "(default: auto)" in text
     assert "(k=32)" in text
-    # one default per option, none for the required --out or unset options (issue 36's new-user pass)
+    # one default per option, none for the required --out or unset options
     assert "(default: None)" not in text and "(default: [])" not in text
     assert "(default: T1.0_p1.0+T0.7_p0.9)" not in text  # not twice for --decodings
     assert "(default: the paper's two, T1.0_p1.0+T0.7_p0.9)" in text
@@ -76,7 +76,7 @@ def test_dtype_auto_is_the_folders(tmp_path, tiny_hf):
     assert eval_cli.resolve_dtype(folder, "bfloat16") == "bfloat16"
 
 
-# ---- progress, saved generations, lengths and truncation, vLLM's logs off stdout (issue 27) ----
+# ---- progress, saved generations, lengths and truncation, vLLM's logs off stdout ----
 
 def _problems(tmp_path, n=6):
     path = tmp_path / "bench.jsonl"
@@ -148,7 +148,7 @@ def test_vllm_log_lines_go_to_stderr(tmp_path):
 
 
 def test_eval_of_a_run_into_its_own_folder_scores_with_the_runs_reward(tmp_path, tiny_hf):
-    """The README's ``stapo-eval RUN ... --out RUN/eval`` (issue 36, item 8): the checkpoint's HF
+    """The README's ``stapo-eval RUN ... --out RUN/eval``: the checkpoint's HF
     export must not go inside RUN; the run's reward (its config.yaml) scores, and eval.json says
     which. boxed_exact_match scores an unboxed response -1, math_verify 0."""
     from stapo_megatron.config.yaml_io import write_config

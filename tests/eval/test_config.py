@@ -35,7 +35,7 @@ def test_eval_sets_from_a_string():
 
 def test_bench_dir_in_an_eval_sets_string_is_the_paper_benchmarks_found_there(tmp_path):
     """A cluster launch has only key=value overrides: ``eval.sets=bench_dir=DIR`` wires in the
-    benchmarks prepare_data wrote (issue 36 item 8; `with_paper_benchmarks` needs Python), also
+    benchmarks prepare_data wrote (`with_paper_benchmarks` needs Python), also
     beside other sets, through the same parser the launch entry uses."""
     from stapo_megatron.eval.config import eval_set_configs
     from stapo_megatron.launch.entry import build_config, parse_arguments

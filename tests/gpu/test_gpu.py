@@ -32,7 +32,7 @@ def test_cuda_op_matches_cpu(dtype):
     torch.testing.assert_close(gpu.grad.cpu().float(), cpu.grad.float(), atol=tol, rtol=0)
 
 
-# --- the GPU path without transformer-engine, apex or vLLM (issue 10) -------------------------
+# --- the GPU path without transformer-engine, apex or vLLM ------------------------------------
 
 import contextlib  # noqa: E402
 import json  # noqa: E402

@@ -1,4 +1,4 @@
-"""Save and resume with each paper recipe's optimizer and precision settings (issue 36, item 1).
+"""Save and resume with each paper recipe's optimizer and precision settings.
 
 The paper recipes (`stapo_megatron.recipes.paper`) train in bf16 with the distributed optimizer;
 the other corners of {distributed optimizer on/off} x {bf16, fp32} are what a user gets by

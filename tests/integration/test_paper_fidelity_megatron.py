@@ -1,5 +1,4 @@
-"""Issue 14: each setting where the project follows the paper (arXiv 2602.15620) rather than a
-shortcut: the multi-process and end-to-end tests (the single-process ones are in
+"""Each setting where the project follows the paper (arXiv 2602.15620) rather than a shortcut: the multi-process and end-to-end tests (the single-process ones are in
 ``tests/method/test_paper_fidelity.py``)."""
 
 import math

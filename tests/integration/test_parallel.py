@@ -240,7 +240,7 @@ def test_denominator_is_total_kept_tokens_over_microbatches_and_dp(reference_run
     assert reference_run[0]["grad_norm"] == pytest.approx(norm, rel=1e-5)
 
 
-# --- data-parallel replicas start and stay identical (issue 12's seeding bug) -----------------
+# --- data-parallel replicas start and stay identical (same seeds on every replica) -------------
 
 
 def _replica_worker(tp, pp, steps):

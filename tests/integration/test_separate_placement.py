@@ -1,4 +1,4 @@
-"""Separate placement end to end (issue 33): engines on their own torchrun ranks, the real trainer
+"""Separate placement end to end: engines on their own torchrun ranks, the real trainer
 and the real vLLM engine over gloo (tests/helpers/separate_script.py). k = 0 writes the colocated
 run's metrics exactly; k = 1 trains every step after the first on samples one update old and a
 resumed run starts a new pipeline; a killed engine ends the job naming its rank."""

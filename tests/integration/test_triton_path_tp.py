@@ -1,4 +1,6 @@
-"""The Triton kernels of the log-prob/entropy op equal its torch path (tiers a and b, and c on a GPU): the multi-process and end-to-end tests (the single-process ones and the helpers are in ``tests/ops/test_triton_path.py``)."""
+"""The Triton kernels of the log-prob/entropy op equal its torch path (tiers a and b, and c on a GPU): the
+multi-process and end-to-end tests (the single-process ones are in ``tests/ops/test_triton_path.py``, the
+shared inputs, reference and tolerances in ``tests/helpers/triton_parity.py``)."""
 
 from __future__ import annotations
 import multiprocessing
@@ -8,7 +10,7 @@ import pytest
 import torch
 from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy
 from tests.helpers.dist_utils import run_distributed
-from tests.ops.test_triton_path import DEVICES, GRAD_ATOL, GRAD_RTOL, PATH_GRAD_ATOL, VALUE_TOL, _reference, _tp_worker  # noqa: F401
+from tests.helpers.triton_parity import DEVICES, GRAD_ATOL, GRAD_RTOL, PATH_GRAD_ATOL, VALUE_TOL, _reference, _tp_worker  # noqa: F401
 
 
 @pytest.mark.slow

@@ -15,8 +15,8 @@ from tests.helpers.launch_cli import PAPER_FILES  # noqa: E402
 
 
 def test_emit_sbatch_refusal_of_a_local_launch_file_names_every_paper_file():
-    """The message listed three of the five paper launch files and did not say why (issue 36's
-    new-user pass: `nemo-run launch/stapo_tiny.py --emit-sbatch job.sh`)."""
+    """`nemo-run launch/stapo_tiny.py --emit-sbatch job.sh` is refused with a message that says
+    why and names every paper launch file."""
     message = cli.emit_sbatch_refusal(fdl.build(executors.local_executor(nproc_per_node=2)), is_recipe=True)
     assert "this launch file runs a recipe on LocalExecutor (this machine: run it with --yes" in message
     assert message.endswith("The paper recipes' launch files: " + ", ".join(sorted(PAPER_FILES)))

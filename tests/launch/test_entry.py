@@ -1,5 +1,5 @@
 """Tier a: the paper recipes' torchrun entry without NeMo-Run (``python -m stapo_megatron.launch.entry``,
-``examples/demo_rl.py recipe=...``) and its key=value parsing (issue 27)."""
+``examples/demo_rl.py recipe=...``) and its key=value parsing."""
 
 import os
 import subprocess
@@ -26,7 +26,8 @@ def test_arguments_read_back():
 
 
 def test_yaml_words_parse_as_nemo_run_and_the_dumped_yaml_write_them():
-    """``model.sequence_parallel=false`` failed with "expected bool, got str" (issue 36)."""
+    """YAML words parse as NeMo-Run parses them: ``model.sequence_parallel=false`` is the bool False,
+    not the string "false"."""
     from stapo_megatron.launch.entry import build_config
 
     arguments = parse_arguments(["model.sequence_parallel=false", "model.bf16=True", "rollout.top_k=-1",

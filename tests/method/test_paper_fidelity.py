@@ -1,4 +1,4 @@
-"""Issue 14: each setting where the project follows the paper (arXiv 2602.15620) rather than a shortcut.
+"""Each setting where the project follows the paper (arXiv 2602.15620) rather than a shortcut.
 
 Here: the random control's draws lie in S2T's candidate pool; the +1/-1 exact-match reward on a
 table of answers. Elsewhere: GRPO against a float64 reference written from the DeepSeekMath

@@ -153,7 +153,7 @@ def test_entropy_gradient_and_inplace_backward(inplace):
 
 @pytest.mark.parametrize("entropy_grad", [False, True])
 def test_masked_minus_inf_logits_give_finite_entropy(entropy_grad):
-    """Masked vocabulary (-inf logits) is 0 log 0 = 0 (issue 16), including a wholly masked block."""
+    """Masked vocabulary (-inf logits) is 0 log 0 = 0, including a wholly masked block."""
     gen = torch.Generator().manual_seed(7)
     logits = torch.randn(4, 64, generator=gen) * 2
     logits[0, 10:40] = float("-inf")

@@ -56,7 +56,7 @@ def test_14b_targets_8_nodes():
 
 
 def test_8b_and_14b_use_cp_to_drop_full_recomputation():
-    """Issue 23: CP makes room for every layer's activations (no recomputation) at 8B and 14B,
+    """CP makes room for every layer's activations (no recomputation) at 8B and 14B,
     and the 32k variant trains 32k-token sequences; with full recomputation dropped and CP = 1
     the same layouts exceed the budget (so CP is what makes them fit)."""
     for size in ("qwen3_8b", "qwen3_8b_32k", "qwen3_14b"):

@@ -5,7 +5,7 @@ import pytest
 from stapo_megatron.rewards.answers import STATUS_OK
 
 
-# -- boxed_exact_match on answers in the benchmarks' published forms (issue 36, item 2) ---------
+# -- boxed_exact_match on answers in the benchmarks' published forms -----------------------------
 
 @pytest.mark.parametrize("response,answer,reward", [
     ("\\boxed{12}", "12.0", 1.0),  # amc23 publishes integer answers as floats

@@ -1,4 +1,4 @@
-"""The rollout configs' placement fields: separate placement and its refusals (issue 33, item 6),
+"""The rollout configs' placement fields: separate placement and its refusals,
 each naming the field and its value."""
 
 import pytest

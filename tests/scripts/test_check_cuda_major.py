@@ -40,7 +40,7 @@ def _dockerfile() -> str:
 
 def test_ngc_pip_constraints_are_lifted_before_vllm_replaces_torch():
     """NGC PyTorch >= 25.03 pins its packages in /etc/pip/constraint.txt: the file is emptied (kept
-    as constraint.ngc.txt) and PIP_CONSTRAINT cleared before `pip install vllm` (issue 34)."""
+    as constraint.ngc.txt) and PIP_CONSTRAINT cleared before `pip install vllm`."""
     text = _dockerfile()
     empty = text.index(": > /etc/pip/constraint.txt")
     assert text.index("cp /etc/pip/constraint.txt /etc/pip/constraint.ngc.txt") < empty

@@ -1,4 +1,4 @@
-"""Tier a: scripts/prepare_data.py on small files in the downloaded layouts (issue 27)."""
+"""Tier a: scripts/prepare_data.py on small files in the downloaded layouts."""
 
 import json
 import os
@@ -98,7 +98,7 @@ def test_answers_are_written_in_boxed_form(tmp_path):
 
 
 def test_paper_recipe_takes_the_prepared_benchmarks(tmp_path):
-    """The folder prepare_data writes becomes a paper recipe's eval_sets (issue 36, item 8)."""
+    """The folder prepare_data writes becomes a paper recipe's eval_sets."""
     import pytest
 
     from stapo_megatron.recipes.paper import qwen3_1p7b, with_paper_benchmarks
@@ -119,7 +119,7 @@ def test_paper_recipe_takes_the_prepared_benchmarks(tmp_path):
 
 
 def test_eval_sets_stand_in_for_the_held_out_file(tmp_path):
-    """A paper recipe with the benchmarks as eval.sets needs no data.eval_path (issue 36, item 8):
+    """A paper recipe with the benchmarks as eval.sets needs no data.eval_path:
     the paper check names it only when neither is given, and the trainer loads no held-out split."""
     import pytest
     from transformers import AutoTokenizer
