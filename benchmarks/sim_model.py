@@ -70,22 +70,22 @@ QWEN25_MATH_7B = ModelSpec("Qwen2.5-Math-7B", params=7.62e9, num_layers=28, attn
 
 @dataclasses.dataclass(frozen=True)
 class Efficiency:
-    """What the hardware achieves. The first four are fitted (`sim_calibrate.fit`, printed by
-    ``python benchmarks/sim_calibrate.py``); the rest are priors, not fitted."""
+    """What the hardware achieves. The first five are fitted (`sim_calibrate.fit`, printed by
+    ``python benchmarks/sim_calibrate.py --fit``); the rest are priors, not fitted."""
 
-    iteration_overhead_s: float = 9.55e-3
+    iteration_overhead_s: float = 5.51e-3
     """Fixed cost of a decode iteration (fitted)."""
-    forward_mfu: float = 0.4
+    decode_mfu: float = 0.463
+    """Achieved share of the peak in decode matmuls (fitted)."""
+    forward_mfu: float = 0.492
     """Ceiling of the pi_old forward's MFU (fitted)."""
-    update_mfu: float = 0.4
+    update_mfu: float = 0.864
     """Ceiling of the update's MFU, recompute FLOPs counted (fitted)."""
-    half_tokens: float = 1.5e5
+    half_tokens: float = 1.786e5
     """Tokens a GPU trains per step at which a phase runs at half its ceiling (fitted)."""
     hbm_efficiency: float = 1 / 1.16
     """Achieved share of the HBM bandwidth: this project's log-prob op reached 1/1.16 of its
     HBM bound on an H100 (RESULTS.md, "Log-prob/entropy op")."""
-    decode_mfu: float = 0.35
-    """Achieved share of the peak in decode matmuls (prior)."""
     prefill_mfu: float = 0.5
     """Achieved share of the peak in prefill (prior)."""
     allreduce_s: float = 12e-6
