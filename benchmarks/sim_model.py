@@ -204,7 +204,8 @@ def train_phase_s(model: ModelSpec, hw: Hardware, eff: Efficiency, tokens: Seque
     passes = 1 if phase == "forward" else 3 + int(recompute)  # backward = 2 forwards
     mfu_max = eff.forward_mfu if phase == "forward" else eff.update_mfu
     total = sum(tokens)
-    flops = passes * (2 * model.params * total + 4 * model.num_layers * model.attn_width * sum(n * n / 2 for n in tokens))
+    attention = 4 * model.num_layers * model.attn_width * sum(n * n / 2 for n in tokens)
+    flops = passes * (2 * model.params * total + attention)
     per_gpu = total / gpus
     mfu = mfu_max * per_gpu / (per_gpu + eff.half_tokens)
     return flops / (gpus * hw.peak_tflops * 1e12 * mfu)

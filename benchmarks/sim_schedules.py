@@ -76,8 +76,9 @@ class Engine:
         self._start_waiting()
 
     def _start_waiting(self) -> None:
-        while self.waiting and (not self.active or (self.context_sum + self.waiting[0][0] <= self.model.kv_capacity_tokens
-                                                    and len(self.active) < self.model.max_num_seqs)):
+        model = self.model
+        while self.waiting and (not self.active or (self.context_sum + self.waiting[0][0] <= model.kv_capacity_tokens
+                                                    and len(self.active) < model.max_num_seqs)):
             seq = self.waiting.pop(0)
             dt = self.model.prefill_s_per_token * seq[0]
             self.clock, self.busy_s, self.context_sum = self.clock + dt, self.busy_s + dt, self.context_sum + seq[0]
