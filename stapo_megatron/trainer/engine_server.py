@@ -80,16 +80,19 @@ def run_engine_rank(cfg: TrainerConfig, bridge: Bridge) -> int:
             dist.destroy_process_group()
 
 
+def engine_pool_env(bridge: Bridge) -> dict:
+    """torchrun's ``RANK`` and ``WORLD_SIZE`` as the engines' own group numbers them, one engine
+    rank too: vLLM's external launcher reads them from the environment (and forms its TP groups
+    from them) next to the already formed default group, which is the engines' alone; its GPU
+    is ``LOCAL_RANK``'s, as torchrun set it (`stapo_megatron.rollout.vllm_engine.engine_kwargs`)."""
+    return dict(RANK=str(bridge.rank - bridge.trainers), WORLD_SIZE=str(bridge.engine_ranks))
+
+
 @contextlib.contextmanager
 def _engine_pool_env(bridge: Bridge) -> Iterator[None]:
-    """torchrun's ``RANK`` and ``WORLD_SIZE`` as the engines' own group numbers them while the
-    engine is built: vLLM's external launcher reads them from the environment (and forms its TP
-    groups from them) next to the already formed default group, which is the engines' alone."""
-    if bridge.engine_ranks == 1:  # one engine process: vLLM's own executor, no launcher to inform
-        yield
-        return
+    """`engine_pool_env` in the environment while the engine is built."""
     saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
-    os.environ.update(RANK=str(bridge.rank - bridge.trainers), WORLD_SIZE=str(bridge.engine_ranks))
+    os.environ.update(engine_pool_env(bridge))
     try:
         yield
     finally:
