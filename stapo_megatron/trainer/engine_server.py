@@ -2,18 +2,27 @@
 would build (`engine_config`), then execute trainer 0's commands in their order (`serve`).
 
 Two threads. The listener takes every command off ``Bridge.control`` as soon as trainer 0 sends
-it, and for a weight transfer receives the buckets (staged, whole, in this process: the engine
-keeps generating with the old weights meanwhile, and trainer 0 waits only for the bytes to
-travel). The main thread executes the commands in order:
+it; at a weight transfer it hands the transfer to the main thread and waits until the main
+thread has received its buckets (which follow on ``control`` and ``Bridge.weights``). The main
+thread, the one vLLM runs on, executes the commands in order:
 
-* ``("weights", version, tensors)``: load them into the engine (between two requests);
+* ``("weights", transfer)``: load the transfer's weights into the engine (between two
+  requests): streamed bucket by bucket as they arrive
+  (`stapo_megatron.rollout.weight_receive.receive_weights`) when nothing is queued before it, or
+  from host memory when it was staged (below);
 * ``("generate", ticket, jobs, sampling)``: generate this engine's slices of the request
   (`stapo_megatron.rollout.remote.plan_chunks`) and post each to the rank that asked, without
   waiting for it to take them; each reply's header carries the seconds spent generating, idle
-  (waiting for a command) and loading weights since the last reply;
+  (waiting for a command) and receiving and loading weights since the last reply;
 * ``("partial", ticket, jobs, sampling)``: partial rollouts (`stapo_megatron.trainer.partial`):
   the step's prompts go into the asker's pool, whose first finished groups are posted back;
 * ``("stop",)``: return (what is still queued is dropped: the trainers are done or stopping).
+
+A transfer that arrives while requests are still queued before it is received between two
+requests (`stage_weights`: into host memory), so trainer 0 waits for the request being generated,
+not for all the queued ones, and the engine goes on generating them with the old weights.
+Either way the engine's GPU holds at most two buckets of the transfer and receives on vLLM's
+own thread and stream (the module docstring of `stapo_megatron.rollout.weight_receive`).
 
 All ranks of one engine (vLLM TP > 1) run the same commands; its first rank sends the samples.
 """
@@ -26,17 +35,17 @@ import queue
 import signal
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from stapo_megatron.config import TrainerConfig
 from stapo_megatron.eval.evaluator import eval_max_len
-from stapo_megatron.rollout.bridge import Bridge, Outbox, broadcast_object, broadcast_tensor
+from stapo_megatron.rollout.bridge import Bridge, Outbox, broadcast_object
 from stapo_megatron.rollout.config import RolloutConfig
-from stapo_megatron.rollout.registry import build_engine
-from stapo_megatron.rollout.remote import bucket_bytes, unpack_bucket
+from stapo_megatron.rollout.registry import build_engine, resolve_engine
+from stapo_megatron.rollout.weight_receive import receive_weights, stage_weights, staged_weights
 from stapo_megatron.trainer.partial import PartialPool
 from stapo_megatron.trainer.prompts import pad_to
 
@@ -89,8 +98,12 @@ def engine_pool_env(bridge: Bridge) -> dict:
 
 
 @contextlib.contextmanager
-def _engine_pool_env(bridge: Bridge) -> Iterator[None]:
-    """`engine_pool_env` in the environment while the engine is built."""
+def _engine_pool_env(bridge: Bridge, engine: str) -> Iterator[None]:
+    """`engine_pool_env` in the environment while a vLLM engine is built (the HF engine forms
+    no groups: nothing to renumber)."""
+    if resolve_engine(engine) != "vllm":
+        yield
+        return
     saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
     os.environ.update(engine_pool_env(bridge))
     try:
@@ -103,24 +116,29 @@ def _engine_pool_env(bridge: Bridge) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def _listen(bridge: Bridge, inbox: "queue.Queue[Any]", stopping: threading.Event,
-            device: torch.device = torch.device("cpu")) -> None:
-    """The listener thread (module docstring), receiving weights onto ``device`` (the engine's
-    GPU: the current CUDA device is per thread, so it is set here again); an exception is handed
-    to the main thread."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+class Transfer:
+    """A weight transfer the listener handed to the main thread (module docstring)."""
+
+    def __init__(self, version: int):
+        self.version = version
+        self.received = threading.Event()
+        """Set by the main thread once the buckets are off the groups: the listener goes on."""
+        self.staged: Optional[list] = None
+        """The received tensors in host memory, when they came before the engine reached them."""
+
+
+def _listen(bridge: Bridge, inbox: "queue.Queue[Any]", pending: "queue.Queue[Transfer]",
+            stopping: threading.Event) -> None:
+    """The listener thread (module docstring); an exception is handed to the main thread."""
     try:
         while True:
             command = broadcast_object(bridge.control)
             if command[0] == "weights":
-                tensors = []
-                while (manifest := broadcast_object(bridge.control)) is not None:
-                    flat = torch.empty(bucket_bytes(manifest), dtype=torch.uint8, device=device)
-                    tensors += unpack_bucket(manifest, broadcast_tensor(bridge.weights, flat))
-                if device.type == "cuda":  # NCCL's wait orders streams only: the bytes must be there
-                    torch.cuda.current_stream().synchronize()  # before the main thread loads them
-                command = ("weights", command[1], tensors)
+                transfer = Transfer(command[1])
+                pending.put(transfer)
+                inbox.put(("weights", transfer))
+                transfer.received.wait()  # the buckets follow on control: the main thread's to take
+                continue
             if command[0] == "stop":
                 stopping.set()
             inbox.put(command)
@@ -130,6 +148,30 @@ def _listen(bridge: Bridge, inbox: "queue.Queue[Any]", stopping: threading.Event
         inbox.put(error)
 
 
+def stage_pending(bridge: Bridge, pending: "queue.Queue[Transfer]", device: torch.device) -> None:
+    """Receive, into host memory, a transfer the listener handed over that the engine has not
+    reached yet (called between two requests)."""
+    while not pending.empty():
+        transfer = pending.get_nowait()
+        if not transfer.received.is_set():
+            transfer.staged = stage_weights(bridge, device)
+            transfer.received.set()
+
+
+def load_transfer(engine, bridge: Bridge, transfer: Transfer, device: torch.device) -> None:
+    """Load ``transfer`` into ``engine``: from host memory if staged, else streamed as it arrives."""
+    if transfer.staged is not None:
+        engine.update_weights(staged_weights(transfer.staged, device))
+        return
+    try:
+        weights = receive_weights(bridge, device)
+        engine.update_weights(weights)
+        for _ in weights:  # what the engine did not ask for: off the groups, in step with trainer 0
+            pass
+    finally:
+        transfer.received.set()
+
+
 def serve(cfg: TrainerConfig, bridge: Bridge, seed: int, return_routes: bool) -> int:
     """Run this engine rank until trainer 0 says stop; returns the requests it served.
 
@@ -137,12 +179,13 @@ def serve(cfg: TrainerConfig, bridge: Bridge, seed: int, return_routes: bool) ->
         RuntimeError: trainer 0's commands stopped arriving (it died: the message says so) or
             the engine failed.
     """
-    with _engine_pool_env(bridge):
+    with _engine_pool_env(bridge, cfg.rollout.engine):
         engine = build_engine(cfg.rollout.engine, cfg.model.hf_dir, engine_config(cfg, seed, return_routes))
     inbox: "queue.Queue[Any]" = queue.Queue()
+    pending: "queue.Queue[Transfer]" = queue.Queue()
     stopping = threading.Event()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    threading.Thread(target=_listen, args=(bridge, inbox, stopping, device), name="engine-listener",
+    threading.Thread(target=_listen, args=(bridge, inbox, pending, stopping), name="engine-listener",
                      daemon=True).start()
     outbox = Outbox(bridge.data)
     idle = load = 0.0
@@ -159,14 +202,17 @@ def serve(cfg: TrainerConfig, bridge: Bridge, seed: int, return_routes: bool) ->
                 return served
             if command[0] == "weights":
                 started = time.perf_counter()
-                version = command[1]
-                engine.update_weights(iter(command[2]))
+                version = command[1].version
+                load_transfer(engine, bridge, command[1], device)
                 load += time.perf_counter() - started
                 continue
             kind, ticket, jobs, sampling = command
             for chunk, prompts, chunk_seed in jobs:
                 if chunk.engine != bridge.engine_index or stopping.is_set():
                     continue
+                started = time.perf_counter()
+                stage_pending(bridge, pending, device)
+                load += time.perf_counter() - started
                 started = time.perf_counter()
                 if kind == "partial":  # prompts: (index, ids) of the step; the pool decides what returns
                     pool = pools.setdefault(chunk.dest, PartialPool())
