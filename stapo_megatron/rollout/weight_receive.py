@@ -1,27 +1,21 @@
 """The engine side of separate placement's weight transfer: the buckets trainer 0 streams
 (`stapo_megatron.rollout.remote.RemoteEngine.update_weights`: a manifest on ``Bridge.control``,
 the bytes on ``Bridge.weights``) received on the engine's main thread, the one that runs vLLM,
-so that the engine's GPU holds at most two buckets of them, never the whole model.
+when the engine reaches the transfer in its command queue, and streamed into the engine's
+``load_weights`` as they arrive (`receive_weights`): bucket i + 1 travels while bucket i is
+loaded, and bucket i + 2 is not received before bucket i is let go, so the engine's GPU holds at
+most two buckets of the transfer, never the whole model.
 
-Two ways in (`stapo_megatron.trainer.engine_server` picks):
-
-* `receive_weights`: streamed into the engine's ``load_weights`` as they arrive, when the
-  engine reaches the transfer in its queue with nothing to generate before it: bucket i + 1
-  travels while bucket i is loaded, and bucket i + 2 is not received before bucket i is let go;
-* `stage_weights` then `staged_weights`: when the transfer arrives while the engine still has
-  requests to generate before it (with the old weights): received now, between two requests,
-  with each tensor copied to (pinned) host memory as it arrives, and loaded later one tensor at
-  a time. The trainers then wait only for the request being generated, not for every queued one.
-
-Both receive on the main thread's current stream (vLLM's own stream): the NCCL receive is
-ordered before the loads that read the buffer and a freed buffer is reused only by work queued
-after them on the same stream, and the weights communicator never runs beside vLLM's TP
-communicators (one thread issues both, one after the other).
+Receiving on the main thread's current stream (vLLM's own stream) orders the NCCL receive before
+the loads that read the buffer, and a freed buffer is reused only by work queued after them on
+the same stream (no ``record_stream``, no device-wide synchronisation); and the weights
+communicator never runs beside vLLM's TP communicators (one thread issues both, one after the
+other). Why not receive earlier, while the engine still generates: ``docs/design.md``.
 """
 
 from __future__ import annotations
 
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -61,26 +55,3 @@ def receive_weights(bridge: Bridge, device: torch.device) -> Iterator[Named]:
             yield named
             if index == 0:
                 following = _post(bridge, device)
-
-
-def stage_weights(bridge: Bridge, device: torch.device) -> List[Named]:
-    """One transfer received now and kept in host memory (pinned on GPUs) for a later
-    `staged_weights`; the engine's device holds at most two buckets meanwhile."""
-    if device.type == "cpu":
-        return list(receive_weights(bridge, device))
-    staged = []
-    for name, tensor in receive_weights(bridge, device):
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        # ordered on this stream before the bucket's buffer can be reused, and before the
-        # host-to-device copy that reads it back (`staged_weights`)
-        staged.append((name, host.copy_(tensor, non_blocking=True)))
-    return staged
-
-
-def staged_weights(staged: List[Named], device: torch.device) -> Iterator[Named]:
-    """The tensors of `stage_weights` on ``device``, one at a time, the host copies let go as
-    they are loaded."""
-    staged.reverse()
-    while staged:
-        name, host = staged.pop()
-        yield name, host.to(device, non_blocking=True)

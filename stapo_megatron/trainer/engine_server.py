@@ -2,14 +2,15 @@
 would build (`engine_config`), then execute trainer 0's commands in their order (`serve`).
 
 Two threads. The listener takes every command off ``Bridge.control`` as soon as trainer 0 sends
-it; at a weight transfer it hands the transfer to the main thread and waits until the main
-thread has received its buckets (which follow on ``control`` and ``Bridge.weights``). The main
-thread, the one vLLM runs on, executes the commands in order:
+it (so that a stop is seen while requests are still queued); at a weight transfer it hands the
+transfer over and waits until the main thread has received its buckets, which follow on
+``control`` and ``Bridge.weights``. The main thread, the one vLLM runs on, executes the
+commands in order:
 
-* ``("weights", transfer)``: load the transfer's weights into the engine (between two
-  requests): streamed bucket by bucket as they arrive
-  (`stapo_megatron.rollout.weight_receive.receive_weights`) when nothing is queued before it, or
-  from host memory when it was staged (below);
+* ``("weights", transfer)``: receive the weights and load them into the engine (between two
+  requests), streamed bucket by bucket, at most two on the engine's GPU
+  (`stapo_megatron.rollout.weight_receive`); trainer 0's transfer waits until the engine gets
+  there;
 * ``("generate", ticket, jobs, sampling)``: generate this engine's slices of the request
   (`stapo_megatron.rollout.remote.plan_chunks`) and post each to the rank that asked, without
   waiting for it to take them; each reply's header carries the seconds spent generating, idle
@@ -17,12 +18,6 @@ thread, the one vLLM runs on, executes the commands in order:
 * ``("partial", ticket, jobs, sampling)``: partial rollouts (`stapo_megatron.trainer.partial`):
   the step's prompts go into the asker's pool, whose first finished groups are posted back;
 * ``("stop",)``: return (what is still queued is dropped: the trainers are done or stopping).
-
-A transfer that arrives while requests are still queued before it is received between two
-requests (`stage_weights`: into host memory), so trainer 0 waits for the request being generated,
-not for all the queued ones, and the engine goes on generating them with the old weights.
-Either way the engine's GPU holds at most two buckets of the transfer and receives on vLLM's
-own thread and stream (the module docstring of `stapo_megatron.rollout.weight_receive`).
 
 All ranks of one engine (vLLM TP > 1) run the same commands; its first rank sends the samples.
 """
@@ -35,7 +30,7 @@ import queue
 import signal
 import threading
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -45,7 +40,7 @@ from stapo_megatron.eval.evaluator import eval_max_len
 from stapo_megatron.rollout.bridge import Bridge, Outbox, broadcast_object
 from stapo_megatron.rollout.config import RolloutConfig
 from stapo_megatron.rollout.registry import build_engine, resolve_engine
-from stapo_megatron.rollout.weight_receive import receive_weights, stage_weights, staged_weights
+from stapo_megatron.rollout.weight_receive import receive_weights
 from stapo_megatron.trainer.partial import PartialPool
 from stapo_megatron.trainer.prompts import pad_to
 
@@ -116,28 +111,15 @@ def _engine_pool_env(bridge: Bridge, engine: str) -> Iterator[None]:
                 os.environ[key] = value
 
 
-class Transfer:
-    """A weight transfer the listener handed to the main thread (module docstring)."""
-
-    def __init__(self, version: int):
-        self.version = version
-        self.received = threading.Event()
-        """Set by the main thread once the buckets are off the groups: the listener goes on."""
-        self.staged: Optional[list] = None
-        """The received tensors in host memory, when they came before the engine reached them."""
-
-
-def _listen(bridge: Bridge, inbox: "queue.Queue[Any]", pending: "queue.Queue[Transfer]",
-            stopping: threading.Event) -> None:
+def _listen(bridge: Bridge, inbox: "queue.Queue[Any]", stopping: threading.Event) -> None:
     """The listener thread (module docstring); an exception is handed to the main thread."""
     try:
         while True:
             command = broadcast_object(bridge.control)
             if command[0] == "weights":
-                transfer = Transfer(command[1])
-                pending.put(transfer)
-                inbox.put(("weights", transfer))
-                transfer.received.wait()  # the buckets follow on control: the main thread's to take
+                received = threading.Event()
+                inbox.put(("weights", command[1], received))
+                received.wait()  # the buckets follow on control: the main thread's to take
                 continue
             if command[0] == "stop":
                 stopping.set()
@@ -148,28 +130,16 @@ def _listen(bridge: Bridge, inbox: "queue.Queue[Any]", pending: "queue.Queue[Tra
         inbox.put(error)
 
 
-def stage_pending(bridge: Bridge, pending: "queue.Queue[Transfer]", device: torch.device) -> None:
-    """Receive, into host memory, a transfer the listener handed over that the engine has not
-    reached yet (called between two requests)."""
-    while not pending.empty():
-        transfer = pending.get_nowait()
-        if not transfer.received.is_set():
-            transfer.staged = stage_weights(bridge, device)
-            transfer.received.set()
-
-
-def load_transfer(engine, bridge: Bridge, transfer: Transfer, device: torch.device) -> None:
-    """Load ``transfer`` into ``engine``: from host memory if staged, else streamed as it arrives."""
-    if transfer.staged is not None:
-        engine.update_weights(staged_weights(transfer.staged, device))
-        return
+def load_transfer(engine, bridge: Bridge, received: threading.Event, device: torch.device) -> None:
+    """Receive a weight transfer's buckets onto ``device`` and stream them into ``engine``;
+    ``received`` tells the listener the groups are its own again."""
     try:
         weights = receive_weights(bridge, device)
         engine.update_weights(weights)
         for _ in weights:  # what the engine did not ask for: off the groups, in step with trainer 0
             pass
     finally:
-        transfer.received.set()
+        received.set()
 
 
 def serve(cfg: TrainerConfig, bridge: Bridge, seed: int, return_routes: bool) -> int:
@@ -182,11 +152,9 @@ def serve(cfg: TrainerConfig, bridge: Bridge, seed: int, return_routes: bool) ->
     with _engine_pool_env(bridge, cfg.rollout.engine):
         engine = build_engine(cfg.rollout.engine, cfg.model.hf_dir, engine_config(cfg, seed, return_routes))
     inbox: "queue.Queue[Any]" = queue.Queue()
-    pending: "queue.Queue[Transfer]" = queue.Queue()
     stopping = threading.Event()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    threading.Thread(target=_listen, args=(bridge, inbox, pending, stopping), name="engine-listener",
-                     daemon=True).start()
+    threading.Thread(target=_listen, args=(bridge, inbox, stopping), name="engine-listener", daemon=True).start()
     outbox = Outbox(bridge.data)
     idle = load = 0.0
     served = version = 0
@@ -202,17 +170,14 @@ def serve(cfg: TrainerConfig, bridge: Bridge, seed: int, return_routes: bool) ->
                 return served
             if command[0] == "weights":
                 started = time.perf_counter()
-                version = command[1].version
-                load_transfer(engine, bridge, command[1], device)
+                _, version, received = command
+                load_transfer(engine, bridge, received, device)
                 load += time.perf_counter() - started
                 continue
             kind, ticket, jobs, sampling = command
             for chunk, prompts, chunk_seed in jobs:
                 if chunk.engine != bridge.engine_index or stopping.is_set():
                     continue
-                started = time.perf_counter()
-                stage_pending(bridge, pending, device)
-                load += time.perf_counter() - started
                 started = time.perf_counter()
                 if kind == "partial":  # prompts: (index, ids) of the step; the pool decides what returns
                     pool = pools.setdefault(chunk.dest, PartialPool())
