@@ -79,3 +79,13 @@ def test_unknown_check_is_a_usage_error(capsys):
     assert "unknown check 'nccl'" in capsys.readouterr().err
 
 
+
+
+def test_engine_start_row_checks_every_paper_recipe_on_the_card():
+    """On this CPU machine the row checks the 80 GiB card the memory model assumes; every paper
+    recipe's engine starts there (the refusals themselves: tests/recipes/test_engine_memory.py)."""
+    from stapo_megatron.doctor import engine
+
+    row = engine.check_engine_start()
+    assert (row.status, row.values["card_bytes"]) == (report.PASS, 80 * 2**30)
+    assert "every paper recipe's engine starts on the model's 85.9 GB card" in row.detail
