@@ -16,11 +16,16 @@ WEIGHT_BUCKETS_RESIDENT = 2
 the one being loaded and the one travelling."""
 
 
-def engine_staging_bytes(layout: Layout) -> float:
+def engine_staging_bytes(spec: QwenSpec, layout: Layout) -> float:
     """Separate placement: an engine GPU's weight buckets during a transfer, outside vLLM's share
-    (vLLM sizes its KV cache to fill the share); 0 colocated (the in-process engine takes the
-    tensors one at a time)."""
-    return WEIGHT_BUCKETS_RESIDENT * layout.weight_bucket_mb * 2**20 if layout.engine_ranks else 0.0
+    (vLLM sizes its KV cache to fill the share): two buckets, each at most the larger of
+    ``rollout.weight_bucket_mb`` and the largest bf16 tensor, the embedding (a tensor larger than
+    the bucket travels alone); 0 colocated (the in-process engine takes the tensors one at a
+    time)."""
+    if not layout.engine_ranks:
+        return 0.0
+    largest = 2 * spec.vocab_size * spec.hidden_size
+    return WEIGHT_BUCKETS_RESIDENT * max(layout.weight_bucket_mb * 2**20, largest)
 
 
 def free_at_engine_start(spec: QwenSpec, layout: Layout, gpu_bytes: float = GPU_TOTAL_BYTES) -> float:
@@ -45,11 +50,12 @@ def engine_start_problems(spec: QwenSpec, layout: Layout, gpu_bytes: float = GPU
     util = layout.vllm_gpu_memory_utilization
     requested = util * gpu_bytes
     if layout.engine_ranks:
-        staging = engine_staging_bytes(layout)
+        staging = engine_staging_bytes(spec, layout)
         if requested + staging > gpu_bytes:
             return [f"rollout.gpu_memory_utilization={util} gives vLLM {requested / GB:.1f} GB of an engine GPU's "
                     f"{gpu_bytes / GB:.1f} GB, and a weight transfer holds {staging / GB:.1f} GB of buckets beside it "
-                    f"({WEIGHT_BUCKETS_RESIDENT} x rollout.weight_bucket_mb={layout.weight_bucket_mb}): lower either"]
+                    f"({WEIGHT_BUCKETS_RESIDENT} x the larger of rollout.weight_bucket_mb={layout.weight_bucket_mb} "
+                    f"and the embedding): lower either field"]
         return []
     free = free_at_engine_start(spec, layout, gpu_bytes)
     if requested > free:

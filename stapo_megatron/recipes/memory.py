@@ -377,7 +377,7 @@ def describe(spec: QwenSpec, layout: Layout) -> str:
                 f"sequences, recompute {layout.recompute_granularity or 'none'}; {est.training / GB:.1f} GB of "
                 f"{GPU_MEMORY_BYTES / GB:.0f} GB), {layout.engine_ranks} generate ({engines} vLLM engines of TP="
                 f"{layout.vllm_tensor_parallel_size} at {layout.vllm_gpu_memory_utilization} of the card, "
-                f"{engine_staging_bytes(layout) / GB:.1f} GB of weight buckets beside it: KV cache for "
+                f"{engine_staging_bytes(spec, layout) / GB:.1f} GB of weight buckets beside it: KV cache for "
                 f"{est.vllm_kv_tokens} tokens per GPU)")
     return (f"{layout.num_nodes} x {layout.gpus_per_node} GPUs: TP={layout.tensor_model_parallel_size} "
             f"PP={layout.pipeline_model_parallel_size} CP={layout.context_parallel_size}{experts} "

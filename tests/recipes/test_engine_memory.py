@@ -48,8 +48,10 @@ def test_the_paper_check_refuses_an_engine_that_cannot_start():
 
 def test_a_separate_engine_gpu_holds_two_weight_buckets_beside_its_share():
     layout = paper.LAYOUTS["qwen3_8b_async"]  # 0.85 of the card: 12.9 GB left beside it
-    assert engine_memory.engine_staging_bytes(layout) == 2 * 512 * 2**20
-    assert engine_memory.engine_staging_bytes(paper.LAYOUTS["qwen3_8b"]) == 0  # colocated: one tensor at a time
-    assert engine_memory.engine_start_problems(QWEN3_8B, layout.replace(weight_bucket_mb=6144)) == []  # 12.9 GB
+    embedding = 151936 * 4096 * 2  # Qwen3-8B's largest tensor (bf16, 1.24 GB): larger than a 512 MiB bucket
+    assert engine_memory.engine_staging_bytes(QWEN3_8B, layout) == 2 * embedding
+    assert engine_memory.engine_staging_bytes(QWEN3_8B, layout.replace(weight_bucket_mb=2048)) == 2 * 2048 * 2**20
+    assert engine_memory.engine_staging_bytes(QWEN3_8B, paper.LAYOUTS["qwen3_8b"]) == 0  # colocated: one at a time
+    assert engine_memory.engine_start_problems(QWEN3_8B, layout.replace(weight_bucket_mb=6000)) == []  # 12.6 GB
     problems = engine_memory.engine_start_problems(QWEN3_8B, layout.replace(weight_bucket_mb=6400))  # 13.4 GB
     assert len(problems) == 1 and "13.4 GB of buckets" in problems[0] and "rollout.weight_bucket_mb=6400" in problems[0]
