@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 # A CUDA image for stapo-megatron: NGC PyTorch + vLLM + transformer-engine + megatron-core.
 # Not built or run in this repository's CI (its machines have no GPU and no container registry);
-# see the README, "Installing on a CUDA machine", for what each step avoids.
+# see docs/install.md, "On a CUDA machine", for what each step avoids.
 #
 #   docker build -t stapo:latest .            # then STAPO_CONTAINER_IMAGE=stapo:latest for Slurm
 #

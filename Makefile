@@ -1,5 +1,5 @@
-# The two commands of the README. Both create (or refresh, when setup.py or the pins change)
-# a virtualenv at .venv and install everything into it from scratch on a fresh machine.
+# The two commands of the README, make demo and make test. Both create (or refresh, when setup.py
+# or the pins change) a virtualenv at .venv and install everything into it from scratch on a fresh machine.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -56,8 +56,8 @@ venv: $(STAMP)
 
 # The embedded default main job: STAPO RL of a tiny Qwen3 on this CPU (vLLM rollouts, math
 # rewards, Megatron training, DP=2 over gloo), launched through NeMo-Run (launch/stapo_tiny.py:
-# LocalExecutor + torchrun, 2 processes): about 6-7 minutes on 2 cores, the warm-start included
-# (README's demo table has the measured times). Writes runs/demo/.
+# LocalExecutor + torchrun, 2 processes): a few minutes on 2 cores, the warm-start included
+# (docs/results.md has the measured times). Writes runs/demo/.
 # `nemo-run` exits non-zero when the job fails, so make does too. ARGS passes overrides:
 #   make demo ARGS="seed=7 output_dir=runs/demo7"
 ARGS ?=
@@ -65,27 +65,27 @@ demo: $(STAMP)
 	$(VENV)/bin/nemo-run launch/stapo_tiny.py $(ARGS) --yes
 
 # The demo with separate placement and one-step-off rollouts (3 processes: 2 train, 1 generates;
-# README "Asynchronous rollouts"): writes runs/demo-async.
+# docs/async.md): writes runs/demo-async.
 demo-async: $(STAMP)
 	$(VENV)/bin/nemo-run launch/stapo_tiny_async.py $(ARGS) --yes
 
 # `make demo` for 5 seeds, one after another, each training its own warm-start as on a fresh
-# clone (about 35 minutes on 2 cores): the README's demo table and docs/figures/demo_seeds.png
-# come from here. Finished seeds are not run again.
+# clone (about 35 minutes on 2 cores): the demo table of docs/results.md, the README's expected
+# result and docs/figures/demo_seeds.png come from here. Finished seeds are not run again.
 demo-seeds: $(STAMP)
 	$(PY) examples/demo_seeds.py
 
-# The tiny Qwen3-MoE demo (EP=2 over 2 processes, ~3 min) and README.md's demo-moe table from its metrics.
+# The tiny Qwen3-MoE demo (EP=2 over 2 processes, ~3 min) and docs/results.md's demo-moe table from its metrics.
 demo-moe: $(STAMP)
 	$(PY) examples/demo_moe.py
 
 # The method comparison (stapo / justrl / entropy20 / random x 5 seeds on the tiny task, each run
-# launched as `make demo` is): runs/compare/summary.md, curves.png and README.md's compare block.
+# launched as `make demo` is): runs/compare/summary.md, curves.png and docs/results.md's compare block.
 # Finished runs are skipped on a rerun. With ARGS, e.g. S2T on CISPO vs CISPO:
 #   make compare ARGS="methods=['stapo','justrl'] objectives=['cispo'] output_dir=$$PWD/runs/compare-cispo"
-# the comparison takes them instead of readme=True (README.md's block is the default comparison's).
+# the comparison takes them instead of publish=True (the results page's block is the default comparison's).
 compare: $(STAMP)
-	$(VENV)/bin/nemo-run launch/compare_tiny.py $(if $(ARGS),$(ARGS),readme=True) --yes
+	$(VENV)/bin/nemo-run launch/compare_tiny.py $(if $(ARGS),$(ARGS),publish=True) --yes
 
 # A few STAPO steps of a tiny TP=2 GPTModel on synthetic rollouts (the op/loss/mask demo, 15 s).
 demo-synthetic: $(STAMP)
@@ -100,8 +100,8 @@ test: $(STAMP)
 # the pinned stack with PYTHONPATH. Runs the fast tier and the Megatron-DDP slow tests (.ci/run
 # runs it after `make test`).
 MCORE019 := .mcore019
-MCORE019_TESTS := $(addprefix tests/integration/,test_parallel.py test_sft.py test_checkpoint.py \
-	test_checkpoint_recipes.py test_conversion_parity.py test_paper_fidelity.py test_rollout_weight_sync.py)
+MCORE019_TESTS := $(addprefix tests/integration/,test_parallel.py test_sft_tp2.py test_checkpoint_sigkill_resume.py \
+	test_checkpoint_recipes.py test_conversion_parity.py test_paper_fidelity_megatron.py test_rollout_weight_sync.py)
 $(MCORE019)/megatron/core/__init__.py:
 	rm -rf $(MCORE019) && mkdir -p $(MCORE019)/wheel
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -75,7 +75,7 @@ def _timed(fn, logits, target, **kw):
 
 
 def measure(dtype, num_tokens: int, rounds: int, baseline_rev: str):
-    from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy as current
+    from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy as current
 
     before = _baseline_op(baseline_rev)
     gen = torch.Generator().manual_seed(0)
@@ -114,12 +114,12 @@ def _ratio_stats(times, reference, clock):
 
 
 def chunk_pieces(reps: int):
-    """CPU microseconds of the eager pieces of one fp32 chunk of the torch path (``ops._local_stats``:
+    """CPU microseconds of the eager pieces of one fp32 chunk of the torch path (``torch_path._local_stats``:
     rows_per_chunk rows of the vocabulary), interleaved rep by rep, median over reps: what the
     collision sum's extra reduction costs against the pass it rides on, and the alternatives."""
-    from stapo_megatron.mcore import ops
+    from stapo_megatron.ops import torch_path
 
-    rows = ops._rows_per_chunk(VOCAB, torch.device("cpu"))
+    rows = torch_path._rows_per_chunk(VOCAB, torch.device("cpu"))
     z = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(0)) * 2
     p, logp, scratch = torch.softmax(z, -1), torch.log_softmax(z, -1), torch.empty_like(z)
     pieces = {

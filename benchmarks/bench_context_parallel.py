@@ -37,7 +37,7 @@ VOCAB = 2048
 
 
 def _config(cp: int):
-    from stapo_megatron.mcore.synthetic import tiny_gpt_config
+    from stapo_megatron.recipes.synthetic import tiny_gpt_config
 
     # Qwen3-like proportions at a CPU-sized width: 8 heads of 64, 2 KV groups, SwiGLU 3x
     base = tiny_gpt_config(1, 1, num_layers=2, hidden_size=512, num_attention_heads=8, num_query_groups=2,
@@ -66,13 +66,13 @@ def _memory_rank(rank: int, cp: int, tokens: int, port: int, queue) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from stapo_megatron.mcore.context_parallel import split_for_context_parallel
-    from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
-    from stapo_megatron.mcore.packing import pack_thd
+    from stapo_megatron.batch.context_parallel import split_for_context_parallel
+    from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy
+    from stapo_megatron.batch.packing import pack_thd
     from stapo_megatron.mcore.parallel import destroy_parallel, init_parallel
-    from stapo_megatron.mcore.records import record
+    from stapo_megatron.batch.records import record
     from stapo_megatron.mcore.schedule import packed_seq_params
-    from stapo_megatron.mcore.synthetic import build_tiny_gpt
+    from stapo_megatron.recipes.synthetic import build_tiny_gpt
 
     groups = init_parallel(1, 1, context_parallel_size=cp)
     model = build_tiny_gpt(_config(cp), VOCAB, tokens, core_attention="sdpa")
@@ -125,7 +125,7 @@ def memory(tokens: int, sizes) -> list:
 def kernel_time(tokens: int, sizes, repeats: int) -> list:
 
     from stapo_megatron.bridge.attention import chunk_attention
-    from stapo_megatron.mcore.context_parallel import local_positions
+    from stapo_megatron.batch.context_parallel import local_positions
 
     heads, groups, dim = 32, 8, 128  # Qwen3-8B's attention shape
     dev, dtype = torch.device("cuda"), torch.bfloat16

@@ -17,8 +17,14 @@ Per shape and length it prints:
   estimate (`stapo_megatron.recipes.memory.memory_estimate`, training part, for this layout),
 - the STAPO / JustRL time ratio (median of per-round ratios).
 
+``--packing budget`` fills each micro-batch with whole sequences up to the --seq-lens token
+budget (the trainer's ``packing="budget"``, SDPA's varlen path), their lengths drawn from the
+paper's distribution as `bench_packing.py` draws them; the TFLOP/s count the real sequences
+(attention within each), and the row ends with the sequences and the budget's fill.
+
     source .whl/gpu-env.sh && python3 benchmarks/bench_gpu_step.py            # the H100 run
     .venv/bin/python benchmarks/bench_gpu_step.py --device cpu --tiny          # a CPU smoke run
+    python3 benchmarks/bench_gpu_step.py --models qwen3-1.7b --seq-lens 16384 --recompute none --packing budget
 """
 
 from __future__ import annotations
@@ -78,7 +84,7 @@ def _sync(device):
 
 def microbatches(spec, seq_len: int, num_microbatches: int, seed: int):
     """One sequence of seq_len tokens per micro-batch: an 1/8 prompt, the rest response."""
-    from stapo_megatron.mcore.synthetic import synthetic_rollouts
+    from stapo_megatron.recipes.synthetic import synthetic_rollouts
 
     prompt = seq_len // 8
     mbs, _ = synthetic_rollouts(1, num_microbatches, prompt, seq_len - prompt, spec.vocab_size, seed=seed,
@@ -86,13 +92,35 @@ def microbatches(spec, seq_len: int, num_microbatches: int, seed: int):
     return mbs
 
 
+def packed_microbatches(spec, budget: int, num_microbatches: int, seed: int):
+    """``num_microbatches`` budget-packed micro-batches of at most ``budget`` tokens (the trainer's
+    "budget" packing), their sequences drawn from the paper's lengths as `bench_packing.py` draws
+    them (prompt uniform in [100, 1024], response log-normal, median 3000, capped at 15360; scaled
+    down so that the longest fits ``budget``). Returns (micro-batches, sequence lengths in them)."""
+    from bench_packing import PROMPT_RANGE, RESPONSE_CAP, lengths, rollouts  # benchmarks/, this script's folder
+    from stapo_megatron.batch.minibatches import MicroBatchLayout, build_minibatches
+    from stapo_megatron.batch.records import records_from_lists
+
+    scale = max(1, -(-(PROMPT_RANGE[1] + RESPONSE_CAP) // budget))
+    lens = lengths(8 * (num_microbatches + 1), 8, scale, seed)  # ~3 sequences per 16k budget: enough
+    layout = MicroBatchLayout("budget", micro_batch_size=1, max_tokens=budget, seq_multiple=8)
+    prompts, responses, advantages, logprobs = rollouts(lens, seed)
+    prompts, responses = ([[t % spec.vocab_size for t in seq] for seq in seqs] for seqs in (prompts, responses))
+    (mbs,), _ = build_minibatches(records_from_lists(prompts, responses, advantages, logprobs), layout)
+    if len(mbs) < num_microbatches:
+        raise ValueError(f"{len(lens)} sequences packed into {len(mbs)} < {num_microbatches} micro-batches")
+    mbs = mbs[:num_microbatches]
+    seqs = [int(n) for mb in mbs for n in (mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).tolist() if n > 0]
+    return mbs, seqs
+
+
 def bench_one(name, hf_config, seq_len, args, device, dtype, rate):
     from stapo_megatron.bridge import build_gpt_model, spec_from_hf_config
     from stapo_megatron.method.config import LossConfig
     from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
     from stapo_megatron.mcore.parallel import current_groups
-    from stapo_megatron.config import ModelConfig
-    from stapo_megatron.recipes.memory import Layout, memory_estimate
+    from stapo_megatron.mcore.config import ModelConfig
+    from stapo_megatron.recipes.memory import ParallelLayout, memory_estimate
     from stapo_megatron.mcore.config import OptimConfig
     from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
 
@@ -100,11 +128,19 @@ def bench_one(name, hf_config, seq_len, args, device, dtype, rate):
     groups = current_groups()
     recompute = {"full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
                  "selective": dict(recompute_granularity="selective"), "none": {}}[args.recompute]
+    packed = args.packing == "budget"
     model = build_gpt_model(hf_config, params_dtype=dtype, bf16=dtype == torch.bfloat16, calculate_per_token_loss=True,
-                            **recompute)
+                            core_attention="sdpa" if packed else None, **recompute)
     model, optimizer = wrap_model_and_optimizer(model, OptimConfig(lr=1e-6))
-    mbs = microbatches(spec, seq_len, args.num_microbatches, seed=0)
-    ctx = PassContext(model, seq_len, groups=groups, vocab_size=spec.vocab_size)
+    if packed:  # the FLOPs of the real sequences (attention within each), not of the budget
+        mbs, seqs = packed_microbatches(spec, seq_len, args.num_microbatches, seed=0)
+        flops = sum(model_flops(spec, n, n) for n in seqs)
+        fill = f" {len(seqs)} seqs, {sum(seqs) / (seq_len * args.num_microbatches):.0%} of the budget"
+    else:
+        mbs = microbatches(spec, seq_len, args.num_microbatches, seed=0)
+        flops, fill = model_flops(spec, seq_len * args.num_microbatches, seq_len), ""
+    rows = max(mb.tokens.shape[1] for mb in mbs)  # packed: the longest packed row (bench_packing.py)
+    ctx = PassContext(model, rows, groups=groups, vocab_size=spec.vocab_size)
     old_policy_pass(ctx, [mbs])
     methods = {"stapo": LossConfig(method="stapo"), "justrl": LossConfig(method="justrl")}
     times = {m: [] for m in methods}
@@ -120,16 +156,16 @@ def bench_one(name, hf_config, seq_len, args, device, dtype, rate):
                 times[method].append(time.perf_counter() - t0)
     t = statistics.median(times["stapo"])
     ratio = statistics.median(a / b for a, b in zip(times["stapo"], times["justrl"]))
-    tflops = model_flops(spec, seq_len * args.num_microbatches, seq_len) / t / 1e12
+    tflops = flops / t / 1e12
     # the memory model of every recompute mode ("selective" is counted as none there)
-    layout = Layout(num_nodes=1, gpus_per_node=1, vllm_tensor_parallel_size=1, vllm_gpu_memory_utilization=0.0,
-                    model=ModelConfig(**recompute))
+    layout = ParallelLayout(num_nodes=1, gpus_per_node=1, vllm_tensor_parallel_size=1,
+                            vllm_gpu_memory_utilization=0.0, model=ModelConfig(**recompute))
     estimate = memory_estimate(spec, layout, seq_len=seq_len)
     peak = torch.cuda.max_memory_allocated() / GB if device.type == "cuda" else float("nan")
     reserved = torch.cuda.max_memory_reserved() / GB if device.type == "cuda" else float("nan")
     print(f"{name:>11} {seq_len:>6} {t * 1e3:>9.1f} {tflops:>8.3g} {tflops / rate:>7.1%} {peak:>8.1f} {reserved:>8.1f} "
           f"{_gb(estimate and estimate.training):>8} {_gb(estimate and estimate.training - estimate.overhead):>8} "
-          f"{ratio:>7.3f}", flush=True)
+          f"{ratio:>7.3f}{fill}", flush=True)
 
 
 def _gb(value) -> str:
@@ -145,6 +181,9 @@ def main():
     p.add_argument("--num-microbatches", type=int, default=4, help="micro-batches (sequences) per update")
     p.add_argument("--recompute", choices=["full", "selective", "none"], default="full",
                    help="activation recomputation (the paper recipes: full; the memory estimate models only full)")
+    p.add_argument("--packing", choices=["none", "budget"], default="none",
+                   help="budget: each micro-batch packs sequences of the paper's lengths into the --seq-lens budget "
+                        "(the trainer's packing='budget'); none: one sequence of that length")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds (each: one stapo and one justrl update)")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds")
     p.add_argument("--one", nargs=2, metavar=("MODEL", "SEQ_LEN"), help=argparse.SUPPRESS)  # the worker
@@ -165,7 +204,9 @@ def main():
     seq_lens = [64, 128] if args.tiny else args.seq_lens
     name = torch.cuda.get_device_name(device) if args.device == "cuda" else "cpu"
     print(f"device {name}, torch {torch.__version__}, dtype {dtype}, matmul rate {rate:.3g} TFLOP/s, "
-          f"{args.num_microbatches} micro-batches of one sequence, recompute {args.recompute}, "
+          f"{args.num_microbatches} micro-batches of "
+          f"{'packed sequences (budget = tokens)' if args.packing == 'budget' else 'one sequence'}, "
+          f"recompute {args.recompute}, "
           f"{time.strftime('%Y-%m-%d')}, one process per row")
     print(f"{'model':>11} {'tokens':>6} {'update ms':>9} {'TFLOP/s':>8} {'of mm':>7} {'peak GB':>8} {'resv GB':>8} "
           f"{'est GB':>8} {'est-ovh':>8} {'st/justrl':>7}", flush=True)

@@ -3,7 +3,7 @@
 Two suites. ``--device cpu`` (the default, `make bench`) is described first; ``--device cuda`` at
 the end.
 
-Forward+backward time and peak extra memory of ``stapo_megatron.mcore.ops.vocab_parallel_logprob_entropy``
+Forward+backward time and peak extra memory of ``stapo_megatron.ops.logprob_entropy.vocab_parallel_logprob_entropy``
 (log-prob AND entropy, input left intact) against Megatron-Core's ``vocab_parallel_cross_entropy``
 (log-prob only; overwrites its input in place) on the same logits: N=2048 tokens, Qwen vocabulary
 151936, fp32 and bf16, TP=1 and TP=2 (gloo, one process per rank).
@@ -89,7 +89,7 @@ def _inputs(dtype, tp_size, rank):
 
 
 def _run_ours(logits, target, group):
-    from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
+    from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy
 
     x = logits.detach().requires_grad_()
     logprob, entropy = vocab_parallel_logprob_entropy(x, target, tp_group=group)
@@ -209,7 +209,7 @@ def _gpu_setup(device):
 
 
 def _gpu_methods(has_megatron, with_triton):
-    from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
+    from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy
 
     def ours(impl, inplace=False):
         def run(x, target, w, grad):
@@ -357,20 +357,20 @@ def gpu_suite(device, tokens, vocab, dtype, reps, tune):
 
 
 def _tune(logits, target, w, reps, method, copy_ms):
-    from stapo_megatron.mcore.kernels import logprob_entropy as kernels
+    from stapo_megatron.ops import triton_kernels as kernels
 
-    default = kernels.FWD_BLOCK_V, kernels.FWD_NUM_WARPS, kernels.BWD_BLOCK_V, kernels.BWD_NUM_WARPS
+    name = torch.cuda.get_device_name(logits.device) if logits.is_cuda else ""
+    print(f"the table's shapes for {name!r} (with a gradient, without): {kernels.launch_shapes(name)}")
     print(f"tuning at N = {logits.shape[0]}: | block | warps | no-grad fwd (ms) | / bound | fwd+bwd (ms) | / bound |")
     for block, warps in TUNE_SHAPES:
-        kernels.FWD_BLOCK_V, kernels.FWD_NUM_WARPS = block, warps
-        kernels.BWD_BLOCK_V, kernels.BWD_NUM_WARPS = block, warps
+        kernels.FORCED_SHAPE = block, warps
         t0 = _measure(method, logits, target, w, False, reps)[0]
         t = _measure(method, logits, target, w, True, reps)[0]
         print(
             f"| {block} | {warps} | {t0:.2f} | {t0 / (0.5 * copy_ms):.2f} | {t:.2f} | {t / (1.5 * copy_ms):.2f} |",
             flush=True,
         )
-    kernels.FWD_BLOCK_V, kernels.FWD_NUM_WARPS, kernels.BWD_BLOCK_V, kernels.BWD_NUM_WARPS = default
+    kernels.FORCED_SHAPE = None
 
 
 def main():

@@ -8,7 +8,7 @@ right-padded to the step's longest. Packed is "budget" with max_tokens_per_micro
 padded micro-batch's tokens (the longest possible sequence), so both bound a micro-batch alike.
 
 Reported: computed / real tokens, time per real token (old-policy pass + update on the tiny
-Qwen3-shaped GPT of ``mcore.synthetic``, interleaved pairs in one process, median of per-pair
+Qwen3-shaped GPT of ``recipes.synthetic``, interleaved pairs in one process, median of per-pair
 ratios), peak RSS of each side run alone in a fresh process, and the DP imbalance (max / mean
 real tokens per rank) at the paper's step (256 prompts x 8, DP 8) at full scale from the plans.
 
@@ -50,7 +50,7 @@ def lengths(num: int, group: int, scale: int, seed: int):
 
 
 def rollouts(lens, seed: int):
-    from stapo_megatron.mcore.batching import group_advantages
+    from stapo_megatron.batch.microbatch import group_advantages
 
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(1, VOCAB, (p,), generator=gen).tolist() for p, _ in lens]
@@ -60,11 +60,11 @@ def rollouts(lens, seed: int):
 
 
 def microbatches(mode: str, data, cap: int):
-    from stapo_megatron.mcore.minibatches import BatchLayout, build_minibatches
-    from stapo_megatron.mcore.records import records_from_lists
+    from stapo_megatron.batch.minibatches import MicroBatchLayout, build_minibatches
+    from stapo_megatron.batch.records import records_from_lists
 
     # the trainer's builder: padded rows to the longest sequence (rounded to 8), or the token budget
-    layout = BatchLayout("padded" if mode == "padded" else "budget", micro_batch_size=1, max_tokens=cap,
+    layout = MicroBatchLayout("padded" if mode == "padded" else "budget", micro_batch_size=1, max_tokens=cap,
                          seq_multiple=8)
     (mbs,), _ = build_minibatches(records_from_lists(*data), layout)
     return mbs
@@ -90,7 +90,7 @@ def setup(args):
     from stapo_megatron.mcore.config import OptimConfig
     from stapo_megatron.mcore.parallel import init_parallel
     from stapo_megatron.mcore.step import wrap_model_and_optimizer
-    from stapo_megatron.mcore.synthetic import build_tiny_gpt, tiny_gpt_config
+    from stapo_megatron.recipes.synthetic import build_tiny_gpt, tiny_gpt_config
 
     env = single_process_env()
     env.__enter__()
@@ -113,7 +113,7 @@ def child(args):
 
 def imbalance_at_paper_scale(seed: int):
     """DP 8, 256 x 8 sequences at full length: padded (contiguous equal counts) vs the budget plan."""
-    from stapo_megatron.mcore.packing import imbalance, plan_fixed_count, plan_token_budget
+    from stapo_megatron.batch.packing import imbalance, plan_fixed_count, plan_token_budget
 
     lens = [p + r for p, r in lengths(2048, 8, 1, seed)]
     mini = lens[:512]  # one PPO mini-batch (64 prompts x 8)

@@ -37,7 +37,7 @@ from stapo_megatron.mcore.schedule import PassContext, compute_logprob_entropy, 
 from stapo_megatron.mcore.parallel import destroy_parallel, init_parallel
 from stapo_megatron.mcore.config import OptimConfig
 from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
-from stapo_megatron.mcore.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
+from stapo_megatron.recipes.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
 from malloc_check import check_jemalloc  # benchmarks/, the script's folder
 
 NUM_MINIBATCHES = 4

@@ -76,13 +76,13 @@ def _peak_staging_mib(receive, targets) -> float:
 
 
 def _rank(rank: int, world: int, port: int, args, results) -> None:
-    from stapo_megatron.rollout.bridge import broadcast_object, connect
+    from stapo_megatron.rollout.transport import broadcast_object, connect
     from stapo_megatron.rollout.remote import RemoteEngine
     from stapo_megatron.rollout.weight_receive import receive_weights
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
-    bridge = connect(store, rank, world, args.engines, 1, samples_timeout_s=600)
+    transport = connect(store, rank, world, args.engines, 1, samples_timeout_s=600)
     tensors, total = _tensors(args.gb)
     targets = {name: torch.zeros_like(t) for name, t in tensors} if rank > 0 else None  # touched: resident before
     if rank > 0:
@@ -91,24 +91,24 @@ def _rank(rank: int, world: int, port: int, args, results) -> None:
     for bucket_mb in args.buckets:
         times, peaks = [], []
         for _ in range(args.repeats):
-            bridge.data.barrier().wait()
+            transport.data.barrier().wait()
             start = time.perf_counter()
             if rank == 0:
-                RemoteEngine(bridge, True, 600, bucket_mb).update_weights(iter(tensors))
+                RemoteEngine(transport, True, 600, bucket_mb).update_weights(iter(tensors))
             else:
-                command = broadcast_object(bridge.control)
+                command = broadcast_object(transport.control)
                 assert command[0] == "weights", command
-                peaks.append(_peak_staging_mib(receive_weights(bridge, torch.device("cpu")), targets))
-            bridge.data.barrier().wait()  # every engine holds the whole set
+                peaks.append(_peak_staging_mib(receive_weights(transport, torch.device("cpu")), targets))
+            transport.data.barrier().wait()  # every engine holds the whole set
             times.append(time.perf_counter() - start)
         if rank == 1:
             results.put(("peak", bucket_mb, max(peaks)))
         rows.append((bucket_mb, statistics.median(times)))
     if rank == 0:
         results.put((total, [(b, t, _two_buckets_mib(tensors, b)) for b, t in rows]))
-        RemoteEngine(bridge, True, 600, 1).shutdown()
+        RemoteEngine(transport, True, 600, 1).shutdown()
     else:
-        assert broadcast_object(bridge.control)[0] == "stop"
+        assert broadcast_object(transport.control)[0] == "stop"
 
 
 def main() -> None:

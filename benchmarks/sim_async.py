@@ -81,7 +81,7 @@ class Calibration:
     engine_tp: int = 4
     """GPUs per vLLM engine (the 8B recipe's vllm_tensor_parallel_size)."""
     params: float = 8.19e9
-    """Parameters of the policy (`recipes.memory.num_params` of the qwen3_8b architecture)."""
+    """Parameters of the policy (`bridge.hf_config.num_params` of the qwen3_8b architecture)."""
     layers: int = 36
     attn_width: int = 4096
     """num_attention_heads x kv_channels: causal attention FLOPs per token are 4 x layers x width x position."""

@@ -1,11 +1,11 @@
-"""The tiny MoE demo's README table: run it (unless finished) and write the table from its metrics.
+"""The tiny MoE demo's results table: run it (unless finished) and write the table from its metrics.
 
     .venv/bin/python examples/demo_moe.py                 # = make demo-moe
     .venv/bin/python examples/demo_moe.py --out runs/demo-moe --no-run   # table from a finished run
 
 Runs ``nemo-run launch/stapo_tiny_moe.py output_dir=OUT --yes`` (NeMo-Run, torchrun, 2
 processes, expert parallelism 2 over gloo), then reads ``OUT/metrics.jsonl`` and puts into
-README.md between the ``demo-moe`` markers: per RL step the loss, the mean reward, the routing
+docs/results.md between the ``demo-moe`` markers: per RL step the loss, the mean reward, the routing
 disagreement between the rollout engine and training (mean / max over layers), training's
 expert load (max / mean tokens per expert, per layer), the rollout's worst layer, and the aux
 loss (sum over layers); the held-out accuracy after the warm-start and at the end; the machine,
@@ -55,11 +55,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/demo-moe")
     parser.add_argument("--no-run", action="store_true", help="only write the table from a finished run")
-    parser.add_argument("--readme", default=os.path.join(ROOT, "README.md"))
+    parser.add_argument("--page", default=None, help="the markdown page with the block (default: docs/results.md)")
     args = parser.parse_args()
     sys.path.insert(0, ROOT)
     from stapo_megatron.runlog.plots import read_metrics
-    from stapo_megatron.runlog.report import fill_block, runs_commit
+    from stapo_megatron.runlog.report import RESULTS_PAGE, fill_block, runs_commit
 
     run_dir = os.path.join(ROOT, args.out)
     seconds = None if args.no_run else run(args.out)
@@ -73,7 +73,7 @@ def main():
             f"with {os.cpu_count()} cores{timing}. Held-out accuracy {evals[0]['eval_accuracy']:.3f} at RL step "
             f"{evals[0]['step']} (after the warm-start), {evals[-1]['eval_accuracy']:.3f} at step {evals[-1]['step']}.\n\n"
             + table(rows))
-    fill_block(args.readme, "demo-moe", text)
+    fill_block(args.page or os.path.join(ROOT, RESULTS_PAGE), "demo-moe", text)
     print(text)
 
 

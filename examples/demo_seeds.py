@@ -1,4 +1,5 @@
-"""The embedded default over several seeds: the README's demo table and curve come from here.
+"""The embedded default over several seeds: the demo table and curve of docs/results.md and the
+README's expected result come from here.
 
     .venv/bin/python examples/demo_seeds.py                      # = make demo-seeds: 5 seeds
     .venv/bin/python examples/demo_seeds.py --seeds 1234 1 --out runs/demo-seeds --figures docs/figures
@@ -18,7 +19,8 @@ from ``OUT/.warmstart-cache`` (the same weights, faster). Then it writes, from t
                              end, the gain, tokens S2T silenced, wall time; machine, date, commit,
                              and which seeds meet the demo's goal (`GOAL`)
 
-and puts the table into README.md between the ``demo-seeds`` markers.
+and puts the table into docs/results.md between the ``demo-seeds`` markers and a short summary
+(`readme_summary`) into README.md between the ``demo-summary`` markers.
 """
 
 import argparse
@@ -31,7 +33,7 @@ import time
 
 DEFAULT_SEEDS = (1234, 1, 2, 3, 4)
 GOAL = dict(start=0.40, gain=0.20, minutes=12.0)
-"""What every seed of the demo should show (issue 12): held-out accuracy at least ``start`` after
+"""What every seed of the demo should show: held-out accuracy at least ``start`` after
 the warm-start, at least ``gain`` higher at the end, the whole run (warm-start trained) within
 ``minutes`` on a 2-core machine."""
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -129,6 +131,18 @@ def goal_summary(results):
             + (f" ({', '.join(met)})" if met else "") + ".")
 
 
+def readme_summary(results, eval_desc, stamp):
+    """The README's expected result of ``make demo``: the mean over seeds in two lines, with where
+    and when it was measured (``stamp``) and a pointer to the per-seed table."""
+    n = len(results)
+    timed = [r["seconds"] / 60 for r in results if r["seconds"]]
+    minutes = f"; {min(timed):.1f}-{max(timed):.1f} min per run on that machine" if timed else ""
+    return (f"Expected: held-out {eval_desc} from {sum(r['start'] for r in results) / n:.2f} after the "
+            f"warm-start to {sum(r['end'] for r in results) / n:.2f} after RL (mean of {n} seeds), "
+            f"{sum(r['silenced'] for r in results) / n:.0f} tokens silenced by S2T per run{minutes}.\n"
+            f"{stamp} by `make demo-seeds`; per seed: [docs/results.md](docs/results.md).")
+
+
 def plot(results, path, eval_desc):
     import matplotlib
 
@@ -152,13 +166,14 @@ def plot(results, path, eval_desc):
 
 def main():
     from stapo_megatron.recipes.tiny import tiny_demo
-    from stapo_megatron.runlog.report import fill_block, machine, runs_commit
+    from stapo_megatron.runlog.report import RESULTS_PAGE, fill_block, machine, runs_commit
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS))
     parser.add_argument("--out", default="runs/demo-seeds")
     parser.add_argument("--figures", default="docs/figures")
-    parser.add_argument("--no-readme", action="store_true", help="do not update README.md")
+    parser.add_argument("--no-publish", action="store_true",
+                        help="do not update docs/results.md and README.md")
     parser.add_argument("--shared-warmstart", action="store_true",
                         help="train the warm-start once (first seed) and load it for the others")
     args = parser.parse_args()
@@ -177,14 +192,16 @@ def main():
     os.makedirs(figures, exist_ok=True)
     plot(results, os.path.join(figures, "demo_seeds.png"), eval_desc)
     commit = runs_commit(os.path.join(ROOT, args.out, f"seed_{seed}") for seed in args.seeds)
-    text = (f"Measured {datetime.date.today().isoformat()} on {machine()} at commit {commit} by "
-            f"`examples/demo_seeds.py` (`make demo` per seed, {cfg.steps} RL steps):\n\n"
+    stamp = f"Measured {datetime.date.today().isoformat()} on {machine()} at commit {commit}"
+    text = (f"{stamp} by `examples/demo_seeds.py` (`make demo` per seed, {cfg.steps} RL steps):\n\n"
             f"{table(results, eval_desc)}\n\n{goal_summary(results)}\n")
     with open(os.path.join(figures, "demo_seeds.md"), "w") as f:
         f.write(text)
     print(text)
-    if not args.no_readme:
-        fill_block(os.path.join(ROOT, "README.md"), "demo-seeds", text)
+    if not args.no_publish:
+        fill_block(os.path.join(ROOT, RESULTS_PAGE), "demo-seeds", text)
+        fill_block(os.path.join(ROOT, "README.md"), "demo-summary", readme_summary(results, eval_desc, stamp))
+
 
 if __name__ == "__main__":
     main()

@@ -4,7 +4,7 @@
     nemo-run launch/stapo_30b_a3b.py method=justrl model.hf_dir=... model.megatron_ckpt=... \
         data.train_path=... data.eval_path=... output_dir=... run.executor.account=... --yes
 
-The layout (TP=4, EP=16, ETP=1 on 4 nodes) comes from the memory model (README's memory table).
+The layout (TP=4, EP=16, ETP=1 on 4 nodes) comes from the memory model (the memory table of docs/recipes.md).
 Mixture-of-experts conversion and expert-parallel training land with the MoE bridge (issue 25);
 until then this file renders the job but the trainer refuses the model.
 

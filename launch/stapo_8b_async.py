@@ -1,5 +1,5 @@
 """STAPO on Qwen3-8B-Base with separate placement and one-step-off rollouts
-(`recipes/paper.py::qwen3_8b_async`; README, "Asynchronous rollouts") on Slurm: 4 nodes, the
+(`recipes/paper.py::qwen3_8b_async`; docs/async.md) on Slurm: 4 nodes, the
 first 2 train, the last 2 run 4 vLLM engines (TP=4) that generate step s + 1 while step s trains.
 
     nemo-run launch/stapo_8b_async.py --dryrun      # render the sbatch script, submit nothing

@@ -1,5 +1,5 @@
 """The tiny CPU recipe with separate placement and one-step-off rollouts: 3 local processes, the
-first 2 train (DP=2), the last runs the rollout engine (README, "Asynchronous rollouts").
+first 2 train (DP=2), the last runs the rollout engine (docs/async.md).
 
     nemo-run launch/stapo_tiny_async.py --yes           # = make demo-async; writes runs/demo-async
     nemo-run launch/stapo_tiny_async.py rollout.max_staleness=0 output_dir=runs/demo-sep0 --yes

@@ -3,7 +3,7 @@
     python scripts/gen_config_reference.py          # rewrite docs/config-reference.md
     python scripts/gen_config_reference.py --check  # exit 1 if the committed file is stale
 
-The reference is generated, never edited by hand: `stapo_megatron.config.field_docs` reads the
+The reference is generated, never edited by hand: `stapo_megatron.config.tree.field_docs` reads the
 docstring under each field, and tests/config/test_config_reference.py fails when the committed file
 differs from what this script writes.
 """
@@ -13,7 +13,9 @@ import os
 import sys
 import typing
 
-from stapo_megatron.config import EvalSetConfig, TrainerConfig, WarmStartConfig, field_docs
+from stapo_megatron.config import TrainerConfig, WarmStartConfig
+from stapo_megatron.config.tree import field_docs
+from stapo_megatron.eval.config import EvalSetConfig
 
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "config-reference.md")
 

@@ -1,11 +1,11 @@
-"""The README's per-GPU memory table of the paper recipes, from `recipes.memory.memory_estimate`.
+"""The per-GPU memory table of the paper recipes in docs/recipes.md, from `recipes.memory.memory_estimate`.
 
-    python scripts/memory_table.py            # rewrite the block in README.md
+    python scripts/memory_table.py            # rewrite the block in docs/recipes.md
     python scripts/memory_table.py --print    # print it
 
 The block sits between ``<!-- memory-table:begin -->`` and ``<!-- memory-table:end -->``;
 `tests/recipes/test_paper.py` fails when it differs from what this script writes (so a change to a
-layout or to the memory model cannot leave the README behind).
+layout or to the memory model cannot leave the page behind).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import re
 
 from stapo_megatron.recipes import memory, paper
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+PAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "recipes.md")
 BEGIN, END = "<!-- memory-table:begin -->", "<!-- memory-table:end -->"
 COLUMNS = ("weights", "grads", "optimizer", "activations", "logits", "overhead", "training", "vllm")
 
@@ -51,8 +51,8 @@ def block() -> str:
     return f"{BEGIN}\n{table()}\n{END}"
 
 
-def rewrite(path: str = README) -> bool:
-    """Replace the README's block with the current one; whether it changed."""
+def rewrite(path: str = PAGE) -> bool:
+    """Replace the page's block with the current one; whether it changed."""
     with open(path, encoding="utf-8") as f:
         text = f.read()
     pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.S)
@@ -67,8 +67,8 @@ def rewrite(path: str = README) -> bool:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--print", action="store_true", help="print the table instead of rewriting README.md")
+    parser.add_argument("--print", action="store_true", help="print the table instead of rewriting docs/recipes.md")
     if parser.parse_args().print:
         print(table())
     else:
-        print("README.md memory table", "rewritten" if rewrite() else "already current")
+        print("docs/recipes.md memory table", "rewritten" if rewrite() else "already current")

@@ -7,7 +7,7 @@ DOWNLOADED is a parquet or JSONL file or an HF dataset folder (``save_to_disk``)
 one copy of each repeated problem (the published parquet repeats each ~100 times) and writes
 ``{"id", "prompt", "answer"}`` rows (``data.train_path``); ``bench`` writes ``OUT_DIR/NAME.jsonl``
 with the same fields, the layout ``stapo-eval --bench-dir OUT_DIR`` and ``eval.sets`` read.
-NAME is one of aime24, aime25, amc23, math500, minerva, olympiadbench. Sources: README, "Data".
+NAME is one of aime24, aime25, amc23, math500, minerva, olympiadbench. Sources: docs/data.md.
 Several DOWNLOADED files are joined in the order given: AIME 2025 is published as two files
 (AIME 2025 I and II, 15 problems each), and ``bench aime25`` takes both (it refuses fewer than
 30 problems). Answers are written in the form a boxed answer takes (``12.0`` as ``12``, a list

@@ -1,5 +1,5 @@
-"""Small helpers every wing uses: the one dotted-path loader, the config field checks and the seed
-stride.
+"""Small helpers every wing uses: the one dotted-path loader, the config field checks, the seed
+stride, the one way sizes are written in messages (`format_bytes`) and the device of a collective.
 
 Imports nothing of the package (a leaf), so any module may use it without an import circle.
 """
@@ -12,7 +12,7 @@ from typing import Any
 SEED_STRIDE = 1_000_003
 """The prime that keeps seed streams apart: the rollout seeds (``seed x SEED_STRIDE``), the random
 controls (``loss.seed x SEED_STRIDE``, `method.registry`) and a micro-batch's part on CP rank r
-(``seed + r x SEED_STRIDE``, `mcore.context_parallel`; `trainer.seeds.Seeds` documents every stream)."""
+(``seed + r x SEED_STRIDE``, `batch.context_parallel`; `trainer.seeds.Seeds` documents every stream)."""
 
 
 def is_dotted_path(path: Any) -> bool:
@@ -47,3 +47,32 @@ def check_at_least(obj: Any, minimum: int, *names: str) -> None:
         value = getattr(obj, name)
         if value < minimum:
             raise ValueError(f"{type(obj).__name__}.{name} must be >= {minimum}, got {value}")
+
+
+def collective_device(group: Any = None) -> Any:
+    """The device (a ``torch.device``) of tensors passed to collectives over ``group`` (a
+    ``torch.distributed`` process group; None: the default one): the current CUDA device for NCCL,
+    the CPU for gloo (or when torch.distributed is not initialised)."""
+    import torch  # here, not at the top: the reward workers and the config import this leaf without torch
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+"""`format_bytes`'s units, each 1024 times the one before."""
+
+
+def format_bytes(nbytes: float) -> str:
+    """``nbytes`` in the largest unit of `BYTE_UNITS` that keeps the number >= 1, with at least
+    three significant figures (``0 B``, ``512 B``, ``64.0 KiB``, ``1.18 MiB``, ``768 MiB``, ``12.0 GiB``),
+    so that a message shows a size of any magnitude (a full disk has 0 B free, not "0.00 GiB")."""
+    value, unit = float(nbytes), 0
+    while abs(value) >= 1024 and unit < len(BYTE_UNITS) - 1:
+        value, unit = value / 1024, unit + 1
+    if unit == 0:
+        return f"{nbytes:.0f} B"
+    digits = 2 if abs(value) < 10 else 1 if abs(value) < 100 else 0
+    return f"{value:.{digits}f} {BYTE_UNITS[unit]}"

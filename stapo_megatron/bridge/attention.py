@@ -21,7 +21,7 @@ Packed paths: on CUDA in fp16/bf16 without dropout, ``torch.nn.attention.varlen.
 what the padded batch computed for it (its pad keys were masked out by causality).
 
 Context parallelism (``context_parallel_size`` > 1, packed rows only): the THD row holds this
-CP rank's two chunks of every sequence (``stapo_megatron.mcore.context_parallel``: chunks r and
+CP rank's two chunks of every sequence (``stapo_megatron.batch.context_parallel``: chunks r and
 2 CP - 1 - r, ``cu_seqlens`` those of the whole row), as Megatron lays it out for TE. K and V
 are all-gathered over the CP group (Llama 3's all-gather CP; the backward sums their gradients
 over CP and keeps this rank's slice: a reduce-scatter) and put back in each sequence's global
@@ -51,7 +51,7 @@ from torch.nn.attention.bias import CausalBias, causal_lower_right
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from stapo_megatron.mcore.context_parallel import all_gather_sequence, local_positions
+from stapo_megatron.batch.context_parallel import all_gather_sequence, local_positions
 
 try:  # torch >= 2.10 (a prototype there)
     from torch.nn.attention.varlen import varlen_attn
@@ -93,7 +93,7 @@ class SDPAttention(MegatronModule):
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         tp_size = pg_collection.tp.size()
-        # context parallelism: this rank holds 2 chunks of every sequence (mcore.context_parallel)
+        # context parallelism: this rank holds 2 chunks of every sequence (batch.context_parallel)
         self.cp_group = getattr(pg_collection, "cp", None) if config.context_parallel_size > 1 else None
         if self.cp_group is not None and self.cp_group.size() != config.context_parallel_size or (
                 config.context_parallel_size > 1 and self.cp_group is None):
@@ -190,7 +190,7 @@ class SDPAttention(MegatronModule):
 
     def _packed_context_parallel(self, query, key, value, cu_seqlens) -> torch.Tensor:
         """Causal attention of this CP rank's two chunks of every sequence of a THD row
-        (``mcore.context_parallel``: chunks r and 2 CP - 1 - r, ``cu_seqlens`` global).
+        (``batch.context_parallel``: chunks r and 2 CP - 1 - r, ``cu_seqlens`` global).
 
         K and V are all-gathered over the CP group (Llama 3's all-gather CP; their gradients
         are summed back over CP and this rank's part kept, a reduce-scatter) and put in global

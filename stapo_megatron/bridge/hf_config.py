@@ -8,7 +8,8 @@ Supported: ``Qwen2ForCausalLM`` (Qwen2, Qwen2.5: qkv bias, no q/k norm),
 ``Qwen3ForCausalLM`` (dense Qwen3: q/k RMSNorm, no bias, head_dim may differ from
 hidden_size / num_attention_heads) and ``Qwen3MoeForCausalLM`` (Qwen3 attention, every MLP a
 mixture of routed experts: softmax router, top-k, optional top-k renormalisation, no shared
-expert). Tied and untied embeddings.
+expert). Tied and untied embeddings. A spec's parameter counts (`num_params`, `num_active_params`)
+are here too: the memory model and the converter's host-memory check both count them.
 """
 
 from __future__ import annotations
@@ -232,3 +233,34 @@ def spec_from_hf_config(hf_config: Union[Mapping[str, Any], Any]) -> QwenSpec:
         init_method_std=float(cfg.get("initializer_range", 0.02)),
         **moe,
     )
+
+
+def dense_layer_params(spec: QwenSpec) -> int:
+    """Parameters of one decoder layer outside its experts: q/k/v/o, the two RMSNorms, the q/k
+    norms, and the dense gate/up/down (a dense model) or the router (an MoE layer)."""
+    h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
+    attention = h * (q + 2 * kv) + q * h
+    mlp = h * spec.num_moe_experts if spec.is_moe else 3 * h * spec.ffn_hidden_size
+    norms = 2 * h + (2 * spec.kv_channels if spec.qk_layernorm else 0)
+    return attention + mlp + norms
+
+
+def expert_params(spec: QwenSpec) -> int:
+    """Parameters of one expert (gate/up/down of width ``moe_ffn_hidden_size``); 0 for a dense model."""
+    return 3 * spec.hidden_size * spec.moe_ffn_hidden_size if spec.is_moe else 0
+
+
+def num_params(spec: QwenSpec) -> int:
+    """Parameters of the HF model (unpadded vocabulary; every expert of an MoE)."""
+    embeddings = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
+    experts = (spec.num_moe_experts or 0) * expert_params(spec)
+    return spec.num_layers * (dense_layer_params(spec) + experts) + embeddings + spec.hidden_size
+
+
+def num_active_params(spec: QwenSpec) -> int:
+    """Parameters one token passes through: `num_params` with ``moe_router_topk`` experts per MoE
+    layer instead of all of them (= `num_params` for a dense model)."""
+    if not spec.is_moe:
+        return num_params(spec)
+    idle = spec.num_moe_experts - spec.moe_router_topk
+    return num_params(spec) - spec.num_layers * idle * expert_params(spec)

@@ -137,7 +137,7 @@ def build_gpt_model(
     pp = ps.get_pipeline_model_parallel_world_size()
     use_te = use_transformer_engine(use_te)
     cp = ps.get_context_parallel_world_size()
-    if cp > 1:  # the split itself is the caller's (mcore.context_parallel); attention and RoPE read this
+    if cp > 1:  # the split itself is the caller's (batch.context_parallel); attention and RoPE read this
         config_overrides.setdefault("context_parallel_size", cp)
     if config_overrides.get("moe_enable_routing_replay") and not spec.is_moe:
         raise ValueError(f"moe_enable_routing_replay=True (rollout.routing_replay) needs a mixture-of-experts "

@@ -4,7 +4,7 @@ A tiny model is a `QwenSpec` (`tiny_qwen3_spec` fills in Qwen3's architecture fa
 come its HF ``config.json`` (`hf_config_from_spec`, the inverse of `spec_from_hf_config`), its
 transformers config and model (`transformers_config`, `build_hf_model`) and its Megatron
 TransformerConfig (`bridge.transformer_config.transformer_config_from_spec`). The recipes'
-tiny models (`recipes.tiny`) and the synthetic demo's GPTModel (`mcore.synthetic`) are built here.
+tiny models (`recipes.tiny`) and the synthetic demo's GPTModel (`recipes.synthetic`) are built here.
 
 ``TINY_CONFIGS`` are HF config dicts written out by hand instead: each variant exercises a
 different part of the config reader and the mapping (legacy key spellings, bias, tying); all keep

@@ -14,6 +14,7 @@ the section's fields; the dataclasses' own checks (``__post_init__``) run on the
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import typing
@@ -69,13 +70,16 @@ def check_value(where: str, value: Any, annotation: Any) -> Any:
     return value
 
 
-def apply_overrides(obj: Any, overrides: Mapping[str, Any], prefix: str = "") -> Any:
+def apply_overrides(obj: Any, overrides: Mapping[str, Any], prefix: str = "", check: bool = True) -> Any:
     """A copy of dataclass ``obj`` with ``overrides`` applied (dotted keys or nested dicts).
 
     Args:
         obj: a configuration dataclass (``TrainerConfig``, ``WarmStartConfig``, any section).
         overrides: ``{"steps": 1, "loss.tau_p": 0.01, "rollout": {"top_p": 0.9}}``.
         prefix: how ``obj`` is reached from the root, for messages (``"warmstart."``).
+        check: False: ``obj``'s own ``__post_init__`` does not run on the copy (its sections'
+            still do), so that a caller can list every problem of a configuration that the
+            dataclass refuses at its first one (`launch.entry.build_config`).
     Raises:
         ValueError: an unknown field (with the closest names), a value of the wrong type for an
             int/float/bool/str field, or whatever the dataclasses' ``__post_init__`` refuses.
@@ -103,4 +107,9 @@ def apply_overrides(obj: Any, overrides: Mapping[str, Any], prefix: str = "") ->
         else:
             value = check_value(f"{prefix}{head}", value, hints[head])
         changes[head] = value
-    return dataclasses.replace(obj, **changes)
+    if check:
+        return dataclasses.replace(obj, **changes)
+    unchecked = copy.copy(obj)
+    for name, value in changes.items():
+        setattr(unchecked, name, value)
+    return unchecked

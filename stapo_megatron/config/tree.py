@@ -29,7 +29,7 @@ import math
 import textwrap
 from typing import ClassVar, Dict, Optional
 
-from stapo_megatron.config.layout import config_problems
+from stapo_megatron.config.parallel_layout import config_problems
 from stapo_megatron.data.config import DataConfig
 from stapo_megatron.eval.config import EvalConfig, EvalSetConfig, eval_set_configs
 from stapo_megatron.method.config import LossConfig
@@ -38,14 +38,9 @@ from stapo_megatron.rewards.config import RewardConfig
 from stapo_megatron.rollout.config import EngineResources, RolloutConfig, RolloutSampling
 from stapo_megatron.runlog.config import LoggingConfig
 from stapo_megatron.mcore.config import ModelConfig, OptimConfig
-from stapo_megatron.trainer.config import WarmStartConfig
 from stapo_megatron.utils import check_at_least
 
-__all__ = [
-    "DataConfig", "EngineResources", "EvalConfig", "EvalSetConfig", "LoggingConfig", "LossConfig", "ModelConfig",
-    "OptimConfig", "RewardConfig", "RolloutConfig", "RolloutSampling", "TrainerConfig", "WarmStartConfig",
-    "eval_set_configs", "field_docs",
-]
+__all__ = ["TrainerConfig", "field_docs"]
 
 
 def field_docs(cls: type) -> Dict[str, str]:
@@ -78,8 +73,8 @@ class TrainerConfig:
     micro_batch_size: int = 1
     """Sequences per micro-batch (padded, ``packing="padded"``, and ``packing="fixed"``)."""
     packing: str = "padded"
-    """How a mini-batch becomes micro-batches (`stapo_megatron.config.layout.PACKING_MODES`, built by
-    `stapo_megatron.mcore.packing`): "padded" right-pads
+    """How a mini-batch becomes micro-batches (`stapo_megatron.batch.alignment.PACKING_MODES`, built by
+    `stapo_megatron.batch.packing`): "padded" right-pads
     ``micro_batch_size`` sequences to the step's longest ([N, S] rows); "fixed" packs the same
     sequences end to end (THD, no padding); "budget" packs whole sequences up to
     ``max_tokens_per_microbatch`` tokens per micro-batch, the same number of micro-batches on every
@@ -161,7 +156,7 @@ class TrainerConfig:
                              f"give its name as reward.name (RewardConfig(name={self.reward!r}))")
         if not isinstance(self.eval, EvalConfig):
             raise ValueError(f"TrainerConfig.eval must be an EvalConfig, got {type(self.eval).__name__}")
-        # the parallel layout's checks that need no world size (`stapo_megatron.config.layout`)
+        # the parallel layout's checks that need no world size (`stapo_megatron.config.parallel_layout`)
         problems = config_problems(self)
         if problems:
             raise ValueError(problems[0])
@@ -184,6 +179,11 @@ class TrainerConfig:
             return self.rollout_timeout_s
         longest = max(self.rollout.max_response_len, self.eval.max_response_len or 0)
         return max(self.distributed_timeout_s, SECONDS_PER_RESPONSE_TOKEN * longest)
+
+    def longest_sequence(self) -> int:
+        """The longest sequence an engine holds: the prompt limit plus training's or evaluation's
+        response limit, whichever is longer."""
+        return self.data.max_prompt_len + max(self.rollout.max_response_len, self.eval.max_response_len or 0)
 
 
 SECONDS_PER_RESPONSE_TOKEN = 0.2

@@ -20,7 +20,8 @@ from typing import Any, Dict, Optional, Tuple
 
 import yaml
 
-from stapo_megatron.config import TrainerConfig, WarmStartConfig
+from stapo_megatron.config.tree import TrainerConfig
+from stapo_megatron.trainer.config import WarmStartConfig
 from stapo_megatron.config.overrides import apply_overrides
 
 HEADER = "# stapo-megatron resolved configuration (stapo_megatron/config/yaml_io.py); launch it with config=PATH\n"

@@ -37,6 +37,7 @@ from stapo_megatron.bridge.hf_config import (  # noqa: F401  (HF_SUBDIR, copy_hf
 from stapo_megatron.bridge.transformer_config import DEFAULT_VOCAB_DIVISOR, check_parallel_sizes, padded_vocab_size
 from stapo_megatron.bridge.mapping import LAYER_PREFIX, hf_shapes, mappings_for, megatron_shape
 from stapo_megatron.bridge.transforms import merge_qkv
+from stapo_megatron.utils import format_bytes
 
 BLOCK_BYTES = 16 * 2**20
 """Largest chunk read at once (embedding and lm_head are split into row blocks of this size)."""
@@ -189,8 +190,9 @@ def check_free_space(out: str, nbytes: int) -> None:
         parent = os.path.dirname(parent)
     free = shutil.disk_usage(parent).free
     if free < nbytes:
-        raise OSError(errno.ENOSPC, f"the checkpoint needs {nbytes / 2**30:.2f} GiB but the file system of "
-                                    f"{parent} has {free / 2**30:.2f} GiB free; nothing was written", out)
+        raise OSError(errno.ENOSPC, f"the checkpoint needs {format_bytes(nbytes)} but the file system of "
+                                    f"{parent} has {format_bytes(free)} free ({format_bytes(nbytes - free)} "
+                                    "more needed); nothing was written", out)
 
 
 @contextlib.contextmanager

@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Iterator, Optional, Sequence, TextIO
 
+from stapo_megatron.utils import format_bytes
+
 
 def _within(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
@@ -112,8 +114,8 @@ class Progress:
         elapsed = max(now - self._start, 1e-9)
         line = (
             f"[{self.label}] {self.items}/{self.total_items} tensors, "
-            f"{self.bytes / 2**20:.0f}/{self.total_bytes / 2**20:.0f} MiB, "
-            f"{self.bytes / 2**20 / elapsed:.0f} MiB/s, {elapsed:.1f}s"
+            f"{format_bytes(self.bytes)}/{format_bytes(self.total_bytes)}, "
+            f"{format_bytes(self.bytes / elapsed)}/s, {elapsed:.1f}s"
         )
         if self._tty:
             self.stream.write("\r" + line + ("\n" if final else ""))

@@ -24,7 +24,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from stapo_megatron.recipes.memory import num_params
+from stapo_megatron.bridge.hf_config import num_params
+from stapo_megatron.utils import format_bytes
 
 FP32_LOGIT_TOL = 1e-5
 """Accepted max |logit_megatron - logit_hf| in fp32, relative to the logit scale
@@ -60,9 +61,9 @@ def host_bytes_needed(spec, layouts: Sequence[tuple[int, int]], expert_model_par
 def check_host_memory(needed: float, available: float, world: int) -> None:
     """ValueError when the verify ranks would not fit the host's available memory."""
     if needed > available:
-        raise ValueError(f"verify needs {world} processes on this host, about {needed / 2**30:.1f} GiB of memory "
-                         f"(fp32 weights and {RANK_OVERHEAD_BYTES / 2**30:.2f} GiB per process), and "
-                         f"{available / 2**30:.1f} GiB is available: verify at a smaller --tp/--ep (any layout "
+        raise ValueError(f"verify needs {world} processes on this host, about {format_bytes(needed)} of memory "
+                         f"(fp32 weights and {format_bytes(RANK_OVERHEAD_BYTES)} per process), and "
+                         f"{format_bytes(available)} is available: verify at a smaller --tp/--ep (any layout "
                          f"checks the conversion; --ep 2 already splits every expert tensor), or on a larger host")
 
 

@@ -7,7 +7,7 @@ stays under. With ``moe``: a Qwen3-MoE model, the experts vLLM routed each token
 Runner V2) and their disagreement with Megatron's routing (`trainer.routing`).
 
 Bounds of the mismatch. fp32 on the CPU: both sides compute the same function, so 1e-4 per token
-(tests/rollout/test_vllm_engine.py's LOGPROB_ATOL). bf16 on a GPU, from peers' published figures for
+(tests/helpers/engine_parity.py's LOGPROB_ATOL). bf16 on a GPU, from peers' published figures for
 a synced dense model: mean |delta log p| 0.0047 (FSDP) and 0.0061 (Megatron) against vLLM for
 Qwen3-32B in bf16 (streams-rollout-market's engine-pair dashboard,
 https://shamanez.github.io/streams-rollout-market/dense_dashboard.html), and a token KL of
@@ -29,6 +29,7 @@ from typing import List
 import torch
 
 from stapo_megatron.doctor.report import Check, failed, passed, run_check, skipped, within
+from stapo_megatron.utils import format_bytes
 
 MISMATCH_BOUNDS = {"fp32": (1e-4, 1e-8), "bf16": (0.02, 1e-2)}
 """(mean |delta log p|, k3) a healthy stack stays under, by precision (module docstring)."""
@@ -62,9 +63,9 @@ def _free_gpu_bytes() -> int:
 def _mismatch_rows(model, engine, groups, samples, vocab_size: int, precision: str) -> List[Check]:
     """The trainer's pi_old pass over the engine's samples, then its mismatch metrics."""
     from stapo_megatron.method.rollout_correction import RolloutCorrectionConfig
-    from stapo_megatron.mcore.batching import pack_sequences
-    from stapo_megatron.mcore.records import records_from_lists
-    from stapo_megatron.mcore.parallel import collective_device
+    from stapo_megatron.batch.microbatch import pack_sequences
+    from stapo_megatron.batch.records import records_from_lists
+    from stapo_megatron.utils import collective_device
     from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
     from stapo_megatron.trainer.mismatch_metrics import rollout_mismatch
 
@@ -142,15 +143,15 @@ def engine_checks(groups, moe: bool = False) -> List[Check]:
             state["engine"].sleep()
             freed = _free_gpu_bytes() - before
             check = passed if freed > 0 else failed
-            return check("vllm_sleep", f"level 2 freed {freed / 2**20:.0f} MiB of GPU memory", freed_bytes=freed)
+            return check("vllm_sleep", f"level 2 freed {format_bytes(freed)} of GPU memory", freed_bytes=freed)
 
         def wake_sync():
             before = _free_gpu_bytes()
             stats = wake_and_sync(state["model"], hf_config, groups, state["engine"])
             taken = before - _free_gpu_bytes()
-            return passed("vllm_wake_sync", f"woke weights, synced {stats['bytes'] / 2**20:.1f} MiB from Megatron in "
+            return passed("vllm_wake_sync", f"woke weights, synced {format_bytes(stats['bytes'])} from Megatron in "
                                             f"{stats['seconds']:.2f} s, woke the KV cache"
-                                            + (f" ({taken / 2**20:.0f} MiB re-taken)" if on_gpu else ""),
+                                            + (f" ({format_bytes(taken)} re-taken)" if on_gpu else ""),
                           taken_bytes=taken, **stats)
 
         def generate():

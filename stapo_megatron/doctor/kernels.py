@@ -25,11 +25,11 @@ tokens on a GPU; a size Triton's interpreter runs in seconds on a CPU."""
 
 OP_VALUE_TOL = 1e-4
 """|log p| and |H| difference, Triton vs torch: both accumulate in fp32, in other orders over up
-to 151,936 terms (tests/mcore/kernels/test_logprob_entropy.py holds 2e-5 over 300 terms)."""
+to 151,936 terms (tests/ops/test_triton_path.py holds 2e-5 over 300 terms)."""
 
 OP_GRAD_ULPS = {torch.float32: 16, torch.bfloat16: 4}
 """Gradient difference in ulps of the logits' dtype at the largest gradient entry: in bf16 the torch
-path rounds up to three times (tests/mcore/kernels/test_logprob_entropy.py's PATH_GRAD_ATOL, 4 ulps); in fp32 the two
+path rounds up to three times (tests/ops/test_triton_path.py's PATH_GRAD_ATOL, 4 ulps); in fp32 the two
 log Z differ by a few ulps and so does every probability (that file's 1e-5 at |grad| <= 8)."""
 
 ATTENTION_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -44,7 +44,7 @@ and cuDNN attention against the local spec's separate ops (TF32 off; tests/conve
 def _op_errors(device: str, num_tokens: int, vocab: int, dtype: torch.dtype) -> Dict[str, float]:
     """Triton vs torch path of `vocab_parallel_logprob_entropy`: max |dlog p|, |dH|, and the gradient
     difference over the largest gradient entry's ulp."""
-    from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
+    from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy
 
     gen = torch.Generator().manual_seed(0)
     logits = (3 * torch.randn(num_tokens, vocab, generator=gen)).to(device, dtype)
@@ -66,11 +66,11 @@ def _interpreted_op_errors(num_tokens: int, vocab: int) -> Dict[str, float]:
     """`_op_errors` on the CPU with the kernels interpreted (in a process whose TRITON_INTERPRET is 1)."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    from stapo_megatron.mcore.kernels import logprob_entropy as kernels
+    from stapo_megatron.ops import triton_kernels as kernels
 
     if not isinstance(kernels._shard_stats_kernel, InterpretedFunction):
         raise RuntimeError("Triton's interpreter did not take the kernels (TRITON_INTERPRET set too late)")
-    kernels.FWD_BLOCK_V = kernels.BWD_BLOCK_V = 64  # several blocks per row, the last one ragged
+    kernels.FORCED_SHAPE = (64, 4)  # several blocks per row, the last one ragged
     return _op_errors("cpu", num_tokens, vocab, torch.float32)
 
 
@@ -111,8 +111,8 @@ def attention_errors(dtype: torch.dtype, device: str) -> Dict[str, Tuple[float, 
     from megatron.core.transformer.enums import AttnMaskType
 
     from stapo_megatron.bridge.attention import SDPAttention, chunk_attention
-    from stapo_megatron.mcore.context_parallel import local_positions
-    from stapo_megatron.mcore.synthetic import tiny_gpt_config
+    from stapo_megatron.batch.context_parallel import local_positions
+    from stapo_megatron.recipes.synthetic import tiny_gpt_config
 
     config = tiny_gpt_config(1)
     attn = SDPAttention(config, 1, AttnMaskType.causal, "self")

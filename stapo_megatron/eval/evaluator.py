@@ -6,7 +6,7 @@ alike) and every named set of ``TrainerConfig.eval.sets`` per decoding
 (``eval/<set>/<decoding>/avg@<k>`` and ``pass@<k>``), sampled with one seed (`Seeds.evaluation`)
 so that evaluations at different steps differ by the weights only.
 
-Each set is spread over DP x CP as the training rollouts are (`trainer.layout`): DP replica d
+Each set is spread over DP x CP as the training rollouts are (`trainer.replicas`): DP replica d
 takes problems d, d + DP, d + 2 DP, ..., and CP rank c of the replica samples and scores the c-th
 contiguous 1/CP of those with the seeds they have without CP
 (`rollout.spmd.generate_context_parallel_share`); the counts are summed over DP x CP, so each
@@ -23,30 +23,29 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from stapo_megatron.config import TrainerConfig
 from stapo_megatron.data.examples import tokenize_prompts
-from stapo_megatron.eval.config import Decoding
+from stapo_megatron.eval.config import Decoding, EvalConfig
 from stapo_megatron.eval.scoring import Counts, EvalSet, load_eval_set, score_responses, summarize
 from stapo_megatron.rewards.scorer import RewardScorer
 from stapo_megatron.rollout.base import RolloutEngine
 from stapo_megatron.rollout.spmd import generate_context_parallel_share
-from stapo_megatron.mcore.parallel import Groups, collective_device
+from stapo_megatron.mcore.parallel import Groups
+from stapo_megatron.utils import collective_device
 
 
-def eval_max_len(cfg: TrainerConfig) -> int:
-    """Held-out responses' token limit (`EvalConfig.max_response_len`)."""
-    return cfg.eval.max_response_len or cfg.rollout.max_response_len
+def eval_max_len(config: EvalConfig, training_max_response_len: int) -> int:
+    """Held-out responses' token limit: `EvalConfig.max_response_len`, else training's."""
+    return config.max_response_len or training_max_response_len
 
 
-def load_eval_sets(cfg: TrainerConfig, tokenizer) -> List[Tuple[EvalSet, List[List[int]]]]:
-    """``TrainerConfig.eval.sets`` loaded and tokenized as the held-out set is: (EvalSet with the
-    kept problems, their prompt token ids) per set."""
+def load_eval_sets(config: EvalConfig, tokenizer, max_prompt_len: int,
+                   use_chat_template: bool) -> List[Tuple[EvalSet, List[List[int]]]]:
+    """``config.sets`` loaded and tokenized as the held-out set is (``data.max_prompt_len``,
+    ``data.use_chat_template``): (EvalSet with the kept problems, their prompt token ids) per set."""
     out = []
-    for set_cfg in cfg.eval.sets:
+    for set_cfg in config.sets:
         eval_set = load_eval_set(set_cfg)
-        ids, eval_set.examples, _ = tokenize_prompts(
-            tokenizer, eval_set.examples, cfg.data.max_prompt_len, cfg.data.use_chat_template
-        )
+        ids, eval_set.examples, _ = tokenize_prompts(tokenizer, eval_set.examples, max_prompt_len, use_chat_template)
         out.append((eval_set, ids))
     return out
 
@@ -54,10 +53,16 @@ def load_eval_sets(cfg: TrainerConfig, tokenizer) -> List[Tuple[EvalSet, List[Li
 class Evaluator:
     """Scores the policy the rollout engine holds on the held-out set and the named sets."""
 
-    def __init__(self, cfg: TrainerConfig, held_out: Tuple[List[List[int]], List],
+    def __init__(self, config: EvalConfig, held_out: Tuple[List[List[int]], List],
                  eval_sets: List[Tuple[EvalSet, List[List[int]]]], engine: RolloutEngine, scorer: RewardScorer,
-                 groups: Groups, seed: int, logger):
-        self.cfg, self.held_out, self.eval_sets = cfg, held_out, eval_sets
+                 groups: Groups, seed: int, logger, steps: int, max_response_len: int, timeout_s: float,
+                 num_samples: int):
+        """``steps``: the run's last step (always evaluated); ``max_response_len``: the responses'
+        limit (`eval_max_len`); ``timeout_s``: the rollout timeout; ``num_samples``: samples
+        logged per evaluation (`LoggingConfig.num_samples`)."""
+        self.config, self.held_out, self.eval_sets = config, held_out, eval_sets
+        self.steps, self.max_response_len, self.timeout_s, self.num_samples = (steps, max_response_len, timeout_s,
+                                                                               num_samples)
         self.engine, self.scorer, self.groups, self.seed, self.logger = engine, scorer, groups, seed, logger
         self.dp_size, self.dp_rank = dist.get_world_size(groups.dp), dist.get_rank(groups.dp)
         self.device = collective_device(groups.tokens)
@@ -65,19 +70,18 @@ class Evaluator:
 
     def should_evaluate(self, step: int) -> bool:
         """At step 0, every ``eval.every`` steps and at the last step (never with eval.every 0)."""
-        every = self.cfg.eval.every
-        return bool(every) and (step % every == 0 or step == self.cfg.steps)
+        every = self.config.every
+        return bool(every) and (step % every == 0 or step == self.steps)
 
     def evaluate(self, step: int) -> Dict[str, float]:
         """The eval row of ``step`` (logged, printed on rank 0, returned)."""
-        cfg = self.cfg
         t0 = time.perf_counter()
-        held_out = Decoding(cfg.eval.temperature, 1.0, "held_out")
+        held_out = Decoding(self.config.temperature, 1.0, "held_out")
         samples: List[Dict] = []
         row = dict(kind="eval", step=step)
         if self.held_out[0]:  # none when data.eval_path is unset and eval.sets are the evaluation
-            counts = self._counts(*self.held_out, cfg.eval.samples, held_out, samples)
-            row.update(eval_accuracy=summarize(counts, cfg.eval.samples, held_out)["avg@k"],
+            counts = self._counts(*self.held_out, self.config.samples, held_out, samples)
+            row.update(eval_accuracy=summarize(counts, self.config.samples, held_out)["avg@k"],
                        eval_num=int(counts.num_samples))
         for eval_set, ids in self.eval_sets:
             for decoding in eval_set.decodings:
@@ -99,7 +103,7 @@ class Evaluator:
         replica = list(range(self.dp_rank, len(prompt_ids), self.dp_size))
         start, samples = generate_context_parallel_share(
             self.engine, self.groups, [prompt_ids[i] for i in replica], k, decoding.temperature, decoding.top_p,
-            eval_max_len(self.cfg), seed=self.seed, wait_timeout_s=self.cfg.rollout_timeout())
+            self.max_response_len, seed=self.seed, wait_timeout_s=self.timeout_s)
         idx = replica[start:start + len(samples)]
         texts = [[s.text for s in group] for group in samples]
         rewards: List[float] = []
@@ -107,7 +111,7 @@ class Evaluator:
         if samples_out is not None:
             flat = [(examples[i], t) for i, group in zip(idx, texts) for t in group]
             mine = [dict(prompt=ex.prompt, response=t, answer=ex.answer, reward=r) for (ex, t), r in zip(flat, rewards)]
-            samples_out.extend(self._replica_samples(mine[:self.cfg.logging.num_samples]))
+            samples_out.extend(self._replica_samples(mine[:self.num_samples]))
         sums = torch.tensor(counts.as_list(), device=self.device)
         dist.all_reduce(sums, group=self.groups.tokens)
         return Counts(*sums)

@@ -10,9 +10,15 @@ run, not even for ``--dryrun``), then run with NeMo-Run's ``LAZY_CLI``, under wh
 """
 
 import ast
+import contextlib
+import difflib
+import inspect
+import logging
 import os
+import re
 import runpy
-from typing import List
+import typing
+from typing import Any, Iterable, Iterator, List, Optional
 
 LAUNCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "launch")
 """The checkout's launch files (``launch/*.py``)."""
@@ -30,16 +36,23 @@ ADDED_OPTIONS = """Options added by this package (besides NeMo-Run's, listed by 
 
 Arguments (key=value, no dashes):
   method=NAME               stapo (default), justrl, entropy20, random, grpo, ... (stapo_megatron/method/registry.py)
-  output_dir=PATH           the run folder (absolute on Slurm)
+  output_dir=PATH           the run folder, TrainerConfig.run_dir (absolute on Slurm; not run_dir=:
+                            keys that start with run are NeMo-Run's own, run.executor.FIELD=VALUE)
   config=PATH               start from a configuration YAML (--save-config, or a run's config.yaml)
   FIELD=VALUE               a top-level TrainerConfig field: steps=100, seed=1, ...
   SECTION.FIELD=VALUE       a nested field: model.hf_dir=..., data.train_path=..., rollout.max_response_len=8192,
                             loss.tau_p=0.01, optim.lr=1e-6, logging.*, warmstart.* (tiny recipe)
   run.executor.FIELD=VALUE  an executor field: run.executor.account=..., run.executor.nodes=2,
                             run.executor.env_vars.NAME=VALUE (added to the recipe's environment)
+Also: a failed job, or an error, exits non-zero naming the task and its log (NeMo-Run 0.11.1 exits 0);
+run.executor.FIELD=VALUE also reaches the launch file's default executor; before a dry run or a
+submission the configuration and its layout are checked, and a submission's Slurm settings, paths and
+mounts, every problem listed at once (the recipe's first); a key NeMo-Run would misread (run_dir=) or a
+value of the wrong type (run.executor.nodes=abc) is named in one sentence; on Slurm the save signal and the requeues follow the estimated
+step time, and the job runs git archive of the checkout's HEAD.
 Every field with its default and meaning: docs/config-reference.md; the resolved values of a
-launch file: nemo-run LAUNCH --dryrun. Cluster settings (STAPO_* variables):
-stapo_megatron/launch/executors.py."""
+launch file: nemo-run LAUNCH --dryrun; all of the above explained: docs/launching.md. Cluster
+settings (STAPO_* variables): stapo_megatron/launch/executors.py."""
 
 
 def launch_files() -> List[str]:
@@ -138,6 +151,107 @@ def split_save_config(args: List[str], option: str = "--save-config"):
 def split_flag(args: List[str], flag: str):
     """(whether ``flag`` is among ``args``, the other arguments)."""
     return flag in args, [a for a in args if a != flag]
+
+
+RUN_KEY_ALIASES = {"run_dir": "output_dir"}
+"""Settings a launch spells differently from the configuration (`TrainerConfig.run_dir` is
+``output_dir=`` on the command line)."""
+
+
+def run_key_problem(args: Iterable[str], settings: List[str]) -> Optional[str]:
+    """Why a ``key=value`` argument whose key starts with ``run`` but not ``run.`` (``run_dir=/x``)
+    cannot be given (NeMo-Run 0.11.1 takes every such key for its own ``run.*`` options and fails
+    with "Run overwrites must start with 'run.'"), naming the setting meant: its alias
+    (`RUN_KEY_ALIASES`) or the closest of ``settings`` (the launch's own); None when there is none."""
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if not sep or arg.startswith("-") or not key.startswith("run") or key[3:4] in ("", ".", "["):
+            continue
+        alias = RUN_KEY_ALIASES.get(key)
+        if alias in settings:
+            hint = f"; the run's folder is {alias}={value}"
+        else:
+            close = difflib.get_close_matches(key, settings, n=3)
+            hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+        return (f"unknown setting {key!r}{hint}. (Keys that start with 'run' are NeMo-Run's own options: "
+                f"run.executor.FIELD=VALUE; nemo-run --help lists the settings.)")
+    return None
+
+
+TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+              list: "a list such as ['a', 'b']", dict: "a dict such as {'a': 1}", tuple: "a tuple such as (1, 2)"}
+"""How a message names the type a NeMo-Run override expects (`expected`)."""
+
+
+def expected(annotation: Any) -> str:
+    """``annotation`` in words: ``an integer``, ``an integer or None``, ``one of 'a', 'b'``."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Union:
+        words = " or ".join(expected(a) for a in args if a is not type(None))
+        return words + (" or None" if type(None) in args else "")
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    base = origin or annotation
+    return TYPE_WORDS.get(base, getattr(base, "__name__", str(base)))
+
+
+def _settings_of(config: Any) -> List[str]:
+    """The keyword names a NeMo-Run ``Config`` / ``Partial`` takes (its target's parameters)."""
+    target = getattr(config, "__fn_or_cls__", None)
+    if target is None:
+        return []
+    return [p.name for p in inspect.signature(target).parameters.values()
+            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+
+
+def _parse_error_context(error: Exception) -> dict:
+    """The key, value and expected type of NeMo-Run's parse error (those it has)."""
+    reason = getattr(error, "reason", None)  # NeMo-Run re-raises a ParseError with its context as the reason
+    return reason if isinstance(reason, dict) else getattr(error, "context", None) or {}
+
+
+def run_option_prefix(error: Exception, args: Iterable[str]) -> str:
+    """``run.executor.`` when the key of NeMo-Run's parse ``error`` is one of the ``executor.*``
+    ``args`` (``run.`` taken off), else ``run.``."""
+    key = _parse_error_context(error).get("key")
+    return "run.executor." if key and any(a.startswith(f"executor.{key}") for a in args) else "run."
+
+
+def parse_error_message(error: Exception, prefix: str, root: Any = None) -> str:
+    """One sentence for NeMo-Run's parse error of an override ``prefix + key=value`` (its own text
+    repeats the value three times with a context dict): the type the key expects
+    (``run.executor.nodes expects an integer, got 'abc'``), or, for a key ``root`` (the
+    ``Config`` parsed into) does not have, the closest ones."""
+    context = _parse_error_context(error)
+    key, value = context.get("key"), context.get("value")
+    if key is not None and "expected_type" in context:
+        return f"{prefix}{key} expects {expected(context['expected_type'])}, got {value!r}"
+    text = re.sub(r" \(Argument: .*", "", str(error.args[0]) if error.args else str(error), flags=re.S)
+    if key is not None and "No parameter named" in text:
+        owner, _, name = key.rpartition(".")
+        target = root
+        for part in owner.split(".") if owner else []:
+            target = getattr(target, part, None)
+        names = _settings_of(target)
+        if not names:
+            return f"unknown setting {prefix}{key}"
+        kind = target.__fn_or_cls__.__name__
+        close = difflib.get_close_matches(name, names, n=3)
+        hint = (f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close
+                else f"; its settings: {', '.join(names)}")
+        return f"unknown setting {prefix}{key}: {kind} has no {name!r}{hint}"
+    return f"{prefix}{key}={value}: {text}" if key is not None else text
+
+
+@contextlib.contextmanager
+def quiet_parser() -> Iterator[None]:
+    """Keep NeMo-Run's parser from logging its raw error before the caller names it (`parse_error_message`)."""
+    logger = logging.getLogger("nemo_run.cli.cli_parser")
+    disabled, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
 
 
 def calls_nemo_run_main(path: str) -> bool:

@@ -3,43 +3,23 @@
 Runs a launch file (one that ends in ``run.cli.main(fn, ...)``) with NeMo-Run's own command
 line: the same ``key=value`` parsing, ``run.executor=NAME`` / ``run.executor.<field>=value``,
 ``--dryrun``, ``--yes``, ``--detach``, ``--name``. (nemo-run itself installs only the ``nemo``
-and ``nemorun`` commands; this package provides ``nemo-run``.) What it adds:
+and ``nemorun`` commands; this package provides ``nemo-run``.) What it adds is listed once, in
+`arguments.ADDED_OPTIONS` (printed by ``nemo-run --help``); docs/launching.md explains each addition.
 
-- the exit code: NeMo-Run 0.11.1 returns 0 when a job fails, and also when its CLI catches an
-  error; here a failed job (its state after the run) or an error exits non-zero, naming the
-  failed task and where its log is;
-- ``--dryrun`` also renders the scheduler request (the sbatch script, the torchrun command)
-  through ``Experiment.dryrun``, which writes files locally and never connects to a cluster;
-- ``run.executor.<field>=value`` also applies to the launch file's default executor (NeMo-Run
-  0.11.1 applies executor fields only together with ``run.executor=NAME``);
-- before a real submission and before a dry run, the task's recipe is built with its overrides
-  and checked (``entry.build_config``, the one override parser: an unknown field names the
-  closest ones); a real submission also needs a Slurm executor with its account, image and job
-  dir (``executors.check_submission``), and the checks of `preflight` (an absolute, mounted
-  ``output_dir``; every path read present and mounted; the model folder matching the recipe),
-  all listed at once;
-- on Slurm the save signal and the requeue budget are derived from the final configuration
-  (`timing.apply_final`), and the job requeues itself only when that can progress (`requeue`);
-- a dry run prints the resolved configuration (YAML, every field); ``--save-config PATH`` also
-  writes it to PATH, and ``config=PATH`` launches from such a file (overrides apply on top).
-  (NeMo-Run's own ``--to-yaml`` is left as it is: it writes the task, recipe name and overrides.)
-- the code a Slurm job runs is ``git archive`` of the checkout's HEAD (`shipping.code_root`,
-  whatever the working directory): uncommitted changes are refused by name, or shipped with
-  ``--include-uncommitted``;
-- ``--emit-sbatch PATH`` writes a plain sbatch + torchrun script of the job (checked like a
-  submission; for clusters without NeMo-Run or containers) instead of submitting;
-- ``-y`` is ``--yes`` (NeMo-Run gives it to both ``--yes`` and ``--yaml``; ``--yes`` wins there too).
-
-This module is the NeMo-Run RunContext subclass and the console entry; each addition lives in the
-module named above (launch files and arguments: `arguments`; dry-run rendering and failed jobs:
-`jobs`).
+This module is the NeMo-Run RunContext subclass and the console entry; each addition lives in its
+own module: launch files and arguments `arguments`, dry-run rendering and failed jobs `jobs`, the
+checks before a submission `preflight` and `executors.check_submission`, the save signal and the
+requeue budget `timing`, the job scripts' requeue rules `requeue`, the code a job runs `shipping`.
 """
 
+import contextlib
+import dataclasses
+import inspect
 import os
 import sys
 import time
 import warnings
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 # leptonai 0.27 (imported by nemo_run) imports fastapi's WSGI middleware, which starlette >= 1.0
 # deprecates with a warning on every start
@@ -50,11 +30,13 @@ import typer  # noqa: E402
 
 import nemo_run as run  # noqa: E402
 from nemo_run.cli import api as cli_api  # noqa: E402
-from nemo_run.cli.cli_parser import parse_cli_args  # noqa: E402
+from nemo_run.cli.cli_parser import CLIException, parse_cli_args  # noqa: E402
 
+from stapo_megatron.config.tree import TrainerConfig  # noqa: E402
 from stapo_megatron.config.yaml_io import dump_config  # noqa: E402
 from stapo_megatron.launch import entry, executors, preflight, requeue, shipping, timing  # noqa: E402
-from stapo_megatron.launch.arguments import (ADDED_OPTIONS, paper_launch_files, split_env_args,  # noqa: E402
+from stapo_megatron.launch.arguments import (ADDED_OPTIONS, paper_launch_files, parse_error_message,  # noqa: E402
+                                             quiet_parser, run_key_problem, run_option_prefix, split_env_args,
                                              split_executor_args, split_flag, split_save_config, usage)
 from stapo_megatron.launch.jobs import failed_jobs, render_dryrun  # noqa: E402
 from stapo_megatron.launch.arguments import calls_nemo_run_main, load_entrypoint  # noqa: E402, F401
@@ -92,9 +74,11 @@ class CheckedRunContext(cli_api.RunContext):
         default = getattr(self, "executor", None)
         if name is None and fields and default is not None:
             config = default.to_config() if isinstance(default, run.Executor) else default
-            self.executor = parse_cli_args(config, fields)
+            with parse_errors_named("run.executor.", config):
+                self.executor = parse_cli_args(config, fields)
             args = others
-        remaining = super().parse_args(args, lazy)
+        with parse_errors_named(lambda error: run_option_prefix(error, args)):
+            remaining = super().parse_args(args, lazy)
         if env:
             if self.executor is None:
                 raise ValueError("run.executor.env_vars needs an executor")
@@ -102,23 +86,25 @@ class CheckedRunContext(cli_api.RunContext):
         return remaining
 
     def parse_fn(self, fn, args: List[str], **default_kwargs):
-        task = super().parse_fn(fn, args, **default_kwargs)
+        with parse_errors_named(""):
+            task = super().parse_fn(fn, args, **default_kwargs)
         self.task = task
         self._preflight(task)
         return task
 
     def _preflight(self, task) -> None:
-        """Fail before submitting or rendering, listing every problem: the executor's missing
-        settings (a dry run shows them as ``<unset:...>`` instead), the recipe's (`_recipe`), and
-        the code a Slurm job would not get (`shipping.code_problems`)."""
+        """Fail before submitting or rendering, listing every problem: the recipe's first (`_recipe`:
+        its layout, paths and model folder), then the executor's missing settings (a dry run shows
+        them as ``<unset:...>`` instead) and the code a Slurm job would not get
+        (`shipping.code_problems`)."""
         problems = []
-        if self.executor is not None and not self.dryrun:
-            problems += executors.unset_settings(self.executor) + executors.missing_sbatch(self.executor)
         is_recipe = getattr(task, "__fn_or_cls__", None) is entry.run_recipe
         if self.emit_sbatch and (not isinstance(self.executor, run.SlurmExecutor) or not is_recipe):
             raise cli_api.RunContextError(emit_sbatch_refusal(self.executor, is_recipe))
         if is_recipe:
             problems += self._recipe(task)
+        if self.executor is not None and not self.dryrun:
+            problems += executors.unset_settings(self.executor) + executors.missing_sbatch(self.executor)
         if not self.emit_sbatch:
             code, self.code_dir = shipping.code_problems(self.executor, self.include_uncommitted)
             problems += self._refuse_or_show(code)
@@ -170,7 +156,7 @@ class CheckedRunContext(cli_api.RunContext):
         text = dump_config(cfg, warmstart, recipe)
         if self.dryrun and not self.emit_sbatch:
             print(f"# ---- resolved configuration (dry run) ----\n{text}", flush=True)
-        if self.save_config:  # its folder too: the README saves it on the shared file system, maybe new
+        if self.save_config:  # its folder too: the docs save it on the shared file system, maybe new
             os.makedirs(os.path.dirname(self.save_config), exist_ok=True)
             with open(self.save_config, "w", encoding="utf-8") as f:
                 f.write(text)
@@ -228,6 +214,29 @@ def emit_sbatch_refusal(executor, is_recipe: bool) -> str:
             + f". The paper recipes' launch files: {', '.join(paper_launch_files())}")
 
 
+@contextlib.contextmanager
+def parse_errors_named(prefix, root=None) -> Iterator[None]:
+    """NeMo-Run's parse errors of ``prefix + key=value`` overrides as one sentence
+    (`arguments.parse_error_message`), refused as a RunContextError ("Error: ...", exit code 1).
+    ``prefix``: the text, or a function of the error that returns it."""
+    try:
+        with quiet_parser():
+            yield
+    except CLIException as e:
+        text = prefix(e) if callable(prefix) else prefix
+        raise cli_api.RunContextError(parse_error_message(e, text, root)) from None
+
+
+def launch_settings(fn) -> List[str]:
+    """The ``key=value`` settings a launch file's function takes: its parameters, and for a recipe
+    the top-level `TrainerConfig` fields (``run_dir`` is ``output_dir``)."""
+    names = [p.name for p in inspect.signature(fn).parameters.values()
+             if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    if fn is entry.run_recipe:
+        names += [f.name for f in dataclasses.fields(TrainerConfig) if f.name not in names and f.name != "run_dir"]
+    return names
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Console entry point; returns the exit code (0 only if every job succeeded)."""
     argv = sys.argv[1:] if argv is None else argv
@@ -259,6 +268,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         ep = load_entrypoint(path)
     except (OSError, ValueError) as e:
         print(f"nemo-run: {e}", file=sys.stderr)
+        return 2
+    misread = run_key_problem(args, launch_settings(ep.fn))
+    if misread:
+        print(f"nemo-run: {misread}", file=sys.stderr)
         return 2
     app = typer.Typer(pretty_exceptions_enable=False)
     CheckedRunContext.cli_command(

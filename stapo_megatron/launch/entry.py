@@ -35,9 +35,10 @@ from stapo_megatron.trainer.preemption import StoppedForRequeue
 from stapo_megatron.config import TrainerConfig
 from stapo_megatron.config.yaml_io import load_config
 from stapo_megatron.method.registry import get_method
+from stapo_megatron.config.parallel_layout import config_problems
 from stapo_megatron.config.overrides import apply_overrides
 from stapo_megatron.mcore.parallel import init_process_group
-from stapo_megatron.rollout.bridge import init_job
+from stapo_megatron.rollout.transport import init_job
 from stapo_megatron.recipes import paper
 
 RECIPES = ("tiny", "tiny_moe", *paper.LAYOUTS)
@@ -84,7 +85,7 @@ def build_config(
             recipe. The overrides apply on top of it.
         check_paths: paper recipes: require the model and data paths (False for a dry run).
         num_nodes, gpus_per_node: paper recipes: the job's GPUs, to check the layout against
-            (default: the recipe's own `memory.Layout`).
+            (default: the recipe's own `memory.ParallelLayout`).
         overrides: TrainerConfig fields; the `SECTIONS` as dicts (None or {} = unchanged).
     Raises:
         ValueError: unknown recipe, method, field or value type; for paper recipes every
@@ -105,7 +106,13 @@ def build_config(
         cfg, warmstart = TINY_RECIPES[recipe](run_dir=run_dir, method=method or "stapo")
     else:
         cfg, warmstart = paper.paper_recipe(recipe, method or "stapo", run_dir=output_dir), None
-    cfg = apply_overrides(cfg, {**overrides, **sections})
+    try:
+        cfg = apply_overrides(cfg, {**overrides, **sections})
+    except ValueError as refusal:
+        if recipe in TINY:
+            raise
+        raise _every_layout_problem(recipe, cfg, {**overrides, **sections}, refusal, num_nodes, gpus_per_node,
+                                    check_paths) from None
     if warmstart_overrides:
         if warmstart is None:
             raise ValueError(f"recipe {recipe} has no warm-start; drop the warmstart.* overrides")
@@ -113,6 +120,22 @@ def build_config(
     if recipe not in TINY:
         paper.check_paper_config(recipe, cfg, num_nodes, gpus_per_node, check_paths)
     return cfg, warmstart
+
+
+def _every_layout_problem(recipe: str, cfg: Any, overrides: Dict[str, Any], refusal: ValueError,
+                          num_nodes: Optional[int], gpus_per_node: Optional[int], check_paths: bool) -> ValueError:
+    """The error of a paper recipe whose overrides `TrainerConfig` refused (``refusal``) at the
+    first of its layout problems: every problem of the layout and paths (`paper.check_paper_config`
+    on the configuration unchecked), so that e.g. TP=3 on Qwen3-14B names its 40 heads and 8 KV
+    heads, not only a token budget TP=3 changes. Any other refusal is returned as it is."""
+    unchecked = apply_overrides(cfg, overrides, check=False)
+    if str(refusal) not in config_problems(unchecked):
+        return refusal
+    try:
+        paper.check_paper_config(recipe, unchecked, num_nodes, gpus_per_node, check_paths)
+    except ValueError as listed:
+        return listed
+    return refusal
 
 
 def _from_yaml(path: str, recipe: str, method: Optional[str], output_dir: Optional[str]) -> Tuple[Any, Optional[Any]]:
@@ -129,10 +152,10 @@ def _from_yaml(path: str, recipe: str, method: Optional[str], output_dir: Option
     return cfg, warmstart
 
 
-def _prepare_tiny_model(model_dir: str, recipe: str = "tiny", bridge=None) -> None:
+def _prepare_tiny_model(model_dir: str, recipe: str = "tiny", transport=None) -> None:
     """Global rank 0 writes the tiny model folder (atomically); the other ranks wait for it at a
     barrier of the already formed process group (a failure of rank 0 ends their wait at once;
-    separate placement: the job-wide group of ``bridge``).
+    separate placement: the job-wide group of ``transport``).
 
     Global, not local: with several nodes sharing the output folder, one writer per node would
     race to rename its copy into place.
@@ -143,8 +166,8 @@ def _prepare_tiny_model(model_dir: str, recipe: str = "tiny", bridge=None) -> No
 
     if int(os.environ.get("RANK", "0")) == 0:
         prepare_tiny_model(model_dir, recipe)
-    if bridge is not None:
-        bridge.data.barrier().wait()
+    if transport is not None:
+        transport.data.barrier().wait()
     else:
         dist.barrier()
 
@@ -186,22 +209,22 @@ def run_recipe(
     try:
         # the group forms first (under cfg.init_timeout_s), so that the shared setup below can
         # wait at a barrier; separate placement splits the job into trainers and engines
-        bridge = None
+        transport = None
         if cfg.rollout.placement == "separate":
-            bridge = init_job(cfg.rollout.engine_ranks, cfg.rollout.tensor_parallel_size, cfg.init_timeout_s,
+            transport = init_job(cfg.rollout.engine_ranks, cfg.rollout.tensor_parallel_size, cfg.init_timeout_s,
                               cfg.distributed_timeout_s, cfg.rollout_timeout())
         else:
             init_process_group(cfg.init_timeout_s, cfg.distributed_timeout_s)
         if recipe in TINY:
-            _prepare_tiny_model(cfg.model.hf_dir, recipe, bridge)
-        if bridge is not None and bridge.is_engine:
+            _prepare_tiny_model(cfg.model.hf_dir, recipe, transport)
+        if transport is not None and transport.is_engine:
             from stapo_megatron.trainer.engine_server import run_engine_rank
 
-            run_engine_rank(cfg, bridge)
+            run_engine_rank(cfg, transport)
             return
         from stapo_megatron.trainer.loop import train
 
-        train(cfg, warmstart_cfg, bridge)
+        train(cfg, warmstart_cfg, transport)
     except StoppedForRequeue as stop:  # saved on the warning signal: the job script requeues on this mark
         if int(os.environ.get("RANK", "0")) == 0:
             requeue.mark_stopped(cfg.run_dir, stop.step)

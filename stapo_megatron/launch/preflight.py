@@ -107,7 +107,7 @@ def length_problems(cfg, hf: dict, where: str) -> List[str]:
     problems = []
     prompt = cfg.data.max_prompt_len
     for what, response in (("rollout.max_response_len", cfg.rollout.max_response_len),
-                           ("the evaluation's response limit", eval_max_len(cfg))):
+                           ("the evaluation's response limit", eval_max_len(cfg.eval, cfg.rollout.max_response_len))):
         if prompt + response > limit:
             problems.append(f"data.max_prompt_len + {what} = {prompt} + {response} = {prompt + response} tokens "
                             f"exceed max_position_embeddings={limit} of model.hf_dir {where}")

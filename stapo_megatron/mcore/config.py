@@ -87,7 +87,7 @@ class ModelConfig:
     context_parallel_size: int = 1
     """Training CP: each packed sequence is padded to a multiple of 2 x CP tokens and split over
     the CP ranks in 2 x CP load-balanced chunks (rank r: chunks r and 2 CP - 1 - r;
-    `stapo_megatron.mcore.context_parallel`), DP = world / (TP x PP x CP). Needs packed
+    `stapo_megatron.batch.context_parallel`), DP = world / (TP x PP x CP). Needs packed
     micro-batches (``TrainerConfig.packing`` "fixed" or "budget") and so PP = 1; the S2T
     statistics and the normaliser are reduced over DP x CP; GRPO's sequence-mean loss and the
     ``seq_mask`` rollout correction sum their per-sequence terms over CP (`cp_sum`). Mixture-of-experts

@@ -2,10 +2,11 @@
 ``make_forward_step`` (configured by `LossConfig`, ``stapo_megatron.method.config``).
 
 The loss is split by job: the objective on plain tensors (``method/objective.py``:
-`stapo_loss`, `token_objective`; the other objectives' token losses, ``loss.objective``, in
+`policy_loss`, `token_objective`; the other objectives' token losses, ``loss.objective``, in
 ``method/objectives.py``), which tokens each method silences (``method/registry.py``),
 the micro-batch runner shared with the SFT warm-start (``mcore/schedule.py``), the metrics
-(``mcore/loss_metrics.py``), and here the Megatron ``loss_func`` that joins them.
+(``mcore/loss_metrics.py``), and here the Megatron ``loss_func`` that joins them: `loss_terms`
+(log-probs, masks, the rollout correction), the policy loss, and `loss_diagnostics` (its metrics).
 
 STAPO objective (arXiv 2602.15620, Eq. for J_STAPO; the DAPO/JustRL token-level objective with
 clip-higher, no KL, no entropy bonus, plus the S2T mask of ``stapo_megatron.method.masks``):
@@ -45,25 +46,27 @@ predicted at each position).
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.distributed as dist
 
 from stapo_megatron.method import masks
 from stapo_megatron.method.config import LossConfig
-from stapo_megatron.method.objective import stapo_loss
+from stapo_megatron.method.objective import PolicyLossConfig, policy_loss
 from stapo_megatron.method.objectives import check_parallelism, clipped_tokens, get_objective
 from stapo_megatron.method.registry import get_method
 from stapo_megatron.method import rollout_correction as rc
-from stapo_megatron.mcore.batching import MicroBatch
-from stapo_megatron.mcore.context_parallel import cp_sum
-from stapo_megatron.mcore import logit_grad
+from stapo_megatron.batch.microbatch import MicroBatch
+from stapo_megatron.batch.context_parallel import cp_sum
+from stapo_megatron.ops import logit_grad
 from stapo_megatron.mcore.loss_metrics import metric_sums
-from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
-from stapo_megatron.mcore.packing import sequence_ids
+from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy
+from stapo_megatron.batch.packing import sequence_ids
 from stapo_megatron.mcore.schedule import forward_step_func
+
 
 def minibatch_threshold(
     config: LossConfig,
@@ -96,23 +99,39 @@ def _check_cp_group(batch: MicroBatch, cp_group: Optional[dist.ProcessGroup]) ->
                          f"cp_group has {size} (pass the CP group: Groups.cp)")
 
 
-def loss_func(
-    config: LossConfig,
-    batch: MicroBatch,
-    threshold: torch.Tensor,
-    tp_group: Optional[dist.ProcessGroup],
-    vocab_size: Optional[int],
-    logits: torch.Tensor,
-    cp_group: Optional[dist.ProcessGroup] = None,
-):
-    """Megatron ``loss_func`` (last pipeline stage): returns (loss_sum, num_kept, metrics).
+@dataclasses.dataclass
+class LossTerms:
+    """One micro-batch's per-token inputs of the policy loss, each [B, S] (module legend), as
+    `loss_terms` computes them for the loss and `loss_diagnostics` reads them."""
 
-    ``batch`` needs ``old_logprob`` (``schedule.old_policy_pass``) and ``advantages``;
-    ``ref_logprob`` when ``kl_coef > 0``; ``seed`` for the random masks. ``cp_group``: the
-    context-parallel group a split batch (``batch.cp_size > 1``) is spread over (required then);
-    GRPO's sequence mean and the ``seq_mask`` correction add their per-sequence statistics over it.
-    """
-    _check_cp_group(batch, cp_group)
+    logprob: torch.Tensor
+    """log pi_theta of the labels (differentiable)."""
+    entropy: torch.Tensor
+    collision: torch.Tensor
+    """sum_v p_v^2 per token (`vocab_parallel_logprob_entropy`'s ``with_collision``)."""
+    old_logprob: torch.Tensor
+    advantages: torch.Tensor
+    response_mask: torch.Tensor
+    candidates: torch.Tensor
+    """S2T candidates (``masks.s2t_candidates``)."""
+    silenced: torch.Tensor
+    """The method's mask."""
+    trained_mask: torch.Tensor
+    """The response mask less the tokens the rollout correction rejects."""
+    rejected: torch.Tensor
+    is_weight: Optional[torch.Tensor]
+    """The rollout correction's truncated IS weight (None: 1)."""
+    seq_ids: Optional[torch.Tensor]
+    """A packed row's sequence index per token (None: one sequence per row)."""
+    seq_sum: Optional[Callable]
+    """Sums a per-sequence tensor over the CP group (None: whole sequences)."""
+
+
+def loss_terms(config: LossConfig, batch: MicroBatch, threshold: torch.Tensor, tp_group: Optional[dist.ProcessGroup],
+               vocab_size: Optional[int], logits: torch.Tensor,
+               cp_group: Optional[dist.ProcessGroup] = None) -> LossTerms:
+    """The log-probs and entropies of ``logits``, the method's silenced tokens and the rollout
+    correction of one micro-batch (`loss_func`'s arguments)."""
     logprob, entropy, collision = vocab_parallel_logprob_entropy(
         logits, batch.labels, tp_group=tp_group, temperature=config.temperature, vocab_size=vocab_size,
         with_collision=True,
@@ -135,44 +154,74 @@ def loss_func(
     seq_sum = cp_sum(cp_group) if batch.cp_size > 1 else None
     is_weight, rejected = rc.correction(config.rollout_correction, old_logprob, batch.rollout_logprob, response_mask,
                                         seq_ids, seq_sum)
-    trained_mask = response_mask & ~rejected
+    return LossTerms(logprob, entropy, collision, old_logprob, advantages, response_mask, candidates, silenced,
+                     response_mask & ~rejected, rejected, is_weight, seq_ids, seq_sum)
+
+
+def loss_func(
+    config: LossConfig,
+    batch: MicroBatch,
+    threshold: torch.Tensor,
+    tp_group: Optional[dist.ProcessGroup],
+    vocab_size: Optional[int],
+    logits: torch.Tensor,
+    cp_group: Optional[dist.ProcessGroup] = None,
+):
+    """Megatron ``loss_func`` (last pipeline stage): returns (loss_sum, num_kept, metrics), the
+    metrics `loss_diagnostics`'.
+
+    ``batch`` needs ``old_logprob`` (``schedule.old_policy_pass``) and ``advantages``;
+    ``ref_logprob`` when ``kl_coef > 0``; ``seed`` for the random masks. ``cp_group``: the
+    context-parallel group a split batch (``batch.cp_size > 1``) is spread over (required then);
+    GRPO's sequence mean and the ``seq_mask`` correction add their per-sequence statistics over it.
+    """
+    _check_cp_group(batch, cp_group)
+    t = loss_terms(config, batch, threshold, tp_group, vocab_size, logits, cp_group)
     # normaliser: kept tokens ("token_mean") or sequences with a kept token (GRPO's and GSPO's
     # sequence mean), the latter counted on CP rank 0 only: Megatron sums it over DP x CP (an
     # integer, so a 1/CP share per rank would not do), and every CP rank holds part of every sequence
     check_parallelism(config.effective_objective, batch.cp_size)
     objective = get_objective(config.effective_objective)
-    loss_sum, normaliser = stapo_loss(
-        logprob, old_logprob, advantages, trained_mask, silenced,
-        config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio_c,
-        batch.ref_logprob, config.kl_coef, objective.loss_agg, is_weight=is_weight,
-        sequence_ids=seq_ids, sequence_sum=seq_sum,
-        count_sequences=seq_sum is None or dist.get_rank(cp_group) == 0,
-        token_loss=objective.build(config, seq_ids, seq_sum, batch.seed),
+    policy = PolicyLossConfig(config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio_c, config.kl_coef,
+                              objective.loss_agg, objective.build(config, t.seq_ids, t.seq_sum, batch.seed))
+    loss_sum, normaliser = policy_loss(
+        t.logprob, t.old_logprob, t.advantages, t.trained_mask, t.silenced, policy, batch.ref_logprob,
+        is_weight=t.is_weight, sequence_ids=t.seq_ids, sequence_sum=t.seq_sum,
+        count_sequences=t.seq_sum is None or dist.get_rank(cp_group) == 0,
     )
-    is_clipped = clipped_tokens(config, logprob, old_logprob, advantages, trained_mask & ~silenced, seq_ids, seq_sum)
-    num_kept = (trained_mask & ~silenced).sum()
-    flagged = (torch.zeros_like(response_mask) if batch.rollout_logprob is None else
-               rc.token_flags(config.rollout_correction, rc.log_ratio(old_logprob, batch.rollout_logprob), response_mask))
-    sums = metric_sums(loss_sum, num_kept, logprob, old_logprob, entropy, response_mask, silenced, candidates,
-                       is_clipped, normaliser, flagged=flagged, rejected=rejected, is_weight=is_weight,
+    return loss_sum, normaliser.to(torch.int), loss_diagnostics(config, batch, t, loss_sum, normaliser)
+
+
+def loss_diagnostics(config: LossConfig, batch: MicroBatch, t: LossTerms, loss_sum: torch.Tensor,
+                     normaliser: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """What `loss_func` reports besides the loss: the metric sums (``loss_metrics.metric_sums``),
+    the logit-gradient norm sums (the paper's gradient claim, ``ops/logit_grad.py``) and the
+    silenced tokens' rows (label id, log p, H, A, log p_rollout, flagged, ||d l_t / d logits||)."""
+    logprob, old_logprob, advantages, silenced = t.logprob, t.old_logprob, t.advantages, t.silenced
+    is_clipped = clipped_tokens(config, logprob, old_logprob, advantages, t.trained_mask & ~silenced, t.seq_ids,
+                                t.seq_sum)
+    num_kept = (t.trained_mask & ~silenced).sum()
+    flagged = (torch.zeros_like(t.response_mask) if batch.rollout_logprob is None else
+               rc.token_flags(config.rollout_correction, rc.log_ratio(old_logprob, batch.rollout_logprob),
+                              t.response_mask))
+    sums = metric_sums(loss_sum, num_kept, logprob, old_logprob, t.entropy, t.response_mask, silenced, t.candidates,
+                       is_clipped, normaliser, flagged=flagged, rejected=t.rejected, is_weight=t.is_weight,
                        tis_cap=config.rollout_correction.tis_cap)
-    # the paper's gradient claim: each token's logit-gradient norm before silencing (mcore/logit_grad.py)
+    # the paper's gradient claim: each token's logit-gradient norm before silencing (ops/logit_grad.py)
     coef = logit_grad.logprob_coefficient(
         logprob.detach(), old_logprob, advantages, config.clip_ratio_low, config.clip_ratio_high,
-        config.clip_ratio_c, is_weight, batch.ref_logprob, config.kl_coef)
-    grad_sq = logit_grad.logit_grad_sq_norm(coef, logprob.detach(), collision, config.temperature)
-    grad_sums = logit_grad.grad_norm_sums(grad_sq, logprob, entropy, trained_mask, candidates, silenced)
-    # The spurious-token inspector's raw material: (label id, log p, H, A, log p_rollout, flagged,
-    # ||d l_t / d logits||) of silenced tokens (log p_rollout is NaN without sampler log-probs).
+        config.clip_ratio_c, t.is_weight, batch.ref_logprob, config.kl_coef)
+    grad_sq = logit_grad.logit_grad_sq_norm(coef, logprob.detach(), t.collision, config.temperature)
+    grad_sums = logit_grad.grad_norm_sums(grad_sq, logprob, t.entropy, t.trained_mask, t.candidates, silenced)
+    # The spurious-token inspector's raw material (log p_rollout is NaN without sampler log-probs).
     rollout_lp = (torch.full_like(logprob, float("nan")) if batch.rollout_logprob is None
                   else batch.rollout_logprob.float())
     silenced_tokens = torch.stack(
-        [batch.labels[silenced].float(), logprob.detach()[silenced], entropy[silenced], advantages[silenced],
+        [batch.labels[silenced].float(), logprob.detach()[silenced], t.entropy[silenced], advantages[silenced],
          rollout_lp[silenced], flagged[silenced].float(), grad_sq[silenced].sqrt()],
         dim=-1,
     )
-    return loss_sum, normaliser.to(torch.int), {"stapo_sums": sums, "grad_norm_sums": grad_sums,
-                                                "silenced_tokens": silenced_tokens}
+    return {"stapo_sums": sums, "grad_norm_sums": grad_sums, "silenced_tokens": silenced_tokens}
 
 
 def make_forward_step(

@@ -15,8 +15,8 @@ from typing import Dict, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from stapo_megatron.mcore import logit_grad
-from stapo_megatron.mcore.parallel import collective_device
+from stapo_megatron.ops import logit_grad
+from stapo_megatron.utils import collective_device
 
 # Per-micro-batch sums reported by the loss function, reduced over micro-batches and DP ranks.
 METRIC_SUMS = (
@@ -93,7 +93,7 @@ def reduce_metrics(
     """Step metrics from the per-micro-batch sums: summed over micro-batches and DP ranks,
     then broadcast from the last pipeline stage (global rank ``pp_last_rank``) over
     ``pp_group`` so every rank can log them. Collective over both groups. The gradient-norm
-    sums (``mcore.logit_grad``) travel in the same vector (``grad_norm_sums``: a list, for
+    sums (``ops.logit_grad``) travel in the same vector (``grad_norm_sums``: a list, for
     `logit_grad.step_metrics`), so they cost no collective of their own.
     """
     # Collectives run on the backend's device (CUDA for NCCL, CPU for gloo); the per-micro-batch

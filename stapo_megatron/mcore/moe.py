@@ -49,7 +49,7 @@ sees is unchanged) and sets the scale to n_mb / n_router^r, giving
 
     grad_aux = sum_{mb, dp} sum_r (n_mb / N) grad aux_l^r = sum_{mb, dp} (n_mb / N) grad aux_l(mb):
 
-CP=2 gives CP=1's gradient on the same rows (``tests/mcore/test_moe_context_parallel.py``). With the
+CP=2 gives CP=1's gradient on the same rows (``tests/integration/test_moe_context_parallel.py``). With the
 per-rank n_mb^r the weights would follow each chunk's kept tokens instead. The metrics count the
 same way: `MoEStepMonitor` keeps per micro-batch and layer the routed counts and probability sums
 of this rank's tokens and reduces them over CP before forming the switch loss; expert loads are

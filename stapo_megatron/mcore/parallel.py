@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from stapo_megatron.mcore import cpu_compat
+from stapo_megatron.utils import collective_device
 
 
 @dataclasses.dataclass
@@ -148,14 +149,6 @@ def init_parallel(
     torch.manual_seed(stage_seed)  # also seeds every CUDA device
     tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
     return current_groups()
-
-
-def collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
-    """The device of tensors passed to collectives over ``group``: the current CUDA device for
-    NCCL, the CPU for gloo (or when torch.distributed is not initialised)."""
-    if dist.is_initialized() and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def group_timeout(group: Optional[dist.ProcessGroup] = None) -> float:

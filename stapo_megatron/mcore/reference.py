@@ -7,7 +7,7 @@ sharding), holding a copy of the policy's weights at the start of RL (after the 
 checkpoint is loaded and, on a fresh run, after the warm-start), never trained. Once per step
 `add_reference_logprobs` runs it without gradients over the step's micro-batches, with the same
 micro-batch runner and the same vocab-parallel log-prob op as the pi_old pass
-(``schedule.compute_logprob_entropy`` -> ``ops.vocab_parallel_logprob_entropy``), and stores
+(``schedule.compute_logprob_entropy`` -> ``stapo_megatron.ops.logprob_entropy``), and stores
 ``ref_logprob`` in each micro-batch for the loss.
 
 Legend: [B, S] = micro-batch x sequence, aligned with the labels.
@@ -19,7 +19,7 @@ from typing import Callable, List
 
 import torch
 
-from stapo_megatron.mcore.batching import MicroBatch
+from stapo_megatron.batch.microbatch import MicroBatch
 from stapo_megatron.mcore.schedule import PassContext, compute_logprob_entropy
 
 

@@ -2,7 +2,7 @@
 training's forwards send every token to the experts the rollout engine chose for it.
 
 What is replayed. A micro-batch carries the rollout's routes per position
-(``MicroBatch.routes`` [B, S, L, K], `stapo_megatron.mcore.batching`). Before the model runs,
+(``MicroBatch.routes`` [B, S, L, K], `stapo_megatron.batch.microbatch`). Before the model runs,
 each MoE router of *this* model (megatron-core's ``TopKRouter.router_replay``, a
 ``RouterReplay`` built when ``TransformerConfig.moe_enable_routing_replay`` is set) gets its
 layer's indices as the replay target; megatron-core's ``topk_routing_with_score_function`` then
@@ -15,14 +15,14 @@ reference whose routers must not replay).
 
 Which positions. Megatron's router flattens its input [S_local, B, H] sequence-major: token
 ``s * B + b``. Under context parallelism the micro-batch is already CP rank r's part of the
-packed row (`stapo_megatron.mcore.context_parallel.split_for_context_parallel` takes ``routes``
+packed row (`stapo_megatron.batch.context_parallel.split_for_context_parallel` takes ``routes``
 at the same positions as the tokens), so the routes need no further CP slicing. With sequence parallelism a TP rank's routers see its 1/TP slice of the
 sequence (S_local = S / TP, rank r the r-th slice), without it all of S (every TP rank routes
 every token). Expert parallelism dispatches after routing, so each rank routes its own tokens
 as without EP. A pipeline stage holds only its layers: a router takes layer
 ``router.layer_number - 1`` (megatron-core's global 1-based number) of the routes.
 
-The filler. Where the rollout forwarded nothing (`batching.NO_ROUTE`: the last token of each
+The filler. Where the rollout forwarded nothing (`microbatch.NO_ROUTE`: the last token of each
 sequence, whose output predicts past the end, and padding) a position gets the K distinct experts
 ``(t K + j) mod E``, j < K, t its index in the whole micro-batch, sequence-major s B + b, or
 its position in the packed row for a context-parallel part (`routed_positions`): spread over
@@ -33,7 +33,7 @@ means no real token attends to them. Not invisible to the load-balancing aux los
 computes it from every routed token's own (unreplayed) top-k and probabilities, and a filler
 position's expert output enters its later layers' inputs, hence its router probabilities there.
 That is why the filler must not depend on the layout (with each CP rank's local index the
-weights after a replayed update at CP=2 differed from CP=1's, `tests/mcore/test_moe_context_parallel.py`);
+weights after a replayed update at CP=2 differed from CP=1's, `tests/integration/test_moe_context_parallel.py`);
 the expert-load metrics count it too.
 
 Recomputation. Full activation recomputation reruns each layer's router in the backward pass,
@@ -56,8 +56,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from stapo_megatron.mcore.batching import NO_ROUTE, MicroBatch
-from stapo_megatron.mcore.context_parallel import local_positions
+from stapo_megatron.batch.microbatch import NO_ROUTE, MicroBatch
+from stapo_megatron.batch.context_parallel import local_positions
 
 
 def replay_routers(model) -> List[Tuple[int, object]]:

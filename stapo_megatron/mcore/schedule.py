@@ -8,7 +8,7 @@ whatever ``parallel_state`` set up) over a list of `MicroBatch` objects; the cal
 of ``compute_logprob_entropy``: the pi_old pass and the "exact" tau_H pre-pass). A `PassContext`
 carries what every pass needs besides the micro-batches.
 
-Packed micro-batches (``MicroBatch.cu_seqlens``, ``stapo_megatron.mcore.packing``) reach the
+Packed micro-batches (``MicroBatch.cu_seqlens``, ``stapo_megatron.batch.packing``) reach the
 model with Megatron's ``PackedSeqParams(qkv_format="thd")``: RoPE restarts per sequence and the
 core attention (TE's, or the local spec's `SDPAttention`) keeps sequences apart. Their lengths
 differ between micro-batches; without pipelining no schedule reads ``seq_length``; with it the
@@ -30,8 +30,8 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from stapo_megatron.mcore.batching import MicroBatch
-from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
+from stapo_megatron.batch.microbatch import MicroBatch
+from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy
 from stapo_megatron.mcore.parallel import Groups
 from stapo_megatron.mcore.router_replay import clear_replay, replay_backward, set_replay_targets
 

@@ -15,9 +15,9 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from stapo_megatron.mcore.batching import MicroBatch
-from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy, vocab_shard
-from stapo_megatron.mcore.parallel import collective_device
+from stapo_megatron.batch.microbatch import MicroBatch
+from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy, vocab_shard
+from stapo_megatron.utils import collective_device
 from stapo_megatron.mcore.schedule import PassContext, run_microbatches
 
 

@@ -17,7 +17,7 @@ import torch
 from stapo_megatron.method.config import LossConfig
 from stapo_megatron.method.registry import get_method
 from stapo_megatron.method.rollout_correction import selection_logprob
-from stapo_megatron.mcore.batching import MicroBatch
+from stapo_megatron.batch.microbatch import MicroBatch
 from stapo_megatron.mcore.config import OptimConfig
 from stapo_megatron.mcore.loss import loss_func, minibatch_threshold
 from stapo_megatron.mcore.loss_metrics import reduce_metrics

@@ -104,7 +104,7 @@ def s2t_mask(
 
     Args:
         logprob, entropy: current-policy log p of the sampled token and H of the next-token
-            distribution (see ``stapo_megatron.mcore.ops``).
+            distribution (see ``stapo_megatron.ops.logprob_entropy``).
         advantages: per-token advantage (the sequence advantage broadcast over its tokens).
         response_mask: True on response tokens that count in the loss.
         tau_p: probability threshold (paper: 0.002).

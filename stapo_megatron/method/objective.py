@@ -1,4 +1,5 @@
-"""The STAPO objective on plain tensors: the per-token clipped surrogate and its masked sum.
+"""The policy loss of every objective on plain tensors: the per-token clipped surrogate and the
+masked sum of an objective's token losses (`policy_loss`, configured by a `PolicyLossConfig`).
 
 arXiv 2602.15620, the J_STAPO objective (DAPO/JustRL token level, clip-higher, no KL, no entropy
 bonus, plus the S2T mask of ``stapo_megatron.method.masks``; docs/design.md, "The method"):
@@ -25,17 +26,46 @@ Legend: [B, S] = micro-batch x sequence, aligned with the labels.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional, Tuple
 
 import torch
 
 SequenceSum = Callable[[torch.Tensor], torch.Tensor]
 """Sums a per-sequence tensor [N] over the ranks that hold the other parts of the same sequences
-(context parallelism: an all-reduce over the CP group, ``mcore.context_parallel.cp_sum``)."""
+(context parallelism: an all-reduce over the CP group, ``batch.context_parallel.cp_sum``)."""
 
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean")
 """How token losses are averaged: over all kept tokens of the mini-batch (DAPO/JustRL, STAPO) or
 per sequence, then over sequences (DeepSeekMath GRPO)."""
+
+TokenLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(logprob, old_logprob, advantages, keep) -> per-token loss [B, S]`` of an objective
+(`PolicyLossConfig.token_loss`; ``method.objectives`` builds them)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLossConfig:
+    """How `policy_loss` turns token log-probs into the loss: the objective's token loss, the
+    KL term and the aggregation (built per micro-batch from `LossConfig` and the objective)."""
+
+    clip_ratio_low: float = 0.2
+    """eps_low of the clipped surrogate (`token_objective`)."""
+    clip_ratio_high: float = 0.28
+    """eps_high (clip-higher)."""
+    clip_ratio_c: Optional[float] = None
+    """Dual-clip bound c for A < 0 (None: no dual clip)."""
+    kl_coef: float = 0.0
+    """beta of the k3 KL term to the reference (needs ``ref_logprob``; 0: none)."""
+    loss_agg: str = "token_mean"
+    """One of `LOSS_AGGREGATIONS`."""
+    token_loss: Optional[TokenLoss] = None
+    """Another objective's per-token loss (``method.objectives``; the clip fields are then its
+    business); None: the clipped surrogate (`token_objective`)."""
+
+    def __post_init__(self):
+        if self.loss_agg not in LOSS_AGGREGATIONS:
+            raise ValueError(f"loss_agg must be one of {LOSS_AGGREGATIONS}, got {self.loss_agg!r}")
 
 
 def token_objective(
@@ -59,29 +89,25 @@ def token_objective(
     return loss, is_clipped
 
 
-def stapo_loss(
+def policy_loss(
     logprob: torch.Tensor,
     old_logprob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     silenced: torch.Tensor,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.28,
-    clip_ratio_c: Optional[float] = None,
+    config: PolicyLossConfig = PolicyLossConfig(),
     ref_logprob: Optional[torch.Tensor] = None,
-    kl_coef: float = 0.0,
-    loss_agg: str = "token_mean",
     is_weight: Optional[torch.Tensor] = None,
     sequence_ids: Optional[torch.Tensor] = None,
     sequence_sum: Optional[SequenceSum] = None,
     count_sequences: bool = True,
-    token_loss: Optional[Callable[..., torch.Tensor]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Sum of STAPO token losses over kept tokens, and the number of kept tokens.
+    """Sum of the objective's token losses over kept tokens, and the number of kept tokens.
 
     keep = response_mask & ~silenced; loss_sum = -sum keep * min(r A, clip(r, 1-eps_low,
-    1+eps_high) A) (+ kl_coef * k3 KL to ``ref_logprob`` per kept token if kl_coef > 0).
-    Dividing by the kept count of the whole mini-batch (not by this call's) gives -J.
+    1+eps_high) A) (or ``config.token_loss``; + kl_coef * k3 KL to ``ref_logprob`` per kept
+    token if kl_coef > 0). Dividing by the kept count of the whole mini-batch (not by this
+    call's) gives -J.
 
     Args:
         logprob, old_logprob, ref_logprob: [B, S] log-probs of the labels (any float dtype;
@@ -90,7 +116,8 @@ def stapo_loss(
         advantages: [B, S] per-token advantages (a sequence's advantage broadcast over its
             tokens, ``adv_B[:, None].expand(B, S)``).
         response_mask, silenced: [B, S] bool.
-        loss_agg: "token_mean" (DAPO/JustRL: every kept token weighs the same) or
+        config: the token loss, KL term and aggregation. Its ``loss_agg``: "token_mean"
+            (DAPO/JustRL: every kept token weighs the same) or
             "seq_mean_token_mean" (GRPO: mean over each sequence's kept tokens, then over
             sequences; one row of the [B, S] tensors is one sequence, unless ``sequence_ids``).
         is_weight: [B, S] constant importance weight of each token's clipped surrogate (the
@@ -98,7 +125,7 @@ def stapo_loss(
             its pg_losses the same way): the KL term and the normaliser are not weighted.
             None = 1.
         sequence_ids: for a packed row (several sequences in one row), the sequence index of
-            every token (``mcore.packing.sequence_ids``); only "seq_mean_token_mean" reads it.
+            every token (``batch.packing.sequence_ids``); only "seq_mean_token_mean" reads it.
         sequence_sum, count_sequences: context parallelism ("seq_mean_token_mean" with
             ``sequence_ids``): the rows hold only this rank's part of every sequence.
             ``sequence_sum`` adds the per-sequence kept-token counts over the ranks holding the
@@ -106,9 +133,6 @@ def stapo_loss(
             of sum_i 1/|o_i| sum_t l_t; the normaliser counts the sequences only where
             ``count_sequences`` (one rank of the group), so a sum over the group counts each
             once. None / True: the rows hold whole sequences.
-        token_loss: ``(logprob, old_logprob, advantages, keep) -> [B, S]`` per-token loss of
-            another objective (``method.objectives``; the clip arguments are then its business);
-            None: the clipped surrogate above (`token_objective`).
 
     Returns:
         (loss_sum: 0-dim, fp32 or (float64 inputs) float64, differentiable; the normaliser: 0-dim int64, the number of kept
@@ -117,10 +141,9 @@ def stapo_loss(
     Raises:
         ValueError: if a tensor's shape differs from ``logprob``'s (a [B] advantage would
             broadcast along the token axis when B == S; a [B, S, 1] mask would multiply the
-            kept count), or a mask is not bool, or ``loss_agg`` is unknown.
+            kept count), or a mask is not bool, or ``kl_coef`` > 0 without ``ref_logprob``.
     """
-    if loss_agg not in LOSS_AGGREGATIONS:
-        raise ValueError(f"loss_agg must be one of {LOSS_AGGREGATIONS}, got {loss_agg!r}")
+    loss_agg, kl_coef = config.loss_agg, config.kl_coef
     tensors = {"old_logprob": old_logprob, "advantages": advantages, "response_mask": response_mask,
                "silenced": silenced}
     if ref_logprob is not None:
@@ -143,10 +166,11 @@ def stapo_loss(
     logprob, old_logprob, advantages = logprob.to(dtype), old_logprob.to(dtype), advantages.to(dtype)
     ref_logprob = None if ref_logprob is None else ref_logprob.to(dtype)
     keep = response_mask & ~silenced
-    if token_loss is not None:
-        loss = token_loss(logprob, old_logprob, advantages, keep)
+    if config.token_loss is not None:
+        loss = config.token_loss(logprob, old_logprob, advantages, keep)
     else:
-        loss, _ = token_objective(logprob, old_logprob, advantages, clip_ratio_low, clip_ratio_high, clip_ratio_c)
+        loss, _ = token_objective(logprob, old_logprob, advantages, config.clip_ratio_low, config.clip_ratio_high,
+                                  config.clip_ratio_c)
     if is_weight is not None:
         loss = loss * is_weight.detach().to(loss.dtype)  # float64 weights stay float64
     if kl_coef:

@@ -1,7 +1,7 @@
 """The policy objectives, the second axis of a method: one `Objective` per name in `OBJECTIVES`.
 
 A method is a mask (``method.registry``: stapo, entropy20, the random controls, none) applied to
-an objective: the per-token loss l_t that ``method.objective.stapo_loss`` sums over the kept
+an objective: the per-token loss l_t that ``method.objective.policy_loss`` sums over the kept
 tokens (keep = response_mask & ~silenced & ~rejected) and how it averages them. Every existing
 method name keeps its objective (`Method.objective`: "dapo" for all but "grpo"); ``loss.objective``
 picks another, so "S2T on CISPO" is ``loss.method=stapo loss.objective=cispo``.
@@ -42,11 +42,8 @@ from typing import Any, Callable, Dict, Mapping, Optional
 
 import torch
 
-from stapo_megatron.method.objective import SequenceSum, token_objective
+from stapo_megatron.method.objective import SequenceSum, TokenLoss, token_objective
 from stapo_megatron.method.rollout_correction import segments, sequence_log_ratio
-
-TokenLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""``(logprob, old_logprob, advantages, keep) -> per-token loss [B, S]`` (``stapo_loss``'s ``token_loss``)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -67,7 +67,7 @@ class Method:
     loss_agg: str = "token_mean"
     """"token_mean" (every kept token of the mini-batch weighs the same) or
     "seq_mean_token_mean" (GRPO: mean per sequence, then over sequences); see
-    ``stapo_megatron.method.objective.stapo_loss``. Must equal the default objective's
+    ``stapo_megatron.method.objective.policy_loss``. Must equal the default objective's
     (``objectives.OBJECTIVES[objective].loss_agg``), which is what the loss reads."""
     objective: str = "dapo"
     """The objective the mask applies to unless ``LossConfig.objective`` names another

@@ -11,7 +11,7 @@ mismatch"; verl's ``rollout_corr_helper``, decoupled mode):
                                                              the tokens being samples of pi_rollout)
     g_i     = exp( mean_{t in response_i} delta_t )          (sequence i's geometric-mean ratio)
 
-Corrections (`RolloutCorrectionConfig.mode`), entering the loss of ``method.objective.stapo_loss``:
+Corrections (`RolloutCorrectionConfig.mode`), entering the loss of ``method.objective.policy_loss``:
 
     tis       w_t = min(rho_t, C)           multiplies the clipped surrogate of token t (not KL);
                                             the normaliser still counts tokens, not weights
@@ -96,7 +96,7 @@ def log_ratio(old_logprob: torch.Tensor, rollout_logprob: torch.Tensor) -> torch
 def segments(response_mask: torch.Tensor, sequence_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[B, S] int64: the sequence of every token, numbered over the micro-batch. A row is one
     sequence, unless ``sequence_ids`` ([B, S] or [1, S]: a packed row's sequence index per
-    token, ``mcore.packing.sequence_ids``) splits it."""
+    token, ``batch.packing.sequence_ids``) splits it."""
     B, S = response_mask.shape
     rows = torch.arange(B, device=response_mask.device)[:, None]
     if sequence_ids is None:

@@ -9,14 +9,14 @@ from __future__ import annotations
 from typing import List
 
 from stapo_megatron.bridge.hf_config import QwenSpec
-from stapo_megatron.recipes.memory import FRAMEWORK_OVERHEAD_BYTES, GB, GPU_TOTAL_BYTES, Layout, memory_estimate
+from stapo_megatron.recipes.memory import FRAMEWORK_OVERHEAD_BYTES, GB, GPU_TOTAL_BYTES, ParallelLayout, memory_estimate
 
 WEIGHT_BUCKETS_RESIDENT = 2
 """Weight buckets an engine GPU holds during a transfer (`stapo_megatron.rollout.weight_receive`):
 the one being loaded and the one travelling."""
 
 
-def engine_staging_bytes(spec: QwenSpec, layout: Layout) -> float:
+def engine_staging_bytes(spec: QwenSpec, layout: ParallelLayout) -> float:
     """Separate placement: an engine GPU's weight buckets during a transfer, outside vLLM's share
     (vLLM sizes its KV cache to fill the share): two buckets, each at most the larger of
     ``rollout.weight_bucket_mb`` and the largest bf16 tensor, the embedding (a tensor larger than
@@ -28,7 +28,7 @@ def engine_staging_bytes(spec: QwenSpec, layout: Layout) -> float:
     return WEIGHT_BUCKETS_RESIDENT * max(layout.weight_bucket_mb * 2**20, largest)
 
 
-def free_at_engine_start(spec: QwenSpec, layout: Layout, gpu_bytes: float = GPU_TOTAL_BYTES) -> float:
+def free_at_engine_start(spec: QwenSpec, layout: ParallelLayout, gpu_bytes: float = GPU_TOTAL_BYTES) -> float:
     """Colocated: the GPU memory free when the trainer builds the engine, after Megatron's model,
     gradient buffer and optimizer (`stapo_megatron.trainer.loop`): the card less their bytes
     (`memory_estimate`: weights, grads, the whole optimizer, which is an upper bound where Adam's
@@ -39,7 +39,7 @@ def free_at_engine_start(spec: QwenSpec, layout: Layout, gpu_bytes: float = GPU_
     return gpu_bytes - (est.weights + est.grads + est.optimizer + est.reference + est.overhead)
 
 
-def engine_start_problems(spec: QwenSpec, layout: Layout, gpu_bytes: float = GPU_TOTAL_BYTES) -> List[str]:
+def engine_start_problems(spec: QwenSpec, layout: ParallelLayout, gpu_bytes: float = GPU_TOTAL_BYTES) -> List[str]:
     """Why the rollout engine of ``layout`` cannot start or cannot take a weight transfer (empty
     when it can).
 

@@ -1,10 +1,10 @@
 """The per-GPU memory model of colocated STAPO training and vLLM rollouts on 80 GB GPUs.
 
-`Layout` says where a run goes and the settings that decide its memory per GPU (a `ModelConfig`
-and a cluster, checked by `stapo_megatron.config.layout`); `memory_estimate`
+`ParallelLayout` says where a run goes and the settings that decide its memory per GPU (a `ModelConfig`
+and a cluster, checked by `stapo_megatron.config.parallel_layout`); `memory_estimate`
 gives the bytes of each component on the most loaded GPU (its assumptions are in its docstring).
 The paper recipes (`stapo_megatron.recipes.paper`) choose their layouts with it, the launcher's
-dry run prints it, and ``scripts/memory_table.py`` writes the README's table from it.
+dry run prints it, and ``scripts/memory_table.py`` writes the table of docs/recipes.md from it.
 """
 
 from __future__ import annotations
@@ -12,10 +12,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, Optional
 
-from stapo_megatron.bridge.hf_config import QwenSpec
+from stapo_megatron.bridge.hf_config import QwenSpec, dense_layer_params, expert_params, num_params
 from stapo_megatron.bridge.transformer_config import padded_vocab_size
-from stapo_megatron.config import ModelConfig, TrainerConfig
-from stapo_megatron.config.layout import Cluster, rank_tokens
+from stapo_megatron.config import TrainerConfig
+from stapo_megatron.mcore.config import ModelConfig
+from stapo_megatron.batch.alignment import rank_tokens
+from stapo_megatron.config.parallel_layout import Cluster
 
 GB = 1e9
 """Decimal gigabyte: estimates are compared with 80e9 bytes, below an 80 GB card's 85.9e9."""
@@ -37,14 +39,14 @@ SEQ_LEN = MAX_PROMPT_LEN + MAX_RESPONSE_LEN
 MODEL_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "cp_comm_type",
                 "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
                 "recompute_granularity", "recompute_method", "recompute_num_layers")
-"""The `ModelConfig` fields the memory model reads, readable on a `Layout` by the same names."""
+"""The `ModelConfig` fields the memory model reads, readable on a `ParallelLayout` by the same names."""
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class ParallelLayout:
     """Where one run goes and the settings that decide its memory per GPU: the cluster, the
     trainer's `ModelConfig` (TP/PP/CP/EP, sequence parallelism, recomputation: `MODEL_FIELDS`, read
-    on the layout by the same names) and the rollout engine's share. `Layout.of` derives one from
+    on the layout by the same names) and the rollout engine's share. `ParallelLayout.of` derives one from
     a `TrainerConfig` and a cluster; a recipe's layout hands its ``model`` to its `TrainerConfig`
     as it is, so nothing is copied between the two."""
 
@@ -81,7 +83,7 @@ class Layout:
     (`stapo_megatron.recipes.engine_memory.engine_staging_bytes`)."""
 
     @classmethod
-    def of(cls, cfg: TrainerConfig, cluster: Cluster) -> "Layout":
+    def of(cls, cfg: TrainerConfig, cluster: Cluster) -> "ParallelLayout":
         """The layout of ``cfg`` on ``cluster``: its model, vLLM TP and share, micro-batch,
         reference model (``loss.kl_coef > 0``) and longest sequence."""
         return cls(num_nodes=cluster.num_nodes, gpus_per_node=cluster.gpus_per_node, model=cfg.model,
@@ -91,7 +93,7 @@ class Layout:
                    seq_len=cfg.data.max_prompt_len + cfg.rollout.max_response_len,
                    engine_ranks=cfg.rollout.engine_ranks, weight_bucket_mb=cfg.rollout.weight_bucket_mb)
 
-    def replace(self, **changes: Any) -> "Layout":
+    def replace(self, **changes: Any) -> "ParallelLayout":
         """A copy with ``changes`` of its own fields or of its model's (`MODEL_FIELDS`)."""
         model = {k: changes.pop(k) for k in list(changes) if k in MODEL_FIELDS}
         return dataclasses.replace(self, model=dataclasses.replace(self.model, **model), **changes)
@@ -131,7 +133,7 @@ class Layout:
 
 
 for _name in MODEL_FIELDS:  # layout.tensor_model_parallel_size reads layout.model's: one copy of each
-    setattr(Layout, _name, property(lambda self, name=_name: getattr(self.model, name),
+    setattr(ParallelLayout, _name, property(lambda self, name=_name: getattr(self.model, name),
                                     doc=f"``model.{_name}`` (`ModelConfig`)."))
 
 
@@ -166,7 +168,7 @@ class MemoryEstimate:
     """`FRAMEWORK_OVERHEAD_BYTES`."""
     vllm: float
     """vLLM's colocated share: ``vllm_gpu_memory_utilization`` x the card's total memory
-    (`GPU_TOTAL_BYTES`, see `Layout`)."""
+    (`GPU_TOTAL_BYTES`, see `ParallelLayout`)."""
     vllm_kv_tokens: int
     """Tokens of KV cache one vLLM rank holds after its weights and runtime."""
     reference: float = 0.0
@@ -180,7 +182,7 @@ class MemoryEstimate:
 
     @property
     def total(self) -> float:
-        """Peak bytes per GPU: training plus vLLM's share (`Layout.vllm_gpu_memory_utilization`)."""
+        """Peak bytes per GPU: training plus vLLM's share (`ParallelLayout.vllm_gpu_memory_utilization`)."""
         return self.training + self.vllm
 
     def as_gb(self) -> Dict[str, float]:
@@ -190,52 +192,21 @@ class MemoryEstimate:
         return {name: round(getattr(self, name) / GB, 1) for name in names}
 
 
-def _dense_layer_params(spec: QwenSpec) -> int:
-    """Parameters of one decoder layer outside its experts: q/k/v/o, the two RMSNorms, the q/k
-    norms, and the dense gate/up/down (a dense model) or the router (an MoE layer)."""
-    h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
-    attention = h * (q + 2 * kv) + q * h
-    mlp = h * spec.num_moe_experts if spec.is_moe else 3 * h * spec.ffn_hidden_size
-    norms = 2 * h + (2 * spec.kv_channels if spec.qk_layernorm else 0)
-    return attention + mlp + norms
-
-
-def _expert_params(spec: QwenSpec) -> int:
-    """Parameters of one expert (gate/up/down of width ``moe_ffn_hidden_size``); 0 for a dense model."""
-    return 3 * spec.hidden_size * spec.moe_ffn_hidden_size if spec.is_moe else 0
-
-
-def num_params(spec: QwenSpec) -> int:
-    """Parameters of the HF model (unpadded vocabulary; every expert of an MoE)."""
-    embeddings = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
-    experts = (spec.num_moe_experts or 0) * _expert_params(spec)
-    return spec.num_layers * (_dense_layer_params(spec) + experts) + embeddings + spec.hidden_size
-
-
-def num_active_params(spec: QwenSpec) -> int:
-    """Parameters one token passes through: `num_params` with ``moe_router_topk`` experts per MoE
-    layer instead of all of them (= `num_params` for a dense model)."""
-    if not spec.is_moe:
-        return num_params(spec)
-    idle = spec.num_moe_experts - spec.moe_router_topk
-    return num_params(spec) - spec.num_layers * idle * _expert_params(spec)
-
-
-def expert_params_per_gpu(spec: QwenSpec, layout: Layout) -> int:
+def expert_params_per_gpu(spec: QwenSpec, layout: ParallelLayout) -> int:
     """Expert parameters on one rank: its layers' experts / EP, each split over ETP."""
     if not spec.is_moe:
         return 0
     local_experts = spec.num_moe_experts // layout.expert_model_parallel_size
     per_stage = spec.num_layers // layout.pipeline_model_parallel_size
-    return per_stage * local_experts * _expert_params(spec) // layout.expert_tensor_size
+    return per_stage * local_experts * expert_params(spec) // layout.expert_tensor_size
 
 
-def params_per_gpu(spec: QwenSpec, layout: Layout) -> int:
+def params_per_gpu(spec: QwenSpec, layout: ParallelLayout) -> int:
     """Parameters on the most loaded rank: its layers / TP plus the padded embedding and (for
     untied models, or any model with PP > 1) the output layer / TP on the stages holding them,
     plus its experts (`expert_params_per_gpu`)."""
     tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
-    layers = spec.num_layers // pp * _dense_layer_params(spec) // tp
+    layers = spec.num_layers // pp * dense_layer_params(spec) // tp
     vocab_rows = padded_vocab_size(spec.vocab_size, tp) // tp * spec.hidden_size
     # PP = 1: the one stage holds the embedding and, untied, the output layer. PP > 1: the
     # first stage holds the embedding, the last the output layer (a copy when tied).
@@ -244,17 +215,26 @@ def params_per_gpu(spec: QwenSpec, layout: Layout) -> int:
 
 
 RECOMPUTE_MODES = ("full", "selective", None)
-"""The recomputation settings `memory_estimate` models (`Layout.recompute_granularity`)."""
+"""The recomputation settings `memory_estimate` models (`ParallelLayout.recompute_granularity`)."""
 MOE_ROUTING_IMBALANCE = 1.5
 """MoE: tokens the most loaded expert rank receives over its even share (dropless routing, no
 capacity factor). An allowance, not derived: the aux loss pulls it towards 1, and the expert
 load metrics of a run (max / mean tokens per expert) say what it is."""
 
 
-def kept_layer_bytes(spec: QwenSpec, layout: Layout) -> float:
+SWIGLU_BYTES = 6
+"""Bytes per token and MLP unit (ffn, an expert's moe_ffn) that a SwiGLU MLP keeps on CUDA:
+Megatron's fused SwiGLU (``bias_activation_fusion``, on wherever Triton is:
+`stapo_megatron.bridge.kernels`) saves only its bf16 input, gate and up (4), and recomputes
+silu(gate) in its backward; the second linear keeps the bf16 product (2). Unfused (the CPU)
+it keeps silu(gate) besides (8; ``benchmarks/saved_bytes.py`` measures both)."""
+
+
+def kept_layer_bytes(spec: QwenSpec, layout: ParallelLayout) -> float:
     """Bytes per token that one decoder layer keeps for its backward without recomputation
-    (local spec, SDPA / flash attention, bf16), counted op by op from the tensors autograd saves
-    (``torch.autograd.graph.saved_tensors_hooks`` on a Qwen3-1.7B-shaped layer, CPU):
+    (local spec, SDPA / flash attention, bf16, on CUDA with Triton), counted op by op from the
+    tensors autograd saves (``torch.autograd.graph.saved_tensors_hooks`` on a Qwen3-1.7B-shaped
+    layer on the CPU; the MLP as Megatron's fused SwiGLU saves on CUDA):
 
     - each of the two RMSNorms: its fp32 input copy and fp32 normalised output (torch's RMSNorm
       computes in fp32) and the bf16 output the next linear saves: 10 h bytes;
@@ -262,13 +242,17 @@ def kept_layer_bytes(spec: QwenSpec, layout: Layout) -> float:
     - attention: the fused QKV output (v is a view of it), q and k after RoPE, the output
       (kept by flash attention and by the output projection): 6 (q + kv) [+ 4 kv x (CP - 1) for
       the K and V gathered over CP with ``cp_comm_type="all_gather"``];
-    - dense MLP: gate/up output, silu(gate), its product with up: 10 ffn. MoE: the router's fp32
-      logits and probabilities (8 E), then per routed copy (top-k, x `MOE_ROUTING_IMBALANCE`)
-      the permuted input and expert output (4 h) and the expert MLP (10 moe_ffn / ETP).
+    - dense MLP: `SWIGLU_BYTES` ffn, the fused SwiGLU's input and the second linear's input
+      (counting 10 ffn, more than even the unfused SwiGLU keeps, the model over-counted the
+      GPU by 4 ffn per layer: +10% at 8k and +13% at 16k tokens on the H200). MoE: the router's fp32 logits and
+      probabilities (8 E), then per routed copy (top-k, x `MOE_ROUTING_IMBALANCE`) the permuted
+      input and expert output (4 h) and the expert MLP (`SWIGLU_BYTES` moe_ffn / ETP).
 
-    h-sized terms are split over TP with sequence parallelism, q/kv/ffn over TP. Checked on the
-    H100 (benchmarks/RESULTS.md): Qwen3-1.7B, 4 x 8192 tokens, no recomputation, 69.8 GB
-    allocated against `memory_estimate`'s 70.5 GB without its allowance (+1.0%).
+    h-sized terms are split over TP with sequence parallelism, q/kv/ffn over TP. Calibrated
+    against the GPU's ``max_memory_allocated`` (``tests/recipes/test_memory_calibration.py``
+    holds the measured rows): Qwen3-1.7B, 4 x 8192 / 16384 tokens without recomputation on the
+    H200, 64.2 / 97.3 GB allocated against `memory_estimate`'s 64.7 / 98.3 GB without its
+    allowance (+0.7% / +1.1%).
     """
     tp = layout.tensor_model_parallel_size
     sp = tp if layout.sequence_parallel else 1
@@ -278,13 +262,13 @@ def kept_layer_bytes(spec: QwenSpec, layout: Layout) -> float:
     if spec.is_moe:
         copies = spec.moe_router_topk * MOE_ROUTING_IMBALANCE
         mlp = 10 * h / sp + 8 * spec.num_moe_experts / sp + copies * (
-            4 * h / sp + 10 * spec.moe_ffn_hidden_size / layout.expert_tensor_size)
+            4 * h / sp + SWIGLU_BYTES * spec.moe_ffn_hidden_size / layout.expert_tensor_size)
     else:
-        mlp = 10 * h / sp + 10 * spec.ffn_hidden_size / tp
+        mlp = 10 * h / sp + SWIGLU_BYTES * spec.ffn_hidden_size / tp
     return attention + mlp
 
 
-def _recompute_layer_bytes(spec: QwenSpec, layout: Layout) -> float:
+def _recompute_layer_bytes(spec: QwenSpec, layout: ParallelLayout) -> float:
     """bf16 bytes per token of the one layer full recomputation rebuilds: LN inputs/outputs and
     the two residual inputs (4h, split over TP only with sequence parallelism), q/k/v and the
     attention output (2q + 2kv), gate/up outputs and the SwiGLU output (3 ffn; an MoE: 3
@@ -300,7 +284,7 @@ def _recompute_layer_bytes(spec: QwenSpec, layout: Layout) -> float:
     return 2 * (4 * h / sp + (2 * q + 2 * kv) / tp + mlp)
 
 
-def memory_estimate(spec: QwenSpec, layout: Layout, seq_len: Optional[int] = None,
+def memory_estimate(spec: QwenSpec, layout: ParallelLayout, seq_len: Optional[int] = None,
                     gpu_bytes: float = GPU_TOTAL_BYTES) -> MemoryEstimate:
     """Per-GPU memory of colocated STAPO training (Megatron) and rollouts (vLLM).
 
@@ -315,7 +299,7 @@ def memory_estimate(spec: QwenSpec, layout: Layout, seq_len: Optional[int] = Non
     STAPO loss on vocabulary-sharded logits, and vLLM's whole share on top (it sleeps during the
     update, but wakes while PyTorch's cache still holds the training memory).
 
-    Recomputation (`Layout.recompute_granularity`): "full" (uniform, 1 layer per group) keeps
+    Recomputation (`ParallelLayout.recompute_granularity`): "full" (uniform, 1 layer per group) keeps
     every layer's bf16 input plus one layer's activations and their gradients while it is
     recomputed; None keeps every layer's activations (`kept_layer_bytes`) plus one layer's
     gradients; "selective" is counted as None: Megatron's selective recomputation rebuilds the
@@ -325,7 +309,7 @@ def memory_estimate(spec: QwenSpec, layout: Layout, seq_len: Optional[int] = Non
     its experts (balanced routing times `MOE_ROUTING_IMBALANCE`).
 
     Args:
-        seq_len: the longest training sequence (None: `Layout.seq_len`).
+        seq_len: the longest training sequence (None: `ParallelLayout.seq_len`).
         gpu_bytes: the card's total memory, of which vLLM takes its fraction (`GPU_TOTAL_BYTES`).
 
     Returns the components of `MemoryEstimate`; `MemoryEstimate.total` must stay below the
@@ -362,7 +346,7 @@ def memory_estimate(spec: QwenSpec, layout: Layout, seq_len: Optional[int] = Non
     )
 
 
-def describe(spec: QwenSpec, layout: Layout) -> str:
+def describe(spec: QwenSpec, layout: ParallelLayout) -> str:
     """One line for the launcher's dry run: the parallel sizes, sequence and recomputation, vLLM,
     and the estimate's total against the budget."""
     est = memory_estimate(spec, layout)
@@ -386,4 +370,3 @@ def describe(spec: QwenSpec, layout: Layout) -> str:
             f"{layout.recompute_granularity or 'none'}; vLLM TP={layout.vllm_tensor_parallel_size} at "
             f"{layout.vllm_gpu_memory_utilization} of the card; {est.training / GB:.1f} GB training + "
             f"{est.vllm / GB:.1f} GB vLLM = {est.total / GB:.1f} GB of {GPU_MEMORY_BYTES / GB:.0f} GB")
-

@@ -5,14 +5,14 @@ trainer's `TrainerConfig` for
 DAPO-Math-17k (paths are the user's: ``data.train_path`` / ``data.eval_path``), with the method
 as a one-word switch (a name of `stapo_megatron.method.registry.METHODS`, `method_loss`).
 
-Each recipe has a `Layout` (nodes, TP/PP/CP/EP/DP, vLLM TP and memory share, micro-batch,
+Each recipe has a `ParallelLayout` (nodes, TP/PP/CP/EP/DP, vLLM TP and memory share, micro-batch,
 recompute, sequence parallelism, sequence length) chosen with `memory_estimate`, the written
 per-GPU memory model of `stapo_megatron.recipes.memory` (its assumptions are in the function's
 docstring). Context parallelism splits each packed sequence over CP ranks (2 x CP load-balanced
 chunks): the 8B and 14B recipes use it to drop full recomputation, ``qwen3_8b_32k`` to train
 32k-token sequences. ``qwen3_30b_a3b`` is the mixture-of-experts model with expert parallelism
-(EP). A recipe's `Layout` holds the `ModelConfig` its `TrainerConfig` trains with; the layout
-checks (`layout_problems`) are the one validator's, `stapo_megatron.config.layout`, plus the
+(EP). A recipe's `ParallelLayout` holds the `ModelConfig` its `TrainerConfig` trains with; the layout
+checks (`layout_problems`) are the one validator's, `stapo_megatron.config.parallel_layout`, plus the
 memory estimate.
 """
 
@@ -22,14 +22,20 @@ import dataclasses
 from typing import Dict, List, Optional
 
 from stapo_megatron.bridge.hf_config import QwenSpec
-from stapo_megatron.config import (DataConfig, EvalConfig, LossConfig, ModelConfig, OptimConfig, RewardConfig,
-                                   RolloutSampling, TrainerConfig)
-from stapo_megatron.config.layout import Cluster
-from stapo_megatron.config.layout import layout_problems as check_layout
+from stapo_megatron.config import TrainerConfig
+from stapo_megatron.data.config import DataConfig
+from stapo_megatron.eval.config import EvalConfig
+from stapo_megatron.mcore.config import ModelConfig, OptimConfig
+from stapo_megatron.method.config import LossConfig
+from stapo_megatron.rewards.config import RewardConfig
+from stapo_megatron.rollout.config import RolloutSampling
+from stapo_megatron.batch.alignment import rank_tokens
+from stapo_megatron.config.parallel_layout import Cluster
+from stapo_megatron.config.parallel_layout import layout_problems as check_layout
 from stapo_megatron.data.examples import JUSTRL_PROMPT_TEMPLATE
 from stapo_megatron.method.config import method_loss_config
 from stapo_megatron.recipes.engine_memory import engine_start_problems
-from stapo_megatron.recipes.memory import GB, GPU_MEMORY_BYTES, MAX_PROMPT_LEN, Layout, memory_estimate, rank_tokens
+from stapo_megatron.recipes.memory import GB, GPU_MEMORY_BYTES, MAX_PROMPT_LEN, ParallelLayout, memory_estimate
 
 
 def _qwen3(num_layers, hidden, heads, ffn, tied) -> QwenSpec:
@@ -86,51 +92,53 @@ def _model(tensor_model_parallel_size: int, **changes) -> ModelConfig:
                   recompute_num_layers=1)
     return ModelConfig(tensor_model_parallel_size=tensor_model_parallel_size, **{**fields, **changes})
 
-LAYOUTS: Dict[str, Layout] = {
+LAYOUTS: Dict[str, ParallelLayout] = {
     # 2 nodes: TP=2 halves the 151936-wide logits and their gradient (5 GB instead of 10 GB at TP=1).
-    "qwen3_1p7b": Layout(num_nodes=2, model=_model(2), vllm_tensor_parallel_size=2, vllm_gpu_memory_utilization=0.55),
+    "qwen3_1p7b": ParallelLayout(num_nodes=2, model=_model(2), vllm_tensor_parallel_size=2,
+                                 vllm_gpu_memory_utilization=0.55),
     # 4 nodes: TP=4 (at TP=2 training and vLLM's share exceed the budget), CP=2 inside the node
     # (TP x CP = 8 GPUs): each rank holds 8k of a 16k sequence, which pays for keeping every
     # layer's activations (21 GB) instead of full recomputation; vLLM's share goes from 0.5 to
-    # 0.4 for it (0.35 with GRPO's reference). README's memory table gives the components.
-    "qwen3_8b": Layout(num_nodes=4, model=_model(4, context_parallel_size=2, **_NO_RECOMPUTE),
-                       vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.4,
-                       vllm_gpu_memory_utilization_with_reference=0.35),
+    # 0.4 for it (0.35 with GRPO's reference). docs/recipes.md's memory table gives the components.
+    "qwen3_8b": ParallelLayout(num_nodes=4, model=_model(4, context_parallel_size=2, **_NO_RECOMPUTE),
+                               vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.4,
+                               vllm_gpu_memory_utilization_with_reference=0.35),
     # 32k-token sequences (1024 prompt + 31744 response: the model's 32768 positions) on the
     # 8B's 4 nodes: CP=4 (two nodes per model replica, DP=2) keeps a rank at 8k tokens, the
     # same activations as qwen3_8b without recomputation.
-    "qwen3_8b_32k": Layout(num_nodes=4, model=_model(4, context_parallel_size=4, **_NO_RECOMPUTE),
-                           vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.4,
-                           vllm_gpu_memory_utilization_with_reference=0.35, seq_len=32768),
-    # The 8B on the same 4 nodes with separate placement and one-step-off rollouts (README,
+    "qwen3_8b_32k": ParallelLayout(num_nodes=4, model=_model(4, context_parallel_size=4, **_NO_RECOMPUTE),
+                                   vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.4,
+                                   vllm_gpu_memory_utilization_with_reference=0.35, seq_len=32768),
+    # The 8B on the same 4 nodes with separate placement and one-step-off rollouts (docs/async.md,
     # "Asynchronous rollouts"; not the paper's protocol): 2 nodes train (TP=4, CP=2, DP=2, the
     # whole card: no vLLM share beside training), 2 nodes generate (4 vLLM engines of TP=4 at 0.85
     # of their card) while the trainers train the step before. Of the splits 8/16/24 engine GPUs
     # x vLLM TP 1/2/4, this is the fastest by recipes/step_time.py (6.4 min a step against the
     # colocated 6.3: generation, bound by the longest response, dominates both);
     # benchmarks/sim_async.py models the overlap with a length distribution.
-    "qwen3_8b_async": Layout(num_nodes=4, model=_model(4, context_parallel_size=2, **_NO_RECOMPUTE),
-                             vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.85, engine_ranks=16),
+    "qwen3_8b_async": ParallelLayout(num_nodes=4, model=_model(4, context_parallel_size=2, **_NO_RECOMPUTE),
+                                     vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.85, engine_ranks=16),
     # 8 nodes (the design's target): TP=4 within a node, CP=4 (two nodes per model replica,
     # DP=4): 4k tokens of a 16k sequence per rank, without recomputation; one vLLM TP=4 engine
     # per TP group at 0.35 of the card (0.3 beside GRPO's reference, +7.4 GB).
-    "qwen3_14b": Layout(num_nodes=8, model=_model(4, context_parallel_size=4, **_NO_RECOMPUTE),
-                        vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.35,
-                        vllm_gpu_memory_utilization_with_reference=0.3),
+    "qwen3_14b": ParallelLayout(num_nodes=8, model=_model(4, context_parallel_size=4, **_NO_RECOMPUTE),
+                                vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.35,
+                                vllm_gpu_memory_utilization_with_reference=0.3),
     # MoE, 4 nodes: TP=4 (the 4 KV heads; vLLM TP=4 holds 15 GB of the 61 GB of bf16 weights),
     # EP=16 with ETP=1 (8 whole experts per rank; the expert optimizer shards over world /
     # (ETP x EP) = 2), full recomputation. The peers: verl TP=4 PP=2 EP=4 on 4 nodes, NeMo-RL
     # TP=2 EP=8 ETP=1 on 8 nodes with vLLM TP=4, slime TP=4 EP=8 ETP=1 on one node with CPU Adam
-    # (README, the model table). At EP=8 on 4 nodes the estimate is 79.7 GB. MoE trains under
+    # (docs/recipes.md, the memory table). At EP=8 on 4 nodes the estimate is 79.7 GB. MoE trains under
     # CP too (mcore/moe.py), but CP=2 (DP=4) without recomputation is 121.8 GB per GPU by the
     # memory model (57.5 GB of activations; CP=4: 92.4 GB): `python -c "import dataclasses as d;
     # from stapo_megatron.recipes.paper import *; from stapo_megatron.recipes.memory import *;
     # print(describe(QWEN3_30B_A3B, LAYOUTS['qwen3_30b_a3b'].replace(context_parallel_size=2,
     # **_NO_RECOMPUTE)))"`.
-    "qwen3_30b_a3b": Layout(num_nodes=4, model=_model(4, expert_model_parallel_size=16, expert_tensor_parallel_size=1),
-                            vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.4),
+    "qwen3_30b_a3b": ParallelLayout(num_nodes=4,
+                                    model=_model(4, expert_model_parallel_size=16, expert_tensor_parallel_size=1),
+                                    vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.4),
 }
-"""The parallel layout of each paper recipe (see `memory_estimate` and the README table)."""
+"""The parallel layout of each paper recipe (see `memory_estimate` and the table of docs/recipes.md)."""
 
 
 # -- recipes ----------------------------------------------------------------------------------
@@ -182,7 +190,7 @@ def paper_recipe(size: str, method: str = "stapo", run_dir: Optional[str] = None
     mini-batches of 64 prompts; prompts <= 1024 tokens in JustRL's prompt wrapper, responses
     <= 15360 (``qwen3_8b_32k``: 31744); sampling T=1.0, top-p 1.0; clip 0.2/0.28 with dual clip 10; no KL, no entropy
     bonus; the +1/-1 boxed exact-match reward; held-out evaluation every 20 steps with responses
-    <= 20480 tokens. The README's fidelity table lists each setting against the paper.
+    <= 20480 tokens. docs/recipes.md's fidelity table lists each setting against the paper.
     ``model.hf_dir``, ``model.megatron_ckpt`` and ``data.train_path`` / ``data.eval_path``
     (DAPO-Math-17k and a held-out set) are left empty for the user (`check_paper_config`).
     """
@@ -266,9 +274,9 @@ def qwen3_30b_a3b(method: str = "stapo", run_dir: Optional[str] = None) -> Train
     return paper_recipe("qwen3_30b_a3b", method, run_dir)
 
 
-def layout_problems(spec: QwenSpec, layout: Layout, cfg: TrainerConfig) -> List[str]:
+def layout_problems(spec: QwenSpec, layout: ParallelLayout, cfg: TrainerConfig) -> List[str]:
     """Why ``cfg`` cannot run on ``layout``'s cluster (empty when it can): the one validator's
-    problems (`stapo_megatron.config.layout.layout_problems`: heads, layers, experts, GPUs and
+    problems (`stapo_megatron.config.parallel_layout.layout_problems`: heads, layers, experts, GPUs and
     batches over TP/PP/CP/EP/DP, the node topology, the CP token budget, vLLM groups), then the
     memory estimate of ``layout``."""
     problems = check_layout(cfg, layout.cluster, spec)
@@ -281,9 +289,9 @@ def layout_problems(spec: QwenSpec, layout: Layout, cfg: TrainerConfig) -> List[
     return problems + engine_start_problems(spec, layout)
 
 
-def layout_for(size: str, cfg: TrainerConfig) -> Layout:
-    """The `Layout` of ``cfg`` (after overrides) on the size's cluster (`memory.Layout.of`)."""
-    return Layout.of(cfg, LAYOUTS[size].cluster)
+def layout_for(size: str, cfg: TrainerConfig) -> ParallelLayout:
+    """The `ParallelLayout` of ``cfg`` (after overrides) on the size's cluster (`memory.ParallelLayout.of`)."""
+    return ParallelLayout.of(cfg, LAYOUTS[size].cluster)
 
 
 def check_paper_config(size: str, cfg: TrainerConfig, num_nodes: Optional[int] = None,
@@ -291,10 +299,10 @@ def check_paper_config(size: str, cfg: TrainerConfig, num_nodes: Optional[int] =
     """Raise ValueError naming every problem of a (possibly overridden) paper config.
 
     Checks the layout (`layout_problems`) on ``num_nodes`` x ``gpus_per_node`` GPUs (default:
-    the size's `Layout`) and, with ``check_paths``, the paths the recipe leaves to the user.
+    the size's `ParallelLayout`) and, with ``check_paths``, the paths the recipe leaves to the user.
     """
     default = LAYOUTS[size]
-    layout = Layout.of(cfg, Cluster(num_nodes or default.num_nodes, gpus_per_node or default.gpus_per_node))
+    layout = ParallelLayout.of(cfg, Cluster(num_nodes or default.num_nodes, gpus_per_node or default.gpus_per_node))
     problems = layout_problems(ARCHITECTURES[size], layout, cfg)
     if check_paths:
         for field, value, what in (

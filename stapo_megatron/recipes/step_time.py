@@ -56,11 +56,12 @@ class StepTime:
 
 
 def estimate_step_time(spec, layout, cfg) -> StepTime:
-    """The step time of ``cfg`` on ``layout`` (a `memory.Layout` after overrides) for ``spec``.
+    """The step time of ``cfg`` on ``layout`` (a `memory.ParallelLayout` after overrides) for ``spec``.
 
     Evaluation (every ``eval.every`` steps) and the weight sync are not included.
     """
-    from stapo_megatron.recipes.memory import memory_estimate, num_active_params, num_params
+    from stapo_megatron.bridge.hf_config import num_active_params, num_params
+    from stapo_megatron.recipes.memory import memory_estimate
 
     n = num_params(spec)  # decode reads every weight (a batch of sequences touches every expert)
     sequences = cfg.prompts_per_step * cfg.rollout.group_size

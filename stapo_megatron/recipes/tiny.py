@@ -6,8 +6,11 @@ import os
 import shutil
 
 from stapo_megatron.bridge.tiny import build_hf_model, tiny_qwen3_spec, transformers_config
-from stapo_megatron.config import (DataConfig, EvalConfig, ModelConfig, OptimConfig, RolloutSampling, TrainerConfig,
-                                   WarmStartConfig)
+from stapo_megatron.config import TrainerConfig, WarmStartConfig
+from stapo_megatron.data.config import DataConfig
+from stapo_megatron.eval.config import EvalConfig
+from stapo_megatron.mcore.config import ModelConfig, OptimConfig
+from stapo_megatron.rollout.config import RolloutSampling
 from stapo_megatron.config.overrides import apply_overrides
 from stapo_megatron.data.tokenizer import build_char_tokenizer
 from stapo_megatron.method.config import method_loss_config

@@ -18,7 +18,7 @@ class RewardConfig:
     """The reward function: a name of `stapo_megatron.rewards.functions.REWARDS` ("math_verify": 1/0 by
     math-verify equivalence; "boxed_exact_match": +1/-1 by normalised exact match of the last
     \\boxed{}, the paper's rule-based reward) or the dotted path of a module-level function
-    ``(response, answer) -> (reward, status)`` (e.g. a model-based verifier; README, "Rewards")."""
+    ``(response, answer) -> (reward, status)`` (e.g. a model-based verifier; docs/data.md, "Rewards")."""
     timeout_s: float = 5.0
     """Time bound (CPU seconds of a worker) of one reward check."""
     workers: int = 1

@@ -11,7 +11,7 @@ one of ``rewards.STATUS_*`` (counted in the step metrics). Shipped:
   normalisation of Minerva (Lewkowycz et al. 2022, appendix D; DAPO's ``math_dapo``), else -1.
 
 A model-based verifier (the paper's text names CompassVerifier-3B) plugs in the same way: a
-module-level function with this signature, given by its dotted path (README, "Rewards").
+module-level function with this signature, given by its dotted path (docs/data.md, "Rewards").
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@
 - Mixture-of-experts: an engine asked to (``RolloutConfig.return_routed_experts``) returns the
   experts it routed each token to (``Sample.routed_experts``); `stapo_megatron.trainer.routing`
   compares them with Megatron's routing (the routing-disagreement metrics).
+- ``transport`` / ``remote``: separate placement: the process groups between the trainer and engine
+  transport and their messages; `RemoteEngine`, the engines on their own ranks seen from the trainers.
 - ``config``: `EngineResources`, the engine's `RolloutConfig` and the trainer's `RolloutSampling`.
 
 A new engine touches ``registry.py`` (one line) and its own module. Importing this package does

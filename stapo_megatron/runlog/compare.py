@@ -41,7 +41,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from stapo_megatron.method.objectives import OBJECTIVES, get_objective
 from stapo_megatron.method.registry import METHODS, get_method
 from stapo_megatron.recipes.tiny import COMPARE_OVERRIDES
-from stapo_megatron.runlog.report import fill_block, machine, runs_commit
+from stapo_megatron.runlog.report import RESULTS_PAGE, fill_block, machine, runs_commit
 
 DEFAULT_METHODS = ("stapo", "justrl", "entropy20", "random")
 """The paper's main comparison: STAPO, its JustRL baseline, 20-Entropy and the random control."""
@@ -322,12 +322,12 @@ def _plot(out: str, runs, methods, seeds) -> None:
 
 
 def compare_tiny(output_dir: str = "runs/compare", seeds: List[int] = list(DEFAULT_SEEDS),  # noqa: B006
-                 methods: List[str] = list(DEFAULT_METHODS), steps: int = 0, readme: bool = False,  # noqa: B006
+                 methods: List[str] = list(DEFAULT_METHODS), steps: int = 0, publish: bool = False,  # noqa: B006
                  objectives: List[str] = []) -> str:  # noqa: B006
     """The whole comparison (runs, then summary); the NeMo-Run task of ``launch/compare_tiny.py``.
 
-    ``steps`` = 0 takes the comparison's (``recipes.tiny.COMPARE_OVERRIDES``); ``readme`` puts the
-    summary into README.md's ``compare`` block; ``objectives`` (empty: each method's own) runs
+    ``steps`` = 0 takes the comparison's (``recipes.tiny.COMPARE_OVERRIDES``); ``publish`` puts the
+    summary into the ``compare`` block of ``docs/results.md``; ``objectives`` (empty: each method's own) runs
     every method on each (`arms`). Plain types only: NeMo-Run's CLI parses ``key=value`` by
     annotation and does not take Optional/Sequence.
     """
@@ -342,18 +342,18 @@ def compare_tiny(output_dir: str = "runs/compare", seeds: List[int] = list(DEFAU
     text = summarize(output_dir, list(seeds), list(methods), list(objectives))
     print(text, flush=True)
     print(f"[compare] {time.time() - t0:.0f}s in all (finished runs skipped)", flush=True)
-    if readme:
-        _to_readme(output_dir, text)
+    if publish:
+        _to_results(output_dir, text)
     return text
 
 
-README_FIGURE = "docs/figures/compare_curves.png"
-"""Where ``--readme`` copies the comparison's curves (``OUT/curves.png``) for the README."""
+RESULTS_FIGURE = os.path.join("docs", "figures", "compare_curves.png")
+"""Where ``--publish`` copies the comparison's curves (``OUT/curves.png``) for the results page."""
 
 
-def _to_readme(out: str, text: str, root: str = ROOT) -> None:
-    """The summary, with the machine, date and the runs' commit, into README.md's ``compare`` block, and
-    the curves into ``README_FIGURE``."""
+def _to_results(out: str, text: str, root: str = ROOT) -> None:
+    """The summary, with the machine, date and the runs' commit, into the ``compare`` block of the
+    results page (`report.RESULTS_PAGE`), and the curves into ``RESULTS_FIGURE``."""
     import datetime
     import shutil
 
@@ -361,10 +361,11 @@ def _to_readme(out: str, text: str, root: str = ROOT) -> None:
     body = text.split("\n", 2)[2]  # without the summary's own title
     figure = ""
     if os.path.exists(os.path.join(out, "curves.png")):
-        os.makedirs(os.path.dirname(os.path.join(root, README_FIGURE)), exist_ok=True)
-        shutil.copyfile(os.path.join(out, "curves.png"), os.path.join(root, README_FIGURE))
-        figure = f"\n\n![accuracy gain, entropy and reward per RL step, per method]({README_FIGURE})\n"
-    fill_block(os.path.join(root, "README.md"), "compare",
+        os.makedirs(os.path.dirname(os.path.join(root, RESULTS_FIGURE)), exist_ok=True)
+        shutil.copyfile(os.path.join(out, "curves.png"), os.path.join(root, RESULTS_FIGURE))
+        link = os.path.relpath(RESULTS_FIGURE, os.path.dirname(RESULTS_PAGE))  # from the page's folder
+        figure = f"\n\n![accuracy gain, entropy and reward per RL step, per method]({link})\n"
+    fill_block(os.path.join(root, RESULTS_PAGE), "compare",
                f"Measured {datetime.date.today().isoformat()} on {machine()} at commit {commit} by "
                f"`make compare` ({os.path.relpath(out, root)}/summary.md):\n\n{body}{figure}")
 
@@ -378,14 +379,14 @@ def main(argv=None) -> None:
                    help="run every method on each of these objectives (default: each method's own)")
     p.add_argument("--steps", type=int, default=0, help="RL steps per run (default: COMPARE_OVERRIDES')")
     p.add_argument("--summarize-only", action="store_true")
-    p.add_argument("--readme", action="store_true", help="put the summary into README.md's compare block")
+    p.add_argument("--publish", action="store_true", help="put the summary into docs/results.md's compare block")
     args = p.parse_args(argv)
     if not args.summarize_only:
         run_comparison(args.out, args.seeds, args.methods, args.steps or None, args.objectives)
     text = summarize(args.out, args.seeds, args.methods, args.objectives)
     print(text)
-    if args.readme:
-        _to_readme(args.out, text)
+    if args.publish:
+        _to_results(args.out, text)
 
 
 if __name__ == "__main__":

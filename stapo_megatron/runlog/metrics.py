@@ -8,7 +8,7 @@ text with their count, mean p (the trainer's), p_rollout (the sampler's), H and 
 were mismatch-flagged, most frequent first (the paper's word-cloud finding -- digits and math
 symbols -- is checkable on real runs), and each silenced token's two probabilities, entropy and
 logit-gradient norm before silencing (``per_token``: token, p, p_rollout, flagged, entropy,
-grad_norm; ``stapo_megatron.method.rollout_correction``, ``stapo_megatron.mcore.logit_grad``). ``samples.jsonl`` has, per eval, the
+grad_norm; ``stapo_megatron.method.rollout_correction``, ``stapo_megatron.ops.logit_grad``). ``samples.jsonl`` has, per eval, the
 first held-out generations (prompt, response, answer, reward). ``metrics.png`` is redrawn at
 every eval (``stapo_megatron.runlog.plots``).
 """
@@ -85,7 +85,7 @@ class RunLogger:
     def log_silenced(self, step: int, rows: Sequence[Sequence[float]], decode) -> None:
         """rows: (label id, log p, H, A[, log p_rollout, flagged[, grad_norm]]) of every silenced
         token of the step (log p_rollout NaN or absent: the batch had no sampler log-probs;
-        grad_norm: ||d l_t / d logits|| before silencing, ``mcore.logit_grad``)."""
+        grad_norm: ||d l_t / d logits|| before silencing, ``ops.logit_grad``)."""
         if not self.enabled:
             return
         self._last_silenced = summarize_silenced(rows, decode)

@@ -8,7 +8,7 @@
 
 ``stapo-plot RUN --grad-norm STEP --out PNG`` (`plot_grad_norm`) draws the paper's figure for one
 training step instead: the logit-gradient norm of a token's loss term against its probability and
-its entropy (``stapo_megatron.mcore.logit_grad``). The step row's (log10 p) x H grid gives the RMS
+its entropy (``stapo_megatron.ops.logit_grad``). The step row's (log10 p) x H grid gives the RMS
 norm of every trained token in a cell (a heatmap, and its two marginals as lines); the step's
 silenced tokens are drawn one by one from ``silenced_tokens.jsonl`` (norms before silencing).
 """
@@ -103,7 +103,7 @@ def plot_runs(run_dirs: Sequence[str], out: str, keys: Sequence[str] = PLOTTED,
 
 
 def _grid_axes():
-    from stapo_megatron.mcore.logit_grad import GRID_ENTROPY, GRID_LOG10_P
+    from stapo_megatron.ops.logit_grad import GRID_ENTROPY, GRID_LOG10_P
 
     edges = lambda axis: [axis[0] + (axis[1] - axis[0]) * i / axis[2] for i in range(axis[2] + 1)]  # noqa: E731
     return edges(GRID_LOG10_P), edges(GRID_ENTROPY)

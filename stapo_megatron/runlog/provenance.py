@@ -27,8 +27,6 @@ import sys
 from typing import Any, Dict, Optional
 
 from stapo_megatron.bridge.hf_config import HF_SUBDIR, copy_hf_side_files
-from stapo_megatron.config import TrainerConfig, WarmStartConfig
-from stapo_megatron.config.yaml_io import dump_config
 
 CONFIG_FILE = "config.yaml"
 PROVENANCE_FILE = "provenance.json"
@@ -105,16 +103,16 @@ class RunProvenance:
     """The configuration and provenance of one run, collected once (rank 0) and written into the
     run folder and each checkpoint."""
 
-    def __init__(self, cfg: TrainerConfig, warmstart: Optional[WarmStartConfig] = None,
-                 record: Optional[Dict[str, Any]] = None):
-        self.cfg = cfg
-        self.config_text = dump_config(cfg, warmstart)
+    def __init__(self, config_text: str, run_dir: str, hf_dir: str, record: Optional[Dict[str, Any]] = None):
+        """``config_text``: the run's config.yaml (`stapo_megatron.config.yaml_io.dump_config`);
+        ``hf_dir``: the model folder whose side files go into each checkpoint."""
+        self.config_text, self.run_dir, self.hf_dir = config_text, run_dir, hf_dir
         self.record = record if record is not None else collect()
 
     def write_run(self) -> None:
         """config.yaml and provenance.json into the run folder; a resumed run keeps the records of
         its earlier starts under "previous" (oldest first)."""
-        run_dir = self.cfg.run_dir
+        run_dir = self.run_dir
         os.makedirs(run_dir, exist_ok=True)
         path = os.path.join(run_dir, PROVENANCE_FILE)
         previous = []
@@ -130,4 +128,4 @@ class RunProvenance:
         with open(os.path.join(ckpt_dir, CONFIG_FILE), "w", encoding="utf-8") as f:
             f.write(self.config_text)
         _write_json(os.path.join(ckpt_dir, PROVENANCE_FILE), self.record)
-        copy_hf_side_files(self.cfg.model.hf_dir, os.path.join(ckpt_dir, HF_SUBDIR))
+        copy_hf_side_files(self.hf_dir, os.path.join(ckpt_dir, HF_SUBDIR))

@@ -1,10 +1,17 @@
-"""Measured results into the README: a generated block between ``<!-- NAME:begin -->`` and
-``<!-- NAME:end -->`` is replaced whole, so the README's tables come from the scripts that
-measured them (``examples/demo_seeds.py``, ``stapo_megatron.runlog.compare``), never typed by hand."""
+"""Measured results into the docs: a generated block between ``<!-- NAME:begin -->`` and
+``<!-- NAME:end -->`` is replaced whole, so the tables of ``docs/results.md`` (and the README's
+expected result) come from the scripts that measured them (``examples/demo_seeds.py``,
+``examples/demo_moe.py``, ``stapo_megatron.runlog.compare``), never typed by hand."""
 
 from __future__ import annotations
 
+import os
 import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+"""The checkout holding this package."""
+RESULTS_PAGE = os.path.join("docs", "results.md")
+"""The page (relative to the checkout) that holds the generated result blocks."""
 
 
 def fill_block(path: str, name: str, text: str) -> None:
@@ -28,7 +35,7 @@ def fill_block(path: str, name: str, text: str) -> None:
 def runs_commit(run_dirs) -> str:
     """The commit(s) the runs were made at, from their ``provenance.json`` (``stapo_megatron.runlog.provenance``):
     ``"a640050"``, ``"a640050 (dirty)"``, several joined with ", ", or ``"unknown"`` when no run
-    recorded one. A README block names the code that produced its numbers, not the checkout that
+    recorded one. A results block names the code that produced its numbers, not the checkout that
     summarised them."""
     import json
     import os
@@ -48,7 +55,7 @@ def runs_commit(run_dirs) -> str:
 
 
 def machine() -> str:
-    """The machine a README block was measured on: "x86_64, 2 cores, Python 3.11.7"."""
+    """The machine a results block was measured on: "x86_64, 2 cores, Python 3.11.7"."""
     import os
     import platform
 

@@ -1,10 +1,10 @@
 """An engine rank of a separately placed job: build the rollout engine the colocated trainer
 would build (`engine_config`), then execute trainer 0's commands in their order (`serve`).
 
-Two threads. The listener takes every command off ``Bridge.control`` as soon as trainer 0 sends
+Two threads. The listener takes every command off ``Transport.control`` as soon as trainer 0 sends
 it (so that a stop is seen while requests are still queued); at a weight transfer it hands the
 transfer over and waits until the main thread has received its buckets, which follow on
-``control`` and ``Bridge.weights``. The main thread, the one vLLM runs on, executes the
+``control`` and ``Transport.weights``. The main thread, the one vLLM runs on, executes the
 commands in order:
 
 * ``("weights", transfer)``: receive the weights and load them into the engine (between two
@@ -36,9 +36,8 @@ import torch
 import torch.distributed as dist
 
 from stapo_megatron.config import TrainerConfig
-from stapo_megatron.eval.evaluator import eval_max_len
-from stapo_megatron.rollout.bridge import Bridge, Outbox, broadcast_object
-from stapo_megatron.rollout.config import RolloutConfig
+from stapo_megatron.rollout.transport import Transport, Outbox, broadcast_object
+from stapo_megatron.rollout.config import RolloutConfig, RolloutSampling
 from stapo_megatron.rollout.registry import build_engine, resolve_engine
 from stapo_megatron.rollout.weight_receive import receive_weights
 from stapo_megatron.trainer.partial import PartialPool
@@ -48,22 +47,23 @@ STOP_WAIT_S = 60.0
 """At a stop, how long the engine waits for the trainers to take samples still in flight."""
 
 
-def engine_config(cfg: TrainerConfig, seed: int, return_routes: bool) -> RolloutConfig:
+def engine_config(rollout: RolloutSampling, seed: int, return_routes: bool, max_sequence_len: int,
+                  bf16: bool) -> RolloutConfig:
     """The engine a run's rollouts and evaluation need: the same for colocated and separate
-    placement (so that both sample the same responses from the same weights)."""
-    r = cfg.rollout
+    placement (so that both sample the same responses from the same weights). ``max_sequence_len``:
+    `TrainerConfig.longest_sequence`; ``bf16``: the trainer's dtype."""
+    r = rollout
     return r.engine_config(
-        max_model_len=pad_to(cfg.data.max_prompt_len + max(r.max_response_len, eval_max_len(cfg))),
-        seed=seed, return_routed_experts=return_routes,
+        max_model_len=pad_to(max_sequence_len), seed=seed, return_routed_experts=return_routes,
         # the engine must run the dtype the trainer trains in, whatever the folder was saved in
-        dtype="bfloat16" if cfg.model.bf16 else "float32",
+        dtype="bfloat16" if bf16 else "float32",
         enable_sleep_mode=r.sleep_during_training and r.placement == "colocated" and torch.cuda.is_available(),
         # asleep, the weights are dropped (wake_and_sync rewrites them); the trainer syncs before any generate
         sleep_level=2, load_format="dummy", enforce_eager=r.enforce_eager,
     )
 
 
-def run_engine_rank(cfg: TrainerConfig, bridge: Bridge) -> int:
+def run_engine_rank(cfg: TrainerConfig, transport: Transport) -> int:
     """An engine rank's whole life (`stapo_megatron.launch.entry` calls it instead of training):
     `serve`, then leave the engines' process group. Returns the requests served."""
     from stapo_megatron.bridge.hf_config import load_hf_config
@@ -71,36 +71,36 @@ def run_engine_rank(cfg: TrainerConfig, bridge: Bridge) -> int:
     from stapo_megatron.trainer.preemption import DEFAULT_SIGNALS
     from stapo_megatron.trainer.seeds import Seeds
 
-    seed = Seeds(cfg.seed, None, cfg.data.seed).engine(bridge.engine_index)
+    seed = Seeds(cfg.seed, None, cfg.data.seed).engine(transport.engine_index)
     # The scheduler's warning signal (torchrun forwards it to every rank) is the trainers' to act
     # on: they save at the next step boundary and send "stop". Its default action would end this
     # rank at once, and the trainers' next receive with it.
     for sig in DEFAULT_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     try:
-        return serve(cfg, bridge, seed, routes_wanted(cfg.rollout, load_hf_config(cfg.model.hf_dir)))
+        return serve(cfg, transport, seed, routes_wanted(cfg.rollout, load_hf_config(cfg.model.hf_dir)))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def engine_pool_env(bridge: Bridge) -> dict:
+def engine_pool_env(transport: Transport) -> dict:
     """torchrun's ``RANK`` and ``WORLD_SIZE`` as the engines' own group numbers them, one engine
     rank too: vLLM's external launcher reads them from the environment (and forms its TP groups
     from them) next to the already formed default group, which is the engines' alone; its GPU
     is ``LOCAL_RANK``'s, as torchrun set it (`stapo_megatron.rollout.vllm_engine.engine_kwargs`)."""
-    return dict(RANK=str(bridge.rank - bridge.trainers), WORLD_SIZE=str(bridge.engine_ranks))
+    return dict(RANK=str(transport.rank - transport.trainers), WORLD_SIZE=str(transport.engine_ranks))
 
 
 @contextlib.contextmanager
-def _engine_pool_env(bridge: Bridge, engine: str) -> Iterator[None]:
+def _engine_pool_env(transport: Transport, engine: str) -> Iterator[None]:
     """`engine_pool_env` in the environment while a vLLM engine is built (the HF engine forms
     no groups: nothing to renumber)."""
     if resolve_engine(engine) != "vllm":
         yield
         return
     saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
-    os.environ.update(engine_pool_env(bridge))
+    os.environ.update(engine_pool_env(transport))
     try:
         yield
     finally:
@@ -111,11 +111,11 @@ def _engine_pool_env(bridge: Bridge, engine: str) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def _listen(bridge: Bridge, inbox: "queue.Queue[Any]", stopping: threading.Event) -> None:
+def _listen(transport: Transport, inbox: "queue.Queue[Any]", stopping: threading.Event) -> None:
     """The listener thread (module docstring); an exception is handed to the main thread."""
     try:
         while True:
-            command = broadcast_object(bridge.control)
+            command = broadcast_object(transport.control)
             if command[0] == "weights":
                 received = threading.Event()
                 inbox.put(("weights", command[1], received))
@@ -130,11 +130,11 @@ def _listen(bridge: Bridge, inbox: "queue.Queue[Any]", stopping: threading.Event
         inbox.put(error)
 
 
-def load_transfer(engine, bridge: Bridge, received: threading.Event, device: torch.device) -> None:
+def load_transfer(engine, transport: Transport, received: threading.Event, device: torch.device) -> None:
     """Receive a weight transfer's buckets onto ``device`` and stream them into ``engine``;
     ``received`` tells the listener the groups are its own again."""
     try:
-        weights = receive_weights(bridge, device)
+        weights = receive_weights(transport, device)
         engine.update_weights(weights)
         for _ in weights:  # what the engine did not ask for: off the groups, in step with trainer 0
             pass
@@ -142,20 +142,21 @@ def load_transfer(engine, bridge: Bridge, received: threading.Event, device: tor
         received.set()
 
 
-def serve(cfg: TrainerConfig, bridge: Bridge, seed: int, return_routes: bool) -> int:
+def serve(cfg: TrainerConfig, transport: Transport, seed: int, return_routes: bool) -> int:
     """Run this engine rank until trainer 0 says stop; returns the requests it served.
 
     Raises:
         RuntimeError: trainer 0's commands stopped arriving (it died: the message says so) or
             the engine failed.
     """
-    with _engine_pool_env(bridge, cfg.rollout.engine):
-        engine = build_engine(cfg.rollout.engine, cfg.model.hf_dir, engine_config(cfg, seed, return_routes))
+    with _engine_pool_env(transport, cfg.rollout.engine):
+        engine = build_engine(cfg.rollout.engine, cfg.model.hf_dir, engine_config(
+            cfg.rollout, seed, return_routes, cfg.longest_sequence(), cfg.model.bf16))
     inbox: "queue.Queue[Any]" = queue.Queue()
     stopping = threading.Event()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    threading.Thread(target=_listen, args=(bridge, inbox, stopping), name="engine-listener", daemon=True).start()
-    outbox = Outbox(bridge.data)
+    threading.Thread(target=_listen, args=(transport, inbox, stopping), name="engine-listener", daemon=True).start()
+    outbox = Outbox(transport.data)
     idle = load = 0.0
     served = version = 0
     pools: dict = {}  # partial rollouts: trainer rank -> its PartialPool
@@ -165,18 +166,19 @@ def serve(cfg: TrainerConfig, bridge: Bridge, seed: int, return_routes: bool) ->
             command = inbox.get()
             idle += time.perf_counter() - waited
             if isinstance(command, BaseException):
-                raise RuntimeError(f"engine rank {bridge.rank}: trainer 0's commands stopped ({command})") from command
+                raise RuntimeError(f"engine rank {transport.rank}: trainer 0's commands stopped "
+                                   f"({command})") from command
             if command[0] == "stop":
                 return served
             if command[0] == "weights":
                 started = time.perf_counter()
                 _, version, received = command
-                load_transfer(engine, bridge, received, device)
+                load_transfer(engine, transport, received, device)
                 load += time.perf_counter() - started
                 continue
             kind, ticket, jobs, sampling = command
             for chunk, prompts, chunk_seed in jobs:
-                if chunk.engine != bridge.engine_index or stopping.is_set():
+                if chunk.engine != transport.engine_index or stopping.is_set():
                     continue
                 started = time.perf_counter()
                 if kind == "partial":  # prompts: (index, ids) of the step; the pool decides what returns
@@ -190,7 +192,7 @@ def serve(cfg: TrainerConfig, bridge: Bridge, seed: int, return_routes: bool) ->
                     n, temperature, top_p, max_tokens = sampling
                     samples = engine.generate(prompts, n, temperature, top_p, max_tokens, seed=chunk_seed) if prompts else []
                 took = time.perf_counter() - started
-                if bridge.is_engine_leader:
+                if transport.is_engine_leader:
                     outbox.send(chunk.dest, [ticket, chunk.index, _us(took), _us(idle), _us(load)], samples)
                 idle = load = 0.0
             served += 1

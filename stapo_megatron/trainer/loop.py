@@ -1,10 +1,9 @@
 """The STAPO training loop (docs/design.md, "One training step"), SPMD: one process per device.
 
 Per step: (1) this DP rank's prompts; (2) G rollouts per prompt; (3) rewards; (4) group advantages, one
-`SequenceRecord` per sample, laid out as `MicroBatch` objects by `build_minibatches` (padded, or packed
-balanced over DP); (5) pi_old log-probs (``schedule.old_policy_pass``; MoE: RoutingMonitor); (6) per PPO
-mini-batch a Megatron forward_backward and an optimizer step; (7) weight sync into the engine; (8) metrics,
-evaluation (`Evaluator`), checkpoint. Warm-start: `WarmStart`. Started by torchrun: ``train(config)``."""
+`SequenceRecord` per sample, laid out as `MicroBatch` objects by `build_minibatches`; (5) pi_old log-probs
+(``schedule.old_policy_pass``; MoE: RoutingMonitor); (6) per PPO mini-batch a forward_backward and an optimizer step;
+(7) weight sync; (8) metrics, evaluation (`Evaluator`), checkpoint. Warm-start: `WarmStart`. Run: ``train(config)``."""
 
 from __future__ import annotations
 
@@ -19,31 +18,33 @@ from transformers import AutoTokenizer
 from stapo_megatron.bridge.hf_config import load_hf_config
 from stapo_megatron.bridge.model import build_gpt_model, load_checkpoint
 from stapo_megatron.config import TrainerConfig, WarmStartConfig
-from stapo_megatron.eval.evaluator import Evaluator, load_eval_sets
+from stapo_megatron.config.yaml_io import dump_config
+from stapo_megatron.eval.evaluator import Evaluator, eval_max_len, load_eval_sets
 from stapo_megatron.rewards.functions import get_reward
 from stapo_megatron.rewards.scorer import RewardScorer
 from stapo_megatron.rollout.registry import build_engine
-from stapo_megatron.rollout.bridge import Bridge
+from stapo_megatron.rollout.transport import Transport
 from stapo_megatron.rollout.remote import RemoteEngine
 from stapo_megatron.runlog.metrics import RunLogger
 from stapo_megatron.runlog.plots import plot_run
 from stapo_megatron.runlog.progress import Progress
 from stapo_megatron.runlog.provenance import RunProvenance
 from stapo_megatron.mcore import checkpoint as ckpt
-from stapo_megatron.mcore.batching import group_advantages
-from stapo_megatron.mcore.minibatches import BatchLayout, build_minibatches
-from stapo_megatron.mcore.parallel import collective_device, destroy_parallel
-from stapo_megatron.mcore.records import SequenceRecord, make_records
+from stapo_megatron.batch.microbatch import group_advantages
+from stapo_megatron.batch.minibatches import MicroBatchLayout, build_minibatches
+from stapo_megatron.mcore.parallel import destroy_parallel
+from stapo_megatron.utils import collective_device
+from stapo_megatron.batch.records import SequenceRecord, make_records
 from stapo_megatron.mcore.reference import add_reference_logprobs, frozen_copy, reset_reference
 from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
 from stapo_megatron.mcore.step import build_optimizer, policy_update, wrap_ddp
-from stapo_megatron.trainer import faults, layout, routing
+from stapo_megatron.trainer import faults, replicas, routing
 from stapo_megatron.trainer.preemption import SaveOnSignal, StoppedForRequeue
 from stapo_megatron.trainer.prompts import load_prompts, step_prompt_indices
 from stapo_megatron.trainer.seeds import Seeds
 from stapo_megatron.trainer.lr import warmup_lr
 from stapo_megatron.trainer.mismatch_metrics import rollout_mismatch
-from stapo_megatron.trainer.step_metrics import Timer, format_row, gather_silenced, step_row
+from stapo_megatron.trainer.step_metrics import SkipGuard, Timer, format_row, gather_silenced, step_row
 from stapo_megatron.trainer.warmstart import WarmStart
 from stapo_megatron.trainer.engine_server import engine_config
 from stapo_megatron.trainer.partial import mark_token_versions
@@ -54,22 +55,24 @@ class Trainer:
     """Holds the model, optimizer, rollout engine and scorer of one run; ``run()`` trains."""
 
     def __init__(self, cfg: TrainerConfig, warmstart: Optional[WarmStartConfig] = None,
-                 bridge: Optional[Bridge] = None):
-        self.cfg, self.warmstart, self.bridge = cfg, warmstart, bridge
+                 transport: Optional[Transport] = None):
+        self.cfg, self.warmstart, self.transport = cfg, warmstart, transport
         self.seeds = Seeds(cfg.seed, warmstart.seed if warmstart else None, cfg.data.seed)
-        self.groups = layout.init_groups(cfg, self.seeds.model_init)  # TP, PP, CP, EP from cfg.model, checked
+        self.groups = replicas.init_groups(cfg, self.seeds.model_init)  # TP, PP, CP, EP from cfg.model, checked
         self.rank = dist.get_rank()
         self.dp_size, self.dp_rank = dist.get_world_size(self.groups.dp), dist.get_rank(self.groups.dp)
         self.minibatch_size = cfg.minibatch_prompts // self.dp_size * cfg.rollout.group_size  # this rank's records
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_dir)
         self.hf_config = load_hf_config(cfg.model.hf_dir)
-        (self.train_ids, self.train_ex), self.held_out = load_prompts(cfg, self.tokenizer)
-        self.eval_sets = load_eval_sets(cfg, self.tokenizer)
+        (self.train_ids, self.train_ex), self.held_out = load_prompts(cfg.data, self.tokenizer, self.seeds.data_split,
+                                                                      bool(cfg.eval.sets))
+        self.eval_sets = load_eval_sets(cfg.eval, self.tokenizer, cfg.data.max_prompt_len, cfg.data.use_chat_template)
         self._build_model()
         self.logger = RunLogger(cfg.run_dir, enabled=self.rank == 0, logging=cfg.logging, config=cfg,
                                 plot_every_eval=True)
         # config, git commit, command, versions: into the run folder and every checkpoint (rank 0)
-        self.provenance = RunProvenance(cfg, warmstart) if self.rank == 0 else None
+        self.provenance = (RunProvenance(dump_config(cfg, warmstart), cfg.run_dir, cfg.model.hf_dir)
+                           if self.rank == 0 else None)
         self.stop_signal = SaveOnSignal().install()  # Slurm's time-limit warning: save at the next step boundary, stop
         self.stopped_at: Optional[int] = None
         self.engine = self.scorer = self.evaluator = None
@@ -83,7 +86,7 @@ class Trainer:
                         core_attention="sdpa" if cfg.packing != "padded" else None)  # packed (and CP): SDPAttention
         model = build()
         # lengths: sequence parallelism splits them over TP, context parallelism into 2 x CP chunks
-        self.seq_multiple, self.seq_align = layout.seq_multiple(cfg), layout.seq_align(cfg)
+        self.seq_multiple, self.seq_align = replicas.seq_multiple(cfg.model), replicas.seq_align(cfg.model)
         if cfg.model.megatron_ckpt:
             load_checkpoint(model, cfg.model.megatron_ckpt)
         # the output layer is padded to a multiple of 128 x TP; the softmax must not see it
@@ -94,7 +97,7 @@ class Trainer:
         # created on the backend's device (the same CUDA device under NCCL, the CPU under gloo).
         self.device = next(model.parameters()).device
         self.dp_device = collective_device(self.groups.dp)
-        self.batch_layout = BatchLayout(  # how a step's records become micro-batches (mcore/minibatches.py)
+        self.batch_layout = MicroBatchLayout(  # how a step's records become micro-batches (batch/minibatches.py)
             cfg.packing, cfg.micro_batch_size, cfg.max_tokens_per_microbatch, self.tokenizer.pad_token_id,
             self.seq_multiple, self.seq_align, self.groups.cp_size,
             dist.get_rank(self.groups.cp) if self.groups.cp_size > 1 else 0, self.device)
@@ -108,24 +111,26 @@ class Trainer:
                            self.groups, self.vocab_size, replay_routes=model is None and self.cfg.rollout.routing_replay)
 
     def _start_services(self) -> None:
-        """The reward scorer, the rollout engine and the evaluator that samples with it."""
-        r = self.cfg.rollout
-        reward = get_reward(self.cfg.reward.name)  # before the engine: a bad name fails fast
+        """The reward scorer, the rollout engine, its schedule and the evaluator that samples with it."""
+        cfg, r, timeout = self.cfg, self.cfg.rollout, self.cfg.rollout_timeout()
+        reward = get_reward(cfg.reward.name)  # before the engine: a bad name fails fast
         self.routing = routing.RoutingMonitor(r, self.hf_config, self.model)  # MoE: the engine records its routes
-        if self.bridge is not None:  # separate placement: the engines run on the job's last ranks
+        if self.transport is not None:  # separate placement: the engines run on the job's last ranks
             asks = self.groups.mp is None or dist.get_rank(self.groups.mp) == 0
-            self.engine = RemoteEngine(self.bridge, asks, self.cfg.rollout_timeout(), r.weight_bucket_mb)
+            self.engine = RemoteEngine(self.transport, asks, timeout, r.weight_bucket_mb)
         else:
-            self.engine = build_engine(r.engine, self.cfg.model.hf_dir, engine_config(
-                self.cfg, self.seeds.engine(self.dp_rank), self.routing.enabled))
-        self.schedule = RolloutSchedule(
-            self.cfg, self.engine, self.groups, lambda step: self._prompts(step)[0],
-            lambda step: self.seeds.rollout(step, self.dp_rank, self.cfg.prompts_per_step // self.dp_size * r.group_size),
-            weight_sync(self.model, self.hf_config, self.groups), indexed_prompts=self._indexed_prompts)
-        self.scorer = RewardScorer(num_workers=self.cfg.reward.workers, timeout_s=self.cfg.reward.timeout_s,
+            self.engine = build_engine(r.engine, cfg.model.hf_dir, engine_config(
+                r, self.seeds.engine(self.dp_rank), self.routing.enabled, cfg.longest_sequence(), cfg.model.bf16))
+        per_rank = cfg.prompts_per_step // self.dp_size * r.group_size  # this rank's samples of a step
+        self.schedule = RolloutSchedule(r, self.engine, self.groups, lambda step: self._prompts(step)[0],
+                                        lambda step: self.seeds.rollout(step, self.dp_rank, per_rank),
+                                        weight_sync(self.model, self.hf_config, self.groups), cfg.steps, timeout,
+                                        self._indexed_prompts)
+        self.scorer = RewardScorer(num_workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s,
                                    score_fn=reward.score_fn, failure_reward=reward.failure_reward)
-        self.evaluator = Evaluator(self.cfg, self.held_out, self.eval_sets, self.engine, self.scorer, self.groups,
-                                   self.seeds.evaluation, self.logger)
+        self.evaluator = Evaluator(cfg.eval, self.held_out, self.eval_sets, self.engine, self.scorer, self.groups,
+                                   self.seeds.evaluation, self.logger, cfg.steps,
+                                   eval_max_len(cfg.eval, r.max_response_len), timeout, cfg.logging.num_samples)
 
     def train_step(self, step: int) -> Tuple[Dict, List]:
         """One training step, one line per phase (docs/design.md, "One training step").
@@ -228,7 +233,7 @@ class Trainer:
         start = self._begin()
         self.schedule.start(start)  # the first sync; separate placement: the first requests
         rows = [self.evaluator.evaluate(0)] if start == 0 and self.evaluator.should_evaluate(0) else []
-        consecutive_skips = 0
+        skips = SkipGuard(cfg.max_consecutive_skips, cfg.run_dir)
         progress = Progress(cfg.steps, start, cfg.rollout.group_size)
         for step in range(start, cfg.steps):
             row, silenced_rows = self.train_step(step)
@@ -239,13 +244,7 @@ class Trainer:
                                      lambda t: self.tokenizer.decode([t]))
             if self.rank == 0:
                 print(format_row(row, cfg.steps), flush=True)
-            consecutive_skips = consecutive_skips + 1 if row["skipped"] else 0
-            if consecutive_skips > cfg.max_consecutive_skips:
-                raise RuntimeError(
-                    f"{consecutive_skips} consecutive steps had a NaN/Inf loss or gradient (last at step "
-                    f"{step + 1}); stopping. Check the learning rate and the data; the last good "
-                    f"checkpoint is {ckpt.find_latest(cfg.run_dir)}"
-                )
+            skips.check(row, step)
             done = step + 1
             if self.evaluator.should_evaluate(done):
                 rows.append(self.evaluator.evaluate(done))
@@ -273,7 +272,7 @@ class Trainer:
 
 
 def train(cfg: TrainerConfig, warmstart: Optional[WarmStartConfig] = None,
-          bridge: Optional[Bridge] = None) -> List[Dict]:
+          transport: Optional[Transport] = None) -> List[Dict]:
     """Entry point (one call per process under torchrun): train, then tear down.
 
     A failure is recorded for `stapo_megatron.trainer.faults` before the teardown (which is when
@@ -286,7 +285,7 @@ def train(cfg: TrainerConfig, warmstart: Optional[WarmStartConfig] = None,
     """
     trainer = None
     try:
-        trainer = Trainer(cfg, warmstart, bridge)
+        trainer = Trainer(cfg, warmstart, transport)
         rows = trainer.run()
     except Exception as error:
         raise faults.failed(cfg.run_dir, error)

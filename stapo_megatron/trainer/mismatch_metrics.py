@@ -13,9 +13,9 @@ import torch.distributed as dist
 from stapo_megatron.method import rollout_correction as rc
 from stapo_megatron.method.masks import gather_values, quantile_linear
 from stapo_megatron.method.rollout_correction import RolloutCorrectionConfig
-from stapo_megatron.mcore.batching import MicroBatch
-from stapo_megatron.mcore.context_parallel import gather_row
-from stapo_megatron.mcore.packing import sequence_ids
+from stapo_megatron.batch.microbatch import MicroBatch
+from stapo_megatron.batch.context_parallel import gather_row
+from stapo_megatron.batch.packing import sequence_ids
 from stapo_megatron.mcore.parallel import Groups
 
 

@@ -24,7 +24,7 @@ from typing import Callable, Dict, Sequence
 import torch
 import torch.distributed as dist
 
-from stapo_megatron.mcore.parallel import collective_device
+from stapo_megatron.utils import collective_device
 
 REQUEUE_EXIT_CODE = os.EX_TEMPFAIL
 """Exit code of a worker that saved and stopped on the warning signal (75: "try again later")."""

@@ -11,9 +11,8 @@ from typing import List, Tuple
 
 import torch
 
-from stapo_megatron.config import TrainerConfig
 from stapo_megatron.data import examples as data
-from stapo_megatron.trainer.seeds import Seeds
+from stapo_megatron.data.config import DataConfig
 
 
 def pad_to(n: int, multiple: int = 8) -> int:
@@ -21,26 +20,30 @@ def pad_to(n: int, multiple: int = 8) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
-def load_prompts(cfg: TrainerConfig, tokenizer) -> List[Tuple[List[List[int]], List]]:
-    """[(prompt token ids, examples) of the training set, the same of the held-out set]."""
-    if cfg.data.train_path:
-        train = data.load_examples(cfg.data.train_path, dedupe=cfg.data.dedupe, **cfg.data.training_fields())
-        if cfg.data.eval_path:
-            held_out = data.load_examples(cfg.data.eval_path, **cfg.data.held_out_fields())
-        elif cfg.eval.sets:  # the named sets are the evaluation; no held-out split of the training data
+def load_prompts(config: DataConfig, tokenizer, split_seed: int,
+                 eval_sets: bool) -> List[Tuple[List[List[int]], List]]:
+    """[(prompt token ids, examples) of the training set, the same of the held-out set].
+
+    ``split_seed``: the seed of the generated (reasoning-gym) split (`Seeds.data_split`);
+    ``eval_sets``: whether ``eval.sets`` name the evaluation (then a training file needs no
+    held-out file)."""
+    if config.train_path:
+        train = data.load_examples(config.train_path, dedupe=config.dedupe, **config.training_fields())
+        if config.eval_path:
+            held_out = data.load_examples(config.eval_path, **config.held_out_fields())
+        elif eval_sets:  # the named sets are the evaluation; no held-out split of the training data
             held_out = []
         else:
             raise ValueError("data.train_path is set but data.eval_path is not: give a held-out file, "
                              "or name the evaluation sets in eval.sets")
     else:
         train, held_out = data.reasoning_gym_split(
-            cfg.data.reasoning_gym_task, cfg.data.num_train, cfg.data.num_eval, Seeds(cfg.seed, data_seed=cfg.data.seed).data_split,
-            **cfg.data.reasoning_gym_kwargs,
+            config.reasoning_gym_task, config.num_train, config.num_eval, split_seed, **config.reasoning_gym_kwargs,
         )
     out = []
     for examples in (train, held_out):
         ids, kept, _ = data.tokenize_prompts(
-            tokenizer, examples, cfg.data.max_prompt_len, cfg.data.use_chat_template, cfg.data.prompt_template
+            tokenizer, examples, config.max_prompt_len, config.use_chat_template, config.prompt_template
         )
         out.append((ids, kept))
     return out

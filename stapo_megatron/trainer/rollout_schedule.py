@@ -26,10 +26,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
-from stapo_megatron.config import TrainerConfig
 from stapo_megatron.mcore.parallel import Groups
+from stapo_megatron.rollout.config import RolloutSampling
 from stapo_megatron.rollout.weight_sync import sync_weights, wake_and_sync
-from stapo_megatron.trainer import layout
+from stapo_megatron.trainer import replicas
 from stapo_megatron.trainer.partial import partial_metrics
 
 
@@ -37,23 +37,25 @@ class RolloutSchedule:
     """The samples of each step and the weights the engines hold (module docstring).
 
     Args:
-        cfg: the run's config (``rollout``, ``steps``, the rollout timeout).
+        config: the trainer's rollout settings (``TrainerConfig.rollout``).
         engine: the colocated engine, or the `stapo_megatron.rollout.remote.RemoteEngine`.
         groups: this rank's process groups.
         prompts: step -> this DP rank's prompts (token ids).
         seed: step -> the seed of this DP rank's first sample of that step.
         sync: the weight sync (model, HF config and groups bound): ``sync(engine)`` with the
             engine awake, or wake_and_sync's order for a sleeping colocated one.
+        steps: the run's last step (nothing is asked beyond it).
+        timeout_s: how long to wait for a step's samples (`TrainerConfig.rollout_timeout`).
     """
 
-    def __init__(self, cfg: TrainerConfig, engine, groups: Groups, prompts: Callable[[int], List[List[int]]],
-                 seed: Callable[[int], int], sync: Callable,
+    def __init__(self, config: RolloutSampling, engine, groups: Groups, prompts: Callable[[int], List[List[int]]],
+                 seed: Callable[[int], int], sync: Callable, steps: int, timeout_s: float,
                  indexed_prompts: Optional[Callable[[int], List[Tuple[int, List[int]]]]] = None):
-        self.cfg, self.engine, self.groups = cfg, engine, groups
-        self.prompts, self.seed, self.sync = prompts, seed, sync
-        self.separate = cfg.rollout.placement == "separate"
-        self.ahead = cfg.rollout.max_staleness
-        self.partial = cfg.rollout.partial
+        self.config, self.engine, self.groups = config, engine, groups
+        self.prompts, self.seed, self.sync, self.steps, self.timeout_s = prompts, seed, sync, steps, timeout_s
+        self.separate = config.placement == "separate"
+        self.ahead = config.max_staleness
+        self.partial = config.partial
         """Partial rollouts: the engines' pools decide which prompts a step trains (`step_prompts`)."""
         self.indexed_prompts = indexed_prompts
         if self.partial and (groups.cp_size > 1 or indexed_prompts is None):
@@ -74,21 +76,21 @@ class RolloutSchedule:
         self.sync(self.engine, wake=False)
         self.version = step
         if self.separate:
-            for ahead in range(step, min(step + self.ahead, self.cfg.steps - 1) + 1):
+            for ahead in range(step, min(step + self.ahead, self.steps - 1) + 1):
                 self._submit(ahead)
 
     def samples(self, step: int) -> Tuple[List[List], int]:
         """This DP rank's samples of ``step`` (identical on the replica's ranks) and the policy
         version that generated them (steps trained)."""
-        r = self.cfg.rollout
+        r = self.config
         if not self.separate:
             prompts = self.prompts(step)
-            samples = layout.replica_rollout(self.engine, self.groups, prompts, r.group_size, r.temperature, r.top_p,
-                                             r.max_response_len, self.seed(step), self.cfg.rollout_timeout())
+            samples = replicas.replica_rollout(self.engine, self.groups, prompts, r.group_size, r.temperature, r.top_p,
+                                             r.max_response_len, self.seed(step), self.timeout_s)
             version = step
         else:
             ticket, version = self.pending.pop(step) if step in self.pending else self._submit(step, keep=False)
-            samples = layout.replica_receive(self.engine, self.groups, ticket, self.cfg.rollout_timeout())
+            samples = replicas.replica_receive(self.engine, self.groups, ticket, self.timeout_s)
             if self.partial:
                 samples, version = self._partial_step(samples[0])
         self.staleness[step - version] += 1
@@ -101,7 +103,7 @@ class RolloutSchedule:
         stats = self.sync(self.engine, wake=not self.separate)
         self.version = step + 1
         following = step + 1 + self.ahead
-        if self.separate and following < self.cfg.steps:
+        if self.separate and following < self.steps:
             self._submit(following)
         return stats
 
@@ -109,7 +111,7 @@ class RolloutSchedule:
         """The step's staleness (updates between the generating policy and this step's: with
         partial rollouts, of its oldest token), the partial-rollout metrics, and with separate
         placement what rank 0's engine reported with its samples: seconds generating them, idle
-        before (no request or weights) and loading weights (README, "Asynchronous rollouts");
+        before (no request or weights) and loading weights (docs/async.md);
         ``time_rollout`` is then the trainers' wait for them."""
         row: Dict[str, float] = {"staleness": float(step - version)}
         if self.partial:
@@ -135,7 +137,7 @@ class RolloutSchedule:
         return samples, oldest
 
     def _submit(self, step: int, keep: bool = True):
-        r = self.cfg.rollout
+        r = self.config
         if self.partial:  # the step's prompts into this replica's pool (no CP: checked at start)
             asks = self.groups.mp is None or dist.get_rank(self.groups.mp) == 0
             fresh, ahead = self.indexed_prompts(step), self.indexed_prompts(step + 1)
@@ -148,7 +150,7 @@ class RolloutSchedule:
             if keep:
                 self.pending[step] = (ticket, self.version)
             return ticket, self.version
-        ticket = layout.replica_submit(self.engine, self.groups, self.prompts(step), r.group_size, r.temperature,
+        ticket = replicas.replica_submit(self.engine, self.groups, self.prompts(step), r.group_size, r.temperature,
                                        r.top_p, r.max_response_len, self.seed(step))
         if keep:
             self.pending[step] = (ticket, self.version)

@@ -24,7 +24,7 @@ Megatron routers, which return ``(probs, routing_map)``, ``routing_map`` [N, E] 
 router's tokens (`stapo_megatron.mcore.router_replay.local_routes` says which positions: S / TP
 per TP rank with sequence parallelism). Only positions with a rollout route count (not the last
 token of a sequence, not padding). Under context parallelism a micro-batch is CP rank r's part of
-the packed row (`stapo_megatron.mcore.context_parallel.split_for_context_parallel`, which takes
+the packed row (`stapo_megatron.batch.context_parallel.split_for_context_parallel`, which takes
 ``routes`` at the same `local_positions` as the tokens), so each CP rank compares its own
 positions, in the order its routers see them, and the world sum counts every position once.
 
@@ -52,10 +52,10 @@ import torch.distributed as dist
 
 from stapo_megatron.bridge.hf_config import spec_from_hf_config
 from stapo_megatron.rollout.registry import resolve_engine
-from stapo_megatron.mcore.batching import NO_ROUTE, MicroBatch
-from stapo_megatron.mcore.minibatches import BatchLayout, build_minibatches
-from stapo_megatron.mcore.parallel import collective_device
-from stapo_megatron.mcore.records import records_from_lists
+from stapo_megatron.batch.microbatch import NO_ROUTE, MicroBatch
+from stapo_megatron.batch.minibatches import MicroBatchLayout, build_minibatches
+from stapo_megatron.utils import collective_device
+from stapo_megatron.batch.records import records_from_lists
 from stapo_megatron.mcore.router_replay import local_routes
 from stapo_megatron.mcore.schedule import run_microbatches
 
@@ -166,7 +166,7 @@ def sample_microbatches(prompts: List[List[int]], samples: List, micro_batch_siz
     for `routing_counts` outside the trainer (the trainer measures its own micro-batches)."""
     records = records_from_lists(prompts, [s.token_ids for s in samples], [0.0] * len(samples),
                                  [s.logprobs for s in samples], routes=[s.routed_experts for s in samples])
-    layout = BatchLayout("padded", micro_batch_size if len(samples) % micro_batch_size == 0 else 1, pad_id=pad_id,
+    layout = MicroBatchLayout("padded", micro_batch_size if len(samples) % micro_batch_size == 0 else 1, pad_id=pad_id,
                          seq_multiple=seq_multiple)
     return build_minibatches(records, layout)[0][0]
 

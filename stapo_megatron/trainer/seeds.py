@@ -27,7 +27,7 @@ Which stream seeds what (``seed`` = ``TrainerConfig.seed``, k = the training ste
     warmstart_microbatches(k)   k (+ position)                                 the same for warm-start step k
     random control (loss)       loss.seed x 1_000_003 + micro-batch seed       ``methods._random_mask``
     CP rank r's part            micro-batch seed + r x 1_000_003               that rank's random-control draw
-                                                                               (``mcore.context_parallel``)
+                                                                               (``batch.context_parallel``)
 
 ``ws`` = ``WarmStartConfig.seed`` and ``data`` = ``DataConfig.seed``, each ``seed`` when unset:
 fixing them (the demo does) gives every RL seed the same held-out problems and the same

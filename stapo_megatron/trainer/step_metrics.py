@@ -1,5 +1,6 @@
 """A training step's metrics row: phase timings, rollout sums over DP, the updates' metrics (with
-the rollout/training mismatch of `trainer.mismatch_metrics`), and the line printed per step."""
+the rollout/training mismatch of `trainer.mismatch_metrics`), the line printed per step, and the
+stop after too many skipped steps (`SkipGuard`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from stapo_megatron.runlog.progress import describe
-from stapo_megatron.mcore import logit_grad
+from stapo_megatron.ops import logit_grad
+from stapo_megatron.mcore.checkpoint import find_latest
 from stapo_megatron.mcore.parallel import Groups
 from stapo_megatron.trainer.mismatch_metrics import overlap_metrics
 
@@ -59,7 +61,7 @@ def step_row(step: int, updates: List[Dict], rewards_PG: torch.Tensor, num_flat:
         clip_fraction=mean("clip_fraction"), approx_kl=mean("approx_kl"),
         grad_norm=mean("grad_norm"), skipped=sum(u["skipped"] for u in updates),
         lr=lr, **mismatch, **overlap_metrics(updates), **moe_metrics(updates),
-        **logit_grad.step_metrics(updates),  # the paper's gradient claim (mcore/logit_grad.py)
+        **logit_grad.step_metrics(updates),  # the paper's gradient claim (ops/logit_grad.py)
     )
 
 
@@ -99,3 +101,20 @@ def gather_silenced(rows: List, groups: Groups) -> List:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     return [r for part in gathered for r in part]
+
+
+class SkipGuard:
+    """Stops a run whose steps keep being skipped (a NaN/Inf loss or gradient, `policy_update`)."""
+
+    def __init__(self, limit: int, run_dir: str):
+        self.limit, self.run_dir, self.consecutive = limit, run_dir, 0
+
+    def check(self, row: Dict, step: int) -> None:
+        """Count ``row``'s skip; RuntimeError after more than ``limit`` in a row."""
+        self.consecutive = self.consecutive + 1 if row["skipped"] else 0
+        if self.consecutive > self.limit:
+            raise RuntimeError(
+                f"{self.consecutive} consecutive steps had a NaN/Inf loss or gradient (last at step "
+                f"{step + 1}); stopping. Check the learning rate and the data; the last good "
+                f"checkpoint is {find_latest(self.run_dir)}"
+            )

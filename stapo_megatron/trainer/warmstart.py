@@ -26,13 +26,13 @@ import torch.distributed as dist
 from stapo_megatron.bridge.model import load_checkpoint
 from stapo_megatron.config import TrainerConfig, WarmStartConfig
 from stapo_megatron.mcore import checkpoint as ckpt
-from stapo_megatron.mcore.batching import MicroBatch
-from stapo_megatron.mcore.minibatches import BatchLayout, build_minibatches
-from stapo_megatron.mcore.records import records_from_lists
+from stapo_megatron.batch.microbatch import MicroBatch
+from stapo_megatron.batch.minibatches import MicroBatchLayout, build_minibatches
+from stapo_megatron.batch.records import records_from_lists
 from stapo_megatron.mcore.schedule import PassContext
 from stapo_megatron.mcore.sft import sft_step
 from stapo_megatron.mcore.step import build_optimizer
-from stapo_megatron.trainer.layout import seq_align
+from stapo_megatron.trainer.replicas import seq_align
 from stapo_megatron.trainer.prompts import step_prompt_indices
 from stapo_megatron.trainer.seeds import Seeds
 from stapo_megatron.utils import load_dotted
@@ -128,9 +128,9 @@ class WarmStart:
         and split over CP (CP trains packed rows only)."""
         records = records_from_lists(prompts, targets, [0.0] * len(prompts), [[0.0] * len(t) for t in targets])
         cp = groups.cp_size
-        layout = BatchLayout("fixed" if cp > 1 else "padded", self.cfg.micro_batch_size,
+        layout = MicroBatchLayout("fixed" if cp > 1 else "padded", self.cfg.micro_batch_size,
                              pad_id=self.tokenizer.pad_token_id, seq_multiple=self.seq_multiple,
-                             seq_align=seq_align(self.cfg), cp_size=cp,
+                             seq_align=seq_align(self.cfg.model), cp_size=cp,
                              cp_rank=dist.get_rank(groups.cp) if cp > 1 else 0, device=device)
         seed = self.seeds.warmstart_microbatches(step)
         (mbs,), seq = build_minibatches(records, layout, microbatch_seed=lambda first, dp_rank: seed)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from stapo_megatron.bridge.tiny import tiny_config
-from tests.rollout.test_vllm_engine import randomize
+from tests.helpers.engine_parity import randomize
 
 LOGIT_ATOL = 2e-5
 GRAD_RTOL = 2e-5

@@ -1,8 +1,10 @@
 """Tier a: which sharded-state-dict entries `bridge.load_checkpoint` leaves unread, with the names
 transformer-engine's layers give them (TE is not installed on the CPU, so its layout is written
 out here from megatron-core's ``TEGroupedLinear._sharded_state_dict_grouped``), and a converted MoE
-checkpoint loading into the local spec without them."""
+checkpoint loading into the local spec without them; and the MoE settings a model build refuses
+at context parallelism > 1 (what CP would compute per chunk instead of per micro-batch)."""
 
+import pytest
 import torch
 
 from stapo_megatron.bridge.model import extra_state_keys
@@ -46,3 +48,15 @@ def test_converted_moe_checkpoint_loads_without_extra_states(tmp_path):
             got = _megatron_forward(model, tokens)[..., :300]
     ref = hf_logits(hf, tokens)
     assert float((got - ref).abs().max()) <= FP32_LOGIT_TOL * max(1.0, float(ref.abs().max()))
+
+
+def test_model_build_refuses_what_cp_would_make_per_chunk():
+    from stapo_megatron.bridge.model import _check_moe_context_parallel
+
+    _check_moe_context_parallel(2, {"moe_aux_loss_coeff": 0.01})  # the micro-batch switch loss: exact
+    with pytest.raises(ValueError, match="moe_router_load_balancing_type='seq_aux_loss' with context_parallel_size 2"):
+        _check_moe_context_parallel(2, {"moe_router_load_balancing_type": "seq_aux_loss"})
+    with pytest.raises(ValueError, match="moe_z_loss_coeff=0.001 with context_parallel_size 2"):
+        _check_moe_context_parallel(2, {"moe_z_loss_coeff": 0.001})
+    with pytest.raises(ValueError, match="moe_expert_capacity_factor=1.5 with context_parallel_size 4"):
+        _check_moe_context_parallel(4, {"moe_expert_capacity_factor": 1.5})

@@ -8,12 +8,12 @@ import os
 import pytest
 import torch
 
-from stapo_megatron.bridge import mappings_for, spec_from_hf_config, transformer_config_from_spec
+from stapo_megatron.bridge import spec_from_hf_config, transformer_config_from_spec
 from stapo_megatron.bridge.transformer_config import check_parallel_sizes
 from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
 from stapo_megatron.conversion.cli import main
 from stapo_megatron.conversion.dcp_io import CheckpointReader
-from tests.conversion.test_roundtrip import _assert_bit_exact
+from tests.helpers.conversion_parity import _assert_bit_exact
 
 # Qwen3-30B-A3B's config.json (released spelling: num_experts; transformers-5 rope_parameters).
 QWEN3_30B_A3B = dict(
@@ -96,21 +96,6 @@ def test_megatron_routing_equals_transformers(norm_topk_prob):
     want = torch.zeros_like(probs).scatter(1, indices, weights)
     assert torch.equal(routing_map, want > 0)
     torch.testing.assert_close(probs, want, rtol=0, atol=1e-6)  # fp32 softmax in two op orders
-
-
-def test_mapping_rows_and_checkpoint_keys():
-    rows = {m.megatron: m for m in mappings_for(spec_from_hf_config(tiny_config("qwen3-moe")))}
-    fc1 = rows["decoder.layers.*.mlp.experts.local_experts.#.linear_fc1.weight"]
-    assert fc1.per_expert and fc1.transform == "gate_up"
-    assert fc1.megatron_name(2, expert=1) == "decoder.layers.2.mlp.experts.local_experts.1.linear_fc1.weight"
-    assert fc1.hf_names(2, 3) == ("model.layers.2.mlp.experts.3.gate_proj.weight",
-                                  "model.layers.2.mlp.experts.3.up_proj.weight")
-    assert fc1.checkpoint_key == "decoder.layers.mlp.experts.experts.linear_fc1.weight"
-    router = rows["decoder.layers.*.mlp.router.weight"]
-    assert router.hf_names(0) == ("model.layers.0.mlp.gate.weight",) and not router.per_expert
-    norm = rows["decoder.layers.*.pre_mlp_layernorm.weight"]
-    assert norm.megatron_name(1, local_spec=True) == "decoder.layers.1.pre_mlp_layernorm.weight"
-    assert not any("mlp.linear_fc1" in name for name in rows)
 
 
 def test_roundtrip_bf16_bit_exact_and_layout(tmp_path):

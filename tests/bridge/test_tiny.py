@@ -49,7 +49,7 @@ def test_same_spec_and_seed_give_the_same_weights():
 
 
 def test_synthetic_transformer_config_is_the_spec_on_cpu_kernels():
-    from stapo_megatron.mcore.synthetic import tiny_gpt_config
+    from stapo_megatron.recipes.synthetic import tiny_gpt_config
 
     config = tiny_gpt_config(2, 1, num_layers=3, hidden_size=128, kv_channels=16)
     assert (config.num_layers, config.hidden_size, config.kv_channels, config.num_query_groups) == (3, 128, 16, 2)

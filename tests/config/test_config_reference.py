@@ -38,7 +38,7 @@ def test_reference_lists_the_eval_set_fields_and_whole_summaries():
     docstring line of LoggingConfig ended in "see"); evaluation sets name their length limit."""
     import re
 
-    from stapo_megatron.config import EvalSetConfig
+    from stapo_megatron.eval.config import EvalSetConfig
 
     text = SCRIPT["render"]()
     for field in dataclasses.fields(EvalSetConfig):

@@ -1,6 +1,7 @@
 """Tier a: bad input gets a clear error, exit code 2, and nothing complete-looking at the output."""
 
 import json
+import re
 import os
 import shutil
 import struct
@@ -8,37 +9,13 @@ import struct
 import pytest
 import torch
 
-import stapo_megatron.conversion.hf_to_mcore as hf_to_mcore
 from stapo_megatron.conversion.cli import main
-from stapo_megatron.bridge.tiny import save_tiny_hf_model
 from tests.helpers import REPO_DIR
-
-
-@pytest.fixture(scope="module")
-def tiny_hf(tmp_path_factory):
-    """A sharded tiny Qwen3 HF folder (3+ safetensors files); tests copy it before damaging it."""
-    path = str(tmp_path_factory.mktemp("src") / "hf")
-    save_tiny_hf_model(path, "qwen3", max_shard_size="100KB")
-    return path
-
-
-@pytest.fixture
-def hf(tiny_hf, tmp_path):
-    dst = str(tmp_path / "hf")
-    shutil.copytree(tiny_hf, dst)
-    return dst
+from tests.helpers.conversion_cli import _fails, hf, tiny_hf  # noqa: F401
 
 
 def _shards(hf_dir):
     return sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
-
-
-def _fails(capsys, argv, *needles):
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    for needle in needles:
-        assert needle in err, err
-    return err
 
 
 def _edit_config(hf_dir, **changes):
@@ -176,18 +153,8 @@ def test_checkpoint_shape_disagrees_with_config(capsys, hf, tmp_path):
 def test_progress_reports_tensors_and_bytes(capsys, hf, tmp_path):
     assert main(["hf-to-mcore", "--hf-dir", hf, "--out", str(tmp_path / "ckpt")]) == 0
     err = capsys.readouterr().err
-    assert "[hf-to-mcore]" in err and "tensors" in err and "MiB" in err
-
-
-def test_hf_to_mcore_reads_lazily(monkeypatch, hf, tmp_path):
-    # Streaming: the embedding / lm_head (300 x 64 bf16 = 38 KB) are read in row blocks; the
-    # largest single read is then one layer's q_proj (128 x 64 bf16 = 16 KB).
-    monkeypatch.setattr(hf_to_mcore, "BLOCK_BYTES", 4096)
-    sizes = []
-    real = hf_to_mcore.read_rows
-    monkeypatch.setattr(hf_to_mcore, "read_rows", lambda *a: sizes.append(real(*a).nbytes) or real(*a))
-    assert main(["hf-to-mcore", "--hf-dir", hf, "--out", str(tmp_path / "ckpt")]) == 0
-    assert len(sizes) > 100 and max(sizes) == 128 * 64 * 2
+    # the tiny checkpoint's few hundred KiB in KiB (whole MiB printed "0/0 MiB")
+    assert re.search(r"^\[hf-to-mcore\] (\d+)/\1 tensors, ([\d.]+ KiB)/\2, ", err, re.M), err
 
 
 def _snapshot(path):
@@ -352,23 +319,6 @@ def test_fp16_overflow_is_refused(capsys, hf, tmp_path):
     assert not os.path.exists(tmp_path / "back")
 
 
-def test_integer_checkpoint_tensor_is_refused(capsys, hf, tmp_path, monkeypatch):
-    ckpt = str(tmp_path / "ckpt")
-    real = hf_to_mcore.plan_chunks
-
-    def int_fc2(spec, infos, padded, dtype):
-        chunks = real(spec, infos, padded, dtype)
-        for c in chunks:
-            if c.key == "decoder.layers.mlp.linear_fc2.weight":
-                c.dtype = torch.int32
-        return chunks
-
-    monkeypatch.setattr(hf_to_mcore, "plan_chunks", int_fc2)
-    assert main(["hf-to-mcore", "--hf-dir", hf, "--out", ckpt]) == 0
-    _fails(capsys, ["mcore-to-hf", "--ckpt", ckpt, "--out", str(tmp_path / "back")],
-           "checkpoint tensor decoder.layers.mlp.linear_fc2.weight has dtype torch.int32; weights must be floating-point")
-
-
 @pytest.mark.parametrize("damage", ["distcp", "metadata"])
 def test_truncated_checkpoint_files(capsys, hf, tmp_path, damage):
     ckpt = tmp_path / "ckpt"
@@ -386,23 +336,6 @@ def test_malformed_iteration_tracker(capsys, tmp_path):
     (tmp_path / "run" / "latest_checkpointed_iteration.txt").write_text("seven\n")
     _fails(capsys, ["mcore-to-hf", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "back")],
            "latest_checkpointed_iteration.txt: expected an iteration number or 'release', got 'seven'")
-
-
-def test_full_disk_is_a_message_and_leaves_nothing(capsys, monkeypatch, hf, tmp_path):
-    import errno
-
-    import stapo_megatron.conversion.mcore_to_hf as mcore_to_hf
-
-    ckpt = str(tmp_path / "ckpt")
-    assert main(["hf-to-mcore", "--hf-dir", hf, "--out", ckpt]) == 0
-
-    def full(self, piece):
-        raise OSError(errno.ENOSPC, "No space left on device", self.path)
-
-    monkeypatch.setattr(mcore_to_hf.ShardWriter, "write", full)
-    _fails(capsys, ["mcore-to-hf", "--ckpt", ckpt, "--out", str(tmp_path / "back")],
-           "error: [Errno 28] No space left on device:", "model.safetensors")
-    assert sorted(os.listdir(tmp_path)) == ["ckpt", "hf"]
 
 
 def test_qwen3_config_without_architectures_converts(hf, tmp_path):
@@ -496,5 +429,33 @@ def test_disk_filling_up_during_hf_to_mcore(hf, tmp_path):
 def test_too_little_free_space_is_refused_before_writing(capsys, hf, tmp_path):
     from stapo_megatron.conversion.hf_to_mcore import check_free_space
 
-    with pytest.raises(OSError, match="nothing was written"):
+    with pytest.raises(OSError, match=r"needs 4.00 EiB but the file system of .* free \(.* more needed\); nothing was "
+                                      r"written"):
         check_free_space(str(tmp_path / "out"), 1 << 62)
+
+
+def test_conversion_onto_a_full_disk_names_the_sizes(hf, tmp_path):
+    """A real full file system: a 64 KiB tmpfs, filled, mounted in a user and mount namespace of
+    the converter's process (the sizes were printed as "0.00 GiB" either side)."""
+    import subprocess
+    import sys
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = f"mount -t tmpfs -o size=64k tmpfs {disk}"
+    if subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", mount],
+                      capture_output=True).returncode:
+        pytest.skip("no user namespaces here to mount a small tmpfs in")
+    convert = f"from stapo_megatron.conversion.cli import main; raise SystemExit(main(['hf-to-mcore', " \
+              f"'--hf-dir', {hf!r}, '--out', {str(disk / 'ckpt')!r}]))"
+    script = f"{mount} && (cat /dev/zero > {disk}/fill 2>/dev/null; df -B1 --output=avail {disk} | tail -1; " \
+             f"exec {sys.executable} -c \"{convert}\")"
+    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.stdout.split() == ["0"], proc.stdout + proc.stderr  # the disk is full
+    assert proc.returncode == 2, proc.stderr
+    needed = re.search(r"the checkpoint needs ([\d.]+ KiB) but the file system of (.*) has 0 B free "
+                       r"\(\1 more needed\); nothing was written", proc.stderr)
+    assert needed and needed.group(2) == str(disk), proc.stderr
+    assert 64 < float(needed.group(1).split()[0]) < 1024  # the tiny checkpoint: more than the disk, < 1 MiB
+    assert "Traceback" not in proc.stderr

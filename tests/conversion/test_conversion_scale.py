@@ -15,7 +15,7 @@ import pytest
 from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
 from stapo_megatron.conversion import verify
 from stapo_megatron.conversion.cli import main
-from stapo_megatron.recipes.memory import num_params
+from stapo_megatron.bridge.hf_config import num_params
 from stapo_megatron.recipes.paper import QWEN3_30B_A3B
 
 GIB = 2**30
@@ -33,7 +33,7 @@ def test_host_memory_estimate_of_a_30b_a3b_verify():
     assert verify.host_bytes_needed(spec, [(4, 1)], 1) == 4 * 0.75 * GIB + 8 * (dense + experts)
     # ranks on GPUs: only their host-side overhead
     assert verify.host_bytes_needed(spec, [(4, 1)], 4, weights_on_host=False) == 12 * GIB
-    with pytest.raises(ValueError, match=r"verify needs 16 processes on this host, about 12.0 GiB .* and 8.0 GiB "
+    with pytest.raises(ValueError, match=r"verify needs 16 processes on this host, about 12.0 GiB .* and 8.00 GiB "
                                          r"is available: verify at a smaller --tp/--ep"):
         verify.check_host_memory(12 * GIB, 8 * GIB, 16)
     verify.check_host_memory(8 * GIB, 8 * GIB, 16)  # fits: no error

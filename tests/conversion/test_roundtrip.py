@@ -6,32 +6,12 @@ import os
 import pytest
 import torch
 
-from stapo_megatron.conversion.cli import main
 from stapo_megatron.conversion.dcp_io import CheckpointReader
-from stapo_megatron.conversion.safetensors_io import index_checkpoint, read_rows
+from stapo_megatron.conversion.safetensors_io import index_checkpoint
 from stapo_megatron.bridge.tiny import save_tiny_hf_model
 from tests.helpers import REPO_DIR
-
-
-def _tensors(hf_dir):
-    return {name: read_rows(info) for name, info in index_checkpoint(hf_dir).items()}
-
-
-def _assert_bit_exact(a_dir, b_dir):
-    a, b = _tensors(a_dir), _tensors(b_dir)
-    assert sorted(a) == sorted(b)
-    for name in a:
-        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
-        # Compare bit patterns, not values (NaN-safe and sign-of-zero exact).
-        assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
-
-
-def _roundtrip(tmp_path, variant, dtype=torch.bfloat16, hf_shard="50GB", extra_to=(), extra_back=()):
-    hf, ckpt, back = (str(tmp_path / n) for n in ("hf", "ckpt", "back"))
-    save_tiny_hf_model(hf, variant, dtype=dtype, max_shard_size=hf_shard)
-    assert main(["hf-to-mcore", "--hf-dir", hf, "--out", ckpt, *extra_to]) == 0
-    assert main(["mcore-to-hf", "--ckpt", ckpt, "--out", back, *extra_back]) == 0
-    return hf, ckpt, back
+from tests.helpers.conversion_parity import _assert_bit_exact
+from tests.helpers.conversion_cli import _roundtrip
 
 
 @pytest.mark.parametrize("variant", ["qwen2", "qwen2.5", "qwen3", "qwen3-tied"])
@@ -67,21 +47,6 @@ def test_sharded_input_and_output_load_in_transformers(tmp_path):
     ref = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)(tokens).logits
     got = AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32)(tokens).logits
     assert torch.equal(ref, got)
-
-
-def test_checkpoint_layout(tmp_path):
-    _, ckpt, _ = _roundtrip(tmp_path, "qwen3")
-    tensors = CheckpointReader(ckpt).tensors()
-    # Per-layer tensors are stacked on a leading layer axis; vocabulary padded to 128 (TP=1).
-    assert tuple(tensors["decoder.layers.self_attention.linear_qkv.weight"].size) == (4, (4 + 2 * 2) * 32, 64)
-    assert tuple(tensors["decoder.layers.mlp.linear_fc1.weight"].size) == (4, 2 * 96, 64)
-    assert tuple(tensors["embedding.word_embeddings.weight"].size) == (384, 64)
-    padded = CheckpointReader(ckpt).read({"embedding.word_embeddings.weight": ((300, 0), (84, 64))})
-    assert torch.all(padded["embedding.word_embeddings.weight"] == 0)
-    for name in ("config.json", "generation_config.json"):
-        assert os.path.isfile(os.path.join(ckpt, "hf", name))
-    with open(os.path.join(ckpt, "stapo_conversion.json")) as f:
-        assert json.load(f)["padded_vocab_size"] == 384
 
 
 def test_top_level_conversion_scripts_are_the_cli(tmp_path):

@@ -1,4 +1,5 @@
-"""examples/demo_seeds.py: the README's per-seed table and its goal line come from the runs' numbers."""
+"""examples/demo_seeds.py: the per-seed table of docs/results.md, its goal line and the README's summary come
+from the runs' numbers."""
 
 import importlib.util
 import os
@@ -40,3 +41,14 @@ def test_table_has_a_row_per_seed_and_the_mean():
     assert rows[2].startswith("| 1 | 0.500 | 0.750 | +0.250 | 100 (40) | 6.0 min | trained |")
     assert "not recorded" in rows[3]
     assert rows[4] == "| mean | 0.450 | 0.725 | +0.275 | 75.0 | | | |"
+
+
+def test_readme_summary_gives_the_means_and_where_they_were_measured():
+    ds = _demo_seeds()
+    stamp = "Measured 2026-01-01 on x86_64, 2 cores, Python 3.11.7 at commit abc1234"
+    text = ds.readme_summary([_result(1, 0.4, 0.7, 240, silenced=500), _result(2, 0.5, 0.8, 300, silenced=400)],
+                             "avg@4 at T=1", stamp)
+    first, second = text.splitlines()
+    assert first == ("Expected: held-out avg@4 at T=1 from 0.45 after the warm-start to 0.75 after RL (mean of 2 "
+                     "seeds), 450 tokens silenced by S2T per run; 4.0-5.0 min per run on that machine.")
+    assert second.startswith(stamp + " by `make demo-seeds`") and "(docs/results.md)" in second

@@ -1,5 +1,6 @@
 """The real launch entry (`entry.run_recipe`, tiny recipe, 2 steps) with a fault injected, for
-tests/trainer/test_faults.py, which starts it under two torchrun agents (two "nodes", one rank each).
+the fault tests: tests/helpers/two_node_faults.py starts it under two torchrun agents (two "nodes",
+one rank each).
 
     torchrun ... tests/helpers/fault_script.py OUTPUT_DIR FAULT [key=value ...]
 

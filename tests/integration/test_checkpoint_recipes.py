@@ -49,7 +49,7 @@ def _case_worker(run_dir: str, distributed: bool, bf16: bool):
     from stapo_megatron.mcore.parallel import destroy_parallel, init_parallel
     from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
     from stapo_megatron.mcore.step import policy_update
-    from stapo_megatron.mcore.synthetic import synthetic_rollouts
+    from stapo_megatron.recipes.synthetic import synthetic_rollouts
 
     groups = init_parallel(1, 1, backend="gloo")
     try:

@@ -1,4 +1,6 @@
-"""Tier b: Megatron logits from converted checkpoints equal transformers logits (fp32) at: the multi-process and end-to-end tests (the single-process ones and the helpers are in ``tests/conversion/test_verify.py``)."""
+"""Tier b: Megatron logits from converted checkpoints equal transformers logits (fp32) at: the
+multi-process and end-to-end tests (the single-process ones are in
+``tests/conversion/test_verify.py``)."""
 
 import os
 import pytest
@@ -8,8 +10,8 @@ from stapo_megatron.conversion.verify import FP32_LOGIT_TOL, compare, fixed_prom
 from stapo_megatron.bridge import spec_from_hf_config
 from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
 from tests.helpers.dist_utils import run_distributed
-from tests.conversion.test_roundtrip import _assert_bit_exact
-from tests.conversion.test_verify import LAYOUTS, SAVED_BY_MEGATRON, VARIANTS, converted, megatron_run  # noqa: F401
+from tests.helpers.conversion_parity import (LAYOUTS, SAVED_BY_MEGATRON, VARIANTS, _assert_bit_exact,  # noqa: F401
+                                             converted, megatron_run)
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """A run written by the trainer's checkpointing (Megatron DDP: ``module.``-prefixed keys, a
 ``latest`` marker over ``step_*`` directories, the run's provenance and HF config in each
-checkpoint) exports to HF with no --hf-config and verifies (README: run folders are accepted by
+checkpoint) exports to HF with no --hf-config and verifies (docs/conversion.md: run folders are accepted by
 `stapo-convert mcore-to-hf` and `verify`)."""
 
 import os
@@ -11,7 +11,7 @@ import torch
 from stapo_megatron.conversion.cli import main
 from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
 from tests.helpers.dist_utils import run_distributed
-from tests.conversion.test_roundtrip import _assert_bit_exact
+from tests.helpers.conversion_parity import _assert_bit_exact
 
 VARIANT = "qwen3"
 
@@ -21,14 +21,16 @@ def _train_and_save(hf_dir, converted, run_dir, plain_dir):
     save it as the trainer does (step 1), and also as a plain model-only checkpoint."""
     from stapo_megatron.mcore import checkpoint as ckpt
     from stapo_megatron.bridge import build_gpt_model, load_checkpoint
-    from stapo_megatron.config import ModelConfig, TrainerConfig
+    from stapo_megatron.config import TrainerConfig
+    from stapo_megatron.config.yaml_io import dump_config
+    from stapo_megatron.mcore.config import ModelConfig
     from stapo_megatron.method.config import LossConfig
     from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
     from stapo_megatron.mcore.parallel import destroy_parallel, init_parallel
     from stapo_megatron.runlog.provenance import RunProvenance
     from stapo_megatron.mcore.config import OptimConfig
     from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
-    from stapo_megatron.mcore.synthetic import synthetic_rollouts
+    from stapo_megatron.recipes.synthetic import synthetic_rollouts
 
     prompt, response = 4, 8
     groups = init_parallel(1, 1)
@@ -43,7 +45,7 @@ def _train_and_save(hf_dir, converted, run_dir, plain_dir):
     policy_update(ctx, optimizer, mbs, LossConfig(tau_p=0.003))
     changed = any(not torch.equal(a, b) for a, b in zip(before, model.module.parameters()))
     # as Trainer._save: the run's configuration, provenance and HF side files go into the checkpoint
-    provenance = RunProvenance(TrainerConfig(run_dir=run_dir, model=ModelConfig(hf_dir=hf_dir)))
+    provenance = RunProvenance(dump_config(TrainerConfig(run_dir=run_dir, model=ModelConfig(hf_dir=hf_dir))), run_dir, hf_dir)
     ckpt.save_checkpoint(run_dir, 1, model, optimizer, {"note": "test"}, write_extra=provenance.write_checkpoint)
     ckpt.save_model_only(model, plain_dir)
     # resuming reads the same files (each small one without executing code, see test_checkpoint_safety)

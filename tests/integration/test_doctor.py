@@ -1,12 +1,12 @@
-"""stapo-doctor (issue 34): its rows' logic (tier a) and its CPU subset end to end (slow): every: the multi-process and end-to-end tests (the single-process ones and the helpers are in ``tests/doctor/test_cli.py``)."""
+"""stapo-doctor end to end (slow): its CPU subset passes every check that applies to a CPU machine,
+with numbers inside its bounds, skips the GPU-only ones with their reason, and the launch file
+renders a one- or two-node job. (Its rows' logic: the tests/doctor/ unit tests.)"""
 
 import json
-import os
 import subprocess
 import sys
 import pytest
-from stapo_megatron.doctor import collectives, report, steps, versions
-from tests.doctor.test_cli import REPO  # noqa: F401
+from tests.helpers.launch_cli import REPO
 
 
 @pytest.mark.slow
@@ -34,7 +34,7 @@ def test_cpu_subset_end_to_end():
 
 @pytest.mark.slow
 def test_launch_file_renders_one_and_two_node_jobs(tmp_path):
-    from tests.integration.test_launch import nemo_run, sbatch_script
+    from tests.helpers.launch_cli import nemo_run, sbatch_script
 
     code, out = nemo_run(tmp_path, "launch/doctor.py", "run.executor.nodes=2", "skip=stapo_steps", "--dryrun")
     assert code == 0, out

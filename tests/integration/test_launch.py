@@ -16,30 +16,14 @@ import pytest
 
 from stapo_megatron.method.registry import METHODS
 from tests.helpers import REPO_DIR
+from tests.helpers.launch_cli import NEMO_RUN, nemo_run, paper_signal_and_retries, sbatch_script
 
 REPO = REPO_DIR
-NEMO_RUN = os.path.join(os.path.dirname(sys.executable), "nemo-run")
 ID = r"\d+"  # NeMo-Run experiment ids end in time.time_ns()
 
 pytest.importorskip("nemo_run")
 # every test starts the `nemo-run` command (10-30 s of imports each): the slow tier
 pytestmark = pytest.mark.slow
-
-
-def nemo_run(tmp_path, *args, env=None, timeout=300):
-    """Run ``nemo-run ARGS`` from the checkout with its own NEMORUN_HOME and no STAPO_* settings."""
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("STAPO_")}
-    # NEMORUN_HOME: experiments and local job states go to tmp; COLUMNS: rich tables unwrapped
-    environ.update(NEMORUN_HOME=str(tmp_path / "nemo_run_home"), COLUMNS="250", **(env or {}))
-    proc = subprocess.run([NEMO_RUN, *args], cwd=REPO, env=environ, capture_output=True, text=True,
-                          timeout=timeout)
-    return proc.returncode, proc.stdout + proc.stderr
-
-
-def sbatch_script(output: str) -> str:
-    match = re.search(r"^# ---- sbatch script of task .*?\n(#!/bin/bash.*)", output, re.M | re.S)
-    assert match, output
-    return match.group(1)
 
 
 OVERRIDES = [
@@ -55,18 +39,6 @@ ENV_SETTINGS = {
 COMMON_ENV = {"STAPO_SLURM_PARTITION": "batch", "STAPO_HF_HOME": "/hf/home",
               # an SSH login node that does not exist: a dry run must never connect to it
               "STAPO_SLURM_HOST": "login.invalid", "STAPO_SLURM_USER": "me"}
-
-
-def paper_signal_and_retries(size, **overrides):
-    """The save signal and requeue budget of a paper recipe's FINAL configuration (its step time)."""
-    from stapo_megatron.launch.entry import build_config
-    from stapo_megatron.launch.timing import FAILURE_RETRIES
-    from stapo_megatron.recipes import paper, step_time
-
-    cfg = build_config(size, check_paths=False, **overrides)[0]
-    step = step_time.estimate_step_time(paper.ARCHITECTURES[size], paper.layout_for(size, cfg), cfg)
-    signal_s = step_time.signal_seconds(step)
-    return signal_s, step_time.jobs_needed(cfg.steps, step, 4 * 3600, signal_s) - 1 + FAILURE_RETRIES
 
 
 @pytest.mark.parametrize("short, nodes, settings", [
@@ -136,9 +108,10 @@ def test_submission_without_account_is_refused(tmp_path):
     code, out = nemo_run(tmp_path, "launch/stapo_14b.py", "--yes", "data.train_path=/d/train.parquet",
                          env={"STAPO_CONTAINER_IMAGE": "img:1", "STAPO_SLURM_JOB_DIR": "/lustre/jobs"})
     assert code == 1, out
-    assert "Error: not launched:\n- account (set STAPO_SLURM_ACCOUNT or run.executor.account=...)\n" in out
+    assert "Error: not launched:\n- recipe qwen3_14b cannot run:\n" in out  # the recipe's problems first
+    assert "\n- account (set STAPO_SLURM_ACCOUNT or run.executor.account=...)\n" in out
     assert "container_image" not in out and "tunnel.job_dir" not in out
-    assert "recipe qwen3_14b cannot run" in out and "model.hf_dir is not set" in out
+    assert "model.hf_dir is not set" in out
     assert "data.eval_path is not set" in out and "data.train_path is not set" not in out
     assert not (tmp_path / "nemo_run_home" / "experiments").exists()  # nothing was submitted
 
@@ -222,7 +195,7 @@ LAYOUT_LINES = {
 
 @pytest.mark.parametrize("short", sorted(LAYOUT_LINES))
 def test_documented_paper_dryrun_renders_with_a_placeholder_output_dir(tmp_path, short):
-    """`nemo-run launch/stapo_14b.py --dryrun`, as the README and the launch files write it: the
+    """`nemo-run launch/stapo_14b.py --dryrun`, as the docs and the launch files write it: the
     script, the layout with CP / EP and the memory estimate, the step time."""
     code, out = nemo_run(tmp_path, f"launch/stapo_{short}.py", "--dryrun")
     assert code == 0, out
@@ -455,7 +428,7 @@ def test_include_uncommitted_ships_the_working_tree(tmp_path):
 def test_emit_sbatch_writes_a_plain_torchrun_script(tmp_path):
     from stapo_megatron.launch.entry import parse_arguments
 
-    from tests.launch.test_preflight import write_hf_config
+    from tests.helpers.launch_cli import write_hf_config
 
     write_hf_config(tmp_path / "model", "qwen3_14b")
     (tmp_path / "ckpt").mkdir()
@@ -504,20 +477,20 @@ def test_help_lists_the_launch_files_and_the_added_options(tmp_path):
 
 
 def _quickstart_steps(first: int, last: int) -> str:
-    """The README's "Cluster quickstart (Slurm)" shell block, steps ``first`` to ``last``."""
-    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+    """The "Cluster quickstart (Slurm)" shell block of docs/launching.md, steps ``first`` to ``last``."""
+    with open(os.path.join(REPO, "docs", "launching.md"), encoding="utf-8") as f:
         text = f.read()
     block = re.search(r"```bash\n(# 1\. convert the base model.*?)```", text, re.S).group(1)
     steps = re.split(r"^(?=# \d\. )", block, flags=re.M)
     return "".join(s for s in steps if s and first <= int(s[2]) <= last)
 
 
-def test_the_readme_quickstart_saves_a_config_its_launch_takes(tmp_path):
-    """Steps 2 and 3 of the README's cluster quickstart, as written (the shared file system /lustre
+def test_the_docs_quickstart_saves_a_config_its_launch_takes(tmp_path):
+    """Steps 2 and 3 of the cluster quickstart in docs/launching.md, as written (the shared file system /lustre
     a temporary folder, the submission a dry run): the saved configuration is launched back
     without a problem. It once saved into the checkout (`--save-config qwen3-14b-stapo.yaml`),
     and the launch then refused the relative config path and the checkout's new file."""
-    from tests.launch.test_preflight import write_hf_config
+    from tests.helpers.launch_cli import write_hf_config
 
     lustre = tmp_path / "lustre"
     write_hf_config(lustre / "models" / "Qwen3-14B-Base", "qwen3_14b")

@@ -1,10 +1,20 @@
-"""The requeue rules of the job scripts (`stapo_megatron.launch.requeue`), run in real bash: the multi-process and end-to-end tests (the single-process ones and the helpers are in ``tests/launch/test_requeue.py``)."""
+"""The requeue rules of the job scripts (`stapo_megatron.launch.requeue`), run in real bash: the
+multi-process and end-to-end tests (the single-process ones are in
+``tests/launch/test_requeue.py``)."""
 
 import os
 import subprocess
 import pytest
-from stapo_megatron.launch import requeue
-from tests.launch.test_requeue import FAKE_SLURM, SAVE  # noqa: F401
+from tests.helpers.launch_cli import SAVE
+
+
+FAKE_SLURM = {
+    # the rendered script asks scontrol for the node list and srun for the head node's address;
+    # the job's own srun runs the "training" of FAKE_TRAINING
+    "scontrol": '#!/bin/bash\nif [ "$1" = show ]; then echo node1; else echo "$@" >> "$CALLS"; fi\n',
+    "srun": '#!/bin/bash\nfor a in "$@"; do [ "$a" = hostname ] && { echo 127.0.0.1; exit 0; }; done\n'
+            'bash -c "$FAKE_TRAINING"\n',
+}
 
 
 @pytest.mark.slow
@@ -16,7 +26,7 @@ from tests.launch.test_requeue import FAKE_SLURM, SAVE  # noqa: F401
 def test_the_rendered_nemo_run_script_requeues_what_can_progress(tmp_path, training, requeued):
     """NeMo-Run's own sbatch script of a dry run, run in bash with fake Slurm commands on PATH."""
     pytest.importorskip("nemo_run")
-    from tests.integration.test_launch import nemo_run, sbatch_script
+    from tests.helpers.launch_cli import nemo_run, sbatch_script
 
     run_dir = tmp_path / "run"
     code, out = nemo_run(tmp_path, "launch/stapo_8b.py", "--dryrun", f"output_dir={run_dir}",

@@ -40,7 +40,7 @@ def _ep_worker(ckpt, run_dir):
     from stapo_megatron.mcore.parallel import init_parallel
     from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
     from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
-    from stapo_megatron.mcore.synthetic import synthetic_rollouts
+    from stapo_megatron.recipes.synthetic import synthetic_rollouts
 
     def setup(ep, load=True):
         groups = init_parallel(1, 1, expert_model_parallel_size=ep)

@@ -14,7 +14,7 @@ from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
 from stapo_megatron.conversion.cli import main
 from stapo_megatron.conversion.verify import FP32_LOGIT_TOL, fixed_prompts, hf_logits
 from tests.helpers.dist_utils import run_distributed
-from tests.conversion.test_roundtrip import _assert_bit_exact
+from tests.helpers.conversion_parity import _assert_bit_exact
 
 VARIANT = "qwen3-moe"
 LAYOUTS = [(2, 1, 1, 2), (1, 1, 2, 1), (2, 1, 2, 1), (1, 2, 1, 1)]

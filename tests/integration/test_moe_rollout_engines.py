@@ -1,10 +1,11 @@
-"""The rollout engines on a tiny Qwen3-MoE policy (4 experts, top-2), fp32 on the CPU: the multi-process and end-to-end tests (the single-process ones and the helpers are in ``tests/rollout/test_moe_engines.py``)."""
+"""The rollout engines on a tiny Qwen3-MoE policy (4 experts, top-2), fp32 on the CPU: the
+multi-process and end-to-end tests (the single-process ones are in
+``tests/rollout/test_moe_engines.py``)."""
 
 import warnings
 import pytest
 import torch
-from stapo_megatron.bridge.tiny import save_tiny_hf_model
-from tests.rollout.test_moe_engines import LOGPROB_ATOL, PROMPTS, _hf_model, moe_dir  # noqa: F401
+from tests.helpers.moe_engines import LOGPROB_ATOL, PROMPTS, _hf_model, moe_dir  # noqa: F401
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
-"""The streamed weight sync of a Qwen3-MoE policy at EP=2 (tier b), and the routing disagreement: the multi-process and end-to-end tests (the single-process ones and the helpers are in ``tests/rollout/test_moe_weight_sync.py``)."""
+"""The streamed weight sync of a Qwen3-MoE policy at EP=2 (tier b), and the routing disagreement: the
+multi-process and end-to-end tests (the single-process ones are in
+``tests/rollout/test_moe_weight_sync.py``)."""
 
 import json
-import math
 import pytest
 import torch
 from stapo_megatron.bridge import hf_shapes, spec_from_hf_config
@@ -9,8 +10,7 @@ from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
 from stapo_megatron.conversion.mcore_to_hf import convert_mcore_to_hf
 from stapo_megatron.conversion.safetensors_io import index_checkpoint, read_rows
 from tests.helpers.dist_utils import run_distributed
-from tests.rollout.test_vllm_engine import randomize
-from tests.rollout.test_moe_weight_sync import LOGPROB_ATOL, VARIANT, _ep2_worker, _tp2_worker  # noqa: F401
+from tests.helpers.moe_sync_workers import LOGPROB_ATOL, VARIANT, _ep2_worker, _tp2_worker  # noqa: F401
 
 
 @pytest.mark.slow

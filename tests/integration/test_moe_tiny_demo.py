@@ -1,12 +1,12 @@
-"""The tiny MoE recipe (``tiny_moe_demo``) and its routing-disagreement metric: the multi-process and end-to-end tests (the single-process ones and the helpers are in ``tests/trainer/test_routing.py``)."""
+"""The tiny MoE recipe (``tiny_moe_demo``) and its routing-disagreement metric: the multi-process and
+end-to-end tests (the single-process ones are in ``tests/trainer/test_routing.py``)."""
 
 import importlib.util
 import json
 import math
 import os
 import pytest
-import torch
-from tests.trainer.test_routing import ROOT  # noqa: F401
+from tests.helpers import REPO_DIR as ROOT
 
 
 @pytest.mark.slow
@@ -14,7 +14,7 @@ def test_tiny_moe_launch_runs_and_logs_routing(tmp_path):
     """Two RL steps end to end; both sides fp32, so rollout and training route every token alike
     (the router logits of the two kernels differ by ~1e-6, far below their gaps)."""
     pytest.importorskip("nemo_run")
-    from tests.integration.test_launch import nemo_run
+    from tests.helpers.launch_cli import nemo_run
 
     run_dir = tmp_path / "moe"
     code, out = nemo_run(tmp_path, "launch/stapo_tiny_moe.py", "steps=2", "warmstart.steps=2", "eval.every=0",
@@ -30,7 +30,7 @@ def test_tiny_moe_launch_runs_and_logs_routing(tmp_path):
         assert r["routing_tokens"] >= 64 * 10
         assert r["routing_disagreement_mean"] == 0.0 and r["routing_disagreement_max"] == 0.0
         assert r["routing_expert_mismatch"] == 0.0 and r["rollout_expert_load_max"] >= 1.0
-    # the README's demo-moe table (examples/demo_moe.py) reads the same rows: one line per step
+    # the demo-moe table of docs/results.md (examples/demo_moe.py) reads the same rows: one line per step
     spec = importlib.util.spec_from_file_location("demo_moe", os.path.join(ROOT, "examples", "demo_moe.py"))
     demo_moe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(demo_moe)

@@ -26,7 +26,7 @@ VALUES = ("loss", "tau_h", "entropy_mean", "approx_kl", "grad_norm", "clip_fract
 
 def _rollouts():
     """16 sequences of uneven lengths (prompt 3-8, response 2-24) with group advantages."""
-    from stapo_megatron.mcore.batching import group_advantages
+    from stapo_megatron.batch.microbatch import group_advantages
 
     gen = torch.Generator().manual_seed(7)
     prompt_lens = torch.randint(3, 9, (NUM_PROMPTS,), generator=gen).tolist()
@@ -45,12 +45,12 @@ def _rollouts():
 def _worker(tp, modes):
     from stapo_megatron.method.config import LossConfig
     from stapo_megatron.mcore.config import OptimConfig
-    from stapo_megatron.mcore.minibatches import BatchLayout, build_minibatches
+    from stapo_megatron.batch.minibatches import MicroBatchLayout, build_minibatches
     from stapo_megatron.mcore.parallel import init_parallel
-    from stapo_megatron.mcore.records import records_from_lists
+    from stapo_megatron.batch.records import records_from_lists
     from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
     from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
-    from stapo_megatron.mcore.synthetic import build_tiny_gpt, tiny_gpt_config
+    from stapo_megatron.recipes.synthetic import build_tiny_gpt, tiny_gpt_config
 
     groups = init_parallel(tp, 1)
     dp_size, dp_rank = torch.distributed.get_world_size(groups.dp), torch.distributed.get_rank(groups.dp)
@@ -64,7 +64,7 @@ def _worker(tp, modes):
         model, optimizer = wrap_model_and_optimizer(
             model, OptimConfig(optimizer="sgd", lr=0.5, weight_decay=0.0, clip_grad=0.0))
         # the trainer's builder: "budget" moves sequences between the DP ranks, the others do not
-        (mbs,), _ = build_minibatches(mine, BatchLayout(mode, micro_batch_size=2, max_tokens=BUDGET, seq_multiple=tp),
+        (mbs,), _ = build_minibatches(mine, MicroBatchLayout(mode, micro_batch_size=2, max_tokens=BUDGET, seq_multiple=tp),
                                       microbatch_seed=lambda first, rank: 3, dp_group=groups.dp)
         ctx = PassContext(model, max(mb.tokens.shape[1] for mb in mbs), groups=groups)
         old_policy_pass(ctx, [mbs])
@@ -128,11 +128,11 @@ def test_dp2_and_tp2_agree_with_dp1(dp1, tp):
 
 
 def _pp_worker():
-    from stapo_megatron.mcore.packing import pack_thd
+    from stapo_megatron.batch.packing import pack_thd
     from stapo_megatron.mcore.parallel import init_parallel
-    from stapo_megatron.mcore.records import record
+    from stapo_megatron.batch.records import record
     from stapo_megatron.mcore.schedule import PassContext, compute_logprob_entropy
-    from stapo_megatron.mcore.synthetic import build_tiny_gpt, tiny_gpt_config
+    from stapo_megatron.recipes.synthetic import build_tiny_gpt, tiny_gpt_config
 
     groups = init_parallel(1, 2)
     model = build_tiny_gpt(tiny_gpt_config(1, 2), VOCAB, 64, core_attention="sdpa")

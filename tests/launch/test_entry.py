@@ -61,11 +61,11 @@ def test_entry_usage():
     assert proc.returncode != 0 and "recipe must be one of ('tiny', 'tiny_moe', 'qwen3_1p7b'" in proc.stderr
 
 
-def _readme_cpu_trial():
-    """The README's "A paper recipe on this CPU" block: (its ``CPU`` overrides, its commands)."""
+def _docs_cpu_trial():
+    """The "A paper recipe on this CPU" block of docs/launching.md: (its ``CPU`` overrides, its commands)."""
     import re
 
-    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+    with open(os.path.join(REPO, "docs", "launching.md"), encoding="utf-8") as f:
         text = f.read()
     block = re.search(r"<!-- cpu-paper-trial:begin -->\n```bash\n(.*?)```\n<!-- cpu-paper-trial:end -->",
                       text, re.S).group(1)
@@ -73,14 +73,14 @@ def _readme_cpu_trial():
     return overrides, [line for line in block.splitlines() if line and not line.startswith(("CPU=", " "))]
 
 
-def test_the_readme_cpu_trial_of_a_paper_recipe_is_a_valid_paper_config():
-    """The overrides the README gives for a paper recipe at DP=2 on the CPU pass the recipe's own
-    checks on the 1 x 2 processes of its torchrun command (the layout, the batches over DP, the
+def test_the_docs_cpu_trial_of_a_paper_recipe_is_a_valid_paper_config():
+    """The overrides docs/launching.md gives for a paper recipe at DP=2 on the CPU pass the recipe's
+    own checks on the 1 x 2 processes of its torchrun command (the layout, the batches over DP, the
     per-rank token budget), keep the recipe's bf16 and distributed optimizer, save every step and
-    resume: the new-user pass of issue 36 ran exactly these commands."""
+    resume."""
     from stapo_megatron.launch.entry import build_config
 
-    overrides, commands = _readme_cpu_trial()
+    overrides, commands = _docs_cpu_trial()
     runs = [c for c in commands if "-m stapo_megatron.launch.entry" in c]
     assert len(runs) == 2 and all("--nproc-per-node 2" in c and " qwen3_1p7b $CPU output_dir=runs/p1 " in c
                                   for c in runs)
@@ -92,3 +92,22 @@ def test_the_readme_cpu_trial_of_a_paper_recipe_is_a_valid_paper_config():
     assert (cfg.model.tensor_model_parallel_size, cfg.rollout.tensor_parallel_size) == (1, 1)
     assert cfg.data.max_prompt_len + cfg.rollout.max_response_len <= 512  # the tiny model's positions
     assert any(c.startswith("stapo-eval runs/p1 ") for c in commands)
+
+
+def test_a_layout_the_config_refuses_names_every_problem_of_the_recipe():
+    """TP=3 on Qwen3-14B: `TrainerConfig` refuses the token budget TP=3 changes (its first layout
+    problem); the recipe's check names the 40 heads and 8 KV heads too, and every other problem."""
+    from stapo_megatron.launch.entry import build_config
+
+    with pytest.raises(ValueError) as refused:
+        build_config("qwen3_14b", model={"tensor_model_parallel_size": 3})
+    problems = str(refused.value).split("\n  - ")
+    assert problems[0] == "recipe qwen3_14b cannot run:"
+    assert problems[1:3] == ["num_attention_heads 40 is not divisible by tensor_model_parallel_size 3",
+                             "num_query_groups 8 is not divisible by tensor_model_parallel_size 3"]
+    assert problems[3].startswith("max_tokens_per_microbatch 4096 < the longest sequence")
+    assert "64 GPUs are not divisible by TP 3 x PP 1 x CP 4" in problems
+    assert "data.train_path is not set (DAPO-Math-17k, parquet or JSONL)" in problems
+    # a refusal that is not a layout problem stays the one message
+    with pytest.raises(ValueError, match=r"^TrainerConfig.micro_batch_size must be >= 1, got 0$"):
+        build_config("qwen3_14b", micro_batch_size=0, model={"tensor_model_parallel_size": 3})

@@ -12,9 +12,7 @@ import subprocess
 import pytest
 
 from stapo_megatron.launch import requeue
-
-SAVE = 'mkdir -p "$RUN/checkpoints/step_00000020" && echo step_00000020 > "$RUN/checkpoints/latest"; '
-"""What a save does to the run folder (mcore/checkpoint.py's layout)."""
+from tests.helpers.launch_cli import SAVE
 
 
 def run_attempt(tmp_path, training: str, restart_count: int = 0, retries: int = 3, nemo_run: bool = False):
@@ -90,14 +88,5 @@ def test_mark_stopped_writes_the_step(tmp_path):
     path = requeue.mark_stopped(str(tmp_path), 20)
     assert path == str(tmp_path / requeue.STOPPED_MARKER) and open(path).read() == "20\n"
     assert sorted(os.listdir(tmp_path)) == [requeue.STOPPED_MARKER]
-
-
-FAKE_SLURM = {
-    # the rendered script asks scontrol for the node list and srun for the head node's address;
-    # the job's own srun runs the "training" of FAKE_TRAINING
-    "scontrol": '#!/bin/bash\nif [ "$1" = show ]; then echo node1; else echo "$@" >> "$CALLS"; fi\n',
-    "srun": '#!/bin/bash\nfor a in "$@"; do [ "$a" = hostname ] && { echo 127.0.0.1; exit 0; }; done\n'
-            'bash -c "$FAKE_TRAINING"\n',
-}
 
 

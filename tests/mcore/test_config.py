@@ -6,7 +6,12 @@ import dataclasses
 import pytest
 import yaml
 
-from stapo_megatron.config import DataConfig, EvalConfig, ModelConfig, RewardConfig, RolloutSampling, TrainerConfig
+from stapo_megatron.config import TrainerConfig
+from stapo_megatron.data.config import DataConfig
+from stapo_megatron.eval.config import EvalConfig
+from stapo_megatron.mcore.config import ModelConfig
+from stapo_megatron.rewards.config import RewardConfig
+from stapo_megatron.rollout.config import RolloutSampling
 from stapo_megatron.launch.entry import build_config
 from stapo_megatron.method.config import LossConfig
 from stapo_megatron.mcore.config import OptimConfig

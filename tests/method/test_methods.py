@@ -8,7 +8,7 @@ from stapo_megatron.launch.entry import build_config
 from stapo_megatron.method.config import LossConfig
 from stapo_megatron.mcore.loss import loss_func, minibatch_threshold
 from stapo_megatron.recipes import paper
-from tests.mcore.test_loss import _spiky_batch
+from tests.helpers.spiky_batch import _spiky_batch
 
 
 def test_registry_names_and_statistics():

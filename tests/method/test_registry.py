@@ -13,8 +13,8 @@ from stapo_megatron.launch.entry import build_config
 from stapo_megatron.method import registry
 from stapo_megatron.method.config import LossConfig, method_loss_config
 from stapo_megatron.mcore.loss import loss_func, minibatch_threshold
-from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
-from tests.mcore.test_loss import _spiky_batch
+from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy
+from tests.helpers.spiky_batch import _spiky_batch
 
 PLUGIN = "tests.helpers.user_method_plugin"
 """The user's module (tests/helpers/user_method_plugin.py)."""

@@ -18,10 +18,10 @@ from stapo_megatron.method import rollout_correction as rc
 from stapo_megatron.method.config import LossConfig, method_loss_config
 from stapo_megatron.method.registry import METHODS, get_method
 from stapo_megatron.runlog.metrics import RunLogger, summarize_silenced
-from stapo_megatron.mcore.batching import MicroBatch
+from stapo_megatron.batch.microbatch import MicroBatch
 from stapo_megatron.mcore.loss import loss_func, minibatch_threshold
 from stapo_megatron.mcore.loss_metrics import METRIC_SUMS
-from stapo_megatron.mcore.ops import vocab_parallel_logprob_entropy
+from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy
 
 FP32_TOL = 1e-5
 """fp32 op and fp32 loss vs the float64 reference over a 64-entry vocabulary."""
@@ -140,10 +140,10 @@ def test_tis_by_hand():
     weight, rejected = rc.correction(rc.RolloutCorrectionConfig("tis", tis_cap=2.0), old, rollout, mask)
     torch.testing.assert_close(weight, torch.tensor([[2.0, 1.0, 0.5, 2.0]]))
     assert not rejected.any()
-    from stapo_megatron.method.objective import stapo_loss
+    from stapo_megatron.method.objective import policy_loss
 
     adv = torch.tensor([[1.0, 1.0, 1.0, -1.0]])
-    loss_sum, count = stapo_loss(old, old, adv, mask, torch.zeros_like(mask), is_weight=weight)
+    loss_sum, count = policy_loss(old, old, adv, mask, torch.zeros_like(mask), is_weight=weight)
     assert loss_sum.item() == pytest.approx(-(2 + 1 + 0.5 - 2)) and count.item() == 4  # the count is not weighted
 
 
@@ -265,7 +265,7 @@ def test_correction_without_rollout_logprobs_is_refused():
 def test_sequence_mask_and_metrics_on_a_packed_row_equal_the_padded_rows():
     """seq_mask and the sequence counts read a packed row's sequences (``sequence_ids``), not the
     row: three sequences packed into one row give what their three padded rows give."""
-    from stapo_megatron.mcore.packing import sequence_ids
+    from stapo_megatron.batch.packing import sequence_ids
 
     gen = torch.Generator().manual_seed(3)
     lengths, S = [5, 7, 4], 8

@@ -3,8 +3,9 @@ each naming the field and its value."""
 
 import pytest
 
-from stapo_megatron.config import ModelConfig, TrainerConfig
-from stapo_megatron.config.layout import world_problems
+from stapo_megatron.config import TrainerConfig
+from stapo_megatron.mcore.config import ModelConfig
+from stapo_megatron.config.parallel_layout import world_problems
 from stapo_megatron.rollout.config import RolloutSampling
 
 

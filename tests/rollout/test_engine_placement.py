@@ -5,7 +5,7 @@ kernels have their weights reprocessed after a sync."""
 
 import pytest
 
-from stapo_megatron.rollout.bridge import Bridge
+from stapo_megatron.rollout.transport import Transport
 from stapo_megatron.rollout.config import RolloutConfig
 from stapo_megatron.rollout.vllm_engine import engine_kwargs, reprocessed_after_reload
 from stapo_megatron.trainer.engine_server import engine_pool_env
@@ -32,8 +32,8 @@ def test_an_engine_without_torch_distributed_uses_vllms_own_executor():
     (13, 8, 8, dict(RANK="5", WORLD_SIZE="8")),
 ])
 def test_an_engine_rank_is_numbered_in_the_engines_group(rank, trainers, engine_ranks, expected):
-    bridge = Bridge(rank=rank, trainers=trainers, engine_ranks=engine_ranks, engine_tp=1, data=None)
-    assert engine_pool_env(bridge) == expected
+    transport = Transport(rank=rank, trainers=trainers, engine_ranks=engine_ranks, engine_tp=1, data=None)
+    assert engine_pool_env(transport) == expected
 
 
 def test_only_experts_that_prepack_at_load_are_reprocessed_after_a_sync():

@@ -10,13 +10,12 @@ different kernels (HF's SDPA attention and RMSNorm vs Megatron's local spec); on
 or swapped gate/up moves log-probs by O(0.1 - 1).
 """
 
-
 import pytest
 import torch
 
 from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
 from tests.helpers.dist_utils import one_rank_parallel
-from tests.rollout.test_vllm_engine import fixed_sequences, megatron_logprobs, randomize, recompute_samples
+from tests.helpers.engine_parity import fixed_sequences, hf_logprobs, megatron_logprobs, randomize, recompute_samples
 
 LOGPROB_ATOL = 1e-4
 """See the module docstring."""
@@ -24,13 +23,6 @@ LOGPROB_ATOL = 1e-4
 VARIANT = "qwen3"
 TEMPERATURE = 0.7
 PROMPTS = [[5, 17, 200, 3], [42] * 6, [1, 2, 3, 4, 5, 6, 7, 8, 9]]
-
-
-def hf_logprobs(engine, tokens_BS: torch.Tensor) -> torch.Tensor:
-    """The engine model's untempered log-prob of every token given its prefix, ``[B, S-1]``."""
-    with torch.no_grad():
-        logits_BSV = engine.model(tokens_BS.to(engine.device)).logits.float().cpu()
-    return torch.log_softmax(logits_BSV[:, :-1], -1).gather(-1, tokens_BS[:, 1:, None])[..., 0]
 
 
 @pytest.fixture(scope="module")
@@ -136,15 +128,3 @@ def test_update_weights_rejects_unknown_and_incomplete_streams(synced):
         engine.update_weights([(name, torch.zeros(3))])
     with pytest.raises(ValueError, match="did not provide"):
         engine.update_weights([(name, params[name].detach().clone())])
-
-
-def test_engine_choice():
-    from stapo_megatron.rollout.config import RolloutConfig
-    from stapo_megatron.rollout.registry import build_engine, resolve_engine
-
-    assert resolve_engine("hf") == "hf" and resolve_engine("vllm") == "vllm"
-    assert resolve_engine("auto") in ("vllm", "hf")
-    with pytest.raises(ValueError, match="rollout engine must be one of"):
-        resolve_engine("sglang")
-    with pytest.raises(FileNotFoundError, match="config.json"):
-        build_engine("hf", "/nonexistent", RolloutConfig())

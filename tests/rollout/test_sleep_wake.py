@@ -9,14 +9,9 @@ must hold Megatron's after the sync. What sleep level 2 and the late KV-cache wa
 """
 
 import pytest
-import torch
 
-from stapo_megatron.bridge.tiny import tiny_config
 from stapo_megatron.rollout.config import RolloutConfig
 from stapo_megatron.rollout.vllm_engine import engine_kwargs
-from tests.helpers.dist_utils import single_process_env
-from tests.rollout.test_vllm_engine import (ENGINE_KW, LOGPROB_ATOL, VARIANT, fixed_sequences, hf_dir,  # noqa: F401
-                                       megatron_logprobs, randomize, vllm_prompt_logprobs)
 
 
 def test_cuda_graphs_on_gpus_eager_on_cpu():
@@ -35,27 +30,10 @@ def test_cuda_graphs_on_gpus_eager_on_cpu():
 def test_trainer_engine_config_sleeps_at_level_2_from_dummy_weights():
     """The trainer's engine: sleep level 2 and dummy weights (its first sync precedes any
     generate), CUDA graphs unless `RolloutSampling.enforce_eager` says otherwise."""
-    from stapo_megatron.config import RolloutSampling
+    from stapo_megatron.rollout.config import RolloutSampling
 
     sampling = RolloutSampling()
     engine = sampling.engine_config(sleep_level=2, load_format="dummy", enforce_eager=sampling.enforce_eager)
     gpu = engine_kwargs(engine, on_gpu=True, world_size=2, has_tokenizer=True)
     assert (gpu["load_format"], gpu["enforce_eager"], engine.sleep_level) == ("dummy", False, 2)
-
-
-class RecordingEngine:
-    """A real engine, with the names of the RolloutEngine calls made on it recorded in order."""
-
-    def __init__(self, engine):
-        self.engine, self.calls = engine, []
-
-    def __getattr__(self, name):
-        method = getattr(self.engine, name)
-
-        def recorded(*args, **kwargs):
-            self.calls.append((name, tuple(kwargs.get("tags") or ())))
-            return method(*args, **kwargs)
-
-        return recorded
-
 

@@ -33,34 +33,34 @@ def _rss_mib() -> float:
 def _transfer(port: int) -> dict:
     import os
 
-    from stapo_megatron.rollout.bridge import broadcast_object, connect
+    from stapo_megatron.rollout.transport import broadcast_object, connect
     from stapo_megatron.rollout.remote import RemoteEngine
     from stapo_megatron.rollout.weight_receive import receive_weights
 
     rank = int(os.environ["RANK"])
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)
-    bridge = connect(store, rank, 2, 1, 1, samples_timeout_s=120)
+    transport = connect(store, rank, 2, 1, 1, samples_timeout_s=120)
     sent = _tensors()
     if rank == 0:
         for _ in range(2):
-            RemoteEngine(bridge, True, 120, BUCKET_MB).update_weights(iter(sent))
+            RemoteEngine(transport, True, 120, BUCKET_MB).update_weights(iter(sent))
         return {}
     cpu = torch.device("cpu")
     loaded = {name: torch.zeros(TENSOR_FLOATS) for name, _ in sent}  # the engine's parameters
-    assert broadcast_object(bridge.control)[0] == "weights"
+    assert broadcast_object(transport.control)[0] == "weights"
     names, before = [], _rss_mib()
     open("/proc/self/clear_refs", "w").write("5")  # the peak from here on
-    for name, tensor in receive_weights(bridge, cpu):  # as an engine's load_weights takes them
+    for name, tensor in receive_weights(transport, cpu):  # as an engine's load_weights takes them
         loaded[name].copy_(tensor)
         names.append(name)
     streamed_peak = _peak_rss_mib() - before
     streamed_equal = names == [n for n, _ in sent] and all(torch.equal(loaded[n], t) for n, t in sent)
     for t in loaded.values():
         t.zero_()
-    assert broadcast_object(bridge.control)[0] == "weights"
+    assert broadcast_object(transport.control)[0] == "weights"
     before = _rss_mib()
     open("/proc/self/clear_refs", "w").write("5")
-    whole = list(receive_weights(bridge, cpu))  # every bucket received before the first load
+    whole = list(receive_weights(transport, cpu))  # every bucket received before the first load
     for name, tensor in whole:
         loaded[name].copy_(tensor)
     return dict(streamed_peak=streamed_peak, streamed_equal=streamed_equal, whole_peak=_peak_rss_mib() - before,

@@ -7,51 +7,10 @@ in-memory TP all-gathers and PP broadcasts. The match must be bit-exact (both on
 slice fp32 values). Variants: Qwen3 (q/k norm, untied) and Qwen2.5 (qkv bias, tied, GQA 4:1).
 """
 
-import json
-import os
-
-import pytest
 import torch
 
-from stapo_megatron.conversion.mcore_to_hf import convert_mcore_to_hf
-from stapo_megatron.conversion.safetensors_io import index_checkpoint, read_rows
 from stapo_megatron.bridge import hf_shapes, spec_from_hf_config
 from stapo_megatron.bridge.tiny import tiny_config
-from tests.helpers.dist_utils import run_distributed
-
-VARIANTS = ("qwen3", "qwen2.5")
-
-
-def _stream_worker(save_root: str) -> dict:
-    """Every variant on this rank: Megatron save, then the streamed HF tensors."""
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    from stapo_megatron.bridge import build_gpt_model
-    from stapo_megatron.mcore.parallel import init_parallel
-    from stapo_megatron.rollout.weight_sync import iter_hf_weights
-    from tests.rollout.test_vllm_engine import randomize
-
-    groups = init_parallel(2, 2)
-    out = {}
-    for variant in VARIANTS:
-        model = build_gpt_model(tiny_config(variant), params_dtype=torch.float32)
-        randomize(model, seed=11)
-        path = os.path.join(save_root, variant)
-        if dist.get_rank() == 0:
-            os.makedirs(path)
-        dist.barrier()
-        dist_checkpointing.save(model.sharded_state_dict(), path)
-        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
-        out[variant] = [(name, t.clone()) for name, t in iter_hf_weights(ddp, tiny_config(variant), groups)]
-    return out
-
-
-@pytest.fixture(scope="module")
-def streamed(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sync")
-    return root, run_distributed(4, _stream_worker, str(root / "saved"))
 
 
 def test_job_order_and_gathered_layouts():

@@ -118,29 +118,17 @@ def test_summary_without_runs_is_a_clear_error(tmp_path):
         compare.summarize(str(tmp_path), seeds=[0])
 
 
-def test_readme_block_gets_the_summary_and_the_curves(tmp_path):
+def test_results_block_gets_the_summary_and_the_curves(tmp_path):
     out = tmp_path / "runs" / "compare"
     out.mkdir(parents=True)
     (out / "curves.png").write_bytes(b"\x89PNG fake")
-    (tmp_path / "README.md").write_text("intro\n<!-- compare:begin -->\nold\n<!-- compare:end -->\nafter\n")
-    compare._to_readme(str(out), "# title\n\n| method | gain |\n| stapo | +0.1 |", root=str(tmp_path))
-    readme = (tmp_path / "README.md").read_text()
-    assert "old" not in readme and "| stapo | +0.1 |" in readme and readme.endswith("after\n")
-    assert "at commit unknown" in readme and "(runs/compare/summary.md)" in readme
-    assert f"]({compare.README_FIGURE})" in readme
-    assert (tmp_path / compare.README_FIGURE).read_bytes() == b"\x89PNG fake"
+    (tmp_path / "docs").mkdir()
+    page = tmp_path / "docs" / "results.md"
+    page.write_text("intro\n<!-- compare:begin -->\nold\n<!-- compare:end -->\nafter\n")
+    compare._to_results(str(out), "# title\n\n| method | gain |\n| stapo | +0.1 |", root=str(tmp_path))
+    text = page.read_text()
+    assert "old" not in text and "| stapo | +0.1 |" in text and text.endswith("after\n")
+    assert "at commit unknown" in text and "(runs/compare/summary.md)" in text
+    assert "](figures/compare_curves.png)" in text  # relative to the page's folder
+    assert (tmp_path / compare.RESULTS_FIGURE).read_bytes() == b"\x89PNG fake"
 
-
-def test_runs_commit_reads_the_runs_provenance(tmp_path):
-    import json
-
-    from stapo_megatron.runlog.report import runs_commit
-
-    for name, git in [("a", {"commit": "a640050" + "0" * 33, "dirty": False}),
-                      ("b", {"commit": "a640050" + "0" * 33, "dirty": False}),
-                      ("c", {"commit": "b123456" + "0" * 33, "dirty": True})]:
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "provenance.json").write_text(json.dumps({"git": git}))
-    assert runs_commit([tmp_path / "a", tmp_path / "b"]) == "a640050"
-    assert runs_commit([tmp_path / n for n in "abc"]) == "a640050, b123456 (dirty)"
-    assert runs_commit([tmp_path / "missing"]) == "unknown"

@@ -70,7 +70,7 @@ def test_run_plot_is_redrawn_at_every_eval(tmp_path):
 
 def _grad_norm_run(path):
     """One train step with a gradient grid (two occupied cells) and two silenced tokens."""
-    from stapo_megatron.mcore import logit_grad
+    from stapo_megatron.ops import logit_grad
 
     num_h = logit_grad.GRID_ENTROPY[2]
     sums, counts = [0.0] * logit_grad.GRID_CELLS, [0.0] * logit_grad.GRID_CELLS

@@ -14,7 +14,8 @@ import struct
 
 import pytest
 
-from stapo_megatron.config import LoggingConfig, TrainerConfig
+from stapo_megatron.config import TrainerConfig
+from stapo_megatron.runlog.config import LoggingConfig
 from stapo_megatron.runlog.metrics import RunLogger
 from stapo_megatron.config.overrides import apply_overrides
 from stapo_megatron.runlog.tracking import read_run_ids

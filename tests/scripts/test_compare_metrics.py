@@ -1,15 +1,9 @@
 """Tier a: scripts/compare_metrics.py, the same-maths check of two runs' metrics.jsonl."""
 
-import importlib.util
 import json
 import math
-import os
-from tests.helpers import TESTS_DIR
 
-HERE = TESTS_DIR
-_spec = importlib.util.spec_from_file_location("compare_metrics", os.path.join(HERE, "..", "scripts", "compare_metrics.py"))
-compare_metrics = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(compare_metrics)
+from tests.helpers.repo_scripts import compare_metrics
 
 
 def _write(path, rows):

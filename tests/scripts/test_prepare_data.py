@@ -142,8 +142,10 @@ def test_eval_sets_stand_in_for_the_held_out_file(tmp_path):
     hf = tmp_path / "hf"
     save_tiny_hf_model(str(hf), "qwen3")
     cfg.data.use_chat_template = False  # the tiny tokenizer has none
-    (train_ids, train_examples), (held_ids, held_examples) = load_prompts(cfg, AutoTokenizer.from_pretrained(hf))
+    tokenizer = AutoTokenizer.from_pretrained(hf)
+    (train_ids, train_examples), (held_ids, held_examples) = load_prompts(cfg.data, tokenizer, cfg.seed,
+                                                                          bool(cfg.eval.sets))
     assert len(train_ids) == 4 and held_ids == [] and held_examples == []
     cfg.eval.sets = []
     with pytest.raises(ValueError, match="or name the evaluation sets in eval.sets"):
-        load_prompts(cfg, AutoTokenizer.from_pretrained(hf))
+        load_prompts(cfg.data, tokenizer, cfg.seed, bool(cfg.eval.sets))

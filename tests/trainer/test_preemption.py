@@ -6,19 +6,10 @@ a wall-clock moment."""
 
 import os
 import signal
-import subprocess
-import sys
-import tempfile
-import time
 
 import pytest
 
-from stapo_megatron.mcore import checkpoint as ckpt
-from stapo_megatron.trainer.preemption import REQUEUE_EXIT_CODE, SaveOnSignal, torchrun_env
-from tests.mcore.test_checkpoint_resume import SCRIPT, STEPS, _rows, _run
-
-WAIT_LIMIT_S = 300.0
-"""Upper bound on waiting for the run to reach its waiting point (a hang guard, not a timing)."""
+from stapo_megatron.trainer.preemption import SaveOnSignal
 
 
 def test_handler_records_the_signal_and_restores_the_previous_one():

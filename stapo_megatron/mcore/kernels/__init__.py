@@ -1,1 +1,0 @@
-"""Triton kernels behind ``stapo_megatron.mcore.ops`` (imported only when a Triton path is chosen)."""

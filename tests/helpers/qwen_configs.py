@@ -1,0 +1,20 @@
+"""Published Qwen config.json files, as the bridge's tests read them."""
+
+# A Qwen2.5-7B-Instruct config.json as published (transformers-4 spelling: rope_theta, torch_dtype).
+QWEN25_7B = {
+    "architectures": ["Qwen2ForCausalLM"], "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02,
+    "intermediate_size": 18944, "max_position_embeddings": 32768, "max_window_layers": 28, "model_type": "qwen2",
+    "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "use_cache": True, "use_sliding_window": False, "vocab_size": 152064, "rope_scaling": None,
+}
+
+
+# Qwen3-14B-Base in transformers-5 spelling (rope_parameters), head_dim explicit.
+QWEN3_14B = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 5120, "initializer_range": 0.02, "intermediate_size": 17408, "max_position_embeddings": 32768,
+    "model_type": "qwen3", "num_attention_heads": 40, "num_hidden_layers": 40, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06, "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+    "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 151936,
+}
