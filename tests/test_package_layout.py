@@ -191,7 +191,6 @@ imports the module or names of it, itself or through the ``tests/helpers/`` modu
 workers). Everything else has its test file of that name."""
 TESTED_THROUGH = {
     "stapo_megatron.bridge.norm": ("tests/bridge/test_model.py", "stapo_megatron.bridge.model"),
-    "stapo_megatron.doctor.engine": ("tests/integration/test_doctor.py", "stapo_megatron.doctor.cli"),
     "stapo_megatron.launch.jobs": ("tests/integration/test_launch.py", "stapo_megatron.launch.cli"),
     "stapo_megatron.mcore.checkpoint_optimizer": ("tests/integration/test_checkpoint_recipes.py",
                                                   "stapo_megatron.mcore.checkpoint"),

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from stapo_megatron.doctor import report
 from stapo_megatron.doctor.report import Check
 
-CHECKS = ("versions", "collectives", "logprob_op", "attention", "te_spec", "vllm", "stapo_steps")
+CHECKS = ("versions", "collectives", "logprob_op", "attention", "te_spec", "vllm", "engine_start", "stapo_steps")
 """The check names ``--only`` and ``--skip`` take (``vllm`` is the engine's rows together)."""
 
 
@@ -68,6 +68,8 @@ def run_local(names: Sequence[str], moe: bool = False) -> List[Check]:
                     rows.append(report.run_check(f"te_spec_{variant}", lambda v=variant: kernels.check_te_spec(v)))
             if "vllm" in names:
                 rows += engine.engine_checks(groups, moe=moe)
+    if "engine_start" in names:
+        rows.append(report.run_check("engine_start", engine.check_engine_start))
     if "stapo_steps" in names:
         rows.append(report.run_check("stapo_steps", steps.check_stapo_steps))
     return rows

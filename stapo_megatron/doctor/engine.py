@@ -177,3 +177,25 @@ def engine_checks(groups, moe: bool = False) -> List[Check]:
             state["engine"].shutdown()
     reason = f"skipped: {rows[-1].name} failed"
     return rows + [skipped(n, reason) for n in names[len(rows):]]
+
+
+def check_engine_start() -> Check:
+    """Whether every paper recipe's engine can start on this card (its total memory; the 80 GiB
+    card the memory model assumes on a CPU machine): vLLM's free-memory requirement at its start
+    beside the trainer's model and optimizer, and a separate engine's weight buckets beside its
+    share (`stapo_megatron.recipes.engine_memory.engine_start_problems`)."""
+    from stapo_megatron.recipes import paper
+    from stapo_megatron.recipes.engine_memory import engine_start_problems
+    from stapo_megatron.recipes.memory import GB, GPU_TOTAL_BYTES
+
+    on_gpu = torch.cuda.is_available()
+    card = torch.cuda.mem_get_info()[1] if on_gpu else GPU_TOTAL_BYTES
+    where = f"this card's {card / GB:.1f} GB" if on_gpu else f"the model's {card / GB:.1f} GB card (no GPU here)"
+    problems = {size: engine_start_problems(paper.ARCHITECTURES[size], layout, gpu_bytes=card)
+                for size, layout in paper.LAYOUTS.items()}
+    bad = {size: p for size, p in problems.items() if p}
+    if bad:
+        return failed("engine_start", f"on {where}: " + "; ".join(f"{size}: {p[0]}" for size, p in bad.items()),
+                      card_bytes=card)
+    return passed("engine_start", f"every paper recipe's engine starts on {where} ({len(problems)} layouts)",
+                  card_bytes=card)

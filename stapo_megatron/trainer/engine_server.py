@@ -2,15 +2,19 @@
 would build (`engine_config`), then execute trainer 0's commands in their order (`serve`).
 
 Two threads. The listener takes every command off ``Transport.control`` as soon as trainer 0 sends
-it, and for a weight transfer receives the buckets (staged, whole, in this process: the engine
-keeps generating with the old weights meanwhile, and trainer 0 waits only for the bytes to
-travel). The main thread executes the commands in order:
+it (so that a stop is seen while requests are still queued); at a weight transfer it hands the
+transfer over and waits until the main thread has received its buckets, which follow on
+``control`` and ``Transport.weights``. The main thread, the one vLLM runs on, executes the
+commands in order:
 
-* ``("weights", version, tensors)``: load them into the engine (between two requests);
+* ``("weights", transfer)``: receive the weights and load them into the engine (between two
+  requests), streamed bucket by bucket, at most two on the engine's GPU
+  (`stapo_megatron.rollout.weight_receive`); trainer 0's transfer waits until the engine gets
+  there;
 * ``("generate", ticket, jobs, sampling)``: generate this engine's slices of the request
   (`stapo_megatron.rollout.remote.plan_chunks`) and post each to the rank that asked, without
   waiting for it to take them; each reply's header carries the seconds spent generating, idle
-  (waiting for a command) and loading weights since the last reply;
+  (waiting for a command) and receiving and loading weights since the last reply;
 * ``("partial", ticket, jobs, sampling)``: partial rollouts (`stapo_megatron.trainer.partial`):
   the step's prompts go into the asker's pool, whose first finished groups are posted back;
 * ``("stop",)``: return (what is still queued is dropped: the trainers are done or stopping).
@@ -32,10 +36,10 @@ import torch
 import torch.distributed as dist
 
 from stapo_megatron.config import TrainerConfig
-from stapo_megatron.rollout.transport import Transport, Outbox, broadcast_object, broadcast_tensor
+from stapo_megatron.rollout.transport import Transport, Outbox, broadcast_object
 from stapo_megatron.rollout.config import RolloutConfig, RolloutSampling
-from stapo_megatron.rollout.registry import build_engine
-from stapo_megatron.rollout.remote import bucket_bytes, unpack_bucket
+from stapo_megatron.rollout.registry import build_engine, resolve_engine
+from stapo_megatron.rollout.weight_receive import receive_weights
 from stapo_megatron.trainer.partial import PartialPool
 from stapo_megatron.trainer.prompts import pad_to
 
@@ -80,16 +84,23 @@ def run_engine_rank(cfg: TrainerConfig, transport: Transport) -> int:
             dist.destroy_process_group()
 
 
+def engine_pool_env(transport: Transport) -> dict:
+    """torchrun's ``RANK`` and ``WORLD_SIZE`` as the engines' own group numbers them, one engine
+    rank too: vLLM's external launcher reads them from the environment (and forms its TP groups
+    from them) next to the already formed default group, which is the engines' alone; its GPU
+    is ``LOCAL_RANK``'s, as torchrun set it (`stapo_megatron.rollout.vllm_engine.engine_kwargs`)."""
+    return dict(RANK=str(transport.rank - transport.trainers), WORLD_SIZE=str(transport.engine_ranks))
+
+
 @contextlib.contextmanager
-def _engine_pool_env(transport: Transport) -> Iterator[None]:
-    """torchrun's ``RANK`` and ``WORLD_SIZE`` as the engines' own group numbers them while the
-    engine is built: vLLM's external launcher reads them from the environment (and forms its TP
-    groups from them) next to the already formed default group, which is the engines' alone."""
-    if transport.engine_ranks == 1:  # one engine process: vLLM's own executor, no launcher to inform
+def _engine_pool_env(transport: Transport, engine: str) -> Iterator[None]:
+    """`engine_pool_env` in the environment while a vLLM engine is built (the HF engine forms
+    no groups: nothing to renumber)."""
+    if resolve_engine(engine) != "vllm":
         yield
         return
     saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
-    os.environ.update(RANK=str(transport.rank - transport.trainers), WORLD_SIZE=str(transport.engine_ranks))
+    os.environ.update(engine_pool_env(transport))
     try:
         yield
     finally:
@@ -100,24 +111,16 @@ def _engine_pool_env(transport: Transport) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def _listen(transport: Transport, inbox: "queue.Queue[Any]", stopping: threading.Event,
-            device: torch.device = torch.device("cpu")) -> None:
-    """The listener thread (module docstring), receiving weights onto ``device`` (the engine's
-    GPU: the current CUDA device is per thread, so it is set here again); an exception is handed
-    to the main thread."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+def _listen(transport: Transport, inbox: "queue.Queue[Any]", stopping: threading.Event) -> None:
+    """The listener thread (module docstring); an exception is handed to the main thread."""
     try:
         while True:
             command = broadcast_object(transport.control)
             if command[0] == "weights":
-                tensors = []
-                while (manifest := broadcast_object(transport.control)) is not None:
-                    flat = torch.empty(bucket_bytes(manifest), dtype=torch.uint8, device=device)
-                    tensors += unpack_bucket(manifest, broadcast_tensor(transport.weights, flat))
-                if device.type == "cuda":  # NCCL's wait orders streams only: the bytes must be there
-                    torch.cuda.current_stream().synchronize()  # before the main thread loads them
-                command = ("weights", command[1], tensors)
+                received = threading.Event()
+                inbox.put(("weights", command[1], received))
+                received.wait()  # the buckets follow on control: the main thread's to take
+                continue
             if command[0] == "stop":
                 stopping.set()
             inbox.put(command)
@@ -127,6 +130,18 @@ def _listen(transport: Transport, inbox: "queue.Queue[Any]", stopping: threading
         inbox.put(error)
 
 
+def load_transfer(engine, transport: Transport, received: threading.Event, device: torch.device) -> None:
+    """Receive a weight transfer's buckets onto ``device`` and stream them into ``engine``;
+    ``received`` tells the listener the groups are its own again."""
+    try:
+        weights = receive_weights(transport, device)
+        engine.update_weights(weights)
+        for _ in weights:  # what the engine did not ask for: off the groups, in step with trainer 0
+            pass
+    finally:
+        received.set()
+
+
 def serve(cfg: TrainerConfig, transport: Transport, seed: int, return_routes: bool) -> int:
     """Run this engine rank until trainer 0 says stop; returns the requests it served.
 
@@ -134,14 +149,13 @@ def serve(cfg: TrainerConfig, transport: Transport, seed: int, return_routes: bo
         RuntimeError: trainer 0's commands stopped arriving (it died: the message says so) or
             the engine failed.
     """
-    with _engine_pool_env(transport):
+    with _engine_pool_env(transport, cfg.rollout.engine):
         engine = build_engine(cfg.rollout.engine, cfg.model.hf_dir, engine_config(
             cfg.rollout, seed, return_routes, cfg.longest_sequence(), cfg.model.bf16))
     inbox: "queue.Queue[Any]" = queue.Queue()
     stopping = threading.Event()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    threading.Thread(target=_listen, args=(transport, inbox, stopping, device), name="engine-listener",
-                     daemon=True).start()
+    threading.Thread(target=_listen, args=(transport, inbox, stopping), name="engine-listener", daemon=True).start()
     outbox = Outbox(transport.data)
     idle = load = 0.0
     served = version = 0
@@ -158,8 +172,8 @@ def serve(cfg: TrainerConfig, transport: Transport, seed: int, return_routes: bo
                 return served
             if command[0] == "weights":
                 started = time.perf_counter()
-                version = command[1]
-                engine.update_weights(iter(command[2]))
+                _, version, received = command
+                load_transfer(engine, transport, received, device)
                 load += time.perf_counter() - started
                 continue
             kind, ticket, jobs, sampling = command

@@ -3,6 +3,8 @@ binding of vLLM's workers, and the refusals of ``--tensor-parallel-size`` where 
 HF engine, a TP that does not divide the heads, a process inside torch.distributed). The TP=2 run
 itself: tests/integration/test_eval_engine.py."""
 
+import os
+
 import pytest
 import torch.distributed as dist
 
@@ -63,3 +65,15 @@ def test_stapo_eval_refuses_tp_with_the_hf_engine_before_any_work(tmp_path, tiny
     assert code == 2
     assert "stapo-eval: error: --tensor-parallel-size 2 needs the vLLM engine" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_worker_processes_are_spawned_before_cuda_is_asked_for(tiny_hf, monkeypatch):
+    """vLLM forks its workers unless CUDA is initialised, and ``torch.cuda.is_available()`` alone
+    initialises the driver: forked workers then cannot use CUDA. The engine asks for spawn as its
+    first step, so it is in place even when it stops at its first check (the heads)."""
+    for name in engine.WORKER_START_METHOD:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="does not divide the 4 attention heads"):
+        engine.build_eval_engine("vllm", tiny_hf, RolloutConfig(tensor_parallel_size=3))
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    assert os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"

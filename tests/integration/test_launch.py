@@ -187,7 +187,8 @@ LAYOUT_LINES = {
                r"recompute full; vLLM TP=4 at 0\.4 of the card;",
     # separate placement: both pools
     "8b_async": r"# 4 x 8 GPUs, separate placement: 16 train \(TP=4 PP=1 CP=2 DP=2; 16384-token sequences, recompute "
-                r"none; [\d.]+ GB of 80 GB\), 16 generate \(4 vLLM engines of TP=4 at 0\.85 of the card: KV cache for "
+                r"none; [\d.]+ GB of 80 GB\), 16 generate \(4 vLLM engines of TP=4 at 0\.85 of the card, 2\.5 GB of "
+                r"weight buckets beside it: KV cache for "
                 r"\d+ tokens per GPU\)",
 }
 
