@@ -10,6 +10,9 @@ round the groups whose G responses have all finished (EOS, or ``max_response_len
 counted in admission order; once P are, the step stops waiting: the first P are returned and the
 rest stay, to be continued by the next step's rounds with the weights the engine holds then.
 Every token keeps the policy version that sampled it (`stapo_megatron.rollout.base.Sample.versions`).
+A continued response's text is the engine's ``detokenize`` of all its tokens, never the rounds'
+texts joined: a character whose tokens straddle a round boundary (a byte-level tokenizer's
+multi-byte character) decodes only from the whole sequence, and the reward reads this text.
 
 Deterministic: rounds are counted in tokens, not time, and each call is seeded from the step's
 seed, the round and the group's place, so the same weights and seeds give the same steps.
@@ -104,15 +107,15 @@ class PartialPool:
             out = engine.generate([g.prompt + s.token_ids for g, s in part], 1, temperature, top_p, limit, seed=offset)
             offset += len(part)
             for (_, sample), (more,) in zip(part, out):
-                _extend(sample, more, version)
+                _extend(sample, more, version, engine.detokenize)
 
 
-def _extend(sample: Sample, more: Sample, version: int) -> None:
-    """Append a continuation to a response in place."""
+def _extend(sample: Sample, more: Sample, version: int, detokenize) -> None:
+    """Append a continuation to a response in place (its text decoded from all its tokens)."""
     sample.token_ids = sample.token_ids + more.token_ids
     sample.logprobs = sample.logprobs + more.logprobs
     sample.versions = (sample.versions or []) + [version] * len(more.token_ids)
-    sample.text = sample.text + more.text
+    sample.text = detokenize(sample.token_ids)
     sample.finish_reason = more.finish_reason
 
 

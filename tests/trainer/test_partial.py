@@ -96,3 +96,43 @@ def test_the_same_inputs_give_the_same_steps(engines):
 def test_stale_mask_keeps_the_tokens_of_the_bound():
     assert stale_mask([0, 0, 1, 2], oldest=1) == [False, False, True, True]
     assert stale_mask([2, 2], oldest=1) is None and stale_mask(None, oldest=1) is None
+
+
+def _byte_level_tokenizer(folder):
+    """A byte-level tokenizer (GPT-2's byte alphabet, no merges): one token per byte, so a
+    multi-byte UTF-8 character is several tokens and decodes only from all of them."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    others = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + k) for k, b in enumerate(others)}
+    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<|end|>", special=True)])  # id 256
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|end|>", "clean_up_tokenization_spaces": False}))
+
+
+def test_a_continued_response_is_scored_on_the_text_of_all_its_tokens(tmp_path):
+    """Rounds of 3 byte tokens split multi-byte characters: the text a reward reads is the
+    decode of the whole response, not the rounds' texts joined (which hold U+FFFD halves)."""
+    from transformers import AutoTokenizer
+
+    save_tiny_hf_model(str(tmp_path), "qwen3", dtype=torch.float32, seed=0)
+    _byte_level_tokenizer(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    engine = HFEngine(str(tmp_path), RolloutConfig(dtype="float32"))
+    pool, split, samples = PartialPool(), 0, []
+    window = [(p, p, PROMPTS[p]) for p in range(len(PROMPTS))]
+    for step in range(2):
+        groups = pool.step(engine, window, want=3, capacity=6, n=G, temperature=1.0, top_p=1.0, max_tokens=30,
+                           round_tokens=3, seed=7 + 100 * step, version=step)
+        samples += [s for g in groups for s in g.samples]
+    for s in samples:
+        whole = tokenizer.decode(s.token_ids, skip_special_tokens=True)
+        rounds = "".join(tokenizer.decode(s.token_ids[k:k + 3], skip_special_tokens=True)
+                         for k in range(0, len(s.token_ids), 3))
+        split += whole != rounds
+        assert s.text == whole
+    assert split >= 1  # the case the test is for: a character straddles a round boundary
