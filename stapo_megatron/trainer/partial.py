@@ -131,35 +131,43 @@ def stale_mask(versions: Optional[Sequence[int]], oldest: int) -> Optional[List[
     return [v >= oldest for v in versions]
 
 
-def partial_metrics(step: int, max_staleness: int, samples: Sequence[Sequence[Sample]], pool_state: dict,
-                    groups, device) -> dict:
-    """The step's partial-rollout metrics, summed over DP: tokens sampled by a policy older than
-    the bound (``stale_tokens``, their fraction), the tokens' mean age in steps, responses that
-    more than one policy sampled; and rank 0's replica's pool (groups in flight, prompts waiting)."""
+def partial_metrics(step: int, rollout, samples: Sequence[Sequence[Sample]], pool_state: dict, groups,
+                    device) -> dict:
+    """The step's partial-rollout metrics, over DP: tokens sampled by a policy older than the
+    request-level bound (``stale_tokens``, their fraction), the tokens' mean and largest age in
+    steps (``token_age_mean``, ``token_age_max``), tokens left out of the loss by the token-level
+    bound (``token_age_masked``, `RolloutSampling.token_age_bound`), responses that more than one
+    policy sampled; and rank 0's replica's pool (groups in flight, prompts waiting)."""
     import torch
     import torch.distributed as dist
 
     flat = [s for group in samples for s in group]
     versions = [v for s in flat for v in (s.versions or [])]
-    sums = torch.tensor([sum(v < step - max_staleness for v in versions), len(versions),
-                         sum(step - v for v in versions), sum(len(set(s.versions or [])) > 1 for s in flat)],
+    bound = rollout.token_age_bound
+    sums = torch.tensor([sum(v < step - rollout.max_staleness for v in versions), len(versions),
+                         sum(step - v for v in versions), sum(len(set(s.versions or [])) > 1 for s in flat),
+                         0 if bound is None else sum(step - v > bound for v in versions)],
                         dtype=torch.float64, device=device)
+    oldest = torch.tensor([max((step - v for v in versions), default=0)], dtype=torch.float64, device=device)
     if groups.dp is not None and dist.get_world_size(groups.dp) > 1:
         dist.all_reduce(sums, group=groups.dp)
-    stale, total, age, resumed = sums.tolist()
+        dist.all_reduce(oldest, op=dist.ReduceOp.MAX, group=groups.dp)
+    stale, total, age, resumed, masked = sums.tolist()
     return dict(stale_tokens=stale, stale_token_fraction=stale / max(total, 1.0), token_age_mean=age / max(total, 1.0),
-                resumed_responses=resumed, pool_groups=float(pool_state.get("pool", 0)),
-                pool_waiting=float(pool_state.get("waiting", 0)))
+                token_age_max=oldest.item(), token_age_masked=masked, resumed_responses=resumed,
+                pool_groups=float(pool_state.get("pool", 0)), pool_waiting=float(pool_state.get("waiting", 0)))
 
 
 def mark_token_versions(records: Sequence, samples: Sequence[Sequence[Sample]], step: int, rollout,
                         updates_per_step: int) -> None:
     """Partial rollouts' records (flat in the samples' order): the version of each response's
-    oldest token (in RL optimizer updates), and with ``rollout.mask_stale_tokens`` the tokens of a
-    policy older than ``max_staleness`` steps left out of the loss (``SequenceRecord.loss_mask``)."""
+    oldest token (in RL optimizer updates), and the tokens older than the token-level bound
+    (`RolloutSampling.token_age_bound`: ``max_token_age``, or ``max_staleness`` with
+    ``mask_stale_tokens``) left out of the loss (``SequenceRecord.loss_mask``)."""
     import torch
 
+    bound = rollout.token_age_bound
     for rec, sample in zip(records, [s for group in samples for s in group]):
         rec.version = min(sample.versions) * updates_per_step
-        keep = stale_mask(sample.versions, step - rollout.max_staleness) if rollout.mask_stale_tokens else None
+        keep = stale_mask(sample.versions, step - bound) if bound is not None else None
         rec.loss_mask = None if keep is None else torch.tensor(keep)

@@ -12,7 +12,10 @@ from stapo_megatron.bridge.tiny import save_tiny_hf_model
 from stapo_megatron.data.tokenizer import build_char_tokenizer
 from stapo_megatron.rollout.config import RolloutConfig
 from stapo_megatron.rollout.hf_engine import HFEngine
-from stapo_megatron.trainer.partial import PartialPool, stale_mask
+from stapo_megatron.batch.records import make_records
+from stapo_megatron.mcore.parallel import Groups
+from stapo_megatron.rollout.config import RolloutSampling
+from stapo_megatron.trainer.partial import PartialPool, mark_token_versions, partial_metrics, stale_mask
 
 MAX_TOKENS, ROUND, G = 12, 4, 2
 PROMPTS = [[5, 17, 20, 3], [42] * 6, [1, 2, 3, 4, 5], [7, 7, 9], [11, 12], [30, 31, 32, 33]]
@@ -91,6 +94,35 @@ def test_steps_return_finished_groups_in_admission_order_and_continue_the_rest(e
 def test_the_same_inputs_give_the_same_steps(engines):
     make, v1 = engines
     assert _run(make(), v1)[1] == _run(make(), v1)[1]
+
+
+def test_the_token_age_bound_masks_older_tokens_and_the_step_reports_their_ages(engines):
+    """One step ahead (the pool's step i runs with the weights of version i and trains at step
+    T = i + 1, k = 1): a response continued from the step before has tokens of age 2, which
+    max_token_age = 1 leaves out of the loss while its newer tokens train; the metrics give the
+    largest and mean age and the masked count."""
+    make, v1 = engines
+    engine, pool, found = make(), PartialPool(), None
+    for step in range(4):
+        groups = pool.step(engine, _window(step), want=3, capacity=4, n=G, temperature=1.0, top_p=1.0,
+                           max_tokens=MAX_TOKENS, round_tokens=ROUND, seed=100 * step, version=step)
+        samples = [g.samples for g in groups]
+        if found is None and any(min(s.versions) < step for group in samples for s in group):
+            found = step + 1, samples
+    assert found is not None  # the case the bound is for: a response continued over two steps
+    T, samples = found
+    versions = [v for group in samples for s in group for v in s.versions]
+    rollout = RolloutSampling(placement="separate", engine_ranks=1, max_staleness=1, partial=True, max_token_age=1)
+    records = make_records([[1]] * len(samples), samples, torch.zeros(len(samples), G), version=0)
+    mark_token_versions(records, samples, T, rollout, updates_per_step=2)
+    for rec, s in zip(records, [s for group in samples for s in group]):
+        assert rec.version == 2 * min(s.versions)
+        kept = [T - v <= 1 for v in s.versions]
+        assert (rec.loss_mask is None and all(kept)) or rec.loss_mask.tolist() == kept
+    row = partial_metrics(T, rollout, samples, {}, Groups(None, None, None, True, 0), torch.device("cpu"))
+    assert row["token_age_max"] == T - min(versions) == 2
+    assert row["token_age_mean"] == pytest.approx(sum(T - v for v in versions) / len(versions), rel=1e-12)
+    assert row["token_age_masked"] == sum(T - v > 1 for v in versions) > 0
 
 
 def test_stale_mask_keeps_the_tokens_of_the_bound():
