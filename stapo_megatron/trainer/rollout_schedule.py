@@ -59,9 +59,9 @@ class RolloutSchedule:
         self.partial = config.partial
         """Partial rollouts: the engines' pools decide which prompts a step trains (`step_prompts`)."""
         self.indexed_prompts = indexed_prompts
-        if self.partial and (groups.cp_size > 1 or indexed_prompts is None):
-            raise ValueError("rollout.partial=True is not supported with context parallelism (each replica's pool "
-                             f"lives on one engine; model.context_parallel_size={groups.cp_size})")
+        # partial rollouts with CP, or with fewer replicas than engines, are refused when the config
+        # is built (`stapo_megatron.config.parallel_layout`)
+        assert not self.partial or (groups.cp_size == 1 and indexed_prompts is not None)
         self.step_prompts: Tuple[List[int], List[List[int]]] = ([], [])
         """Partial rollouts: (training-set indices, prompt ids) of the groups the last ``samples`` returned."""
         self.pool_state: dict = {}
