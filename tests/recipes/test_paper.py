@@ -276,3 +276,12 @@ def test_partial_rollouts_on_the_8b_async_layout_are_refused_at_build_time_namin
                                          r"engines \(rollout\.engine_ranks=16 / rollout\.tensor_parallel_size=2 = 8\)"):
         build_config("qwen3_8b_async", check_paths=False, rollout={**partial, "tensor_parallel_size": 2},
                      model=no_cp, max_tokens_per_microbatch=16384)
+
+
+def test_the_async_recipe_corrects_for_the_behaviour_policy_and_the_synchronous_ones_do_not():
+    assert paper.paper_recipe("qwen3_8b_async").loss.rollout_correction.mode == paper.ASYNC_CORRECTION == "tis"
+    for size in SIZES:
+        if not paper.LAYOUTS[size].engine_ranks:
+            assert paper.paper_recipe(size).loss.rollout_correction.mode == "none"  # the paper's setting
+    # a method switch keeps the correction (the method changes the loss's mask, not the sampling)
+    assert paper.paper_recipe("qwen3_8b_async", "grpo").loss.rollout_correction.mode == "tis"

@@ -1,11 +1,15 @@
 """The rollout configs' placement fields: separate placement and its refusals,
 each naming the field and its value."""
 
+import warnings
+
 import pytest
 
 from stapo_megatron.config import TrainerConfig
 from stapo_megatron.mcore.config import ModelConfig
 from stapo_megatron.config.parallel_layout import world_problems
+from stapo_megatron.method.config import LossConfig
+from stapo_megatron.method.rollout_correction import RolloutCorrectionConfig
 from stapo_megatron.rollout.config import RolloutSampling
 
 
@@ -60,3 +64,14 @@ def test_the_training_ranks_are_the_job_less_its_engine_ranks():
                       rollout=RolloutSampling(placement="separate", engine_ranks=12)), 24, gpus_per_node=8)[0]
     # the vLLM engine's TP need not divide Megatron's when the engines have their own ranks
     TrainerConfig(rollout=RolloutSampling(placement="separate", engine_ranks=4, tensor_parallel_size=4))
+
+
+def test_stale_samples_without_a_behaviour_policy_correction_warn_naming_the_fields():
+    separate = dict(placement="separate", engine_ranks=1)
+    with pytest.warns(UserWarning, match=r"rollout\.max_staleness=1 with loss\.rollout_correction\.mode='none'"):
+        TrainerConfig(rollout=RolloutSampling(**separate, max_staleness=1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TrainerConfig(rollout=RolloutSampling(**separate, max_staleness=0))  # synchronous: the samples are fresh
+        TrainerConfig(rollout=RolloutSampling(**separate, max_staleness=1),
+                      loss=LossConfig(rollout_correction=RolloutCorrectionConfig(mode="tis")))
