@@ -16,13 +16,18 @@ multi-byte character) decodes only from the whole sequence, and the reward reads
 
 Deterministic: rounds are counted in tokens, not time, and each call is seeded from the step's
 seed, the round and the group's place, so the same weights and seeds give the same steps.
+
+The pool lives on an engine rank and is not saved; the trainers keep its account (`PoolLedger`:
+the stream positions sent and not yet trained), which the checkpoint holds, so that a resumed run
+sends the positions that were in flight again (their groups start over with the resumed policy)
+and never sends one that trained: every data position trains once across a kill and a resume.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Deque, List, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from stapo_megatron.rollout.base import Sample
 
@@ -117,6 +122,55 @@ def _extend(sample: Sample, more: Sample, version: int, detokenize) -> None:
     sample.versions = (sample.versions or []) + [version] * len(more.token_ids)
     sample.text = detokenize(sample.token_ids)
     sample.finish_reason = more.finish_reason
+
+
+Entry = Tuple[int, int, List[int]]
+"""(stream position, training-set index, prompt ids): one prompt of a replica's data order."""
+
+
+class PoolLedger:
+    """The trainers' account of their replica's `PartialPool` (module docstring): which stream
+    positions were sent and which of them trained; checkpointed, so a resume loses none and
+    repeats none."""
+
+    def __init__(self):
+        self.sent_upto = 0
+        """The first stream position never sent (the pool's ``next_position``)."""
+        self.in_flight: Dict[int, int] = {}
+        """Stream position -> training-set index of the prompts sent and not yet trained, in order."""
+        self.resend: List[int] = []
+        """After a resume: the positions in flight at the checkpoint, sent again first."""
+
+    def window(self, entries: Sequence[Entry], entry: Callable[[int], Entry]) -> List[Entry]:
+        """What to send of ``entries`` (a window of the data order, ascending): after a resume
+        the positions that were in flight first (``entry(position)`` builds them), then those never
+        sent; the positions sent before and trained since are left out."""
+        out = [entry(p) for p in self.resend] + [e for e in entries if e[0] >= self.sent_upto]
+        self.resend = []
+        for position, index, _ in out:
+            self.in_flight[position] = index
+            self.sent_upto = max(self.sent_upto, position + 1)
+        return out
+
+    def trained(self, indices: Sequence[int]) -> List[int]:
+        """The pool returned groups of these training-set indices: their positions (the earliest
+        in flight of each index, as the pool admits in order) leave the account; returned."""
+        positions = []
+        for index in indices:
+            position = next((p for p, i in self.in_flight.items() if i == index), None)
+            assert position is not None, f"the pool returned training-set index {index}, which was not in flight"
+            del self.in_flight[position]
+            positions.append(position)
+        return positions
+
+    def state_dict(self) -> dict:
+        return {"sent_upto": self.sent_upto, "in_flight": sorted(self.in_flight.items())}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's account; its positions in flight go into the next `window` first."""
+        self.sent_upto = state["sent_upto"]
+        self.in_flight = dict(state["in_flight"])
+        self.resend = sorted(self.in_flight)
 
 
 def group_samples(groups: Sequence[Group]) -> Tuple[List[int], List[List[int]], List[List[Sample]]]:

@@ -16,7 +16,9 @@ requests enter the same queue after the sync of the weights they evaluate.
 Which prompts train at which step never changes (`stapo_megatron.trainer.prompts.
 step_prompt_indices`), and a resumed run starts a new pipeline at its checkpoint: the steps that
 were in flight are generated again, by the resumed policy (nothing is counted twice; the first k
-steps after a resume are fresher than the bound).
+steps after a resume are fresher than the bound). With partial rollouts the engines' pools decide
+which prompts a step trains; their account (`stapo_megatron.trainer.partial.PoolLedger`) goes into
+the checkpoint (`state_dict`), and a resumed run sends the prompts that were in flight again.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from stapo_megatron.mcore.parallel import Groups
 from stapo_megatron.rollout.config import RolloutSampling
 from stapo_megatron.rollout.weight_sync import sync_weights, wake_and_sync
 from stapo_megatron.trainer import replicas
-from stapo_megatron.trainer.partial import partial_metrics
+from stapo_megatron.trainer.partial import PoolLedger, partial_metrics
 
 
 class RolloutSchedule:
@@ -65,6 +67,8 @@ class RolloutSchedule:
         self.step_prompts: Tuple[List[int], List[List[int]]] = ([], [])
         """Partial rollouts: (training-set indices, prompt ids) of the groups the last ``samples`` returned."""
         self.pool_state: dict = {}
+        self.ledger = PoolLedger()
+        """Partial rollouts: the stream positions sent to this replica's pool and not yet trained."""
         self.version = 0
         """Steps trained by the policy the engines hold (or will, once their queue reaches it)."""
         self.pending: Dict[int, Tuple[object, int]] = {}
@@ -122,6 +126,15 @@ class RolloutSchedule:
             row.update(time_engine_generate=times.generate, time_engine_idle=times.idle, time_engine_load=times.load)
         return row
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the schedule: partial rollouts' `PoolLedger` (else empty)."""
+        return {"pool_ledger": self.ledger.state_dict()} if self.partial else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's `state_dict`, before `start`."""
+        if self.partial:
+            self.ledger.load_state_dict(state["pool_ledger"])
+
     def _tag(self, version: int) -> None:
         """Tell a separate engine which policy version its next weights are (tokens keep it)."""
         if self.separate:
@@ -132,6 +145,7 @@ class RolloutSchedule:
         oldest policy version among their tokens."""
         groups = reply["groups"]
         self.step_prompts = ([g.index for g in groups], [g.prompt for g in groups])
+        self.ledger.trained(self.step_prompts[0])
         self.pool_state = {k: reply[k] for k in ("pool", "waiting", "continued")}
         samples = [g.samples for g in groups]
         oldest = min(min(s.versions) for group in samples for s in group if s.versions)
@@ -144,7 +158,8 @@ class RolloutSchedule:
             fresh, ahead = self.indexed_prompts(step), self.indexed_prompts(step + 1)
             per_step = len(fresh)
             extra = math.ceil((r.oversample - 1) * per_step)  # the next step's first prompts: the over-sampling
-            window = [(step * per_step + j, i, ids) for j, (i, ids) in enumerate(fresh + ahead[:extra])]
+            order = [(step * per_step + j, i, ids) for j, (i, ids) in enumerate(fresh + ahead[:extra])]
+            window = self.ledger.window(order, self._entry)  # what the pool has not had, in-flight first on resume
             ticket = self.engine.submit_partial(
                 window if asks else [], per_step, per_step + extra, r.group_size,
                 r.temperature, r.top_p, r.max_response_len, r.round_tokens, self.seed(step))
@@ -156,6 +171,11 @@ class RolloutSchedule:
         if keep:
             self.pending[step] = (ticket, self.version)
         return ticket, self.version
+
+    def _entry(self, position: int):
+        """(position, training-set index, prompt ids) of a stream position of this replica's data order."""
+        per_step = len(self.indexed_prompts(0))
+        return (position, *self.indexed_prompts(position // per_step)[position % per_step])
 
 
 def weight_sync(model, hf_config, groups: Groups) -> Callable:

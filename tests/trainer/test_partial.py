@@ -15,7 +15,7 @@ from stapo_megatron.rollout.hf_engine import HFEngine
 from stapo_megatron.batch.records import make_records
 from stapo_megatron.mcore.parallel import Groups
 from stapo_megatron.rollout.config import RolloutSampling
-from stapo_megatron.trainer.partial import PartialPool, mark_token_versions, partial_metrics, stale_mask
+from stapo_megatron.trainer.partial import PartialPool, PoolLedger, mark_token_versions, partial_metrics, stale_mask
 
 MAX_TOKENS, ROUND, G = 12, 4, 2
 PROMPTS = [[5, 17, 20, 3], [42] * 6, [1, 2, 3, 4, 5], [7, 7, 9], [11, 12], [30, 31, 32, 33]]
@@ -123,6 +123,60 @@ def test_the_token_age_bound_masks_older_tokens_and_the_step_reports_their_ages(
     assert row["token_age_max"] == T - min(versions) == 2
     assert row["token_age_mean"] == pytest.approx(sum(T - v for v in versions) / len(versions), rel=1e-12)
     assert row["token_age_masked"] == sum(T - v > 1 for v in versions) > 0
+
+
+def _train_with_a_kill(engine, with_account: bool, steps=6, killed_at=3):
+    """The trainers' side of k = 1 over one replica's pool: steps 0 and 1 asked at the start,
+    step s + 2 after step s trains; the checkpoint after step ``killed_at`` - 1, then a kill (the
+    engine's pool is lost) and a resume. Returns the positions trained, in order, and the ledger."""
+    ledger, pool, replies, trained, saved = PoolLedger(), PartialPool(), {}, [], None
+
+    def submit(step):
+        window = _window(step, extra=3)
+        if with_account:
+            window = ledger.window(window, lambda p: (p, p, PROMPTS[p % len(PROMPTS)]))
+        # the engine runs its queue in order: the reply is the pool's step on this window
+        replies[step] = pool.step(engine, window, want=3, capacity=6, n=G, temperature=1.0, top_p=1.0,
+                                  max_tokens=4 * MAX_TOKENS, round_tokens=ROUND, seed=100 * step, version=0)
+
+    submit(0), submit(1)
+    for step in range(steps):
+        if step == killed_at:  # resume: a new engine (empty pool), the checkpoint's account
+            ledger, pool = PoolLedger(), PartialPool()
+            ledger.load_state_dict(saved)
+            submit(step), submit(step + 1)
+        indices = [g.index for g in replies.pop(step)]
+        trained += ledger.trained(indices) if with_account else indices
+        submit(step + 2)
+        if step + 1 == killed_at:
+            saved = ledger.state_dict()
+    return trained, ledger
+
+
+def test_a_kill_and_resume_trains_every_data_position_once(engines):
+    """Windows overlap (over-sampling) and groups finish out of order, so at the checkpoint the
+    pool holds positions the data order has passed: without the trainers' account a resumed pool
+    retrains some and never trains others; with it (`PoolLedger`, in the checkpoint) every
+    position trains once, the ones in flight at the kill started over."""
+    make, _ = engines
+    # the end token's row six times its own: responses of 1 token to the limit, so groups
+    # finish out of admission order
+    varied = {k: v.clone() for k, v in make().model.state_dict().items()}
+    varied["lm_head.weight"][EOS] *= 2
+
+    def engine():
+        e = make()
+        e.update_weights(iter(varied.items()))
+        return e
+
+    trained, ledger = _train_with_a_kill(engine(), with_account=True)
+    assert len(trained) == len(set(trained)) == 6 * 3
+    # nothing skipped: what did not train is still in flight
+    assert sorted(trained + list(ledger.in_flight)) == list(range(ledger.sent_upto))
+    # the case the account is for: a fresh pool fed the resumed steps' windows trains again
+    # positions that trained before the kill, out of order
+    plain, _ = _train_with_a_kill(engine(), with_account=False)
+    assert len(plain) > len(set(plain))
 
 
 def test_stale_mask_keeps_the_tokens_of_the_bound():
