@@ -39,7 +39,8 @@ class Cluster:
 def config_problems(cfg: Any) -> List[str]:
     """What no world size can fix in ``cfg`` (a `TrainerConfig`): the packing mode and what it
     supports (PP, CP), the budget against one CP rank's share of the longest sequence, partial
-    rollouts against CP, and the vLLM engine's TP against Megatron's. In the order `TrainerConfig` raises the first one."""
+    rollouts against CP, and the vLLM engine's TP against Megatron's. In the order
+    `TrainerConfig` raises the first one."""
     m = cfg.model
     if cfg.packing not in PACKING_MODES:
         return [f"packing must be one of {PACKING_MODES}, got {cfg.packing!r}"]
@@ -91,8 +92,9 @@ def world_problems(cfg: Any, world_size: int, gpus_per_node: Optional[int] = Non
     "separate"``, the training ranks are all but the last ``rollout.engine_ranks``): TP x PP x CP
     dividing the training ranks (and, given
     ``gpus_per_node``, the node topology), the prompts over DP and over a replica's CP ranks,
-    the expert groups, partial rollouts' replicas against the engines; with ``whole_micro_batches`` also every DP rank's sequences in whole
-    micro-batches (the recipes' check: the trainer pads a short last one)."""
+    the expert groups, partial rollouts' replicas against the engines; with
+    ``whole_micro_batches`` also every DP rank's sequences in whole micro-batches (the recipes'
+    check: the trainer pads a short last one)."""
     m = cfg.model
     tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
     engines = cfg.rollout.engine_ranks  # separate placement: the job's last ranks only generate

@@ -201,13 +201,9 @@ class Trainer:
         return records
 
     def _save(self, step: int):
-        # every training rank's rollout schedule (partial rollouts: its replica's pool account), by rank
-        schedules: List[dict] = [{} for _ in range(dist.get_world_size())]
-        dist.all_gather_object(schedules, self.schedule.state_dict())
         ckpt.save_checkpoint(self.cfg.run_dir, step, self.model, self.optimizer,
-                             {"data_position": step * self.cfg.prompts_per_step, "rollout_schedules": schedules},
-                             write_extra=self.provenance.write_checkpoint if self.provenance else None,
-                             keep_last=self.cfg.keep_last)
+                             {"data_position": step * self.cfg.prompts_per_step, **self.schedule.state_dict()},
+                             self.provenance.write_checkpoint if self.provenance else None, self.cfg.keep_last)
 
     def _begin(self) -> int:
         """Resume from the newest checkpoint or warm-start; the step to start from."""
@@ -217,8 +213,7 @@ class Trainer:
         if latest:
             state = ckpt.load_checkpoint(latest, self.model, self.optimizer)
             start = state["step"]
-            if self.schedule.partial:  # the prompts the pools held at the checkpoint are sent again
-                self.schedule.load_state_dict(state["rollout_schedules"][self.rank])
+            self.schedule.load_state_dict(state)  # partial rollouts: the pools' prompts in flight, sent again
             self.logger.resume_from(start)  # drop what the killed run logged past the checkpoint
             if self.rank == 0:
                 print(f"resumed from {latest} (step {start})", flush=True)
