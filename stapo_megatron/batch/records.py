@@ -45,7 +45,8 @@ class SequenceRecord:
     sampled by several: this is the oldest."""
     loss_mask: Optional[torch.Tensor] = None
     """[R] bool: the response tokens the loss sees (None: all). Partial rollouts with
-    ``rollout.mask_stale_tokens`` leave out the tokens an older policy than the bound sampled."""
+    a token-level bound (``rollout.max_token_age``, ``rollout.mask_stale_tokens``) leave out the
+    tokens an older policy than the bound sampled."""
 
     def __post_init__(self):
         if self.prompt_ids.dim() != 1 or len(self.prompt_ids) < 1:

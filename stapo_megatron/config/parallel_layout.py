@@ -38,8 +38,9 @@ class Cluster:
 
 def config_problems(cfg: Any) -> List[str]:
     """What no world size can fix in ``cfg`` (a `TrainerConfig`): the packing mode and what it
-    supports (PP, CP), the budget against one CP rank's share of the longest sequence, and the
-    vLLM engine's TP against Megatron's. In the order `TrainerConfig` raises the first one."""
+    supports (PP, CP), the budget against one CP rank's share of the longest sequence, partial
+    rollouts against CP, and the vLLM engine's TP against Megatron's. In the order
+    `TrainerConfig` raises the first one."""
     m = cfg.model
     if cfg.packing not in PACKING_MODES:
         return [f"packing must be one of {PACKING_MODES}, got {cfg.packing!r}"]
@@ -53,6 +54,9 @@ def config_problems(cfg: Any) -> List[str]:
                         f"'budget', got packing='padded'")
     if cfg.packing == "budget":
         problems += _budget_problems(cfg)
+    if cfg.rollout.partial and cp > 1:
+        problems.append(f"rollout.partial=True is not supported with model.context_parallel_size={cp} (a "
+                        f"replica's prompts live in one engine's pool, and CP ranks split their replica's prompts)")
     # vLLM's external launcher forms an engine from consecutive ranks, and Megatron's TP
     # groups are consecutive ranks too (TP is the innermost dimension); an engine wider than
     # a TP group would span two DP ranks, which sample different prompts.
@@ -88,8 +92,9 @@ def world_problems(cfg: Any, world_size: int, gpus_per_node: Optional[int] = Non
     "separate"``, the training ranks are all but the last ``rollout.engine_ranks``): TP x PP x CP
     dividing the training ranks (and, given
     ``gpus_per_node``, the node topology), the prompts over DP and over a replica's CP ranks,
-    the expert groups; with ``whole_micro_batches`` also every DP rank's sequences in whole
-    micro-batches (the recipes' check: the trainer pads a short last one)."""
+    the expert groups, partial rollouts' replicas against the engines; with
+    ``whole_micro_batches`` also every DP rank's sequences in whole micro-batches (the recipes'
+    check: the trainer pads a short last one)."""
     m = cfg.model
     tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
     engines = cfg.rollout.engine_ranks  # separate placement: the job's last ranks only generate
@@ -110,6 +115,7 @@ def world_problems(cfg: Any, world_size: int, gpus_per_node: Optional[int] = Non
             problems.append(f"TP {tp} x CP {cp} must divide the {gpus_per_node} GPUs of a node or span whole "
                             f"nodes (Megatron places TP, then CP ranks next to each other)")
     problems += _batch_problems(cfg, world_size // (tp * pp * cp), whole_micro_batches)
+    problems += _partial_problems(cfg.rollout, world_size // (tp * pp * cp))
     etp, ep = m.expert_tensor_parallel_size or tp, m.expert_model_parallel_size
     if world_size % (etp * ep * pp):
         problems.append(f"{world_size} GPUs are not divisible by ETP {etp} x EP {ep} x PP {pp} "
@@ -136,6 +142,17 @@ def _batch_problems(cfg: Any, dp: int, whole_micro_batches: bool) -> List[str]:
         problems.append(f"{mini_sequences} sequences per mini-batch are not divisible by DP {dp} x micro_batch_size "
                         f"{cfg.micro_batch_size}")
     return problems
+
+
+def _partial_problems(rollout: Any, dp: int) -> List[str]:
+    """Partial rollouts: each DP replica's pool lives on one engine, so no engine may be left
+    without a replica (`stapo_megatron.rollout.remote.plan_chunks` gives a replica one engine
+    only when there are as many replicas as engines or more)."""
+    if not rollout.partial or dp >= rollout.num_engines:
+        return []
+    return [f"rollout.partial=True needs at least as many trainer replicas (DP {dp}) as engines "
+            f"(rollout.engine_ranks={rollout.engine_ranks} / rollout.tensor_parallel_size="
+            f"{rollout.tensor_parallel_size} = {rollout.num_engines}): each replica's pool lives on one engine"]
 
 
 def model_problems(spec: Any, cfg: Any) -> List[str]:

@@ -27,6 +27,7 @@ import dataclasses
 import inspect
 import math
 import textwrap
+import warnings
 from typing import ClassVar, Dict, Optional
 
 from stapo_megatron.config.parallel_layout import config_problems
@@ -161,6 +162,11 @@ class TrainerConfig:
         if problems:
             raise ValueError(problems[0])
         check_parallelism(self.loss.effective_objective, self.model.context_parallel_size)
+        if self.rollout.max_staleness >= 1 and self.loss.rollout_correction.mode == "none":
+            warnings.warn(f"rollout.max_staleness={self.rollout.max_staleness} with loss.rollout_correction.mode="
+                          f"'none': stale samples train without a behaviour-policy correction (pi_old / "
+                          f"pi_rollout); set loss.rollout_correction.mode='tis' (or 'icepop') (docs/async.md)",
+                          stacklevel=2)
         # The loss recomputes pi_old and pi_theta at loss.temperature; sampling at another
         # temperature would make every ratio, entropy and S2T decision refer to a distribution
         # the responses were not drawn from.

@@ -55,7 +55,8 @@ class LossConfig:
     Entropies, and so tau_H's values, are the trainer's either way."""
     rollout_correction: RolloutCorrectionConfig = dataclasses.field(default_factory=RolloutCorrectionConfig)
     """Rollout/training mismatch: the bounds that flag tokens (logged every step) and the
-    correction (`stapo_megatron.method.rollout_correction`; off in the paper recipes)."""
+    correction (`stapo_megatron.method.rollout_correction`; off in the paper's synchronous recipes,
+    "tis" in the asynchronous ones: docs/async.md)."""
     objective: Optional[str] = None
     """The objective the method's mask applies to, a name of
     `stapo_megatron.method.objectives.OBJECTIVES`: "dapo" (the JustRL/DAPO token loss), "grpo",

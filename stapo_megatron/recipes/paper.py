@@ -34,6 +34,7 @@ from stapo_megatron.config.parallel_layout import Cluster
 from stapo_megatron.config.parallel_layout import layout_problems as check_layout
 from stapo_megatron.data.examples import JUSTRL_PROMPT_TEMPLATE
 from stapo_megatron.method.config import method_loss_config
+from stapo_megatron.method.rollout_correction import RolloutCorrectionConfig
 from stapo_megatron.recipes.engine_memory import engine_start_problems
 from stapo_megatron.recipes.memory import GB, GPU_MEMORY_BYTES, MAX_PROMPT_LEN, ParallelLayout, memory_estimate
 
@@ -79,6 +80,11 @@ DISPLAY_NAMES = {"qwen3_1p7b": "Qwen3-1.7B-Base", "qwen3_8b": "Qwen3-8B-Base", "
 ASYNC_STALENESS = 1
 """``rollout.max_staleness`` of the asynchronous recipe: one-step-off (verl's one_step_off, NeMo-RL's
 async GRPO at 1): step s trains on samples of the policy after step s - 1."""
+ASYNC_CORRECTION = "tis"
+"""``loss.rollout_correction.mode`` of the asynchronous recipe: the samples come from a policy one
+update old, so the surrogate of every token is weighted by min(pi_old / pi_rollout, C), the
+behaviour-policy correction of AReaL's decoupled objective (pi_old recomputed by the trainer is its
+proximal policy; docs/async.md, "What staleness does to STAPO")."""
 
 _NO_RECOMPUTE = dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
 """Model fields of a recipe that keeps every layer's activations (CP makes room for them)."""
@@ -231,7 +237,8 @@ def paper_recipe(size: str, method: str = "stapo", run_dir: Optional[str] = None
             **(dict(placement="separate", engine_ranks=layout.engine_ranks, max_staleness=ASYNC_STALENESS)
                if layout.engine_ranks else {}),
         ),
-        loss=loss,
+        loss=(dataclasses.replace(loss, rollout_correction=RolloutCorrectionConfig(mode=ASYNC_CORRECTION))
+              if layout.engine_ranks else loss),
         optim=OptimConfig(lr=1e-6, weight_decay=0.1, clip_grad=1.0, use_distributed_optimizer=True),
     )
     return cfg
@@ -254,7 +261,9 @@ def qwen3_8b_32k(method: str = "stapo", run_dir: Optional[str] = None) -> Traine
 
 def qwen3_8b_async(method: str = "stapo", run_dir: Optional[str] = None) -> TrainerConfig:
     """Qwen3-8B-Base with separate placement and one-step-off rollouts (``rollout.max_staleness``
-    1): 4 nodes, 2 train (TP=4, CP=2, DP=2), 2 generate (4 vLLM engines of TP=4)."""
+    1): 4 nodes, 2 train (TP=4, CP=2, DP=2), 2 generate (4 vLLM engines of TP=4); the stale
+    samples corrected for their behaviour policy (``loss.rollout_correction.mode`` "tis",
+    `ASYNC_CORRECTION`)."""
     return paper_recipe("qwen3_8b_async", method, run_dir)
 
 

@@ -226,8 +226,11 @@ class HFEngine:
         end = next((k + 1 for k, t in enumerate(tokens) if t in self.eos_ids), None)
         finish = "stop" if end is not None else "length"
         tokens, logprobs = tokens[:end], logprobs[:end]
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else ""
-        return Sample(token_ids=tokens, logprobs=logprobs, text=text, finish_reason=finish)
+        return Sample(token_ids=tokens, logprobs=logprobs, text=self.detokenize(tokens), finish_reason=finish)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of response tokens, as ``Sample.text`` ("" without a tokenizer)."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy streamed HF ``(name, tensor)`` pairs into the model; every parameter (every

@@ -133,6 +133,13 @@ class VLLMEngine:
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         return [[_to_sample(c, self.returns_routes) for c in out.outputs] for out in outputs]
 
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of response tokens, as vLLM detokenises ``Sample.text`` (special tokens
+        skipped; "" without a tokenizer)."""
+        if not self.has_tokenizer:
+            return ""
+        return self.llm.get_tokenizer().decode(token_ids, skip_special_tokens=True)
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new weights, streamed: HF names and full (unsharded) HF-layout tensors.
 

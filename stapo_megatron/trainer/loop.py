@@ -202,9 +202,8 @@ class Trainer:
 
     def _save(self, step: int):
         ckpt.save_checkpoint(self.cfg.run_dir, step, self.model, self.optimizer,
-                             {"data_position": step * self.cfg.prompts_per_step},
-                             write_extra=self.provenance.write_checkpoint if self.provenance else None,
-                             keep_last=self.cfg.keep_last)
+                             {"data_position": step * self.cfg.prompts_per_step, **self.schedule.state_dict()},
+                             self.provenance.write_checkpoint if self.provenance else None, self.cfg.keep_last)
 
     def _begin(self) -> int:
         """Resume from the newest checkpoint or warm-start; the step to start from."""
@@ -212,7 +211,9 @@ class Trainer:
         warm = WarmStart(self.cfg, self.warmstart, self.seeds, self.tokenizer, self.train_ids, self.train_ex,
                          self.seq_multiple) if self.warmstart and self.warmstart.steps else None
         if latest:
-            start = ckpt.load_checkpoint(latest, self.model, self.optimizer)["step"]
+            state = ckpt.load_checkpoint(latest, self.model, self.optimizer)
+            start = state["step"]
+            self.schedule.load_state_dict(state)  # partial rollouts: the pools' prompts in flight, sent again
             self.logger.resume_from(start)  # drop what the killed run logged past the checkpoint
             if self.rank == 0:
                 print(f"resumed from {latest} (step {start})", flush=True)

@@ -10,16 +10,24 @@ round the groups whose G responses have all finished (EOS, or ``max_response_len
 counted in admission order; once P are, the step stops waiting: the first P are returned and the
 rest stay, to be continued by the next step's rounds with the weights the engine holds then.
 Every token keeps the policy version that sampled it (`stapo_megatron.rollout.base.Sample.versions`).
+A continued response's text is the engine's ``detokenize`` of all its tokens, never the rounds'
+texts joined: a character whose tokens straddle a round boundary (a byte-level tokenizer's
+multi-byte character) decodes only from the whole sequence, and the reward reads this text.
 
 Deterministic: rounds are counted in tokens, not time, and each call is seeded from the step's
 seed, the round and the group's place, so the same weights and seeds give the same steps.
+
+The pool lives on an engine rank and is not saved; the trainers keep its account (`PoolLedger`:
+the stream positions sent and not yet trained), which the checkpoint holds, so that a resumed run
+sends the positions that were in flight again (their groups start over with the resumed policy)
+and never sends one that trained: every data position trains once across a kill and a resume.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Deque, List, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from stapo_megatron.rollout.base import Sample
 
@@ -104,16 +112,65 @@ class PartialPool:
             out = engine.generate([g.prompt + s.token_ids for g, s in part], 1, temperature, top_p, limit, seed=offset)
             offset += len(part)
             for (_, sample), (more,) in zip(part, out):
-                _extend(sample, more, version)
+                _extend(sample, more, version, engine.detokenize)
 
 
-def _extend(sample: Sample, more: Sample, version: int) -> None:
-    """Append a continuation to a response in place."""
+def _extend(sample: Sample, more: Sample, version: int, detokenize) -> None:
+    """Append a continuation to a response in place (its text decoded from all its tokens)."""
     sample.token_ids = sample.token_ids + more.token_ids
     sample.logprobs = sample.logprobs + more.logprobs
     sample.versions = (sample.versions or []) + [version] * len(more.token_ids)
-    sample.text = sample.text + more.text
+    sample.text = detokenize(sample.token_ids)
     sample.finish_reason = more.finish_reason
+
+
+Entry = Tuple[int, int, List[int]]
+"""(stream position, training-set index, prompt ids): one prompt of a replica's data order."""
+
+
+class PoolLedger:
+    """The trainers' account of their replica's `PartialPool` (module docstring): which stream
+    positions were sent and which of them trained; checkpointed, so a resume loses none and
+    repeats none."""
+
+    def __init__(self):
+        self.sent_upto = 0
+        """The first stream position never sent (the pool's ``next_position``)."""
+        self.in_flight: Dict[int, int] = {}
+        """Stream position -> training-set index of the prompts sent and not yet trained, in order."""
+        self.resend: List[int] = []
+        """After a resume: the positions in flight at the checkpoint, sent again first."""
+
+    def window(self, entries: Sequence[Entry], entry: Callable[[int], Entry]) -> List[Entry]:
+        """What to send of ``entries`` (a window of the data order, ascending): after a resume
+        the positions that were in flight first (``entry(position)`` builds them), then those never
+        sent; the positions sent before and trained since are left out."""
+        out = [entry(p) for p in self.resend] + [e for e in entries if e[0] >= self.sent_upto]
+        self.resend = []
+        for position, index, _ in out:
+            self.in_flight[position] = index
+            self.sent_upto = max(self.sent_upto, position + 1)
+        return out
+
+    def trained(self, indices: Sequence[int]) -> List[int]:
+        """The pool returned groups of these training-set indices: their positions (the earliest
+        in flight of each index, as the pool admits in order) leave the account; returned."""
+        positions = []
+        for index in indices:
+            position = next((p for p, i in self.in_flight.items() if i == index), None)
+            assert position is not None, f"the pool returned training-set index {index}, which was not in flight"
+            del self.in_flight[position]
+            positions.append(position)
+        return positions
+
+    def state_dict(self) -> dict:
+        return {"sent_upto": self.sent_upto, "in_flight": sorted(self.in_flight.items())}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's account; its positions in flight go into the next `window` first."""
+        self.sent_upto = state["sent_upto"]
+        self.in_flight = dict(state["in_flight"])
+        self.resend = sorted(self.in_flight)
 
 
 def group_samples(groups: Sequence[Group]) -> Tuple[List[int], List[List[int]], List[List[Sample]]]:
@@ -128,35 +185,43 @@ def stale_mask(versions: Optional[Sequence[int]], oldest: int) -> Optional[List[
     return [v >= oldest for v in versions]
 
 
-def partial_metrics(step: int, max_staleness: int, samples: Sequence[Sequence[Sample]], pool_state: dict,
-                    groups, device) -> dict:
-    """The step's partial-rollout metrics, summed over DP: tokens sampled by a policy older than
-    the bound (``stale_tokens``, their fraction), the tokens' mean age in steps, responses that
-    more than one policy sampled; and rank 0's replica's pool (groups in flight, prompts waiting)."""
+def partial_metrics(step: int, rollout, samples: Sequence[Sequence[Sample]], pool_state: dict, groups,
+                    device) -> dict:
+    """The step's partial-rollout metrics, over DP: tokens sampled by a policy older than the
+    request-level bound (``stale_tokens``, their fraction), the tokens' mean and largest age in
+    steps (``token_age_mean``, ``token_age_max``), tokens left out of the loss by the token-level
+    bound (``token_age_masked``, `RolloutSampling.token_age_bound`), responses that more than one
+    policy sampled; and rank 0's replica's pool (groups in flight, prompts waiting)."""
     import torch
     import torch.distributed as dist
 
     flat = [s for group in samples for s in group]
     versions = [v for s in flat for v in (s.versions or [])]
-    sums = torch.tensor([sum(v < step - max_staleness for v in versions), len(versions),
-                         sum(step - v for v in versions), sum(len(set(s.versions or [])) > 1 for s in flat)],
+    bound = rollout.token_age_bound
+    sums = torch.tensor([sum(v < step - rollout.max_staleness for v in versions), len(versions),
+                         sum(step - v for v in versions), sum(len(set(s.versions or [])) > 1 for s in flat),
+                         0 if bound is None else sum(step - v > bound for v in versions)],
                         dtype=torch.float64, device=device)
+    oldest = torch.tensor([max((step - v for v in versions), default=0)], dtype=torch.float64, device=device)
     if groups.dp is not None and dist.get_world_size(groups.dp) > 1:
         dist.all_reduce(sums, group=groups.dp)
-    stale, total, age, resumed = sums.tolist()
+        dist.all_reduce(oldest, op=dist.ReduceOp.MAX, group=groups.dp)
+    stale, total, age, resumed, masked = sums.tolist()
     return dict(stale_tokens=stale, stale_token_fraction=stale / max(total, 1.0), token_age_mean=age / max(total, 1.0),
-                resumed_responses=resumed, pool_groups=float(pool_state.get("pool", 0)),
-                pool_waiting=float(pool_state.get("waiting", 0)))
+                token_age_max=oldest.item(), token_age_masked=masked, resumed_responses=resumed,
+                pool_groups=float(pool_state.get("pool", 0)), pool_waiting=float(pool_state.get("waiting", 0)))
 
 
 def mark_token_versions(records: Sequence, samples: Sequence[Sequence[Sample]], step: int, rollout,
                         updates_per_step: int) -> None:
     """Partial rollouts' records (flat in the samples' order): the version of each response's
-    oldest token (in RL optimizer updates), and with ``rollout.mask_stale_tokens`` the tokens of a
-    policy older than ``max_staleness`` steps left out of the loss (``SequenceRecord.loss_mask``)."""
+    oldest token (in RL optimizer updates), and the tokens older than the token-level bound
+    (`RolloutSampling.token_age_bound`: ``max_token_age``, or ``max_staleness`` with
+    ``mask_stale_tokens``) left out of the loss (``SequenceRecord.loss_mask``)."""
     import torch
 
+    bound = rollout.token_age_bound
     for rec, sample in zip(records, [s for group in samples for s in group]):
         rec.version = min(sample.versions) * updates_per_step
-        keep = stale_mask(sample.versions, step - rollout.max_staleness) if rollout.mask_stale_tokens else None
+        keep = stale_mask(sample.versions, step - bound) if bound is not None else None
         rec.loss_mask = None if keep is None else torch.tensor(keep)

@@ -252,6 +252,10 @@ def test_tiny_async_dryrun_starts_the_engine_rank_too(tmp_path):
     args = re.findall(r"'([^']*)'", re.search(r"'args': \[(.*?)\]", out, re.S).group(1))
     assert args[args.index("--nproc-per-node") + 1] == "3"
     assert re.search(r"placement: separate", out) and re.search(r"engine_ranks: 1", out) and "max_staleness: 1" in out
+    assert re.search(r"rollout_correction:\s+mode: tis", out), out  # stale samples corrected by default
+    code, out = nemo_run(tmp_path, "launch/stapo_tiny_async.py", "--dryrun", f"output_dir={tmp_path}/fresh-run",
+                         "loss.rollout_correction.mode='none'")
+    assert code == 0 and "rollout.max_staleness=1 with loss.rollout_correction.mode='none'" in out, out
 
 
 def test_tiny_dryrun_shows_the_torchrun_command(tmp_path):

@@ -123,13 +123,20 @@ def test_warning_signal_saves_and_the_engines_stop_cleanly(tmp_path):
 def test_partial_rollouts_train_the_first_finished_groups_and_keep_the_rest(tmp_path):
     """k = 1 with partial rollouts at over-sampling 1.5 and 8-token rounds: every step trains its
     replicas' P groups, the pools carry over-sampled groups between steps, tokens of a policy older
-    than the bound are counted (and, with mask_stale_tokens, left out of the loss)."""
-    run = _launch(3, tmp_path / "run", "none", *SEPARATE, "rollout.max_staleness=1", "rollout.partial=True",
-                  "rollout.oversample=1.5", "rollout.partial_tokens=8", "rollout.mask_stale_tokens=True",
-                  "steps=3", "eval.every=0")
+    than the bound are counted (and, with mask_stale_tokens, left out of the loss); a resumed run
+    goes on from the checkpoint's pool account."""
+    partial = (*SEPARATE, "rollout.max_staleness=1", "rollout.partial=True", "rollout.oversample=1.5",
+               "rollout.partial_tokens=8", "rollout.mask_stale_tokens=True", "eval.every=0", "save_every=3")
+    run = _launch(3, tmp_path / "run", "none", *partial, "steps=3")
     assert run.returncode == 0, run.stderr[-4000:]
     rows = _train_rows(tmp_path / "run")
     assert [r["num_prompts"] for r in rows] == [16, 16, 16]  # each step's P groups, from the pools
+    # resumed from the checkpoint at step 3 with new (empty) pools: the trainers send the prompts
+    # that were in flight again (the checkpoint's pool account), and the steps go on
+    resumed = _launch(3, tmp_path / "run", "none", *partial, "steps=5")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resumed from" in resumed.stdout and "(step 3)" in resumed.stdout, resumed.stdout[-2000:]
+    assert [r["num_prompts"] for r in _train_rows(tmp_path / "run")] == [16] * 5
     assert all(r["pool_groups"] > 0 for r in rows)  # the over-sampled groups stay in flight
     assert rows[0]["stale_tokens"] == 0 and rows[0]["token_age_mean"] == 0
     assert [r["staleness"] >= 1 for r in rows[1:]] == [True, True]  # one update old at least (k = 1)

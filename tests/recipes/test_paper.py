@@ -253,3 +253,35 @@ def test_docs_memory_table_is_current():
     spec.loader.exec_module(module)
     with open(os.path.join(root, "docs", "recipes.md"), encoding="utf-8") as f:
         assert module.block() in f.read(), "docs/recipes.md's memory table is stale: run python scripts/memory_table.py"
+
+
+def test_partial_rollouts_on_the_8b_async_layout_are_refused_at_build_time_naming_the_fields():
+    """The 8B async layout (CP = 2; DP 2 trainer replicas against 4 engines) cannot run partial
+    rollouts: building the config names both reasons, before any process starts."""
+    partial = {"partial": True, "oversample": 1.5}
+    with pytest.raises(ValueError) as info:
+        build_config("qwen3_8b_async", check_paths=False, rollout=partial)
+    message = str(info.value)
+    assert "rollout.partial=True is not supported with model.context_parallel_size=2" in message, message
+    assert ("rollout.partial=True needs at least as many trainer replicas (DP 2) as engines (rollout.engine_ranks=16 "
+            "/ rollout.tensor_parallel_size=4 = 4)") in message, message
+    # without CP the 16 training ranks are DP 4 replicas, one per engine: it builds
+    no_cp = {"context_parallel_size": 1, "recompute_granularity": "full", "recompute_method": "uniform",
+             "recompute_num_layers": 1}
+    cfg, _ = build_config("qwen3_8b_async", check_paths=False, rollout=partial, model=no_cp,
+                          max_tokens_per_microbatch=16384)
+    assert cfg.rollout.partial and cfg.rollout.num_engines == 4
+    # engines of vLLM TP 2: 8 engines for 4 replicas
+    with pytest.raises(ValueError, match=r"rollout\.partial=True needs at least as many trainer replicas \(DP 4\) as "
+                                         r"engines \(rollout\.engine_ranks=16 / rollout\.tensor_parallel_size=2 = 8\)"):
+        build_config("qwen3_8b_async", check_paths=False, rollout={**partial, "tensor_parallel_size": 2},
+                     model=no_cp, max_tokens_per_microbatch=16384)
+
+
+def test_the_async_recipe_corrects_for_the_behaviour_policy_and_the_synchronous_ones_do_not():
+    assert paper.paper_recipe("qwen3_8b_async").loss.rollout_correction.mode == paper.ASYNC_CORRECTION == "tis"
+    for size in SIZES:
+        if not paper.LAYOUTS[size].engine_ranks:
+            assert paper.paper_recipe(size).loss.rollout_correction.mode == "none"  # the paper's setting
+    # a method switch keeps the correction (the method changes the loss's mask, not the sampling)
+    assert paper.paper_recipe("qwen3_8b_async", "grpo").loss.rollout_correction.mode == "tis"

@@ -1,11 +1,15 @@
 """The rollout configs' placement fields: separate placement and its refusals,
 each naming the field and its value."""
 
+import warnings
+
 import pytest
 
 from stapo_megatron.config import TrainerConfig
 from stapo_megatron.mcore.config import ModelConfig
 from stapo_megatron.config.parallel_layout import world_problems
+from stapo_megatron.method.config import LossConfig
+from stapo_megatron.method.rollout_correction import RolloutCorrectionConfig
 from stapo_megatron.rollout.config import RolloutSampling
 
 
@@ -25,10 +29,22 @@ from stapo_megatron.rollout.config import RolloutSampling
      "rollout.oversample must be >= 1, got 0.5"),
     (dict(oversample=2.0), "rollout.oversample=2.0 needs rollout.partial=True"),
     (dict(mask_stale_tokens=True), "rollout.mask_stale_tokens=True needs rollout.partial=True"),
+    (dict(max_token_age=3), "rollout.max_token_age=3 needs rollout.partial=True"),
+    (dict(placement="separate", engine_ranks=1, max_staleness=2, partial=True, max_token_age=1),
+     "rollout.max_token_age=1 must be >= rollout.max_staleness=2"),
+    (dict(placement="separate", engine_ranks=1, max_staleness=1, partial=True, max_token_age=2, mask_stale_tokens=True),
+     "rollout.mask_stale_tokens=True and rollout.max_token_age=2 both bound the tokens' age"),
 ])
 def test_placement_refusals_name_the_field(fields, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
         RolloutSampling(**fields)
+
+
+def test_the_token_age_bound_is_max_token_age_or_k_with_mask_stale_tokens():
+    partial = dict(placement="separate", engine_ranks=1, max_staleness=2, partial=True)
+    assert RolloutSampling(**partial).token_age_bound is None
+    assert RolloutSampling(**partial, max_token_age=5).token_age_bound == 5
+    assert RolloutSampling(**partial, mask_stale_tokens=True).token_age_bound == 2
 
 
 def test_separate_placement_counts_its_engines():
@@ -48,3 +64,14 @@ def test_the_training_ranks_are_the_job_less_its_engine_ranks():
                       rollout=RolloutSampling(placement="separate", engine_ranks=12)), 24, gpus_per_node=8)[0]
     # the vLLM engine's TP need not divide Megatron's when the engines have their own ranks
     TrainerConfig(rollout=RolloutSampling(placement="separate", engine_ranks=4, tensor_parallel_size=4))
+
+
+def test_stale_samples_without_a_behaviour_policy_correction_warn_naming_the_fields():
+    separate = dict(placement="separate", engine_ranks=1)
+    with pytest.warns(UserWarning, match=r"rollout\.max_staleness=1 with loss\.rollout_correction\.mode='none'"):
+        TrainerConfig(rollout=RolloutSampling(**separate, max_staleness=1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TrainerConfig(rollout=RolloutSampling(**separate, max_staleness=0))  # synchronous: the samples are fresh
+        TrainerConfig(rollout=RolloutSampling(**separate, max_staleness=1),
+                      loss=LossConfig(rollout_correction=RolloutCorrectionConfig(mode="tis")))
