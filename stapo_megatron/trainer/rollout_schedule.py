@@ -138,8 +138,16 @@ class RolloutSchedule:
 
     def load_state_dict(self, trainer_state: dict) -> None:
         """This rank's part of a checkpoint's `state_dict`, before `start`."""
-        if self.partial:
-            self.ledger.load_state_dict(trainer_state["pool_ledgers"][dist.get_rank()])
+        if not self.partial:
+            return
+        ledgers = trainer_state.get("pool_ledgers")
+        if ledgers is None or len(ledgers) != dist.get_world_size():
+            raise ValueError(
+                "rollout.partial resumes from a checkpoint whose trainer state has "
+                + ("no pool ledgers (saved without partial rollouts, or before they were checkpointed)"
+                   if ledgers is None else f"pool ledgers of {len(ledgers)} training ranks, not {dist.get_world_size()}")
+                + ": its in-flight prompts cannot be recovered; resume it without rollout.partial, or start a new run")
+        self.ledger.load_state_dict(ledgers[dist.get_rank()])
 
     def _tag(self, version: int) -> None:
         """Tell a separate engine which policy version its next weights are (tokens keep it)."""

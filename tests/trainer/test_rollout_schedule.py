@@ -17,7 +17,7 @@ from stapo_megatron.data.tokenizer import build_char_tokenizer
 from stapo_megatron.mcore.parallel import Groups
 from stapo_megatron.recipes.tiny import tiny_demo
 from stapo_megatron.rollout.transport import connect
-from stapo_megatron.rollout.config import RolloutConfig
+from stapo_megatron.rollout.config import RolloutConfig, RolloutSampling
 from stapo_megatron.rollout.hf_engine import HFEngine
 from stapo_megatron.rollout.remote import RemoteEngine
 from stapo_megatron.trainer.engine_server import engine_config, serve
@@ -89,3 +89,14 @@ def test_step_s_is_generated_by_the_policy_after_s_minus_k_updates(versions, k):
         local.update_weights(iter(tensors[version].items()))
         expected = local.generate(PROMPTS, 2, cfg.rollout.temperature, 1.0, 6, seed=1000 * step)
         assert tokens == [[s.token_ids for s in group] for group in expected], (step, version)
+
+
+def test_partial_resume_from_a_checkpoint_without_pool_ledgers_is_refused_by_name():
+    """A checkpoint saved without partial rollouts holds no pool ledgers: resuming it with them
+    would lose the prompts in flight silently, so it is refused naming the setting."""
+    sampling = RolloutSampling(placement="separate", engine_ranks=1, max_staleness=1, partial=True)
+    schedule = RolloutSchedule(sampling, None, Groups(None, None, None, True, 0), lambda s: [], lambda s: 0,
+                               lambda: None, steps=1, timeout_s=1.0, indexed_prompts=lambda s: [])
+    with pytest.raises(ValueError, match="rollout.partial resumes from a checkpoint whose trainer state has no "
+                                         "pool ledgers .*resume it without rollout.partial"):
+        schedule.load_state_dict({"step": 3})
