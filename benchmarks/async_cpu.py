@@ -1,4 +1,4 @@
-"""Colocated vs separate placement on the CPU demo: where each side waits (issue 33's measure (c)).
+"""Colocated vs separate placement on the CPU demo: where each side waits.
 
     .venv/bin/python benchmarks/async_cpu.py runs/demo runs/demo-sep0 runs/demo-async
 

@@ -1,4 +1,4 @@
-"""Benchmark: what the collision sum sum_v p_v^2 (issue 35, the per-token logit-gradient norm) costs
+"""Benchmark: what the collision sum sum_v p_v^2 (the per-token logit-gradient norm) costs
 the fused log-prob/entropy op on the CPU.
 
 Three implementations of ``vocab_parallel_logprob_entropy``'s forward+backward (sum of log p,

@@ -3,7 +3,7 @@ Qwen3-14B-shaped tensors.
 
 Writes the HF checkpoint locally (random weights, streamed, no hub), then in the same run and
 on the same files times ``cp -r`` and the two conversions, each as a child process, and reads
-each child's peak RSS from ``wait4``. Goals (issue 3): hf-to-mcore <= 2.5x the copy time and
+each child's peak RSS from ``wait4``. Goals: hf-to-mcore <= 2.5x the copy time and
 peak RSS <= 0.5x the checkpoint size.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 \\

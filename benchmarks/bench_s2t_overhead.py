@@ -5,7 +5,7 @@ the trainer does per rollout batch after sampling: the pi_old pass (log-probs + 
 policy update (threshold, forward/backward with the loss, optimizer step). The three variants run
 interleaved on the same data, and the medians of per-round ratios against justrl are reported:
 
-- justrl:      no mask (the DAPO/JustRL objective; called "grpo" before issue 14);
+- justrl:      no mask (the DAPO/JustRL objective);
 - stapo/old:   S2T with tau_H from the pi_old pass (the default);
 - stapo/exact: S2T with tau_H from a no-grad pre-pass with the current weights.
 

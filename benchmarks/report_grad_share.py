@@ -1,6 +1,6 @@
 """The paper's gradient claim on a real run: per RL step, the share of the squared logit-gradient norm
 that the S2T-silenced tokens carried before silencing, beside the fraction of tokens silenced
-(issue 35; the metrics are ``stapo_megatron.ops.logit_grad``'s, logged in every train row).
+(the metrics are ``stapo_megatron.ops.logit_grad``'s, logged in every train row).
 
 Reads a finished run folder, writes the table between the ``grad-share`` markers of
 benchmarks/RESULTS.md and the figure of one step (``stapo-plot --grad-norm``) to docs/figures/:

@@ -5,7 +5,7 @@
         data.train_path=... data.eval_path=... output_dir=... run.executor.account=... --yes
 
 The layout (TP=4, EP=16, ETP=1 on 4 nodes) comes from the memory model (the memory table of docs/recipes.md).
-Mixture-of-experts conversion and expert-parallel training land with the MoE bridge (issue 25);
+Mixture-of-experts conversion and expert-parallel training land with the MoE bridge;
 until then this file renders the job but the trainer refuses the model.
 
 Cluster settings: run.executor.<field>=... or STAPO_* variables (stapo_megatron/launch/executors.py).

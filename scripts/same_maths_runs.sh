@@ -1,5 +1,5 @@
 #!/bin/bash
-# The fixed-seed short runs of the "same maths" check (issue 32): run them with two checkouts, then
+# The fixed-seed short runs of the "same maths" check: run them with two checkouts, then
 # compare with scripts/compare_metrics.py (and diff the demo_synthetic tables, its "sec" column aside).
 #   scripts/same_maths_runs.sh ROOT OUT     # ROOT: a checkout (used as PYTHONPATH); OUT: a new folder
 # Writes OUT/{padded,budget,fixed,moe,moe_replay}/metrics.jsonl and OUT/synthetic.log; each run's

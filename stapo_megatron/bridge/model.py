@@ -227,7 +227,7 @@ def load_checkpoint(model, checkpoint_dir: str) -> None:
     # transformer-engine. Neither holds weights, and a checkpoint written under one spec has
     # the other's form, so they are not loaded (which lets either spec read any checkpoint).
     # TEGroupedMLP's per-GEMM ones too: read, they would take the converter's (local-spec) empty
-    # objects, which only megatron-core's merge hook then drops (issue 34)
+    # objects, which only megatron-core's merge hook then drops
     for key in extra_state_keys(sharded):
         del sharded[key]
     state = dist_checkpointing.load(sharded, checkpoint_dir)
