@@ -1,5 +1,7 @@
 """The batch layout: how a step's sampled sequences become the micro-batches the model trains on.
 
+- ``step_rollout``: `StepRollout`, a training step's samples as one flat record (prompt, answer,
+  sample, token versions, routes per response), built once by the rollout schedule.
 - ``records``: `SequenceRecord`, one sampled sequence as it travels from the rollout to the loss.
 - ``microbatch``: `MicroBatch`, group advantages, padding records into label-aligned rows.
 - ``packing``: packed (THD) micro-batches and token budgets balanced over data-parallel ranks.

@@ -1,6 +1,7 @@
 """One sampled sequence as it travels from the rollout to the micro-batches: `SequenceRecord`.
 
-The trainer makes the records once per step, after the group advantages (`make_records`), and
+The trainer makes the records once per step, complete, from the step's samples
+(`stapo_megatron.batch.step_rollout.StepRollout`) and the group advantages (`make_records`), and
 hands them to `stapo_megatron.batch.minibatches.build_minibatches`; every layout (padded rows,
 packed THD rows) takes its per-token fields from the one per-sequence routine `token_fields`,
 and the data-parallel exchange of the ``budget`` layout moves records as bytes
@@ -19,13 +20,15 @@ from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 
+from stapo_megatron.batch.step_rollout import StepRollout
+
 NO_ROUTE = -1
 """``MicroBatch.routes`` at a position the rollout engine did not forward (no route)."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class SequenceRecord:
-    """One (prompt, response) pair with everything the update needs of it."""
+    """One (prompt, response) pair with everything the update needs of it (built complete, never changed)."""
 
     prompt_ids: torch.Tensor
     """[P] int64 prompt token ids (P >= 1)."""
@@ -65,14 +68,15 @@ class SequenceRecord:
 
 
 def record(prompt: Sequence[int], response: Sequence[int], advantage: float, rollout_logprobs: Sequence[float],
-           routes: Optional[torch.Tensor] = None, version: int = 0) -> SequenceRecord:
+           routes: Optional[torch.Tensor] = None, version: int = 0,
+           loss_mask: Optional[torch.Tensor] = None) -> SequenceRecord:
     """A `SequenceRecord` of plain lists (the advantage and log-probs rounded to float32)."""
     return SequenceRecord(
         prompt_ids=torch.tensor(list(prompt), dtype=torch.long),
         response_ids=torch.tensor(list(response), dtype=torch.long),
         rollout_logprobs=torch.tensor([float(x) for x in rollout_logprobs], dtype=torch.float32),
         advantage=float(torch.tensor(float(advantage), dtype=torch.float32)),
-        routes=routes, version=version)
+        routes=routes, version=version, loss_mask=loss_mask)
 
 
 def records_from_lists(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
@@ -90,16 +94,31 @@ def records_from_lists(prompts: Sequence[Sequence[int]], responses: Sequence[Seq
             for i, (p, r, a, lp) in enumerate(zip(prompts, responses, advantages, rollout_logprobs))]
 
 
-def make_records(prompts: Sequence[Sequence[int]], samples: Sequence[Sequence], adv_PG: torch.Tensor,
-                 version: int, routes: Optional[Sequence[torch.Tensor]] = None) -> List[SequenceRecord]:
-    """The step's records: sample g of prompt p with advantage ``adv_PG[p, g]``, flat in (p, g)
-    order; ``routes`` (flat, `trainer.routing.RoutingMonitor.step_routes`) or None."""
-    flat = [(prompts[p], s) for p, group in enumerate(samples) for s in group]
+def make_records(rollout: StepRollout, adv_PG: torch.Tensor, updates_per_step: int,
+                 token_age_bound: Optional[int] = None, with_routes: bool = False) -> List[SequenceRecord]:
+    """The step's records, complete, flat in the rollout's (p, g) order: sample g of prompt p with
+    advantage ``adv_PG[p, g]``.
+
+    Args:
+        rollout: the step's samples (`stapo_megatron.batch.step_rollout.StepRollout`).
+        adv_PG: the group advantages [P, G].
+        updates_per_step: RL optimizer updates per training step: a record's ``version`` counts
+            updates, its oldest token's policy version x this.
+        token_age_bound: partial rollouts' token-level bound in steps
+            (`RolloutSampling.token_age_bound`): tokens sampled by a policy older than step
+            ``rollout.step - token_age_bound`` are left out of the loss (``loss_mask``); None: none are.
+        with_routes: the step's micro-batches carry the MoE routes (`trainer.routing.RoutingMonitor.step_routes`).
+    """
     advantages = adv_PG.reshape(-1).tolist()
-    if len(advantages) != len(flat):
-        raise ValueError(f"{len(advantages)} advantages for {len(flat)} samples")
-    return [record(prompt, s.token_ids, a, s.logprobs, None if routes is None else routes[i], version)
-            for i, ((prompt, s), a) in enumerate(zip(flat, advantages))]
+    if len(advantages) != len(rollout.samples):
+        raise ValueError(f"{len(advantages)} advantages for {len(rollout.samples)} samples")
+    out = []
+    for s, a in zip(rollout.samples, advantages):
+        keep = None if token_age_bound is None else s.keep_mask(rollout.step - token_age_bound)
+        out.append(record(s.prompt_ids, s.sample.token_ids, a, s.sample.logprobs, s.routes if with_routes else None,
+                          s.oldest(rollout.version) * updates_per_step,
+                          None if keep is None else torch.tensor(keep)))
+    return out
 
 
 class TokenFields(NamedTuple):

@@ -14,7 +14,8 @@
   compares them with Megatron's routing (the routing-disagreement metrics).
 - ``transport`` / ``remote``: separate placement: the process groups between the trainer and engine
   transport and their messages; `RemoteEngine`, the engines on their own ranks seen from the trainers.
-- ``config``: `EngineResources`, the engine's `RolloutConfig` and the trainer's `RolloutSampling`.
+- ``config``: `EngineResources`, the engine's `RolloutConfig`, the trainer's `RolloutSampling` and
+  `SamplingSettings` (n, temperature, top-p, max tokens, seed: what one request samples with).
 
 A new engine touches ``registry.py`` (one line) and its own module. Importing this package does
 not import vllm or megatron-core.

@@ -1,4 +1,5 @@
-"""The rollout configs: `EngineResources` (shared), the engine's `RolloutConfig`, the trainer's `RolloutSampling`."""
+"""The rollout configs: `EngineResources` (shared), the engine's `RolloutConfig`, the trainer's
+`RolloutSampling`, and `SamplingSettings`, what one request samples with."""
 
 from __future__ import annotations
 
@@ -10,6 +11,39 @@ from stapo_megatron.utils import check_at_least
 
 PLACEMENTS = ("colocated", "separate")
 """Where the rollout engines run (`RolloutSampling.placement`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSettings:
+    """What one request samples with: the arguments of `stapo_megatron.rollout.base.RolloutEngine.
+    generate` but the prompts, as one value (`RolloutSampling.settings` builds a step's)."""
+
+    n: int
+    """Samples per prompt (G)."""
+    temperature: float
+    top_p: float
+    max_tokens: int
+    """Most response tokens per sample."""
+    seed: Optional[int] = None
+    """The first sample's seed: prompt i's j-th sample is seeded ``seed + i * n + j``; None: the
+    engine's own generator."""
+
+    def __post_init__(self):
+        if self.n < 1 or self.max_tokens < 1:
+            raise ValueError(f"SamplingSettings.n ({self.n}) and SamplingSettings.max_tokens ({self.max_tokens}) "
+                             f"must be >= 1")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingSettings needs a finite temperature >= 0 and 0 < top_p <= 1, got "
+                             f"temperature={self.temperature}, top_p={self.top_p}")
+
+    def skip(self, prompts: int) -> "SamplingSettings":
+        """The settings of the prompts after the first ``prompts`` of a request: the seeds they
+        have in the whole request (a share of it sampled alone draws the same samples)."""
+        return self if self.seed is None else dataclasses.replace(self, seed=self.seed + prompts * self.n)
+
+    def generate(self, engine, prompt_token_ids):
+        """``engine.generate`` of ``prompt_token_ids`` with these settings (the engine's loose arguments)."""
+        return engine.generate(prompt_token_ids, self.n, self.temperature, self.top_p, self.max_tokens, seed=self.seed)
 
 @dataclasses.dataclass
 class EngineResources:
@@ -239,6 +273,11 @@ class RolloutSampling(EngineResources):
         if self.routing_replay:
             raise ValueError("rollout.partial=True with rollout.routing_replay=True is not supported (a continued "
                              "response's routes would come from two engines' passes)")
+
+    def settings(self, seed: Optional[int]) -> SamplingSettings:
+        """A training step's `SamplingSettings`: G samples per prompt of at most ``max_response_len``
+        tokens at this temperature and top-p, the first seeded ``seed``."""
+        return SamplingSettings(self.group_size, self.temperature, self.top_p, self.max_response_len, seed)
 
     @property
     def round_tokens(self) -> int:

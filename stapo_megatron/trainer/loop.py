@@ -1,7 +1,7 @@
 """The STAPO training loop (docs/design.md, "One training step"), SPMD: one process per device.
 
-Per step: (1) this DP rank's prompts; (2) G rollouts per prompt; (3) rewards; (4) group advantages, one
-`SequenceRecord` per sample, laid out as `MicroBatch` objects by `build_minibatches`; (5) pi_old log-probs
+Per step: (1)-(2) G rollouts of each of this DP rank's prompts, as the step's one record (`StepRollout`, from
+the rollout schedule); (3) rewards; (4) group advantages, one complete `SequenceRecord` per sample, laid out as `MicroBatch` objects by `build_minibatches`; (5) pi_old log-probs
 (``schedule.old_policy_pass``; MoE: RoutingMonitor); (6) per PPO mini-batch a forward_backward and an optimizer step;
 (7) weight sync; (8) metrics, evaluation (`Evaluator`), checkpoint. Warm-start: `WarmStart`. Run: ``train(config)``."""
 
@@ -35,6 +35,7 @@ from stapo_megatron.batch.minibatches import MicroBatchLayout, build_minibatches
 from stapo_megatron.mcore.parallel import destroy_parallel
 from stapo_megatron.utils import collective_device
 from stapo_megatron.batch.records import SequenceRecord, make_records
+from stapo_megatron.batch.step_rollout import StepRollout
 from stapo_megatron.mcore.reference import add_reference_logprobs, frozen_copy, reset_reference
 from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
 from stapo_megatron.mcore.step import build_optimizer, policy_update, wrap_ddp
@@ -47,7 +48,6 @@ from stapo_megatron.trainer.mismatch_metrics import rollout_mismatch
 from stapo_megatron.trainer.step_metrics import SkipGuard, Timer, format_row, gather_silenced, step_row
 from stapo_megatron.trainer.warmstart import WarmStart
 from stapo_megatron.trainer.engine_server import engine_config
-from stapo_megatron.trainer.partial import mark_token_versions
 from stapo_megatron.trainer.rollout_schedule import RolloutSchedule, weight_sync
 
 
@@ -122,10 +122,10 @@ class Trainer:
             self.engine = build_engine(r.engine, cfg.model.hf_dir, engine_config(
                 r, self.seeds.engine(self.dp_rank), self.routing.enabled, cfg.longest_sequence(), cfg.model.bf16))
         per_rank = cfg.prompts_per_step // self.dp_size * r.group_size  # this rank's samples of a step
-        self.schedule = RolloutSchedule(r, self.engine, self.groups, lambda step: self._prompts(step)[0],
+        self.schedule = RolloutSchedule(r, self.engine, self.groups, self._indexed_prompts,
+                                        lambda index: self.train_ex[index].answer,
                                         lambda step: self.seeds.rollout(step, self.dp_rank, per_rank),
-                                        weight_sync(self.model, self.hf_config, self.groups), cfg.steps, timeout,
-                                        self._indexed_prompts)
+                                        weight_sync(self.model, self.hf_config, self.groups), cfg.steps, timeout)
         self.scorer = RewardScorer(num_workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s,
                                    score_fn=reward.score_fn, failure_reward=reward.failure_reward)
         self.evaluator = Evaluator(cfg.eval, self.held_out, self.eval_sets, self.engine, self.scorer, self.groups,
@@ -141,17 +141,13 @@ class Trainer:
         timer = Timer()
         for group in self.optimizer.param_groups:
             group["lr"] = warmup_lr(step, self.cfg.optim.lr, self.cfg.lr_warmup_steps)
-        prompts, answers = self._prompts(step)
         with timer("rollout"):
-            samples, version = self.schedule.samples(step)
-        if self.schedule.partial:  # the engines' pools chose the step's groups
-            indices, prompts = self.schedule.step_prompts
-            answers = [self.train_ex[i].answer for i in indices]
+            rollout = self.schedule.samples(step)  # the step's one record (batch/step_rollout.py)
         with timer("reward"):
-            rewards_PG, reward_info = self._score(samples, answers)
+            rewards_PG, reward_info = self._score(rollout)
         self.engine.sleep()  # GPU: vLLM's memory goes to training until the weight sync
         adv_PG, num_flat = group_advantages(rewards_PG)
-        records = self._records(step, prompts, samples, adv_PG, version)
+        records = self._records(rollout, adv_PG)
         minis, seq = build_minibatches(records, self.batch_layout, self.minibatch_size,
                                        partial(self.seeds.microbatches, step), self.groups.dp)
         ctx = self.context(seq)
@@ -160,45 +156,37 @@ class Trainer:
             mismatch = rollout_mismatch(minis, self.cfg.loss.rollout_correction, self.groups, self.dp_device)
             if self.ref_model is not None:
                 add_reference_logprobs(self.context(seq, self.ref_model), minis)
-        mismatch.update(self.routing.measure(step, samples, minis))  # {} unless MoE (its own time_routing)
+        mismatch.update(self.routing.measure(rollout, minis))  # {} unless MoE (its own time_routing)
         with timer("train"):
             updates = [policy_update(ctx, self.optimizer, mini, self.cfg.loss) for mini in minis]
         with timer("weight_sync"):
             self.schedule.after_update(step)
-        row = step_row(step, [u.metrics for u in updates], rewards_PG, num_flat, samples, mismatch, reward_info,
-                       self.cfg.loss.tau_h_source, self.optimizer.param_groups[0]["lr"], self.groups, self.dp_device)
+        row = step_row(step, [u.metrics for u in updates], rewards_PG, num_flat, rollout.response_tokens, mismatch,
+                       reward_info, self.cfg.loss.tau_h_source, self.optimizer.param_groups[0]["lr"], self.groups,
+                       self.dp_device)
         row.update(timer.seconds)
-        row.update(self.schedule.metrics(step, version, samples, self.dp_device))
+        row.update(self.schedule.metrics(rollout, self.dp_device))
         return row, [r for u in updates for r in u.silenced_tokens]
-
-    def _prompts(self, step: int) -> Tuple[List[List[int]], List[str]]:
-        """This DP rank's prompts of ``step`` (token ids) and their reference answers."""
-        idx = [i for i, _ in self._indexed_prompts(step)]
-        return [self.train_ids[i] for i in idx], [self.train_ex[i].answer for i in idx]
 
     def _indexed_prompts(self, step: int) -> List[Tuple[int, List[int]]]:
         """(training-set index, token ids) of this DP rank's prompts of ``step``."""
         return [(i, self.train_ids[i]) for i in step_prompt_indices(
             step, self.cfg.prompts_per_step, self.seeds.data_order, len(self.train_ids), self.dp_size, self.dp_rank)]
 
-    def _score(self, samples: List[List], answers: List[str]) -> Tuple[torch.Tensor, Dict]:
-        """Rewards [P, G] of the samples against their prompts' answers, and the scorer's info."""
-        G = self.cfg.rollout.group_size
-        texts = [s.text for group in samples for s in group]
-        rewards, info = self.scorer.score(texts, [answer for answer in answers for _ in range(G)])
-        return torch.tensor(rewards, dtype=torch.float32).view(len(answers), G), info
+    def _score(self, rollout: StepRollout) -> Tuple[torch.Tensor, Dict]:
+        """Rewards [P, G] of the step's samples against their prompts' answers, and the scorer's info."""
+        rewards, info = self.scorer.score(rollout.texts, rollout.answers)
+        return torch.tensor(rewards, dtype=torch.float32).view(rollout.num_prompts, rollout.group_size), info
 
-    def _records(self, step: int, prompts: List[List[int]], samples: List[List],
-                 adv_PG: torch.Tensor, version: int) -> List[SequenceRecord]:
-        """This rank's samples of ``step`` as sequence records, flat in (prompt, sample) order:
-        sampled by the policy after ``version`` steps, i.e. ``version`` x mini-batches per step
-        RL optimizer updates (`RolloutSchedule`), with their MoE routes when the step carries them."""
-        routes = self.routing.step_routes(step, samples)  # MoE: replayed and/or measured; None: not carried
+    def _records(self, rollout: StepRollout, adv_PG: torch.Tensor) -> List[SequenceRecord]:
+        """This rank's samples of the step as sequence records, flat in (prompt, sample) order:
+        each response's version is its oldest token's policy (steps trained) x mini-batches per
+        step RL optimizer updates (`RolloutSchedule`), with their MoE routes when the step carries
+        them and (partial rollouts, an option) the tokens older than the token-level bound left
+        out of the loss."""
+        with_routes = self.routing.step_routes(rollout)  # MoE: replayed and/or measured
         updates_per_step = self.cfg.prompts_per_step // self.cfg.minibatch_prompts
-        records = make_records(prompts, samples, adv_PG, version=version * updates_per_step, routes=routes)
-        if self.schedule.partial:  # each response's oldest token, and (an option) the stale tokens left out
-            mark_token_versions(records, samples, step, self.cfg.rollout, updates_per_step)
-        return records
+        return make_records(rollout, adv_PG, updates_per_step, self.cfg.rollout.token_age_bound, with_routes)
 
     def _save(self, step: int):
         ckpt.save_checkpoint(self.cfg.run_dir, step, self.model, self.optimizer,

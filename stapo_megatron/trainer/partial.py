@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, List, Sequence, Tuple
 
+from stapo_megatron.batch.step_rollout import StepRollout
 from stapo_megatron.rollout.base import Sample
+from stapo_megatron.rollout.config import SamplingSettings
 
 ROUND_SEED_STRIDE = 1_000_003
 """Seed distance between two rounds of a step (more samples than any round draws)."""
@@ -90,27 +92,28 @@ class PartialPool:
                 taken = done[:want]
                 self.groups = [g for g in self.groups if not any(g is t for t in taken)]
                 return taken
-            self._round(engine, n, temperature, top_p, max_tokens, round_tokens,
-                        seed + round_index * ROUND_SEED_STRIDE, version)
+            self._round(engine, SamplingSettings(n, temperature, top_p, max_tokens,
+                                                 seed + round_index * ROUND_SEED_STRIDE), round_tokens, version)
         raise RuntimeError(f"partial rollouts: {len(done)} of the {want} groups a step needs finished, and the pool "
                            f"({len(self.groups)} groups, {len(self.waiting)} waiting) has nothing left to generate")
 
-    def _round(self, engine, n: int, temperature: float, top_p: float, max_tokens: int, round_tokens: int,
-               seed: int, version: int) -> None:
-        """One round: new groups start, unfinished responses continue (two seeded calls)."""
+    def _round(self, engine, settings: SamplingSettings, round_tokens: int, version: int) -> None:
+        """One round of at most ``round_tokens`` new tokens a response, ``settings.max_tokens`` in
+        all: new groups start, unfinished responses continue (seeded calls from ``settings.seed``)."""
+        max_tokens = settings.max_tokens
         new = [g for g in self.groups if not g.samples]
         going = [(g, s) for g in self.groups if g.samples for s in g.samples if not _done(s, max_tokens)]
         if new:
-            out = engine.generate([g.prompt for g in new], n, temperature, top_p, min(round_tokens, max_tokens),
-                                  seed=seed)
+            out = dataclasses.replace(settings, max_tokens=min(round_tokens, max_tokens)).generate(
+                engine, [g.prompt for g in new])
             for group, samples in zip(new, out):
                 group.samples = [dataclasses.replace(s, versions=[version] * len(s.token_ids)) for s in samples]
-        offset = seed + len(new) * n  # distinct seeds for every response of the round
+        one = dataclasses.replace(settings.skip(len(new)), n=1)  # distinct seeds for every response of the round
         limits = [min(round_tokens, max_tokens - len(s.token_ids)) for _, s in going]
         for limit in sorted(set(limits)):  # one call per budget (near max_tokens they differ)
             part = [pair for pair, lim in zip(going, limits) if lim == limit]
-            out = engine.generate([g.prompt + s.token_ids for g, s in part], 1, temperature, top_p, limit, seed=offset)
-            offset += len(part)
+            out = dataclasses.replace(one, max_tokens=limit).generate(engine, [g.prompt + s.token_ids for g, s in part])
+            one = one.skip(len(part))
             for (_, sample), (more,) in zip(part, out):
                 _extend(sample, more, version, engine.detokenize)
 
@@ -173,33 +176,20 @@ class PoolLedger:
         self.resend = sorted(self.in_flight)
 
 
-def group_samples(groups: Sequence[Group]) -> Tuple[List[int], List[List[int]], List[List[Sample]]]:
-    """(indices, prompts, samples) of returned groups, for the trainer's step."""
-    return [g.index for g in groups], [g.prompt for g in groups], [g.samples for g in groups]
-
-
-def stale_mask(versions: Optional[Sequence[int]], oldest: int) -> Optional[List[bool]]:
-    """Per token: sampled by a policy of version >= ``oldest`` (None when all are)."""
-    if versions is None or min(versions, default=oldest) >= oldest:
-        return None
-    return [v >= oldest for v in versions]
-
-
-def partial_metrics(step: int, rollout, samples: Sequence[Sequence[Sample]], pool_state: dict, groups,
-                    device) -> dict:
+def partial_metrics(rollout: StepRollout, config, pool_state: dict, groups, device) -> dict:
     """The step's partial-rollout metrics, over DP: tokens sampled by a policy older than the
     request-level bound (``stale_tokens``, their fraction), the tokens' mean and largest age in
     steps (``token_age_mean``, ``token_age_max``), tokens left out of the loss by the token-level
     bound (``token_age_masked``, `RolloutSampling.token_age_bound`), responses that more than one
-    policy sampled; and rank 0's replica's pool (groups in flight, prompts waiting)."""
+    policy sampled; and rank 0's replica's pool (groups in flight, prompts waiting). ``config``:
+    the run's `RolloutSampling`."""
     import torch
     import torch.distributed as dist
 
-    flat = [s for group in samples for s in group]
-    versions = [v for s in flat for v in (s.versions or [])]
-    bound = rollout.token_age_bound
-    sums = torch.tensor([sum(v < step - rollout.max_staleness for v in versions), len(versions),
-                         sum(step - v for v in versions), sum(len(set(s.versions or [])) > 1 for s in flat),
+    step, versions = rollout.step, rollout.token_versions
+    bound = config.token_age_bound
+    sums = torch.tensor([sum(v < step - config.max_staleness for v in versions), len(versions),
+                         sum(step - v for v in versions), sum(len(set(s.versions)) > 1 for s in rollout.samples),
                          0 if bound is None else sum(step - v > bound for v in versions)],
                         dtype=torch.float64, device=device)
     oldest = torch.tensor([max((step - v for v in versions), default=0)], dtype=torch.float64, device=device)
@@ -210,18 +200,3 @@ def partial_metrics(step: int, rollout, samples: Sequence[Sequence[Sample]], poo
     return dict(stale_tokens=stale, stale_token_fraction=stale / max(total, 1.0), token_age_mean=age / max(total, 1.0),
                 token_age_max=oldest.item(), token_age_masked=masked, resumed_responses=resumed,
                 pool_groups=float(pool_state.get("pool", 0)), pool_waiting=float(pool_state.get("waiting", 0)))
-
-
-def mark_token_versions(records: Sequence, samples: Sequence[Sequence[Sample]], step: int, rollout,
-                        updates_per_step: int) -> None:
-    """Partial rollouts' records (flat in the samples' order): the version of each response's
-    oldest token (in RL optimizer updates), and the tokens older than the token-level bound
-    (`RolloutSampling.token_age_bound`: ``max_token_age``, or ``max_staleness`` with
-    ``mask_stale_tokens``) left out of the loss (``SequenceRecord.loss_mask``)."""
-    import torch
-
-    bound = rollout.token_age_bound
-    for rec, sample in zip(records, [s for group in samples for s in group]):
-        rec.version = min(sample.versions) * updates_per_step
-        keep = stale_mask(sample.versions, step - bound) if bound is not None else None
-        rec.loss_mask = None if keep is None else torch.tensor(keep)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from stapo_megatron.config import TrainerConfig
 from stapo_megatron.batch.alignment import row_multiple, sequence_multiple
 from stapo_megatron.config.parallel_layout import raise_problems, world_problems
+from stapo_megatron.rollout.config import SamplingSettings
 from stapo_megatron.rollout.spmd import generate_context_parallel_share, shared_over_group
 from stapo_megatron.mcore.config import ModelConfig
 from stapo_megatron.mcore.parallel import Groups, init_parallel
@@ -55,16 +56,17 @@ def seq_multiple(m: ModelConfig) -> int:
     return row_multiple(m.context_parallel_size, m.tensor_model_parallel_size, m.sequence_parallel)
 
 
-def replica_rollout(engine, groups: Groups, prompts: List[List[int]], n: int, temperature: float, top_p: float,
-                    max_tokens: int, seed: int, wait_timeout_s: Optional[float]) -> List[List]:
-    """G samples for each of this DP replica's prompts, identical on all its ranks.
+def replica_rollout(engine, groups: Groups, prompts: List[List[int]], settings: SamplingSettings,
+                    wait_timeout_s: Optional[float]) -> List[List]:
+    """``settings.n`` samples for each of this DP replica's prompts, identical on all its ranks.
 
     Without CP: `generate_for_group` (model-parallel rank 0's samples broadcast). With CP:
-    CP rank c samples prompts [c P / CP, (c + 1) P / CP) (first sample seed ``seed + c P / CP
-    x n``, as without CP: `generate_context_parallel_share`), then the parts are all-gathered
-    over CP in rank order."""
-    _, mine = generate_context_parallel_share(engine, groups, prompts, n, temperature, top_p, max_tokens, seed,
-                                              wait_timeout_s)
+    CP rank c samples prompts [c P / CP, (c + 1) P / CP) (first sample seed ``settings.seed +
+    c P / CP x n``, as without CP: `generate_context_parallel_share`), then the parts are
+    all-gathered over CP in rank order."""
+    s = settings  # the engine side takes the loose arguments
+    _, mine = generate_context_parallel_share(engine, groups, prompts, s.n, s.temperature, s.top_p, s.max_tokens,
+                                              s.seed, wait_timeout_s)
     return _gather_context_parallel(groups, mine)
 
 
@@ -77,14 +79,14 @@ def _gather_context_parallel(groups: Groups, mine: List[List]) -> List[List]:
     return [group for part in parts for group in part]
 
 
-def replica_submit(engine, groups: Groups, prompts: List[List[int]], n: int, temperature: float, top_p: float,
-                   max_tokens: int, seed: int):
+def replica_submit(engine, groups: Groups, prompts: List[List[int]], settings: SamplingSettings):
     """`replica_rollout`'s first half with separate placement: this CP rank's share of the
     replica's prompts queued at the engines (`stapo_megatron.rollout.remote.RemoteEngine.submit`,
     same seeds); returns the ticket `replica_receive` takes."""
     cp, rank = groups.cp_size, dist.get_rank(groups.cp) if groups.cp is not None else 0
     start, end = len(prompts) * rank // cp, len(prompts) * (rank + 1) // cp
-    return engine.submit(prompts[start:end], n, temperature, top_p, max_tokens, seed + start * n)
+    s = settings.skip(start)  # the share's seeds in the whole request; the engine takes the loose arguments
+    return engine.submit(prompts[start:end], s.n, s.temperature, s.top_p, s.max_tokens, s.seed)
 
 
 def replica_receive(engine, groups: Groups, ticket, wait_timeout_s: Optional[float]) -> List[List]:

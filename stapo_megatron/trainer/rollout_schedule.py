@@ -30,6 +30,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
+from stapo_megatron.batch.step_rollout import StepRollout
 from stapo_megatron.mcore.parallel import Groups
 from stapo_megatron.rollout.config import RolloutSampling
 from stapo_megatron.rollout.weight_sync import sync_weights, wake_and_sync
@@ -44,7 +45,9 @@ class RolloutSchedule:
         config: the trainer's rollout settings (``TrainerConfig.rollout``).
         engine: the colocated engine, or the `stapo_megatron.rollout.remote.RemoteEngine`.
         groups: this rank's process groups.
-        prompts: step -> this DP rank's prompts (token ids).
+        prompts: step -> this DP rank's prompts of that step in data order: (training-set
+            index, token ids) each.
+        answer: training-set index -> the prompt's reference answer.
         seed: step -> the seed of this DP rank's first sample of that step.
         sync: the weight sync (model, HF config and groups bound): ``sync(engine)`` with the
             engine awake, or wake_and_sync's order for a sleeping colocated one.
@@ -52,21 +55,19 @@ class RolloutSchedule:
         timeout_s: how long to wait for a step's samples (`TrainerConfig.rollout_timeout`).
     """
 
-    def __init__(self, config: RolloutSampling, engine, groups: Groups, prompts: Callable[[int], List[List[int]]],
-                 seed: Callable[[int], int], sync: Callable, steps: int, timeout_s: float,
-                 indexed_prompts: Optional[Callable[[int], List[Tuple[int, List[int]]]]] = None):
+    def __init__(self, config: RolloutSampling, engine, groups: Groups,
+                 prompts: Callable[[int], List[Tuple[int, List[int]]]], answer: Callable[[int], str],
+                 seed: Callable[[int], int], sync: Callable, steps: int, timeout_s: float):
         self.config, self.engine, self.groups = config, engine, groups
-        self.prompts, self.seed, self.sync, self.steps, self.timeout_s = prompts, seed, sync, steps, timeout_s
+        self.prompts, self.answer, self.seed = prompts, answer, seed
+        self.sync, self.steps, self.timeout_s = sync, steps, timeout_s
         self.separate = config.placement == "separate"
         self.ahead = config.max_staleness
         self.partial = config.partial
-        """Partial rollouts: the engines' pools decide which prompts a step trains (`step_prompts`)."""
-        self.indexed_prompts = indexed_prompts
+        """Partial rollouts: the engines' pools decide which prompts a step trains."""
         # partial rollouts with CP, or with fewer replicas than engines, are refused when the config
         # is built (`stapo_megatron.config.parallel_layout`)
-        assert not self.partial or (groups.cp_size == 1 and indexed_prompts is not None)
-        self.step_prompts: Tuple[List[int], List[List[int]]] = ([], [])
-        """Partial rollouts: (training-set indices, prompt ids) of the groups the last ``samples`` returned."""
+        assert not self.partial or groups.cp_size == 1
         self.pool_state: dict = {}
         self.ledger = PoolLedger()
         """Partial rollouts: the stream positions sent to this replica's pool and not yet trained."""
@@ -85,22 +86,25 @@ class RolloutSchedule:
             for ahead in range(step, min(step + self.ahead, self.steps - 1) + 1):
                 self._submit(ahead)
 
-    def samples(self, step: int) -> Tuple[List[List], int]:
-        """This DP rank's samples of ``step`` (identical on the replica's ranks) and the policy
-        version that generated them (steps trained)."""
+    def samples(self, step: int) -> StepRollout:
+        """This DP rank's samples of ``step`` (identical on the replica's ranks), with the policy
+        version that generated them (steps trained), as the step's one record."""
         r = self.config
         if not self.separate:
             prompts = self.prompts(step)
-            samples = replicas.replica_rollout(self.engine, self.groups, prompts, r.group_size, r.temperature, r.top_p,
-                                             r.max_response_len, self.seed(step), self.timeout_s)
-            version = step
+            groups = replicas.replica_rollout(self.engine, self.groups, [ids for _, ids in prompts],
+                                              r.settings(self.seed(step)), self.timeout_s)
+            rollout = StepRollout.of_groups(step, prompts, self.answer, groups, r.group_size, version=step)
         else:
             ticket, version = self.pending.pop(step) if step in self.pending else self._submit(step, keep=False)
-            samples = replicas.replica_receive(self.engine, self.groups, ticket, self.timeout_s)
+            groups = replicas.replica_receive(self.engine, self.groups, ticket, self.timeout_s)
             if self.partial:
-                samples, version = self._partial_step(samples[0])
-        self.staleness[step - version] += 1
-        return samples, version
+                rollout = self._partial_step(step, groups[0])
+            else:
+                rollout = StepRollout.of_groups(step, self.prompts(step), self.answer, groups, r.group_size,
+                                                version=version)
+        self.staleness[step - rollout.version] += 1
+        return rollout
 
     def after_update(self, step: int) -> dict:
         """Step ``step`` has updated the policy: hand its weights to the engines and (separate
@@ -113,15 +117,15 @@ class RolloutSchedule:
             self._submit(following)
         return stats
 
-    def metrics(self, step: int, version: int, samples: List[List], device) -> Dict[str, float]:
+    def metrics(self, rollout: StepRollout, device) -> Dict[str, float]:
         """The step's staleness (updates between the generating policy and this step's: with
         partial rollouts, of its oldest token), the partial-rollout metrics, and with separate
         placement what rank 0's engine reported with its samples: seconds generating them, idle
         before (no request or weights) and loading weights (docs/async.md);
         ``time_rollout`` is then the trainers' wait for them."""
-        row: Dict[str, float] = {"staleness": float(step - version)}
+        row: Dict[str, float] = {"staleness": float(rollout.step - rollout.version)}
         if self.partial:
-            row.update(partial_metrics(step, self.config, samples, self.pool_state, self.groups, device))
+            row.update(partial_metrics(rollout, self.config, self.pool_state, self.groups, device))
         if self.separate:
             times = self.engine.last_times
             row.update(time_engine_generate=times.generate, time_engine_idle=times.idle, time_engine_load=times.load)
@@ -154,42 +158,38 @@ class RolloutSchedule:
         if self.separate:
             self.engine.policy_version = version
 
-    def _partial_step(self, reply: dict) -> Tuple[List[List], int]:
-        """A partial rollout's reply: its groups' samples (the prompts in `step_prompts`) and the
-        oldest policy version among their tokens."""
+    def _partial_step(self, step: int, reply: dict) -> StepRollout:
+        """A partial rollout's reply: its groups (the prompts the pool finished first) as the
+        step's record, its version the oldest among their tokens."""
         groups = reply["groups"]
-        self.step_prompts = ([g.index for g in groups], [g.prompt for g in groups])
-        self.ledger.trained(self.step_prompts[0])
+        self.ledger.trained([g.index for g in groups])
         self.pool_state = {k: reply[k] for k in ("pool", "waiting", "continued")}
-        samples = [g.samples for g in groups]
-        oldest = min(min(s.versions) for group in samples for s in group if s.versions)
-        return samples, oldest
+        return StepRollout.of_groups(step, [(g.index, g.prompt) for g in groups], self.answer,
+                                     [g.samples for g in groups], self.config.group_size)
 
     def _submit(self, step: int, keep: bool = True):
         r = self.config
+        settings = r.settings(self.seed(step))
         if self.partial:  # the step's prompts into this replica's pool (no CP: checked at start)
             asks = self.groups.mp is None or dist.get_rank(self.groups.mp) == 0
-            fresh, ahead = self.indexed_prompts(step), self.indexed_prompts(step + 1)
+            fresh, ahead = self.prompts(step), self.prompts(step + 1)
             per_step = len(fresh)
             extra = math.ceil((r.oversample - 1) * per_step)  # the next step's first prompts: the over-sampling
             order = [(step * per_step + j, i, ids) for j, (i, ids) in enumerate(fresh + ahead[:extra])]
             window = self.ledger.window(order, self._entry)  # what the pool has not had, in-flight first on resume
-            ticket = self.engine.submit_partial(
-                window if asks else [], per_step, per_step + extra, r.group_size,
-                r.temperature, r.top_p, r.max_response_len, r.round_tokens, self.seed(step))
-            if keep:
-                self.pending[step] = (ticket, self.version)
-            return ticket, self.version
-        ticket = replicas.replica_submit(self.engine, self.groups, self.prompts(step), r.group_size, r.temperature,
-                                       r.top_p, r.max_response_len, self.seed(step))
+            s = settings  # the engine side takes the loose arguments
+            ticket = self.engine.submit_partial(window if asks else [], per_step, per_step + extra, s.n,
+                                                s.temperature, s.top_p, s.max_tokens, r.round_tokens, s.seed)
+        else:
+            ticket = replicas.replica_submit(self.engine, self.groups, [ids for _, ids in self.prompts(step)], settings)
         if keep:
             self.pending[step] = (ticket, self.version)
         return ticket, self.version
 
     def _entry(self, position: int):
         """(position, training-set index, prompt ids) of a stream position of this replica's data order."""
-        per_step = len(self.indexed_prompts(0))
-        return (position, *self.indexed_prompts(position // per_step)[position % per_step])
+        per_step = len(self.prompts(0))
+        return (position, *self.prompts(position // per_step)[position % per_step])
 
 
 def weight_sync(model, hf_config, groups: Groups) -> Callable:

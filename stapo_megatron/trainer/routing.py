@@ -33,7 +33,8 @@ routing training would choose by itself, i.e. how many (token, layer) top-k sets
 overrides; the update and pi_old then route exactly as the rollout did (no flip remains).
 
 The monitor also decides which steps' micro-batches carry routes (`RoutingMonitor.step_routes`:
-with replay every step, else the measured ones) and refuses, on every rank, a replay step whose
+with replay every step, else the measured ones; the routes are the step record's,
+`stapo_megatron.batch.step_rollout.RolloutSample.routes`) and refuses, on every rank, a replay step whose
 samples came back without routes.
 
 Legend: T = positions, L = MoE layers, K = experts per token, E = experts, S = padded sequence,
@@ -45,7 +46,7 @@ from __future__ import annotations
 import time
 import warnings
 from functools import partial
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -56,6 +57,7 @@ from stapo_megatron.batch.microbatch import NO_ROUTE, MicroBatch
 from stapo_megatron.batch.minibatches import MicroBatchLayout, build_minibatches
 from stapo_megatron.utils import collective_device
 from stapo_megatron.batch.records import records_from_lists
+from stapo_megatron.batch.step_rollout import StepRollout
 from stapo_megatron.mcore.router_replay import local_routes
 from stapo_megatron.mcore.schedule import run_microbatches
 
@@ -228,39 +230,41 @@ class RoutingMonitor:
         """Whether ``step`` measures the routing disagreement."""
         return self.num_experts > 0 and self.every > 0 and step % self.every == 0
 
-    def step_routes(self, step: int, samples: List[List]) -> Optional[List[torch.Tensor]]:
-        """The routes of the step's samples (flat, as `Sample.routed_experts`) for its micro-batches:
-        with replay, or on a measured step; None otherwise or (measuring only, warned once) when
+    def step_routes(self, rollout: StepRollout) -> bool:
+        """Whether the step's micro-batches carry its samples' routes (`RolloutSample.routes`):
+        with replay, or on a measured step; False otherwise or (measuring only, warned once) when
         some rank's engine returned none. Every rank calls it (one MIN all-reduce).
 
         Raises:
             ValueError: on every rank, with replay on, when some sample of some rank has no routes.
         """
+        step = rollout.step
         if not (self.replay or self.measuring(step)):
-            return None
-        flat = [s for group in samples for s in group]
-        have = torch.tensor([float(all(s.routed_experts is not None for s in flat))], device=collective_device(None))
+            return False
+        have = torch.tensor([float(all(s.routes is not None for s in rollout.samples))],
+                            device=collective_device(None))
         dist.all_reduce(have, op=dist.ReduceOp.MIN)
         if have.item():
-            return [s.routed_experts for s in flat]
+            return True
         if self.replay:
-            missing = sum(s.routed_experts is None for s in flat)
+            missing = sum(s.routes is None for s in rollout.samples)
             raise ValueError(f"rollout.routing_replay=True but the rollout engine returned no routed experts for "
-                             f"some samples of step {step} (rank {dist.get_rank()}: {missing} of {len(flat)}; "
-                             f"every rank stops); RolloutConfig.return_routed_experts says which engines can")
+                             f"some samples of step {step} (rank {dist.get_rank()}: {missing} of "
+                             f"{len(rollout.samples)}; every rank stops); RolloutConfig.return_routed_experts says "
+                             f"which engines can")
         if not self.warned and dist.get_rank() == 0:
             warnings.warn("routing disagreement is not measured: the rollout engine returned no routed "
                           "experts (RolloutConfig.return_routed_experts says which engines can)")
         self.warned = True
-        return None
+        return False
 
-    def measure(self, step: int, samples: List[List], minis: List[List[MicroBatch]]) -> Dict[str, float]:
+    def measure(self, rollout: StepRollout, minis: List[List[MicroBatch]]) -> Dict[str, float]:
         """The step's routing metrics and their time (every rank calls it; {} on steps without
         a measurement or when the micro-batches carry no routes: `step_routes`)."""
         mbs = [mb for mini in minis for mb in mini]
-        if not self.measuring(step) or any(mb.routes is None for mb in mbs):
+        if not self.measuring(rollout.step) or any(mb.routes is None for mb in mbs):
             return {}
-        flat = [s for group in samples for s in group]
+        flat = [s.sample for s in rollout.samples]
         device = collective_device(None)
         start = time.perf_counter()
         counts_3L = routing_counts(self.model, mbs, self.num_experts).to(device)

@@ -36,13 +36,14 @@ class Timer:
         return _Ctx()
 
 
-def step_row(step: int, updates: List[Dict], rewards_PG: torch.Tensor, num_flat: int, samples, mismatch: Dict,
-             reward_info: Dict, tau_h_source: str, lr: float, groups: Groups, dp_device) -> Dict:
-    """The step's metrics row: rollout sums over DP, the mini-batch updates' metrics, the
-    rollout/training mismatch (``rollout_mismatch``) and its overlap with S2T."""
+def step_row(step: int, updates: List[Dict], rewards_PG: torch.Tensor, num_flat: int, response_tokens: int,
+             mismatch: Dict, reward_info: Dict, tau_h_source: str, lr: float, groups: Groups, dp_device) -> Dict:
+    """The step's metrics row: rollout sums over DP (``response_tokens``: this rank's, the step
+    record's `StepRollout.response_tokens`), the mini-batch updates' metrics, the rollout/training
+    mismatch (``rollout_mismatch``) and its overlap with S2T."""
     sums = torch.tensor([
         float(rewards_PG.sum()), float(rewards_PG.numel()), float(num_flat), float(rewards_PG.shape[0]),
-        float(sum(len(s.token_ids) for group in samples for s in group)), float(reward_info.get("num_timeouts", 0)),
+        float(response_tokens), float(reward_info.get("num_timeouts", 0)),
     ], device=dp_device)
     dist.all_reduce(sums, group=groups.dp)
     mean = lambda key: sum(u[key] for u in updates) / len(updates)  # noqa: E731

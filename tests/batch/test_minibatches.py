@@ -9,11 +9,15 @@ Tier b (gloo, 2 ranks): the "budget" exchange gives each rank exactly the record
 layout builds on each rank what a single process builds from all ranks' records.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
 from stapo_megatron.batch.minibatches import MicroBatchLayout, build_minibatches
 from stapo_megatron.batch.records import decode, encode, encoded_size, make_records, record, records_from_lists
+from stapo_megatron.batch.step_rollout import StepRollout
+from stapo_megatron.rollout.base import Sample
 from tests.helpers.minibatch_records import K, L, _records, _same_record
 
 
@@ -31,18 +35,37 @@ def test_record_bytes_round_trip():
 
 
 def test_make_records_flattens_groups_and_sets_the_version():
-    class Sample:  # the fields make_records reads of rollout.base.Sample
-        def __init__(self, ids):
-            self.token_ids, self.logprobs = ids, [-0.25] * len(ids)
-
-    prompts = [[1, 2], [3]]
-    samples = [[Sample([4]), Sample([5, 6])], [Sample([7, 8, 9]), Sample([10])]]
-    records = make_records(prompts, samples, torch.tensor([[0.5, -0.5], [1.0, -1.0]]), version=6)
+    prompts = [(10, [1, 2]), (11, [3])]
+    groups = [[_sample([4]), _sample([5, 6])], [_sample([7, 8, 9]), _sample([10])]]
+    rollout = StepRollout.of_groups(5, prompts, lambda i: str(i), groups, 2, version=3)
+    records = make_records(rollout, torch.tensor([[0.5, -0.5], [1.0, -1.0]]), updates_per_step=2)
     assert [r.prompt_ids.tolist() + r.response_ids.tolist() for r in records] == [[1, 2, 4], [1, 2, 5, 6],
                                                                                     [3, 7, 8, 9], [3, 10]]
+    # version: the request's policy (3 steps trained) x 2 updates a step
     assert [r.advantage for r in records] == [0.5, -0.5, 1.0, -1.0] and {r.version for r in records} == {6}
+    assert all(r.loss_mask is None and r.routes is None for r in records)
     with pytest.raises(ValueError, match="3 advantages for 4 samples"):
-        make_records(prompts, samples, torch.zeros(3), version=0)
+        make_records(rollout, torch.zeros(3), updates_per_step=1)
+    with pytest.raises(dataclasses.FrozenInstanceError):  # built complete, never changed
+        records[0].version = 0
+
+
+def _sample(ids, versions=None):
+    return Sample(token_ids=ids, logprobs=[-0.25] * len(ids), text="", finish_reason="stop", versions=versions)
+
+
+def test_make_records_of_partial_rollouts_take_the_oldest_version_and_mask_tokens_past_the_bound():
+    """A response continued over steps 1..3 (token versions 1, 1, 2, 3) trains at step 4 with a
+    token-level bound of 2 steps: its version is its oldest token's, and the tokens older than
+    step 4 - 2 = 2 are left out of the loss; a response of one policy keeps every token."""
+    groups = [[_sample([4, 5, 6, 7], versions=[1, 1, 2, 3]), _sample([8, 9], versions=[3, 3])]]
+    rollout = StepRollout.of_groups(4, [(0, [1, 2])], lambda i: "", groups, 2)
+    assert rollout.version == 1  # the step's oldest token
+    records = make_records(rollout, torch.zeros(1, 2), updates_per_step=3, token_age_bound=2)
+    assert [r.version for r in records] == [3, 9]
+    assert records[0].loss_mask.tolist() == [False, False, True, True] and records[1].loss_mask is None
+    unbounded = make_records(rollout, torch.zeros(1, 2), updates_per_step=3)
+    assert all(r.loss_mask is None for r in unbounded)
 
 
 def test_record_errors():
@@ -95,8 +118,8 @@ def test_a_records_loss_mask_reaches_its_response_mask_and_survives_the_byte_exc
 
     from stapo_megatron.batch.records import decode, encode, encoded_size, record, token_fields
 
-    rec = record([5, 6, 7], [8, 9, 10, 11], 0.5, [-0.1, -0.2, -0.3, -0.4], version=3)
-    rec.loss_mask = torch.tensor([False, False, True, True])
+    rec = record([5, 6, 7], [8, 9, 10, 11], 0.5, [-0.1, -0.2, -0.3, -0.4], version=3,
+                 loss_mask=torch.tensor([False, False, True, True]))
     fields = token_fields(rec, 0, with_routes=False)
     # the labels of positions 2..5 are the response tokens; the first two are left out
     assert fields.response_mask.tolist() == [False, False, False, False, True, True, False]

@@ -203,6 +203,7 @@ def _missing_routes_worker():
     from stapo_megatron.rollout.base import Sample
     from stapo_megatron.mcore.parallel import init_parallel
     from stapo_megatron.trainer.routing import RoutingMonitor
+    from stapo_megatron.batch.step_rollout import StepRollout
 
     import torch.distributed as dist
 
@@ -211,11 +212,14 @@ def _missing_routes_worker():
     monitor = RoutingMonitor(cfg.rollout, tiny_config(VARIANT), model=None)  # step_routes needs no model
     routed = random_routes(4, L).long()
     good = Sample(token_ids=[1, 2], logprobs=[0.0, 0.0], text="", finish_reason="stop", routed_experts=routed)
-    out = {"enabled": monitor.enabled, "routes": len(monitor.step_routes(0, [[good, good]]))}
+    def rollout(step, samples):  # one prompt's group, as the schedule would record it
+        return StepRollout.of_groups(step, [(0, [5, 6, 7])], lambda i: "", [samples], len(samples), version=step)
+
+    out = {"enabled": monitor.enabled, "routes": monitor.step_routes(rollout(0, [good, good]))}
     # rank 1's engine lost the routes of one sample: both ranks stop, neither hangs
     bad = dataclasses.replace(good, routed_experts=None) if dist.get_rank() == 1 else good
     try:
-        monitor.step_routes(1, [[good, bad]])
+        monitor.step_routes(rollout(1, [good, bad]))
     except ValueError as error:
         out["error"] = str(error)
     return out

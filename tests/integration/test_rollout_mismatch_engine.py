@@ -37,9 +37,11 @@ def _minibatch(prompts, samples, seed):
     """The samples as one mini-batch of two micro-batches, advantages +-1 alternating."""
     from stapo_megatron.batch.microbatch import pack_sequences, split_microbatches
     from stapo_megatron.batch.records import make_records
+    from stapo_megatron.batch.step_rollout import StepRollout
 
     adv_PG = torch.tensor([1.0, -1.0]).repeat(len(samples) * G // 2).view(len(samples), G)
-    batch = pack_sequences(make_records(prompts, samples, adv_PG, version=0), 0, SEQ)
+    rollout = StepRollout.of_groups(0, list(enumerate(prompts)), lambda i: "", samples, G, version=0)
+    batch = pack_sequences(make_records(rollout, adv_PG, updates_per_step=1), 0, SEQ)
     return [split_microbatches(batch, batch.num_rows // 2, seed=seed)]
 
 

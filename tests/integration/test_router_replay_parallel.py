@@ -80,5 +80,5 @@ def test_trainer_steps_with_routing_replay(tmp_path, packing, cp):
 def test_missing_routes_stop_every_rank_with_replay():
     results = run_distributed(2, _missing_routes_worker)
     for rank, r in enumerate(results):
-        assert r["enabled"] and r["routes"] == 2  # replay alone makes the engine record routes
+        assert r["enabled"] and r["routes"] is True  # replay alone makes the engine record routes
         assert "returned no routed experts" in r["error"] and f"rank {rank}: {rank} of 2" in r["error"]

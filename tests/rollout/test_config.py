@@ -1,6 +1,7 @@
 """The rollout configs' placement fields: separate placement and its refusals,
 each naming the field and its value."""
 
+import dataclasses
 import warnings
 
 import pytest
@@ -10,7 +11,7 @@ from stapo_megatron.mcore.config import ModelConfig
 from stapo_megatron.config.parallel_layout import world_problems
 from stapo_megatron.method.config import LossConfig
 from stapo_megatron.method.rollout_correction import RolloutCorrectionConfig
-from stapo_megatron.rollout.config import RolloutSampling
+from stapo_megatron.rollout.config import RolloutSampling, SamplingSettings
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -75,3 +76,25 @@ def test_stale_samples_without_a_behaviour_policy_correction_warn_naming_the_fie
         TrainerConfig(rollout=RolloutSampling(**separate, max_staleness=0))  # synchronous: the samples are fresh
         TrainerConfig(rollout=RolloutSampling(**separate, max_staleness=1),
                       loss=LossConfig(rollout_correction=RolloutCorrectionConfig(mode="tis")))
+
+
+def test_a_steps_sampling_settings_are_one_frozen_value_whose_shares_keep_their_seeds():
+    """`RolloutSampling.settings` gives what a step samples with; a share of the request after its
+    first prompts keeps the seeds it has in the whole request (prompt i's j-th sample: seed + i n + j)."""
+    settings = RolloutSampling(group_size=4, temperature=0.7, top_p=0.9, max_response_len=32).settings(seed=100)
+    assert settings == SamplingSettings(n=4, temperature=0.7, top_p=0.9, max_tokens=32, seed=100)
+    assert settings.skip(3).seed == 112 and settings.skip(0) == settings
+    assert SamplingSettings(2, 1.0, 1.0, 8).skip(5).seed is None  # the engine's own generator
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.seed = 1
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(n=0), "n \\(0\\) and SamplingSettings.max_tokens \\(8\\) must be >= 1"),
+    (dict(max_tokens=0), "max_tokens \\(0\\) must be >= 1"),
+    (dict(temperature=-1.0), "temperature >= 0 and 0 < top_p <= 1, got temperature=-1.0"),
+    (dict(top_p=0.0), "got temperature=1.0, top_p=0.0"),
+])
+def test_bad_sampling_settings_name_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingSettings(**{**dict(n=2, temperature=1.0, top_p=1.0, max_tokens=8), **fields})

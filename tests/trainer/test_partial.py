@@ -13,9 +13,10 @@ from stapo_megatron.data.tokenizer import build_char_tokenizer
 from stapo_megatron.rollout.config import RolloutConfig
 from stapo_megatron.rollout.hf_engine import HFEngine
 from stapo_megatron.batch.records import make_records
+from stapo_megatron.batch.step_rollout import StepRollout
 from stapo_megatron.mcore.parallel import Groups
 from stapo_megatron.rollout.config import RolloutSampling
-from stapo_megatron.trainer.partial import PartialPool, PoolLedger, mark_token_versions, partial_metrics, stale_mask
+from stapo_megatron.trainer.partial import PartialPool, PoolLedger, partial_metrics
 
 MAX_TOKENS, ROUND, G = 12, 4, 2
 PROMPTS = [[5, 17, 20, 3], [42] * 6, [1, 2, 3, 4, 5], [7, 7, 9], [11, 12], [30, 31, 32, 33]]
@@ -112,14 +113,15 @@ def test_the_token_age_bound_masks_older_tokens_and_the_step_reports_their_ages(
     assert found is not None  # the case the bound is for: a response continued over two steps
     T, samples = found
     versions = [v for group in samples for s in group for v in s.versions]
-    rollout = RolloutSampling(placement="separate", engine_ranks=1, max_staleness=1, partial=True, max_token_age=1)
-    records = make_records([[1]] * len(samples), samples, torch.zeros(len(samples), G), version=0)
-    mark_token_versions(records, samples, T, rollout, updates_per_step=2)
+    config = RolloutSampling(placement="separate", engine_ranks=1, max_staleness=1, partial=True, max_token_age=1)
+    rollout = StepRollout.of_groups(T, [(i, [1]) for i in range(len(samples))], str, samples, G)
+    records = make_records(rollout, torch.zeros(len(samples), G), updates_per_step=2,
+                           token_age_bound=config.token_age_bound)
     for rec, s in zip(records, [s for group in samples for s in group]):
         assert rec.version == 2 * min(s.versions)
         kept = [T - v <= 1 for v in s.versions]
         assert (rec.loss_mask is None and all(kept)) or rec.loss_mask.tolist() == kept
-    row = partial_metrics(T, rollout, samples, {}, Groups(None, None, None, True, 0), torch.device("cpu"))
+    row = partial_metrics(rollout, config, {}, Groups(None, None, None, True, 0), torch.device("cpu"))
     assert row["token_age_max"] == T - min(versions) == 2
     assert row["token_age_mean"] == pytest.approx(sum(T - v for v in versions) / len(versions), rel=1e-12)
     assert row["token_age_masked"] == sum(T - v > 1 for v in versions) > 0
@@ -177,11 +179,6 @@ def test_a_kill_and_resume_trains_every_data_position_once(engines):
     # positions that trained before the kill, out of order
     plain, _ = _train_with_a_kill(engine(), with_account=False)
     assert len(plain) > len(set(plain))
-
-
-def test_stale_mask_keeps_the_tokens_of_the_bound():
-    assert stale_mask([0, 0, 1, 2], oldest=1) == [False, False, True, True]
-    assert stale_mask([2, 2], oldest=1) is None and stale_mask(None, oldest=1) is None
 
 
 def _byte_level_tokenizer(folder):

@@ -70,13 +70,16 @@ def test_step_s_is_generated_by_the_policy_after_s_minus_k_updates(versions, k):
 
     with one_rank_parallel():
         engine = RemoteEngine(trainer, asks=True, timeout_s=120, bucket_mb=1)
-        schedule = RolloutSchedule(cfg.rollout, engine, Groups(None, None, None, True, 0), lambda s: PROMPTS,
-                                   lambda s: 1000 * s, sync, cfg.steps, cfg.rollout_timeout())
+        schedule = RolloutSchedule(cfg.rollout, engine, Groups(None, None, None, True, 0),
+                                   lambda s: list(enumerate(PROMPTS)), str, lambda s: 1000 * s, sync, cfg.steps,
+                                   cfg.rollout_timeout())
         schedule.start(0)
         got = []
         for step in range(STEPS):
-            samples, version = schedule.samples(step)
-            got.append((step, version, [[s.token_ids for s in group] for group in samples]))
+            rollout = schedule.samples(step)
+            assert rollout.step == step and rollout.prompt_indices == [0, 1, 2] and rollout.answers[::2] == ["0", "1", "2"]
+            tokens = [s.sample.token_ids for s in rollout.samples]
+            got.append((step, rollout.version, [tokens[i:i + 2] for i in range(0, len(tokens), 2)]))
             schedule.after_update(step)
         engine.shutdown()
     thread.join(timeout=60)
@@ -95,8 +98,8 @@ def test_partial_resume_from_a_checkpoint_without_pool_ledgers_is_refused_by_nam
     """A checkpoint saved without partial rollouts holds no pool ledgers: resuming it with them
     would lose the prompts in flight silently, so it is refused naming the setting."""
     sampling = RolloutSampling(placement="separate", engine_ranks=1, max_staleness=1, partial=True)
-    schedule = RolloutSchedule(sampling, None, Groups(None, None, None, True, 0), lambda s: [], lambda s: 0,
-                               lambda: None, steps=1, timeout_s=1.0, indexed_prompts=lambda s: [])
+    schedule = RolloutSchedule(sampling, None, Groups(None, None, None, True, 0), lambda s: [], str, lambda s: 0,
+                               lambda: None, steps=1, timeout_s=1.0)
     with pytest.raises(ValueError, match="rollout.partial resumes from a checkpoint whose trainer state has no "
                                          "pool ledgers .*resume it without rollout.partial"):
         schedule.load_state_dict({"step": 3})
