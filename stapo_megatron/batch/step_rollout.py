@@ -18,11 +18,13 @@ has the request's version. A partial rollout's response continues over several s
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from stapo_megatron.rollout.base import Sample
+Sample = Any
+"""`stapo_megatron.rollout.base.Sample` (the rollout wing sits above this one and is not imported):
+the fields read here are ``token_ids``, ``logprobs``, ``text``, ``routed_experts`` and ``versions``."""
 
 
 @dataclasses.dataclass(frozen=True)

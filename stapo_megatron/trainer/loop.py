@@ -1,9 +1,10 @@
 """The STAPO training loop (docs/design.md, "One training step"), SPMD: one process per device.
 
 Per step: (1)-(2) G rollouts of each of this DP rank's prompts, as the step's one record (`StepRollout`, from
-the rollout schedule); (3) rewards; (4) group advantages, one complete `SequenceRecord` per sample, laid out as `MicroBatch` objects by `build_minibatches`; (5) pi_old log-probs
-(``schedule.old_policy_pass``; MoE: RoutingMonitor); (6) per PPO mini-batch a forward_backward and an optimizer step;
-(7) weight sync; (8) metrics, evaluation (`Evaluator`), checkpoint. Warm-start: `WarmStart`. Run: ``train(config)``."""
+the rollout schedule); (3) rewards; (4) group advantages, one complete `SequenceRecord` per sample, laid out as
+`MicroBatch` objects by `build_minibatches`; (5) pi_old log-probs (``schedule.old_policy_pass``; MoE:
+RoutingMonitor); (6) per PPO mini-batch a forward_backward and an optimizer step; (7) weight sync; (8) metrics,
+evaluation (`Evaluator`), checkpoint. Warm-start: `WarmStart`. Run: ``train(config)``."""
 
 from __future__ import annotations
 
