@@ -4,7 +4,7 @@ The schedule (`stapo_megatron.trainer.rollout_schedule.RolloutSchedule.samples`)
 complete, from the engines' groups (`StepRollout.of_groups`); every later phase reads it and none
 changes it: the scorer (texts against answers), the group advantages ([P, G] in its order), the
 routing monitor (routes), the metrics (lengths, token ages) and `stapo_megatron.batch.records.
-make_records`, which turns it into the update's `SequenceRecord` s. One `RolloutSample` per
+make_records`, which turns it into the update's records (`SequenceRecord`). One `RolloutSample` per
 sampled response, flat in (prompt, sample) order: sample g of the step's p-th prompt is entry
 p x G + g.
 
