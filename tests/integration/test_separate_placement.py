@@ -1,7 +1,9 @@
 """Separate placement end to end: engines on their own torchrun ranks, the real trainer
 and the real vLLM engine over gloo (tests/helpers/separate_script.py). k = 0 writes the colocated
 run's metrics exactly; k = 1 trains every step after the first on samples one update old and a
-resumed run starts a new pipeline; a killed engine ends the job naming its rank."""
+resumed run starts a new pipeline; a killed engine ends the job naming its rank. The colocated, k = 1
+and partial-rollout runs write the reference metrics of tests/assets/reference_metrics/ value for
+value (fixed seeds: the same maths, `tests.helpers.reference_metrics`)."""
 
 import json
 import os
@@ -15,6 +17,7 @@ import pytest
 from tests.helpers.dist_utils import _free_port
 from tests.helpers.two_node_faults import _root_causes, _two_nodes
 from tests.helpers import HELPERS_DIR
+from tests.helpers.reference_metrics import reference_differences
 from tests.helpers.repo_scripts import compare_metrics
 
 differences, load_rows = compare_metrics.differences, compare_metrics.load_rows
@@ -42,6 +45,7 @@ def test_synchronous_separate_placement_writes_the_colocated_metrics(tmp_path):
     assert colocated.returncode == 0, colocated.stderr[-4000:]
     separate = _launch(3, tmp_path / "separate", "none", *SEPARATE)
     assert separate.returncode == 0, separate.stderr[-4000:]
+    assert reference_differences("colocated_dp2", tmp_path / "colocated") == []  # the same maths as ever
     before = load_rows(tmp_path / "colocated" / "metrics.jsonl")
     after = load_rows(tmp_path / "separate" / "metrics.jsonl")
     assert [r["kind"] for r in after] == ["eval", "train", "train", "train", "eval"]
@@ -62,6 +66,7 @@ def test_one_step_off_trains_on_one_update_old_samples_and_resumes_with_a_fresh_
     assert first.returncode == 0, first.stderr[-4000:]
     rows = _train_rows(run_dir)
     assert [r["staleness"] for r in rows] == [0.0, 1.0, 1.0, 1.0]  # (the exact versions: test_rollout_schedule.py)
+    assert reference_differences("one_step_off", run_dir) == []  # the same maths as ever
     # requeued: the next launch resumes from step 4 and regenerates what was in flight
     second = _launch(3, run_dir, "none", *SEPARATE, "rollout.max_staleness=1", "steps=6", "save_every=2",
                      "eval.every=0")
@@ -131,6 +136,7 @@ def test_partial_rollouts_train_the_first_finished_groups_and_keep_the_rest(tmp_
     assert run.returncode == 0, run.stderr[-4000:]
     rows = _train_rows(tmp_path / "run")
     assert [r["num_prompts"] for r in rows] == [16, 16, 16]  # each step's P groups, from the pools
+    assert reference_differences("partial", tmp_path / "run") == []  # the same maths as ever
     # resumed from the checkpoint at step 3 with new (empty) pools: the trainers send the prompts
     # that were in flight again (the checkpoint's pool account), and the steps go on
     resumed = _launch(3, tmp_path / "run", "none", *partial, "steps=5")
