@@ -30,9 +30,7 @@ import dataclasses
 from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from stapo_megatron.rollout.base import Sample
-
-ROUND_SEED_STRIDE = 1_000_003
-"""Seed distance between two rounds of a step (more samples than any round draws)."""
+from stapo_megatron.trainer.seeds import Seeds
 
 
 @dataclasses.dataclass
@@ -91,7 +89,7 @@ class PartialPool:
                 self.groups = [g for g in self.groups if not any(g is t for t in taken)]
                 return taken
             self._round(engine, n, temperature, top_p, max_tokens, round_tokens,
-                        seed + round_index * ROUND_SEED_STRIDE, version)
+                        Seeds.round(seed, round_index), version)
         raise RuntimeError(f"partial rollouts: {len(done)} of the {want} groups a step needs finished, and the pool "
                            f"({len(self.groups)} groups, {len(self.waiting)} waiting) has nothing left to generate")
 
