@@ -32,9 +32,7 @@ from typing import Callable, Deque, Dict, List, Sequence, Tuple
 from stapo_megatron.batch.step_rollout import StepRollout
 from stapo_megatron.rollout.base import Sample
 from stapo_megatron.rollout.config import SamplingSettings
-
-ROUND_SEED_STRIDE = 1_000_003
-"""Seed distance between two rounds of a step (more samples than any round draws)."""
+from stapo_megatron.trainer.seeds import Seeds
 
 
 @dataclasses.dataclass
@@ -92,8 +90,8 @@ class PartialPool:
                 taken = done[:want]
                 self.groups = [g for g in self.groups if not any(g is t for t in taken)]
                 return taken
-            self._round(engine, SamplingSettings(n, temperature, top_p, max_tokens,
-                                                 seed + round_index * ROUND_SEED_STRIDE), round_tokens, version)
+            self._round(engine, SamplingSettings(n, temperature, top_p, max_tokens, Seeds.round(seed, round_index)),
+                        round_tokens, version)
         raise RuntimeError(f"partial rollouts: {len(done)} of the {want} groups a step needs finished, and the pool "
                            f"({len(self.groups)} groups, {len(self.waiting)} waiting) has nothing left to generate")
 

@@ -14,10 +14,14 @@ Which stream seeds what (``seed`` = ``TrainerConfig.seed``, k = the training ste
     engine(dp)                  seed + dp                                      the sampler's global RNG of
                                                                                DP rank dp's engine (used only
                                                                                without a per-call seed)
-    rollout(k, dp, m)           seed x 1_000_003 + k + dp x m                  step k's samples on DP rank dp
+    rollout(k, dp, m)           H(rollout, seed, k) + dp x m                   step k's samples on DP rank dp
                                                                                (m samples per rank); prompt i,
                                                                                sample j: that + i n + j
                                                                                (rollout engines)
+    round(base, r)              H(round, base, r)                              round r of a partial-rollout
+                                                                               pool (base: the step's rollout
+                                                                               seed); its responses count on
+                                                                               from it
     evaluation                  seed + 7                                       every evaluation: the held-out
                                                                                set and each named set and
                                                                                decoding (eval.sets)
@@ -33,8 +37,14 @@ Which stream seeds what (``seed`` = ``TrainerConfig.seed``, k = the training ste
 fixing them (the demo does) gives every RL seed the same held-out problems and the same
 warm-started weights, so seeds differ only in what RL does.
 
+H is `stream_seed`, a 62-bit hash (BLAKE2b) of its parts: each (seed, step) and (step seed, round)
+starts its own stream, and a stream's samples count up from it (a step draws at most millions,
+against 2^62 starts), so no two samples of a run share a seed: the first sample of step k + 1 is
+not the second of step k, and a partial round's responses do not run into the next replica's.
+(torch's CPU generator reads a seed's low 32 bits: there two unrelated samples of a long run can
+share a seed by chance, at birthday odds, never through the streams' layout.)
 1_000_003 is `SEED_STRIDE`, the one constant the modules that use it import. The multipliers keep
-the streams of different steps and ranks apart. The micro-batch seeds do not depend on ``seed``
+the micro-batch streams of different steps and ranks apart. The micro-batch seeds do not depend on ``seed``
 (only the random control reads them, combined with ``LossConfig.seed``); the values are those
 the runs so far used, so fixed-seed results stay reproducible.
 """
@@ -42,10 +52,17 @@ the runs so far used, so fixed-seed results stay reproducible.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import hashlib
+from typing import Optional, Union
 
-from stapo_megatron.utils import SEED_STRIDE  # defined in the leaf utils: method/ and train/ import it too
 
+
+def stream_seed(*parts: Union[str, int]) -> int:
+    """The start of the seed stream named by ``parts`` (a tag, then integers): a 62-bit hash, so
+    that adding a stream's positions (a step's samples) stays below 2^63, what every sampler
+    accepts. The same parts give the same seed on every machine and Python (no ``hash()``)."""
+    text = "/".join(str(p) for p in parts).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,8 +111,14 @@ class Seeds:
         """The samples of training step ``step`` (0-based) on DP rank ``dp_rank``, which draws
         ``samples_per_rank`` samples: the rank's first sample is global sample dp_rank x
         samples_per_rank, so every sample of the step gets its own seed, the same one whatever
-        the DP size."""
-        return self.seed * SEED_STRIDE + step + dp_rank * samples_per_rank
+        the DP size; each step's stream starts at its own hash (`stream_seed`)."""
+        return stream_seed("rollout", self.seed, step) + dp_rank * samples_per_rank
+
+    @staticmethod
+    def round(step_seed: int, round_index: int) -> int:
+        """The first seed of round ``round_index`` of a partial-rollout pool whose step seed (this
+        replica's `rollout` seed of the step that asked) is ``step_seed``."""
+        return stream_seed("round", step_seed, round_index)
 
     @property
     def evaluation(self) -> int:
