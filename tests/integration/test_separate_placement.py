@@ -53,7 +53,7 @@ def test_synchronous_separate_placement_writes_the_colocated_metrics(tmp_path):
     assert differences(before, after) == []
     rows = _train_rows(tmp_path / "separate")
     assert [r["staleness"] for r in rows] == [0.0, 0.0, 0.0]
-    # it trained (these three steps silence no token since the hashed seed streams; the reference pins every value)
+    # it trained (these three steps silence no token at this seed; the reference metrics pin every value)
     assert any(r["loss"] != 0 for r in rows)
     # the engine's reported busy time is the rollout throughput's denominator
     assert all(r["time_engine_generate"] > 0 and r["rollout_tokens_per_s"] > 0 for r in rows)
