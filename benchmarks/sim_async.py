@@ -35,6 +35,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from sim_model import H100, PAPER_LENGTHS, QWEN3_8B, QWEN3_30B_A3B, sample_prompts
 from sim_schedules import Job, colocated, partial, separate, splits, steady
+from sim_streaming import ORDERS, streaming
 
 QWEN3_8B_JOB = Job(QWEN3_8B, H100, num_gpus=32, engine_tp=4, prompts_per_step=256, group=8, lengths=PAPER_LENGTHS,
                    colocated_memory_share=0.4, separate_memory_share=0.85, recompute=False, trainer_replica_gpus=8)
@@ -74,6 +75,33 @@ def compare(job: Job, steps: int, warmup: int, oversample: float, engine_tps: Se
     return rows
 
 
+UPDATES = {"in-flight": dict(in_flight=True), "in-flight, KV recomputed": dict(in_flight=True, recompute_kv=True),
+           "drain": dict(in_flight=False)}
+"""How the streaming engines take new weights (`sim_streaming.streaming`)."""
+
+
+def compare_streaming(job: Job, steps: int, warmup: int, etas: Sequence[int], engine_tps: Sequence[int],
+                      seed: int = 0) -> List[Tuple[str, str, Dict, Dict]]:
+    """Rows (schedule, layout, run, steady figures): colocated, then streaming at each eta, way
+    of loading weights and order, each at its best split, over the same prompts."""
+    prompts = sample_prompts(job.lengths, (steps + max(etas) + 1) * job.prompts_per_step, job.group, seed)
+    batches = [prompts[s * job.prompts_per_step:(s + 1) * job.prompts_per_step] for s in range(steps)]
+    r = colocated(job, batches)
+    rows = [("colocated, synchronous", f"{job.num_gpus} GPUs, TP={job.engine_tp}", r, steady(r, job.num_gpus, warmup))]
+    for eta in etas:
+        for updates, options in UPDATES.items():
+            for order in ORDERS:
+                (tp, gpus), r, s = best(job, lambda tp, g: streaming(job, prompts, steps, g, eta, order=order,
+                                                                     engine_tp=tp, **options), engine_tps, warmup)
+                rows.append((f"streaming, eta = {eta}, {updates}, {order} order", f"{gpus} engine GPUs, TP={tp}", r, s))
+    return rows
+
+
+def _shares(counts: Dict[int, int]) -> str:
+    total = sum(counts.values())
+    return ", ".join(f"{age}: {n / total:.0%}" for age, n in sorted(counts.items()) if n / total >= 0.005) or "-"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=12)
@@ -83,9 +111,31 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--recipe", choices=sorted(JOBS), action="append",
                    help="the recipe to model (repeatable; default: both)")
+    p.add_argument("--streaming", action="store_true", help="streaming rollouts at each --etas against colocated")
+    p.add_argument("--etas", default="1,2,3", help="off-policyness bounds of the streaming table")
     args = p.parse_args(argv)
     for recipe in args.recipe or list(JOBS):
-        table(JOBS[recipe], args)
+        if args.streaming:
+            streaming_table(JOBS[recipe], args)
+        else:
+            table(JOBS[recipe], args)
+
+
+def streaming_table(job: Job, args: argparse.Namespace) -> None:
+    """Print the markdown table of one job's streaming rows against colocated."""
+    rows = compare_streaming(job, args.steps, args.warmup, [int(e) for e in args.etas.split(",")],
+                             [int(t) for t in args.engine_tps.split(",")], args.seed)
+    print(f"{job.model.name} on {job.num_gpus} {job.hardware.name}, {job.prompts_per_step} prompts x {job.group} a "
+          f"step, {args.steps} steps, steady state over the last {args.steps - args.warmup}")
+    base = rows[0][3]["tokens_per_s_per_gpu"]
+    print("| schedule | layout | step s | tokens/s/GPU | vs colocated | fill s | trainer idle | engine idle "
+          "| preempted | groups by staleness | tokens by age |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, layout, r, s in rows:
+        print(f"| {name} | {layout} | {s['step_s']:.1f} | {s['tokens_per_s_per_gpu']:.0f} | "
+              f"{s['tokens_per_s_per_gpu'] / base:.2f}x | {s['fill_s']:.0f} | {s['trainer_idle']:.0%} | "
+              f"{s['engine_idle']:.0%} | {r.get('preemptions', '-')} | {_shares(r.get('staleness', {}))} | "
+              f"{_shares(r.get('token_age', {}))} |", flush=True)
 
 
 def table(job: Job, args: argparse.Namespace) -> None:

@@ -166,7 +166,7 @@ class StreamEngine:
 
 def streaming(job: Job, prompts: List[Prompt], steps: int, engine_gpus: int, eta: int, in_flight: bool = True,
               recompute_kv: bool = False, order: str = "completion", engine_tp: Optional[int] = None,
-              tick_s: float = 0.5, model=None) -> Dict:
+              kv_reserve: float = 1.0, tick_s: float = 0.5, model=None) -> Dict:
     """Streaming rollouts (see the module docstring) on ``engine_gpus`` GPUs of engines of TP
     ``engine_tp``, the trainers on the rest; the trainer's decisions fall on ticks of ``tick_s``
     simulated seconds (their times are exact). Returns `sim_schedules`' run dict plus
@@ -184,6 +184,7 @@ def streaming(job: Job, prompts: List[Prompt], steps: int, engine_gpus: int, eta
     if len(prompts) < (steps + eta + 1) * per_step:
         raise ValueError(f"{len(prompts)} prompts cannot feed {steps} steps of {per_step} at eta={eta}: "
                          f"give (steps + eta + 1) x prompts_per_step = {(steps + eta + 1) * per_step}")
+    reserve = kv_reserve * (sum(job.lengths.prompt_range) / 2 + job.lengths.mean_response())
     admitted_under: List[int] = []  # group j's version at admission
     left = [len(p.responses) for p in prompts]
     tokens: List[Dict[int, int]] = [{} for _ in prompts]
@@ -195,7 +196,8 @@ def streaming(job: Job, prompts: List[Prompt], steps: int, engine_gpus: int, eta
         if j >= len(prompts) or j >= (engine.version + eta + 1) * per_step:
             return None
         p = prompts[j]
-        if not engine.fits(len(p.responses) * p.prompt_len, len(p.responses)):
+        if engine.running and (len(engine.running) + len(p.responses)) * reserve > model.kv_capacity_tokens or \
+                not engine.fits(len(p.responses) * p.prompt_len, len(p.responses)):
             return None
         admitted_under.append(engine.version)
         return [(j, p.prompt_len, r) for r in p.responses]
