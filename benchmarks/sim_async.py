@@ -31,6 +31,7 @@ try every engine TP in ``--engine-tps`` and every engine/trainer split the node 
 from __future__ import annotations
 
 import argparse
+import collections
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from sim_model import H100, PAPER_LENGTHS, QWEN3_8B, QWEN3_30B_A3B, sample_prompts
@@ -97,7 +98,11 @@ def compare_streaming(job: Job, steps: int, warmup: int, etas: Sequence[int], en
     return rows
 
 
-def _shares(counts: Dict[int, int]) -> str:
+def _shares(run: Dict, key: str, warmup: int) -> str:
+    """The steady steps' counts of ``run[key]`` (a Counter a step) as shares by age."""
+    if key not in run:
+        return "-"
+    counts = sum(run[key][warmup:], collections.Counter())
     total = sum(counts.values())
     return ", ".join(f"{age}: {n / total:.0%}" for age, n in sorted(counts.items()) if n / total >= 0.005) or "-"
 
@@ -134,8 +139,8 @@ def streaming_table(job: Job, args: argparse.Namespace) -> None:
     for name, layout, r, s in rows:
         print(f"| {name} | {layout} | {s['step_s']:.1f} | {s['tokens_per_s_per_gpu']:.0f} | "
               f"{s['tokens_per_s_per_gpu'] / base:.2f}x | {s['fill_s']:.0f} | {s['trainer_idle']:.0%} | "
-              f"{s['engine_idle']:.0%} | {r.get('preemptions', '-')} | {_shares(r.get('staleness', {}))} | "
-              f"{_shares(r.get('token_age', {}))} |", flush=True)
+              f"{s['engine_idle']:.0%} | {r.get('preemptions', '-')} | {_shares(r, 'step_staleness', args.warmup)} | "
+              f"{_shares(r, 'step_token_age', args.warmup)} |", flush=True)
 
 
 def table(job: Job, args: argparse.Namespace) -> None:

@@ -169,9 +169,13 @@ def streaming(job: Job, prompts: List[Prompt], steps: int, engine_gpus: int, eta
               kv_reserve: float = 1.0, tick_s: float = 0.5, model=None) -> Dict:
     """Streaming rollouts (see the module docstring) on ``engine_gpus`` GPUs of engines of TP
     ``engine_tp``, the trainers on the rest; the trainer's decisions fall on ticks of ``tick_s``
-    simulated seconds (their times are exact). Returns `sim_schedules`' run dict plus
-    ``staleness`` and ``token_age`` (see the module docstring), ``group_done``, ``preemptions``
-    and ``recomputed_tokens``."""
+    simulated seconds (their times are exact). ``kv_reserve``: an engine admits a group only if
+    its running sequences and the group's, at ``kv_reserve`` x (mean prompt + mean response)
+    tokens each, fit its KV cache (as SGLang reserves room for the tokens a running request will
+    still generate; below about 0.75 engines preempt by the thousand at the paper's lengths).
+    Returns `sim_schedules`' run dict plus ``staleness`` and ``token_age`` (see the module
+    docstring; ``step_staleness`` and ``step_token_age``: the same for each step), ``group_done``,
+    ``preemptions`` and ``recomputed_tokens``."""
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     if eta < 0:
@@ -216,13 +220,13 @@ def streaming(job: Job, prompts: List[Prompt], steps: int, engine_gpus: int, eta
 
     clock, trainer_free, training, version, trained = 0.0, 0.0, False, 0, 0
     ends, step_tokens, train_busy = [], [], 0.0
-    staleness: Dict[int, int] = {}
-    token_age: Dict[int, int] = {}
+    staleness: List[collections.Counter] = []  # per step
+    token_age: List[collections.Counter] = []
     while version < steps:
         if training and trainer_free <= clock + tick_s:  # the update ends: the engines get version + 1
             advance(trainer_free)
             version, training = version + 1, False
-            for engine in pool:
+            for engine in pool if version < steps else ():  # the last update's weights are not sent
                 engine.load(version, trainer_free, transfer, in_flight, recompute_kv)
             continue
         batch = _take(ready, group_done, per_step, trained, order) if not training else None
@@ -234,16 +238,18 @@ def streaming(job: Job, prompts: List[Prompt], steps: int, engine_gpus: int, eta
             ends.append(trainer_free)
             step_tokens.append(sum(sample_tokens([prompts[j] for j in batch])))
             train_busy, training = train_busy + train, True
+            staleness.append(collections.Counter(version - admitted_under[j] for j in batch))
+            token_age.append(collections.Counter())
             for j in batch:
-                staleness[version - admitted_under[j]] = staleness.get(version - admitted_under[j], 0) + 1
                 for v, n in tokens[j].items():
-                    token_age[version - v] = token_age.get(version - v, 0) + n
+                    token_age[-1][version - v] += n
             continue
         clock += tick_s
         advance(clock)
-    return _run(ends, step_tokens, sum(e.busy_s for e in pool), engines, train_busy, staleness=staleness,
-                token_age=token_age, group_done=group_done, preemptions=sum(e.preemptions for e in pool),
-                recomputed_tokens=sum(e.recomputed_tokens for e in pool))
+    return _run(ends, step_tokens, sum(e.busy_s for e in pool), engines, train_busy,
+                staleness=dict(sum(staleness, collections.Counter())), token_age=dict(sum(token_age, collections.Counter())),
+                step_staleness=staleness, step_token_age=token_age, group_done=group_done,
+                preemptions=sum(e.preemptions for e in pool), recomputed_tokens=sum(e.recomputed_tokens for e in pool))
 
 
 def _take(ready: List, group_done: Dict[int, float], per_step: int, trained: int, order: str) -> Optional[List[int]]:
