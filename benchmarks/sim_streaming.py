@@ -3,10 +3,13 @@ bounded by an off-policyness eta, the trainer taking complete groups, in-flight 
 
 - **Admission.** Prompts are admitted in order, each as a group of its G samples, to the engine
   that asks first: an engine asks whenever its KV cache has room for the group's prompts and
-  fewer than ``max_num_seqs`` sequences run. Group j (0-based, in admission order) may start
-  only under a policy version v with j < (v + eta + 1) x P (P prompts a step): AReaL's
-  ``max_head_offpolicyness``, so the version a group starts under is at least the version that
-  trains it less eta when groups train in admission order.
+  every running sequence's next token, fewer than ``max_num_seqs`` sequences run, and its
+  running sequences and the group's fit the cache at a reservation of ``kv_reserve`` x the mean
+  sequence each (as SGLang reserves room for the tokens a running request will still generate).
+  Group j (0-based, in admission order) may start only under a policy version v with
+  j < (v + eta + 1) x P (P prompts a step): AReaL's ``max_head_offpolicyness``, so the version a
+  group starts under is at least the version that trains it less eta when groups train in
+  admission order.
 - **Training.** A step trains P complete groups as soon as they are complete and the trainer is
   free (after sending the previous weights): ``order="completion"`` takes the first P to finish
   (the order is timing's; a slow group can wait longer than eta steps), ``order="admission"``
@@ -55,8 +58,8 @@ class StreamEngine:
     ``recomputed_tokens``: context tokens prefilled again (after a preemption or a load with
     ``recompute_kv``)."""
 
-    def __init__(self, model, pull: Callable[["StreamEngine"], Optional[list]], group: int):
-        self.model, self.pull, self.group = model, pull, group
+    def __init__(self, model, pull: Callable[["StreamEngine"], Optional[list]]):
+        self.model, self.pull = model, pull
         self.clock = self.busy_s = 0.0
         self.it, self.context_sum, self.version, self.pending = 0, 0, 0, None
         self.versions = [(0, 0)]  # (iteration from which, version)
@@ -206,7 +209,7 @@ def streaming(job: Job, prompts: List[Prompt], steps: int, engine_gpus: int, eta
         admitted_under.append(engine.version)
         return [(j, p.prompt_len, r) for r in p.responses]
 
-    pool = [StreamEngine(model, pull, job.group) for _ in range(engines)]
+    pool = [StreamEngine(model, pull) for _ in range(engines)]
 
     def advance(until: float) -> None:
         for engine in pool:
@@ -246,8 +249,9 @@ def streaming(job: Job, prompts: List[Prompt], steps: int, engine_gpus: int, eta
             continue
         clock += tick_s
         advance(clock)
+    empty = collections.Counter()
     return _run(ends, step_tokens, sum(e.busy_s for e in pool), engines, train_busy,
-                staleness=dict(sum(staleness, collections.Counter())), token_age=dict(sum(token_age, collections.Counter())),
+                staleness=dict(sum(staleness, empty)), token_age=dict(sum(token_age, empty)),
                 step_staleness=staleness, step_token_age=token_age, group_done=group_done,
                 preemptions=sum(e.preemptions for e in pool), recomputed_tokens=sum(e.recomputed_tokens for e in pool))
 
