@@ -8,6 +8,7 @@ each timeline.
 """
 
 import os
+import random
 import sys
 
 import pytest
@@ -107,3 +108,21 @@ def test_bad_settings_are_refused_naming_them():
         stream.streaming(JOB, prompts, 1, 1, eta=1, in_flight=False, recompute_kv=True, model=ONE_SECOND)
     with pytest.raises(ValueError, match="prompts"):
         stream.streaming(JOB, prompts, 3, 1, eta=1, model=ONE_SECOND)
+
+
+@pytest.mark.parametrize("eta", [1, 2])
+def test_admission_order_bounds_staleness_by_eta_and_completion_order_does_not(eta):
+    # 2 engines, 2 prompts of 2 samples a step, lengths 1-3 with a long 20 now and then: in
+    # admission order every group trains at most eta versions after it was admitted, and so does
+    # every token (in-flight tokens are younger than their group); in completion order a slow
+    # group waits while younger ones train, eta + 1 versions
+    rng = random.Random(0)
+    prompts = [model.Prompt(i, 1, [rng.choice([1, 2, 3, 20]) for _ in range(2)]) for i in range(40)]
+    job = sched.Job(**{**JOB.__dict__, "num_gpus": 3, "prompts_per_step": 2, "group": 2})
+    admission = stream.streaming(job, prompts, 10, 2, eta, order="admission", model=ONE_SECOND)
+    completion = stream.streaming(job, prompts, 10, 2, eta, order="completion", model=ONE_SECOND)
+    assert max(admission["staleness"]) == max(admission["token_age"]) == eta
+    assert max(completion["staleness"]) == eta + 1
+    assert sum(completion["staleness"].values()) == sum(admission["staleness"].values()) == 10 * 2
+    # admission order trains the first 20 groups, every token of them
+    assert sum(admission["token_age"].values()) == sum(r for p in prompts[:20] for r in p.responses)
