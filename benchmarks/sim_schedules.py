@@ -50,6 +50,9 @@ class Job:
     """TP x PP x CP of a trainer replica: the trainer GPU count is a multiple of it."""
     gpus_per_node: int = 8
     eff: Efficiency = Efficiency()
+    trainer_gpu_counts: Optional[Tuple[int, ...]] = None
+    """Separate placement: the trainer GPU counts the training memory allows (an expert-parallel
+    model's trainer needs room for its optimizer state); None: any count of whole replicas."""
 
     def train_s(self, prompts: List[Prompt], gpus: int) -> Tuple[float, float]:
         """(pi_old forward, update) seconds of ``prompts`` on ``gpus`` GPUs."""
@@ -259,8 +262,9 @@ def steady(run: Dict, num_gpus: int, warmup: int) -> Dict:
 
 def splits(job: Job, engine_tps: Tuple[int, ...]) -> List[Tuple[int, int]]:
     """Every (engine TP, engine GPUs) a node layout allows: an engine stays inside a node, the
-    trainer GPUs are whole replicas, its data-parallel size divides the step's samples, and the
-    engines' share of each GPU leaves room for a KV cache."""
+    trainer GPUs are whole replicas (of a count in ``job.trainer_gpu_counts`` when it is set), its
+    data-parallel size divides the step's samples, and the engines' share of each GPU leaves room
+    for a KV cache."""
     out = []
     for tp in engine_tps:
         if job.gpus_per_node % tp:
@@ -271,6 +275,8 @@ def splits(job: Job, engine_tps: Tuple[int, ...]) -> List[Tuple[int, int]]:
             continue
         for gpus in range(tp, job.num_gpus, tp):
             trainers = job.num_gpus - gpus
+            if job.trainer_gpu_counts is not None and trainers not in job.trainer_gpu_counts:
+                continue
             if trainers % job.trainer_replica_gpus == 0 and \
                     (job.prompts_per_step * job.group) % (trainers // job.trainer_replica_gpus) == 0:
                 out.append((tp, gpus))

@@ -148,3 +148,26 @@ def test_steady_state_leaves_the_fill_out():
     assert s["with_fill"] == 400 / 25 / 2
     with pytest.raises(ValueError, match="warmup=4"):
         sched.steady(run, num_gpus=2, warmup=4)
+
+
+def test_a_mixture_of_experts_reads_the_experts_its_batch_is_routed_to():
+    # 2 GB of dense weights and 8 GB of experts at 1 TB/s (HBM at 100%, no overheads): an
+    # iteration over n sequences reads 2 GB + 8 GB x (1 - (1 - 1/4)^n); FLOPs count the active
+    # 1.5e9 parameters (2 x 1.5e9 / 1e12 s a sequence)
+    moe = model.ModelSpec("moe", params=5e9, num_layers=1, attn_width=128, kv_heads=1, active_params=1.5e9,
+                          expert_params=4e9, expert_share=0.25)
+    eff = model.Efficiency(iteration_overhead_s=0.0, hbm_efficiency=1.0, decode_mfu=1.0)
+    hw = model.Hardware("toy", peak_tflops=1.0, hbm_tb_per_s=1.0, memory_gb=100.0)
+    decode = model.decode_model(moe, hw, eff, tp=1, memory_share=0.5)
+    for n in (1, 2, 16):
+        assert decode.time(0, n, 1) == pytest.approx(2e-3 + 8e-3 * (1 - 0.75 ** n) + n * 3e-3, rel=1e-12)
+    assert moe.flop_params == 1.5e9 and model.QWEN3_8B.flop_params == model.QWEN3_8B.params
+    assert model.switch_s(moe, eff, colocated=False) == pytest.approx(10 / eff.transfer_gb_per_s)  # all weights
+
+
+def test_splits_keep_to_the_trainer_gpu_counts_the_memory_allows():
+    # the 30B-A3B's trainers: 16 or 24 GPUs (8 do not hold its optimizer state); DP 24 / 4 = 6
+    # does not divide 2048 samples, so only 16 engine GPUs remain
+    job = sched.Job(model.QWEN3_30B_A3B, model.H100, num_gpus=32, engine_tp=4, prompts_per_step=256, group=8,
+                    lengths=model.PAPER_LENGTHS, trainer_replica_gpus=4, trainer_gpu_counts=(16, 24))
+    assert sched.splits(job, (2, 4)) == [(2, 16), (4, 16)]
