@@ -20,10 +20,11 @@ bounded by an off-policyness eta, the trainer taking complete groups, in-flight 
   cache; ``recompute_kv`` adds the prefill of every running sequence's context after the load
   (the cache then matches the new weights). Without ``in_flight`` an engine starts nothing new
   once newer weights wait, finishes its running sequences under the old ones, then loads.
-- **KV cache.** Unlike `sim_schedules.Engine` (no preemption: a running sequence keeps growing),
-  an engine here admits up to its capacity and, when the running sequences' next tokens do not
-  fit, preempts the most recently started one (vLLM's recompute preemption): it waits first in
-  line and pays the prefill of its whole context when it starts again.
+- **KV cache.** The engines are `sim_engine.Engine`s, the same as every schedule's: a sequence
+  starts while the cache has room and, when the running sequences' next tokens do not fit, the
+  most recently started one is preempted (vLLM's recompute preemption) and pays the prefill of
+  its whole context when it starts again. The reservation above is this schedule's own
+  admission, on top of the engine's.
 
 Every token keeps the version that produced it: ``token_age`` counts trained tokens by (version
 trained - version that generated the token), ``staleness`` trained groups by (version trained -
@@ -32,139 +33,15 @@ version their group was admitted under).
 
 from __future__ import annotations
 
-import bisect
 import collections
 import heapq
-import math
-from typing import Callable, Deque, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
+from sim_engine import Engine
 from sim_model import Prompt, sample_tokens, switch_s
 from sim_schedules import Job, _run
 
 ORDERS = ("completion", "admission")
-
-
-class _Seq:
-    __slots__ = ("group", "context", "left", "start_it", "tie", "tokens")
-
-    def __init__(self, group: int, context: int, left: int):
-        self.group, self.context, self.left, self.start_it, self.tie = group, context, left, 0, 0
-        self.tokens: Dict[int, int] = {}  # version -> tokens it generated
-
-
-class StreamEngine:
-    """One vLLM engine decoding continuously; ``pull(engine)`` returns the next group's
-    sequences [(group, prompt_len, response_len)] when admission allows it, else None.
-    ``recomputed_tokens``: context tokens prefilled again (after a preemption or a load with
-    ``recompute_kv``)."""
-
-    def __init__(self, model, pull: Callable[["StreamEngine"], Optional[list]]):
-        self.model, self.pull = model, pull
-        self.clock = self.busy_s = 0.0
-        self.it, self.context_sum, self.version, self.pending = 0, 0, 0, None
-        self.versions = [(0, 0)]  # (iteration from which, version)
-        self.running: Dict[_Seq, None] = {}  # in start order (preemption takes the last)
-        self.ends: List = []  # heap of (iteration it finishes at, tie, seq)
-        self.waiting: Deque[_Seq] = collections.deque()
-        self.preemptions = self.recomputed_tokens = 0
-        self._tie = 0
-
-    def fits(self, context: int, n: int = 1) -> bool:
-        """Whether ``n`` sequences of ``context`` tokens in all can start: the cache holds them
-        and every running sequence's next token (else the next iteration would preempt)."""
-        return not self.running or (self.context_sum + context + len(self.running) + n <= self.model.kv_capacity_tokens
-                                    and len(self.running) + n <= self.model.max_num_seqs)
-
-    def _start(self, seq: _Seq) -> None:
-        dt = self.model.prefill_s_per_token * seq.context
-        self.clock, self.busy_s = self.clock + dt, self.busy_s + dt
-        if seq.tokens:  # a preempted sequence: its generated tokens are prefilled again
-            self.recomputed_tokens += seq.context
-        seq.start_it, self.context_sum = self.it, self.context_sum + seq.context
-        self.running[seq] = None
-        self._tie += 1
-        seq.tie = self._tie
-        heapq.heappush(self.ends, (self.it + seq.left, self._tie, seq))
-
-    def _fill(self) -> None:
-        """Start waiting sequences (preempted ones first), then pull groups, while they fit."""
-        if self.pending is not None:  # draining for new weights: nothing new starts
-            return
-        while True:
-            if self.waiting:
-                if not self.fits(self.waiting[0].context):
-                    return
-                self._start(self.waiting.popleft())
-                continue
-            seqs = self.pull(self)
-            if seqs is None:
-                return
-            self.waiting.extend(_Seq(g, p, r) for g, p, r in seqs)
-
-    def _stop(self, seq: _Seq) -> None:
-        """``seq`` leaves the running set: credit its tokens to the versions that made them."""
-        done = self.it - seq.start_it
-        seq.context, seq.left = seq.context + done, seq.left - done
-        self.context_sum -= seq.context
-        del self.running[seq]
-        i = bisect.bisect_right(self.versions, (seq.start_it, math.inf)) - 1
-        for j in range(i, len(self.versions)):
-            lo = max(seq.start_it, self.versions[j][0])
-            hi = self.it if j + 1 == len(self.versions) else min(self.it, self.versions[j + 1][0])
-            if hi > lo:
-                seq.tokens[self.versions[j][1]] = seq.tokens.get(self.versions[j][1], 0) + hi - lo
-
-    def load(self, version: int, at: float, pause_s: float, in_flight: bool, recompute_kv: bool) -> None:
-        """New weights reach the engine at ``at``: load them now (``in_flight`` or idle) or after
-        the running sequences finish."""
-        if not in_flight and self.running:
-            self.pending = version
-            return
-        self.clock = max(self.clock, at) + pause_s
-        if recompute_kv and self.running:
-            dt = self.model.prefill_s_per_token * self.context_sum
-            self.clock, self.busy_s, self.recomputed_tokens = self.clock + dt, self.busy_s + dt, \
-                self.recomputed_tokens + self.context_sum
-        self.version, self.pending = version, None
-        self.versions.append((self.it, version))
-        self._fill()
-
-    def run(self, until: float, pause_s: float) -> List[Tuple[float, _Seq]]:
-        """Decode until ``until`` (an idle engine's clock then moves to it); the finished
-        sequences with their finishing times."""
-        done: List[Tuple[float, _Seq]] = []
-        self._fill()
-        while self.running and self.clock < until:
-            n, cap = len(self.running), self.model.kv_capacity_tokens
-            while n > 1 and self.context_sum + n > cap:  # no room for the next tokens: preempt the newest
-                seq = next(reversed(self.running))
-                self._stop(seq)
-                seq.tie, self.preemptions = -1, self.preemptions + 1
-                self.waiting.appendleft(seq)
-                n -= 1
-            while self.ends[0][1] != self.ends[0][2].tie:  # entries of preempted runs
-                heapq.heappop(self.ends)
-            m = self.ends[0][0] - self.it
-            if n > 1:
-                m = min(m, (cap - self.context_sum) // n)
-            if self.clock + self.model.time(self.context_sum, n, m) > until:
-                m = self.model.iterations_within(self.context_sum, n, until - self.clock, m)
-                if m == 0:
-                    break
-            dt = self.model.time(self.context_sum, n, m)
-            self.clock, self.busy_s, self.it, self.context_sum = self.clock + dt, self.busy_s + dt, self.it + m, \
-                self.context_sum + n * m
-            while self.ends and self.ends[0][0] <= self.it:
-                _, tie, seq = heapq.heappop(self.ends)
-                if tie == seq.tie:
-                    self._stop(seq)
-                    done.append((self.clock, seq))
-            if self.pending is not None and not self.running:
-                self.load(self.pending, self.clock, pause_s, True, False)
-            self._fill()
-        if until < math.inf and not self.running:
-            self.clock = max(self.clock, until)
-        return done
 
 
 def streaming(job: Job, prompts: List[Prompt], steps: int, engine_gpus: int, eta: int, in_flight: bool = True,
@@ -177,8 +54,8 @@ def streaming(job: Job, prompts: List[Prompt], steps: int, engine_gpus: int, eta
     tokens each, fit its KV cache (as SGLang reserves room for the tokens a running request will
     still generate; below about 0.75 engines preempt by the thousand at the paper's lengths).
     Returns `sim_schedules`' run dict plus ``staleness`` and ``token_age`` (see the module
-    docstring; ``step_staleness`` and ``step_token_age``: the same for each step), ``group_done``,
-    ``preemptions`` and ``recomputed_tokens``."""
+    docstring; ``step_staleness`` and ``step_token_age``: the same for each step) and
+    ``group_done``."""
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     if eta < 0:
@@ -198,7 +75,7 @@ def streaming(job: Job, prompts: List[Prompt], steps: int, engine_gpus: int, eta
     ready: List = []  # (group finished at, group)
     group_done: Dict[int, float] = {}
 
-    def pull(engine: StreamEngine) -> Optional[list]:
+    def pull(engine: Engine) -> Optional[list]:
         j = len(admitted_under)
         if j >= len(prompts) or j >= (engine.version + eta + 1) * per_step:
             return None
@@ -209,7 +86,7 @@ def streaming(job: Job, prompts: List[Prompt], steps: int, engine_gpus: int, eta
         admitted_under.append(engine.version)
         return [(j, p.prompt_len, r) for r in p.responses]
 
-    pool = [StreamEngine(model, pull) for _ in range(engines)]
+    pool = [Engine(model, pull=pull) for _ in range(engines)]
 
     def advance(until: float) -> None:
         for engine in pool:
@@ -250,10 +127,9 @@ def streaming(job: Job, prompts: List[Prompt], steps: int, engine_gpus: int, eta
         clock += tick_s
         advance(clock)
     empty = collections.Counter()
-    return _run(ends, step_tokens, sum(e.busy_s for e in pool), engines, train_busy,
-                staleness=dict(sum(staleness, empty)), token_age=dict(sum(token_age, empty)),
-                step_staleness=staleness, step_token_age=token_age, group_done=group_done,
-                preemptions=sum(e.preemptions for e in pool), recomputed_tokens=sum(e.recomputed_tokens for e in pool))
+    return _run(ends, step_tokens, pool, engines, train_busy, staleness=dict(sum(staleness, empty)),
+                token_age=dict(sum(token_age, empty)), step_staleness=staleness, step_token_age=token_age,
+                group_done=group_done)
 
 
 def _take(ready: List, group_done: Dict[int, float], per_step: int, trained: int, order: str) -> Optional[List[int]]:

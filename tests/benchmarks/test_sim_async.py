@@ -48,14 +48,14 @@ def test_an_engine_waits_for_kv_room_before_a_response_starts():
                                kv_capacity_tokens=1)
     engine = sched.Engine(decode)
     engine.admit(model.Prompt(0, 1, [2, 4]), version=0)
-    assert [t for t, _, _ in engine.run()] == [2.0, 6.0]
+    assert [t for t, _ in engine.run()] == [2.0, 6.0]
 
 
 def test_an_engine_runs_at_most_max_num_seqs():
     decode = model.DecodeModel(weight_s=1.0, kv_s_per_token=0.0, seq_s=0.0, prefill_s_per_token=0.0, max_num_seqs=1)
     engine = sched.Engine(decode)
     engine.admit(model.Prompt(0, 1, [2, 4]), version=0)
-    assert [t for t, _, _ in engine.run()] == [2.0, 6.0]
+    assert [t for t, _ in engine.run()] == [2.0, 6.0]
 
 
 def test_the_mfu_falls_as_the_tokens_per_gpu_shrink():
