@@ -153,14 +153,14 @@ def table(job: Job, args: argparse.Namespace) -> None:
           + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items()))
     base = rows[0][3]["tokens_per_s_per_gpu"]
     print("| schedule | layout | step s | tokens/s/GPU | vs colocated | fill s | with fill | trainer idle "
-          "| engine idle | staleness |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| engine idle | KV peak | preempted | recomputed tokens | staleness |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, layout, r, s in rows:
         stale = ", ".join(f"{d}: {n}" for d, n in sorted(r.get("staleness", {}).items())) or "-"
         print(f"| {name} | {layout} | {s['step_s']:.1f} | {s['tokens_per_s_per_gpu']:.0f} | "
               f"{s['tokens_per_s_per_gpu'] / base:.2f}x | {s['fill_s']:.0f} | "
               f"{s['with_fill'] / rows[0][3]['with_fill']:.2f}x | {s['trainer_idle']:.0%} | {s['engine_idle']:.0%} "
-              f"| {stale} |")
+              f"| {r['kv_peak']:.2f} | {r['preemptions']} | {r['recomputed_tokens'] / 1e6:.1f}M | {stale} |")
 
 
 if __name__ == "__main__":

@@ -16,9 +16,9 @@ splits a node layout allows; steady-state figures with the pipeline fill reporte
 
 Every schedule's engines are `sim_engine.Engine`s: a sequence starts while the KV cache holds
 it, and a full cache preempts the newest running sequence, which pays the prefill of its context
-again when it restarts (vLLM's recompute preemption). Every schedule returns the end time and the trained tokens of each step; `steady` reads the
-steady-state pace from the steps after ``warmup`` and reports the fill (the extra time the first
-steps took) apart.
+again when it restarts (vLLM's recompute preemption). Every schedule returns the end time and
+the trained tokens of each step; `steady` reads the steady-state pace from the steps after
+``warmup`` and reports the fill (the extra time the first steps took) apart.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def _run(step_ends: List[float], step_tokens: List[int], used: List[Engine], eng
     engine's running sequences held, as a share of its KV cache."""
     return {"step_ends": step_ends, "step_tokens": step_tokens,
             "engine_idle": 1 - sum(e.busy_s for e in used) / (engines * step_ends[-1]), "trainer_busy_s": train_busy,
-            "preemptions": sum(e.preemptions for e in used), "recomputed_tokens": sum(e.recomputed_tokens for e in used),
+            "preemptions": sum(e.preemptions for e in used),
+            "recomputed_tokens": sum(e.recomputed_tokens for e in used),
             "kv_peak": max(e.peak_context / e.model.kv_capacity_tokens for e in used), **extra}
 
 

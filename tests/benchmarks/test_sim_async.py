@@ -41,23 +41,6 @@ def test_the_closed_form_of_m_iterations_sums_the_iterations():
     assert decode.iterations_within(sum(contexts), len(contexts), by_hand, 100) == m
 
 
-def test_an_engine_waits_for_kv_room_before_a_response_starts():
-    # room for 1 context token: the 4-token response starts only when the 2-token one
-    # has finished at t = 2, and then runs 4 iterations: done at 6, not at 4
-    decode = model.DecodeModel(weight_s=1.0, kv_s_per_token=0.0, seq_s=0.0, prefill_s_per_token=0.0,
-                               kv_capacity_tokens=1)
-    engine = sched.Engine(decode)
-    engine.admit(model.Prompt(0, 1, [2, 4]), version=0)
-    assert [t for t, _ in engine.run()] == [2.0, 6.0]
-
-
-def test_an_engine_runs_at_most_max_num_seqs():
-    decode = model.DecodeModel(weight_s=1.0, kv_s_per_token=0.0, seq_s=0.0, prefill_s_per_token=0.0, max_num_seqs=1)
-    engine = sched.Engine(decode)
-    engine.admit(model.Prompt(0, 1, [2, 4]), version=0)
-    assert [t for t, _ in engine.run()] == [2.0, 6.0]
-
-
 def test_the_mfu_falls_as_the_tokens_per_gpu_shrink():
     # mfu(w) = mfu_max x w / (w + half_tokens): at w = half_tokens the phase takes twice its FLOPs' time
     eff = model.Efficiency(forward_mfu=1.0, half_tokens=4.0)
@@ -85,6 +68,19 @@ def test_colocated_timeline_and_phases():
     s = sched.steady(r, JOB.num_gpus, warmup=1)
     assert (s["step_s"], s["fill_s"]) == (9.0, 0.0)
     assert s["tokens_per_s_per_gpu"] == pytest.approx(8 / 9 / 2)
+
+
+def test_colocated_generation_pays_its_preemptions():
+    # one engine of 6 context tokens, prefill 0.5 s a token: the engine's timeline of
+    # test_sim_engine.test_a_full_cache_preempts_the_newest_sequence_which_recomputes_its_context
+    # (done at 6.5 instead of 4.0 with room), then switch 1 s, forward 8 / 4 = 2 s, update 6 s
+    decode = model.DecodeModel(weight_s=1.0, kv_s_per_token=0.0, seq_s=0.0, prefill_s_per_token=0.5,
+                               kv_capacity_tokens=6)
+    job = sched.Job(**{**JOB.__dict__, "num_gpus": 1, "prompts_per_step": 1, "group": 2})
+    r = sched.colocated(job, [[model.Prompt(0, 1, [3, 3])]], model=decode)
+    assert r["phases"] == {"generate": 6.5, "switch": 1.0, "forward": 2.0, "update": 6.0}
+    assert r["step_ends"] == [15.5]
+    assert (r["preemptions"], r["recomputed_tokens"], r["kv_peak"]) == (1, 3, 1.0)
 
 
 @pytest.mark.parametrize("k, ends", [
