@@ -9,7 +9,9 @@ Qwen2.5-Math-7B phase table) and every other figure is a stated datasheet value 
   whose contexts sum to C costs ``weight_s + kv_s_per_token * C + seq_s * n``: reading the bf16
   weights and every active KV cache at the achieved HBM rate, each sequence's matmuls at
   ``decode_mfu`` of the peak, and a fixed per-iteration overhead (scheduler, sampling, kernel
-  launches; 2 TP all-reduces per layer when tp > 1).
+  launches; 2 TP all-reduces per layer when tp > 1). A mixture of experts computes with its
+  active parameters (`ModelSpec.active_params`) and reads its dense weights and the experts its
+  n sequences are routed to (`DecodeModel.expert_weight_s`).
 - **Training** (`train_phase_s`): the pi_old forward (2N FLOPs a token plus causal attention)
   and the update (6N, 8N with activation recompute, plus attention) at an MFU that falls as the
   tokens each GPU trains in the step shrink: ``mfu(w) = mfu_max * w / (w + half_tokens)``, i.e.
@@ -26,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,16 +58,34 @@ class ModelSpec:
     (token, earlier position) in the forward pass."""
     kv_heads: int
     kv_channels: int = 128
+    active_params: Optional[float] = None
+    """Parameters a token's matmuls use (a mixture of experts: the routed experts only); None:
+    ``params``. FLOPs count these; a weight transfer moves all ``params``."""
+    expert_params: float = 0.0
+    """Parameters in routed experts (0: dense)."""
+    expert_share: float = 0.0
+    """The share of the routed experts one token uses (top-k / experts)."""
 
     @property
     def kv_bytes_per_token(self) -> float:
         """bf16 K and V of every layer for one token."""
         return self.num_layers * self.kv_heads * self.kv_channels * 2 * 2
 
+    @property
+    def flop_params(self) -> float:
+        """Parameters per token in the FLOP count: ``active_params``, else ``params``."""
+        return self.params if self.active_params is None else self.active_params
+
 
 QWEN3_8B = ModelSpec("Qwen3-8B", params=8.19e9, num_layers=36, attn_width=4096, kv_heads=8)
 LLAMA31_8B = ModelSpec("Llama-3.1-8B", params=8.03e9, num_layers=32, attn_width=4096, kv_heads=8)
 QWEN25_MATH_7B = ModelSpec("Qwen2.5-Math-7B", params=7.62e9, num_layers=28, attn_width=3584, kv_heads=4)
+QWEN3_30B_A3B = ModelSpec("Qwen3-30B-A3B", params=30.5e9, num_layers=48, attn_width=4096, kv_heads=4,
+                          active_params=3.35e9, expert_params=29.0e9, expert_share=8 / 128)
+"""Its HF config.json: 48 layers of 32 query and 4 KV heads of 128 and an MoE of 128 experts of
+width 768 (top-8), hidden 2048, 151,936 tokens untied: 30.5B parameters, 29.0B of them in experts
+(48 x 128 x 3 x 2048 x 768), 3.35B a token (attention 18.9M, 8 experts 37.7M and the router 0.26M
+a layer, and both embeddings, counted as the dense models' are)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,13 +182,20 @@ class DecodeModel:
     seq_s: float
     prefill_s_per_token: float
     kv_capacity_tokens: int = 10**12
-    """Context tokens the KV cache holds; a sequence waits for room before it starts (no
-    preemption: a running sequence keeps its blocks as it grows)."""
+    """Context tokens the KV cache holds: a sequence waits for room before it starts, and a full
+    cache preempts the newest running sequence (`sim_engine.Engine`)."""
     max_num_seqs: int = 10**9
+    expert_weight_s: float = 0.0
+    """A mixture of experts: reading every routed expert once; an iteration over n sequences
+    reads the share 1 - (1 - expert_share)^n of them (the experts some token is routed to, for
+    uniform routing), so a small batch (the tail) reads little more than the dense weights."""
+    expert_share: float = 0.0
 
     def time(self, context_sum: float, n: int, m: int) -> float:
         """m iterations over n sequences whose contexts sum to ``context_sum`` at the start."""
-        return m * (self.weight_s + self.seq_s * n) + self.kv_s_per_token * (m * context_sum + n * m * (m - 1) / 2)
+        experts = self.expert_weight_s * (1 - (1 - self.expert_share) ** n) if self.expert_weight_s else 0.0
+        return (m * (self.weight_s + experts + self.seq_s * n)
+                + self.kv_s_per_token * (m * context_sum + n * m * (m - 1) / 2))
 
     def iterations_within(self, context_sum: float, n: int, budget: float, limit: int) -> int:
         """The most iterations (<= limit) that fit in ``budget`` seconds."""
@@ -189,10 +216,12 @@ def decode_model(model: ModelSpec, hw: Hardware, eff: Efficiency, tp: int, memor
         raise ValueError(f"{model.name}'s {weights_gb:.1f} GB of weights leave no KV cache in {memory_share} of "
                          f"{tp} x {hw.memory_gb} GB")
     overhead = eff.iteration_overhead_s + (2 * model.num_layers * eff.allreduce_s if tp > 1 else 0.0)
-    return DecodeModel(weight_s=2 * model.params / bw + overhead, kv_s_per_token=model.kv_bytes_per_token / bw,
-                       seq_s=2 * model.params / (flops * eff.decode_mfu),
-                       prefill_s_per_token=2 * model.params / (flops * eff.prefill_mfu),
-                       kv_capacity_tokens=int(kv_gb * 1e9 / model.kv_bytes_per_token), max_num_seqs=eff.max_num_seqs)
+    return DecodeModel(weight_s=2 * (model.params - model.expert_params) / bw + overhead,
+                       kv_s_per_token=model.kv_bytes_per_token / bw,
+                       seq_s=2 * model.flop_params / (flops * eff.decode_mfu),
+                       prefill_s_per_token=2 * model.flop_params / (flops * eff.prefill_mfu),
+                       kv_capacity_tokens=int(kv_gb * 1e9 / model.kv_bytes_per_token), max_num_seqs=eff.max_num_seqs,
+                       expert_weight_s=2 * model.expert_params / bw, expert_share=model.expert_share)
 
 
 def train_phase_s(model: ModelSpec, hw: Hardware, eff: Efficiency, tokens: Sequence[int], gpus: int,
@@ -205,7 +234,7 @@ def train_phase_s(model: ModelSpec, hw: Hardware, eff: Efficiency, tokens: Seque
     mfu_max = eff.forward_mfu if phase == "forward" else eff.update_mfu
     total = sum(tokens)
     attention = 4 * model.num_layers * model.attn_width * sum(n * n / 2 for n in tokens)
-    flops = passes * (2 * model.params * total + attention)
+    flops = passes * (2 * model.flop_params * total + attention)
     per_gpu = total / gpus
     mfu = mfu_max * per_gpu / (per_gpu + eff.half_tokens)
     return flops / (gpus * hw.peak_tflops * 1e12 * mfu)

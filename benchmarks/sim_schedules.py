@@ -14,17 +14,19 @@ splits a node layout allows; steady-state figures with the pipeline fill reporte
   admission); a step trains the first prompts whose group has finished; in-flight responses go
   on under each new version. Staleness is reported, not bounded.
 
-Every schedule returns the end time and the trained tokens of each step; `steady` reads the
-steady-state pace from the steps after ``warmup`` and reports the fill (the extra time the first
-steps took) apart.
+Every schedule's engines are `sim_engine.Engine`s: a sequence starts while the KV cache holds
+it, and a full cache preempts the newest running sequence, which pays the prefill of its context
+again when it restarts (vLLM's recompute preemption). Every schedule returns the end time and
+the trained tokens of each step; `steady` reads the steady-state pace from the steps after
+``warmup`` and reports the fill (the extra time the first steps took) apart.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Dict, Iterator, List, Optional, Tuple
 
+from sim_engine import Engine
 from sim_model import (Efficiency, Hardware, Lengths, ModelSpec, Prompt, decode_model, sample_tokens, switch_s,
                        train_phase_s)
 
@@ -50,6 +52,9 @@ class Job:
     """TP x PP x CP of a trainer replica: the trainer GPU count is a multiple of it."""
     gpus_per_node: int = 8
     eff: Efficiency = Efficiency()
+    trainer_gpu_counts: Optional[Tuple[int, ...]] = None
+    """Separate placement: the trainer GPU counts the training memory allows (an expert-parallel
+    model's trainer needs room for its optimizer state); None: any count of whole replicas."""
 
     def train_s(self, prompts: List[Prompt], gpus: int) -> Tuple[float, float]:
         """(pi_old forward, update) seconds of ``prompts`` on ``gpus`` GPUs."""
@@ -62,76 +67,31 @@ class Job:
         return decode_model(self.model, self.hardware, self.eff, tp, share)
 
 
-class Engine:
-    """One vLLM engine: active sequences [context, tokens left, prompt index, version at admission]."""
-
-    def __init__(self, model, clock: float = 0.0):
-        self.model, self.clock, self.active, self.waiting, self.busy_s = model, clock, [], [], 0.0
-        self.context_sum = 0
-
-    def admit(self, prompt: Prompt, version: int, responses: Optional[List[int]] = None) -> None:
-        """Queue ``responses`` (default: all) of ``prompt``; each starts (prefill first) when the
-        KV cache has room and fewer than ``max_num_seqs`` run."""
-        self.waiting += [[prompt.prompt_len, r, prompt.index, version] for r in (responses or prompt.responses)]
-        self._start_waiting()
-
-    def _start_waiting(self) -> None:
-        model = self.model
-        while self.waiting and (not self.active or (self.context_sum + self.waiting[0][0] <= model.kv_capacity_tokens
-                                                    and len(self.active) < model.max_num_seqs)):
-            seq = self.waiting.pop(0)
-            dt = self.model.prefill_s_per_token * seq[0]
-            self.clock, self.busy_s, self.context_sum = self.clock + dt, self.busy_s + dt, self.context_sum + seq[0]
-            self.active.append(seq)
-
-    @property
-    def load(self) -> int:
-        return len(self.active) + len(self.waiting)
-
-    def run(self, until: float = math.inf) -> List[Tuple[float, int, int]]:
-        """Decode until ``until`` or until nothing is active (the clock then moves to ``until`` when
-        that is finite: the engine idles); the (time, prompt, version) of each finished sequence."""
-        done = []
-        while self.active and self.clock < until:
-            n, c = len(self.active), self.context_sum
-            m = min(a[1] for a in self.active)
-            if self.clock + self.model.time(c, n, m) > until:
-                m = self.model.iterations_within(c, n, until - self.clock, m)
-                if m == 0:
-                    break
-            dt = self.model.time(c, n, m)
-            self.clock, self.busy_s = self.clock + dt, self.busy_s + dt
-            for a in self.active:
-                a[0] += m
-                a[1] -= m
-            self.context_sum += n * m
-            finished = [a for a in self.active if a[1] == 0]
-            done += [(self.clock, a[2], a[3]) for a in finished]
-            self.context_sum -= sum(a[0] for a in finished)
-            self.active = [a for a in self.active if a[1] > 0]
-            self._start_waiting()
-        if until < math.inf and not self.active:  # idle until then (a busy engine keeps its clock)
-            self.clock = max(self.clock, until)
-        return done
-
-
-def _run(step_ends, step_tokens, engine_busy, engines, train_busy, **extra) -> Dict:
+def _run(step_ends: List[float], step_tokens: List[int], used: List[Engine], engines: int, train_busy: float,
+         **extra) -> Dict:
+    """A schedule's run dict from its step ends and tokens, the `Engine`s it ``used`` (on
+    ``engines`` engines at a time) and the trainers' busy seconds: ``engine_idle``,
+    ``preemptions`` and ``recomputed_tokens`` over the run, ``kv_peak``: the most context any
+    engine's running sequences held, as a share of its KV cache."""
     return {"step_ends": step_ends, "step_tokens": step_tokens,
-            "engine_idle": 1 - engine_busy / (engines * step_ends[-1]), "trainer_busy_s": train_busy, **extra}
+            "engine_idle": 1 - sum(e.busy_s for e in used) / (engines * step_ends[-1]), "trainer_busy_s": train_busy,
+            "preemptions": sum(e.preemptions for e in used),
+            "recomputed_tokens": sum(e.recomputed_tokens for e in used),
+            "kv_peak": max(e.peak_context / e.model.kv_capacity_tokens for e in used), **extra}
 
 
 def colocated(job: Job, batches: List[List[Prompt]], model=None) -> Dict:
     """Generate on every GPU, switch, pi_old forward and update on every GPU; ``phases``: the
     mean seconds of each phase a step (``model``: the decode model, default the job's)."""
     model, engines = model or job.decode(job.engine_tp, separate=False), job.num_gpus // job.engine_tp
-    clock, ends, tokens, engine_busy, phases = 0.0, [], [], 0.0, dict(generate=0.0, switch=0.0, forward=0.0, update=0.0)
+    clock, ends, tokens, used, phases = 0.0, [], [], [], dict(generate=0.0, switch=0.0, forward=0.0, update=0.0)
     for batch in batches:
         shares = [Engine(model) for _ in range(engines)]
         for e, engine in enumerate(shares):
             for prompt in batch[e::engines]:
                 engine.admit(prompt, 0)
             engine.run()
-        engine_busy += sum(engine.busy_s for engine in shares)
+        used += shares
         forward, update = job.train_s(batch, job.num_gpus)
         step = dict(generate=max(engine.clock for engine in shares), switch=switch_s(job.model, job.eff, True),
                     forward=forward, update=update)
@@ -140,7 +100,7 @@ def colocated(job: Job, batches: List[List[Prompt]], model=None) -> Dict:
         clock += sum(step.values())
         ends.append(clock)
         tokens.append(sum(sample_tokens(batch)))
-    return _run(ends, tokens, engine_busy, engines, (phases["forward"] + phases["update"]) * len(batches),
+    return _run(ends, tokens, used, engines, (phases["forward"] + phases["update"]) * len(batches),
                 phases=phases)
 
 
@@ -152,7 +112,8 @@ def separate(job: Job, batches: List[List[Prompt]], engine_gpus: int, k: int, en
     engines, trainers, transfer = engine_gpus // tp, job.num_gpus - engine_gpus, switch_s(job.model, job.eff, False)
     ready = [0.0]  # ready[v]: when policy version v has reached the engines (v = steps trained)
     engine_free, engine_version = [0.0] * engines, [0] * engines
-    engine_busy = train_busy = trainer_free = 0.0
+    train_busy = trainer_free = 0.0
+    used = []
     ends, tokens = [], []
     for s, batch in enumerate(batches):
         version = max(0, s - k)
@@ -165,7 +126,7 @@ def separate(job: Job, batches: List[List[Prompt]], engine_gpus: int, k: int, en
                 engine.admit(prompt, version)
             engine.run()
             engine_free[e] = engine.clock
-            engine_busy += engine.busy_s
+            used.append(engine)
             finished.append(engine.clock)
         train = sum(job.train_s(batch, trainers))
         end = max(trainer_free, max(finished)) + train
@@ -174,7 +135,7 @@ def separate(job: Job, batches: List[List[Prompt]], engine_gpus: int, k: int, en
         train_busy += train
         trainer_free = end + transfer  # the trainers send the weights before the next step
         ready.append(trainer_free)
-    return _run(ends, tokens, engine_busy, engines, train_busy)
+    return _run(ends, tokens, used, engines, train_busy)
 
 
 def partial(job: Job, prompts: List[Prompt], steps: int, engine_gpus: int, oversample: float,
@@ -201,7 +162,7 @@ def partial(job: Job, prompts: List[Prompt], steps: int, engine_gpus: int, overs
         nxt = next(feed, None)
         if nxt is not None:
             oldest.setdefault(nxt[0].index, version)
-            min(pool, key=lambda e: e.load).admit(nxt[0], version, nxt[1])
+            min(pool, key=lambda e: e.num_sequences).admit(nxt[0], version, nxt[1])
 
     for _ in range(int(round((1 + oversample) * per_step)) * (job.group if per_sequence else 1)):
         admit_next()
@@ -210,7 +171,8 @@ def partial(job: Job, prompts: List[Prompt], steps: int, engine_gpus: int, overs
 
     def advance(until: float) -> None:
         for engine in pool:
-            for t, idx, _ in engine.run(until):
+            for t, seq in engine.run(until):
+                idx = seq.group
                 left[idx] -= 1
                 if left[idx] == 0:
                     ready.append((t, idx))
@@ -222,7 +184,7 @@ def partial(job: Job, prompts: List[Prompt], steps: int, engine_gpus: int, overs
         if training and trainer_free <= clock + tick_s:  # the update ends: engines load version + 1
             advance(trainer_free)
             for engine in pool:
-                engine.clock = max(engine.clock, trainer_free) + transfer
+                engine.load(version + 1, trainer_free, transfer)
             version, training = version + 1, False
             continue
         if not training and len(ready) >= per_step:
@@ -239,8 +201,7 @@ def partial(job: Job, prompts: List[Prompt], steps: int, engine_gpus: int, overs
             continue
         clock += tick_s
         advance(clock)
-    return _run(ends, tokens, sum(engine.busy_s for engine in pool), engines, train_busy, staleness=staleness,
-                group_done=group_done)
+    return _run(ends, tokens, pool, engines, train_busy, staleness=staleness, group_done=group_done)
 
 
 def steady(run: Dict, num_gpus: int, warmup: int) -> Dict:
@@ -259,8 +220,9 @@ def steady(run: Dict, num_gpus: int, warmup: int) -> Dict:
 
 def splits(job: Job, engine_tps: Tuple[int, ...]) -> List[Tuple[int, int]]:
     """Every (engine TP, engine GPUs) a node layout allows: an engine stays inside a node, the
-    trainer GPUs are whole replicas, its data-parallel size divides the step's samples, and the
-    engines' share of each GPU leaves room for a KV cache."""
+    trainer GPUs are whole replicas (of a count in ``job.trainer_gpu_counts`` when it is set), its
+    data-parallel size divides the step's samples, and the engines' share of each GPU leaves room
+    for a KV cache."""
     out = []
     for tp in engine_tps:
         if job.gpus_per_node % tp:
@@ -271,6 +233,8 @@ def splits(job: Job, engine_tps: Tuple[int, ...]) -> List[Tuple[int, int]]:
             continue
         for gpus in range(tp, job.num_gpus, tp):
             trainers = job.num_gpus - gpus
+            if job.trainer_gpu_counts is not None and trainers not in job.trainer_gpu_counts:
+                continue
             if trainers % job.trainer_replica_gpus == 0 and \
                     (job.prompts_per_step * job.group) % (trainers // job.trainer_replica_gpus) == 0:
                 out.append((tp, gpus))

@@ -41,23 +41,6 @@ def test_the_closed_form_of_m_iterations_sums_the_iterations():
     assert decode.iterations_within(sum(contexts), len(contexts), by_hand, 100) == m
 
 
-def test_an_engine_waits_for_kv_room_before_a_response_starts():
-    # room for 1 context token: the 4-token response starts only when the 2-token one
-    # has finished at t = 2, and then runs 4 iterations: done at 6, not at 4
-    decode = model.DecodeModel(weight_s=1.0, kv_s_per_token=0.0, seq_s=0.0, prefill_s_per_token=0.0,
-                               kv_capacity_tokens=1)
-    engine = sched.Engine(decode)
-    engine.admit(model.Prompt(0, 1, [2, 4]), version=0)
-    assert [t for t, _, _ in engine.run()] == [2.0, 6.0]
-
-
-def test_an_engine_runs_at_most_max_num_seqs():
-    decode = model.DecodeModel(weight_s=1.0, kv_s_per_token=0.0, seq_s=0.0, prefill_s_per_token=0.0, max_num_seqs=1)
-    engine = sched.Engine(decode)
-    engine.admit(model.Prompt(0, 1, [2, 4]), version=0)
-    assert [t for t, _, _ in engine.run()] == [2.0, 6.0]
-
-
 def test_the_mfu_falls_as_the_tokens_per_gpu_shrink():
     # mfu(w) = mfu_max x w / (w + half_tokens): at w = half_tokens the phase takes twice its FLOPs' time
     eff = model.Efficiency(forward_mfu=1.0, half_tokens=4.0)
@@ -85,6 +68,19 @@ def test_colocated_timeline_and_phases():
     s = sched.steady(r, JOB.num_gpus, warmup=1)
     assert (s["step_s"], s["fill_s"]) == (9.0, 0.0)
     assert s["tokens_per_s_per_gpu"] == pytest.approx(8 / 9 / 2)
+
+
+def test_colocated_generation_pays_its_preemptions():
+    # one engine of 6 context tokens, prefill 0.5 s a token: the engine's timeline of
+    # test_sim_engine.test_a_full_cache_preempts_the_newest_sequence_which_recomputes_its_context
+    # (done at 6.5 instead of 4.0 with room), then switch 1 s, forward 8 / 4 = 2 s, update 6 s
+    decode = model.DecodeModel(weight_s=1.0, kv_s_per_token=0.0, seq_s=0.0, prefill_s_per_token=0.5,
+                               kv_capacity_tokens=6)
+    job = sched.Job(**{**JOB.__dict__, "num_gpus": 1, "prompts_per_step": 1, "group": 2})
+    r = sched.colocated(job, [[model.Prompt(0, 1, [3, 3])]], model=decode)
+    assert r["phases"] == {"generate": 6.5, "switch": 1.0, "forward": 2.0, "update": 6.0}
+    assert r["step_ends"] == [15.5]
+    assert (r["preemptions"], r["recomputed_tokens"], r["kv_peak"]) == (1, 3, 1.0)
 
 
 @pytest.mark.parametrize("k, ends", [
@@ -148,3 +144,26 @@ def test_steady_state_leaves_the_fill_out():
     assert s["with_fill"] == 400 / 25 / 2
     with pytest.raises(ValueError, match="warmup=4"):
         sched.steady(run, num_gpus=2, warmup=4)
+
+
+def test_a_mixture_of_experts_reads_the_experts_its_batch_is_routed_to():
+    # 2 GB of dense weights and 8 GB of experts at 1 TB/s (HBM at 100%, no overheads): an
+    # iteration over n sequences reads 2 GB + 8 GB x (1 - (1 - 1/4)^n); FLOPs count the active
+    # 1.5e9 parameters (2 x 1.5e9 / 1e12 s a sequence)
+    moe = model.ModelSpec("moe", params=5e9, num_layers=1, attn_width=128, kv_heads=1, active_params=1.5e9,
+                          expert_params=4e9, expert_share=0.25)
+    eff = model.Efficiency(iteration_overhead_s=0.0, hbm_efficiency=1.0, decode_mfu=1.0)
+    hw = model.Hardware("toy", peak_tflops=1.0, hbm_tb_per_s=1.0, memory_gb=100.0)
+    decode = model.decode_model(moe, hw, eff, tp=1, memory_share=0.5)
+    for n in (1, 2, 16):
+        assert decode.time(0, n, 1) == pytest.approx(2e-3 + 8e-3 * (1 - 0.75 ** n) + n * 3e-3, rel=1e-12)
+    assert moe.flop_params == 1.5e9 and model.QWEN3_8B.flop_params == model.QWEN3_8B.params
+    assert model.switch_s(moe, eff, colocated=False) == pytest.approx(10 / eff.transfer_gb_per_s)  # all weights
+
+
+def test_splits_keep_to_the_trainer_gpu_counts_the_memory_allows():
+    # the 30B-A3B's trainers: 16 or 24 GPUs (8 do not hold its optimizer state); DP 24 / 4 = 6
+    # does not divide 2048 samples, so only 16 engine GPUs remain
+    job = sched.Job(model.QWEN3_30B_A3B, model.H100, num_gpus=32, engine_tp=4, prompts_per_step=256, group=8,
+                    lengths=model.PAPER_LENGTHS, trainer_replica_gpus=4, trainer_gpu_counts=(16, 24))
+    assert sched.splits(job, (2, 4)) == [(2, 16), (4, 16)]
