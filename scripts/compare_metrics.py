@@ -27,16 +27,21 @@ def load_rows(path: str) -> List[Dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def same(a, b) -> bool:
-    """Equal values; NaN equals NaN (an empty statistic is logged as NaN on both sides)."""
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
+def same(a, b, rel_tol: float = 0.0) -> bool:
+    """Equal values; NaN equals NaN (an empty statistic is logged as NaN on both sides); with
+    ``rel_tol`` two floats within it (relative, or 1e-9 absolute near zero) count as equal."""
+    if isinstance(a, float) and isinstance(b, float):
+        if math.isnan(a) and math.isnan(b):
+            return True
+        if rel_tol:
+            return math.isclose(a, b, rel_tol=rel_tol, abs_tol=1e-9)
     return a == b
 
 
-def differences(before: List[Dict], after: List[Dict], allow_added: bool = False) -> List[str]:
+def differences(before: List[Dict], after: List[Dict], allow_added: bool = False, rel_tol: float = 0.0) -> List[str]:
     """Every row / key whose value differs (wall-clock fields aside), as readable lines;
-    ``allow_added``: a key only the later run logs (a new metric) is not a difference."""
+    ``allow_added``: a key only the later run logs (a new metric) is not a difference;
+    ``rel_tol``: floats within it are the same (`same`; 0 = identical, what SAME means)."""
     out = []
     if len(before) != len(after):
         out.append(f"{len(before)} rows before, {len(after)} after")
@@ -48,7 +53,7 @@ def differences(before: List[Dict], after: List[Dict], allow_added: bool = False
             if key not in b or key not in a:
                 out.append(f"row {i} ({b.get('kind')} step {b.get('step')}): {key} only "
                            f"{'before' if key in b else 'after'}")
-            elif not same(b[key], a[key]):
+            elif not same(b[key], a[key], rel_tol):
                 out.append(f"row {i} ({b.get('kind')} step {b.get('step')}): {key} {b[key]!r} -> {a[key]!r}")
     return out
 

@@ -23,3 +23,12 @@ def test_wall_clock_fields_are_ignored_and_maths_is_not(tmp_path, capsys):
     assert "row 0 (train step 1): loss 0.25 -> 0.25000001" in out and "1 rows before, 2 after" in out
     assert compare_metrics.differences([row], [{k: v for k, v in row.items() if k != "loss"}]) == [
         "row 0 (train step 1): loss only before"]
+
+
+def test_a_tolerance_counts_close_floats_as_the_same_and_nothing_else():
+    row = {"kind": "train", "step": 1, "loss": 0.125, "tokens": 40, "nan": float("nan")}
+    close = {**row, "loss": 0.125 * (1 + 3e-6)}
+    assert compare_metrics.differences([row], [close]) != []  # SAME means identical
+    assert compare_metrics.differences([row], [close], rel_tol=1e-5) == []
+    assert compare_metrics.differences([row], [{**row, "loss": 0.125 * (1 + 3e-5)}], rel_tol=1e-5) != []
+    assert compare_metrics.differences([row], [{**row, "tokens": 41}], rel_tol=1e-5) != []  # counts exact
