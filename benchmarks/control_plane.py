@@ -214,8 +214,11 @@ def _trainer(setup: Setup, schedule: str, rank: int) -> dict:
                     for phase in ("forward", "update"))
         time.sleep(train / setup.scale)
         end = time.perf_counter() - started
+        syncing = time.perf_counter()
         schedule_.after_update(step)
-        rows.append(dict(step=step, version=version, wait=wait * setup.scale, train=train, end=end * setup.scale,
+        sync_s = time.perf_counter() - syncing
+        rows.append(dict(step=step, version=version, wait=wait * setup.scale, sync=sync_s * setup.scale, train=train,
+                         end=end * setup.scale,
                          tokens=sum(trained), samples=len(tokens), groups=len(samples),
                          indices=sorted(schedule_.step_prompts[0]) if config.partial else [p.index for p in mine(step)]))
     engine.shutdown()
@@ -297,26 +300,26 @@ def harness_figures(setup: Setup, schedule: str, out: Dict[int, dict]) -> dict:
     run = dict(step_ends=ends, step_tokens=[r["tokens"] for r in rows], trainer_busy_s=sum(r["train"] for r in rows),
                engine_idle=1 - busy / (len(engines) * ends[-1]))
     figures = steady(run, setup.job(schedule).num_gpus, setup.warmup)
-    figures["wait_s"] = sum(r["wait"] for r in rows[setup.warmup:]) / (len(rows) - setup.warmup)
+    steady_rows = rows[setup.warmup:]
+    figures["wait_s"] = sum(r["wait"] for r in steady_rows) / len(steady_rows)
+    figures["sync_s"] = sum(r["sync"] for r in steady_rows) / len(steady_rows)
     figures["calls"] = sum(len(e["calls"]) for e in engines)
     return figures
 
 
-def simulator_figures(setup: Setup, schedule: str) -> dict:
-    """The simulator's run of the same job, prompts and lengths."""
+def simulator_figures(setup: Setup, schedule: str, per_sequence: bool = True) -> dict:
+    """The simulator's run of the same job, prompts and lengths (``per_sequence``: partial
+    rollouts' admission, `sim_schedules.partial`)."""
     job, prompts = setup.job(schedule), setup.prompts()
     batches = [setup.batch(s) for s in range(setup.steps)]
     if schedule == "colocated":
         run = colocated(job, batches)
     elif schedule == "partial":
-        run = partial(job, prompts, setup.steps, setup.engines, setup.oversample, engine_tp=1)
+        run = partial(job, prompts, setup.steps, setup.engines, setup.oversample, engine_tp=1,
+                      per_sequence=per_sequence)
     else:
         run = separate(job, batches, setup.engines, int(schedule[-1]), engine_tp=1)
     return steady(run, job.num_gpus, setup.warmup)
-
-
-FIGURES = (("step_s", "step s", "{:.1f}"), ("trainer_idle", "trainer idle", "{:.1%}"),
-           ("engine_idle", "engine idle", "{:.1%}"))
 
 
 def compare(setup: Setup, schedules: Sequence[str]) -> List[tuple]:
@@ -326,13 +329,18 @@ def compare(setup: Setup, schedules: Sequence[str]) -> List[tuple]:
 
 
 def table(setup: Setup, rows: List[tuple]) -> str:
-    lines = ["| schedule | figure | harness | simulator | difference |", "| --- | --- | --- | --- | --- |"]
+    """Step time (difference in %, and per step in the harness's wall milliseconds: what the
+    control plane itself costs, times the scale), trainer and engine idle (differences in points),
+    the trainers' mean wait a step for samples and in the weight sync, and the engine calls."""
+    lines = ["| schedule | step s: harness | simulator | difference | wall ms a step | trainer idle: harness | "
+             "simulator | engine idle: harness | simulator | trainers wait a step: samples, weight sync | "
+             "engine calls |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, ours, sim in rows:
-        for key, label, fmt in FIGURES:
-            diff = (ours[key] - sim[key]) / sim[key] if sim[key] else float("nan")
-            lines.append(f"| {name} | {label} | {fmt.format(ours[key])} | {fmt.format(sim[key])} | {diff:+.1%} |")
-        lines.append(f"| {name} | engine calls, trainers' mean wait a step | {ours['calls']} calls | "
-                     f"{ours['wait_s']:.1f} s | |")
+        step, ref = ours["step_s"], sim["step_s"]
+        lines.append(
+            f"| {name} | {step:.1f} | {ref:.1f} | {(step - ref) / ref:+.1%} | {(step - ref) / setup.scale * 1e3:+.0f} | "
+            f"{ours['trainer_idle']:.1%} | {sim['trainer_idle']:.1%} | {ours['engine_idle']:.1%} | "
+            f"{sim['engine_idle']:.1%} | {ours['wait_s']:.1f} s, {ours['sync_s']:.1f} s | {ours['calls']} |")
     return "\n".join(lines)
 
 
@@ -353,7 +361,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
           f"lengths, {setup.trainers} trainer ranks, {setup.engines} engine rank(s) (separate), {setup.steps} steps, "
           f"steady state over the last {setup.steps - setup.warmup}, time scale 1/{setup.scale:g}; partial: "
           f"oversample {setup.oversample}, rounds of {setup.partial_tokens} tokens")
-    print(table(setup, compare(setup, args.schedules.split(","))))
+    rows = compare(setup, args.schedules.split(","))
+    print(table(setup, rows))
+    if any(name == "partial" for name, _, _ in rows):
+        grouped = simulator_figures(setup, "partial", per_sequence=False)
+        print(f"simulator, partial rollouts with group admission (a finished group admits the next prompt's): "
+              f"step {grouped['step_s']:.1f} s, trainer idle {grouped['trainer_idle']:.1%}, engine idle "
+              f"{grouped['engine_idle']:.1%}")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ def test_every_step_trains_every_sample_of_its_replicas(schedule):
         rows = out[rank]["rows"]
         assert [r["step"] for r in rows] == list(range(SETUP.steps))
         for r in rows:
-            assert set(r) == {"step", "version", "wait", "train", "end", "tokens", "samples", "groups", "indices"}
+            assert set(r) == {"step", "version", "wait", "sync", "train", "end", "tokens", "samples", "groups", "indices"}
             assert (r["groups"], r["samples"]) == (per_replica, per_replica * SETUP.group)
             assert r["tokens"] > 0 and r["train"] > 0
         trained += [i for r in rows for i in r["indices"]]
