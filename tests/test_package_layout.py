@@ -171,7 +171,6 @@ def test_light_modules_import_no_megatron_vllm_or_transformers(module):
 
 TESTS = os.path.join(os.path.dirname(ROOT), "tests")
 TESTED_IN = {
-    "stapo_megatron.trainer.engine_server": "tests/trainer/test_rollout_schedule.py",
     "stapo_megatron.conversion.safetensors_io": "tests/conversion/test_roundtrip.py",
     "stapo_megatron.doctor.kernels": "tests/gpu/test_gpu.py",
     "stapo_megatron.eval.generate": "tests/eval/test_cli.py",

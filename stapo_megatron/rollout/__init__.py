@@ -14,6 +14,8 @@
   compares them with Megatron's routing (the routing-disagreement metrics).
 - ``transport`` / ``remote``: separate placement: the process groups between the trainer and engine
   transport and their messages; `RemoteEngine`, the engines on their own ranks seen from the trainers.
+- ``merged_calls``: separate placement's engine side: several asking replicas' ``generate`` calls
+  (and partial rollouts' pools' rounds) as one engine call, each keeping its seeds.
 - ``config``: `EngineResources`, the engine's `RolloutConfig`, the trainer's `RolloutSampling` and
   `SamplingSettings` (n, temperature, top-p, max tokens, seed: what one request samples with).
 

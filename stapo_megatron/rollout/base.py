@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Iterable, Optional, Protocol, Sequence, Tuple
+from typing import Iterable, List, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 
@@ -52,8 +52,10 @@ class RolloutEngine(Protocol):
     rollout-TP group)."""
 
     def generate(self, prompt_token_ids: list[list[int]], n: int, temperature: float, top_p: float,
-                 max_tokens: int, seed: Optional[int] = None) -> list[list[Sample]]:
-        """``n`` samples per prompt; prompt i's j-th sample seeded ``seed + i * n + j``."""
+                 max_tokens: int, seed: Optional[Union[int, Sequence[int]]] = None) -> list[list[Sample]]:
+        """``n`` samples per prompt; prompt i's j-th sample seeded ``seed + i * n + j`` (an int
+        ``seed``) or ``seed[i] + j`` (one seed per prompt: several requests' prompts in one call,
+        each sampled as in its own; `prompt_seeds`); None: the engine's own RNG stream."""
 
     def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
         """Load full HF-named tensors (`stapo_megatron.rollout.weight_sync.iter_hf_weights`)."""
@@ -72,6 +74,24 @@ class RolloutEngine(Protocol):
 def has_tokenizer(hf_dir: str) -> bool:
     """Whether the HF folder ``hf_dir`` carries a tokenizer (`TOKENIZER_FILES`)."""
     return any(os.path.isfile(os.path.join(hf_dir, f)) for f in TOKENIZER_FILES)
+
+
+def prompt_seeds(seed: Optional[Union[int, Sequence[int]]], num_prompts: int, n: int) -> Optional[List[int]]:
+    """The first sample's seed of each prompt of a ``generate`` call (its j-th sample's is that
+    plus j): ``seed + i * n`` for an int ``seed``, ``seed`` itself for one int per prompt, None
+    for None.
+
+    Raises:
+        ValueError: a per-prompt ``seed`` of another length than the prompts.
+    """
+    if seed is None:
+        return None
+    if isinstance(seed, int):
+        return [seed + i * n for i in range(num_prompts)]
+    seeds = [int(s) for s in seed]
+    if len(seeds) != num_prompts:
+        raise ValueError(f"generate's seed holds {len(seeds)} per-prompt seeds for {num_prompts} prompts")
+    return seeds
 
 
 def check_generate_args(prompt_token_ids, n: int, temperature: float, top_p: float, max_tokens: int) -> None:

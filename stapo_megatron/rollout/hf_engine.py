@@ -15,8 +15,9 @@ Sampling, exactly (one `_SeededSampler` logits processor; ``generate`` runs gree
 
 So the reported log-probs are those of the distribution the token was drawn from, as vLLM's
 ``processed_logprobs`` (with top_p = 1 they equal Megatron's log_softmax(logits / T)). Row
-(prompt i, sample j) draws from a generator seeded ``seed + i * n + j``: the same seed gives
-the same samples whatever the batching (up to kernel-level numerics of padded batches).
+(prompt i, sample j) draws from a generator seeded ``seed + i * n + j`` (``seed[i] + j`` with one
+seed per prompt): the same seed gives the same samples whatever the batching (up to kernel-level
+numerics of padded batches).
 
 Mixture-of-experts models (transformers' ``Qwen3MoeForCausalLM``): transformers 5 keeps each
 layer's experts fused in memory (``mlp.experts.gate_up_proj`` [E, 2I, H], gate rows first, and
@@ -36,11 +37,11 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
-from stapo_megatron.rollout.base import Sample, check_generate_args, has_tokenizer
+from stapo_megatron.rollout.base import Sample, check_generate_args, has_tokenizer, prompt_seeds
 from stapo_megatron.rollout.config import RolloutConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -180,19 +181,20 @@ class HFEngine:
         self._rng = torch.Generator().manual_seed(config.seed)
 
     def generate(self, prompt_token_ids: list[list[int]], n: int, temperature: float, top_p: float,
-                 max_tokens: int, seed: Optional[int] = None) -> list[list[Sample]]:
+                 max_tokens: int, seed: Optional[Union[int, Sequence[int]]] = None) -> list[list[Sample]]:
         """Sample ``n`` responses for each prompt (arguments and seeds as `VLLMEngine.generate`)."""
         if not prompt_token_ids:
             return []
         check_generate_args(prompt_token_ids, n, temperature, top_p, max_tokens)
         if seed is None:
             seed = int(torch.randint(0, 2**62, (), generator=self._rng))
+        firsts = prompt_seeds(seed, len(prompt_token_ids), n)
         rows = [(i, j) for i in range(len(prompt_token_ids)) for j in range(n)]
         samples = []
         for start in range(0, len(rows), self.config.hf_max_batch_size):
             chunk = rows[start : start + self.config.hf_max_batch_size]
             samples += self._generate_rows([prompt_token_ids[i] for i, _ in chunk],
-                                           [seed + i * n + j for i, j in chunk], temperature, top_p, max_tokens)
+                                           [firsts[i] + j for i, j in chunk], temperature, top_p, max_tokens)
         return [samples[i * n : (i + 1) * n] for i in range(len(prompt_token_ids))]
 
     def _generate_rows(self, prompts, seeds, temperature, top_p, max_tokens) -> list[Sample]:

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
-from stapo_megatron.rollout.base import Sample, check_generate_args, has_tokenizer
+from stapo_megatron.rollout.base import Sample, check_generate_args, has_tokenizer, prompt_seeds
 from stapo_megatron.rollout.config import RolloutConfig
 
 CPU_DEFAULT_KV_CACHE_BYTES = 2**30
@@ -96,7 +96,7 @@ class VLLMEngine:
             torch.set_num_threads = set_num_threads
 
     def generate(self, prompt_token_ids: list[list[int]], n: int, temperature: float, top_p: float,
-                 max_tokens: int, seed: Optional[int] = None) -> list[list[Sample]]:
+                 max_tokens: int, seed: Optional[Union[int, Sequence[int]]] = None) -> list[list[Sample]]:
         """Sample ``n`` responses for each prompt.
 
         Args:
@@ -105,8 +105,9 @@ class VLLMEngine:
             temperature: sampling temperature; 0 is greedy (log-probs then untempered).
             top_p: nucleus mass; 1.0 keeps the log-probs comparable with Megatron's.
             max_tokens: response length limit.
-            seed: None uses the engine's RNG stream; otherwise prompt i's j-th sample uses seed
-                ``seed + i * n + j``, so results do not depend on batching.
+            seed: None uses the engine's RNG stream; an int: prompt i's j-th sample uses seed
+                ``seed + i * n + j``, so results do not depend on batching; one int per prompt:
+                ``seed[i] + j`` (several requests' prompts in one call, each seeded as alone).
         Returns:
             ``samples[i][j]``: the j-th response of prompt i.
         """
@@ -115,10 +116,11 @@ class VLLMEngine:
         if not prompt_token_ids:
             return []
         check_generate_args(prompt_token_ids, n, temperature, top_p, max_tokens)
+        firsts = prompt_seeds(seed, len(prompt_token_ids), n)
         params = [
             SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                            logprobs=0,  # only the sampled token's log-prob
-                           seed=None if seed is None else seed + i * n,  # vLLM adds j per child
+                           seed=None if firsts is None else firsts[i],  # vLLM adds j per child
                            detokenize=self.has_tokenizer)
             for i in range(len(prompt_token_ids))
         ]

@@ -12,11 +12,16 @@ commands in order:
   (`stapo_megatron.rollout.weight_receive`); trainer 0's transfer waits until the engine gets
   there;
 * ``("generate", ticket, jobs, sampling)``: generate this engine's slices of the request
-  (`stapo_megatron.rollout.remote.plan_chunks`) and post each to the rank that asked, without
-  waiting for it to take them; each reply's header carries the seconds spent generating, idle
-  (waiting for a command) and receiving and loading weights since the last reply;
+  (`stapo_megatron.rollout.remote.plan_chunks`), those of every asking replica in one engine call
+  (so the request pays one tail, not one per replica; each slice keeps its seeds:
+  `stapo_megatron.rollout.merged_calls`), and post each to the rank that asked, without waiting
+  for it to take them; each reply's header carries the seconds spent generating (its share of
+  the call, by tokens), idle (waiting for a command) and receiving and loading weights since the
+  last reply;
 * ``("partial", ticket, jobs, sampling)``: partial rollouts (`stapo_megatron.trainer.partial`):
-  the step's prompts go into the asker's pool, whose first finished groups are posted back;
+  the step's prompts go into each asker's pool, the pools' rounds run in lockstep (one engine
+  call a round for all of them), and each pool's first finished groups are posted back as soon
+  as it has them;
 * ``("stop",)``: return (what is still queued is dropped: the trainers are done or stopping).
 
 All ranks of one engine (vLLM TP > 1) run the same commands; its first rank sends the samples.
@@ -25,12 +30,13 @@ All ranks of one engine (vLLM TP > 1) run the same commands; its first rank send
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import queue
 import signal
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, Tuple
 
 import torch
 import torch.distributed as dist
@@ -38,7 +44,9 @@ import torch.distributed as dist
 from stapo_megatron.config import TrainerConfig
 from stapo_megatron.rollout.transport import Transport, Outbox, broadcast_object
 from stapo_megatron.rollout.config import RolloutConfig, RolloutSampling
+from stapo_megatron.rollout.merged_calls import Call, generate_merged, step_together
 from stapo_megatron.rollout.registry import build_engine, resolve_engine
+from stapo_megatron.rollout.remote import Chunk
 from stapo_megatron.rollout.weight_receive import receive_weights
 from stapo_megatron.trainer.partial import PartialPool
 from stapo_megatron.trainer.prompts import pad_to
@@ -160,6 +168,14 @@ def serve(cfg: TrainerConfig, transport: Transport, seed: int, return_routes: bo
     idle = load = 0.0
     served = version = 0
     pools: dict = {}  # partial rollouts: trainer rank -> its PartialPool
+
+    def post(chunk: Chunk, samples: list, took: float) -> None:
+        """A chunk's reply to its asker (without waiting for it to take it)."""
+        nonlocal idle, load
+        if transport.is_engine_leader:
+            outbox.send(chunk.dest, [ticket, chunk.index, _us(took), _us(idle), _us(load)], samples)
+        idle = load = 0.0
+
     try:
         while True:
             waited = time.perf_counter()
@@ -177,24 +193,12 @@ def serve(cfg: TrainerConfig, transport: Transport, seed: int, return_routes: bo
                 load += time.perf_counter() - started
                 continue
             kind, ticket, jobs, sampling = command
-            for chunk, prompts, chunk_seed in jobs:
-                if chunk.engine != transport.engine_index or stopping.is_set():
-                    continue
-                started = time.perf_counter()
-                if kind == "partial":  # prompts: (index, ids) of the step; the pool decides what returns
-                    pool = pools.setdefault(chunk.dest, PartialPool())
-                    n, temperature, top_p, max_tokens, want, capacity, round_tokens = sampling
-                    groups = pool.step(engine, prompts, want, capacity, n, temperature, top_p, max_tokens,
-                                       round_tokens, chunk_seed, version)
-                    samples = [dict(groups=groups, pool=len(pool.groups), waiting=len(pool.waiting),
-                                    continued=pool.continued)]
-                else:
-                    n, temperature, top_p, max_tokens = sampling
-                    samples = engine.generate(prompts, n, temperature, top_p, max_tokens, seed=chunk_seed) if prompts else []
-                took = time.perf_counter() - started
-                if transport.is_engine_leader:
-                    outbox.send(chunk.dest, [ticket, chunk.index, _us(took), _us(idle), _us(load)], samples)
-                idle = load = 0.0
+            mine = [] if stopping.is_set() else [job for job in jobs if job[0].engine == transport.engine_index]
+            if kind == "partial":
+                _partial_steps(engine, pools, mine, sampling, version, post)
+            else:
+                for reply in _generate(engine, mine, sampling):
+                    post(*reply)
             served += 1
     finally:
         engine.shutdown()
@@ -202,6 +206,36 @@ def serve(cfg: TrainerConfig, transport: Transport, seed: int, return_routes: bo
             outbox.pending.clear()  # failing: the trainers will not take them
         else:
             _drain(outbox)
+
+
+def _generate(engine, jobs: list, sampling: tuple) -> Iterator[Tuple[Chunk, list, float]]:
+    """This engine's chunks of a request, ``(chunk, samples, seconds)`` each: all of them in one
+    engine call (`merged_calls.generate_merged`: the request pays one tail, not one per asking
+    replica), each chunk's samples seeded as if generated alone."""
+    n, temperature, top_p, max_tokens = sampling
+    calls = [Call(prompts, n, temperature, top_p, max_tokens, chunk_seed) for _, prompts, chunk_seed in jobs]
+    for (chunk, _, _), (samples, took) in zip(jobs, generate_merged(engine, calls)):
+        yield chunk, samples, took
+
+
+def _partial_steps(engine, pools: dict, jobs: list, sampling: tuple, version: int, post) -> None:
+    """Partial rollouts: each asker's prompts into its pool (``pools``: trainer rank -> its
+    `PartialPool`), the pools' rounds in lockstep (`merged_calls.step_together`: one engine call
+    per round for all of them); ``post(chunk, [reply], seconds)`` as soon as a pool is done."""
+    n, temperature, top_p, max_tokens, want, capacity, round_tokens = sampling
+    steps = []
+    for chunk, prompts, chunk_seed in jobs:
+        pool = pools.setdefault(chunk.dest, PartialPool())
+        steps.append(functools.partial(_pool_step, pool, prompts, want, capacity, n, temperature, top_p, max_tokens,
+                                       round_tokens, chunk_seed, version))
+    step_together(engine, steps, lambda i, reply, took: post(jobs[i][0], [reply], took))
+
+
+def _pool_step(pool: PartialPool, prompts, want, capacity, n, temperature, top_p, max_tokens, round_tokens, seed,
+               version, engine) -> dict:
+    """One pool's step (prompts: (position, index, ids) of the step's window) and its state."""
+    groups = pool.step(engine, prompts, want, capacity, n, temperature, top_p, max_tokens, round_tokens, seed, version)
+    return dict(groups=groups, pool=len(pool.groups), waiting=len(pool.waiting), continued=pool.continued)
 
 
 def _drain(outbox: Outbox) -> None:

@@ -92,3 +92,28 @@ def test_moe_sync_equals_the_folder_load(tmp_path):
     assert all(got[n][1] == storage[n][1] for n in got)
     assert (before - megatron).abs().max() > 0.1  # weights A really differ from B
     assert (after - megatron).abs().max().item() <= LOGPROB_ATOL
+
+
+def test_detokenize_gives_the_samples_text_and_per_prompt_seeds_sample_as_alone(tmp_path):
+    """`VLLMEngine.detokenize` of a sample's tokens is the text vLLM detokenised for it (what
+    partial rollouts rebuild a continued response's text with), "" without a tokenizer; one call
+    with a seed per prompt draws what each prompt draws alone with its seed (several replicas'
+    slices in one call, `stapo_megatron.rollout.merged_calls`)."""
+    from stapo_megatron.data.tokenizer import build_char_tokenizer
+    from stapo_megatron.rollout.config import RolloutConfig
+    from stapo_megatron.rollout.vllm_engine import VLLMEngine
+
+    save_tiny_hf_model(str(tmp_path), "qwen3", dtype=torch.float32, seed=0)
+    build_char_tokenizer(str(tmp_path))
+    prompts, seeds = [[5, 17, 20, 3], [42] * 6], [100, 900]
+    engine = VLLMEngine(str(tmp_path), RolloutConfig(**ENGINE_KW))
+    try:
+        together = engine.generate(prompts, 2, 1.0, 1.0, 8, seed=seeds)
+        alone = [engine.generate([p], 2, 1.0, 1.0, 8, seed=s)[0] for p, s in zip(prompts, seeds)]
+        texts = [(engine.detokenize(s.token_ids), s.text) for group in together for s in group]
+        engine.has_tokenizer = False  # as built from a folder without one
+        assert engine.detokenize(together[0][0].token_ids) == ""
+    finally:
+        engine.shutdown()
+    assert [[s.token_ids for s in g] for g in together] == [[s.token_ids for s in g] for g in alone]
+    assert all(decoded == text for decoded, text in texts) and any(text for _, text in texts)

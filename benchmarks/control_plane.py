@@ -1,0 +1,374 @@
+"""The real control plane at time scale, on the CPU: the trainer-side rollout schedule, the engine
+server, the transport and the partial-rollout pools run for real, against stand-ins for the GPUs,
+and their trainer wait, engine idle and step time are set beside the simulator's for the same
+inputs.
+
+Real (the code under test): `stapo_megatron.trainer.rollout_schedule.RolloutSchedule` on every
+trainer rank, `stapo_megatron.rollout.remote.RemoteEngine` and `stapo_megatron.rollout.transport`
+(``init_job``: one process per rank, gloo groups over torchrun's kind of store), the engine rank's
+`stapo_megatron.trainer.engine_server.serve` (its listener thread, command queue, merged calls,
+outbox) and `stapo_megatron.trainer.partial.PartialPool`.
+
+Stand-ins, for hardware this machine lacks (they sleep, so they need no cores):
+
+- `SleepingEngine` stands in for a vLLM engine on one H100 (Qwen3-8B, TP=1): ``generate`` sleeps
+  the simulator's decode time for the call's sequences (`sim_schedules.Engine` over
+  `sim_model.decode_model`: continuous batching, prefill of every sequence's context, the call
+  ending with its longest response) divided by ``--scale``, and returns responses of the lengths
+  the simulator draws for the same prompts (`sim_model.sample_prompts` over the paper's length
+  distribution, `sim_model.PAPER_LENGTHS`). A prompt's ids carry its index (its first id), a
+  response's first token its full length, so a partial rollout's continuation finds both; token
+  values mean nothing else. ``update_weights`` sleeps the separate weight transfer (after the first).
+- the update: every trainer sleeps the modelled pi_old forward and update of the step's trained
+  tokens, all replicas' (`sim_model.train_phase_s` on the trainer GPUs), divided by ``--scale``.
+- the weight sync: the colocated switch (sleep, wake, reload) or the separate transfer
+  (`sim_model.switch_s`), scaled, after a real bucket of a few bytes went through the transport.
+
+The simulator's figures come from `sim_schedules.colocated`, ``separate`` and ``partial`` on the
+same job, prompts and lengths (a GPU per trainer rank and per engine). Every figure is in the
+simulator's seconds (the harness's wall seconds times ``--scale``), steady state over the steps
+after ``--warmup``. The harness's differences from the simulator are what the control plane adds:
+its barriers, its serialisation, its per-message costs.
+
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/control_plane.py            # ~2-3 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import socket
+import sys
+import time
+import types
+from typing import Dict, List, Optional, Sequence
+
+from sim_model import H100, PAPER_LENGTHS, QWEN3_8B, Lengths, Prompt, sample_prompts, switch_s, train_phase_s
+from sim_schedules import Engine, Job, colocated, partial, separate, steady
+
+SCHEDULES = ("colocated", "k=0", "k=1", "partial")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """One harness job: a few steps of Qwen3-8B on H100s at the paper's lengths."""
+
+    steps: int = 6
+    warmup: int = 2
+    """Steps left out of the steady-state figures."""
+    prompts_per_step: int = 8
+    group: int = 8
+    trainers: int = 2
+    """Trainer ranks (one data-parallel replica each, one GPU each)."""
+    engines: int = 1
+    """Engine ranks of separate placement (one TP=1 engine each); colocated: one per trainer."""
+    scale: float = 100.0
+    """Simulated seconds per wall second."""
+    oversample: float = 0.5
+    """Partial rollouts: groups in flight beyond the step's (the pools' ``rollout.oversample`` is 1 + this)."""
+    partial_tokens: int = 4096
+    """Partial rollouts' round (``rollout.partial_tokens``)."""
+    lengths: Lengths = PAPER_LENGTHS
+    seed: int = 0
+
+    def job(self, schedule: str) -> Job:
+        gpus = self.trainers + (0 if schedule == "colocated" else self.engines)
+        return Job(QWEN3_8B, H100, num_gpus=gpus, engine_tp=1, prompts_per_step=self.prompts_per_step,
+                   group=self.group, lengths=self.lengths)
+
+    def prompts(self) -> List[Prompt]:
+        """The data order: enough prompts for every step and the pools' look-ahead."""
+        return sample_prompts(self.lengths, (self.steps + 3) * self.prompts_per_step, self.group, self.seed)
+
+    def batch(self, step: int) -> List[Prompt]:
+        return self.prompts()[step * self.prompts_per_step:(step + 1) * self.prompts_per_step]
+
+
+def prompt_ids(prompt: Prompt) -> List[int]:
+    """A prompt's token ids: its index, then filler to its length."""
+    return [prompt.index] + [0] * (prompt.prompt_len - 1)
+
+
+class SleepingEngine:
+    """A GPU engine's time and lengths, asleep (module docstring)."""
+
+    def __init__(self, setup: Setup, separate: bool):
+        job = setup.job("separate" if separate else "colocated")
+        self.decode = job.decode(1, separate=separate)
+        self.prompts = {p.index: p for p in setup.prompts()}
+        self.scale = setup.scale
+        self.transfer_s = switch_s(QWEN3_8B, job.eff, colocated=False) if separate else 0.0
+        self.busy_s = 0.0
+        """Simulated seconds generating."""
+        self.calls: List[int] = []
+        """Sequences of each ``generate`` call."""
+        self.loads = 0
+
+    def generate(self, prompt_token_ids, n, temperature, top_p, max_tokens, seed=None):
+        clock = Engine(self.decode)
+        out, sequences = [], 0
+        for ids in prompt_token_ids:
+            prompt = self.prompts[ids[0]]
+            so_far = ids[prompt.prompt_len:]
+            targets = [so_far[0]] if so_far else prompt.responses[:n]
+            assert len(targets) == n, "a continuation asks for one sample, a new prompt for its group"
+            group = []
+            for target in targets:
+                count = min(max_tokens, target - len(so_far))
+                clock.admit(Prompt(prompt.index, len(ids), [count]), 0)
+                tokens = ([target] + [1] * (count - 1)) if not so_far else [1] * count
+                group.append(_sample(tokens, "stop" if len(so_far) + count == target else "length"))
+            out.append(group)
+            sequences += len(targets)
+        clock.run()
+        self.busy_s += clock.clock
+        self.calls.append(sequences)
+        time.sleep(clock.clock / self.scale)
+        return out
+
+    def detokenize(self, token_ids) -> str:
+        return ""
+
+    def update_weights(self, named_tensors) -> None:
+        for _ in named_tensors:
+            pass
+        if self.loads:  # the first weights are there at the start (the simulator's version 0)
+            time.sleep(self.transfer_s / self.scale)
+        self.loads += 1
+
+    def sleep(self) -> None:
+        pass
+
+    def wake_up(self, tags=None) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _sample(tokens: List[int], finish: str):
+    from stapo_megatron.rollout.base import Sample
+
+    return Sample(token_ids=tokens, logprobs=[0.0] * len(tokens), text="", finish_reason=finish)
+
+
+def _sampling(setup: Setup, schedule: str):
+    from stapo_megatron.rollout.config import RolloutSampling
+
+    separate = schedule != "colocated"
+    return RolloutSampling(
+        group_size=setup.group, max_response_len=setup.lengths.response_cap, engine="hf",
+        placement="separate" if separate else "colocated", engine_ranks=setup.engines if separate else 0,
+        max_staleness={"k=0": 0, "k=1": 1, "partial": 1}.get(schedule, 0), partial=schedule == "partial",
+        oversample=1 + setup.oversample if schedule == "partial" else 1.0,
+        partial_tokens=setup.partial_tokens if schedule == "partial" else 0, weight_bucket_mb=1)
+
+
+def _trainer(setup: Setup, schedule: str, rank: int) -> dict:
+    """A trainer rank: the real schedule over ``setup``'s steps, the update asleep."""
+    import torch
+    import torch.distributed as dist
+
+    from stapo_megatron.mcore.parallel import Groups
+    from stapo_megatron.rollout.remote import RemoteEngine
+    from stapo_megatron.rollout.transport import init_job
+    from stapo_megatron.trainer.rollout_schedule import RolloutSchedule
+
+    config = _sampling(setup, schedule)
+    job = setup.job(schedule)
+    if config.placement == "separate":
+        transport = init_job(setup.engines, 1, init_timeout_s=120, timeout_s=600, samples_timeout_s=600)
+        engine = RemoteEngine(transport, asks=True, timeout_s=600, bucket_mb=1)
+        switch = switch_s(QWEN3_8B, job.eff, colocated=False)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=setup.trainers)
+        engine, switch = SleepingEngine(setup, separate=False), switch_s(QWEN3_8B, job.eff, colocated=True)
+    mine = lambda step: setup.batch(step)[rank::setup.trainers]  # noqa: E731  (this replica's share)
+    synced = []
+
+    def sync(engine, wake):
+        engine.update_weights(iter([("w", torch.zeros(4))]))
+        if synced:  # the first weights are the simulator's version 0, there at the start
+            time.sleep(switch / setup.scale)
+        synced.append(wake)
+        return {}
+
+    schedule_ = RolloutSchedule(config, engine, Groups(None, None, None, True, 0),
+                                lambda s: [prompt_ids(p) for p in mine(s)], lambda s: 1000 * s + 100 * rank, sync,
+                                setup.steps, timeout_s=600.0,
+                                indexed_prompts=lambda s: [(p.index, prompt_ids(p)) for p in mine(s)])
+    started = time.perf_counter()
+    schedule_.start(0)
+    rows = []
+    for step in range(setup.steps):
+        waited = time.perf_counter()
+        samples, version = schedule_.samples(step)
+        wait = time.perf_counter() - waited
+        prompts = schedule_.step_prompts[1] if config.partial else [prompt_ids(p) for p in mine(step)]
+        tokens = [len(ids) + len(s.token_ids) for ids, group in zip(prompts, samples) for s in group]
+        every: List[Optional[list]] = [None] * setup.trainers
+        dist.all_gather_object(every, tokens)
+        trained = [t for part in every for t in part]
+        train = sum(train_phase_s(QWEN3_8B, H100, job.eff, trained, setup.trainers, phase)
+                    for phase in ("forward", "update"))
+        time.sleep(train / setup.scale)
+        end = time.perf_counter() - started
+        syncing = time.perf_counter()
+        schedule_.after_update(step)
+        sync_s = time.perf_counter() - syncing
+        rows.append(dict(step=step, version=version, wait=wait * setup.scale, sync=sync_s * setup.scale, train=train,
+                         end=end * setup.scale,
+                         tokens=sum(trained), samples=len(tokens), groups=len(samples),
+                         indices=sorted(schedule_.step_prompts[0]) if config.partial else [p.index for p in mine(step)]))
+    engine.shutdown()
+    out = dict(rows=rows)
+    if config.placement != "separate":
+        out.update(busy_s=engine.busy_s, calls=engine.calls)
+    return out
+
+
+def _engine(setup: Setup, schedule: str) -> dict:
+    """An engine rank: the real `engine_server.serve` around the sleeping engine."""
+    import torch.distributed as dist
+
+    from stapo_megatron.rollout.transport import init_job
+    from stapo_megatron.trainer import engine_server
+
+    transport = init_job(setup.engines, 1, init_timeout_s=120, timeout_s=600, samples_timeout_s=600)
+    standin = SleepingEngine(setup, separate=True)
+    engine_server.build_engine = lambda *args, **kwargs: standin  # the stand-in for the engine the config names
+    # what serve reads of a run's config (a whole TrainerConfig would also describe the training)
+    rollout = _sampling(setup, schedule)
+    cfg = types.SimpleNamespace(rollout=rollout, model=types.SimpleNamespace(hf_dir="", bf16=False),
+                                longest_sequence=lambda: setup.lengths.prompt_range[1] + rollout.max_response_len)
+    try:
+        served = engine_server.serve(cfg, transport, seed=0, return_routes=False)
+    finally:
+        dist.destroy_process_group()
+    return dict(served=served, busy_s=standin.busy_s, calls=standin.calls)
+
+
+def _rank_main(rank: int, world: int, port: int, setup: Setup, schedule: str, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK="0", OMP_NUM_THREADS="1")
+    try:
+        out = _trainer(setup, schedule, rank) if rank < setup.trainers else _engine(setup, schedule)
+        results.put((rank, out))
+    except BaseException as error:  # noqa: BLE001  (reported by the parent)
+        import traceback
+
+        results.put((rank, RuntimeError(f"rank {rank}: {error}\n{traceback.format_exc()}")))
+
+
+def run_harness(setup: Setup, schedule: str, timeout_s: float = 900.0) -> Dict[int, dict]:
+    """One schedule on real processes (trainers, then engines for separate placement): each rank's result."""
+    import multiprocessing
+
+    world = setup.trainers + (0 if schedule == "colocated" else setup.engines)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, setup, schedule, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out = {}
+    try:
+        for _ in range(world):
+            rank, value = results.get(timeout=timeout_s)
+            if isinstance(value, BaseException):
+                raise value
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return out
+
+
+def harness_figures(setup: Setup, schedule: str, out: Dict[int, dict]) -> dict:
+    """The harness's run in the simulator's terms (`sim_schedules.steady`), plus the trainers'
+    mean wait for samples a step and the engine calls."""
+    rows = out[0]["rows"]
+    engines = [out[r] for r in range(setup.trainers)] if schedule == "colocated" else \
+        [out[r] for r in range(setup.trainers, setup.trainers + setup.engines)]
+    ends = [r["end"] for r in rows]
+    busy = sum(e["busy_s"] for e in engines)
+    run = dict(step_ends=ends, step_tokens=[r["tokens"] for r in rows], trainer_busy_s=sum(r["train"] for r in rows),
+               engine_idle=1 - busy / (len(engines) * ends[-1]))
+    figures = steady(run, setup.job(schedule).num_gpus, setup.warmup)
+    steady_rows = rows[setup.warmup:]
+    figures["wait_s"] = sum(r["wait"] for r in steady_rows) / len(steady_rows)
+    figures["sync_s"] = sum(r["sync"] for r in steady_rows) / len(steady_rows)
+    figures["calls"] = sum(len(e["calls"]) for e in engines)
+    return figures
+
+
+def simulator_figures(setup: Setup, schedule: str, per_sequence: bool = True) -> dict:
+    """The simulator's run of the same job, prompts and lengths (``per_sequence``: partial
+    rollouts' admission, `sim_schedules.partial`)."""
+    job, prompts = setup.job(schedule), setup.prompts()
+    batches = [setup.batch(s) for s in range(setup.steps)]
+    if schedule == "colocated":
+        run = colocated(job, batches)
+    elif schedule == "partial":
+        run = partial(job, prompts, setup.steps, setup.engines, setup.oversample, engine_tp=1,
+                      per_sequence=per_sequence)
+    else:
+        run = separate(job, batches, setup.engines, int(schedule[-1]), engine_tp=1)
+    return steady(run, job.num_gpus, setup.warmup)
+
+
+def compare(setup: Setup, schedules: Sequence[str]) -> List[tuple]:
+    """Rows (schedule, harness figures, simulator figures)."""
+    return [(name, harness_figures(setup, name, run_harness(setup, name)), simulator_figures(setup, name))
+            for name in schedules]
+
+
+def table(setup: Setup, rows: List[tuple]) -> str:
+    """Step time (difference in %, and per step in the harness's wall milliseconds: what the
+    control plane itself costs, times the scale), trainer and engine idle (differences in points),
+    the trainers' mean wait a step for samples and in the weight sync, and the engine calls."""
+    lines = ["| schedule | step s: harness | simulator | difference | wall ms a step | trainer idle: harness | "
+             "simulator | engine idle: harness | simulator | trainers wait a step: samples, weight sync | "
+             "engine calls |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, ours, sim in rows:
+        step, ref = ours["step_s"], sim["step_s"]
+        lines.append(
+            f"| {name} | {step:.1f} | {ref:.1f} | {(step - ref) / ref:+.1%} | {(step - ref) / setup.scale * 1e3:+.0f} | "
+            f"{ours['trainer_idle']:.1%} | {sim['trainer_idle']:.1%} | {ours['engine_idle']:.1%} | "
+            f"{sim['engine_idle']:.1%} | {ours['wait_s']:.1f} s, {ours['sync_s']:.1f} s | {ours['calls']} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=Setup.steps)
+    p.add_argument("--warmup", type=int, default=Setup.warmup)
+    p.add_argument("--prompts", type=int, default=Setup.prompts_per_step, help="prompts a step")
+    p.add_argument("--group", type=int, default=Setup.group)
+    p.add_argument("--engines", type=int, default=Setup.engines)
+    p.add_argument("--scale", type=float, default=Setup.scale, help="simulated seconds per wall second")
+    p.add_argument("--partial-tokens", type=int, default=Setup.partial_tokens)
+    p.add_argument("--schedules", default=",".join(SCHEDULES))
+    args = p.parse_args(argv)
+    setup = Setup(steps=args.steps, warmup=args.warmup, prompts_per_step=args.prompts, group=args.group,
+                  engines=args.engines, scale=args.scale, partial_tokens=args.partial_tokens)
+    print(f"Qwen3-8B on H100s (stand-ins), {setup.prompts_per_step} prompts x {setup.group} a step at the paper's "
+          f"lengths, {setup.trainers} trainer ranks, {setup.engines} engine rank(s) (separate), {setup.steps} steps, "
+          f"steady state over the last {setup.steps - setup.warmup}, time scale 1/{setup.scale:g}; partial: "
+          f"oversample {setup.oversample}, rounds of {setup.partial_tokens} tokens")
+    rows = compare(setup, args.schedules.split(","))
+    print(table(setup, rows))
+    if any(name == "partial" for name, _, _ in rows):
+        grouped = simulator_figures(setup, "partial", per_sequence=False)
+        print(f"simulator, partial rollouts with group admission (a finished group admits the next prompt's): "
+              f"step {grouped['step_s']:.1f} s, trainer idle {grouped['trainer_idle']:.1%}, engine idle "
+              f"{grouped['engine_idle']:.1%}")
+
+
+if __name__ == "__main__":
+    main()

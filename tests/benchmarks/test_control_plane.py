@@ -1,0 +1,54 @@
+"""benchmarks/control_plane.py at a tiny scale: the real schedule, engine server, transport and
+pools on real processes against the sleeping stand-ins, for each schedule. Structure and counts
+only (steps done, every sample returned, per-step records complete, one engine call a request),
+never timing."""
+
+import os
+import sys
+
+import pytest
+
+from tests.helpers import REPO_DIR
+
+sys.path.insert(0, os.path.join(REPO_DIR, "benchmarks"))
+
+import control_plane as cp  # noqa: E402
+
+SETUP = cp.Setup(steps=3, warmup=1, prompts_per_step=4, group=2, scale=1e5, partial_tokens=2048)
+"""Three steps of 4 prompts x 2 over two trainers and one engine; a simulated 200 s step sleeps 2 ms."""
+
+
+@pytest.mark.slow  # four launches of two or three processes, about a minute
+@pytest.mark.parametrize("schedule", cp.SCHEDULES)
+def test_every_step_trains_every_sample_of_its_replicas(schedule):
+    out = cp.run_harness(SETUP, schedule, timeout_s=300)
+    per_replica = SETUP.prompts_per_step // SETUP.trainers
+    trained = []
+    for rank in range(SETUP.trainers):
+        rows = out[rank]["rows"]
+        assert [r["step"] for r in rows] == list(range(SETUP.steps))
+        for r in rows:
+            assert set(r) == {"step", "version", "wait", "sync", "train", "end", "tokens", "samples", "groups", "indices"}
+            assert (r["groups"], r["samples"]) == (per_replica, per_replica * SETUP.group)
+            assert r["tokens"] > 0 and r["train"] > 0
+        trained += [i for r in rows for i in r["indices"]]
+        versions = [r["version"] for r in rows]
+        if schedule == "colocated" or schedule == "k=0":
+            assert versions == [0, 1, 2]
+        elif schedule == "k=1":
+            assert versions == [0, 0, 1]
+        else:  # partial: the request's policy or, for a continued response, an older one
+            assert versions[0] == 0 and all(v <= max(0, s - 1) for s, v in enumerate(versions))
+        if schedule != "partial":  # this replica's share of each step's batch, in order
+            assert [r["indices"] for r in rows] == [[p.index for p in SETUP.batch(s)[rank::SETUP.trainers]]
+                                                    for s in range(SETUP.steps)]
+    assert len(trained) == len(set(trained)) == SETUP.steps * SETUP.prompts_per_step  # each prompt trained once
+    if schedule == "colocated":
+        assert [len(out[r]["calls"]) for r in range(SETUP.trainers)] == [SETUP.steps] * SETUP.trainers
+        return
+    engine = out[SETUP.trainers]
+    assert engine["served"] == SETUP.steps  # every request served, then stopped
+    if schedule != "partial":  # both replicas' slices of a request in one engine call
+        assert engine["calls"] == [SETUP.prompts_per_step * SETUP.group] * SETUP.steps
+    figures = cp.harness_figures(SETUP, schedule, out)
+    assert 0 <= figures["trainer_idle"] <= 1 and 0 <= figures["engine_idle"] <= 1 and figures["step_s"] > 0
