@@ -60,9 +60,9 @@ from stapo_megatron.rollout.base import Sample, check_generate_args
 
 LOAD_MODES = ("in_flight", "recompute", "drain")
 """`StreamingGenerator.load_weights` modes; see the module docstring."""
-_GENERATORS = itertools.count()  # keeps request ids unique across the generators of one engine
 ORDERS = ("completion", "admission")
 """`StreamingGenerator` orders of `StreamingGenerator.take`; see the module docstring."""
+_GENERATORS = itertools.count()  # keeps request ids unique across the generators of one engine
 
 
 @dataclasses.dataclass
@@ -126,12 +126,12 @@ class StreamingGenerator:
         cache = self.llm_engine.vllm_config.cache_config
         self.block_size = cache.block_size
         capacity = cache.num_gpu_blocks * cache.block_size
-        self.max_running_samples = (self.llm_engine.vllm_config.scheduler_config.max_num_seqs
-                                    if max_running_samples is None else max_running_samples)
+        max_num_seqs = self.llm_engine.vllm_config.scheduler_config.max_num_seqs
+        self.max_running_samples = max_num_seqs if max_running_samples is None else max_running_samples
         self.max_kv_tokens = capacity if max_kv_tokens is None else max_kv_tokens
-        if self.max_running_samples < group_size:
-            raise ValueError(f"max_running_samples {self.max_running_samples} cannot hold one group of "
-                             f"group_size {group_size}")
+        if not group_size <= self.max_running_samples <= max_num_seqs:
+            raise ValueError(f"max_running_samples {self.max_running_samples} must hold one group (group_size "
+                             f"{group_size}) and stay within vLLM's max_num_seqs {max_num_seqs}")
         if self.max_kv_tokens > capacity:
             raise ValueError(f"max_kv_tokens {self.max_kv_tokens} exceeds the engine's KV cache ({capacity} tokens)")
         self._request_prefix = f"stream{next(_GENERATORS)}"
