@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from stapo_megatron.bridge.tiny import save_tiny_hf_model
+from tests.helpers.engine_parity import LOGPROB_ATOL, vllm_prompt_logprobs
 
 VARIANT = "qwen3"
 TEMPERATURE = 0.7
@@ -181,6 +182,33 @@ def test_weights_loaded_mid_response(engine, restore, mode):
             assert min(s.logprobs[6:]) > -1e-6
             stale += s.token_ids[:6]
     assert stale.count(FORCED) <= 1  # 24 tokens of the random weights: about 0.08 expected
+
+
+def test_kept_kv_is_the_old_weights_and_recomputed_kv_the_new(engine, restore, tmp_path):
+    """At T = 1 a token's log-prob is the model's. After a load of other random weights (B) the
+    responses' later tokens have, with "recompute", the log-probs B gives the whole sequence from
+    scratch (LOGPROB_ATOL); in flight they do not (their context's KV is the first weights')."""
+    from safetensors.torch import load_file
+
+    save_tiny_hf_model(str(tmp_path), VARIANT, dtype=torch.float32, seed=1)
+    weights_b = load_file(f"{tmp_path}/model.safetensors")
+    runs = {}
+    for mode in ("in_flight", "recompute"):
+        engine.update_weights(engine.random_weights.items())
+        gen = generator(engine, temperature=1.0, group_size=1)
+        assert gen.admit(PROMPTS[2], seed=400, trained_version=0)
+        for _ in range(6):
+            gen.step()
+        gen.load_weights(weights_b.items(), version=1, mode=mode)
+        run_to_end(gen)
+        runs[mode] = gen.take()[0].samples[0]
+    gaps = {}
+    for mode, sample in runs.items():  # the engine holds B
+        fresh = vllm_prompt_logprobs(engine, torch.tensor([PROMPTS[2] + sample.token_ids]))[0]
+        after = torch.tensor(sample.logprobs[6:]) - fresh[len(PROMPTS[2]) + 5:]
+        gaps[mode] = after.abs().max().item()
+    assert gaps["recompute"] <= LOGPROB_ATOL
+    assert gaps["in_flight"] > 0.05  # unrelated weights: O(0.1 - 1) nats
 
 
 def test_drain_loads_after_running_requests(engine, restore):
