@@ -19,22 +19,27 @@ is not here.
   will train the group: AReaL's ``max_head_offpolicyness``; in admission order group j of P a
   step trains at version j // P (`benchmarks/sim_streaming.py` counts it so).
 - **Versions.** The version that produced each token is the engine's version at the iteration
-  that sampled it (`Sample.versions`); `StreamedGroup.admission_version` is the version its
-  prompt was prefilled with. Prompts are prefix-cached per version (vLLM's ``cache_salt``), so a
-  group never reuses prompt KV computed under other weights.
+  that sampled it (`Sample.versions`); `StreamedGroup.admission_version` is the engine's version
+  at admission, the one its prompt is prefilled with unless a load comes before the group's
+  first iteration. Prompt KV is prefix-cached per admission version (vLLM's ``cache_salt``
+  enters every block's hash), so a group never reuses the prompt KV of a group admitted under
+  other weights.
 - **Weights** (`StreamingGenerator.load_weights`): ``"in_flight"`` loads them between two
   iterations (vLLM's in-place reload, `vllm_engine._reload_weights`), running requests keep their
   KV cache (computed by the old weights: PipelineRL's in-flight update) and every later token is
   sampled by the new weights; ``"recompute"`` also drops the running requests' KV
   (``reset_prefix_cache(reset_running_requests=True)`` preempts them), so the next iterations
   prefill their prompt and response so far under the new weights; ``"drain"`` admits nothing
-  new and steps until every running request has finished, then loads.
-- **Order** (``order``, `StreamingGenerator.take`): ``"completion"`` hands out complete groups in the order
-  they completed (by the iteration their last sample finished, then admission): no group waits
-  for another, but the order depends on when weights arrived, so a caller records it per step;
-  ``"admission"`` hands out only the complete prefix of the admission order: the data order is
-  the admission order whatever the timing, at the cost of a finished group waiting for every
-  group admitted before it.
+  new and steps until every running request has finished, then loads. The tensors are consumed
+  as they come (a bucketed stream such as `stapo_megatron.rollout.weight_receive.
+  receive_weights` goes straight in): vLLM's layer-wise reload holds a layer's incoming tensors
+  only until that layer is complete.
+- **Order** (``order``, `StreamingGenerator.take`): ``"completion"`` hands out complete groups
+  in the order they completed (by the iteration their last sample finished, then admission): no
+  group waits for another, but the order depends on when weights arrived, so a caller records
+  it per step; ``"admission"`` hands out only the complete prefix of the admission order: the
+  data order is the admission order whatever the timing, at the cost of a finished group
+  waiting for every group admitted before it.
 
 Why a load between two iterations is safe in vLLM 0.32: the in-process engine core runs
 nothing between two ``step`` calls (``EngineCore.step`` waits for the model's output before it
@@ -74,7 +79,7 @@ class StreamedGroup:
     admission_index: int
     """0, 1, 2, ... in admission order."""
     admission_version: int
-    """The engine's weights version when the group was admitted (its prompt's KV)."""
+    """The engine's weights version when the group was admitted (see the module docstring)."""
     prompt_token_ids: list[int]
     samples: list[Sample]
     """Sample j seeded ``seed + j``; each with ``versions`` (one per token)."""
