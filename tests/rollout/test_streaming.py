@@ -279,3 +279,17 @@ def test_completion_and_admission_order(engine, restore):
     assert tokens == {g.key: [s.token_ids for s in g.samples] for g in in_admission_order}
     assert min(len(t) for group in tokens.values() for t in group) < 30  # EOS ended responses early
     assert by_admission.num_steps == by_completion.num_steps
+
+
+def test_abort_drops_the_running_groups(engine):
+    """Aborted groups free their capacity and are skipped by admission order; complete ones stay."""
+    gen = generator(engine, order="admission", max_tokens=3)
+    assert gen.admit(PROMPTS[0], seed=0, trained_version=0, key="done")
+    run_to_end(gen)
+    for key in ("a", "b"):
+        assert gen.admit(PROMPTS[1], seed=0, trained_version=0, key=key)
+    gen.step()
+    assert gen.abort() == 4 and gen.num_running_samples == 0 and gen.reserved_kv_tokens == 0
+    assert gen.admit(PROMPTS[2], seed=0, trained_version=0, key="c")
+    run_to_end(gen)
+    assert [g.key for g in gen.take()] == ["done", "c"]
