@@ -195,18 +195,16 @@ def _trainer(setup: Setup, schedule: str, rank: int) -> dict:
         return {}
 
     schedule_ = RolloutSchedule(config, engine, Groups(None, None, None, True, 0),
-                                lambda s: [prompt_ids(p) for p in mine(s)], lambda s: 1000 * s + 100 * rank, sync,
-                                setup.steps, timeout_s=600.0,
-                                indexed_prompts=lambda s: [(p.index, prompt_ids(p)) for p in mine(s)])
+                                lambda s: [(p.index, prompt_ids(p)) for p in mine(s)], lambda index: "",
+                                lambda s: 1000 * s + 100 * rank, sync, setup.steps, timeout_s=600.0)
     started = time.perf_counter()
     schedule_.start(0)
     rows = []
     for step in range(setup.steps):
         waited = time.perf_counter()
-        samples, version = schedule_.samples(step)
+        rollout = schedule_.samples(step)
         wait = time.perf_counter() - waited
-        prompts = schedule_.step_prompts[1] if config.partial else [prompt_ids(p) for p in mine(step)]
-        tokens = [len(ids) + len(s.token_ids) for ids, group in zip(prompts, samples) for s in group]
+        tokens = [len(s.prompt_ids) + len(s.sample.token_ids) for s in rollout.samples]
         every: List[Optional[list]] = [None] * setup.trainers
         dist.all_gather_object(every, tokens)
         trained = [t for part in every for t in part]
@@ -217,10 +215,10 @@ def _trainer(setup: Setup, schedule: str, rank: int) -> dict:
         syncing = time.perf_counter()
         schedule_.after_update(step)
         sync_s = time.perf_counter() - syncing
-        rows.append(dict(step=step, version=version, wait=wait * setup.scale, sync=sync_s * setup.scale, train=train,
-                         end=end * setup.scale,
-                         tokens=sum(trained), samples=len(tokens), groups=len(samples),
-                         indices=sorted(schedule_.step_prompts[0]) if config.partial else [p.index for p in mine(step)]))
+        rows.append(dict(step=step, version=rollout.version, wait=wait * setup.scale, sync=sync_s * setup.scale,
+                         train=train, end=end * setup.scale, tokens=sum(trained), samples=len(tokens),
+                         groups=rollout.num_prompts,
+                         indices=sorted(rollout.prompt_indices) if config.partial else rollout.prompt_indices))
     engine.shutdown()
     out = dict(rows=rows)
     if config.placement != "separate":
