@@ -48,8 +48,10 @@ def renamed_field_error(prefix: str, old: str, new: str, value: Any) -> ValueErr
 def check_value(where: str, value: Any, annotation: Any) -> Any:
     """``value`` for a simple field type (int/float/bool/str, Optional), else ValueError.
 
-    A number given for a str field becomes its text (the command line cannot tell them apart).
-    Other annotations (dicts, tuples) are passed through to the dataclass's own checks.
+    A number given for a str field becomes its text, and so does ``none`` (read as None) for a
+    str field that cannot be None, such as ``loss.rollout_correction.mode=none``: the command
+    line cannot tell them apart. Other annotations (dicts, tuples) are passed through to the
+    dataclass's own checks.
     """
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is typing.Union:
@@ -65,6 +67,8 @@ def check_value(where: str, value: Any, annotation: Any) -> Any:
     }.get(annotation)
     if annotation is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
+    if annotation is str and value is None:
+        return "none"
     if ok is not None and not ok(value):
         raise ValueError(f"override {where}={value!r}: expected {annotation.__name__}, got {type(value).__name__}")
     return value
