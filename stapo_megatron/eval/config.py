@@ -10,6 +10,7 @@ import os
 import re
 from typing import Any, Dict, List, Optional, Tuple
 
+from stapo_megatron.rollout.config import SamplingSettings
 from stapo_megatron.utils import check_at_least
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,11 @@ class Decoding:
         if not 0 < top_p <= 1:
             raise ValueError(f"decoding {name!r}: top_p must be in (0, 1], got {top_p}")
         return cls(temperature, top_p, name)
+
+    def settings(self, k: int, max_tokens: int, seed: Optional[int]) -> SamplingSettings:
+        """The `SamplingSettings` of ``k`` samples per problem at this decoding, at most
+        ``max_tokens`` tokens each, the first seeded ``seed``."""
+        return SamplingSettings(k, self.temperature, self.top_p, max_tokens, seed)
 
 
 _DECODING_NAME = re.compile(r"T(\d+(?:\.\d+)?)_p(\d+(?:\.\d+)?)")

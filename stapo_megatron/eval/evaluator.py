@@ -101,9 +101,9 @@ class Evaluator:
         every metric sum). ``samples_out``, if given, gets the first `LoggingConfig.num_samples`
         samples (prompt, response, answer, reward) of this rank's replica."""
         replica = list(range(self.dp_rank, len(prompt_ids), self.dp_size))
-        start, samples = generate_context_parallel_share(
-            self.engine, self.groups, [prompt_ids[i] for i in replica], k, decoding.temperature, decoding.top_p,
-            self.max_response_len, seed=self.seed, wait_timeout_s=self.timeout_s)
+        settings = decoding.settings(k, self.max_response_len, self.seed)
+        start, samples = generate_context_parallel_share(self.engine, self.groups, [prompt_ids[i] for i in replica],
+                                                         settings, wait_timeout_s=self.timeout_s)
         idx = replica[start:start + len(samples)]
         texts = [[s.text for s in group] for group in samples]
         rewards: List[float] = []

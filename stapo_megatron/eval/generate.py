@@ -10,6 +10,7 @@ import time
 from typing import Any, Callable, Optional, Sequence, TextIO
 
 from stapo_megatron.data.examples import format_prompt
+from stapo_megatron.rollout.config import SamplingSettings
 
 GenerateFn = Callable[[list[str], int, float, float], list[list[str]]]
 """generate_fn(questions, n, temperature, top_p) -> n responses per question. ``questions`` are
@@ -111,10 +112,9 @@ def engine_generate_fn(engine: Any, tokenizer: Any, max_tokens: int, use_chat_te
         chunk = len(ids) or 1
         if progress is not None:
             chunk = max(math.ceil(PROGRESS_SEQUENCES / n), math.ceil(len(ids) / 10), 1)
-        samples = []
+        settings, samples = SamplingSettings(n, temperature, top_p, max_tokens, seed), []
         for start in range(0, len(ids), chunk):
-            samples += engine.generate(ids[start:start + chunk], n, temperature, top_p, max_tokens,
-                                       seed=None if seed is None else seed + start * n)
+            samples += settings.skip(start).generate(engine, ids[start:start + chunk])
             if progress is not None:
                 progress.generated(min(start + chunk, len(ids)))
         return [[Response(s.text, len(s.token_ids), s.finish_reason == "length") for s in group]

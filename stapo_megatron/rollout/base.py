@@ -43,8 +43,11 @@ class Sample:
     the last, which is sampled and never forwarded), per MoE layer, in the router's top-k order.
     vLLM's ``CompletionOutput.routed_experts`` layout; None when not recorded (dense models)."""
     versions: Optional[list[int]] = None
-    """Partial rollouts (`stapo_megatron.trainer.partial`): the policy version (steps trained) that
-    sampled each token of ``token_ids``; None: one policy sampled them all."""
+    """The policy version (steps trained) that sampled each token of ``token_ids``, where the
+    weights can change while a response is sampled: partial rollouts (`stapo_megatron.trainer.
+    partial`, a response continued over steps) and the streaming generator (`stapo_megatron.
+    rollout.streaming`, weights loaded between decode iterations); None: one policy sampled them
+    all (``generate``)."""
 
 
 class RolloutEngine(Protocol):

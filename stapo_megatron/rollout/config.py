@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 from stapo_megatron.utils import check_at_least
 
@@ -41,9 +41,14 @@ class SamplingSettings:
         have in the whole request (a share of it sampled alone draws the same samples)."""
         return self if self.seed is None else dataclasses.replace(self, seed=self.seed + prompts * self.n)
 
-    def generate(self, engine, prompt_token_ids):
-        """``engine.generate`` of ``prompt_token_ids`` with these settings (the engine's loose arguments)."""
-        return engine.generate(prompt_token_ids, self.n, self.temperature, self.top_p, self.max_tokens, seed=self.seed)
+    def generate(self, engine, prompt_token_ids, prompt_seeds: Optional[Sequence[int]] = None):
+        """``engine.generate`` of ``prompt_token_ids`` with these settings: the one place they
+        become the engine's loose arguments (`stapo_megatron.rollout.base.RolloutEngine.generate`).
+        ``prompt_seeds``: one first seed per prompt instead of ``seed`` (several requests' prompts
+        in one call, each seeded as in its own: `stapo_megatron.rollout.merged_calls`)."""
+        seed = self.seed if prompt_seeds is None else list(prompt_seeds)
+        return engine.generate(prompt_token_ids, self.n, self.temperature, self.top_p, self.max_tokens, seed=seed)
+
 
 @dataclasses.dataclass
 class EngineResources:

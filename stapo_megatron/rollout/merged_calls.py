@@ -9,9 +9,10 @@ per-prompt seeds, `stapo_megatron.rollout.base.prompt_seeds`), so a merged call 
 samples as the calls it replaces, up to the float rounding of a different batch (a padded HF
 batch, vLLM's batch-dependent kernels).
 
-- `generate_merged`: calls with the same sampling settings (n, temperature, top_p, max_tokens,
-  seeded or not) go to the engine as one call, split back after; each call's share of the engine
-  seconds is its share of the tokens generated.
+- `generate_merged`: calls (`Call`: prompts and their `stapo_megatron.rollout.config.
+  SamplingSettings`) whose settings differ at most in the seed (seeded or not alike) go to the
+  engine as one call, split back after; each call's share of the engine seconds is its share of
+  the tokens generated.
 - `step_together`: functions that make their own sequences of calls (partial rollouts' pools, one
   per asking replica: `stapo_megatron.trainer.partial.PartialPool.step`) run in lockstep, each in
   a thread of its own: once every function still running has made its next call, those calls go
@@ -24,27 +25,23 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from stapo_megatron.rollout.base import prompt_seeds
-
-Seed = Optional[Union[int, Sequence[int]]]
+from stapo_megatron.rollout.config import SamplingSettings
 
 
 @dataclasses.dataclass
 class Call:
-    """One ``engine.generate`` call's arguments."""
+    """One ``engine.generate`` call: its prompts and what they sample with."""
 
     prompts: List[List[int]]
-    n: int
-    temperature: float
-    top_p: float
-    max_tokens: int
-    seed: Seed = None
+    settings: SamplingSettings
 
     def key(self) -> tuple:
-        """Calls of equal keys can share one engine call."""
-        return (self.n, self.temperature, self.top_p, self.max_tokens, self.seed is None)
+        """Calls of equal keys can share one engine call: equal settings but the seed, and
+        seeded or not alike."""
+        return dataclasses.replace(self.settings, seed=None), self.settings.seed is None
 
 
 def generate_merged(engine, calls: Sequence[Call]) -> List[Tuple[list, float]]:
@@ -57,12 +54,12 @@ def generate_merged(engine, calls: Sequence[Call]) -> List[Tuple[list, float]]:
         if call.prompts:
             keys.setdefault(call.key(), []).append(i)
     for members in keys.values():
-        first = calls[members[0]]
+        first = calls[members[0]].settings
         prompts = [ids for i in members for ids in calls[i].prompts]
         seeds = None if first.seed is None else \
-            [s for i in members for s in prompt_seeds(calls[i].seed, len(calls[i].prompts), first.n)]
+            [s for i in members for s in prompt_seeds(calls[i].settings.seed, len(calls[i].prompts), first.n)]
         started = time.perf_counter()
-        samples = engine.generate(prompts, first.n, first.temperature, first.top_p, first.max_tokens, seed=seeds)
+        samples = first.generate(engine, prompts, prompt_seeds=seeds)
         took = time.perf_counter() - started
         start, parts = 0, []
         for i in members:
@@ -75,7 +72,8 @@ def generate_merged(engine, calls: Sequence[Call]) -> List[Tuple[list, float]]:
 
 
 class _Asker:
-    """The engine as one of `step_together`'s functions sees it: ``generate`` waits for the
+    """The engine as one of `step_together`'s functions sees it: ``generate`` (the engine's
+    `RolloutEngine` arguments, as `SamplingSettings.generate` passes them) waits for the
     lockstep's merged call; ``detokenize`` is the engine's (its tokenizer only)."""
 
     def __init__(self, lockstep: "_Lockstep", index: int):
@@ -84,8 +82,8 @@ class _Asker:
         """This function's share of the engine seconds (`generate_merged`)."""
 
     def generate(self, prompt_token_ids, n, temperature, top_p, max_tokens, seed=None):
-        return self.lockstep.ask(self, Call([list(p) for p in prompt_token_ids], n, temperature, top_p, max_tokens,
-                                            seed))
+        settings = SamplingSettings(n, temperature, top_p, max_tokens, seed)
+        return self.lockstep.ask(self, Call([list(p) for p in prompt_token_ids], settings))
 
     def detokenize(self, token_ids):
         return self.lockstep.engine.detokenize(token_ids)

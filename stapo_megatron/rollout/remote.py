@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from stapo_megatron.rollout.base import Sample, check_generate_args
+from stapo_megatron.rollout.config import SamplingSettings
 from stapo_megatron.rollout.transport import Transport, broadcast_object, broadcast_tensor, receive
 
 HEADER = ("ticket", "chunk", "generate_us", "idle_us", "load_us")
@@ -60,6 +61,24 @@ def plan_chunks(prompt_counts: Sequence[Optional[int]], num_engines: int) -> Lis
         for j in range(slices):
             chunks.append(Chunk(rank, j, count * j // slices, count * (j + 1) // slices, (i * slices + j) % num_engines))
     return chunks
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolRequest:
+    """What a partial-rollout step asks of each asker's pool (`stapo_megatron.trainer.partial.
+    PartialPool.step`), beside the sampling settings."""
+
+    want: int
+    """Complete groups to return."""
+    capacity: int
+    """Most groups the pool holds in flight."""
+    round_tokens: int
+    """New tokens per response and round."""
+
+
+Job = Tuple[Chunk, list, SamplingSettings]
+"""One engine's part of a command: a chunk, its prompts and the settings they sample with (the
+asker's, its seeds those the prompts have in the asker's whole request)."""
 
 
 @dataclasses.dataclass
@@ -110,39 +129,41 @@ class RemoteEngine:
         """Replies read before their ticket was asked for: (ticket, chunk, engine rank) -> reply."""
         self.stopped = False
 
-    def submit(self, prompt_token_ids: List[List[int]], n: int, temperature: float, top_p: float,
-               max_tokens: int, seed: Optional[int] = None) -> Ticket:
-        """Queue ``n`` samples per prompt (prompt i's j-th seeded ``seed + i * n + j``) and return
-        at once. Collective over the training ranks (module docstring)."""
-        check_generate_args(prompt_token_ids, n, temperature, top_p, max_tokens)
-        return self._submit("generate", prompt_token_ids, seed, (n, temperature, top_p, max_tokens))
+    def submit(self, prompt_token_ids: List[List[int]], settings: SamplingSettings) -> Ticket:
+        """Queue ``settings.n`` samples per prompt (prompt i's j-th seeded ``settings.seed + i * n
+        + j``) and return at once. Collective over the training ranks (module docstring)."""
+        check_generate_args(prompt_token_ids, settings.n, settings.temperature, settings.top_p, settings.max_tokens)
+        return self._submit("generate", prompt_token_ids, settings)
 
-    def submit_partial(self, fresh: List[Tuple[int, List[int]]], want: int, capacity: int, n: int,
-                       temperature: float, top_p: float, max_tokens: int, round_tokens: int, seed: int) -> Ticket:
-        """Partial rollouts (`stapo_megatron.trainer.partial`): ``fresh`` (index, prompt ids) of
-        the step into this rank's pool at its engine; ``receive`` returns ``[reply]``, a dict with
-        the ``want`` groups the pool finished first (``groups``) and its state. Collective as
-        ``submit``; every asker's pool lives on one engine (as many askers as engines or more)."""
-        return self._submit("partial", fresh, seed,
-                            (n, temperature, top_p, max_tokens, want, capacity, round_tokens), whole=True)
+    def submit_partial(self, fresh: List[Tuple[int, int, List[int]]], settings: SamplingSettings,
+                       pool: PoolRequest) -> Ticket:
+        """Partial rollouts (`stapo_megatron.trainer.partial`): ``fresh`` (stream position, index,
+        prompt ids) of the step into this rank's pool at its engine, which samples with
+        ``settings`` (its rounds seeded from ``settings.seed``); ``receive`` returns ``[reply]``,
+        a dict with the ``pool.want`` groups the pool finished first (``groups``) and its state.
+        Collective as ``submit``; every asker's pool lives on one engine (as many askers as
+        engines or more)."""
+        return self._submit("partial", fresh, settings, pool)
 
-    def _submit(self, kind: str, prompts: list, seed: Optional[int], sampling: tuple, whole: bool = False) -> Ticket:
-        """Queue a ``kind`` command of every asker's ``prompts`` (``whole``: one engine per asker)."""
+    def _submit(self, kind: str, prompts: list, settings: SamplingSettings,
+                pool: Optional[PoolRequest] = None) -> Ticket:
+        """Queue a ``kind`` command of every asker's ``prompts``, each sampled with its asker's
+        ``settings`` (the DP replicas' seeds differ); with a ``pool``, one engine per asker."""
         counts: List[Optional[int]] = [None] * dist.get_world_size()
         dist.all_gather_object(counts, len(prompts) if self.asks else None)
         plan = plan_chunks(counts, self.transport.num_engines)
-        if whole and any(c.index for c in plan):
+        if pool is not None and any(c.index for c in plan):
             raise ValueError(f"rollout.partial=True needs at least as many trainer replicas asking as engines "
                              f"({sum(c is not None for c in counts)} replicas, {self.transport.num_engines} engines): "
                              f"each replica's pool lives on one engine")
-        # each asker's prompts and its own seed (the DP replicas sample with different seeds)
+        # each asker's prompts and its own settings (the DP replicas sample with different seeds)
         requests: Optional[List] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object((prompts, seed) if self.asks else None, requests, dst=0)
+        dist.gather_object((prompts, settings) if self.asks else None, requests, dst=0)
         ticket = Ticket(self.tickets, self.transfers - 1, [c for c in plan if c.dest == dist.get_rank()])
         self.tickets += 1
         if dist.get_rank() == 0:
-            jobs = [(c, requests[c.dest][0][c.start:c.end], _offset(requests[c.dest][1], c.start * sampling[0])) for c in plan]
-            broadcast_object(self.transport.control, (kind, ticket.id, jobs, sampling))
+            jobs: List[Job] = [(c, requests[c.dest][0][c.start:c.end], requests[c.dest][1].skip(c.start)) for c in plan]
+            broadcast_object(self.transport.control, (kind, ticket.id, jobs, pool))
         return ticket
 
     def receive(self, ticket: Ticket) -> List[List[Sample]]:
@@ -182,8 +203,9 @@ class RemoteEngine:
 
     def generate(self, prompt_token_ids, n: int, temperature: float, top_p: float, max_tokens: int,
                  seed: Optional[int] = None) -> List[List[Sample]]:
-        """``submit`` then ``receive``: the `RolloutEngine` call (evaluation, synchronous steps)."""
-        return self.receive(self.submit(prompt_token_ids, n, temperature, top_p, max_tokens, seed))
+        """``submit`` then ``receive``: the `RolloutEngine` call (`SamplingSettings.generate`'s
+        loose arguments: evaluation through `stapo_megatron.rollout.spmd`)."""
+        return self.receive(self.submit(prompt_token_ids, SamplingSettings(n, temperature, top_p, max_tokens, seed)))
 
     def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
         """Stream full HF tensors (`stapo_megatron.rollout.weight_sync.iter_hf_weights`, which
@@ -232,10 +254,6 @@ class RemoteEngine:
                 broadcast_object(self.transport.control, ("stop",), timeout_s=60.0)
             except RuntimeError:  # an engine is gone (the job is failing): nothing left to stop
                 pass
-
-
-def _offset(seed: Optional[int], by: int) -> Optional[int]:
-    return None if seed is None else seed + by
 
 
 def unpack_bucket(manifest: List[Tuple[str, Tuple[int, ...], str]], flat: torch.Tensor) -> List[Tuple[str, torch.Tensor]]:

@@ -11,15 +11,17 @@ commands in order:
   requests), streamed bucket by bucket, at most two on the engine's GPU
   (`stapo_megatron.rollout.weight_receive`); trainer 0's transfer waits until the engine gets
   there;
-* ``("generate", ticket, jobs, sampling)``: generate this engine's slices of the request
-  (`stapo_megatron.rollout.remote.plan_chunks`), those of every asking replica in one engine call
-  (so the request pays one tail, not one per replica; each slice keeps its seeds:
+* ``("generate", ticket, jobs, None)``: generate this engine's slices of the request
+  (`stapo_megatron.rollout.remote.plan_chunks`; a job is a slice, its prompts and their
+  `SamplingSettings`, `stapo_megatron.rollout.remote.Job`), those of every asking replica in one
+  engine call (so the request pays one tail, not one per replica; each slice keeps its seeds:
   `stapo_megatron.rollout.merged_calls`), and post each to the rank that asked, without waiting
   for it to take them; each reply's header carries the seconds spent generating (its share of
   the call, by tokens), idle (waiting for a command) and receiving and loading weights since the
   last reply;
-* ``("partial", ticket, jobs, sampling)``: partial rollouts (`stapo_megatron.trainer.partial`):
-  the step's prompts go into each asker's pool, the pools' rounds run in lockstep (one engine
+* ``("partial", ticket, jobs, pool)``: partial rollouts (`stapo_megatron.trainer.partial`):
+  the step's prompts go into each asker's pool (``pool``: a `stapo_megatron.rollout.remote.
+  PoolRequest`, what each pool returns), the pools' rounds run in lockstep (one engine
   call a round for all of them), and each pool's first finished groups are posted back as soon
   as it has them;
 * ``("stop",)``: return (what is still queued is dropped: the trainers are done or stopping).
@@ -36,7 +38,7 @@ import queue
 import signal
 import threading
 import time
-from typing import Any, Iterator, Tuple
+from typing import Any, Iterator, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -46,7 +48,7 @@ from stapo_megatron.rollout.transport import Transport, Outbox, broadcast_object
 from stapo_megatron.rollout.config import RolloutConfig, RolloutSampling
 from stapo_megatron.rollout.merged_calls import Call, generate_merged, step_together
 from stapo_megatron.rollout.registry import build_engine, resolve_engine
-from stapo_megatron.rollout.remote import Chunk
+from stapo_megatron.rollout.remote import Chunk, Job, PoolRequest
 from stapo_megatron.rollout.weight_receive import receive_weights
 from stapo_megatron.trainer.partial import PartialPool
 from stapo_megatron.trainer.prompts import pad_to
@@ -192,12 +194,12 @@ def serve(cfg: TrainerConfig, transport: Transport, seed: int, return_routes: bo
                 load_transfer(engine, transport, received, device)
                 load += time.perf_counter() - started
                 continue
-            kind, ticket, jobs, sampling = command
+            kind, ticket, jobs, pool = command
             mine = [] if stopping.is_set() else [job for job in jobs if job[0].engine == transport.engine_index]
             if kind == "partial":
-                _partial_steps(engine, pools, mine, sampling, version, post)
+                _partial_steps(engine, pools, mine, pool, version, post)
             else:
-                for reply in _generate(engine, mine, sampling):
+                for reply in _generate(engine, mine):
                     post(*reply)
             served += 1
     finally:
@@ -208,33 +210,29 @@ def serve(cfg: TrainerConfig, transport: Transport, seed: int, return_routes: bo
             _drain(outbox)
 
 
-def _generate(engine, jobs: list, sampling: tuple) -> Iterator[Tuple[Chunk, list, float]]:
+def _generate(engine, jobs: List[Job]) -> Iterator[Tuple[Chunk, list, float]]:
     """This engine's chunks of a request, ``(chunk, samples, seconds)`` each: all of them in one
     engine call (`merged_calls.generate_merged`: the request pays one tail, not one per asking
     replica), each chunk's samples seeded as if generated alone."""
-    n, temperature, top_p, max_tokens = sampling
-    calls = [Call(prompts, n, temperature, top_p, max_tokens, chunk_seed) for _, prompts, chunk_seed in jobs]
+    calls = [Call(prompts, settings) for _, prompts, settings in jobs]
     for (chunk, _, _), (samples, took) in zip(jobs, generate_merged(engine, calls)):
         yield chunk, samples, took
 
 
-def _partial_steps(engine, pools: dict, jobs: list, sampling: tuple, version: int, post) -> None:
+def _partial_steps(engine, pools: dict, jobs: List[Job], request: PoolRequest, version: int, post) -> None:
     """Partial rollouts: each asker's prompts into its pool (``pools``: trainer rank -> its
     `PartialPool`), the pools' rounds in lockstep (`merged_calls.step_together`: one engine call
     per round for all of them); ``post(chunk, [reply], seconds)`` as soon as a pool is done."""
-    n, temperature, top_p, max_tokens, want, capacity, round_tokens = sampling
     steps = []
-    for chunk, prompts, chunk_seed in jobs:
+    for chunk, prompts, settings in jobs:
         pool = pools.setdefault(chunk.dest, PartialPool())
-        steps.append(functools.partial(_pool_step, pool, prompts, want, capacity, n, temperature, top_p, max_tokens,
-                                       round_tokens, chunk_seed, version))
+        steps.append(functools.partial(_pool_step, pool, prompts, settings, request, version))
     step_together(engine, steps, lambda i, reply, took: post(jobs[i][0], [reply], took))
 
 
-def _pool_step(pool: PartialPool, prompts, want, capacity, n, temperature, top_p, max_tokens, round_tokens, seed,
-               version, engine) -> dict:
+def _pool_step(pool: PartialPool, prompts, settings, request: PoolRequest, version: int, engine) -> dict:
     """One pool's step (prompts: (position, index, ids) of the step's window) and its state."""
-    groups = pool.step(engine, prompts, want, capacity, n, temperature, top_p, max_tokens, round_tokens, seed, version)
+    groups = pool.step(engine, prompts, settings, request.want, request.capacity, request.round_tokens, version)
     return dict(groups=groups, pool=len(pool.groups), waiting=len(pool.waiting), continued=pool.continued)
 
 

@@ -64,14 +64,15 @@ class PartialPool:
         self.continued = 0
         """Responses that were continued in a later step than their first tokens (counted once)."""
 
-    def step(self, engine, fresh: Sequence[Tuple[int, int, List[int]]], want: int, capacity: int, n: int,
-             temperature: float, top_p: float, max_tokens: int, round_tokens: int, seed: int,
-             version: int) -> List[Group]:
+    def step(self, engine, fresh: Sequence[Tuple[int, int, List[int]]], settings: SamplingSettings, want: int,
+             capacity: int, round_tokens: int, version: int) -> List[Group]:
         """Take the prompts of ``fresh`` (stream position, training-set index, prompt ids: a
         window of the replica's data order that may overlap the last one) not taken before, admit
-        them while the pool holds fewer than ``capacity`` groups, generate rounds until ``want``
-        groups are complete and return them (admission order); ``version``: the policy version the
-        engine holds.
+        them while the pool holds fewer than ``capacity`` groups, generate rounds of at most
+        ``round_tokens`` new tokens a response until ``want`` groups are complete and return them
+        (admission order). ``settings``: the step's (G samples per prompt of at most
+        ``settings.max_tokens`` tokens; round r seeded from ``settings.seed`` and r);
+        ``version``: the policy version the engine holds.
 
         Raises:
             RuntimeError: the pool ran dry before ``want`` groups finished (more wanted than sent).
@@ -82,6 +83,7 @@ class PartialPool:
                 self.next_position = position + 1
         while len(self.groups) < capacity and self.waiting:
             self.groups.append(Group(*self.waiting.popleft()))
+        max_tokens = settings.max_tokens
         for group in self.groups:  # responses started in an earlier step continue now
             self.continued += sum(1 for s in group.samples if not _done(s, max_tokens))
         for round_index in range(max_tokens // max(1, round_tokens) + 2):
@@ -90,7 +92,7 @@ class PartialPool:
                 taken = done[:want]
                 self.groups = [g for g in self.groups if not any(g is t for t in taken)]
                 return taken
-            self._round(engine, SamplingSettings(n, temperature, top_p, max_tokens, Seeds.round(seed, round_index)),
+            self._round(engine, dataclasses.replace(settings, seed=Seeds.round(settings.seed, round_index)),
                         round_tokens, version)
         raise RuntimeError(f"partial rollouts: {len(done)} of the {want} groups a step needs finished, and the pool "
                            f"({len(self.groups)} groups, {len(self.waiting)} waiting) has nothing left to generate")

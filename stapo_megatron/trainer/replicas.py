@@ -64,9 +64,7 @@ def replica_rollout(engine, groups: Groups, prompts: List[List[int]], settings: 
     CP rank c samples prompts [c P / CP, (c + 1) P / CP) (first sample seed ``settings.seed +
     c P / CP x n``, as without CP: `generate_context_parallel_share`), then the parts are
     all-gathered over CP in rank order."""
-    s = settings  # the engine side takes the loose arguments
-    _, mine = generate_context_parallel_share(engine, groups, prompts, s.n, s.temperature, s.top_p, s.max_tokens,
-                                              s.seed, wait_timeout_s)
+    _, mine = generate_context_parallel_share(engine, groups, prompts, settings, wait_timeout_s)
     return _gather_context_parallel(groups, mine)
 
 
@@ -85,8 +83,7 @@ def replica_submit(engine, groups: Groups, prompts: List[List[int]], settings: S
     same seeds); returns the ticket `replica_receive` takes."""
     cp, rank = groups.cp_size, dist.get_rank(groups.cp) if groups.cp is not None else 0
     start, end = len(prompts) * rank // cp, len(prompts) * (rank + 1) // cp
-    s = settings.skip(start)  # the share's seeds in the whole request; the engine takes the loose arguments
-    return engine.submit(prompts[start:end], s.n, s.temperature, s.top_p, s.max_tokens, s.seed)
+    return engine.submit(prompts[start:end], settings.skip(start))  # the share's seeds in the whole request
 
 
 def replica_receive(engine, groups: Groups, ticket, wait_timeout_s: Optional[float]) -> List[List]:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from stapo_megatron.batch.step_rollout import StepRollout
 from stapo_megatron.mcore.parallel import Groups
 from stapo_megatron.rollout.config import RolloutSampling
+from stapo_megatron.rollout.remote import PoolRequest
 from stapo_megatron.rollout.weight_sync import sync_weights, wake_and_sync
 from stapo_megatron.trainer import replicas
 from stapo_megatron.trainer.partial import PoolLedger, partial_metrics
@@ -177,9 +178,8 @@ class RolloutSchedule:
             extra = math.ceil((r.oversample - 1) * per_step)  # the next step's first prompts: the over-sampling
             order = [(step * per_step + j, i, ids) for j, (i, ids) in enumerate(fresh + ahead[:extra])]
             window = self.ledger.window(order, self._entry)  # what the pool has not had, in-flight first on resume
-            s = settings  # the engine side takes the loose arguments
-            ticket = self.engine.submit_partial(window if asks else [], per_step, per_step + extra, s.n,
-                                                s.temperature, s.top_p, s.max_tokens, r.round_tokens, s.seed)
+            ticket = self.engine.submit_partial(window if asks else [], settings,
+                                                PoolRequest(per_step, per_step + extra, r.round_tokens))
         else:
             ticket = replicas.replica_submit(self.engine, self.groups, [ids for _, ids in self.prompts(step)], settings)
         if keep:

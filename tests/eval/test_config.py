@@ -57,3 +57,13 @@ def test_bench_dir_in_an_eval_sets_string_is_the_paper_benchmarks_found_there(tm
                                  f"eval.sets=bench_dir={bench}"])
     cfg, _ = build_config("qwen3_8b", **arguments)  # the paths check passes: the sets are the evaluation
     assert [s.name for s in cfg.eval.sets] == ["aime25", "math500"] and cfg.data.eval_path is None
+
+
+def test_a_decoding_samples_with_its_temperature_and_top_p():
+    """The evaluator's requests: a decoding's `SamplingSettings` (k samples, the length limit, the seed)."""
+    from stapo_megatron.eval.config import Decoding
+    from stapo_megatron.rollout.config import SamplingSettings
+
+    settings = Decoding.from_name("T0.6_p0.95").settings(k=4, max_tokens=32, seed=7)
+    assert settings == SamplingSettings(n=4, temperature=0.6, top_p=0.95, max_tokens=32, seed=7)
+    assert Decoding.from_name("T0_p1").settings(1, 8, None).temperature == 0.0  # greedy stays allowed

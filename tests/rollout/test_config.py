@@ -2,6 +2,7 @@
 each naming the field and its value."""
 
 import dataclasses
+import pickle
 import warnings
 
 import pytest
@@ -87,6 +88,7 @@ def test_a_steps_sampling_settings_are_one_frozen_value_whose_shares_keep_their_
     assert SamplingSettings(2, 1.0, 1.0, 8).skip(5).seed is None  # the engine's own generator
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.seed = 1
+    assert pickle.loads(pickle.dumps(settings)) == settings  # as it crosses the engines' command queue
 
 
 @pytest.mark.parametrize("fields, message", [

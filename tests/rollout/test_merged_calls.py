@@ -10,7 +10,7 @@ import torch
 from stapo_megatron.bridge.tiny import save_tiny_hf_model
 from stapo_megatron.data.tokenizer import build_char_tokenizer
 from stapo_megatron.rollout.base import prompt_seeds
-from stapo_megatron.rollout.config import RolloutConfig
+from stapo_megatron.rollout.config import RolloutConfig, SamplingSettings
 from stapo_megatron.rollout.hf_engine import HFEngine
 from stapo_megatron.rollout.merged_calls import Call, generate_merged, step_together
 from stapo_megatron.trainer.partial import PartialPool
@@ -67,14 +67,15 @@ def test_prompt_seeds_per_prompt_and_refused_lengths():
 
 def test_calls_of_equal_settings_are_one_engine_call_with_each_calls_samples(make_engine):
     engine = make_engine()
-    calls = [Call(PROMPTS[:3], G, 1.0, 1.0, 6, seed=100), Call([], G, 1.0, 1.0, 6, seed=7),
-             Call(PROMPTS[3:5], G, 1.0, 1.0, 6, seed=900), Call(PROMPTS[5:6], 1, 1.0, 1.0, 6, seed=5)]
+    calls = [Call(PROMPTS[:3], SamplingSettings(G, 1.0, 1.0, 6, 100)), Call([], SamplingSettings(G, 1.0, 1.0, 6, 7)),
+             Call(PROMPTS[3:5], SamplingSettings(G, 1.0, 1.0, 6, 900)),
+             Call(PROMPTS[5:6], SamplingSettings(1, 1.0, 1.0, 6, 5))]
     out = generate_merged(engine, calls)
     assert engine.calls == [5, 1]  # the two G-sample calls as one; n = 1 on its own; none for no prompts
     assert out[1] == ([], 0.0)
     alone = make_engine()
     for call, (samples, seconds) in zip(calls, out):
-        expected = alone.generate(call.prompts, call.n, 1.0, 1.0, 6, seed=call.seed) if call.prompts else []
+        expected = call.settings.generate(alone, call.prompts) if call.prompts else []
         assert _tokens(samples) == _tokens(expected)  # the same seeds: the same tokens
         assert seconds >= 0
     # the merged call's seconds are shared by tokens: the shares add up to it, none is zero
@@ -84,8 +85,8 @@ def test_calls_of_equal_settings_are_one_engine_call_with_each_calls_samples(mak
 def _step(pool, step, first, engine):
     """One pool's step over its own data order (positions from ``first``)."""
     window = [(p, first + p, PROMPTS[(first + p) % len(PROMPTS)]) for p in range(3 * step, 3 * step + 4)]
-    groups = pool.step(engine, window, want=3, capacity=4, n=G, temperature=1.0, top_p=1.0, max_tokens=MAX_TOKENS,
-                       round_tokens=ROUND, seed=1000 * first + 100 * step, version=step)
+    groups = pool.step(engine, window, SamplingSettings(G, 1.0, 1.0, MAX_TOKENS, 1000 * first + 100 * step),
+                       want=3, capacity=4, round_tokens=ROUND, version=step)
     return [(g.index, _tokens([g.samples])[0]) for g in groups]
 
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from stapo_megatron.bridge.tiny import save_tiny_hf_model
 from stapo_megatron.data.tokenizer import build_char_tokenizer
 from stapo_megatron.recipes.tiny import tiny_demo
-from stapo_megatron.rollout.config import RolloutConfig
+from stapo_megatron.rollout.config import RolloutConfig, SamplingSettings
 from stapo_megatron.rollout.hf_engine import HFEngine
 from stapo_megatron.rollout.remote import HEADER, RemoteEngine, plan_chunks
 from stapo_megatron.rollout.transport import broadcast_object, connect, receive
@@ -64,7 +64,8 @@ def _serve_one_request(hf_dir, monkeypatch):
     monkeypatch.setattr(engine_server, "build_engine", build_counting)
     store, replies, errors = dist.HashStore(), {}, []
     plan = plan_chunks([len(PROMPTS[0]), len(PROMPTS[1])], 1)
-    jobs = [(c, PROMPTS[c.dest][c.start:c.end], SEEDS[c.dest] + c.start * N) for c in plan]
+    jobs = [(c, PROMPTS[c.dest][c.start:c.end], SamplingSettings(N, 1.0, 1.0, MAX_TOKENS, SEEDS[c.dest]).skip(c.start))
+            for c in plan]
 
     def rank_main(rank):
         try:
@@ -74,7 +75,7 @@ def _serve_one_request(hf_dir, monkeypatch):
                 return
             if rank == 0:  # the folder's weights first (the engine starts from dummy ones), then the request
                 RemoteEngine(transport, asks=True, timeout_s=120, bucket_mb=1).update_weights(iter(weights.items()))
-                broadcast_object(transport.control, ("generate", 0, jobs, (N, 1.0, 1.0, MAX_TOKENS)))
+                broadcast_object(transport.control, ("generate", 0, jobs, None))
             replies[rank] = receive(transport.data, 2, len(HEADER), 120)
             if rank == 0:
                 broadcast_object(transport.control, ("stop",))

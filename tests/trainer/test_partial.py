@@ -10,7 +10,7 @@ import torch
 
 from stapo_megatron.bridge.tiny import save_tiny_hf_model
 from stapo_megatron.data.tokenizer import build_char_tokenizer
-from stapo_megatron.rollout.config import RolloutConfig
+from stapo_megatron.rollout.config import RolloutConfig, SamplingSettings
 from stapo_megatron.rollout.hf_engine import HFEngine
 from stapo_megatron.batch.records import make_records
 from stapo_megatron.batch.step_rollout import StepRollout
@@ -68,8 +68,8 @@ def _run(engine, v1, steps=3):
     for step in range(steps):
         if step == 1:
             engine.update_weights(iter(v1.items()))  # the engine's weights change between steps
-        groups = pool.step(engine, _window(step), want=3, capacity=4, n=G, temperature=1.0, top_p=1.0,
-                           max_tokens=MAX_TOKENS, round_tokens=ROUND, seed=SEED + 100 * step, version=step)
+        groups = pool.step(engine, _window(step), SamplingSettings(G, 1.0, 1.0, MAX_TOKENS, SEED + 100 * step),
+                           want=3, capacity=4, round_tokens=ROUND, version=step)
         out.append([(g.index, [(s.token_ids, s.versions, s.finish_reason) for s in g.samples]) for g in groups])
     return pool, out
 
@@ -109,8 +109,8 @@ def test_the_token_age_bound_masks_older_tokens_and_the_step_reports_their_ages(
     make, v1 = engines
     engine, pool, found = make(), PartialPool(), None
     for step in range(4):
-        groups = pool.step(engine, _window(step), want=3, capacity=4, n=G, temperature=1.0, top_p=1.0,
-                           max_tokens=MAX_TOKENS, round_tokens=ROUND, seed=SEED + 100 * step, version=step)
+        groups = pool.step(engine, _window(step), SamplingSettings(G, 1.0, 1.0, MAX_TOKENS, SEED + 100 * step),
+                           want=3, capacity=4, round_tokens=ROUND, version=step)
         samples = [g.samples for g in groups]
         if found is None and any(min(s.versions) < step for group in samples for s in group):
             found = step + 1, samples
@@ -142,8 +142,8 @@ def _train_with_a_kill(engine, with_account: bool, steps=6, killed_at=3):
         if with_account:
             window = ledger.window(window, lambda p: (p, p, PROMPTS[p % len(PROMPTS)]))
         # the engine runs its queue in order: the reply is the pool's step on this window
-        replies[step] = pool.step(engine, window, want=3, capacity=6, n=G, temperature=1.0, top_p=1.0,
-                                  max_tokens=4 * MAX_TOKENS, round_tokens=ROUND, seed=100 * step, version=0)
+        replies[step] = pool.step(engine, window, SamplingSettings(G, 1.0, 1.0, 4 * MAX_TOKENS, 100 * step),
+                                  want=3, capacity=6, round_tokens=ROUND, version=0)
 
     submit(0), submit(1)
     for step in range(steps):
@@ -213,8 +213,8 @@ def test_a_continued_response_is_scored_on_the_text_of_all_its_tokens(tmp_path):
     pool, split, samples = PartialPool(), 0, []
     window = [(p, p, PROMPTS[p]) for p in range(len(PROMPTS))]
     for step in range(2):
-        groups = pool.step(engine, window, want=3, capacity=6, n=G, temperature=1.0, top_p=1.0, max_tokens=30,
-                           round_tokens=3, seed=7 + 100 * step, version=step)
+        groups = pool.step(engine, window, SamplingSettings(G, 1.0, 1.0, 30, 7 + 100 * step), want=3, capacity=6,
+                           round_tokens=3, version=step)
         samples += [s for g in groups for s in g.samples]
     for s in samples:
         whole = tokenizer.decode(s.token_ids, skip_special_tokens=True)
