@@ -1,4 +1,5 @@
-"""Run a function on N gloo processes (tier-b tests) and collect each rank's return value."""
+"""Run a function on N gloo processes (tier-b tests) and collect each rank's return value; or on N
+threads of this process (`rank_threads`: ranks that share one store, as the transport's tests do)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import contextlib
 import os
 import pickle
 import socket
+import threading
 import traceback
 
 import torch.multiprocessing as mp
@@ -113,3 +115,24 @@ def run_distributed(world_size: int, fn, *args, timeout: float = 600.0) -> list:
     if errors:
         raise RuntimeError("distributed worker failed\n" + "\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def rank_threads(fn, world_size: int, timeout: float = 300.0) -> dict:
+    """``fn(rank)`` on ``world_size`` threads of this process; {rank: its return value}. The first
+    rank's exception is raised here once every thread has ended (or ``timeout`` seconds each)."""
+    results, errors = {}, []
+
+    def main(rank):
+        try:
+            results[rank] = fn(rank)
+        except BaseException as error:  # noqa: BLE001  (re-raised below)
+            errors.append(error)
+
+    threads = [threading.Thread(target=main, args=(r,)) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    if errors:
+        raise errors[0]
+    return results

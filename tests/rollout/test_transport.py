@@ -1,32 +1,18 @@
 """`stapo_megatron.rollout.transport`: the groups that cross the transport and the messages on them, with
 three ranks (trainer 0, trainer 1, one engine) as threads of this process over one store."""
 
-import threading
-
 import torch
 import torch.distributed as dist
 
 from stapo_megatron.rollout.transport import Outbox, broadcast_object, broadcast_tensor, connect, receive
+from tests.helpers.dist_utils import rank_threads
 
 
 def _ranks(fn, world=3, engine_ranks=1):
     """Run ``fn(transport)`` on every rank of a job of ``world`` ranks (threads); their results."""
-    store, results, errors = dist.HashStore(), {}, []
-
-    def rank_main(rank):
-        try:
-            results[rank] = fn(connect(store, rank, world, engine_ranks, 1, samples_timeout_s=60))
-        except BaseException as error:  # noqa: BLE001  (re-raised below)
-            errors.append(error)
-
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    if errors:
-        raise errors[0]
-    return results
+    store = dist.HashStore()
+    return rank_threads(lambda rank: fn(connect(store, rank, world, engine_ranks, 1, samples_timeout_s=60)),
+                        world, timeout=120)
 
 
 def test_the_pools_and_their_groups():

@@ -4,7 +4,6 @@ an engine holding both asking replicas' slices of a request generates them in on
 (one tail for the request), each slice with the samples it has when generated alone."""
 
 import dataclasses
-import threading
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from stapo_megatron.rollout.hf_engine import HFEngine
 from stapo_megatron.rollout.remote import HEADER, RemoteEngine, plan_chunks
 from stapo_megatron.rollout.transport import broadcast_object, connect, receive
 from stapo_megatron.trainer import engine_server
+from tests.helpers.dist_utils import rank_threads
 
 PROMPTS = {0: [[5, 17, 20, 3], [42] * 6, [1, 2, 3]], 1: [[9, 8, 7, 6, 5], [11, 12]]}
 """Each trainer rank's prompts (rank 1's first prompt longer than any of rank 0's: padding differs
@@ -62,33 +62,24 @@ def _serve_one_request(hf_dir, monkeypatch):
         return engine
 
     monkeypatch.setattr(engine_server, "build_engine", build_counting)
-    store, replies, errors = dist.HashStore(), {}, []
+    store = dist.HashStore()
     plan = plan_chunks([len(PROMPTS[0]), len(PROMPTS[1])], 1)
     jobs = [(c, PROMPTS[c.dest][c.start:c.end], SamplingSettings(N, 1.0, 1.0, MAX_TOKENS, SEEDS[c.dest]).skip(c.start))
             for c in plan]
 
     def rank_main(rank):
-        try:
-            transport = connect(store, rank, 3, 1, 1, samples_timeout_s=120)
-            if rank == 2:
-                replies[rank] = engine_server.serve(cfg, transport, seed=0, return_routes=False)
-                return
-            if rank == 0:  # the folder's weights first (the engine starts from dummy ones), then the request
-                RemoteEngine(transport, asks=True, timeout_s=120, bucket_mb=1).update_weights(iter(weights.items()))
-                broadcast_object(transport.control, ("generate", 0, jobs, None))
-            replies[rank] = receive(transport.data, 2, len(HEADER), 120)
-            if rank == 0:
-                broadcast_object(transport.control, ("stop",))
-        except BaseException as error:  # noqa: BLE001  (re-raised below)
-            errors.append(error)
+        transport = connect(store, rank, 3, 1, 1, samples_timeout_s=120)
+        if rank == 2:
+            return engine_server.serve(cfg, transport, seed=0, return_routes=False)
+        if rank == 0:  # the folder's weights first (the engine starts from dummy ones), then the request
+            RemoteEngine(transport, asks=True, timeout_s=120, bucket_mb=1).update_weights(iter(weights.items()))
+            broadcast_object(transport.control, ("generate", 0, jobs, None))
+        reply = receive(transport.data, 2, len(HEADER), 120)
+        if rank == 0:
+            broadcast_object(transport.control, ("stop",))
+        return reply
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    if errors:
-        raise errors[0]
+    replies = rank_threads(rank_main, 3, timeout=300)
     return replies, calls
 
 
