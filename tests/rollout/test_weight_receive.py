@@ -1,11 +1,13 @@
 """Tier b: separate placement's weight transfer on the engine side (`rollout.weight_receive`),
 trainer 0 and one engine rank on gloo, the real `RemoteEngine.update_weights` sending. Streamed
-into the engine as it arrives, a transfer of a model twelve buckets large holds at most two
-buckets at a time, measured as the engine process's peak resident memory during the transfer;
-the same measure sees a transfer received whole before loading (the bound's absence); both
-deliver the tensors sent, in order."""
+into the engine as it arrives, a transfer of a model twelve buckets large hands the engine one
+bucket at a time (counted exactly: weak references to the buckets' buffers) and holds far less
+than the model (the engine process's peak resident memory during the transfer, a loose bound:
+gloo's and the allocator's slack vary between machines); the same measures see a transfer
+received whole before loading (the bound's absence); both deliver the tensors sent, in order."""
 
 import re
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -30,6 +32,16 @@ def _rss_mib() -> float:
     return int(re.search(r"VmRSS:\s+(\d+)", open("/proc/self/status").read()).group(1)) / 1024
 
 
+def _buffers_held(buffers: list, named) -> int:
+    """How many of the received buckets' buffers are alive once ``named``'s buffer is counted
+    (``buffers``: weak references to every buffer seen so far)."""
+    buffer = named[1].untyped_storage()  # the bucket's buffer (one Python object per storage)
+    if not any(ref() is buffer for ref in buffers):
+        buffers.append(weakref.ref(buffer))
+    del buffer
+    return sum(ref() is not None for ref in buffers)
+
+
 def _transfer(port: int) -> dict:
     import os
 
@@ -48,9 +60,10 @@ def _transfer(port: int) -> dict:
     cpu = torch.device("cpu")
     loaded = {name: torch.zeros(TENSOR_FLOATS) for name, _ in sent}  # the engine's parameters
     assert broadcast_object(transport.control)[0] == "weights"
-    names, before = [], _rss_mib()
+    names, buffers, streamed_held, before = [], [], 0, _rss_mib()
     open("/proc/self/clear_refs", "w").write("5")  # the peak from here on
     for name, tensor in receive_weights(transport, cpu):  # as an engine's load_weights takes them
+        streamed_held = max(streamed_held, _buffers_held(buffers, (name, tensor)))
         loaded[name].copy_(tensor)
         names.append(name)
     streamed_peak = _peak_rss_mib() - before
@@ -61,9 +74,12 @@ def _transfer(port: int) -> dict:
     before = _rss_mib()
     open("/proc/self/clear_refs", "w").write("5")
     whole = list(receive_weights(transport, cpu))  # every bucket received before the first load
+    buffers = []
+    whole_held = max(_buffers_held(buffers, named) for named in whole)
     for name, tensor in whole:
         loaded[name].copy_(tensor)
     return dict(streamed_peak=streamed_peak, streamed_equal=streamed_equal, whole_peak=_peak_rss_mib() - before,
+                streamed_held=streamed_held, whole_held=whole_held, buckets=len(buffers),
                 whole_equal=all(torch.equal(loaded[n], t) for n, t in sent))
 
 
@@ -72,9 +88,14 @@ def test_a_streamed_transfer_holds_at_most_two_buckets_and_delivers_the_tensors_
 
     _, engine = run_distributed(2, _transfer, _free_port(), timeout=300)
     assert engine["streamed_equal"] and engine["whole_equal"]
+    # Exact: streamed, the engine loads from one bucket at a time (the next one travelling: two
+    # resident); received whole, it holds all twelve.
+    assert engine["buckets"] == 12 and engine["whole_held"] == 12, engine
+    assert engine["streamed_held"] == 1, engine
     model_mib = NUM_TENSORS * TENSOR_FLOATS * 4 / MIB
-    # Two buckets resident (32 MiB) plus the allocator's and gloo's slack (33 MiB measured).
-    assert engine["streamed_peak"] < 4 * BUCKET_MB, (engine["streamed_peak"], model_mib)
+    # Two buckets resident (32 MiB) plus slack: 33 MiB measured on an idle machine, 66 MiB on a
+    # busier one (gloo and the allocator keep more when the sender runs ahead): a loose bound.
+    assert engine["streamed_peak"] < model_mib / 2, (engine["streamed_peak"], model_mib)
     # Received whole before loading (the engine before the bound), the peak is the model's size
     # (176 MiB measured: the allocator reuses a little freed memory): the measure sees it.
     assert engine["whole_peak"] > 0.75 * model_mib, (engine["whole_peak"], model_mib)
