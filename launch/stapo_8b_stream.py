@@ -1,5 +1,5 @@
 """STAPO on Qwen3-8B-Base with streaming rollouts (`recipes/paper.py::qwen3_8b_stream`;
-docs/async.md) on Slurm: 4 nodes, the first 2 train, the last 2 run 16 vLLM engines (TP=1) that
+docs/async.md) on Slurm: 4 nodes, the first trains, the last 3 run 24 vLLM engines (TP=1) that
 never drain: groups admitted while the KV cache has room and at most eta = 2 updates ahead,
 weights loaded between two decode iterations.
 

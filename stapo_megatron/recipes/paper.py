@@ -132,12 +132,13 @@ LAYOUTS: Dict[str, ParallelLayout] = {
     "qwen3_8b_async": ParallelLayout(num_nodes=4, model=_model(4, context_parallel_size=2, **_NO_RECOMPUTE),
                                      vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.85, engine_ranks=16),
     # The 8B with streaming rollouts (docs/async.md, "Streaming rollouts"; not the paper's
-    # protocol): 2 nodes train (TP=4, DP=4, full recomputation: streaming needs CP=1, each
-    # replica's prompts live in its engines' streams), 2 nodes generate as 16 vLLM engines of
-    # TP=1 (streaming steps one engine per process; the 8B's 16 GB of weights leave 52 GB of KV
-    # cache at 0.85), each replica's prompts sliced over 4 of them; eta = `STREAM_ETA`.
+    # protocol): 1 node trains (TP=4, DP=2, full recomputation: streaming needs CP=1), 3 nodes
+    # generate as 24 vLLM engines of TP=1 (streaming steps one engine per process; the 8B's 16 GB
+    # of weights leave 52 GB of KV cache at 0.85), each replica's prompts sliced over 12 of them;
+    # eta = `STREAM_ETA`. The split the simulator picks for streaming engines of TP=1 (1.44x
+    # colocated's tokens/s/GPU: benchmarks/RESULTS.md, "Streaming with an off-policyness bound").
     "qwen3_8b_stream": ParallelLayout(num_nodes=4, model=_model(4), vllm_tensor_parallel_size=1,
-                                      vllm_gpu_memory_utilization=0.85, engine_ranks=16),
+                                      vllm_gpu_memory_utilization=0.85, engine_ranks=24),
     # 8 nodes (the design's target): TP=4 within a node, CP=4 (two nodes per model replica,
     # DP=4): 4k tokens of a 16k sequence per rank, without recomputation; one vLLM TP=4 engine
     # per TP group at 0.35 of the card (0.3 beside GRPO's reference, +7.4 GB).
@@ -288,8 +289,8 @@ def qwen3_8b_async(method: str = "stapo", run_dir: Optional[str] = None) -> Trai
 
 
 def qwen3_8b_stream(method: str = "stapo", run_dir: Optional[str] = None) -> TrainerConfig:
-    """Qwen3-8B-Base with streaming rollouts (``rollout.streaming``, eta `STREAM_ETA`): 4 nodes, 2
-    train (TP=4, DP=4, full recomputation), 2 generate (16 vLLM engines of TP=1, never drained,
+    """Qwen3-8B-Base with streaming rollouts (``rollout.streaming``, eta `STREAM_ETA`): 4 nodes, 1
+    trains (TP=4, DP=2, full recomputation), 3 generate (24 vLLM engines of TP=1, never drained,
     weights loaded between decode iterations); tis corrects for the behaviour policy."""
     return paper_recipe("qwen3_8b_stream", method, run_dir)
 
