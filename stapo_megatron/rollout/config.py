@@ -227,6 +227,15 @@ class RolloutSampling(EngineResources):
     update); "recompute" also drops the running sequences' KV cache, so their context is
     prefilled again under the new weights; "drain" admits nothing more and finishes the running
     sequences under the old weights first (the engine idles at the tail)."""
+    filter_groups: bool = False
+    """Streaming rollouts: DAPO's dynamic sampling ("filter groups"). A step's groups whose G
+    rewards are all equal (no advantage, so no gradient) are dropped and replaced by groups of
+    further prompts, asked of the engines ahead of the queued steps, until the step has P
+    informative groups or ``filter_rounds`` replacement rounds have run (then the last
+    uniform groups train as without the filter). The paper trains without it. Each step logs
+    the groups dropped, their share of those generated and the replacement rounds."""
+    filter_rounds: int = 4
+    """Dynamic sampling: most replacement rounds a step (each waits for its groups to complete)."""
     routing_replay: bool = False
     """Mixture-of-experts policies: router replay ("R3", arXiv 2510.11370). Training's forwards
     of the policy (the pi_old pass, the tau_H pre-pass and the update, recomputation included)
@@ -312,8 +321,9 @@ class RolloutSampling(EngineResources):
         for name, values in (("stream_order", STREAM_ORDERS), ("weight_load", WEIGHT_LOADS)):
             if getattr(self, name) not in values:
                 raise ValueError(f"rollout.{name} must be one of {values}, got {getattr(self, name)!r}")
+        check_at_least(self, 1, "filter_rounds")
         if not self.streaming:
-            for name, default in (("stream_order", "completion"), ("weight_load", "in_flight")):
+            for name, default in (("stream_order", "completion"), ("weight_load", "in_flight"), ("filter_groups", False)):
                 if getattr(self, name) != default:
                     raise ValueError(f"rollout.{name}={getattr(self, name)!r} needs rollout.streaming=True")
             return

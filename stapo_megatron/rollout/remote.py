@@ -74,6 +74,9 @@ class PoolRequest:
     """Most groups the pool holds in flight."""
     round_tokens: int
     """New tokens per response and round."""
+    urgent: bool = False
+    """Streaming rollouts: answer this request, and admit its prompts, before those queued (a
+    step's replacement groups under dynamic sampling)."""
 
 
 def share(total: int, chunk: Chunk, plan: Sequence[Chunk]) -> int:
@@ -167,7 +170,8 @@ class RemoteEngine:
     def _submit(self, kind: str, prompts: list, settings: SamplingSettings,
                 pool: Optional[PoolRequest] = None) -> Ticket:
         """Queue a ``kind`` command of every asker's ``prompts``, each sampled with its asker's
-        ``settings`` (the DP replicas' seeds differ); with a ``pool``, one engine per asker."""
+        ``settings`` (the DP replicas' seeds differ) and its ``pool`` request (partial rollouts: one
+        engine per asker; streaming: each asker's own want, shared over its slices)."""
         counts: List[Optional[int]] = [None] * dist.get_world_size()
         dist.all_gather_object(counts, len(prompts) if self.asks else None)
         plan = plan_chunks(counts, self.transport.num_engines)
@@ -177,13 +181,15 @@ class RemoteEngine:
                              f"each replica's pool lives on one engine")
         # each asker's prompts and its own settings (the DP replicas sample with different seeds)
         requests: Optional[List] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object((prompts, settings) if self.asks else None, requests, dst=0)
+        dist.gather_object((prompts, settings, pool) if self.asks else None, requests, dst=0)
         ticket = Ticket(self.tickets, self.transfers - 1, [c for c in plan if c.dest == dist.get_rank()])
         self.tickets += 1
         if dist.get_rank() == 0:
             jobs: List[Job] = [(c, requests[c.dest][0][c.start:c.end], requests[c.dest][1].skip(c.start)) for c in plan]
-            if kind == "stream":  # each slice's share of the step's groups, from its engine's stream
-                pool = {(c.dest, c.index): dataclasses.replace(pool, want=share(pool.want, c, plan)) for c in plan}
+            if kind == "stream":  # each slice's share of its asker's groups, from its engine's stream
+                pool = {(c.dest, c.index): dataclasses.replace(requests[c.dest][2], want=share(requests[c.dest][2].want,
+                                                                                               c, plan))
+                        for c in plan}
             broadcast_object(self.transport.control, (kind, ticket.id, jobs, pool))
         return ticket
 

@@ -13,7 +13,8 @@ is not here.
 - **Capacity.** A group is admitted only while the admitted, unfinished samples stay within
   ``max_running_samples`` (default vLLM's ``max_num_seqs``) and their worst-case KV (prompt plus
   ``max_tokens``, rounded up to vLLM's blocks, per sample) within ``max_kv_tokens`` (default the
-  whole KV cache): every admitted sample runs at once and vLLM never preempts one.
+  whole KV cache): every admitted sample runs at once and vLLM never preempts one. A sample's
+  share is released when it finishes, as vLLM frees its blocks (not when its group does).
 - **Off-policyness.** A group may be admitted only while the engine's weights are at least
   ``trained_version - eta``, where ``trained_version`` (the caller's) is the policy version that
   will train the group: AReaL's ``max_head_offpolicyness``; in admission order group j of P a
@@ -161,9 +162,12 @@ class StreamingGenerator:
         """Complete groups not taken yet."""
         return len(self._complete)
 
+    def _sample_kv_tokens(self, prompt_len: int) -> int:
+        """One sample's worst case: prompt + ``max_tokens``, in whole KV blocks."""
+        return -(-(prompt_len + self.max_tokens) // self.block_size) * self.block_size
+
     def _kv_tokens(self, prompt_len: int) -> int:
-        blocks = -(-(prompt_len + self.max_tokens) // self.block_size)
-        return blocks * self.block_size * self.group_size
+        return self._sample_kv_tokens(prompt_len) * self.group_size
 
     def refusal(self, prompt_len: int, trained_version: int) -> Optional[str]:
         """Why a group of a ``prompt_len``-token prompt, to be trained at ``trained_version``,
@@ -228,13 +232,16 @@ class StreamingGenerator:
     def _finish(self, request_id: str, finish_reason: str) -> None:
         run = self._running.pop(request_id)
         group = run.group
+        # vLLM frees a finished request's blocks at once: so does the reservation (a group's
+        # samples end at very different lengths; held until its last, the cache would run a
+        # fraction of the samples it holds)
+        self.reserved_kv_tokens -= self._sample_kv_tokens(len(group.prompt_token_ids))
         group.samples[run.index] = Sample(token_ids=run.token_ids, logprobs=run.logprobs, text="".join(run.text),
                                           finish_reason=finish_reason, versions=run.versions)
         self._groups_left[group.admission_index] -= 1
         if self._groups_left[group.admission_index] == 0:
             del self._groups_left[group.admission_index]
             group.completed_step = self.num_steps
-            self.reserved_kv_tokens -= self._kv_tokens(len(group.prompt_token_ids))
             self._complete[group.admission_index] = group
 
     def take(self, max_groups: Optional[int] = None) -> list[StreamedGroup]:

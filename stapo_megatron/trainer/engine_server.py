@@ -218,6 +218,7 @@ def serve(cfg: TrainerConfig, transport: Transport, seed: int, return_routes: bo
                     stream = StreamPools(engine, r.settings(None), r.max_staleness, r.stream_order, r.weight_load,
                                          version)
                 stream.add(ticket, mine, pool)
+                stream.answer(post)  # a slice that asks for no groups is answered now
             elif kind == "partial":
                 _partial_steps(engine, pools, mine, pool, version, functools.partial(post, ticket))
             else:

@@ -49,6 +49,7 @@ from stapo_megatron.trainer.mismatch_metrics import rollout_mismatch
 from stapo_megatron.trainer.step_metrics import SkipGuard, Timer, format_row, gather_silenced, step_row
 from stapo_megatron.trainer.warmstart import WarmStart
 from stapo_megatron.trainer.engine_server import engine_config
+from stapo_megatron.trainer.dynamic_sampling import fill_informative
 from stapo_megatron.trainer.rollout_schedule import RolloutSchedule, weight_sync
 
 
@@ -147,6 +148,12 @@ class Trainer:
             rollout = self.schedule.samples(step)  # the step's one record (batch/step_rollout.py)
         with timer("reward"):
             rewards_PG, reward_info = self._score(rollout)
+        filtered = {}
+        if self.cfg.rollout.filter_groups:  # DAPO's dynamic sampling: uniform groups replaced
+            with timer("filter"):
+                rollout, rewards_PG, reward_info, filtered = fill_informative(
+                    rollout, rewards_PG, reward_info, partial(self.schedule.replace, step), self._score,
+                    self.cfg.rollout.filter_rounds, self.groups.dp, self.dp_device)
         self.engine.sleep()  # GPU: vLLM's memory goes to training until the weight sync
         adv_PG, num_flat = group_advantages(rewards_PG)
         records = self._records(rollout, adv_PG)
@@ -168,6 +175,7 @@ class Trainer:
                        self.dp_device)
         row.update(timer.seconds)
         row.update(self.schedule.metrics(rollout, self.dp_device))
+        row.update(filtered)
         return row, [r for u in updates for r in u.silenced_tokens]
 
     def _indexed_prompts(self, step: int) -> List[Tuple[int, List[int]]]:

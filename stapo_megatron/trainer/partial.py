@@ -129,6 +129,10 @@ def _extend(sample: Sample, more: Sample, version: int, detokenize) -> None:
 
 Entry = Tuple[int, int, List[int]]
 """(stream position, training-set index, prompt ids): one prompt of a replica's data order."""
+EXTRA_POSITIONS = 2**40
+"""Dynamic sampling's replacement prompts (streaming rollouts) take the stream positions from
+here on: the replica's data order far past any run's steps, so they never repeat a step's own
+prompts (`PoolLedger.send_extra`)."""
 
 
 class PoolLedger:
@@ -143,6 +147,8 @@ class PoolLedger:
         """Stream position -> training-set index of the prompts sent and not yet trained, in order."""
         self.resend: List[int] = []
         """After a resume: the positions in flight at the checkpoint, sent again first."""
+        self.extra_upto = EXTRA_POSITIONS
+        """Dynamic sampling: the first replacement position never sent."""
 
     def window(self, entries: Sequence[Entry], entry: Callable[[int], Entry]) -> List[Entry]:
         """What to send of ``entries`` (a window of the data order, ascending): after a resume
@@ -152,7 +158,17 @@ class PoolLedger:
         self.resend = []
         for position, index, _ in out:
             self.in_flight[position] = index
-            self.sent_upto = max(self.sent_upto, position + 1)
+            if position < EXTRA_POSITIONS:  # a resent replacement is not the steps' stream
+                self.sent_upto = max(self.sent_upto, position + 1)
+        return out
+
+    def send_extra(self, count: int, entry: Callable[[int], Entry]) -> List[Entry]:
+        """Dynamic sampling: the next ``count`` replacement prompts (``entry(position)`` builds
+        them), now in flight."""
+        out = [entry(p) for p in range(self.extra_upto, self.extra_upto + count)]
+        self.extra_upto += count
+        for position, index, _ in out:
+            self.in_flight[position] = index
         return out
 
     def trained(self, indices: Sequence[int]) -> List[int]:
@@ -174,11 +190,12 @@ class PoolLedger:
             del self.in_flight[position]
 
     def state_dict(self) -> dict:
-        return {"sent_upto": self.sent_upto, "in_flight": sorted(self.in_flight.items())}
+        return {"sent_upto": self.sent_upto, "in_flight": sorted(self.in_flight.items()), "extra_upto": self.extra_upto}
 
     def load_state_dict(self, state: dict) -> None:
         """A checkpoint's account; its positions in flight go into the next `window` first."""
         self.sent_upto = state["sent_upto"]
+        self.extra_upto = state.get("extra_upto", EXTRA_POSITIONS)
         self.in_flight = dict(state["in_flight"])
         self.resend = sorted(self.in_flight)
 

@@ -25,8 +25,9 @@ Streaming rollouts (``rollout.streaming``, `stapo_megatron.trainer.stream_pools`
 queue and account: step s's prompts are sent after the weights of step s - k (k is the
 off-policyness bound eta), the engines admit them as their KV cache allows, take the weights
 between two decode iterations and answer step s with the replica's first P complete groups; the
-tokens' versions say which policy sampled each. In completion order the stream positions a step
-trained are written to ``rollout_order.jsonl`` (``order_log``), a line per step.
+tokens' versions say which policy sampled each. The stream positions a step trained (and with
+dynamic sampling, `replace`, those whose groups it dropped) are written to
+``rollout_order.jsonl`` (``order_log``), a line per step.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from stapo_megatron.rollout.remote import PoolRequest
 from stapo_megatron.rollout.weight_sync import sync_weights, wake_and_sync
 from stapo_megatron.trainer import replicas
 from stapo_megatron.trainer.partial import PoolLedger, partial_metrics
+from stapo_megatron.trainer.seeds import Seeds
 
 
 class RolloutSchedule:
@@ -83,7 +85,9 @@ class RolloutSchedule:
         assert not self.pooled or groups.cp_size == 1
         self.order_log = order_log
         self.positions: List[int] = []
-        """Pooled rollouts: the stream positions the last step trained, in the reply's order."""
+        """Pooled rollouts: the stream positions the last step trained, in its record's order."""
+        self.dropped: List[int] = []
+        """Dynamic sampling: the stream positions whose groups the last step dropped."""
         self.pool_state: dict = {}
         self.ledger = PoolLedger()
         """Pooled rollouts: the stream positions sent to this replica's pool and not yet trained."""
@@ -182,6 +186,7 @@ class RolloutSchedule:
         groups (the prompts the pools finished first) as the step's record, its version the
         oldest among their tokens."""
         groups = [g for reply in replies for g in reply["groups"]]
+        self.dropped = []
         if self.streaming:  # the positions, whatever order the groups completed in
             self.positions = [p for reply in replies for p in reply["positions"]]
             self.ledger.trained_positions(self.positions)
@@ -216,16 +221,42 @@ class RolloutSchedule:
             self.pending[step] = (ticket, self.version)
         return ticket, self.version
 
+    def replace(self, step: int, slots: List[int], round_index: int) -> Optional[StepRollout]:
+        """Dynamic sampling (streaming): groups to replace the step's groups at ``slots`` (their
+        places in the step's record), of the next replacement prompts (`PoolLedger.send_extra`),
+        asked ahead of the queued steps and seeded from the step's seed and ``round_index``; None
+        when ``slots`` is empty. The replaced groups' positions are logged as dropped. Collective
+        over the training ranks (every rank calls it, with its own slots)."""
+        asks = self.groups.mp is None or dist.get_rank(self.groups.mp) == 0
+        count = len(slots)
+        entries = self.ledger.send_extra(count, self._entry)
+        settings = self.config.settings(Seeds.round(self.seed(step), round_index))
+        ticket = self.engine.submit_stream(entries if asks else [], settings, PoolRequest(count, count, 0, urgent=True))
+        replies = replicas.replica_receive(self.engine, self.groups, ticket, self.timeout_s)
+        groups = [g for reply in replies for g in reply["groups"]]
+        positions = [p for reply in replies for p in reply["positions"]]
+        self.ledger.trained_positions(positions)
+        for slot, position in zip(slots, positions):
+            self.dropped.append(self.positions[slot])
+            self.positions[slot] = position
+        if not groups:
+            return None
+        return StepRollout.of_groups(step, [(g.index, g.prompt) for g in groups], self.answer,
+                                     [g.samples for g in groups], self.config.group_size)
+
     def _log_order(self, step: int) -> None:
         """Streaming: rank 0 appends the stream positions each DP replica trained at ``step``
         (collective over the training ranks)."""
         dp_rank = 0 if self.groups.dp is None else dist.get_rank(self.groups.dp)
         gathered: List[Optional[tuple]] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (dp_rank, self.positions))
+        dist.all_gather_object(gathered, (dp_rank, (self.positions, self.dropped)))
         if dist.get_rank() == 0 and self.order_log is not None:
-            by_replica = {str(rank): positions for rank, positions in sorted(dict(gathered).items())}
+            by_replica = sorted(dict(gathered).items())
+            line = {"step": step, "positions": {str(rank): trained for rank, (trained, _) in by_replica}}
+            if self.config.filter_groups:
+                line["dropped"] = {str(rank): dropped for rank, (_, dropped) in by_replica}
             with open(self.order_log, "a") as log:
-                log.write(json.dumps({"step": step, "positions": by_replica}) + "\n")
+                log.write(json.dumps(line) + "\n")
 
     def _entry(self, position: int):
         """(position, training-set index, prompt ids) of a stream position of this replica's data order."""

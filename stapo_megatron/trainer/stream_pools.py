@@ -19,8 +19,10 @@ otherwise calls `StreamPools.advance`:
   after step s's weights, so the supply never runs further ahead than the bound either.
 - **Steps.** One decode iteration of every running sample (the generator's ``step``); a group
   is complete when its G samples have finished.
-- **Replies.** A replica's requests are answered in the order they were sent, each with its P
-  groups as soon as they are complete: the first P to complete (``stream_order="completion"``)
+- **Replies.** A replica's requests are answered in the order they were sent (an urgent one,
+  dynamic sampling's replacements, before the others, its prompts admitted first and outside
+  the bound's count: they train at the step whose trainers wait for them), each with
+  its P groups as soon as they are complete: the first P to complete (``stream_order="completion"``)
   or the next P of its admission order (``"admission"``: the data order, whatever the timing).
   The reply carries the groups' stream positions, which the trainers record and checkpoint.
 - **Weights** arrive between two iterations (`StreamPools.load`, ``rollout.weight_load``): in
@@ -59,8 +61,8 @@ class _Replica:
     """(the replica's asking trainer rank, its slice index): its requests' slices on this engine."""
     base_version: int
     """The policy version when the stream began: its j-th admitted group trains at ``base + j // want``."""
-    waiting: Deque[Tuple[int, int, List[int], int]] = dataclasses.field(default_factory=collections.deque)
-    """(stream position, training-set index, prompt ids, seed) sent and not admitted yet."""
+    waiting: Deque[Tuple[int, int, List[int], int, bool]] = dataclasses.field(default_factory=collections.deque)
+    """(stream position, training-set index, prompt ids, seed, urgent) sent and not admitted yet."""
     requests: Deque[Tuple[int, Chunk, int]] = dataclasses.field(default_factory=collections.deque)
     """(ticket, chunk, groups wanted) not answered yet, in the order sent."""
     admitted: List[int] = dataclasses.field(default_factory=list)
@@ -106,9 +108,19 @@ class StreamPools:
             request = requests[(chunk.dest, chunk.index)]
             stream = (chunk.dest, chunk.index)
             replica = self.replicas.setdefault(stream, _Replica(stream, self.generator.version, want=request.want))
-            for i, (position, index, ids) in enumerate(prompts):
-                replica.waiting.append((position, index, list(ids), settings.skip(i).seed or 0))
-            replica.requests.append((ticket, chunk, request.want))
+            entries = [(position, index, list(ids), settings.skip(i).seed or 0, request.urgent)
+                       for i, (position, index, ids) in enumerate(prompts)]
+            if request.urgent:  # a step's replacements: its trainers wait for them now
+                replica.waiting.extendleft(reversed(entries))
+                replica.requests.appendleft((ticket, chunk, request.want))
+            else:
+                replica.waiting.extend(entries)
+                replica.requests.append((ticket, chunk, request.want))
+
+    def answer(self, post: Post) -> None:
+        """Answer the requests whose groups are complete (a request for no groups at once)."""
+        for replica in self.replicas.values():
+            self._answer(replica, post)
 
     @property
     def busy(self) -> bool:
@@ -116,10 +128,17 @@ class StreamPools:
         return self.generator.num_running_samples > 0 or any(
             r.waiting and self._refusal(r) is None for r in self.replicas.values())
 
+    def _trained(self, replica: _Replica, urgent: bool) -> int:
+        """The step the replica's next group trains at: by the bound's count, or (an urgent
+        replacement) the step its trainers wait in, which the engine's weights never trail by
+        more than eta."""
+        if urgent:
+            return self.generator.version
+        return replica.base_version + replica.groups_admitted // max(1, replica.want)
+
     def _refusal(self, replica: _Replica):
-        _, _, ids, _ = replica.waiting[0]
-        trained = replica.base_version + replica.groups_admitted // replica.want
-        return self.generator.refusal(len(ids), trained)
+        _, _, ids, _, urgent = replica.waiting[0]
+        return self.generator.refusal(len(ids), self._trained(replica, urgent))
 
     def admit(self) -> int:
         """Admit waiting groups, one replica's at a time in turn, while the generator allows;
@@ -129,10 +148,10 @@ class StreamPools:
             progress = False
             for replica in self.replicas.values():
                 if replica.waiting and self._refusal(replica) is None:
-                    position, index, ids, seed = replica.waiting.popleft()
-                    trained = replica.base_version + replica.groups_admitted // replica.want
-                    assert self.generator.admit(ids, seed, trained, key=(position, index, replica.stream))
-                    replica.groups_admitted += 1
+                    position, index, ids, seed, urgent = replica.waiting.popleft()
+                    assert self.generator.admit(ids, seed, self._trained(replica, urgent),
+                                                key=(position, index, replica.stream))
+                    replica.groups_admitted += not urgent  # the bound counts the steps' own groups
                     replica.admitted.append(position)
                     admitted += 1
                     progress = True
@@ -167,8 +186,7 @@ class StreamPools:
         for group in self.generator.take():
             position, _, stream = group.key
             self.replicas[stream].complete[position] = group
-        for replica in self.replicas.values():
-            self._answer(replica, post)
+        self.answer(post)
 
     def _answer(self, replica: _Replica, post: Post) -> None:
         while replica.requests:

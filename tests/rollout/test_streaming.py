@@ -119,6 +119,22 @@ def test_groups_of_g_samples_with_versions(engine):
     gen.abort()
 
 
+def test_a_finished_sample_releases_its_kv_reservation_before_its_group_completes(engine):
+    """vLLM frees a finished request's blocks at once; the reservation follows each sample, so
+    a group whose samples end at different lengths does not hold the cache for its longest."""
+    gen = generator(engine, group_size=4, max_tokens=64)
+    assert gen.admit(PROMPTS[0], seed=21, trained_version=0) and gen.admit(PROMPTS[2], seed=5, trained_version=0)
+    per_sample = {id(r.group): gen._sample_kv_tokens(len(r.group.prompt_token_ids)) for r in gen._running.values()}
+    partly_done = 0
+    while gen.num_running_samples:
+        gen.step()
+        assert gen.reserved_kv_tokens == sum(per_sample[id(r.group)] for r in gen._running.values())
+        partly_done += any(0 < sum(s is not None for s in g.samples) < 4
+                           for g in {id(r.group): r.group for r in gen._running.values()}.values())
+    assert partly_done > 0  # some iteration had a group with finished and running samples
+    assert gen.reserved_kv_tokens == 0 and len(gen.take()) == 2
+
+
 def test_eta_bounds_admission(engine, restore):
     """At eta = 1 weights of version v admit groups to be trained at versions <= v + 1 only; a
     load to v + 1 admits the next version's."""
