@@ -39,7 +39,7 @@ class Cluster:
 def config_problems(cfg: Any) -> List[str]:
     """What no world size can fix in ``cfg`` (a `TrainerConfig`): the packing mode and what it
     supports (PP, CP), the budget against one CP rank's share of the longest sequence, partial
-    rollouts against CP, and the vLLM engine's TP against Megatron's. In the order
+    or streaming rollouts against CP, and the vLLM engine's TP against Megatron's. In the order
     `TrainerConfig` raises the first one."""
     m = cfg.model
     if cfg.packing not in PACKING_MODES:
@@ -54,9 +54,10 @@ def config_problems(cfg: Any) -> List[str]:
                         f"'budget', got packing='padded'")
     if cfg.packing == "budget":
         problems += _budget_problems(cfg)
-    if cfg.rollout.partial and cp > 1:
-        problems.append(f"rollout.partial=True is not supported with model.context_parallel_size={cp} (a "
-                        f"replica's prompts live in one engine's pool, and CP ranks split their replica's prompts)")
+    if cfg.rollout.pooled and cp > 1:
+        problems.append(f"rollout.{_pooled_name(cfg.rollout)}=True is not supported with model.context_parallel_size="
+                        f"{cp} (a replica's prompts live in one engine's pool, and CP ranks split their replica's "
+                        f"prompts)")
     # vLLM's external launcher forms an engine from consecutive ranks, and Megatron's TP
     # groups are consecutive ranks too (TP is the innermost dimension); an engine wider than
     # a TP group would span two DP ranks, which sample different prompts.
@@ -92,7 +93,7 @@ def world_problems(cfg: Any, world_size: int, gpus_per_node: Optional[int] = Non
     "separate"``, the training ranks are all but the last ``rollout.engine_ranks``): TP x PP x CP
     dividing the training ranks (and, given
     ``gpus_per_node``, the node topology), the prompts over DP and over a replica's CP ranks,
-    the expert groups, partial rollouts' replicas against the engines; with
+    the expert groups, partial or streaming rollouts' replicas against the engines; with
     ``whole_micro_batches`` also every DP rank's sequences in whole micro-batches (the recipes'
     check: the trainer pads a short last one)."""
     m = cfg.model
@@ -145,14 +146,18 @@ def _batch_problems(cfg: Any, dp: int, whole_micro_batches: bool) -> List[str]:
 
 
 def _partial_problems(rollout: Any, dp: int) -> List[str]:
-    """Partial rollouts: each DP replica's pool lives on one engine, so no engine may be left
+    """Partial or streaming rollouts: each DP replica's pool lives on one engine, so no engine may be left
     without a replica (`stapo_megatron.rollout.remote.plan_chunks` gives a replica one engine
     only when there are as many replicas as engines or more)."""
-    if not rollout.partial or dp >= rollout.num_engines:
+    if not rollout.pooled or dp >= rollout.num_engines:
         return []
-    return [f"rollout.partial=True needs at least as many trainer replicas (DP {dp}) as engines "
+    return [f"rollout.{_pooled_name(rollout)}=True needs at least as many trainer replicas (DP {dp}) as engines "
             f"(rollout.engine_ranks={rollout.engine_ranks} / rollout.tensor_parallel_size="
             f"{rollout.tensor_parallel_size} = {rollout.num_engines}): each replica's pool lives on one engine"]
+
+
+def _pooled_name(rollout: Any) -> str:
+    return "partial" if rollout.partial else "streaming"
 
 
 def model_problems(spec: Any, cfg: Any) -> List[str]:

@@ -11,6 +11,10 @@ from stapo_megatron.utils import check_at_least
 
 PLACEMENTS = ("colocated", "separate")
 """Where the rollout engines run (`RolloutSampling.placement`)."""
+STREAM_ORDERS = ("completion", "admission")
+"""Streaming rollouts: the order a replica's complete groups train in (`RolloutSampling.stream_order`)."""
+WEIGHT_LOADS = ("in_flight", "recompute", "drain")
+"""Streaming rollouts: how an engine takes new weights (`RolloutSampling.weight_load`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +204,29 @@ class RolloutSampling(EngineResources):
     (``token_age_masked``). At least ``max_staleness`` (a smaller bound would drop whole
     responses the request-level bound admits). None: no bound beyond what partial rollouts give
     (``token_age_max`` reports it). ``mask_stale_tokens`` is this bound at ``max_staleness``."""
+    streaming: bool = False
+    """Streaming rollouts (separate placement, vLLM engines of ``tensor_parallel_size`` 1;
+    `stapo_megatron.trainer.stream_pools`, docs/async.md): the engines never drain. Each
+    replica's prompts are admitted one group of G samples at a time while the engine's KV cache
+    holds their worst case and the off-policyness bound allows (``max_staleness`` is eta: the
+    group that will train at step s starts only under the policy after step s - eta or newer,
+    counting groups in admission order, AReaL's ``max_head_offpolicyness``); the engine advances
+    one decode iteration at a time, takes new weights between two iterations (``weight_load``),
+    and a step trains as soon as its replica's P groups are complete (``stream_order``). Every
+    token keeps the policy version that sampled it (``Sample.versions``)."""
+    stream_order: str = "completion"
+    """Streaming rollouts: "completion" trains a replica's complete groups in the order they
+    complete (no group waits for another; which data positions a step trains depends on timing,
+    so each step's are written to ``rollout_order.jsonl`` in the run folder and a resume trains
+    every position once); "admission" trains them in the replica's data order (timing never
+    changes which prompts a step trains, at the cost of a finished group waiting for every
+    group admitted before it)."""
+    weight_load: str = "in_flight"
+    """Streaming rollouts: "in_flight" loads new weights between two decode iterations and the
+    running sequences keep their KV cache (computed by the older weights; PipelineRL's in-flight
+    update); "recompute" also drops the running sequences' KV cache, so their context is
+    prefilled again under the new weights; "drain" admits nothing more and finishes the running
+    sequences under the old weights first (the engine idles at the tail)."""
     routing_replay: bool = False
     """Mixture-of-experts policies: router replay ("R3", arXiv 2510.11370). Training's forwards
     of the policy (the pi_old pass, the tau_H pre-pass and the update, recomputation included)
@@ -239,6 +266,7 @@ class RolloutSampling(EngineResources):
         check_at_least(self, 1, "weight_bucket_mb")
         check_at_least(self, 0, "partial_tokens")
         self._check_partial()
+        self._check_streaming()
         if self.placement == "colocated":
             for name in ("engine_ranks", "max_staleness"):
                 if getattr(self, name):
@@ -279,6 +307,34 @@ class RolloutSampling(EngineResources):
             raise ValueError("rollout.partial=True with rollout.routing_replay=True is not supported (a continued "
                              "response's routes would come from two engines' passes)")
 
+    def _check_streaming(self) -> None:
+        """Streaming rollouts need separate vLLM engines of TP 1 that may run ahead of training."""
+        for name, values in (("stream_order", STREAM_ORDERS), ("weight_load", WEIGHT_LOADS)):
+            if getattr(self, name) not in values:
+                raise ValueError(f"rollout.{name} must be one of {values}, got {getattr(self, name)!r}")
+        if not self.streaming:
+            for name, default in (("stream_order", "completion"), ("weight_load", "in_flight")):
+                if getattr(self, name) != default:
+                    raise ValueError(f"rollout.{name}={getattr(self, name)!r} needs rollout.streaming=True")
+            return
+        if self.placement != "separate" or self.max_staleness < 1:
+            raise ValueError(f"rollout.streaming=True needs rollout.placement='separate' and rollout.max_staleness >= 1 "
+                             f"(the off-policyness bound eta; got placement={self.placement!r}, max_staleness="
+                             f"{self.max_staleness}): groups for later steps start while the trainers train")
+        if self.partial:
+            raise ValueError("rollout.streaming=True and rollout.partial=True are two ways of keeping the engines "
+                             "busy: set one (streaming never interrupts a response)")
+        if self.engine == "hf":
+            raise ValueError("rollout.streaming=True needs the vLLM engine (its request API admits and steps "
+                             "requests one decode iteration at a time): rollout.engine='vllm' or 'auto', got 'hf'")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"rollout.streaming=True needs rollout.tensor_parallel_size=1, got "
+                             f"{self.tensor_parallel_size}: the ranks of a vLLM TP group would have to admit and "
+                             f"step in lockstep, which the streaming engines do not arrange")
+        if self.routing_replay:
+            raise ValueError("rollout.streaming=True with rollout.routing_replay=True is not supported (the "
+                             "streaming engines do not return routes)")
+
     def settings(self, seed: Optional[int]) -> SamplingSettings:
         """A training step's `SamplingSettings`: G samples per prompt of at most ``max_response_len``
         tokens at this temperature and top-p, the first seeded ``seed``."""
@@ -294,6 +350,12 @@ class RolloutSampling(EngineResources):
         """Partial rollouts: the oldest a trained token may be, in steps (``max_token_age``, or
         ``max_staleness`` with ``mask_stale_tokens``); None: unbounded."""
         return self.max_staleness if self.mask_stale_tokens else self.max_token_age
+
+    @property
+    def pooled(self) -> bool:
+        """Partial or streaming rollouts: the engines, not the data order alone, decide which of
+        a replica's prompts a step trains (each replica's prompts live on one engine)."""
+        return self.partial or self.streaming
 
     @property
     def num_engines(self) -> int:

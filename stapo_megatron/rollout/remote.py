@@ -145,6 +145,16 @@ class RemoteEngine:
         engines or more)."""
         return self._submit("partial", fresh, settings, pool)
 
+    def submit_stream(self, fresh: List[Tuple[int, int, List[int]]], settings: SamplingSettings,
+                      request: PoolRequest) -> Ticket:
+        """Streaming rollouts (`stapo_megatron.trainer.stream_pools`): ``fresh`` (stream position,
+        index, prompt ids) of the step join this rank's stream at its engine, prompt i's samples
+        seeded from ``settings.skip(i).seed``; ``receive`` returns ``[reply]``, a dict with the
+        ``request.want`` groups that completed first (or next in admission order: ``groups``),
+        their stream positions (``positions``) and the stream's state. Collective as ``submit``;
+        every asker's stream lives on one engine."""
+        return self._submit("stream", fresh, settings, request)
+
     def _submit(self, kind: str, prompts: list, settings: SamplingSettings,
                 pool: Optional[PoolRequest] = None) -> Ticket:
         """Queue a ``kind`` command of every asker's ``prompts``, each sampled with its asker's
@@ -153,9 +163,9 @@ class RemoteEngine:
         dist.all_gather_object(counts, len(prompts) if self.asks else None)
         plan = plan_chunks(counts, self.transport.num_engines)
         if pool is not None and any(c.index for c in plan):
-            raise ValueError(f"rollout.partial=True needs at least as many trainer replicas asking as engines "
-                             f"({sum(c is not None for c in counts)} replicas, {self.transport.num_engines} engines): "
-                             f"each replica's pool lives on one engine")
+            raise ValueError(f"rollout.{'partial' if kind == 'partial' else 'streaming'}=True needs at least as many "
+                             f"trainer replicas asking as engines ({sum(c is not None for c in counts)} replicas, "
+                             f"{self.transport.num_engines} engines): each replica's pool lives on one engine")
         # each asker's prompts and its own settings (the DP replicas sample with different seeds)
         requests: Optional[List] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object((prompts, settings) if self.asks else None, requests, dst=0)

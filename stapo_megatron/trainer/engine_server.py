@@ -24,6 +24,12 @@ commands in order:
   PoolRequest`, what each pool returns), the pools' rounds run in lockstep (one engine
   call a round for all of them), and each pool's first finished groups are posted back as soon
   as it has them;
+* ``("stream", ticket, jobs, request)``: streaming rollouts (`stapo_megatron.trainer.stream_pools`):
+  the step's prompts join their replica's stream; while any stream has samples running or a
+  prompt that may start, the main thread takes the commands that have arrived (without
+  waiting) between two decode iterations, so weights are loaded in flight, and answers each
+  request with its P groups as soon as they are complete; an evaluation's ``generate`` first
+  lets the running samples finish;
 * ``("stop",)``: return (what is still queued is dropped: the trainers are done or stopping).
 
 All ranks of one engine (vLLM TP > 1) run the same commands; its first rank sends the samples.
@@ -51,6 +57,7 @@ from stapo_megatron.rollout.registry import build_engine, resolve_engine
 from stapo_megatron.rollout.remote import Chunk, Job, PoolRequest
 from stapo_megatron.rollout.weight_receive import receive_weights
 from stapo_megatron.trainer.partial import PartialPool
+from stapo_megatron.trainer.stream_pools import StreamPools
 from stapo_megatron.trainer.prompts import pad_to
 
 STOP_WAIT_S = 60.0
@@ -140,12 +147,12 @@ def _listen(transport: Transport, inbox: "queue.Queue[Any]", stopping: threading
         inbox.put(error)
 
 
-def load_transfer(engine, transport: Transport, received: threading.Event, device: torch.device) -> None:
-    """Receive a weight transfer's buckets onto ``device`` and stream them into ``engine``;
-    ``received`` tells the listener the groups are its own again."""
+def load_transfer(load, transport: Transport, received: threading.Event, device: torch.device) -> None:
+    """Receive a weight transfer's buckets onto ``device`` and stream them into ``load`` (an
+    engine's ``update_weights``); ``received`` tells the listener the groups are its own again."""
     try:
         weights = receive_weights(transport, device)
-        engine.update_weights(weights)
+        load(weights)
         for _ in weights:  # what the engine did not ask for: off the groups, in step with trainer 0
             pass
     finally:
@@ -170,8 +177,9 @@ def serve(cfg: TrainerConfig, transport: Transport, seed: int, return_routes: bo
     idle = load = 0.0
     served = version = 0
     pools: dict = {}  # partial rollouts: trainer rank -> its PartialPool
+    stream = None  # streaming rollouts: the StreamPools, from the first "stream" command on
 
-    def post(chunk: Chunk, samples: list, took: float) -> None:
+    def post(ticket: int, chunk: Chunk, samples: list, took: float) -> None:
         """A chunk's reply to its asker (without waiting for it to take it)."""
         nonlocal idle, load
         if transport.is_engine_leader:
@@ -180,9 +188,16 @@ def serve(cfg: TrainerConfig, transport: Transport, seed: int, return_routes: bo
 
     try:
         while True:
-            waited = time.perf_counter()
-            command = inbox.get()
-            idle += time.perf_counter() - waited
+            if stream is not None and stream.busy:  # between two decode iterations
+                try:
+                    command = inbox.get_nowait()
+                except queue.Empty:
+                    stream.advance(post)
+                    continue
+            else:
+                waited = time.perf_counter()
+                command = inbox.get()
+                idle += time.perf_counter() - waited
             if isinstance(command, BaseException):
                 raise RuntimeError(f"engine rank {transport.rank}: trainer 0's commands stopped "
                                    f"({command})") from command
@@ -191,18 +206,29 @@ def serve(cfg: TrainerConfig, transport: Transport, seed: int, return_routes: bo
             if command[0] == "weights":
                 started = time.perf_counter()
                 _, version, received = command
-                load_transfer(engine, transport, received, device)
+                into = engine.update_weights if stream is None else functools.partial(stream.load, version=version)
+                load_transfer(into, transport, received, device)
                 load += time.perf_counter() - started
                 continue
             kind, ticket, jobs, pool = command
             mine = [] if stopping.is_set() else [job for job in jobs if job[0].engine == transport.engine_index]
-            if kind == "partial":
-                _partial_steps(engine, pools, mine, pool, version, post)
+            if kind == "stream":
+                if stream is None:
+                    r = cfg.rollout
+                    stream = StreamPools(engine, r.settings(None), r.max_staleness, r.stream_order, r.weight_load,
+                                         version)
+                stream.add(ticket, mine, pool)
+            elif kind == "partial":
+                _partial_steps(engine, pools, mine, pool, version, functools.partial(post, ticket))
             else:
+                if stream is not None:
+                    stream.drain(post)
                 for reply in _generate(engine, mine):
-                    post(*reply)
+                    post(ticket, *reply)
             served += 1
     finally:
+        if stream is not None:
+            stream.abort()
         engine.shutdown()
         if not stopping.is_set():
             outbox.pending.clear()  # failing: the trainers will not take them

@@ -126,7 +126,8 @@ class Trainer:
         self.schedule = RolloutSchedule(r, self.engine, self.groups, self._indexed_prompts,
                                         lambda index: self.train_ex[index].answer,
                                         lambda step: self.seeds.rollout(step, self.dp_rank, per_rank),
-                                        weight_sync(self.model, self.hf_config, self.groups), cfg.steps, timeout)
+                                        weight_sync(self.model, self.hf_config, self.groups), cfg.steps, timeout,
+                                        order_log=os.path.join(cfg.run_dir, "rollout_order.jsonl"))
         self.scorer = RewardScorer(num_workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s,
                                    score_fn=reward.score_fn, failure_reward=reward.failure_reward)
         self.evaluator = Evaluator(cfg.eval, self.held_out, self.eval_sets, self.engine, self.scorer, self.groups,

@@ -166,6 +166,13 @@ class PoolLedger:
             positions.append(position)
         return positions
 
+    def trained_positions(self, positions: Sequence[int]) -> None:
+        """The engine returned the groups of these stream positions (streaming rollouts name
+        them): they leave the account."""
+        for position in positions:
+            assert position in self.in_flight, f"the engine returned stream position {position}, which was not in flight"
+            del self.in_flight[position]
+
     def state_dict(self) -> dict:
         return {"sent_upto": self.sent_upto, "in_flight": sorted(self.in_flight.items())}
 

@@ -20,11 +20,19 @@ were in flight are generated again, by the resumed policy (nothing is counted tw
 steps after a resume are fresher than the bound). With partial rollouts the engines' pools decide
 which prompts a step trains; their account (`stapo_megatron.trainer.partial.PoolLedger`) goes into
 the checkpoint (`state_dict`), and a resumed run sends the prompts that were in flight again.
+
+Streaming rollouts (``rollout.streaming``, `stapo_megatron.trainer.stream_pools`) keep the same
+queue and account: step s's prompts are sent after the weights of step s - k (k is the
+off-policyness bound eta), the engines admit them as their KV cache allows, take the weights
+between two decode iterations and answer step s with the replica's first P complete groups; the
+tokens' versions say which policy sampled each. In completion order the stream positions a step
+trained are written to ``rollout_order.jsonl`` (``order_log``), a line per step.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import math
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -54,24 +62,31 @@ class RolloutSchedule:
             engine awake, or wake_and_sync's order for a sleeping colocated one.
         steps: the run's last step (nothing is asked beyond it).
         timeout_s: how long to wait for a step's samples (`TrainerConfig.rollout_timeout`).
+        order_log: streaming rollouts: the file rank 0 appends each step's trained stream
+            positions to (one JSON line a step; None: not written).
     """
 
     def __init__(self, config: RolloutSampling, engine, groups: Groups,
                  prompts: Callable[[int], List[Tuple[int, List[int]]]], answer: Callable[[int], str],
-                 seed: Callable[[int], int], sync: Callable, steps: int, timeout_s: float):
+                 seed: Callable[[int], int], sync: Callable, steps: int, timeout_s: float,
+                 order_log: Optional[str] = None):
         self.config, self.engine, self.groups = config, engine, groups
         self.prompts, self.answer, self.seed = prompts, answer, seed
         self.sync, self.steps, self.timeout_s = sync, steps, timeout_s
         self.separate = config.placement == "separate"
         self.ahead = config.max_staleness
-        self.partial = config.partial
-        """Partial rollouts: the engines' pools decide which prompts a step trains."""
-        # partial rollouts with CP, or with fewer replicas than engines, are refused when the config
+        self.partial, self.streaming = config.partial, config.streaming
+        self.pooled = config.pooled
+        """Partial or streaming rollouts: the engines decide which prompts a step trains."""
+        # pooled rollouts with CP, or with fewer replicas than engines, are refused when the config
         # is built (`stapo_megatron.config.parallel_layout`)
-        assert not self.partial or groups.cp_size == 1
+        assert not self.pooled or groups.cp_size == 1
+        self.order_log = order_log
+        self.positions: List[int] = []
+        """Pooled rollouts: the stream positions the last step trained, in the reply's order."""
         self.pool_state: dict = {}
         self.ledger = PoolLedger()
-        """Partial rollouts: the stream positions sent to this replica's pool and not yet trained."""
+        """Pooled rollouts: the stream positions sent to this replica's pool and not yet trained."""
         self.version = 0
         """Steps trained by the policy the engines hold (or will, once their queue reaches it)."""
         self.pending: Dict[int, Tuple[object, int]] = {}
@@ -99,7 +114,7 @@ class RolloutSchedule:
         else:
             ticket, version = self.pending.pop(step) if step in self.pending else self._submit(step, keep=False)
             groups = replicas.replica_receive(self.engine, self.groups, ticket, self.timeout_s)
-            if self.partial:
+            if self.pooled:
                 rollout = self._partial_step(step, groups[0])
             else:
                 rollout = StepRollout.of_groups(step, self.prompts(step), self.answer, groups, r.group_size,
@@ -125,8 +140,10 @@ class RolloutSchedule:
         before (no request or weights) and loading weights (docs/async.md);
         ``time_rollout`` is then the trainers' wait for them."""
         row: Dict[str, float] = {"staleness": float(rollout.step - rollout.version)}
-        if self.partial:
+        if self.pooled:
             row.update(partial_metrics(rollout, self.config, self.pool_state, self.groups, device))
+        if self.streaming:
+            self._log_order(rollout.step)
         if self.separate:
             times = self.engine.last_times
             row.update(time_engine_generate=times.generate, time_engine_idle=times.idle, time_engine_load=times.load)
@@ -134,8 +151,8 @@ class RolloutSchedule:
 
     def state_dict(self) -> dict:
         """What the trainer state of a checkpoint keeps of the schedule (collective over the
-        training ranks): with partial rollouts every rank's `PoolLedger`, by rank; else nothing."""
-        if not self.partial:
+        training ranks): with pooled rollouts every rank's `PoolLedger`, by rank; else nothing."""
+        if not self.pooled:
             return {}
         ledgers: List[Optional[dict]] = [None] * dist.get_world_size()
         dist.all_gather_object(ledgers, self.ledger.state_dict())
@@ -143,15 +160,16 @@ class RolloutSchedule:
 
     def load_state_dict(self, trainer_state: dict) -> None:
         """This rank's part of a checkpoint's `state_dict`, before `start`."""
-        if not self.partial:
+        if not self.pooled:
             return
         ledgers = trainer_state.get("pool_ledgers")
+        name = "rollout.partial" if self.partial else "rollout.streaming"
         if ledgers is None or len(ledgers) != dist.get_world_size():
             raise ValueError(
-                "rollout.partial resumes from a checkpoint whose trainer state has "
+                f"{name} resumes from a checkpoint whose trainer state has "
                 + ("no pool ledgers (saved without partial rollouts, or before they were checkpointed)"
                    if ledgers is None else f"pool ledgers of {len(ledgers)} training ranks, not {dist.get_world_size()}")
-                + ": its in-flight prompts cannot be recovered; resume it without rollout.partial, or start a new run")
+                + f": its in-flight prompts cannot be recovered; resume it without {name}, or start a new run")
         self.ledger.load_state_dict(ledgers[dist.get_rank()])
 
     def _tag(self, version: int) -> None:
@@ -163,7 +181,11 @@ class RolloutSchedule:
         """A partial rollout's reply: its groups (the prompts the pool finished first) as the
         step's record, its version the oldest among their tokens."""
         groups = reply["groups"]
-        self.ledger.trained([g.index for g in groups])
+        if "positions" in reply:  # streaming: the positions, whatever order the groups completed in
+            self.ledger.trained_positions(reply["positions"])
+            self.positions = list(reply["positions"])
+        else:
+            self.positions = self.ledger.trained([g.index for g in groups])
         self.pool_state = {k: reply[k] for k in ("pool", "waiting", "continued")}
         return StepRollout.of_groups(step, [(g.index, g.prompt) for g in groups], self.answer,
                                      [g.samples for g in groups], self.config.group_size)
@@ -180,11 +202,29 @@ class RolloutSchedule:
             window = self.ledger.window(order, self._entry)  # what the pool has not had, in-flight first on resume
             ticket = self.engine.submit_partial(window if asks else [], settings,
                                                 PoolRequest(per_step, per_step + extra, r.round_tokens))
+        elif self.streaming:  # the step's prompts join this replica's stream (no CP: checked at start)
+            asks = self.groups.mp is None or dist.get_rank(self.groups.mp) == 0
+            fresh = self.prompts(step)
+            order = [(step * len(fresh) + j, i, ids) for j, (i, ids) in enumerate(fresh)]
+            window = self.ledger.window(order, self._entry)  # in-flight positions first on resume
+            ticket = self.engine.submit_stream(window if asks else [], settings,
+                                               PoolRequest(len(fresh), len(fresh), 0))
         else:
             ticket = replicas.replica_submit(self.engine, self.groups, [ids for _, ids in self.prompts(step)], settings)
         if keep:
             self.pending[step] = (ticket, self.version)
         return ticket, self.version
+
+    def _log_order(self, step: int) -> None:
+        """Streaming: rank 0 appends the stream positions each DP replica trained at ``step``
+        (collective over the training ranks)."""
+        dp_rank = 0 if self.groups.dp is None else dist.get_rank(self.groups.dp)
+        gathered: List[Optional[tuple]] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (dp_rank, self.positions))
+        if dist.get_rank() == 0 and self.order_log is not None:
+            by_replica = {str(rank): positions for rank, positions in sorted(dict(gathered).items())}
+            with open(self.order_log, "a") as log:
+                log.write(json.dumps({"step": step, "positions": by_replica}) + "\n")
 
     def _entry(self, position: int):
         """(position, training-set index, prompt ids) of a stream position of this replica's data order."""
