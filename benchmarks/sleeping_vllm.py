@@ -75,8 +75,12 @@ class SleepingLLMEngine:
         self.running: Dict[str, _Request] = {}  # in the order they were added
         self.drawn: Dict[int, int] = {}  # prompt index -> requests added for it
         self.busy_s = 0.0
-        """Simulated seconds of iterations and prefills."""
-        self.iterations = self.steps = self.loads = self.recomputed_tokens = 0
+        """Simulated seconds of iterations and prefills (``tokens`` / ``iterations``: the mean
+        running requests)."""
+        self.iterations = self.steps = self.loads = self.recomputed_tokens = self.tokens = 0
+        self.max_lag_s = 0.0
+        """The most simulated seconds the engine's clock fell behind the model (the Python between
+        two iterations, and the machine's load, costing more than the iterations slept)."""
         self._due = 0.0  # wall time the work so far ends at (the engine's clock)
 
     def add_request(self, request_id: str, prompt, params) -> str:
@@ -128,7 +132,7 @@ class SleepingLLMEngine:
         dt = self.decode.prefill_s_per_token * prefill + self.decode.time(context, n, m)
         self.recomputed_tokens += sum(r.prefill for r in reqs if r.generated)
         self.busy_s += dt
-        self.iterations += m
+        self.iterations, self.tokens = self.iterations + m, self.tokens + n * m
         self.steps += 1
         outputs = []
         for r in reqs:
@@ -149,7 +153,9 @@ class SleepingLLMEngine:
     def _sleep(self, simulated_s: float) -> None:
         """Sleep until the engine's clock has moved ``simulated_s`` / scale on."""
         self._due += simulated_s / self.scale
-        time.sleep(max(0.0, self._due - time.perf_counter()))
+        ahead = self._due - time.perf_counter()
+        self.max_lag_s = max(self.max_lag_s, -ahead * self.scale)
+        time.sleep(max(0.0, ahead))
 
     def load(self, weights: Iterable) -> None:
         """Take the weights (consumed as vLLM's layer-wise reload takes them) and sleep the load
@@ -183,6 +189,11 @@ class SleepingVLLM:
 
     def __init__(self, decode: DecodeModel, prompts: List[Prompt], scale: float, load_s: float = 0.0,
                  iterations_per_step: int = 1):
+        # vLLM's modules are loaded now, as building the engine it stands in for loads them
+        # (the generator's first admission would otherwise pay their import)
+        import vllm.inputs  # noqa: F401
+        import vllm.outputs  # noqa: F401
+
         self.llm = SleepingLLM(SleepingLLMEngine(decode, {p.index: p for p in prompts}, scale, load_s,
                                                  iterations_per_step))
 
