@@ -93,7 +93,7 @@ def world_problems(cfg: Any, world_size: int, gpus_per_node: Optional[int] = Non
     "separate"``, the training ranks are all but the last ``rollout.engine_ranks``): TP x PP x CP
     dividing the training ranks (and, given
     ``gpus_per_node``, the node topology), the prompts over DP and over a replica's CP ranks,
-    the expert groups, partial or streaming rollouts' replicas against the engines; with
+    the expert groups, partial rollouts' replicas against the engines; with
     ``whole_micro_batches`` also every DP rank's sequences in whole micro-batches (the recipes'
     check: the trainer pads a short last one)."""
     m = cfg.model
@@ -146,12 +146,12 @@ def _batch_problems(cfg: Any, dp: int, whole_micro_batches: bool) -> List[str]:
 
 
 def _partial_problems(rollout: Any, dp: int) -> List[str]:
-    """Partial or streaming rollouts: each DP replica's pool lives on one engine, so no engine may be left
+    """Partial rollouts: each DP replica's pool lives on one engine, so no engine may be left
     without a replica (`stapo_megatron.rollout.remote.plan_chunks` gives a replica one engine
     only when there are as many replicas as engines or more)."""
-    if not rollout.pooled or dp >= rollout.num_engines:
+    if not rollout.partial or dp >= rollout.num_engines:
         return []
-    return [f"rollout.{_pooled_name(rollout)}=True needs at least as many trainer replicas (DP {dp}) as engines "
+    return [f"rollout.partial=True needs at least as many trainer replicas (DP {dp}) as engines "
             f"(rollout.engine_ranks={rollout.engine_ranks} / rollout.tensor_parallel_size="
             f"{rollout.tensor_parallel_size} = {rollout.num_engines}): each replica's pool lives on one engine"]
 

@@ -84,8 +84,14 @@ def report(cfg, recipe: str, executor) -> List[str]:
     layout, step = _step(recipe, cfg, executor.nodes, executor.gpus_per_node)
     signal_s = signal_of(executor)
     limit_s = step_time.parse_slurm_time(executor.time)
+    r = cfg.rollout
+    rollouts = ("" if r.placement != "separate" else
+                f"# rollouts: streaming, eta (rollout.max_staleness) {r.max_staleness}, {r.stream_order} order, "
+                f"weights loaded {r.weight_load.replace('_', '-')}; correction {cfg.loss.rollout_correction.mode}\n"
+                if r.streaming else f"# rollouts: {'partial, ' if r.partial else ''}k (rollout.max_staleness) "
+                f"{r.max_staleness}; correction {cfg.loss.rollout_correction.mode}\n")
     print(f"# ---- layout and memory per GPU (recipes/memory.py: an estimate) ----\n"
-          f"# {memory.describe(paper.ARCHITECTURES[recipe], layout)}\n"
+          f"# {memory.describe(paper.ARCHITECTURES[recipe], layout)}\n{rollouts}"
           f"# ---- time (an estimate, recipes/step_time.py: not measured) ----\n"
           f"# one step ~{step.total_s / 60:.1f} min (rollout {step.rollout_s / 60:.1f}, training "
           f"{step.training_s / 60:.1f}); {cfg.steps} steps ~{cfg.steps * step.total_s / 3600:.0f} h of "

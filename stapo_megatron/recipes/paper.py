@@ -66,13 +66,14 @@ ARCHITECTURES: Dict[str, QwenSpec] = {
     "qwen3_8b": _qwen3(36, 4096, 32, 12288, tied=False),
     "qwen3_8b_32k": _qwen3(36, 4096, 32, 12288, tied=False),
     "qwen3_8b_async": _qwen3(36, 4096, 32, 12288, tied=False),
+    "qwen3_8b_stream": _qwen3(36, 4096, 32, 12288, tied=False),
     "qwen3_14b": _qwen3(40, 5120, 40, 17408, tied=False),
     "qwen3_30b_a3b": QWEN3_30B_A3B,
 }
 """The architecture of each recipe: Qwen3-{1.7B,8B,14B,30B-A3B}-Base (the training memory model
 and consistency checks use them; the trainer itself reads the architecture from ``model.hf_dir``)."""
 DISPLAY_NAMES = {"qwen3_1p7b": "Qwen3-1.7B-Base", "qwen3_8b": "Qwen3-8B-Base", "qwen3_8b_32k": "Qwen3-8B-Base",
-                 "qwen3_8b_async": "Qwen3-8B-Base",
+                 "qwen3_8b_async": "Qwen3-8B-Base", "qwen3_8b_stream": "Qwen3-8B-Base",
                  "qwen3_14b": "Qwen3-14B-Base", "qwen3_30b_a3b": "Qwen3-30B-A3B-Base"}
 """The HF model each recipe starts from."""
 
@@ -81,6 +82,12 @@ ASYNC_STALENESS = 1
 """``rollout.max_staleness`` of the asynchronous recipe: one-step-off (verl's one_step_off, NeMo-RL's
 async GRPO at 1): step s trains on samples of the policy after step s - 1."""
 ASYNC_CORRECTION = "tis"
+STREAMING_LAYOUTS = ("qwen3_8b_stream",)
+"""The layouts that stream their rollouts (``rollout.streaming``)."""
+STREAM_ETA = 2
+"""Streaming recipes' off-policyness bound (``rollout.max_staleness``): the simulator's best
+eta at the paper's lengths (benchmarks/RESULTS.md, "Streaming with an off-policyness bound";
+eta 3 adds little and ages the groups further)."""
 """``loss.rollout_correction.mode`` of the asynchronous recipe: the samples come from a policy one
 update old, so the surrogate of every token is weighted by min(pi_old / pi_rollout, C), the
 behaviour-policy correction of AReaL's decoupled objective (pi_old recomputed by the trainer is its
@@ -124,6 +131,14 @@ LAYOUTS: Dict[str, ParallelLayout] = {
     # benchmarks/sim_async.py models the overlap with a length distribution.
     "qwen3_8b_async": ParallelLayout(num_nodes=4, model=_model(4, context_parallel_size=2, **_NO_RECOMPUTE),
                                      vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.85, engine_ranks=16),
+    # The 8B with streaming rollouts (docs/async.md, "Streaming rollouts"; not the paper's
+    # protocol): 1 node trains (TP=4, DP=2, full recomputation: streaming needs CP=1), 3 nodes
+    # generate as 24 vLLM engines of TP=1 (streaming steps one engine per process; the 8B's 16 GB
+    # of weights leave 52 GB of KV cache at 0.85), each replica's prompts sliced over 12 of them;
+    # eta = `STREAM_ETA`. The split the simulator picks for streaming engines of TP=1 (1.44x
+    # colocated's tokens/s/GPU: benchmarks/RESULTS.md, "Streaming with an off-policyness bound").
+    "qwen3_8b_stream": ParallelLayout(num_nodes=4, model=_model(4), vllm_tensor_parallel_size=1,
+                                      vllm_gpu_memory_utilization=0.85, engine_ranks=24),
     # 8 nodes (the design's target): TP=4 within a node, CP=4 (two nodes per model replica,
     # DP=4): 4k tokens of a 16k sequence per rank, without recomputation; one vLLM TP=4 engine
     # per TP group at 0.35 of the card (0.3 beside GRPO's reference, +7.4 GB).
@@ -189,7 +204,7 @@ LR_WARMUP_STEPS = 10
 
 def paper_recipe(size: str, method: str = "stapo", run_dir: Optional[str] = None) -> TrainerConfig:
     """JustRL + S2T for one recipe of `LAYOUTS` ("qwen3_1p7b" | "qwen3_8b" | "qwen3_8b_32k" |
-    "qwen3_14b" | "qwen3_30b_a3b").
+    "qwen3_8b_async" | "qwen3_8b_stream" | "qwen3_14b" | "qwen3_30b_a3b").
 
     3000 training steps; AdamW lr 1e-6 (linear warm-up from 0 over 10 training steps, then
     constant), weight decay 0.1, grad clip 1.0; 256 prompts x 8 rollouts per step, PPO
@@ -234,14 +249,20 @@ def paper_recipe(size: str, method: str = "stapo", run_dir: Optional[str] = None
             # MoE: the routing-disagreement pass is one more no-grad forward over the step's
             # samples (as the pi_old pass); a diagnostic, so every 10th step (dense: ignored)
             routing_every=ROUTING_EVERY,
-            **(dict(placement="separate", engine_ranks=layout.engine_ranks, max_staleness=ASYNC_STALENESS)
-               if layout.engine_ranks else {}),
+            **(_separate(size, layout) if layout.engine_ranks else {}),
         ),
         loss=(dataclasses.replace(loss, rollout_correction=RolloutCorrectionConfig(mode=ASYNC_CORRECTION))
               if layout.engine_ranks else loss),
         optim=OptimConfig(lr=1e-6, weight_decay=0.1, clip_grad=1.0, use_distributed_optimizer=True),
     )
     return cfg
+
+
+def _separate(size: str, layout: ParallelLayout) -> dict:
+    """The rollout fields of a separately placed recipe: one-step-off, or streaming."""
+    if size in STREAMING_LAYOUTS:
+        return dict(placement="separate", engine_ranks=layout.engine_ranks, max_staleness=STREAM_ETA, streaming=True)
+    return dict(placement="separate", engine_ranks=layout.engine_ranks, max_staleness=ASYNC_STALENESS)
 
 
 def qwen3_1p7b(method: str = "stapo", run_dir: Optional[str] = None) -> TrainerConfig:
@@ -265,6 +286,13 @@ def qwen3_8b_async(method: str = "stapo", run_dir: Optional[str] = None) -> Trai
     samples corrected for their behaviour policy (``loss.rollout_correction.mode`` "tis",
     `ASYNC_CORRECTION`)."""
     return paper_recipe("qwen3_8b_async", method, run_dir)
+
+
+def qwen3_8b_stream(method: str = "stapo", run_dir: Optional[str] = None) -> TrainerConfig:
+    """Qwen3-8B-Base with streaming rollouts (``rollout.streaming``, eta `STREAM_ETA`): 4 nodes, 1
+    trains (TP=4, DP=2, full recomputation), 3 generate (24 vLLM engines of TP=1, never drained,
+    weights loaded between decode iterations); tis corrects for the behaviour policy."""
+    return paper_recipe("qwen3_8b_stream", method, run_dir)
 
 
 def qwen3_14b(method: str = "stapo", run_dir: Optional[str] = None) -> TrainerConfig:

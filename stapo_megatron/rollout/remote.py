@@ -76,6 +76,13 @@ class PoolRequest:
     """New tokens per response and round."""
 
 
+def share(total: int, chunk: Chunk, plan: Sequence[Chunk]) -> int:
+    """``chunk``'s share of ``total`` groups when its asker's request is split into slices as
+    ``plan`` splits it (as `plan_chunks` splits the prompts: the shares add up to ``total``)."""
+    slices = sum(1 for c in plan if c.dest == chunk.dest)
+    return total * (chunk.index + 1) // slices - total * chunk.index // slices
+
+
 Job = Tuple[Chunk, list, SamplingSettings]
 """One engine's part of a command: a chunk, its prompts and the settings they sample with (the
 asker's, its seeds those the prompts have in the asker's whole request)."""
@@ -149,10 +156,12 @@ class RemoteEngine:
                       request: PoolRequest) -> Ticket:
         """Streaming rollouts (`stapo_megatron.trainer.stream_pools`): ``fresh`` (stream position,
         index, prompt ids) of the step join this rank's stream at its engine, prompt i's samples
-        seeded from ``settings.skip(i).seed``; ``receive`` returns ``[reply]``, a dict with the
-        ``request.want`` groups that completed first (or next in admission order: ``groups``),
-        their stream positions (``positions``) and the stream's state. Collective as ``submit``;
-        every asker's stream lives on one engine."""
+        seeded from ``settings.skip(i).seed``. With more engines than askers an asker's prompts
+        are sliced over several engines (`plan_chunks`) and each slice asks its engine for its
+        share of ``request.want`` (`share`). ``receive`` returns a reply per slice, a dict with
+        the groups that completed first in that engine's stream (or next in admission order:
+        ``groups``), their stream positions (``positions``) and the stream's state. Collective as
+        ``submit``."""
         return self._submit("stream", fresh, settings, request)
 
     def _submit(self, kind: str, prompts: list, settings: SamplingSettings,
@@ -162,10 +171,10 @@ class RemoteEngine:
         counts: List[Optional[int]] = [None] * dist.get_world_size()
         dist.all_gather_object(counts, len(prompts) if self.asks else None)
         plan = plan_chunks(counts, self.transport.num_engines)
-        if pool is not None and any(c.index for c in plan):
-            raise ValueError(f"rollout.{'partial' if kind == 'partial' else 'streaming'}=True needs at least as many "
-                             f"trainer replicas asking as engines ({sum(c is not None for c in counts)} replicas, "
-                             f"{self.transport.num_engines} engines): each replica's pool lives on one engine")
+        if kind == "partial" and any(c.index for c in plan):
+            raise ValueError(f"rollout.partial=True needs at least as many trainer replicas asking as engines "
+                             f"({sum(c is not None for c in counts)} replicas, {self.transport.num_engines} engines): "
+                             f"each replica's pool lives on one engine")
         # each asker's prompts and its own settings (the DP replicas sample with different seeds)
         requests: Optional[List] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object((prompts, settings) if self.asks else None, requests, dst=0)
@@ -173,6 +182,8 @@ class RemoteEngine:
         self.tickets += 1
         if dist.get_rank() == 0:
             jobs: List[Job] = [(c, requests[c.dest][0][c.start:c.end], requests[c.dest][1].skip(c.start)) for c in plan]
+            if kind == "stream":  # each slice's share of the step's groups, from its engine's stream
+                pool = {(c.dest, c.index): dataclasses.replace(pool, want=share(pool.want, c, plan)) for c in plan}
             broadcast_object(self.transport.control, (kind, ticket.id, jobs, pool))
         return ticket
 

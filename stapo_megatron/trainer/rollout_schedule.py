@@ -115,7 +115,7 @@ class RolloutSchedule:
             ticket, version = self.pending.pop(step) if step in self.pending else self._submit(step, keep=False)
             groups = replicas.replica_receive(self.engine, self.groups, ticket, self.timeout_s)
             if self.pooled:
-                rollout = self._partial_step(step, groups[0])
+                rollout = self._partial_step(step, groups)
             else:
                 rollout = StepRollout.of_groups(step, self.prompts(step), self.answer, groups, r.group_size,
                                                 version=version)
@@ -177,16 +177,17 @@ class RolloutSchedule:
         if self.separate:
             self.engine.policy_version = version
 
-    def _partial_step(self, step: int, reply: dict) -> StepRollout:
-        """A partial rollout's reply: its groups (the prompts the pool finished first) as the
-        step's record, its version the oldest among their tokens."""
-        groups = reply["groups"]
-        if "positions" in reply:  # streaming: the positions, whatever order the groups completed in
-            self.ledger.trained_positions(reply["positions"])
-            self.positions = list(reply["positions"])
+    def _partial_step(self, step: int, replies: List[dict]) -> StepRollout:
+        """A pooled step's replies (one per engine slice of this replica's request): their
+        groups (the prompts the pools finished first) as the step's record, its version the
+        oldest among their tokens."""
+        groups = [g for reply in replies for g in reply["groups"]]
+        if self.streaming:  # the positions, whatever order the groups completed in
+            self.positions = [p for reply in replies for p in reply["positions"]]
+            self.ledger.trained_positions(self.positions)
         else:
             self.positions = self.ledger.trained([g.index for g in groups])
-        self.pool_state = {k: reply[k] for k in ("pool", "waiting", "continued")}
+        self.pool_state = {k: sum(reply[k] for reply in replies) for k in ("pool", "waiting", "continued")}
         return StepRollout.of_groups(step, [(g.index, g.prompt) for g in groups], self.answer,
                                      [g.samples for g in groups], self.config.group_size)
 

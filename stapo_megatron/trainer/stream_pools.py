@@ -2,9 +2,11 @@
 of the trainer replicas an engine serves, over one `stapo_megatron.rollout.streaming.
 StreamingGenerator` that never drains.
 
-The trainers send each step's prompts of their replica (``("stream", ticket, jobs, request)``,
+The trainers send each step's prompts of their replica (``("stream", ticket, jobs, requests)``,
 `stapo_megatron.rollout.remote.RemoteEngine.submit_stream`: stream positions in data order, each
-prompt's seed, and ``request.want``, the P groups the step trains); the engine server
+prompt's seed, and the groups the step trains: P, or with more engines than replicas a slice of
+the replica's prompts and its share of P on each of several engines, each slice a stream of its
+own here); the engine server
 (`stapo_megatron.trainer.engine_server`) takes commands between two decode iterations and
 otherwise calls `StreamPools.advance`:
 
@@ -53,8 +55,8 @@ Post = Callable[[int, Chunk, list, float], None]
 class _Replica:
     """One trainer replica's stream on this engine."""
 
-    dest: int
-    """The replica's asking trainer rank."""
+    stream: Tuple[int, int]
+    """(the replica's asking trainer rank, its slice index): its requests' slices on this engine."""
     base_version: int
     """The policy version when the stream began: its j-th admitted group trains at ``base + j // want``."""
     waiting: Deque[Tuple[int, int, List[int], int]] = dataclasses.field(default_factory=collections.deque)
@@ -86,19 +88,24 @@ class StreamPools:
         self.generator = StreamingGenerator(engine, group_size=settings.n, temperature=settings.temperature,
                                             top_p=settings.top_p, max_tokens=settings.max_tokens, eta=eta,
                                             order="completion", version=version)
-        self.replicas: Dict[int, _Replica] = {}
+        self.replicas: Dict[Tuple[int, int], _Replica] = {}
+        """(asking trainer rank, slice index) -> its stream: one per replica, or per slice of a
+        replica's prompts when a replica's step is sliced over several engines."""
         self.stepping = 0.0
         """Seconds in decode iterations since the last reply (the reply's ``generate`` time)."""
         self.iterations = 0
 
-    def add(self, ticket: int, jobs: List[Job], request: PoolRequest) -> None:
-        """A step's prompts (``jobs``: this engine's, one chunk per asking replica) into their
-        replicas' streams, and the request for ``request.want`` complete groups."""
+    def add(self, ticket: int, jobs: List[Job], requests: Dict[Tuple[int, int], PoolRequest]) -> None:
+        """A step's prompts (``jobs``: this engine's slices of the asking replicas' prompts) into
+        their streams, and each slice's request (``requests[(asker, slice index)]``) for its
+        ``want`` complete groups."""
         for chunk, prompts, settings in jobs:
             if dataclasses.replace(settings, seed=None) != dataclasses.replace(self.settings, seed=None):
                 raise ValueError(f"streaming rollouts sample every step alike; trainer rank {chunk.dest} asked with "
                                  f"{settings}, the stream runs {self.settings}")
-            replica = self.replicas.setdefault(chunk.dest, _Replica(chunk.dest, self.generator.version, want=request.want))
+            request = requests[(chunk.dest, chunk.index)]
+            stream = (chunk.dest, chunk.index)
+            replica = self.replicas.setdefault(stream, _Replica(stream, self.generator.version, want=request.want))
             for i, (position, index, ids) in enumerate(prompts):
                 replica.waiting.append((position, index, list(ids), settings.skip(i).seed or 0))
             replica.requests.append((ticket, chunk, request.want))
@@ -124,7 +131,7 @@ class StreamPools:
                 if replica.waiting and self._refusal(replica) is None:
                     position, index, ids, seed = replica.waiting.popleft()
                     trained = replica.base_version + replica.groups_admitted // replica.want
-                    assert self.generator.admit(ids, seed, trained, key=(position, index, replica.dest))
+                    assert self.generator.admit(ids, seed, trained, key=(position, index, replica.stream))
                     replica.groups_admitted += 1
                     replica.admitted.append(position)
                     admitted += 1
@@ -158,8 +165,8 @@ class StreamPools:
             self.iterations += 1
         self.stepping += time.perf_counter() - started
         for group in self.generator.take():
-            position, _, dest = group.key
-            self.replicas[dest].complete[position] = group
+            position, _, stream = group.key
+            self.replicas[stream].complete[position] = group
         for replica in self.replicas.values():
             self._answer(replica, post)
 

@@ -4,7 +4,8 @@ or colocated, and an optional fault on the engine rank, for tests/integration/te
     torchrun --nproc-per-node N tests/helpers/separate_script.py OUTPUT_DIR FAULT [key=value ...]
 
 FAULT: ``none``; ``engine-kill:K``: the engine rank SIGKILLs itself as it begins its K-th
-``generate`` (counted from 1; a point of the run, never a wall-clock moment); ``signal:K``:
+``generate`` (counted from 1; a point of the run, never a wall-clock moment);
+``engine-kill-stream:K``: the same at its K-th decode iteration of streaming rollouts; ``signal:K``:
 trainer rank 0 writes ``<run_dir>/waiting_for_signal`` after training step K (0-based) and waits
 there for the scheduler's warning signal. The ``key=value``
 arguments are `entry.parse_arguments`' (``rollout.max_staleness=1``).
@@ -45,12 +46,14 @@ def _wait_for_signal_after(step: int) -> None:
 
 def _inject(fault: str) -> None:
     kind, _, where = fault.partition(":")
-    if kind not in ("none", "engine-kill", "signal"):
+    if kind not in ("none", "engine-kill", "engine-kill-stream", "signal"):
         raise ValueError(f"unknown FAULT {fault!r}")
     if kind == "none":
         return
     if kind == "signal":
         return _wait_for_signal_after(int(where))
+    if kind == "engine-kill-stream":
+        return _kill_at_iteration(int(where))
     build = engine_server.build_engine
 
     def build_dying(*args, **kwargs):
@@ -67,6 +70,21 @@ def _inject(fault: str) -> None:
         return engine
 
     engine_server.build_engine = build_dying
+
+
+def _kill_at_iteration(iteration: int) -> None:
+    """The engine rank SIGKILLs itself as it begins its ``iteration``-th streamed decode iteration."""
+    from stapo_megatron.rollout.streaming import StreamingGenerator
+
+    step, calls = StreamingGenerator.step, [0]
+
+    def step_or_die(self):
+        calls[0] += 1
+        if calls[0] == iteration:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return step(self)
+
+    StreamingGenerator.step = step_or_die
 
 
 def _merge(base: dict, extra: dict) -> dict:

@@ -285,3 +285,19 @@ def test_the_async_recipe_corrects_for_the_behaviour_policy_and_the_synchronous_
             assert paper.paper_recipe(size).loss.rollout_correction.mode == "none"  # the paper's setting
     # a method switch keeps the correction (the method changes the loss's mask, not the sampling)
     assert paper.paper_recipe("qwen3_8b_async", "grpo").loss.rollout_correction.mode == "tis"
+
+
+def test_the_streaming_recipe_builds_and_a_layout_that_cannot_stream_is_refused_naming_the_fields():
+    cfg, _ = build_config("qwen3_8b_stream", check_paths=False)
+    r = cfg.rollout
+    assert (r.streaming, r.max_staleness, r.tensor_parallel_size, r.num_engines) == (True, paper.STREAM_ETA, 1, 24)
+    assert cfg.loss.rollout_correction.mode == paper.ASYNC_CORRECTION
+    # the one-step-off layout (CP = 2, vLLM TP = 4) cannot stream: both named
+    with pytest.raises(ValueError, match=r"rollout\.streaming=True needs rollout\.tensor_parallel_size=1, got 4"):
+        build_config("qwen3_8b_async", check_paths=False, rollout={"streaming": True, "max_staleness": 2})
+    with pytest.raises(ValueError, match=r"rollout\.streaming=True is not supported with model\.context_parallel_size=2"):
+        build_config("qwen3_8b_async", check_paths=False,
+                     rollout={"streaming": True, "max_staleness": 2, "tensor_parallel_size": 1})
+    with pytest.raises(ValueError, match=r"rollout\.streaming=True needs rollout\.placement='separate' and "
+                                         r"rollout\.max_staleness >= 1"):
+        build_config("qwen3_8b_stream", check_paths=False, rollout={"max_staleness": 0})

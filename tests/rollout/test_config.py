@@ -36,6 +36,21 @@ from stapo_megatron.rollout.config import RolloutSampling, SamplingSettings
      "rollout.max_token_age=1 must be >= rollout.max_staleness=2"),
     (dict(placement="separate", engine_ranks=1, max_staleness=1, partial=True, max_token_age=2, mask_stale_tokens=True),
      "rollout.mask_stale_tokens=True and rollout.max_token_age=2 both bound the tokens' age"),
+    (dict(streaming=True), "rollout.streaming=True needs rollout.placement='separate' and rollout.max_staleness >= 1"),
+    (dict(placement="separate", engine_ranks=1, streaming=True),
+     "rollout.streaming=True needs rollout.placement='separate' and rollout.max_staleness >= 1 (the off-policyness "
+     "bound eta; got placement='separate', max_staleness=0)"),
+    (dict(placement="separate", engine_ranks=1, max_staleness=2, streaming=True, partial=True),
+     "rollout.streaming=True and rollout.partial=True are two ways of keeping the engines busy: set one"),
+    (dict(placement="separate", engine_ranks=1, max_staleness=2, streaming=True, engine="hf"),
+     "rollout.streaming=True needs the vLLM engine"),
+    (dict(placement="separate", engine_ranks=2, max_staleness=2, streaming=True, tensor_parallel_size=2),
+     "rollout.streaming=True needs rollout.tensor_parallel_size=1, got 2"),
+    (dict(placement="separate", engine_ranks=1, max_staleness=2, streaming=True, stream_order="fifo"),
+     "rollout.stream_order must be one of ('completion', 'admission'), got 'fifo'"),
+    (dict(placement="separate", engine_ranks=1, max_staleness=2, streaming=True, weight_load="later"),
+     "rollout.weight_load must be one of ('in_flight', 'recompute', 'drain'), got 'later'"),
+    (dict(weight_load="drain"), "rollout.weight_load='drain' needs rollout.streaming=True"),
 ])
 def test_placement_refusals_name_the_field(fields, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):

@@ -35,3 +35,13 @@ def test_a_bucket_unpacks_to_the_tensors_sent(dtype):
     assert bucket_bytes(manifest) == flat.numel() == 25 * tensors[0][1].element_size()
     for (name, sent), (got_name, got) in zip(tensors, unpack_bucket(manifest, flat.clone())):
         assert got_name == name and got.dtype == dtype and torch.equal(got, sent)
+
+
+def test_a_sliced_streaming_request_shares_its_groups_as_the_prompts_are_sliced():
+    from stapo_megatron.rollout.remote import plan_chunks, share
+
+    plan = plan_chunks([16, None, 10], 5)  # two askers, five engines: three slices each
+    for dest, total in ((0, 16), (2, 10)):
+        mine = [c for c in plan if c.dest == dest]
+        assert [share(total, c, plan) for c in mine] == [c.end - c.start for c in mine]
+        assert sum(share(total, c, plan) for c in mine) == total

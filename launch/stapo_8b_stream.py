@@ -1,0 +1,24 @@
+"""STAPO on Qwen3-8B-Base with streaming rollouts (`recipes/paper.py::qwen3_8b_stream`;
+docs/async.md) on Slurm: 4 nodes, the first trains, the last 3 run 24 vLLM engines (TP=1) that
+never drain: groups admitted while the KV cache has room and at most eta = 2 updates ahead,
+weights loaded between two decode iterations.
+
+    nemo-run launch/stapo_8b_stream.py --dryrun      # render the sbatch script, submit nothing
+    nemo-run launch/stapo_8b_stream.py model.hf_dir=... model.megatron_ckpt=... \
+        data.train_path=... data.eval_path=... output_dir=... run.executor.account=... --yes
+
+Not the paper's protocol (it trains on samples up to two updates old); the paper's is launch/stapo_8b.py.
+Cluster settings: run.executor.<field>=... or STAPO_* variables (stapo_megatron/launch/executors.py).
+"""
+
+import nemo_run as run
+
+from stapo_megatron.launch import entry, executors
+
+if __name__ == "__main__":
+    run.cli.main(
+        entry.run_recipe,
+        name="stapo_8b_stream",
+        default_factory=lambda: executors.recipe_task("qwen3_8b_stream"),
+        default_executor=executors.paper_slurm_executor("qwen3_8b_stream"),
+    )
