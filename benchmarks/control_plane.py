@@ -7,7 +7,9 @@ Real (the code under test): `stapo_megatron.trainer.rollout_schedule.RolloutSche
 trainer rank, `stapo_megatron.rollout.remote.RemoteEngine` and `stapo_megatron.rollout.transport`
 (``init_job``: one process per rank, gloo groups over torchrun's kind of store), the engine rank's
 `stapo_megatron.trainer.engine_server.serve` (its listener thread, command queue, merged calls,
-outbox) and `stapo_megatron.trainer.partial.PartialPool`.
+outbox) and `stapo_megatron.trainer.partial.PartialPool`; streaming rollouts: the engine server's
+continuous loop over `stapo_megatron.trainer.stream_pools.StreamPools` and its
+`stapo_megatron.rollout.streaming.StreamingGenerator`.
 
 Stand-ins, for hardware this machine lacks (they sleep, so they need no cores):
 
@@ -19,13 +21,17 @@ Stand-ins, for hardware this machine lacks (they sleep, so they need no cores):
   distribution, `sim_model.PAPER_LENGTHS`). A prompt's ids carry its index (its first id), a
   response's first token its full length, so a partial rollout's continuation finds both; token
   values mean nothing else. ``update_weights`` sleeps the separate weight transfer (after the first).
+- `sleeping_vllm.SleepingVLLM` stands in for the same engine driven request by request (streaming
+  rollouts): a decode iteration of the running requests at a time, priced by the same model.
 - the update: every trainer sleeps the modelled pi_old forward and update of the step's trained
   tokens, all replicas' (`sim_model.train_phase_s` on the trainer GPUs), divided by ``--scale``.
 - the weight sync: the colocated switch (sleep, wake, reload) or the separate transfer
   (`sim_model.switch_s`), scaled, after a real bucket of a few bytes went through the transport.
 
-The simulator's figures come from `sim_schedules.colocated`, ``separate`` and ``partial`` on the
-same job, prompts and lengths (a GPU per trainer rank and per engine). Every figure is in the
+The simulator's figures come from `sim_schedules.colocated`, ``separate`` and ``partial`` and
+`sim_streaming.streaming` on the same job, prompts and lengths (a GPU per trainer rank and per
+engine); streaming at the KV reservation the generator makes (every sample's prompt plus
+``max_tokens``: ``kv_reserve`` = (mean prompt + cap) / (mean prompt + mean response)). Every figure is in the
 simulator's seconds (the harness's wall seconds times ``--scale``), steady state over the steps
 after ``--warmup``. The harness's differences from the simulator are what the control plane adds:
 its barriers, its serialisation, its per-message costs.
@@ -46,8 +52,10 @@ from typing import Dict, List, Optional, Sequence
 
 from sim_model import H100, PAPER_LENGTHS, QWEN3_8B, Lengths, Prompt, sample_prompts, switch_s, train_phase_s
 from sim_schedules import Engine, Job, colocated, partial, separate, steady
+from sim_streaming import streaming
+from sleeping_vllm import SleepingVLLM
 
-SCHEDULES = ("colocated", "k=0", "k=1", "partial")
+SCHEDULES = ("colocated", "k=0", "k=1", "partial", "streaming")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +77,12 @@ class Setup:
     """Partial rollouts: groups in flight beyond the step's (the pools' ``rollout.oversample`` is 1 + this)."""
     partial_tokens: int = 4096
     """Partial rollouts' round (``rollout.partial_tokens``)."""
+    eta: int = 2
+    """Streaming rollouts' off-policyness bound (``rollout.max_staleness``)."""
+    stream_iterations: int = 8
+    """Streaming: decode iterations a step of the stand-in runs (`sleeping_vllm.SleepingLLMEngine`):
+    at 1 the engine server's and generator's Python between two iterations (about 0.1 ms) is near
+    an iteration's sleep (14 ms / ``scale``), and a loaded machine's falls behind it."""
     lengths: Lengths = PAPER_LENGTHS
     seed: int = 0
 
@@ -79,7 +93,8 @@ class Setup:
 
     def prompts(self) -> List[Prompt]:
         """The data order: enough prompts for every step and the pools' look-ahead."""
-        return sample_prompts(self.lengths, (self.steps + 3) * self.prompts_per_step, self.group, self.seed)
+        ahead = max(3, self.eta + 1)  # streaming's simulator admits up to eta + 1 steps ahead
+        return sample_prompts(self.lengths, (self.steps + ahead) * self.prompts_per_step, self.group, self.seed)
 
     def batch(self, step: int) -> List[Prompt]:
         return self.prompts()[step * self.prompts_per_step:(step + 1) * self.prompts_per_step]
@@ -158,9 +173,11 @@ def _sampling(setup: Setup, schedule: str):
 
     separate = schedule != "colocated"
     return RolloutSampling(
-        group_size=setup.group, max_response_len=setup.lengths.response_cap, engine="hf",
+        group_size=setup.group, max_response_len=setup.lengths.response_cap,
+        engine="vllm" if schedule == "streaming" else "hf",  # the stand-ins replace either
         placement="separate" if separate else "colocated", engine_ranks=setup.engines if separate else 0,
-        max_staleness={"k=0": 0, "k=1": 1, "partial": 1}.get(schedule, 0), partial=schedule == "partial",
+        max_staleness={"k=0": 0, "k=1": 1, "partial": 1, "streaming": setup.eta}.get(schedule, 0),
+        partial=schedule == "partial", streaming=schedule == "streaming",
         oversample=1 + setup.oversample if schedule == "partial" else 1.0,
         partial_tokens=setup.partial_tokens if schedule == "partial" else 0, weight_bucket_mb=1)
 
@@ -218,7 +235,7 @@ def _trainer(setup: Setup, schedule: str, rank: int) -> dict:
         rows.append(dict(step=step, version=rollout.version, wait=wait * setup.scale, sync=sync_s * setup.scale,
                          train=train, end=end * setup.scale, tokens=sum(trained), samples=len(tokens),
                          groups=rollout.num_prompts,
-                         indices=sorted(rollout.prompt_indices) if config.partial else rollout.prompt_indices))
+                         indices=sorted(rollout.prompt_indices) if config.pooled else rollout.prompt_indices))
     engine.shutdown()
     out = dict(rows=rows)
     if config.placement != "separate":
@@ -233,8 +250,13 @@ def _engine(setup: Setup, schedule: str) -> dict:
     from stapo_megatron.rollout.transport import init_job
     from stapo_megatron.trainer import engine_server
 
+    if schedule == "streaming":  # built before the trainers' clocks start, as SleepingEngine is (vLLM's imports)
+        job = setup.job(schedule)
+        standin = SleepingVLLM(job.decode(1, separate=True), setup.prompts(), setup.scale,
+                               switch_s(QWEN3_8B, job.eff, colocated=False), setup.stream_iterations)
+    else:
+        standin = SleepingEngine(setup, separate=True)
     transport = init_job(setup.engines, 1, init_timeout_s=120, timeout_s=600, samples_timeout_s=600)
-    standin = SleepingEngine(setup, separate=True)
     engine_server.build_engine = lambda *args, **kwargs: standin  # the stand-in for the engine the config names
     # what serve reads of a run's config (a whole TrainerConfig would also describe the training)
     rollout = _sampling(setup, schedule)
@@ -244,6 +266,10 @@ def _engine(setup: Setup, schedule: str) -> dict:
         served = engine_server.serve(cfg, transport, seed=0, return_routes=False)
     finally:
         dist.destroy_process_group()
+    if schedule == "streaming":  # an engine call: a step of the request API
+        llm = standin.llm.llm_engine
+        return dict(served=served, busy_s=standin.busy_s, calls=llm.steps, max_lag_s=llm.max_lag_s,
+                    mean_running=llm.tokens / max(1, llm.iterations))
     return dict(served=served, busy_s=standin.busy_s, calls=standin.calls)
 
 
@@ -301,23 +327,38 @@ def harness_figures(setup: Setup, schedule: str, out: Dict[int, dict]) -> dict:
     steady_rows = rows[setup.warmup:]
     figures["wait_s"] = sum(r["wait"] for r in steady_rows) / len(steady_rows)
     figures["sync_s"] = sum(r["sync"] for r in steady_rows) / len(steady_rows)
-    figures["calls"] = sum(len(e["calls"]) for e in engines)
+    figures["calls"] = sum(e["calls"] if isinstance(e["calls"], int) else len(e["calls"]) for e in engines)
+    if schedule == "streaming":
+        figures["mean_running"] = sum(e["mean_running"] for e in engines) / len(engines)
+        figures["max_lag_s"] = max(e["max_lag_s"] for e in engines)
     return figures
 
 
-def simulator_figures(setup: Setup, schedule: str, per_sequence: bool = True) -> dict:
+def simulator_figures(setup: Setup, schedule: str, per_sequence: bool = True,
+                      kv_reserve: Optional[float] = None) -> dict:
     """The simulator's run of the same job, prompts and lengths (``per_sequence``: partial
-    rollouts' admission, `sim_schedules.partial`)."""
+    rollouts' admission, `sim_schedules.partial`; ``kv_reserve``: streaming's, None: the
+    generator's worst case, `worst_case_reserve`)."""
     job, prompts = setup.job(schedule), setup.prompts()
+    kv_reserve = worst_case_reserve(setup) if kv_reserve is None else kv_reserve
     batches = [setup.batch(s) for s in range(setup.steps)]
     if schedule == "colocated":
         run = colocated(job, batches)
     elif schedule == "partial":
         run = partial(job, prompts, setup.steps, setup.engines, setup.oversample, engine_tp=1,
                       per_sequence=per_sequence)
+    elif schedule == "streaming":
+        run = streaming(job, prompts, setup.steps, setup.engines, setup.eta, engine_tp=1, kv_reserve=kv_reserve)
     else:
         run = separate(job, batches, setup.engines, int(schedule[-1]), engine_tp=1)
     return steady(run, job.num_gpus, setup.warmup)
+
+
+def worst_case_reserve(setup: Setup) -> float:
+    """`sim_streaming`'s ``kv_reserve`` at which it admits what `StreamingGenerator` admits: every
+    sample holds its prompt plus ``max_tokens`` (the response cap), not the mean response."""
+    mean_prompt = sum(setup.lengths.prompt_range) / 2
+    return (mean_prompt + setup.lengths.response_cap) / (mean_prompt + setup.lengths.mean_response())
 
 
 def compare(setup: Setup, schedules: Sequence[str]) -> List[tuple]:
@@ -351,14 +392,19 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--engines", type=int, default=Setup.engines)
     p.add_argument("--scale", type=float, default=Setup.scale, help="simulated seconds per wall second")
     p.add_argument("--partial-tokens", type=int, default=Setup.partial_tokens)
+    p.add_argument("--eta", type=int, default=Setup.eta, help="streaming's off-policyness bound")
+    p.add_argument("--stream-iterations", type=int, default=Setup.stream_iterations,
+                   help="streaming: decode iterations a step of the stand-in runs")
     p.add_argument("--schedules", default=",".join(SCHEDULES))
     args = p.parse_args(argv)
     setup = Setup(steps=args.steps, warmup=args.warmup, prompts_per_step=args.prompts, group=args.group,
-                  engines=args.engines, scale=args.scale, partial_tokens=args.partial_tokens)
+                  engines=args.engines, scale=args.scale, partial_tokens=args.partial_tokens, eta=args.eta,
+                  stream_iterations=args.stream_iterations)
     print(f"Qwen3-8B on H100s (stand-ins), {setup.prompts_per_step} prompts x {setup.group} a step at the paper's "
           f"lengths, {setup.trainers} trainer ranks, {setup.engines} engine rank(s) (separate), {setup.steps} steps, "
           f"steady state over the last {setup.steps - setup.warmup}, time scale 1/{setup.scale:g}; partial: "
-          f"oversample {setup.oversample}, rounds of {setup.partial_tokens} tokens")
+          f"oversample {setup.oversample}, rounds of {setup.partial_tokens} tokens; streaming: eta {setup.eta}, "
+          f"{setup.stream_iterations} decode iteration(s) a stand-in step")
     rows = compare(setup, args.schedules.split(","))
     print(table(setup, rows))
     if any(name == "partial" for name, _, _ in rows):
@@ -366,6 +412,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"simulator, partial rollouts with group admission (a finished group admits the next prompt's): "
               f"step {grouped['step_s']:.1f} s, trainer idle {grouped['trainer_idle']:.1%}, engine idle "
               f"{grouped['engine_idle']:.1%}")
+    if any(name == "streaming" for name, _, _ in rows):
+        engine = next(ours for name, ours, _ in rows if name == "streaming")
+        print(f"streaming engine: {engine['mean_running']:.1f} samples running on average, clock behind the "
+              f"model by at most {engine['max_lag_s']:.1f} s (the harness's Python)")
+        mean = simulator_figures(setup, "streaming", kv_reserve=1.0)
+        print(f"simulator, streaming at a KV reservation of the mean sequence (kv_reserve 1, not the generator's "
+              f"{worst_case_reserve(setup):.2f}): step {mean['step_s']:.1f} s, trainer idle "
+              f"{mean['trainer_idle']:.1%}, engine idle {mean['engine_idle']:.1%}")
 
 
 if __name__ == "__main__":

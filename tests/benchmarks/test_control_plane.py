@@ -13,12 +13,13 @@ from tests.helpers import REPO_DIR
 sys.path.insert(0, os.path.join(REPO_DIR, "benchmarks"))
 
 import control_plane as cp  # noqa: E402
+from sim_model import sample_tokens  # noqa: E402
 
 SETUP = cp.Setup(steps=3, warmup=1, prompts_per_step=4, group=2, scale=1e5, partial_tokens=2048)
 """Three steps of 4 prompts x 2 over two trainers and one engine; a simulated 200 s step sleeps 2 ms."""
 
 
-@pytest.mark.slow  # four launches of two or three processes, about a minute
+@pytest.mark.slow  # five launches of two or three processes, about a minute and a half
 @pytest.mark.parametrize("schedule", cp.SCHEDULES)
 def test_every_step_trains_every_sample_of_its_replicas(schedule):
     out = cp.run_harness(SETUP, schedule, timeout_s=300)
@@ -37,9 +38,11 @@ def test_every_step_trains_every_sample_of_its_replicas(schedule):
             assert versions == [0, 1, 2]
         elif schedule == "k=1":
             assert versions == [0, 0, 1]
+        elif schedule == "streaming":  # the oldest token's policy: no newer than the step's
+            assert versions[0] == 0 and all(v <= s for s, v in enumerate(versions))
         else:  # partial: the request's policy or, for a continued response, an older one
             assert versions[0] == 0 and all(v <= max(0, s - 1) for s, v in enumerate(versions))
-        if schedule != "partial":  # this replica's share of each step's batch, in order
+        if schedule not in ("partial", "streaming"):  # this replica's share of each step's batch, in order
             assert [r["indices"] for r in rows] == [[p.index for p in SETUP.batch(s)[rank::SETUP.trainers]]
                                                     for s in range(SETUP.steps)]
     assert len(trained) == len(set(trained)) == SETUP.steps * SETUP.prompts_per_step  # each prompt trained once
@@ -48,7 +51,13 @@ def test_every_step_trains_every_sample_of_its_replicas(schedule):
         return
     engine = out[SETUP.trainers]
     assert engine["served"] == SETUP.steps  # every request served, then stopped
-    if schedule != "partial":  # both replicas' slices of a request in one engine call
+    if schedule == "streaming":  # every trained sample has the length drawn for its prompt
+        prompts = SETUP.prompts()
+        for step in range(SETUP.steps):
+            indices = [i for rank in range(SETUP.trainers) for i in out[rank]["rows"][step]["indices"]]
+            assert out[0]["rows"][step]["tokens"] == sum(sample_tokens([prompts[i] for i in indices]))
+        assert engine["calls"] > 0 and 0 < engine["mean_running"] <= SETUP.prompts_per_step * SETUP.group
+    elif schedule != "partial":  # both replicas' slices of a request in one engine call
         assert engine["calls"] == [SETUP.prompts_per_step * SETUP.group] * SETUP.steps
     figures = cp.harness_figures(SETUP, schedule, out)
     assert 0 <= figures["trainer_idle"] <= 1 and 0 <= figures["engine_idle"] <= 1 and figures["step_s"] > 0
