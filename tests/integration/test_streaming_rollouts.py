@@ -3,7 +3,8 @@ real vLLM engines on their own torchrun ranks over gloo (tests/helpers/separate_
 trainer replica whose prompts are sliced over two engines, eta = 2, evaluation between steps.
 Every step trains its P groups; the positions each step trained are written down; a requeued
 run resumes from the checkpoint's account and trains every data position exactly once; a
-killed engine ends the job naming its rank."""
+killed engine ends the job naming its rank; dynamic sampling replaces the groups whose rewards are
+all equal."""
 
 import json
 import os
@@ -77,3 +78,29 @@ def test_an_engine_killed_mid_stream_ends_the_job_naming_its_rank(tmp_path):
     assert (survivor, killed) == (0, 1) and "SIGKILL" in killed_cause
     # the trainer learns it sending weights or waiting for samples, whichever comes first
     assert "rank 1 failed first: it ended without a failure record, so it was killed" in cause, cause
+
+
+@pytest.mark.slow  # one launch with three processes
+def test_dynamic_sampling_replaces_uniform_groups_from_further_prompts(tmp_path):
+    """The tiny recipe's first steps are mostly all-wrong groups: most are dropped and replaced
+    (4 rounds at most), every step still trains its P groups, and the dropped positions are
+    logged apart from the trained ones."""
+    from stapo_megatron.trainer.partial import EXTRA_POSITIONS
+
+    run_dir = tmp_path / "run"
+    run = _launch(run_dir, *STREAMING, "rollout.engine_ranks=1", "rollout.filter_groups=True", "steps=2",
+                  "eval.every=0")
+    assert run.returncode == 0, run.stderr[-4000:]
+    rows = _train_rows(run_dir)
+    assert [r["num_prompts"] for r in rows] == [P, P]
+    for r in rows:
+        assert 0 < r["filter_dropped_groups"] and 0 < r["filter_drop_rate"] < 1 and 1 <= r["filter_rounds"] <= 4
+        assert r["filter_drop_rate"] == r["filter_dropped_groups"] / (r["filter_dropped_groups"] + P)
+        assert 0 <= r["filter_uniform_left"] <= P
+    for line in _trained_positions(run_dir):
+        for replica in ("0", "1"):
+            trained, dropped = line["positions"][replica], line["dropped"][replica]
+            assert len(trained) == P // 2 and not set(trained) & set(dropped)
+            # the step's own prompts that were dropped were replaced from the replacement positions
+            own = [p for p in trained + dropped if p < EXTRA_POSITIONS]
+            assert len(own) == P // 2 and all(p >= EXTRA_POSITIONS for p in set(trained) - set(own))

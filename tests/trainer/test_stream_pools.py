@@ -38,13 +38,13 @@ def _pools(engine, eta=1, order="completion", version=0):
     return StreamPools(engine, SETTINGS, eta, order, "in_flight", version)
 
 
-def _request(pools, ticket, dest, step, per_step, seed=1000):
+def _request(pools, ticket, dest, step, per_step, seed=1000, urgent=False):
     """Replica ``dest``'s prompts of ``step`` (positions step x P ..) as the trainers send them."""
     first = step * per_step
     prompts = [(first + j, first + j, PROMPTS[(first + j) % len(PROMPTS)]) for j in range(per_step)]
     chunk = Chunk(dest, 0, 0, per_step, 0)
     pools.add(ticket, [(chunk, prompts, SamplingSettings(**{**vars(SETTINGS), "seed": seed + 100 * dest + first * 2}))],
-              {(dest, 0): PoolRequest(per_step, per_step, 0)})
+              {(dest, 0): PoolRequest(per_step, per_step, 0, urgent=urgent)})
 
 
 def _run(pools, replies, limit=2000):
@@ -108,3 +108,25 @@ def test_a_drain_finishes_the_running_groups_and_admits_nothing(engine):
     iterations = pools.drain(lambda ticket, chunk, samples, took: replies.append(ticket))
     assert iterations > 0 and pools.generator.num_running_samples == 0
     assert replies == [0, 1] and len(pools.replicas[(0, 0)].waiting) == 2
+
+
+def test_an_urgent_request_is_admitted_and_answered_ahead_of_the_queued_steps(engine):
+    """Dynamic sampling's replacements: the trainers wait for them in the current step, so they
+    start whatever the bound says of the queued steps and are answered first."""
+    pools, replies = _pools(engine, eta=1), []
+    for step in range(4):
+        _request(pools, step, 0, step=step, per_step=1)
+    _run(pools, replies)
+    assert [t for t, _, _ in replies] == [0, 1]  # steps 2 and 3 wait for newer weights
+    _request(pools, 9, 0, step=40, per_step=2, urgent=True)
+    assert pools.busy
+    _run(pools, replies)
+    assert [t for t, _, _ in replies] == [0, 1, 9] and sorted(replies[2][2]["positions"]) == [80, 81]
+    assert [p for p, *_ in pools.replicas[(0, 0)].waiting] == [2, 3]  # still behind the bound
+
+
+def test_a_request_for_no_groups_is_answered_at_once(engine):
+    pools, replies = _pools(engine), []
+    _request(pools, 0, 0, step=0, per_step=0)
+    pools.answer(lambda ticket, chunk, samples, took: replies.append((ticket, samples[0]["groups"])))
+    assert replies == [(0, [])]
