@@ -63,6 +63,7 @@ from typing import Any, Iterable, Optional, Tuple
 import torch
 
 from stapo_megatron.rollout.base import Sample, check_generate_args
+from stapo_megatron.rollout.config import SamplingSettings
 
 LOAD_MODES = ("in_flight", "recompute", "drain")
 """`StreamingGenerator.load_weights` modes; see the module docstring."""
@@ -106,8 +107,9 @@ class StreamingGenerator:
 
     Args:
         engine: a `stapo_megatron.rollout.vllm_engine.VLLMEngine` (in-process, vLLM TP = 1).
-        group_size: samples per prompt (G).
-        temperature, top_p, max_tokens: what every sample is drawn with (as ``generate``'s).
+        settings: what every sample is drawn with (`stapo_megatron.rollout.config.SamplingSettings`:
+            G = ``settings.n`` samples a group, temperature, top-p, ``max_tokens``; its ``seed``
+            is unused: each group gets its own at `admit`).
         eta: the off-policyness bound (>= 0).
         order: the order `take` hands complete groups out in (`ORDERS`).
         version: the version of the weights the engine holds now.
@@ -117,17 +119,17 @@ class StreamingGenerator:
             KV cache).
     """
 
-    def __init__(self, engine, *, group_size: int, temperature: float, top_p: float, max_tokens: int, eta: int,
-                 order: str = "completion", version: int = 0, max_running_samples: Optional[int] = None,
-                 max_kv_tokens: Optional[int] = None):
-        check_generate_args([], group_size, temperature, top_p, max_tokens)
+    def __init__(self, engine, settings: SamplingSettings, *, eta: int, order: str = "completion", version: int = 0,
+                 max_running_samples: Optional[int] = None, max_kv_tokens: Optional[int] = None):
         if not isinstance(eta, int) or eta < 0:
             raise ValueError(f"eta must be an int >= 0, got {eta!r}")
         if order not in ORDERS:
             raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
         self.order = order
         self.engine, self.llm_engine = engine, engine.llm.llm_engine
-        self.group_size, self.temperature, self.top_p, self.max_tokens = group_size, temperature, top_p, max_tokens
+        self.settings = settings
+        self.group_size, self.temperature, self.top_p, self.max_tokens = (settings.n, settings.temperature,
+                                                                          settings.top_p, settings.max_tokens)
         self.eta, self.version = eta, version
         cache = self.llm_engine.vllm_config.cache_config
         self.block_size = cache.block_size
@@ -135,9 +137,9 @@ class StreamingGenerator:
         max_num_seqs = self.llm_engine.vllm_config.scheduler_config.max_num_seqs
         self.max_running_samples = max_num_seqs if max_running_samples is None else max_running_samples
         self.max_kv_tokens = capacity if max_kv_tokens is None else max_kv_tokens
-        if not group_size <= self.max_running_samples <= max_num_seqs:
+        if not self.group_size <= self.max_running_samples <= max_num_seqs:
             raise ValueError(f"max_running_samples {self.max_running_samples} must hold one group (group_size "
-                             f"{group_size}) and stay within vLLM's max_num_seqs {max_num_seqs}")
+                             f"{self.group_size}) and stay within vLLM's max_num_seqs {max_num_seqs}")
         if self.max_kv_tokens > capacity:
             raise ValueError(f"max_kv_tokens {self.max_kv_tokens} exceeds the engine's KV cache ({capacity} tokens)")
         self._request_prefix = f"stream{next(_GENERATORS)}"

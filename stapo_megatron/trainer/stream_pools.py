@@ -87,9 +87,7 @@ class StreamPools:
 
     def __init__(self, engine, settings: SamplingSettings, eta: int, order: str, mode: str, version: int):
         self.settings, self.order, self.mode = settings, order, mode
-        self.generator = StreamingGenerator(engine, group_size=settings.n, temperature=settings.temperature,
-                                            top_p=settings.top_p, max_tokens=settings.max_tokens, eta=eta,
-                                            order="completion", version=version)
+        self.generator = StreamingGenerator(engine, settings, eta=eta, order="completion", version=version)
         self.replicas: Dict[Tuple[int, int], _Replica] = {}
         """(asking trainer rank, slice index) -> its stream: one per replica, or per slice of a
         replica's prompts when a replica's step is sliced over several engines."""

@@ -35,9 +35,15 @@ def prompt_ids(p: Prompt) -> list:
     return [p.index] + [0] * (p.prompt_len - 1)
 
 
-def generator(engine, **kw) -> StreamingGenerator:
-    kw = dict(dict(group_size=2, temperature=1.0, top_p=1.0, max_tokens=MAX_TOKENS, eta=1), **kw)
-    return StreamingGenerator(engine, **kw)
+def generator(engine, **kw):
+    """A `StreamingGenerator` over ``engine``: G = 2, T = 1.0, max_tokens = MAX_TOKENS, eta = 1 unless ``kw`` says
+    otherwise (``group_size``, ``temperature``, ``top_p``, ``max_tokens``: its `SamplingSettings`)."""
+    from stapo_megatron.rollout.config import SamplingSettings
+    from stapo_megatron.rollout.streaming import StreamingGenerator
+
+    settings = SamplingSettings(n=kw.pop("group_size", 2), temperature=kw.pop("temperature", 1.0),
+                                top_p=kw.pop("top_p", 1.0), max_tokens=kw.pop("max_tokens", MAX_TOKENS))
+    return StreamingGenerator(engine, settings, **{"eta": 1, **kw})
 
 
 def engine(**kw) -> SleepingVLLM:

@@ -74,10 +74,14 @@ def forcing_weights(engine) -> dict:
 
 
 def generator(engine, **kw):
+    """A `StreamingGenerator` over ``engine``: G = 2, T = TEMPERATURE, max_tokens = 24, eta = 1 unless ``kw`` says
+    otherwise (``group_size``, ``temperature``, ``top_p``, ``max_tokens``: its `SamplingSettings`)."""
+    from stapo_megatron.rollout.config import SamplingSettings
     from stapo_megatron.rollout.streaming import StreamingGenerator
 
-    settings = dict(group_size=2, temperature=TEMPERATURE, top_p=1.0, max_tokens=24, eta=1)
-    return StreamingGenerator(engine, **{**settings, **kw})
+    settings = SamplingSettings(n=kw.pop("group_size", 2), temperature=kw.pop("temperature", TEMPERATURE),
+                                top_p=kw.pop("top_p", 1.0), max_tokens=kw.pop("max_tokens", 24))
+    return StreamingGenerator(engine, settings, **{"eta": 1, **kw})
 
 
 def run_to_end(gen) -> int:
