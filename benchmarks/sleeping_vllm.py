@@ -29,7 +29,7 @@ lets one ``step`` run several iterations (at most up to the next request's end, 
 is on time), as vLLM's multi-step scheduling did: a weight load then waits for the next step.
 
 Admission and preemption are `sim_engine.Engine`'s (vLLM's scheduler, in tokens): the KV cache
-(``num_gpu_blocks`` x ``block_size``, the decode model's ``kv_capacity_tokens``) and
+((``num_gpu_blocks`` - 1) x ``block_size``, less vLLM's null block: the decode model's ``kv_capacity_tokens``) and
 ``max_num_seqs`` are reported as vLLM reports them; an added request waits in line and starts
 when the cache holds its context and every running request's next token and fewer than
 ``max_num_seqs`` run; when the running requests' next tokens do not fit, the most recently
@@ -80,7 +80,8 @@ class SleepingLLMEngine:
         self.iterations_per_step = iterations_per_step
         self.vllm_config = types.SimpleNamespace(
             cache_config=types.SimpleNamespace(block_size=BLOCK_SIZE,
-                                               num_gpu_blocks=decode.kv_capacity_tokens // BLOCK_SIZE),
+                                               # one more: vLLM's block pool keeps one as its null block
+                                               num_gpu_blocks=decode.kv_capacity_tokens // BLOCK_SIZE + 1),
             scheduler_config=types.SimpleNamespace(max_num_seqs=decode.max_num_seqs))
         self.running: Dict[str, _Request] = {}  # in the order they started (preemption takes the last)
         self.waiting: Deque[_Request] = collections.deque()  # added or preempted, in line

@@ -144,7 +144,8 @@ class StreamingGenerator:
         self.reserve_tokens = self.max_tokens if reserve_tokens is None else min(reserve_tokens, self.max_tokens)
         cache = self.llm_engine.vllm_config.cache_config
         self.block_size = cache.block_size
-        capacity = cache.num_gpu_blocks * cache.block_size
+        # vLLM 0.32's block pool keeps one of num_gpu_blocks as its null block (v1/core/block_pool.py)
+        capacity = (cache.num_gpu_blocks - 1) * cache.block_size
         max_num_seqs = self.llm_engine.vllm_config.scheduler_config.max_num_seqs
         self.max_running_samples = max_num_seqs if max_running_samples is None else max_running_samples
         self.max_kv_tokens = capacity if max_kv_tokens is None else max_kv_tokens
