@@ -316,7 +316,7 @@ def test_abort_drops_the_running_groups(engine):
 
 
 SMALL_KV = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=2**21)
-"""An engine of 8 KV blocks of 128 tokens (2 KiB a token of the tiny Qwen3): 1,024 tokens."""
+"""An engine of 8 KV blocks of 128 tokens (2 KiB a token of the tiny Qwen3), 7 of them usable."""
 
 
 @pytest.fixture(scope="module")
@@ -360,10 +360,11 @@ def small_engine_weights(engine) -> dict:
 
 
 def test_a_reserve_below_max_tokens_lets_vllm_preempt_and_every_group_completes(small_engine):
-    """Worst case (prompt + 200 tokens: 2 blocks a sample) the 8-block cache runs two groups and
-    never preempts; reserving 64 response tokens (1 block a sample) admits all four, their KV
-    outgrows the cache and vLLM preempts (recompute: the request waits, then prefills its prompt
-    and tokens so far again). Every group still completes with the tokens and log-probs the
+    """At the worst case (prompt + 200 tokens: 2 blocks a sample) the 8-block cache (7 usable:
+    vLLM keeps one as its null block) runs one group at a time and never preempts; reserving 64
+    response tokens (1 block a sample) admits three groups at once, their KV outgrows the cache
+    and vLLM preempts (recompute: the request waits, then prefills its prompt and tokens so far
+    again). Every group still completes with the tokens and log-probs the
     run without preemption drew (each request's seeded CPU generator is kept in the model
     runner's request state across the preemption, one draw a sampled token), and each token
     carries the version that sampled it across a load while requests wait preempted."""
