@@ -64,7 +64,8 @@ def test_groups_have_the_drawn_lengths_and_complete_in_order():
     gen = generator(eng)
     for p in PROMPTS[:3]:
         assert gen.admit(prompt_ids(p), seed=10 * p.index, trained_version=0, key=p.index)
-    assert gen.num_running_samples == 6 and eng.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks == 64 + 1  # and vLLM's null block
+    assert gen.num_running_samples == 6
+    assert eng.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks == 64 + 1  # and vLLM's null block
     assert run_to_end(gen) == 8  # the longest sample: 9 tokens cut at max_tokens
     groups = gen.take()
     # completion order: prompt 1 (longest 2) at iteration 2, prompt 0 (7) at 7, prompt 2 (8) at 8
