@@ -31,12 +31,14 @@ Stand-ins, for hardware this machine lacks (they sleep, so they need no cores):
 The simulator's figures come from `sim_schedules.colocated`, ``separate`` and ``partial`` and
 `sim_streaming.streaming` on the same job, prompts and lengths (a GPU per trainer rank and per
 engine); streaming at the KV reservation the generator makes (every sample's prompt plus
-``max_tokens``: ``kv_reserve`` = (mean prompt + cap) / (mean prompt + mean response)). Every figure is in the
+``--reserve-tokens``, default ``max_tokens``: ``kv_reserve`` = (mean prompt + reserve) / (mean
+prompt + mean response); below ``max_tokens`` both preempt). Every figure is in the
 simulator's seconds (the harness's wall seconds times ``--scale``), steady state over the steps
 after ``--warmup``. The harness's differences from the simulator are what the control plane adds:
 its barriers, its serialisation, its per-message costs.
 
     PYTHONPATH=benchmarks .venv/bin/python benchmarks/control_plane.py            # ~2-3 min
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/control_plane.py --schedules streaming --reserve-tokens 3800
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ class Setup:
     """Streaming: decode iterations a step of the stand-in runs (`sleeping_vllm.SleepingLLMEngine`):
     at 1 the engine server's and generator's Python between two iterations (about 0.1 ms) is near
     an iteration's sleep (14 ms / ``scale``), and a loaded machine's falls behind it."""
+    reserve_tokens: Optional[int] = None
+    """Streaming: response tokens of KV reserved per sample (``rollout.stream_reserve_tokens``)."""
     lengths: Lengths = PAPER_LENGTHS
     seed: int = 0
 
@@ -179,7 +183,8 @@ def _sampling(setup: Setup, schedule: str):
         max_staleness={"k=0": 0, "k=1": 1, "partial": 1, "streaming": setup.eta}.get(schedule, 0),
         partial=schedule == "partial", streaming=schedule == "streaming",
         oversample=1 + setup.oversample if schedule == "partial" else 1.0,
-        partial_tokens=setup.partial_tokens if schedule == "partial" else 0, weight_bucket_mb=1)
+        partial_tokens=setup.partial_tokens if schedule == "partial" else 0, weight_bucket_mb=1,
+        stream_reserve_tokens=setup.reserve_tokens if schedule == "streaming" else None)
 
 
 def _trainer(setup: Setup, schedule: str, rank: int) -> dict:
@@ -269,7 +274,8 @@ def _engine(setup: Setup, schedule: str) -> dict:
     if schedule == "streaming":  # an engine call: a step of the request API
         llm = standin.llm.llm_engine
         return dict(served=served, busy_s=standin.busy_s, calls=llm.steps, max_lag_s=llm.max_lag_s,
-                    mean_running=llm.tokens / max(1, llm.iterations))
+                    mean_running=llm.tokens / max(1, llm.iterations), preemptions=llm.preemptions,
+                    recomputed_tokens=llm.recomputed_tokens)
     return dict(served=served, busy_s=standin.busy_s, calls=standin.calls)
 
 
@@ -331,6 +337,8 @@ def harness_figures(setup: Setup, schedule: str, out: Dict[int, dict]) -> dict:
     if schedule == "streaming":
         figures["mean_running"] = sum(e["mean_running"] for e in engines) / len(engines)
         figures["max_lag_s"] = max(e["max_lag_s"] for e in engines)
+        figures["preemptions"] = sum(e["preemptions"] for e in engines)
+        figures["recomputed_tokens"] = sum(e["recomputed_tokens"] for e in engines)
     return figures
 
 
@@ -338,9 +346,9 @@ def simulator_figures(setup: Setup, schedule: str, per_sequence: bool = True,
                       kv_reserve: Optional[float] = None) -> dict:
     """The simulator's run of the same job, prompts and lengths (``per_sequence``: partial
     rollouts' admission, `sim_schedules.partial`; ``kv_reserve``: streaming's, None: the
-    generator's worst case, `worst_case_reserve`)."""
+    generator's, `generator_reserve`); with the run's ``preemptions`` and ``recomputed_tokens``."""
     job, prompts = setup.job(schedule), setup.prompts()
-    kv_reserve = worst_case_reserve(setup) if kv_reserve is None else kv_reserve
+    kv_reserve = generator_reserve(setup) if kv_reserve is None else kv_reserve
     batches = [setup.batch(s) for s in range(setup.steps)]
     if schedule == "colocated":
         run = colocated(job, batches)
@@ -351,14 +359,17 @@ def simulator_figures(setup: Setup, schedule: str, per_sequence: bool = True,
         run = streaming(job, prompts, setup.steps, setup.engines, setup.eta, engine_tp=1, kv_reserve=kv_reserve)
     else:
         run = separate(job, batches, setup.engines, int(schedule[-1]), engine_tp=1)
-    return steady(run, job.num_gpus, setup.warmup)
+    return dict(steady(run, job.num_gpus, setup.warmup), preemptions=run.get("preemptions", 0),
+                recomputed_tokens=run.get("recomputed_tokens", 0))
 
 
-def worst_case_reserve(setup: Setup) -> float:
+def generator_reserve(setup: Setup) -> float:
     """`sim_streaming`'s ``kv_reserve`` at which it admits what `StreamingGenerator` admits: every
-    sample holds its prompt plus ``max_tokens`` (the response cap), not the mean response."""
+    sample holds its prompt plus ``reserve_tokens`` (default ``max_tokens``, the response cap),
+    as a multiple of the mean sequence."""
     mean_prompt = sum(setup.lengths.prompt_range) / 2
-    return (mean_prompt + setup.lengths.response_cap) / (mean_prompt + setup.lengths.mean_response())
+    reserve = min(setup.reserve_tokens or setup.lengths.response_cap, setup.lengths.response_cap)
+    return (mean_prompt + reserve) / (mean_prompt + setup.lengths.mean_response())
 
 
 def compare(setup: Setup, schedules: Sequence[str]) -> List[tuple]:
@@ -395,16 +406,18 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--eta", type=int, default=Setup.eta, help="streaming's off-policyness bound")
     p.add_argument("--stream-iterations", type=int, default=Setup.stream_iterations,
                    help="streaming: decode iterations a step of the stand-in runs")
+    p.add_argument("--reserve-tokens", type=int, default=None, help="streaming: KV reserved a sample beyond its prompt")
     p.add_argument("--schedules", default=",".join(SCHEDULES))
     args = p.parse_args(argv)
     setup = Setup(steps=args.steps, warmup=args.warmup, prompts_per_step=args.prompts, group=args.group,
                   engines=args.engines, scale=args.scale, partial_tokens=args.partial_tokens, eta=args.eta,
-                  stream_iterations=args.stream_iterations)
+                  stream_iterations=args.stream_iterations, reserve_tokens=args.reserve_tokens)
     print(f"Qwen3-8B on H100s (stand-ins), {setup.prompts_per_step} prompts x {setup.group} a step at the paper's "
           f"lengths, {setup.trainers} trainer ranks, {setup.engines} engine rank(s) (separate), {setup.steps} steps, "
           f"steady state over the last {setup.steps - setup.warmup}, time scale 1/{setup.scale:g}; partial: "
           f"oversample {setup.oversample}, rounds of {setup.partial_tokens} tokens; streaming: eta {setup.eta}, "
-          f"{setup.stream_iterations} decode iteration(s) a stand-in step")
+          f"{setup.stream_iterations} decode iteration(s) a stand-in step, KV reserve "
+          f"{setup.reserve_tokens or 'max_tokens'} a sample (kv_reserve {generator_reserve(setup):.2f})")
     rows = compare(setup, args.schedules.split(","))
     print(table(setup, rows))
     if any(name == "partial" for name, _, _ in rows):
@@ -413,12 +426,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
               f"step {grouped['step_s']:.1f} s, trainer idle {grouped['trainer_idle']:.1%}, engine idle "
               f"{grouped['engine_idle']:.1%}")
     if any(name == "streaming" for name, _, _ in rows):
-        engine = next(ours for name, ours, _ in rows if name == "streaming")
+        engine, sim = next((ours, sim) for name, ours, sim in rows if name == "streaming")
         print(f"streaming engine: {engine['mean_running']:.1f} samples running on average, clock behind the "
-              f"model by at most {engine['max_lag_s']:.1f} s (the harness's Python)")
+              f"model by at most {engine['max_lag_s']:.1f} s (the harness's Python); preemptions: harness "
+              f"{engine['preemptions']}, simulator {sim['preemptions']}; recomputed prefill tokens: harness "
+              f"{engine['recomputed_tokens']}, simulator {sim['recomputed_tokens']}")
         mean = simulator_figures(setup, "streaming", kv_reserve=1.0)
         print(f"simulator, streaming at a KV reservation of the mean sequence (kv_reserve 1, not the generator's "
-              f"{worst_case_reserve(setup):.2f}): step {mean['step_s']:.1f} s, trainer idle "
+              f"{generator_reserve(setup):.2f}): step {mean['step_s']:.1f} s, trainer idle "
               f"{mean['trainer_idle']:.1%}, engine idle {mean['engine_idle']:.1%}")
 
 

@@ -28,17 +28,23 @@ What it returns has vLLM's shapes (`vllm.outputs.RequestOutput` with one
 lets one ``step`` run several iterations (at most up to the next request's end, so every finish
 is on time), as vLLM's multi-step scheduling did: a weight load then waits for the next step.
 
-Not modelled: preemption and waiting requests. The KV cache (``num_gpu_blocks`` x
-``block_size``, the decode model's ``kv_capacity_tokens``) and ``max_num_seqs`` are reported as
-vLLM reports them, and a step over more requests or context than they hold raises: the
-generator's worst-case reservation keeps within both.
+Admission and preemption are `sim_engine.Engine`'s (vLLM's scheduler, in tokens): the KV cache
+((``num_gpu_blocks`` - 1) x ``block_size``, less vLLM's null block: the decode model's ``kv_capacity_tokens``) and
+``max_num_seqs`` are reported as vLLM reports them; an added request waits in line and starts
+when the cache holds its context and every running request's next token and fewer than
+``max_num_seqs`` run; when the running requests' next tokens do not fit, the most recently
+started one is preempted (vLLM V1's recompute preemption: it returns first in line and, when it
+starts again, prefills its prompt and the tokens it had generated: ``preemptions``,
+``recomputed_tokens``). A lone request is never preempted. The generator's default worst-case
+reservation never lets the cache run out; a smaller ``reserve_tokens`` does.
 """
 
 from __future__ import annotations
 
+import collections
 import time
 import types
-from typing import Dict, Iterable, List, Optional
+from typing import Deque, Dict, Iterable, List, Optional
 
 from sim_model import DecodeModel, Prompt
 
@@ -47,14 +53,18 @@ BLOCK_SIZE = 16
 
 
 class _Request:
-    """A running request: its prompt, response length, tokens so far and context to prefill."""
+    """A request: its prompt, response length, tokens so far and context to prefill."""
 
     __slots__ = ("request_id", "prompt_len", "count", "finish", "generated", "prefill")
 
     def __init__(self, request_id: str, prompt_len: int, count: int, finish: str):
         self.request_id, self.prompt_len, self.count, self.finish = request_id, prompt_len, count, finish
         self.generated = 0
-        self.prefill = prompt_len  # context tokens the next iteration prefills first
+        self.prefill = 0  # context tokens the next iteration prefills first (set when it starts)
+
+    @property
+    def context(self) -> int:
+        return self.prompt_len + self.generated
 
 
 class SleepingLLMEngine:
@@ -70,14 +80,16 @@ class SleepingLLMEngine:
         self.iterations_per_step = iterations_per_step
         self.vllm_config = types.SimpleNamespace(
             cache_config=types.SimpleNamespace(block_size=BLOCK_SIZE,
-                                               num_gpu_blocks=decode.kv_capacity_tokens // BLOCK_SIZE),
+                                               # one more: vLLM's block pool keeps one as its null block
+                                               num_gpu_blocks=decode.kv_capacity_tokens // BLOCK_SIZE + 1),
             scheduler_config=types.SimpleNamespace(max_num_seqs=decode.max_num_seqs))
-        self.running: Dict[str, _Request] = {}  # in the order they were added
+        self.running: Dict[str, _Request] = {}  # in the order they started (preemption takes the last)
+        self.waiting: Deque[_Request] = collections.deque()  # added or preempted, in line
         self.drawn: Dict[int, int] = {}  # prompt index -> requests added for it
         self.busy_s = 0.0
         """Simulated seconds of iterations and prefills (``tokens`` / ``iterations``: the mean
         running requests)."""
-        self.iterations = self.steps = self.loads = self.recomputed_tokens = self.tokens = 0
+        self.iterations = self.steps = self.loads = self.recomputed_tokens = self.tokens = self.preemptions = 0
         self.max_lag_s = 0.0
         """The most simulated seconds the engine's clock fell behind the model (the Python between
         two iterations, and the machine's load, costing more than the iterations slept)."""
@@ -85,10 +97,10 @@ class SleepingLLMEngine:
 
     def add_request(self, request_id: str, prompt, params) -> str:
         """Queue one sample (``prompt``: `vllm.inputs.tokens_input`; ``params``: a
-        `vllm.SamplingParams` with n = 1); it starts at the next step."""
+        `vllm.SamplingParams` with n = 1); it waits in line until a step starts it."""
         if params.n != 1:
             raise ValueError(f"one sample a request: SamplingParams.n must be 1, got {params.n}")
-        if request_id in self.running:
+        if request_id in self.running or any(r.request_id == request_id for r in self.waiting):
             raise ValueError(f"request {request_id!r} is already running")
         ids = prompt["prompt_token_ids"]
         drawn = self.prompts[ids[0]]
@@ -96,22 +108,41 @@ class SleepingLLMEngine:
         self.drawn[drawn.index] = k + 1
         target = drawn.responses[k % len(drawn.responses)]
         count = min(target, params.max_tokens)
-        if not self.running:  # an idle engine's clock starts now
+        if not self.running and not self.waiting:  # an idle engine's clock starts now
             self._due = time.perf_counter()
-        self.running[request_id] = _Request(request_id, len(ids), count, "stop" if count == target else "length")
+        self.waiting.append(_Request(request_id, len(ids), count, "stop" if count == target else "length"))
         return request_id
 
     def abort_request(self, request_ids: Iterable[str], internal: bool = False) -> None:
-        for request_id in request_ids:
+        ids = set(request_ids)
+        for request_id in ids:
             self.running.pop(request_id, None)
+        self.waiting = collections.deque(r for r in self.waiting if r.request_id not in ids)
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """With ``reset_running_requests``: every running request prefills its whole context
         again at the next step (vLLM preempts them); else only the (unmodelled) prefix cache."""
         if reset_running_requests:
             for req in self.running.values():
-                req.prefill = req.prompt_len + req.generated
+                req.prefill = req.context
         return True
+
+    def _schedule(self) -> None:
+        """Start waiting requests in line while they fit, then preempt the newest running ones
+        until every running request's next token fits (`sim_engine.Engine` ``_fill``, ``_preempt``)."""
+        cap = self.decode.kv_capacity_tokens
+        context = sum(r.context for r in self.running.values())
+        while self.waiting and (not self.running or (
+                context + self.waiting[0].context + len(self.running) + 1 <= cap
+                and len(self.running) < self.decode.max_num_seqs)):
+            req = self.waiting.popleft()
+            req.prefill, context = req.context, context + req.context
+            self.running[req.request_id] = req
+        while len(self.running) > 1 and context + len(self.running) > cap:
+            req = self.running.pop(next(reversed(self.running)))
+            req.prefill, context = 0, context - req.context
+            self.waiting.appendleft(req)
+            self.preemptions += 1
 
     def step(self) -> list:
         """One iteration (up to ``iterations_per_step``) of every running request: their new
@@ -119,15 +150,14 @@ class SleepingLLMEngine:
         from vllm.logprobs import Logprob
         from vllm.outputs import CompletionOutput, RequestOutput
 
+        self._schedule()
         if not self.running:
             return []
         reqs = list(self.running.values())
-        n, context = len(reqs), sum(r.prompt_len + r.generated for r in reqs)
-        if n > self.decode.max_num_seqs or context + n > self.decode.kv_capacity_tokens:
-            raise RuntimeError(f"{n} requests of {context} context tokens exceed max_num_seqs "
-                               f"{self.decode.max_num_seqs} or the KV cache ({self.decode.kv_capacity_tokens} "
-                               f"tokens): the stand-in does not preempt")
+        n, context = len(reqs), sum(r.context for r in reqs)
         m = min(self.iterations_per_step, min(r.count - r.generated for r in reqs))
+        if n > 1:  # up to the iteration whose next tokens would not fit
+            m = min(m, (self.decode.kv_capacity_tokens - context) // n)
         prefill = sum(r.prefill for r in reqs)
         dt = self.decode.prefill_s_per_token * prefill + self.decode.time(context, n, m)
         self.recomputed_tokens += sum(r.prefill for r in reqs if r.generated)

@@ -208,7 +208,7 @@ class RolloutSampling(EngineResources):
     """Streaming rollouts (separate placement, vLLM engines of ``tensor_parallel_size`` 1;
     `stapo_megatron.trainer.stream_pools`, docs/async.md): the engines never drain. Each
     replica's prompts are admitted one group of G samples at a time while the engine's KV cache
-    holds their worst case and the off-policyness bound allows (``max_staleness`` is eta: the
+    holds their reservation (``stream_reserve_tokens``) and the off-policyness bound allows (``max_staleness`` is eta: the
     group that will train at step s starts only under the policy after step s - eta or newer,
     counting groups in admission order, AReaL's ``max_head_offpolicyness``); the engine advances
     one decode iteration at a time, takes new weights between two iterations (``weight_load``),
@@ -221,6 +221,12 @@ class RolloutSampling(EngineResources):
     every position once); "admission" trains them in the replica's data order (timing never
     changes which prompts a step trains, at the cost of a finished group waiting for every
     group admitted before it)."""
+    stream_reserve_tokens: Optional[int] = None
+    """Streaming rollouts: the response tokens of KV cache an engine reserves per admitted
+    sample (its prompt's plus these, released when it finishes). None: ``max_response_len``, the
+    worst case, so vLLM never preempts, but at long caps an engine runs a few times fewer
+    samples than its cache holds. Below it (near the mean response) more samples run and, when
+    their KV outgrows the cache, vLLM preempts the newest and later prefills its context again."""
     weight_load: str = "in_flight"
     """Streaming rollouts: "in_flight" loads new weights between two decode iterations and the
     running sequences keep their KV cache (computed by the older weights; PipelineRL's in-flight
@@ -322,8 +328,13 @@ class RolloutSampling(EngineResources):
             if getattr(self, name) not in values:
                 raise ValueError(f"rollout.{name} must be one of {values}, got {getattr(self, name)!r}")
         check_at_least(self, 1, "filter_rounds")
+        if self.stream_reserve_tokens is not None and not (isinstance(self.stream_reserve_tokens, int)
+                                                           and self.stream_reserve_tokens >= 1):
+            raise ValueError(f"rollout.stream_reserve_tokens must be None or an int >= 1, got "
+                             f"{self.stream_reserve_tokens!r}")
         if not self.streaming:
-            for name, default in (("stream_order", "completion"), ("weight_load", "in_flight"), ("filter_groups", False)):
+            for name, default in (("stream_order", "completion"), ("weight_load", "in_flight"), ("filter_groups", False),
+                                  ("stream_reserve_tokens", None)):
                 if getattr(self, name) != default:
                     raise ValueError(f"rollout.{name}={getattr(self, name)!r} needs rollout.streaming=True")
             return

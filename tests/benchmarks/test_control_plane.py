@@ -61,3 +61,17 @@ def test_every_step_trains_every_sample_of_its_replicas(schedule):
         assert engine["calls"] == [SETUP.prompts_per_step * SETUP.group] * SETUP.steps
     figures = cp.harness_figures(SETUP, schedule, out)
     assert 0 <= figures["trainer_idle"] <= 1 and 0 <= figures["engine_idle"] <= 1 and figures["step_s"] > 0
+
+
+def test_the_simulators_kv_reserve_matches_the_generators_reservation():
+    """`sim_streaming`'s ``kv_reserve`` for ``--reserve-tokens``: (mean prompt + reserve) / (mean
+    prompt + mean response), the reserve capped at the response cap (``max_tokens``), which is
+    also the default; the reserve reaches the engines' config as ``rollout.stream_reserve_tokens``."""
+    lengths = SETUP.lengths
+    mean_prompt, mean_sequence = sum(lengths.prompt_range) / 2, sum(lengths.prompt_range) / 2 + lengths.mean_response()
+    assert cp.generator_reserve(SETUP) == pytest.approx((mean_prompt + 15360) / mean_sequence)
+    assert cp.generator_reserve(SETUP) == cp.generator_reserve(cp.Setup(reserve_tokens=10**6))
+    at_mean = cp.Setup(reserve_tokens=round(lengths.mean_response()))
+    assert cp.generator_reserve(at_mean) == pytest.approx(1.0, abs=1e-4)  # a rounded token
+    assert cp._sampling(at_mean, "streaming").stream_reserve_tokens == round(lengths.mean_response())
+    assert cp._sampling(at_mean, "partial").stream_reserve_tokens is None

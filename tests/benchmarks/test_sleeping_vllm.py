@@ -8,6 +8,7 @@ The toy engine: prompts of a few tokens with hand-picked response lengths, a tim
 that every sleep is a few microseconds.
 """
 
+import dataclasses
 import os
 import sys
 
@@ -63,7 +64,8 @@ def test_groups_have_the_drawn_lengths_and_complete_in_order():
     gen = generator(eng)
     for p in PROMPTS[:3]:
         assert gen.admit(prompt_ids(p), seed=10 * p.index, trained_version=0, key=p.index)
-    assert gen.num_running_samples == 6 and eng.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks == 64
+    assert gen.num_running_samples == 6
+    assert eng.llm.llm_engine.vllm_config.cache_config.num_gpu_blocks == 64 + 1  # and vLLM's null block
     assert run_to_end(gen) == 8  # the longest sample: 9 tokens cut at max_tokens
     groups = gen.take()
     # completion order: prompt 1 (longest 2) at iteration 2, prompt 0 (7) at 7, prompt 2 (8) at 8
@@ -159,3 +161,35 @@ def test_abort_drops_running_requests_and_bad_input_is_refused():
         SleepingVLLM(DECODE, PROMPTS, scale=0)
     with pytest.raises(ValueError, match="iterations_per_step"):
         engine(iterations_per_step=0)
+
+
+def test_a_reserve_below_max_tokens_preempts_the_newest_request_and_recomputes_its_context():
+    """A cache of 8 blocks (128 tokens) and groups of 2 samples of prompt 10 + 30 tokens: at the
+    worst case (prompt + max_tokens 40 = 3 blocks a sample) one group runs at a time and nothing
+    is preempted; reserving 6 tokens (1 block a sample) admits all four groups, whose 320 tokens
+    of context outgrow the cache: the newest running requests are preempted, wait, and prefill
+    their prompt and tokens so far again, and every group still completes at its drawn lengths."""
+    decode = dataclasses.replace(DECODE, kv_capacity_tokens=8 * BLOCK_SIZE)
+    prompts = [Prompt(i, 10, [30, 30]) for i in range(4)]
+
+    def run(reserve_tokens):
+        eng = SleepingVLLM(decode, prompts, scale=1e6)
+        gen = generator(eng, max_tokens=40, reserve_tokens=reserve_tokens)
+        llm, waiting, most = eng.llm.llm_engine, list(prompts), 0
+        while waiting or gen.num_running_samples:
+            while waiting and gen.admit(prompt_ids(waiting[0]), 0, 0, key=waiting[0].index):
+                waiting.pop(0)
+            most = max(most, len(llm.running) + len(llm.waiting))
+            gen.step()
+            assert sum(r.context for r in llm.running.values()) <= decode.kv_capacity_tokens
+        return {g.key: g for g in gen.take()}, llm, most
+
+    worst, worst_llm, worst_most = run(None)
+    groups, llm, most = run(6)
+    assert (worst_llm.preemptions, worst_llm.recomputed_tokens, worst_most) == (0, 0, 2)
+    assert most == 8 and llm.preemptions > 0
+    assert llm.recomputed_tokens > 10 * llm.preemptions  # each restart: the prompt and at least a token
+    for found in (worst, groups):
+        assert sorted(found) == [0, 1, 2, 3]
+        assert all(len(s.token_ids) == 30 and s.versions == [0] * 30 for g in found.values() for s in g.samples)
+    assert llm.iterations < worst_llm.iterations  # more samples ran at once

@@ -51,6 +51,11 @@ from stapo_megatron.rollout.config import RolloutSampling, SamplingSettings
     (dict(placement="separate", engine_ranks=1, max_staleness=2, streaming=True, weight_load="later"),
      "rollout.weight_load must be one of ('in_flight', 'recompute', 'drain'), got 'later'"),
     (dict(weight_load="drain"), "rollout.weight_load='drain' needs rollout.streaming=True"),
+    (dict(stream_reserve_tokens=4096), "rollout.stream_reserve_tokens=4096 needs rollout.streaming=True"),
+    (dict(placement="separate", engine_ranks=1, max_staleness=2, streaming=True, stream_reserve_tokens=0),
+     "rollout.stream_reserve_tokens must be None or an int >= 1, got 0"),
+    (dict(placement="separate", engine_ranks=1, max_staleness=2, streaming=True, stream_reserve_tokens=2.5),
+     "rollout.stream_reserve_tokens must be None or an int >= 1, got 2.5"),
 ])
 def test_placement_refusals_name_the_field(fields, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):

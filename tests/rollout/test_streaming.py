@@ -156,7 +156,7 @@ def test_eta_bounds_admission(engine, restore):
         generator(engine, eta=-1)
     with pytest.raises(ValueError, match="max_running_samples 1 must hold one group"):
         generator(engine, max_running_samples=1)
-    with pytest.raises(ValueError, match=r"max_kv_tokens 40000 exceeds the engine's KV cache \(32768 tokens\)"):
+    with pytest.raises(ValueError, match=r"max_kv_tokens 40000 exceeds the engine's KV cache \(32640 tokens\)"):
         generator(engine, max_kv_tokens=40000)
     with pytest.raises(ValueError, match="order must be one of"):
         generator(engine, order="random")
@@ -313,3 +313,72 @@ def test_abort_drops_the_running_groups(engine):
     assert gen.admit(PROMPTS[2], seed=0, trained_version=0, key="c")
     run_to_end(gen)
     assert [g.key for g in gen.take()] == ["done", "c"]
+
+
+SMALL_KV = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=2**21)
+"""An engine of 8 KV blocks of 128 tokens (2 KiB a token of the tiny Qwen3), 7 of them usable."""
+
+
+@pytest.fixture(scope="module")
+def small_engine(tmp_path_factory):
+    """An engine on the same random weights as ``engine`` with a KV cache of 8 blocks."""
+    from stapo_megatron.data.tokenizer import build_char_tokenizer
+    from stapo_megatron.rollout.config import RolloutConfig
+    from stapo_megatron.rollout.vllm_engine import VLLMEngine
+
+    path = str(tmp_path_factory.mktemp("streaming_small") / "hf")
+    save_tiny_hf_model(path, VARIANT, dtype=torch.float32, seed=0)
+    build_char_tokenizer(path)
+    engine = VLLMEngine(path, RolloutConfig(**SMALL_KV))
+    yield engine
+    engine.shutdown()
+
+
+def stream_all(engine, reserve_tokens, load_at=None):
+    """The four PROMPTS' groups of 2 (max_tokens 200), each admitted as soon as the generator
+    allows, to the end; at iteration ``load_at`` the same weights are loaded again as version 1.
+    Returns the groups by key, vLLM's preemptions per request, and each request's tokens at the load."""
+    gen = generator(engine, max_tokens=200, reserve_tokens=reserve_tokens)
+    scheduler = engine.llm.llm_engine.engine_core.engine_core.scheduler
+    preemptions, at_load, waiting = {}, {}, list(enumerate(PROMPTS))
+    while waiting or gen.num_running_samples:
+        while waiting and gen.admit(waiting[0][1], seed=500 + 10 * waiting[0][0], trained_version=0, key=waiting[0][0]):
+            waiting.pop(0)
+        gen.step()
+        for request_id, request in scheduler.requests.items():
+            preemptions[request_id] = request.num_preemptions
+        if gen.num_steps == load_at:
+            at_load = {(run.group.key, run.index): len(run.token_ids) for run in gen._running.values()}
+            gen.load_weights(small_engine_weights(engine).items(), version=1)
+    return {g.key: g for g in gen.take()}, preemptions, at_load
+
+
+def small_engine_weights(engine) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(f"{engine.llm.llm_engine.model_config.model}/model.safetensors")
+
+
+def test_a_reserve_below_max_tokens_lets_vllm_preempt_and_every_group_completes(small_engine):
+    """At the worst case (prompt + 200 tokens: 2 blocks a sample) the 8-block cache (7 usable:
+    vLLM keeps one as its null block) runs one group at a time and never preempts; reserving 64
+    response tokens (1 block a sample) admits three groups at once, their KV outgrows the cache
+    and vLLM preempts (recompute: the request waits, then prefills its prompt and tokens so far
+    again). Every group still completes with the tokens and log-probs the
+    run without preemption drew (each request's seeded CPU generator is kept in the model
+    runner's request state across the preemption, one draw a sampled token), and each token
+    carries the version that sampled it across a load while requests wait preempted."""
+    reference, ref_preemptions, _ = stream_all(small_engine, None)
+    assert sum(ref_preemptions.values()) == 0 and len(ref_preemptions) == 8
+    groups, preemptions, at_load = stream_all(small_engine, 64, load_at=40)
+    assert sum(preemptions.values()) >= 2 and sum(n > 0 for n in preemptions.values()) >= 2
+    assert sorted(groups) == sorted(reference) == [0, 1, 2, 3]
+    for key, group in groups.items():
+        for j, (got, want) in enumerate(zip(group.samples, reference[key].samples)):
+            assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
+            assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) <= 1e-4  # KV recomputed: fp32
+            # not running at the load: finished before it (version 0) or admitted after it (version 1)
+            before = at_load.get((key, j), len(got.token_ids) if group.admission_version == 0 else 0)
+            assert got.versions == [0] * before + [1] * (len(got.token_ids) - before)
+    assert any(0 < n < len(groups[k].samples[j].token_ids) for (k, j), n in at_load.items())
+    assert max(len(s.token_ids) for g in groups.values() for s in g.samples) > 128 - 9  # past one block
