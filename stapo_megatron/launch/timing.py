@@ -87,7 +87,8 @@ def report(cfg, recipe: str, executor) -> List[str]:
     r = cfg.rollout
     rollouts = ("" if r.placement != "separate" else
                 f"# rollouts: streaming, eta (rollout.max_staleness) {r.max_staleness}, {r.stream_order} order, "
-                f"weights loaded {r.weight_load.replace('_', '-')}; correction {cfg.loss.rollout_correction.mode}\n"
+                f"weights loaded {r.weight_load.replace('_', '-')}, KV reserved a sample: prompt + "
+                f"{r.stream_reserve_tokens or r.max_response_len} tokens; correction {cfg.loss.rollout_correction.mode}\n"
                 if r.streaming else f"# rollouts: {'partial, ' if r.partial else ''}k (rollout.max_staleness) "
                 f"{r.max_staleness}; correction {cfg.loss.rollout_correction.mode}\n")
     print(f"# ---- layout and memory per GPU (recipes/memory.py: an estimate) ----\n"

@@ -84,6 +84,12 @@ async GRPO at 1): step s trains on samples of the policy after step s - 1."""
 ASYNC_CORRECTION = "tis"
 STREAMING_LAYOUTS = ("qwen3_8b_stream",)
 """The layouts that stream their rollouts (``rollout.streaming``)."""
+STREAM_RESERVE_TOKENS = 4096
+"""Streaming recipes' KV reservation per sample beyond its prompt (``rollout.stream_reserve_tokens``):
+about the paper's mean response (4,222 tokens in the simulator's length distribution), as the
+simulator that picked the split reserves; the worst case (15,360) would run a third of the
+samples (the control plane at time scale: 218 s a step against 132 s; benchmarks/RESULTS.md).
+Responses that outgrow it are preempted by vLLM and prefilled again."""
 STREAM_ETA = 2
 """Streaming recipes' off-policyness bound (``rollout.max_staleness``): the simulator's best
 eta at the paper's lengths (benchmarks/RESULTS.md, "Streaming with an off-policyness bound";
@@ -261,7 +267,8 @@ def paper_recipe(size: str, method: str = "stapo", run_dir: Optional[str] = None
 def _separate(size: str, layout: ParallelLayout) -> dict:
     """The rollout fields of a separately placed recipe: one-step-off, or streaming."""
     if size in STREAMING_LAYOUTS:
-        return dict(placement="separate", engine_ranks=layout.engine_ranks, max_staleness=STREAM_ETA, streaming=True)
+        return dict(placement="separate", engine_ranks=layout.engine_ranks, max_staleness=STREAM_ETA, streaming=True,
+                    stream_reserve_tokens=STREAM_RESERVE_TOKENS)
     return dict(placement="separate", engine_ranks=layout.engine_ranks, max_staleness=ASYNC_STALENESS)
 
 

@@ -208,8 +208,9 @@ class RolloutSampling(EngineResources):
     """Streaming rollouts (separate placement, vLLM engines of ``tensor_parallel_size`` 1;
     `stapo_megatron.trainer.stream_pools`, docs/async.md): the engines never drain. Each
     replica's prompts are admitted one group of G samples at a time while the engine's KV cache
-    holds their reservation (``stream_reserve_tokens``) and the off-policyness bound allows (``max_staleness`` is eta: the
-    group that will train at step s starts only under the policy after step s - eta or newer,
+    holds their reservation (``stream_reserve_tokens``) and the off-policyness bound allows
+    (``max_staleness`` is eta: the group that will train at step s starts only under the policy
+    after step s - eta or newer,
     counting groups in admission order, AReaL's ``max_head_offpolicyness``); the engine advances
     one decode iteration at a time, takes new weights between two iterations (``weight_load``),
     and a step trains as soon as its replica's P groups are complete (``stream_order``). Every

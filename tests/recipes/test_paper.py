@@ -291,6 +291,7 @@ def test_the_streaming_recipe_builds_and_a_layout_that_cannot_stream_is_refused_
     cfg, _ = build_config("qwen3_8b_stream", check_paths=False)
     r = cfg.rollout
     assert (r.streaming, r.max_staleness, r.tensor_parallel_size, r.num_engines) == (True, paper.STREAM_ETA, 1, 24)
+    assert r.stream_reserve_tokens == paper.STREAM_RESERVE_TOKENS < r.max_response_len
     assert cfg.loss.rollout_correction.mode == paper.ASYNC_CORRECTION
     # the one-step-off layout (CP = 2, vLLM TP = 4) cannot stream: both named
     with pytest.raises(ValueError, match=r"rollout\.streaming=True needs rollout\.tensor_parallel_size=1, got 4"):
