@@ -305,10 +305,8 @@ class RolloutSampling(EngineResources):
         if not (self.oversample >= 1 and math.isfinite(self.oversample)):
             raise ValueError(f"rollout.oversample must be >= 1, got {self.oversample}")
         if not self.partial:
-            for name, default in (("oversample", 1.0), ("partial_tokens", 0), ("mask_stale_tokens", False),
-                                  ("max_token_age", None)):
-                if getattr(self, name) != default:
-                    raise ValueError(f"rollout.{name}={getattr(self, name)} needs rollout.partial=True")
+            self._check_defaults("partial", oversample=1.0, partial_tokens=0, mask_stale_tokens=False,
+                                 max_token_age=None)
             return
         if self.placement != "separate" or self.max_staleness < 1:
             raise ValueError(f"rollout.partial=True needs rollout.placement='separate' and rollout.max_staleness >= 1 "
@@ -326,6 +324,14 @@ class RolloutSampling(EngineResources):
             raise ValueError("rollout.partial=True with rollout.routing_replay=True is not supported (a continued "
                              "response's routes would come from two engines' passes)")
 
+    def _check_defaults(self, flag: str, **defaults: Any) -> None:
+        """The fields of an option that is off (``flag``) keep their defaults."""
+        for name, default in defaults.items():
+            if getattr(self, name) != default:
+                value = getattr(self, name)
+                shown = repr(value) if isinstance(value, str) else value
+                raise ValueError(f"rollout.{name}={shown} needs rollout.{flag}=True")
+
     def _check_streaming(self) -> None:
         """Streaming rollouts need separate vLLM engines of TP 1 that may run ahead of training."""
         for name, values in (("stream_order", STREAM_ORDERS), ("weight_load", WEIGHT_LOADS)):
@@ -337,10 +343,8 @@ class RolloutSampling(EngineResources):
             raise ValueError(f"rollout.stream_reserve_tokens must be None or an int >= 1, got "
                              f"{self.stream_reserve_tokens!r}")
         if not self.streaming:
-            for name, default in (("stream_order", "completion"), ("weight_load", "in_flight"), ("filter_groups", False),
-                                  ("stream_reserve_tokens", None)):
-                if getattr(self, name) != default:
-                    raise ValueError(f"rollout.{name}={getattr(self, name)!r} needs rollout.streaming=True")
+            self._check_defaults("streaming", stream_order="completion", weight_load="in_flight", filter_groups=False,
+                                 stream_reserve_tokens=None)
             return
         if self.placement != "separate" or self.max_staleness < 1:
             raise ValueError(f"rollout.streaming=True needs rollout.placement='separate' and rollout.max_staleness >= 1 "

@@ -97,7 +97,6 @@ class StreamPools:
         replica's prompts when a replica's step is sliced over several engines."""
         self.stepping = 0.0
         """Seconds in decode iterations since the last reply (the reply's ``generate`` time)."""
-        self.iterations = 0
 
     def add(self, ticket: int, jobs: List[Job], requests: Dict[Tuple[int, int], PoolRequest]) -> None:
         """A step's prompts (``jobs``: this engine's slices of the asking replicas' prompts) into
@@ -182,8 +181,7 @@ class StreamPools:
 
     def _iterate(self, post: Post) -> None:
         started = time.perf_counter()
-        if self.generator.step():
-            self.iterations += 1
+        self.generator.step()
         self.stepping += time.perf_counter() - started
         for group in self.generator.take():
             position, _, stream = group.key
@@ -206,7 +204,8 @@ class StreamPools:
             replica.requests.popleft()
             taken = ready[:want]
             groups = [replica.complete.pop(p) for p in taken]
-            replica.admitted = [p for p in replica.admitted if p not in set(taken)]
+            taken_set = set(taken)
+            replica.admitted = [p for p in replica.admitted if p not in taken_set]
             reply = dict(groups=[Group(g.key[1], g.prompt_token_ids, g.samples) for g in groups], positions=taken,
                          pool=len(replica.admitted), waiting=len(replica.waiting), continued=0)
             post(ticket, chunk, [reply], self.stepping)

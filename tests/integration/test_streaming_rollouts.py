@@ -49,7 +49,7 @@ def test_streaming_trains_every_position_once_across_a_requeue(tmp_path):
     # the first step's groups started under the first weights; later ones under older weights than
     # the trained policy, each token's age counted (a group admitted j-th trains at j // P: eta 2)
     assert rows[0]["staleness"] == 0 and rows[0]["token_age_max"] == 0
-    assert all(0 <= r["token_age_mean"] <= r["token_age_max"] <= 3 for r in rows)
+    assert all(0 <= r["token_age_mean"] <= r["token_age_max"] for r in rows)  # (completion order: no upper bound)
     assert any(r["token_age_max"] > 0 for r in rows)
     # the behaviour-policy correction's weights (tis) are logged, and stale groups move them off 1
     assert all(0 < r["is_weight_mean"] and 0 <= r["is_truncated_fraction"] <= 1 for r in rows)

@@ -17,6 +17,7 @@ import torch
 
 from stapo_megatron.bridge.tiny import save_tiny_hf_model
 from tests.helpers.engine_parity import LOGPROB_ATOL, vllm_prompt_logprobs
+from tests.helpers.tiny_vllm import tiny_vllm_engine
 
 VARIANT = "qwen3"
 TEMPERATURE = 0.7
@@ -30,17 +31,8 @@ ENGINE_KW = dict(dtype="float32", max_model_len=128, kv_cache_memory_bytes=2**26
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     """One engine on the random weights (version 0 of each test), with those weights to put back."""
-    from safetensors.torch import load_file
-
-    from stapo_megatron.data.tokenizer import build_char_tokenizer
-    from stapo_megatron.rollout.config import RolloutConfig
-    from stapo_megatron.rollout.vllm_engine import VLLMEngine
-
-    path = str(tmp_path_factory.mktemp("streaming") / "hf")
-    save_tiny_hf_model(path, VARIANT, dtype=torch.float32, seed=0)
-    build_char_tokenizer(path)
-    engine = VLLMEngine(path, RolloutConfig(**ENGINE_KW))
-    engine.random_weights = load_file(f"{path}/model.safetensors")
+    engine = tiny_vllm_engine(str(tmp_path_factory.mktemp("streaming") / "hf"), **ENGINE_KW)
+    engine.random_weights = engine.weights
     yield engine
     engine.shutdown()
 
@@ -322,14 +314,7 @@ SMALL_KV = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=2**21)
 @pytest.fixture(scope="module")
 def small_engine(tmp_path_factory):
     """An engine on the same random weights as ``engine`` with a KV cache of 8 blocks."""
-    from stapo_megatron.data.tokenizer import build_char_tokenizer
-    from stapo_megatron.rollout.config import RolloutConfig
-    from stapo_megatron.rollout.vllm_engine import VLLMEngine
-
-    path = str(tmp_path_factory.mktemp("streaming_small") / "hf")
-    save_tiny_hf_model(path, VARIANT, dtype=torch.float32, seed=0)
-    build_char_tokenizer(path)
-    engine = VLLMEngine(path, RolloutConfig(**SMALL_KV))
+    engine = tiny_vllm_engine(str(tmp_path_factory.mktemp("streaming_small") / "hf"), **SMALL_KV)
     yield engine
     engine.shutdown()
 

@@ -5,11 +5,10 @@ positions; admission stopped by the off-policyness bound until newer weights arr
 admission order handing out the data order; a drain admitting nothing."""
 
 import pytest
-import torch
 
-from stapo_megatron.bridge.tiny import save_tiny_hf_model
 from stapo_megatron.rollout.config import SamplingSettings
 from stapo_megatron.rollout.remote import Chunk, PoolRequest
+from tests.helpers.tiny_vllm import tiny_vllm_engine
 
 SETTINGS = SamplingSettings(n=2, temperature=0.7, top_p=1.0, max_tokens=12)
 PROMPTS = [[5, 17, 20, 3], [42] * 6, [1, 2, 3, 4, 5, 6, 7, 8, 9], [60, 61, 62], [9, 9, 30], [11, 12]]
@@ -17,17 +16,8 @@ PROMPTS = [[5, 17, 20, 3], [42] * 6, [1, 2, 3, 4, 5, 6, 7, 8, 9], [60, 61, 62], 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from safetensors.torch import load_file
-
-    from stapo_megatron.data.tokenizer import build_char_tokenizer
-    from stapo_megatron.rollout.config import RolloutConfig
-    from stapo_megatron.rollout.vllm_engine import VLLMEngine
-
-    path = str(tmp_path_factory.mktemp("stream_pools") / "hf")
-    save_tiny_hf_model(path, "qwen3", dtype=torch.float32, seed=0)
-    build_char_tokenizer(path)
-    engine = VLLMEngine(path, RolloutConfig(dtype="float32", max_model_len=128, kv_cache_memory_bytes=2**26))
-    engine.weights = load_file(f"{path}/model.safetensors")
+    engine = tiny_vllm_engine(str(tmp_path_factory.mktemp("stream_pools") / "hf"), dtype="float32", max_model_len=128,
+                              kv_cache_memory_bytes=2**26)
     yield engine
     engine.shutdown()
 
