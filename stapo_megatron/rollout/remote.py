@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from stapo_megatron.rollout.base import Sample, check_generate_args
 from stapo_megatron.rollout.config import SamplingSettings
+from stapo_megatron.rollout.weight_buckets import plan_buckets
 from stapo_megatron.rollout.transport import Transport, broadcast_object, broadcast_tensor, receive
 
 HEADER = ("ticket", "chunk", "generate_us", "idle_us", "load_us")
@@ -237,9 +238,10 @@ class RemoteEngine:
     def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
         """Stream full HF tensors (`stapo_megatron.rollout.weight_sync.iter_hf_weights`, which
         every training rank runs) to every engine: trainer 0 sends them in buckets of about
-        ``bucket_mb`` (a manifest on ``control``, the bytes on ``weights``); the engines receive
-        them between two requests, holding at most two buckets on their GPU
-        (`stapo_megatron.rollout.weight_receive`), and load them in their queue's order."""
+        ``bucket_mb`` cut between vLLM's reload layers (`stapo_megatron.rollout.weight_buckets`;
+        a manifest on ``control``, the bytes on ``weights``); the engines receive them between two
+        requests, holding the bucket being loaded, the next one and one layer being materialised
+        on their GPU (`stapo_megatron.rollout.weight_receive`), and load them in their queue's order."""
         self.transfers += 1
         control = self.transport.control
         if control is None:  # not trainer 0: take part in the gathers only
@@ -248,15 +250,8 @@ class RemoteEngine:
             return
         version = self.transfers - 1 if self.policy_version is None else self.policy_version
         broadcast_object(control, ("weights", version))
-        bucket, size = [], 0
-        for name, tensor in named_tensors:
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and size + nbytes > self.bucket_bytes:
-                self._send_bucket(bucket)
-                bucket, size = [], 0
-            bucket.append((name, tensor.detach().contiguous()))
-            size += nbytes
-        if bucket:
+        tensors = ((name, tensor.detach().contiguous()) for name, tensor in named_tensors)
+        for bucket in plan_buckets(tensors, self.bucket_bytes, lambda t: t[0], lambda t: t[1].nbytes):
             self._send_bucket(bucket)
         broadcast_object(control, None)  # the end of this transfer
 

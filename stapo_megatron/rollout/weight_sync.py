@@ -124,6 +124,18 @@ def _jobs(spec: QwenSpec, stage_layers: list[list[int]]) -> Iterator[tuple[Param
             yield m, None, last
 
 
+def hf_stream(spec: QwenSpec) -> list[tuple[str, tuple[int, ...]]]:
+    """The ``(HF name, shape)`` of every tensor `iter_hf_weights` yields for ``spec``, in its order
+    (with EP > 1 the experts of a layer come in another order, still together): what the weight
+    transfer's buckets are planned from (`stapo_megatron.rollout.weight_buckets`)."""
+    shapes = hf_shapes(spec)
+    out = []
+    for m, layer, _ in _jobs(spec, [list(range(spec.num_layers))]):
+        for expert in range(spec.num_moe_experts) if m.per_expert else [None]:
+            out += [(name, tuple(shapes[name])) for name in m.hf_names(layer, expert)]
+    return out
+
+
 def iter_hf_weights(model, hf_config: Union[QwenSpec, dict, Any], groups) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream the model's weights as full HF Qwen tensors, one at a time, on every rank.
 
