@@ -1,4 +1,5 @@
-"""Small helpers every wing uses: the one dotted-path loader, the config field checks, the seed
+"""Small helpers every wing uses: the one dotted-path loader, the config field checks (an unknown
+field refused with the closest names: `unknown_field_error`), the seed
 stride, the one way sizes are written in messages (`format_bytes`) and the device of a collective.
 
 Imports nothing of the package (a leaf), so any module may use it without an import circle.
@@ -6,8 +7,10 @@ Imports nothing of the package (a leaf), so any module may use it without an imp
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import importlib
-from typing import Any
+from typing import Any, List
 
 SEED_STRIDE = 1_000_003
 """The prime that keeps seed streams apart: the rollout seeds (``seed x SEED_STRIDE``), the random
@@ -76,3 +79,22 @@ def format_bytes(nbytes: float) -> str:
         return f"{nbytes:.0f} B"
     digits = 2 if abs(value) < 10 else 1 if abs(value) < 100 else 0
     return f"{value:.{digits}f} {BYTE_UNITS[unit]}"
+
+
+MAX_SUGGESTIONS = 3
+"""Closest field names offered for an unknown override."""
+
+
+def closest_fields(name: str, fields: List[str]) -> List[str]:
+    """Up to `MAX_SUGGESTIONS` field names that resemble ``name`` (difflib ratio >= 0.6), best first."""
+    return difflib.get_close_matches(name, fields, n=MAX_SUGGESTIONS)
+
+
+def unknown_field_error(where: str, obj: Any, name: str) -> ValueError:
+    """The error for an override of a field ``obj`` does not have, naming the closest ones."""
+    names = [f.name for f in dataclasses.fields(obj)]
+    close = closest_fields(name, names)
+    hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+    return ValueError(
+        f"unknown override {where}: {type(obj).__name__} has no field {name!r}{hint} (fields: {', '.join(names)})"
+    )

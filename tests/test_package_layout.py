@@ -1,9 +1,10 @@
 """The package's shape as tests: no import circle, small modules, a light config tree.
 
-The import graph is read from the source (every ``import`` at module level, TYPE_CHECKING
-blocks included, imports inside functions excluded): an edge from a module to each package
-module it imports and to that module's parent packages (Python runs their ``__init__`` first),
-except the importer's own parents.
+The import graph is read from the source (every ``import`` statement, at module level, in
+TYPE_CHECKING blocks and inside functions alike: an import deferred into a function still runs
+the imported module when called, and a circle it closes is one a module-level import would
+show): an edge from a module to each package module it imports and to that module's parent
+packages (Python runs their ``__init__`` first), except the importer's own parents.
 """
 
 import ast
@@ -32,12 +33,10 @@ def _modules():
     return out
 
 
-def _module_level_imports(tree: ast.Module, module: str, is_package: bool):
-    """Dotted names imported by the statements outside functions and classes."""
+def _imports(tree: ast.Module, module: str, is_package: bool):
+    """Dotted names imported anywhere in the module (module docstring)."""
     names = []
-    stack = list(tree.body)
-    while stack:
-        node = stack.pop()
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -46,9 +45,6 @@ def _module_level_imports(tree: ast.Module, module: str, is_package: bool):
                 parts = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
                 base = ".".join(parts + ([base] if base else []))
             names += [base] + [f"{base}.{a.name}" for a in node.names]
-        elif isinstance(node, (ast.If, ast.Try, ast.With)):
-            stack += [n for field in ("body", "orelse", "finalbody") for n in getattr(node, field, [])]
-            stack += [n for h in getattr(node, "handlers", []) for n in h.body]
     return names
 
 
@@ -60,7 +56,7 @@ def _graph():
             tree = ast.parse(f.read())
         own_parents = {module.rsplit(".", i)[0] for i in range(module.count(".") + 1)}
         edges = set()
-        for name in _module_level_imports(tree, module, path.endswith("__init__.py")):
+        for name in _imports(tree, module, path.endswith("__init__.py")):
             parts = name.split(".")
             for i in range(1, len(parts) + 1):
                 target = ".".join(parts[:i])
@@ -105,6 +101,15 @@ def test_no_import_circle_in_the_package():
 def test_the_circle_finder_finds_one():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_an_import_inside_a_function_is_an_edge():
+    source = ("import stapo_megatron.utils\n"
+              "def f():\n    from stapo_megatron.config import overrides\n"
+              "class C:\n    def g(self):\n        if True:\n            import stapo_megatron.rollout.base\n")
+    names = _imports(ast.parse(source), "stapo_megatron.eval.config", False)
+    assert set(names) == {"stapo_megatron.utils", "stapo_megatron.config", "stapo_megatron.config.overrides",
+                          "stapo_megatron.rollout.base"}
 
 
 FLOORS = (

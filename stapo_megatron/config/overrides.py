@@ -16,28 +16,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import typing
 from typing import Any, Dict, List, Mapping
 
-MAX_SUGGESTIONS = 3
-"""Closest field names offered for an unknown override."""
-
-
-def closest_fields(name: str, fields: List[str]) -> List[str]:
-    """Up to `MAX_SUGGESTIONS` field names that resemble ``name`` (difflib ratio >= 0.6), best first."""
-    return difflib.get_close_matches(name, fields, n=MAX_SUGGESTIONS)
-
-
-def unknown_field_error(where: str, obj: Any, name: str) -> ValueError:
-    """The error for an override of a field ``obj`` does not have, naming the closest ones."""
-    names = [f.name for f in dataclasses.fields(obj)]
-    close = closest_fields(name, names)
-    hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
-    return ValueError(
-        f"unknown override {where}: {type(obj).__name__} has no field {name!r}{hint} (fields: {', '.join(names)})"
-    )
-
+from stapo_megatron.utils import MAX_SUGGESTIONS, closest_fields, unknown_field_error  # noqa: F401  (this module's API)
 
 def renamed_field_error(prefix: str, old: str, new: str, value: Any) -> ValueError:
     """The error for a key of an earlier version (``reward_workers``), naming its new key."""

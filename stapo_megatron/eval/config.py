@@ -11,7 +11,7 @@ import re
 from typing import Any, Dict, List, Optional, Tuple
 
 from stapo_megatron.rollout.config import SamplingSettings
-from stapo_megatron.utils import check_at_least
+from stapo_megatron.utils import check_at_least, unknown_field_error
 
 @dataclasses.dataclass(frozen=True)
 class Decoding:
@@ -136,9 +136,6 @@ def eval_set_configs(sets: Any) -> List[EvalSetConfig]:
             names = {f.name for f in dataclasses.fields(EvalSetConfig)}
             unknown = [key for key in entry if key not in names]
             if unknown:
-                # imported here: stapo_megatron.config composes this module (a circle at import time)
-                from stapo_megatron.config.overrides import unknown_field_error
-
                 raise unknown_field_error(f"eval.sets[{i}].{unknown[0]}", EvalSetConfig(name="x", path="x"), unknown[0])
             entry = EvalSetConfig(**entry)
         if not isinstance(entry, EvalSetConfig):

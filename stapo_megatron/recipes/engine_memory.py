@@ -1,6 +1,7 @@
 """The rollout engine's side of the memory model (`stapo_megatron.recipes.memory`): whether
-vLLM can start beside the trainer's model and optimizer (colocated placement), and what a
-separately placed engine's GPU holds beside vLLM's share during a weight transfer. The paper
+vLLM can start beside the trainer's model and optimizer (colocated placement), and whether a
+separately placed engine's GPU has room for a weight transfer beside vLLM's share
+(`stapo_megatron.recipes.memory.engine_staging_bytes`). The paper
 recipes' check (`stapo_megatron.recipes.paper.layout_problems`, the launcher's dry run) refuses a
 layout these find wrong, naming the fields to change."""
 
@@ -9,24 +10,8 @@ from __future__ import annotations
 from typing import List
 
 from stapo_megatron.bridge.hf_config import QwenSpec
-from stapo_megatron.recipes.memory import FRAMEWORK_OVERHEAD_BYTES, GB, GPU_TOTAL_BYTES, ParallelLayout, memory_estimate
-
-WEIGHT_BUCKETS_RESIDENT = 2
-"""Weight buckets an engine GPU holds during a transfer (`stapo_megatron.rollout.weight_receive`):
-the one being loaded and the one travelling."""
-
-
-def engine_staging_bytes(spec: QwenSpec, layout: ParallelLayout) -> float:
-    """Separate placement: an engine GPU's weight buckets during a transfer, outside vLLM's share
-    (vLLM sizes its KV cache to fill the share): two buckets, each at most the larger of
-    ``rollout.weight_bucket_mb`` and the largest bf16 tensor, the embedding (a tensor larger than
-    the bucket travels alone); 0 colocated (the in-process engine takes the tensors one at a
-    time)."""
-    if not layout.engine_ranks:
-        return 0.0
-    largest = 2 * spec.vocab_size * spec.hidden_size
-    return WEIGHT_BUCKETS_RESIDENT * max(layout.weight_bucket_mb * 2**20, largest)
-
+from stapo_megatron.recipes.memory import (GB, GPU_TOTAL_BYTES, ParallelLayout, engine_staging_bytes,
+                                           memory_estimate)
 
 def free_at_engine_start(spec: QwenSpec, layout: ParallelLayout, gpu_bytes: float = GPU_TOTAL_BYTES) -> float:
     """Colocated: the GPU memory free when the trainer builds the engine, after Megatron's model,
@@ -54,8 +39,8 @@ def engine_start_problems(spec: QwenSpec, layout: ParallelLayout, gpu_bytes: flo
         if requested + staging > gpu_bytes:
             return [f"rollout.gpu_memory_utilization={util} gives vLLM {requested / GB:.1f} GB of an engine GPU's "
                     f"{gpu_bytes / GB:.1f} GB, and a weight transfer holds {staging / GB:.1f} GB of buckets beside it "
-                    f"({WEIGHT_BUCKETS_RESIDENT} x the larger of rollout.weight_bucket_mb={layout.weight_bucket_mb} "
-                    f"and the embedding): lower either field"]
+                    f"(the buckets of rollout.weight_bucket_mb={layout.weight_bucket_mb} vLLM's reload keeps and "
+                    f"the layer it materialises, `engine_staging_bytes`): lower either field"]
         return []
     free = free_at_engine_start(spec, layout, gpu_bytes)
     if requested > free:

@@ -18,6 +18,7 @@ from stapo_megatron.config import TrainerConfig
 from stapo_megatron.mcore.config import ModelConfig
 from stapo_megatron.batch.alignment import rank_tokens
 from stapo_megatron.config.parallel_layout import Cluster
+from stapo_megatron.rollout.weight_buckets import planned_staging_bytes
 
 GB = 1e9
 """Decimal gigabyte: estimates are compared with 80e9 bytes, below an 80 GB card's 85.9e9."""
@@ -78,9 +79,8 @@ class ParallelLayout:
     """Separate placement (``rollout.engine_ranks``): the job's last GPUs run only vLLM, at
     ``vllm_gpu_memory_utilization`` of their card; the others only train. 0: colocated."""
     weight_bucket_mb: int = 512
-    """Separate placement: the weight transfer's bucket (``rollout.weight_bucket_mb``), of
-    which an engine GPU holds two beside vLLM's share
-    (`stapo_megatron.recipes.engine_memory.engine_staging_bytes`)."""
+    """Separate placement: the weight transfer's bucket (``rollout.weight_bucket_mb``); what an
+    engine GPU holds of a transfer beside vLLM's share: `engine_staging_bytes`."""
 
     @classmethod
     def of(cls, cfg: TrainerConfig, cluster: Cluster) -> "ParallelLayout":
@@ -346,14 +346,25 @@ def memory_estimate(spec: QwenSpec, layout: ParallelLayout, seq_len: Optional[in
     )
 
 
+def engine_staging_bytes(spec: QwenSpec, layout: ParallelLayout) -> float:
+    """Separate placement: what an engine GPU holds beside vLLM's share during a weight transfer
+    (vLLM sizes its KV cache to fill the share): the received buckets vLLM's layer-wise reload
+    still keeps and the reload layer it materialises, at the worst moment of the transfer
+    (`stapo_megatron.rollout.weight_buckets.planned_staging_bytes`: buckets of
+    ``rollout.weight_bucket_mb`` cut between reload layers, bf16, the layer split over vLLM's TP);
+    0 colocated (the in-process engine takes the tensors one at a time)."""
+    if not layout.engine_ranks:
+        return 0.0
+    return float(planned_staging_bytes(spec, layout.weight_bucket_mb * 2**20, dtype_bytes=2,
+                                       tensor_parallel_size=layout.vllm_tensor_parallel_size))
+
+
 def describe(spec: QwenSpec, layout: ParallelLayout) -> str:
     """One line for the launcher's dry run: the parallel sizes, sequence and recomputation, vLLM,
     and the estimate's total against the budget."""
     est = memory_estimate(spec, layout)
     experts = (f" EP={layout.expert_model_parallel_size} ETP={layout.expert_tensor_size}" if spec.is_moe else "")
     if layout.engine_ranks:  # separate placement: the two pools
-        from stapo_megatron.recipes.engine_memory import engine_staging_bytes
-
         engines = layout.engine_ranks // layout.vllm_tensor_parallel_size
         return (f"{layout.num_nodes} x {layout.gpus_per_node} GPUs, separate placement: {layout.training_ranks} train "
                 f"(TP={layout.tensor_model_parallel_size} PP={layout.pipeline_model_parallel_size} "

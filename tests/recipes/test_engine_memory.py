@@ -6,7 +6,9 @@ import dataclasses
 
 import pytest
 
+from stapo_megatron.bridge.hf_config import num_params
 from stapo_megatron.recipes import engine_memory, memory, paper
+from stapo_megatron.rollout import weight_buckets
 
 QWEN3_8B = paper.ARCHITECTURES["qwen3_8b"]
 
@@ -46,12 +48,35 @@ def test_the_paper_check_refuses_an_engine_that_cannot_start():
         paper.check_paper_config("qwen3_8b", cfg, check_paths=False)
 
 
-def test_a_separate_engine_gpu_holds_two_weight_buckets_beside_its_share():
-    layout = paper.LAYOUTS["qwen3_8b_async"]  # 0.85 of the card: 12.9 GB left beside it
-    embedding = 151936 * 4096 * 2  # Qwen3-8B's largest tensor (bf16, 1.24 GB): larger than a 512 MiB bucket
-    assert engine_memory.engine_staging_bytes(QWEN3_8B, layout) == 2 * embedding
-    assert engine_memory.engine_staging_bytes(QWEN3_8B, layout.replace(weight_bucket_mb=2048)) == 2 * 2048 * 2**20
+def test_a_separate_engine_gpu_holds_the_buckets_the_reload_keeps_and_one_materialised_layer():
+    layout = paper.LAYOUTS["qwen3_8b_async"]  # vLLM TP=4 at 0.85 of the card: 12.9 GB left beside it
+    embedding = 151936 * 4096 * 2  # Qwen3-8B's largest reload layer (bf16), a multiple of vLLM's padding
+    # a bucket larger than the model: the whole model arrives at once and stays until its last
+    # layer; the largest layer materialised beside it is the embedding's TP shard
+    whole = layout.replace(weight_bucket_mb=20000)
+    assert engine_memory.engine_staging_bytes(QWEN3_8B, whole) == num_params(QWEN3_8B) * 2 + embedding // 4
+    # the default 512 MiB: the planner's replay of the stream (tests/rollout/test_weight_buckets.py
+    # measures it through vLLM's reload); a model cut in buckets holds far less than the model
+    staging = engine_memory.engine_staging_bytes(QWEN3_8B, layout)
+    assert staging == weight_buckets.planned_staging_bytes(QWEN3_8B, 512 * 2**20, 2, 4)
+    assert embedding < staging < 2 * embedding
     assert engine_memory.engine_staging_bytes(QWEN3_8B, paper.LAYOUTS["qwen3_8b"]) == 0  # colocated: one at a time
     assert engine_memory.engine_start_problems(QWEN3_8B, layout.replace(weight_bucket_mb=6000)) == []  # 12.6 GB
-    problems = engine_memory.engine_start_problems(QWEN3_8B, layout.replace(weight_bucket_mb=6400))  # 13.4 GB
-    assert len(problems) == 1 and "13.4 GB of buckets" in problems[0] and "rollout.weight_bucket_mb=6400" in problems[0]
+    problems = engine_memory.engine_start_problems(QWEN3_8B, layout.replace(weight_bucket_mb=6400))  # 16.4 GB
+    assert len(problems) == 1 and "16.4 GB of buckets" in problems[0] and "rollout.weight_bucket_mb=6400" in problems[0]
+
+
+def test_a_moe_layer_larger_than_a_bucket_travels_alone_and_is_counted_twice():
+    """Qwen3-30B-A3B: a layer's 128 experts (1.21 GB bf16) are one reload layer, larger than a
+    512 MiB bucket: they travel as one bucket, and while vLLM materialises them the engine holds
+    that bucket, the next one (the next layer's attention, norms and router, up to its experts),
+    the one before (the layer's own attention: vLLM's name mapper keeps its last q/k/v shard until
+    the next one) and the materialised experts."""
+    spec = paper.ARCHITECTURES["qwen3_30b_a3b"]
+    layout = paper.LAYOUTS["qwen3_30b_a3b"].replace(engine_ranks=8, vllm_tensor_parallel_size=1)
+    H, heads, groups, d = spec.hidden_size, spec.num_attention_heads, spec.num_query_groups, spec.kv_channels
+    experts = spec.num_moe_experts * 3 * spec.moe_ffn_hidden_size * H * 2
+    attention = (heads * d * H + 2 * groups * d * H + H * heads * d + 2 * d) * 2
+    attention_bucket = attention + 2 * H * 2 + spec.num_moe_experts * H * 2  # + two norms, the router
+    assert experts == 1_207_959_552
+    assert engine_memory.engine_staging_bytes(spec, layout) == 2 * experts + 2 * attention_bucket
