@@ -34,3 +34,16 @@ def test_job_order_and_gathered_layouts():
     assert all(torch.equal(a, b) for a, b in zip(got, (q, k, v)))
     padded = torch.randn(384, 64)
     assert torch.equal(_to_hf(padded, rows["vocab"], spec, tp_size=2)[0], padded[:300])
+
+
+def test_hf_stream_is_the_order_iter_hf_weights_streams(parallel):
+    """Tier a, one process: the names and shapes the bucket planner is given for a spec
+    (`hf_stream`) are those `iter_hf_weights` yields, in its order, dense and MoE."""
+    from stapo_megatron.bridge import build_gpt_model
+    from stapo_megatron.rollout.weight_sync import hf_stream, iter_hf_weights
+
+    for variant in ("qwen3", "qwen3-moe"):
+        model = build_gpt_model(tiny_config(variant), params_dtype=torch.float32)
+        streamed = [(name, tuple(t.shape)) for name, t in iter_hf_weights(model, tiny_config(variant), parallel)]
+        assert streamed == hf_stream(spec_from_hf_config(tiny_config(variant))), variant
+        assert len(streamed) == {"qwen3": 47, "qwen3-moe": 87}[variant]
