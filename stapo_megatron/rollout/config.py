@@ -181,8 +181,9 @@ class RolloutSampling(EngineResources):
     samples as colocated; k >= 1: the engines generate the next k steps while the trainers train."""
     weight_bucket_mb: int = 512
     """``placement="separate"``: the weight transfer sends the HF tensors in buckets of about
-    this many MiB (one tensor larger than it travels alone): the trainers' extra memory, and
-    two of them on each engine GPU beside vLLM's share."""
+    this many MiB, cut between vLLM's reload layers (a layer larger than it travels alone): the
+    trainers' extra memory, and on each engine GPU beside vLLM's share the buckets vLLM's reload
+    keeps and the layer it materialises (`stapo_megatron.rollout.weight_buckets`)."""
     partial: bool = False
     """Partial rollouts (separate placement, ``max_staleness`` >= 1; APRIL, slime's
     ``--partial-rollout``): each engine keeps a pool of its replica's prompts in flight and, per

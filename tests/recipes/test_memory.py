@@ -133,3 +133,8 @@ def test_dry_run_layout_line_shows_cp_and_ep():
     assert line.endswith(" = 71.9 GB of 80 GB")
     line = memory.describe(paper.ARCHITECTURES["qwen3_30b_a3b"], paper.LAYOUTS["qwen3_30b_a3b"])
     assert "TP=4 PP=1 CP=1 EP=16 ETP=1 DP=8;" in line and "recompute full" in line
+    # separate placement: the engine GPU's weight transfer beside vLLM's share
+    # (`engine_staging_bytes`: 1.86e9 bytes for Qwen3-8B at vLLM TP=4, 512 MiB buckets)
+    line = memory.describe(paper.ARCHITECTURES["qwen3_8b"], paper.LAYOUTS["qwen3_8b_async"])
+    assert "16 generate (4 vLLM engines of TP=4 at 0.85 of the card, 1.9 GB of weight buckets beside it" in line
+    assert memory.engine_staging_bytes(paper.ARCHITECTURES["qwen3_8b"], paper.LAYOUTS["qwen3_8b_async"]) == 1857822720
