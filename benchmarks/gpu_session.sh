@@ -32,7 +32,7 @@
 #                                   the collection of the whole tree (25 s each, 30)
 #   pytest_gpu_trainer         200  the CUDA launches 44.6 + 31.8 s (results/h200-2026-11-27-fixes/
 #                                   followup/trainer.log); the CPU launch of 3 steps 94 s on a
-#                                   2-core CPU (results/cpu-2026-11-29/trainer_cpu_half.log),
+#                                   2-core CPU (results/cpu-2026-11-29/trainer_cpu_3steps.log),
 #                                   unmeasured on a GPU machine; the test's own limit is 300 s
 #   pytest_gpu_router           70  51.8 s (results/h200-2026-11-27/pytest_gpu2.log), 43.3 s
 #                                   (results/h200-2026-11-27-fixes/followup/router_replay.log)
