@@ -47,6 +47,12 @@ def one_rank_megatron() -> Iterator:
         destroy_parallel()
 
 
+def device_name() -> str:
+    """What the checks run on: ``torch.cuda.get_device_name()`` of this process's current GPU, or
+    ``cpu`` without CUDA (the report's first line, and ``device`` in ``--json``)."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
 def run_local(names: Sequence[str], moe: bool = False) -> List[Check]:
     """The chosen checks on this machine alone, in `CHECKS` order."""
     from stapo_megatron.doctor import collectives, engine, kernels, steps, versions
@@ -114,7 +120,8 @@ def run_doctor(only: Optional[List[str]] = None, skip: Optional[List[str]] = Non
         rows = run_job(names, moe) if world_size > 1 else run_local(names, moe)
     if rows is None:
         return 0
-    print(report.to_json(rows) if as_json else report.format_table(rows), flush=True)
+    device = device_name()
+    print(report.to_json(rows, dict(device=device)) if as_json else report.format_table(rows, device), flush=True)
     return report.exit_code(rows)
 
 

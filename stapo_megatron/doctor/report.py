@@ -69,10 +69,12 @@ def run_check(name: str, fn: Callable[[], Check]) -> Check:
     return result
 
 
-def format_table(checks: Sequence[Check]) -> str:
-    """Fixed-width rows: name, status, seconds, detail."""
+def format_table(checks: Sequence[Check], device: Optional[str] = None) -> str:
+    """Fixed-width rows: name, status, seconds, detail; first a ``device: NAME`` line when
+    ``device`` is given (the log then names the machine it came from)."""
     width = max([len(c.name) for c in checks] + [5])
-    lines = [f"{'check':<{width}}  status  {'time':>7}  detail"]
+    lines = [f"device: {device}"] if device is not None else []
+    lines.append(f"{'check':<{width}}  status  {'time':>7}  detail")
     for c in checks:
         lines.append(f"{c.name:<{width}}  {c.status.upper():<6}  {c.seconds:>6.1f}s  {c.detail}")
     counts = {s: sum(c.status == s for c in checks) for s in (PASS, FAIL, SKIP)}

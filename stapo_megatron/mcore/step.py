@@ -81,7 +81,13 @@ def build_optimizer(ddp_model, optim: OptimConfig):
         params_dtype=config.params_dtype,
         use_distributed_optimizer=optim.use_distributed_optimizer,
     )
-    return get_megatron_optimizer(opt_config, [ddp_model])
+    optimizer = get_megatron_optimizer(opt_config, [ddp_model])
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        # megatron-core (0.16.1 - 0.19.2, optimizer/__init__.py) gives SGD no init_state_fn, which
+        # loading a checkpoint calls; SGD without momentum has no state to initialise
+        if opt.init_state_fn is None:
+            opt.init_state_fn = lambda inner, config=None: None
+    return optimizer
 
 
 def wrap_model_and_optimizer(model: torch.nn.Module, optim: OptimConfig):

@@ -4,20 +4,26 @@ This module owns the two passes over the logits that the op makes on a GPU; the 
 (``combine.reduce_stats``: MAX, then one packed SUM) and the autograd wiring (``triton_path``) are not here.
 
     forward   one read of each row's local shard, one program per row, looping over vocabulary
-              blocks with an online max. With z = x / T, per row:
+              blocks. With z = x / T, per row:
                   m_r = max_v z_v
                   s_r = sum_v exp(z_v - m_r)
                   w_r = sum_v exp(z_v - m_r) (z_v - m_r)
                   z_y = z_target if this shard owns the target, else 0
                   q_r = sum_v exp(2 (z_v - m_r))   (for the collision probability sum_v p_v^2)
               the partials ``combine.reduce_stats`` combines (``torch_path._local_stats`` gives
-              the same sums from a fused softmax). When the running max moves from m to
-              m', the sums already taken are rescaled: s <- a s, w <- a (w + (m - m') s),
-              q <- a^2 q with a = exp(m - m'), which is rare after the first blocks and done only then. Sums are
-              kept per lane and reduced once at the end of the row, so a block costs one
-              max-reduction and one exp per element. Unsharded (TP = 1), the kernel finishes the
-              row itself (log Z = m + log s, log p = z_y - log Z, H = log s - w / s,
-              sum p^2 = q / s^2) and writes only log p, H, log Z and sum p^2: no logits-sized buffer, and no extra launches.
+              the same sums from a fused softmax). Each lane of the block keeps its own maximum
+              and its own sums (an online softmax per lane), in base 2 with log2(e) folded into
+              1 / T: d = (x - x_max) log2(e) / T, e = 2^d, so an entry costs one exp2 and no
+              multiply by log2(e). When an entry raises its lane's maximum (d > 0), the lane's
+              sums so far are rescaled, s <- a s, w <- a (w - d s), q <- a^2 q with a = 2^-d,
+              and the entry counts 1; otherwise it adds e = 2^d: both from the one exp2 of -|d|.
+              Nothing is reduced across the block inside the loop (no block-wide max, no
+              barrier per block); the lanes are brought to the row's maximum once, at the end of
+              the row (one max-reduction, one exp2 per lane, three sums). Unsharded (TP = 1),
+              the kernel finishes the row itself (log Z = m + log s, log p = z_y - log Z,
+              H = log s - w / s, sum p^2 = q / s^2) and writes only log p, H, log Z and sum p^2:
+              no logits-sized buffer, and no extra launches. The reference m_r is the row's
+              largest raw logit times 1 / T in fp32, as the backward computes that entry's z.
     backward  one read of the logits and one write of the gradient per element, for the
               upstream gradients g (of log p) and h (of H):
                   d/dx_v = [ g (1[v = y] - p_v) - h p_v (log p_v + H) ] / T,
@@ -57,9 +63,12 @@ from triton.runtime.interpreter import InterpretedFunction
 # of `benchmarks/bench_logprob_entropy.py --device cuda --tune` (bf16 logits x V = 151,936, both
 # kernels swept at one shape) on that device:
 LAUNCH_SHAPES = (
-    # NVIDIA H200, 2026-11-27, N = 16,384: fwd+bwd 4.80 ms at 2048 / 4 (1.37x the 3-pass HBM bound)
-    # against 5.12 ms at 4096 / 8 (the run's table); no-grad 2.25 ms at 4096 / 8 (2048 / 4: 2.26), kept.
-    (r"\bH200\b", (2048, 4), (4096, 8)),
+    # NVIDIA H200, 2026-11-27, N = 16,384, two runs (benchmarks/results/h200-2026-11-27/op_16k.log and
+    # h200-2026-11-27-fixes/bench_logprob_entropy_16k.log), whose sweeps both put 2048 / 4 first:
+    # fwd+bwd 4.80 ms in each (1.37x the 3-pass HBM bound) against 5.10 / 4.99 ms at 4096 / 8;
+    # no-grad 2.26 / 2.35 ms against 2.54 / 2.43 ms at 4096 / 8. (Measured with the forward of
+    # one block-wide max per block; the per-lane forward has not been timed yet.)
+    (r"\bH200\b", (2048, 4), (2048, 4)),
     # NVIDIA H100 80GB HBM3, 2026-11-24, N = 4,096 (benchmarks/results/h100-2026-11-24/): fwd+bwd
     # 1.61 ms at 4096 / 8 (1.29x), the best; no-grad 0.62 ms at 2048 / 4 (1.49x the 1-pass bound)
     # against 0.69 ms at 4096 / 8 (the run's table; 0.76 in the sweep).
@@ -74,19 +83,27 @@ FORCED_SHAPE: Optional[Tuple[int, int]] = None
 # The most negative finite fp32 (0 * it is 0, 0 * -inf is NaN); a constexpr because kernels may
 # read no other kind of global.
 _NEG_MAX = tl.constexpr(-3.4028234663852886e38)
+# A lane's maximum before its first entry: finite, so that x - it is never -inf - (-inf); finite
+# logits are taken to be above it (-inf is masked vocabulary), and (x - it) log2(e) / T stays
+# finite for any x below 1e30 and T >= 1e-7.
+_SENTINEL = tl.constexpr(-1e30)
+_LN2 = tl.constexpr(0.6931471805599453)
+_LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _shard_stats_kernel(
     logits_ptr, row_stride, target_ptr,
     out0_ptr, out1_ptr, out2_ptr, out3_ptr, out4_ptr,
-    vocab_local, num_real, vocab_start, inv_temp,
+    vocab_local, num_real, vocab_start, inv_temp, log2e_inv_temp,
     FINALIZE: tl.constexpr, HAS_PADDING: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # row * row_stride overflows int32 past 2^31 elements
     row_ptr = logits_ptr + row * row_stride
     offs_B = tl.arange(0, BLOCK_V)
-    m = float("-inf")
+    # Per lane: the largest raw logit seen (a finite sentinel before the first) and the sums
+    # relative to it, in base 2: e = 2^d with d = (x - x_max) log2(e) / T.
+    x_max_B = tl.full([BLOCK_V], _SENTINEL, dtype=tl.float32)
     s_B = tl.zeros([BLOCK_V], dtype=tl.float32)
     w_B = tl.zeros([BLOCK_V], dtype=tl.float32)
     q_B = tl.zeros([BLOCK_V], dtype=tl.float32)
@@ -94,28 +111,30 @@ def _shard_stats_kernel(
         cols_B = start + offs_B
         # Loads are masked by the row length (a multiple of 16 when Megatron pads the vocabulary,
         # which keeps them vectorised); padding is then set to -inf.
-        x_B = tl.load(row_ptr + cols_B, mask=cols_B < vocab_local, other=float("-inf"))
-        z_B = x_B.to(tl.float32) * inv_temp
+        x_B = tl.load(row_ptr + cols_B, mask=cols_B < vocab_local, other=float("-inf")).to(tl.float32)
         if HAS_PADDING:
-            z_B = tl.where(cols_B < num_real, z_B, float("-inf"))
-        m_new = tl.maximum(m, tl.max(z_B, axis=0))
-        if m_new > m:  # rare after the first blocks: rescale the lanes' sums to the new max
-            shift = tl.maximum(m - m_new, _NEG_MAX)  # finite when m was -inf (the sums are 0 then)
-            scale = tl.exp(shift)
-            w_B = scale * (w_B + shift * s_B)
-            s_B = scale * s_B
-            q_B = (scale * scale) * q_B
-            m = m_new
-        # While every entry so far is -inf, measure from 0 so the sums stay 0 (not NaN).
-        ref = tl.where(m == float("-inf"), 0.0, m)
-        d_B = tl.maximum(z_B - ref, _NEG_MAX)
-        e_B = tl.exp(d_B)
-        w_B += e_B * d_B
-        s_B += e_B
-        q_B += e_B * e_B
-    s = tl.sum(s_B, axis=0)
-    w = tl.sum(w_B, axis=0)
-    q = tl.sum(q_B, axis=0)
+            x_B = tl.where(cols_B < num_real, x_B, float("-inf"))
+        # -inf (masked, padded) gives d = -inf, clamped so that e = 0 and e * d = 0
+        d_B = tl.maximum((x_B - x_max_B) * log2e_inv_temp, _NEG_MAX)
+        up_B = d_B > 0.0  # a new lane maximum: the old sums are rescaled by 2^-d, the new entry is 1
+        a_B = tl.exp2(-tl.abs(d_B))  # one exp2 serves both cases: 2^d when d <= 0, 2^-d when d > 0
+        old_B = tl.where(up_B, a_B, 1.0)  # factor of the sums so far
+        new_B = tl.where(up_B, 1.0, a_B)  # this entry's e relative to the (new) lane maximum
+        # w <- a (w - d s) on a new maximum, w + a d otherwise: w old + a d (-s or 1)
+        w_B = old_B * w_B + (a_B * d_B) * tl.where(up_B, -s_B, 1.0)
+        s_B = s_B * old_B + new_B
+        q_B = q_B * (old_B * old_B) + new_B * new_B
+        x_max_B = tl.maximum(x_max_B, x_B)
+    # the lanes to the row's maximum X, once per row: one exp2 and one max-reduction per lane
+    x_max = tl.max(x_max_B, axis=0)
+    shift_B = tl.maximum((x_max_B - x_max) * log2e_inv_temp, _NEG_MAX)  # <= 0; finite for sentinel lanes
+    scale_B = tl.exp2(shift_B)
+    s = tl.sum(scale_B * s_B, axis=0)
+    w = tl.sum(scale_B * (w_B + shift_B * s_B), axis=0) * _LN2  # base 2 -> natural units
+    q = tl.sum((scale_B * scale_B) * q_B, axis=0)
+    # the reference in natural units as the backward computes each z: fl(x inv_temp); -inf when
+    # nothing in the shard is finite (s = 0), as ``combine.packed_partials`` expects
+    m = tl.where(s > 0.0, x_max * inv_temp, float("-inf"))
     local_id = tl.load(target_ptr + row) - vocab_start
     owned = (local_id >= 0) & (local_id < num_real)
     x_y = tl.load(row_ptr + tl.where(owned, local_id, 0), mask=owned, other=0.0)
@@ -219,6 +238,7 @@ def shard_stats(
         with torch.cuda.device(logits_NV.device) if logits_NV.is_cuda else contextlib.nullcontext():
             _shard_stats_kernel[(num_rows,)](
                 logits_NV, logits_NV.stride(0), target_N, *outs, logits_NV.shape[1], num_real, vocab_start, inv_temp,
+                _LOG2E * inv_temp,
                 FINALIZE=finalize, HAS_PADDING=num_real < logits_NV.shape[1],
                 BLOCK_V=block_v, num_warps=num_warps,
             )

@@ -17,7 +17,8 @@ So the reported log-probs are those of the distribution the token was drawn from
 ``processed_logprobs`` (with top_p = 1 they equal Megatron's log_softmax(logits / T)). Row
 (prompt i, sample j) draws from a generator seeded ``seed + i * n + j`` (``seed[i] + j`` with one
 seed per prompt): the same seed gives the same samples whatever the batching (up to kernel-level
-numerics of padded batches).
+numerics of padded batches) and whatever the device (the generators and their noise are on the
+CPU; up to a near-tie that the device's rounding breaks the other way).
 
 Mixture-of-experts models (transformers' ``Qwen3MoeForCausalLM``): transformers 5 keeps each
 layer's experts fused in memory (``mlp.experts.gate_up_proj`` [E, 2I, H], gate rows first, and
@@ -67,9 +68,10 @@ class _SeededSampler:
             logp_BV = torch.log_softmax(z_BV / self.temperature, -1)
             if self.top_p < 1:
                 logp_BV = _top_p(logp_BV, self.top_p)
+            # drawn on the CPU: the same noise on any device, so a CUDA run samples what the CPU does
             gumbel_BV = torch.stack([
-                -torch.empty_like(logp_BV[b]).exponential_(generator=g).log() for b, g in enumerate(self.generators)
-            ])
+                -torch.empty(logp_BV.shape[-1]).exponential_(generator=g).log() for g in self.generators
+            ]).to(logp_BV.device)
             y_B = (logp_BV + gumbel_BV).argmax(-1)
         self.tokens.append(y_B)
         self.logprobs.append(logp_BV.gather(-1, y_B[:, None])[:, 0])
@@ -204,7 +206,7 @@ class HFEngine:
         # left padding: every row's next token is at the same (last) position
         input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts], device=self.device)
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
-        generators = [torch.Generator(device=self.device).manual_seed(s) for s in seeds]
+        generators = [torch.Generator().manual_seed(s) for s in seeds]  # CPU generators (`_SeededSampler`)
         sampler = _SeededSampler(generators, temperature, top_p)
         recorder = _RouteRecorder(self.model, len(prompts)) if self.config.return_routed_experts else None
         try:

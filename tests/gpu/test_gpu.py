@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy
-from tests.helpers import TESTS_DIR, HELPERS_DIR
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,23 +25,23 @@ def test_cuda_op_matches_cpu(dtype):
     # both accumulate in fp32; only the reduction order differs
     torch.testing.assert_close(lp_gpu.cpu(), lp_cpu.detach(), atol=1e-4, rtol=0)
     torch.testing.assert_close(h_gpu.cpu(), h_cpu, atol=1e-4, rtol=0)
-    # fp32: entries (onehot - p) / T differ by <= p / T x one ulp of log Z < 32 (2^-19): half of it the
-    # rounding of log Z in the Triton backward's exp(z - log Z), half both sides' exp (ex2.approx: 2 ulp) and sums
-    tol = 2**-19 / 0.7 if dtype == torch.float32 else 1e-2
+    # fp32: entries (onehot - p) / T differ by <= p / T x 1.5 ulps of log Z < 32 (2^-19 each): half an ulp
+    # the rounding of log Z in the Triton backward's exp(z - log Z); half both sides' exp (ex2.approx: 2 ulp)
+    # and sums; half the Triton forward's sums taking each entry's exact (x - x_max) log2(e) / T where the
+    # backward (and the CPU) take the rounded z = fl(x / T): its log Z moves by the p-weighted mean of those
+    # roundings, at most half an ulp of z (log Z - a few < z <= log Z < 32); 0.47 ulp for these inputs
+    # (float64 emulation of both forwards' sums)
+    tol = 1.5 * 2**-19 / 0.7 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(gpu.grad.cpu().float(), cpu.grad.float(), atol=tol, rtol=0)
 
 
 # --- the GPU path without transformer-engine, apex or vLLM ------------------------------------
 
 import contextlib  # noqa: E402
-import json  # noqa: E402
 import os  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 
-from tests.helpers.dist_utils import _free_port, run_distributed  # noqa: E402
+from tests.helpers.dist_utils import run_distributed  # noqa: E402
 
-HERE = TESTS_DIR
 PROMPT, RESPONSE, MBS, VOCAB = 4, 12, 2, 300
 
 
@@ -158,74 +157,6 @@ def test_stapo_convert_verify_on_cuda(tmp_path):
     save_tiny_hf_model(hf_dir, "qwen3", dtype=torch.float32, seed=0)
     assert main(["hf-to-mcore", "--hf-dir", hf_dir, "--out", ckpt]) == 0
     assert main(["verify", "--hf-dir", hf_dir, "--ckpt", ckpt, "--tp", "1", "--pp", "1"]) == 0
-
-
-def _trainer(run_dir, model_dir, steps, deadline):
-    """The trainer script in a fresh process (one rank, no torchrun agent); its output, each line
-    prefixed with the seconds since the launch at which it arrived. Killed at ``deadline``
-    (`time.monotonic`); a failure or a kill names the exit, the per-phase times and the tail."""
-    import threading
-    import time
-
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
-               WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, os.path.join(HELPERS_DIR, "hf_engine_trainer_script.py"), str(run_dir), str(model_dir),
-           str(steps)]
-    start, lines = time.monotonic(), []
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    reader = threading.Thread(target=lambda: lines.extend(f"{time.monotonic() - start:6.1f} {line.rstrip()}"
-                                                          for line in proc.stdout), daemon=True)
-    reader.start()
-    try:
-        returncode = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        returncode = f"killed after {time.monotonic() - start:.0f} s (the test's time limit)"
-        proc.wait()
-    reader.join(timeout=10)
-    out = "\n".join(lines)
-    phases = [line for line in lines if "[phase]" in line or "[warm-start]" in line or " | rollout " in line
-              or "resumed from" in line]
-    assert returncode == 0, (f"trainer ({steps} steps) exit {returncode}\nphases (s since launch):\n"
-                             + "\n".join(phases) + "\noutput tail:\n" + out[-4000:])
-    return out
-
-
-def _deadline(request, fraction=0.9):
-    """``fraction`` of pytest-timeout's limit from now (`time.monotonic`), 600 s without one: the
-    subprocesses are killed before pytest's timeout, so the failure shows their output."""
-    import time
-
-    limit = request.config.getoption("timeout", None) if request.config.pluginmanager.hasplugin("timeout") else None
-    return time.monotonic() + fraction * (float(limit) if limit else 600.0)
-
-
-def test_two_trainer_steps_checkpoint_and_resume_on_cuda(tmp_path, request):
-    """The tiny recipe on CUDA with the HF rollout engine (no vLLM): 2 steps with a checkpoint
-    each, then a resume that runs step 3. Two processes, 45 s and 32 s on the H200 (2026-11-27):
-    imports 10-14 s, CUDA and the first Triton compilations, a 2-step warm-start, one reward worker, no
-    evaluation (`tests/helpers/hf_engine_trainer_script.py`); a failure prints the phases' times.
-    After 2 warm-start steps most rewards are 0: what is checked here is the loop, the checkpoint
-    and the resume on CUDA; the update's numerics are `test_policy_update_on_cuda_equals_cpu`'s."""
-    from stapo_megatron.mcore import checkpoint as ckpt
-
-    deadline = _deadline(request)
-    model_dir, run_dir = tmp_path / "model", tmp_path / "run"
-    subprocess.run([sys.executable, os.path.join(HERE, "..", "examples", "prepare_tiny_model.py"), str(model_dir)],
-                   check=True, capture_output=True)
-    out = _trainer(run_dir, model_dir, 2, deadline)
-    assert "device cuda" in out
-    assert ckpt.find_latest(str(run_dir), world_size=1).endswith("step_00000002")
-    out = _trainer(run_dir, model_dir, 3, deadline)
-    assert "resumed from" in out and "(step 2)" in out, out[-4000:]
-    rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    train = [r for r in rows if r["kind"] == "train"]
-    assert [r["step"] for r in train] == [1, 2, 3]
-    for r in train:
-        assert r["skipped"] == 0 and r["response_len_mean"] > 0
-        # the HF engine samples with the weights Megatron trains (fp32 on both sides)
-        assert r["rollout_train_logprob_diff"] < 1e-4
-    assert ckpt.find_latest(str(run_dir), world_size=1).endswith("step_00000003")
 
 
 def _packed_and_cp_attention_worker(dtype, device):

@@ -109,6 +109,53 @@ def test_collision_matches_torch_path(interpreter, device, dtype, temperature, v
     _run(device, interpreter, check_collision_matches_torch_path, dtype, temperature, vocab_size)
 
 
+def check_lane_maxima(device):
+    """What the per-lane online maxima of the forward must get right, against float64 with rows of
+    1,000 entries in blocks of 64 (16 blocks): every entry a new lane maximum (ascending), none
+    after the first block (descending), one lane -inf in every block (masked), a lane whose
+    entries are all -inf but one late finite entry, all entries equal, and logits of 40 at
+    T = 0.5 (z up to ~200: the tolerance adds 4 ulps of fp32 at 256, the rounding of z itself).
+    Sharded (partials), each row split in two shards of 500 combined by ``combine``."""
+    _kernels(device)
+    vocab = 1000
+    ramp = torch.linspace(-6.0, 6.0, vocab)
+    gen = torch.Generator().manual_seed(3)
+    rows = [ramp, ramp.flip(0), torch.randn(vocab, generator=gen) * 3, torch.full((vocab,), 1.5),
+            torch.randn(vocab, generator=gen) * 40]
+    masked = torch.randn(vocab, generator=gen) * 3
+    masked[5::64] = float("-inf")  # one lane of every block
+    late = torch.randn(vocab, generator=gen) * 3
+    late[7::64] = float("-inf")
+    late[7 + 64 * 14] = 9.0  # that lane's only finite entry, and the row's maximum, in block 14
+    logits = torch.stack(rows + [masked, late])
+    target = torch.tensor([vocab - 1, 0, 17, 3, 500, 6, 7 + 64 * 14])
+    tol = VALUE_TOL + 4 * 2**-24 * 256
+    x = logits.double() / 0.5
+    logp_all = torch.log_softmax(x, -1)
+    p_all = logp_all.exp()
+    ref = (logp_all.gather(-1, target[:, None])[:, 0], -(p_all * logp_all.nan_to_num(0.0, 0.0, 0.0)).sum(-1),
+           p_all.square().sum(-1))
+    lp, h, collision = vocab_parallel_logprob_entropy(logits.to(device), target.to(device), impl="triton",
+                                                      temperature=0.5, with_collision=True)
+    for got, want in zip((lp, h, collision), ref):
+        torch.testing.assert_close(got.cpu().double(), want, atol=tol, rtol=0)
+    from stapo_megatron.ops import combine
+    from stapo_megatron.ops import triton_kernels as kernels
+
+    shards = [kernels.shard_stats(logits[:, r * 500:(r + 1) * 500].contiguous().to(device), target.to(device),
+                                  r * 500, 500, 1 / 0.5, finalize=False, with_grad=False) for r in (0, 1)]
+    global_m = torch.maximum(shards[0][0], shards[1][0])
+    packed = sum(combine.packed_partials(m, global_m, s_, w, z, q) for m, s_, w, z, q in shards)
+    _, lp2, h2, collision2 = combine.normalise(global_m, packed[0], packed[1], packed[2], packed[3])
+    for got, want in zip((lp2, h2, collision2), ref):
+        torch.testing.assert_close(got.cpu().double(), want, atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lane_maxima(interpreter, device):
+    _run(device, interpreter, check_lane_maxima)
+
+
 def check_no_grad_and_edge_shapes(device):
     _kernels(device)
     logits, target, _ = _inputs(torch.bfloat16, 300, 300, num_rows=5)
