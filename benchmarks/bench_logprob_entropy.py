@@ -361,16 +361,20 @@ def _tune(logits, target, w, reps, method, copy_ms):
 
     name = torch.cuda.get_device_name(logits.device) if logits.is_cuda else ""
     print(f"the table's shapes for {name!r} (with a gradient, without): {kernels.launch_shapes(name)}")
-    print(f"tuning at N = {logits.shape[0]}: | block | warps | no-grad fwd (ms) | / bound | fwd+bwd (ms) | / bound |")
-    for block, warps in TUNE_SHAPES:
-        kernels.FORCED_SHAPE = block, warps
-        t0 = _measure(method, logits, target, w, False, reps)[0]
-        t = _measure(method, logits, target, w, True, reps)[0]
-        print(
-            f"| {block} | {warps} | {t0:.2f} | {t0 / (0.5 * copy_ms):.2f} | {t:.2f} | {t / (1.5 * copy_ms):.2f} |",
-            flush=True,
-        )
-    kernels.FORCED_SHAPE = None
+    print(f"tuning at N = {logits.shape[0]}: | forward | block | warps | no-grad fwd (ms) | / bound | fwd+bwd (ms) "
+          "| / bound |")
+    for forward in kernels.FORWARD_VARIANTS:  # both statistics kernels (triton_kernels' docstring)
+        kernels.FORCED_FORWARD = forward
+        for block, warps in TUNE_SHAPES:
+            kernels.FORCED_SHAPE = block, warps
+            t0 = _measure(method, logits, target, w, False, reps)[0]
+            t = _measure(method, logits, target, w, True, reps)[0]
+            print(
+                f"| {forward} | {block} | {warps} | {t0:.2f} | {t0 / (0.5 * copy_ms):.2f} | {t:.2f} "
+                f"| {t / (1.5 * copy_ms):.2f} |",
+                flush=True,
+            )
+    kernels.FORCED_SHAPE = kernels.FORCED_FORWARD = None
 
 
 def main():

@@ -11,19 +11,28 @@ This module owns the two passes over the logits that the op makes on a GPU; the 
                   z_y = z_target if this shard owns the target, else 0
                   q_r = sum_v exp(2 (z_v - m_r))   (for the collision probability sum_v p_v^2)
               the partials ``combine.reduce_stats`` combines (``torch_path._local_stats`` gives
-              the same sums from a fused softmax). Each lane of the block keeps its own maximum
-              and its own sums (an online softmax per lane), in base 2 with log2(e) folded into
-              1 / T: d = (x - x_max) log2(e) / T, e = 2^d, so an entry costs one exp2 and no
-              multiply by log2(e). When an entry raises its lane's maximum (d > 0), the lane's
-              sums so far are rescaled, s <- a s, w <- a (w - d s), q <- a^2 q with a = 2^-d,
-              and the entry counts 1; otherwise it adds e = 2^d: both from the one exp2 of -|d|.
-              Nothing is reduced across the block inside the loop (no block-wide max, no
-              barrier per block); the lanes are brought to the row's maximum once, at the end of
-              the row (one max-reduction, one exp2 per lane, three sums). Unsharded (TP = 1),
-              the kernel finishes the row itself (log Z = m + log s, log p = z_y - log Z,
-              H = log s - w / s, sum p^2 = q / s^2) and writes only log p, H, log Z and sum p^2:
-              no logits-sized buffer, and no extra launches. The reference m_r is the row's
-              largest raw logit times 1 / T in fp32, as the backward computes that entry's z.
+              the same sums from a fused softmax). Two forwards compute them (``FORWARD_VARIANTS``):
+              "block" (``_shard_stats_kernel``, the one every device uses): an online maximum per
+              block; when the running max moves from m to m', the sums already taken are
+              rescaled, s <- a s, w <- a (w + (m - m') s), q <- a^2 q with a = exp(m - m'), which
+              is rare after the first blocks and done only then; sums are kept per lane and
+              reduced once at the end of the row, so a block costs one max-reduction and one exp
+              per element. "lane" (``_shard_stats_lane_kernel``, the candidate for Hopper, whose
+              "block" forward measured instruction-bound): each lane keeps its own maximum and
+              sums (an online softmax per lane), in base 2 with log2(e) folded into 1 / T:
+              d = (x - x_max) log2(e) / T, e = 2^d, one exp2 an entry; when an entry raises its
+              lane's maximum (d > 0) the lane's sums are rescaled, s <- a s, w <- a (w - d s),
+              q <- a^2 q with a = 2^-d, and the entry counts 1, otherwise it adds e = 2^d (both
+              from the one exp2 of -|d|); no block-wide reduction or barrier inside the loop, the
+              lanes brought to the row's maximum once at the end (its reference m_r is the row's
+              largest raw logit times 1 / T in fp32, as the backward computes that entry's z). It
+              trades the per-block reduction for more arithmetic per entry (21.7 against 13.6
+              instructions a logit in sm_90 PTX), so which is faster is the GPU's to say: it is
+              chosen per device only from a measured run (``benchmarks/bench_logprob_entropy.py``
+              times both). Unsharded (TP = 1), either kernel finishes the row itself
+              (log Z = m + log s, log p = z_y - log Z, H = log s - w / s, sum p^2 = q / s^2) and
+              writes only log p, H, log Z and sum p^2: no logits-sized buffer, and no extra
+              launches.
     backward  one read of the logits and one write of the gradient per element, for the
               upstream gradients g (of log p) and h (of H):
                   d/dx_v = [ g (1[v = y] - p_v) - h p_v (log p_v + H) ] / T,
@@ -66,8 +75,7 @@ LAUNCH_SHAPES = (
     # NVIDIA H200, 2026-11-27, N = 16,384, two runs (benchmarks/results/h200-2026-11-27/op_16k.log and
     # h200-2026-11-27-fixes/bench_logprob_entropy_16k.log), whose sweeps both put 2048 / 4 first:
     # fwd+bwd 4.80 ms in each (1.37x the 3-pass HBM bound) against 5.10 / 4.99 ms at 4096 / 8;
-    # no-grad 2.26 / 2.35 ms against 2.54 / 2.43 ms at 4096 / 8. (Measured with the forward of
-    # one block-wide max per block; the per-lane forward has not been timed yet.)
+    # no-grad 2.26 / 2.35 ms against 2.54 / 2.43 ms at 4096 / 8 (the "block" forward).
     (r"\bH200\b", (2048, 4), (2048, 4)),
     # NVIDIA H100 80GB HBM3, 2026-11-24, N = 4,096 (benchmarks/results/h100-2026-11-24/): fwd+bwd
     # 1.61 ms at 4096 / 8 (1.29x), the best; no-grad 0.62 ms at 2048 / 4 (1.49x the 1-pass bound)
@@ -79,6 +87,16 @@ DEFAULT_LAUNCH_SHAPES = ((4096, 8), (4096, 8))
 
 FORCED_SHAPE: Optional[Tuple[int, int]] = None
 """(B, warps) for every launch when set: the benchmark's sweep, the tests' small blocks."""
+
+FORWARD_VARIANTS = ("block", "lane")
+"""The two statistics kernels (module docstring). Every device runs "block", the one measured; a
+device moves to "lane" only with a measured run that puts it first (``LANE_FORWARD_DEVICES``)."""
+
+LANE_FORWARD_DEVICES: Tuple[str, ...] = ()
+"""Device-name patterns whose forward is "lane" (none yet: it has not been timed on a GPU)."""
+
+FORCED_FORWARD: Optional[str] = None
+"""One of ``FORWARD_VARIANTS`` for every launch when set: the benchmark's comparison, the tests."""
 
 # The most negative finite fp32 (0 * it is 0, 0 * -inf is NaN); a constexpr because kernels may
 # read no other kind of global.
@@ -93,6 +111,65 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _shard_stats_kernel(
+    logits_ptr, row_stride, target_ptr,
+    out0_ptr, out1_ptr, out2_ptr, out3_ptr, out4_ptr,
+    vocab_local, num_real, vocab_start, inv_temp, log2e_inv_temp,
+    FINALIZE: tl.constexpr, HAS_PADDING: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # row * row_stride overflows int32 past 2^31 elements
+    row_ptr = logits_ptr + row * row_stride
+    offs_B = tl.arange(0, BLOCK_V)
+    m = float("-inf")
+    s_B = tl.zeros([BLOCK_V], dtype=tl.float32)
+    w_B = tl.zeros([BLOCK_V], dtype=tl.float32)
+    q_B = tl.zeros([BLOCK_V], dtype=tl.float32)
+    for start in range(0, num_real, BLOCK_V):
+        cols_B = start + offs_B
+        # Loads are masked by the row length (a multiple of 16 when Megatron pads the vocabulary,
+        # which keeps them vectorised); padding is then set to -inf.
+        x_B = tl.load(row_ptr + cols_B, mask=cols_B < vocab_local, other=float("-inf"))
+        z_B = x_B.to(tl.float32) * inv_temp
+        if HAS_PADDING:
+            z_B = tl.where(cols_B < num_real, z_B, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z_B, axis=0))
+        if m_new > m:  # rare after the first blocks: rescale the lanes' sums to the new max
+            shift = tl.maximum(m - m_new, _NEG_MAX)  # finite when m was -inf (the sums are 0 then)
+            scale = tl.exp(shift)
+            w_B = scale * (w_B + shift * s_B)
+            s_B = scale * s_B
+            q_B = (scale * scale) * q_B
+            m = m_new
+        # While every entry so far is -inf, measure from 0 so the sums stay 0 (not NaN).
+        ref = tl.where(m == float("-inf"), 0.0, m)
+        d_B = tl.maximum(z_B - ref, _NEG_MAX)
+        e_B = tl.exp(d_B)
+        w_B += e_B * d_B
+        s_B += e_B
+        q_B += e_B * e_B
+    s = tl.sum(s_B, axis=0)
+    w = tl.sum(w_B, axis=0)
+    q = tl.sum(q_B, axis=0)
+    local_id = tl.load(target_ptr + row) - vocab_start
+    owned = (local_id >= 0) & (local_id < num_real)
+    x_y = tl.load(row_ptr + tl.where(owned, local_id, 0), mask=owned, other=0.0)
+    z_y = tl.where(owned, x_y.to(tl.float32) * inv_temp, 0.0)
+    if FINALIZE:
+        log_s = tl.log(s)
+        log_z = m + log_s
+        tl.store(out0_ptr + row, z_y - log_z)  # log p
+        tl.store(out1_ptr + row, log_s - w / s)  # H
+        tl.store(out2_ptr + row, log_z)
+        tl.store(out3_ptr + row, q / (s * s))  # sum_v p_v^2
+    else:
+        tl.store(out0_ptr + row, m)
+        tl.store(out1_ptr + row, s)
+        tl.store(out2_ptr + row, w)
+        tl.store(out3_ptr + row, z_y)
+        tl.store(out4_ptr + row, q)
+
+
+@triton.jit
+def _shard_stats_lane_kernel(
     logits_ptr, row_stride, target_ptr,
     out0_ptr, out1_ptr, out2_ptr, out3_ptr, out4_ptr,
     vocab_local, num_real, vocab_start, inv_temp, log2e_inv_temp,
@@ -202,6 +279,17 @@ def launch_shapes(device_name: str) -> Tuple[Tuple[int, int], Tuple[int, int]]:
     return DEFAULT_LAUNCH_SHAPES
 
 
+def forward_variant(logits_NV) -> str:
+    """The statistics kernel for ``logits_NV``'s device: ``FORCED_FORWARD``, else "lane" on a
+    device of ``LANE_FORWARD_DEVICES``, else "block"."""
+    if FORCED_FORWARD is not None:
+        if FORCED_FORWARD not in FORWARD_VARIANTS:
+            raise ValueError(f"FORCED_FORWARD={FORCED_FORWARD!r}: one of {FORWARD_VARIANTS}")
+        return FORCED_FORWARD
+    name = torch.cuda.get_device_name(logits_NV.device) if logits_NV.is_cuda else ""
+    return "lane" if any(re.search(pattern, name) for pattern in LANE_FORWARD_DEVICES) else "block"
+
+
 def _launch_shape(logits_NV, vocab: int, with_grad: bool) -> Tuple[int, int]:
     """(B, warps) of a launch over rows of ``vocab`` entries: B no larger than the row needs."""
     if FORCED_SHAPE is not None:
@@ -236,7 +324,8 @@ def shard_stats(
     if num_rows:
         block_v, num_warps = _launch_shape(logits_NV, num_real, with_grad)
         with torch.cuda.device(logits_NV.device) if logits_NV.is_cuda else contextlib.nullcontext():
-            _shard_stats_kernel[(num_rows,)](
+            kernel = _shard_stats_lane_kernel if forward_variant(logits_NV) == "lane" else _shard_stats_kernel
+            kernel[(num_rows,)](
                 logits_NV, logits_NV.stride(0), target_N, *outs, logits_NV.shape[1], num_real, vocab_start, inv_temp,
                 _LOG2E * inv_temp,
                 FINALIZE=finalize, HAS_PADDING=num_real < logits_NV.shape[1],

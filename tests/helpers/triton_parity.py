@@ -36,8 +36,9 @@ GRAD_ATOL = 1e-6
 PATH_GRAD_ATOL = {torch.float32: 1e-5, torch.bfloat16: 4 * 2**-8 * 8, torch.float16: 4 * 2**-11 * 8}
 
 
-def _kernels(device):
-    """The kernel module, after checking it runs the way this test means it to."""
+def _kernels(device, forward=None):
+    """The kernel module, after checking it runs the way this test means it to; ``forward``: the
+    statistics kernel to force (`triton_kernels.FORCED_FORWARD`; None: the device's own)."""
     if device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported in this process
     from triton.runtime.interpreter import InterpretedFunction
@@ -46,6 +47,7 @@ def _kernels(device):
 
     assert isinstance(kernels._shard_stats_kernel, InterpretedFunction) == (device == "cpu")
     kernels.FORCED_SHAPE = (BLOCK_V, 4)
+    kernels.FORCED_FORWARD = forward
     return kernels
 
 

@@ -1,6 +1,6 @@
-"""Tier a: the Triton kernels themselves without a GPU: compiled for one (no launch), the forward's
-loop as the module docstring describes it (one exp2 an entry, log2(e) folded into 1 / T, no
-block-wide reduction inside the loop), and their launch shapes per device."""
+"""Tier a: the Triton kernels themselves without a GPU: compiled for one (no launch), the "lane"
+forward's loop as the module docstring describes it (one exp2 an entry, log2(e) folded into 1 / T,
+no block-wide reduction inside the loop), and their launch shapes per device."""
 
 from __future__ import annotations
 
@@ -60,8 +60,8 @@ def _sm90_ptx(fn, sig, constexprs, num_warps):
 
 
 @pytest.mark.parametrize("block_v,num_warps", [(2048, 4), (4096, 8)])
-def test_forward_loop_is_one_exp2_an_entry_without_block_reductions(block_v, num_warps):
-    """The statistics kernel's loop over vocabulary blocks, compiled for sm_90: each thread's
+def test_lane_forward_loop_is_one_exp2_an_entry_without_block_reductions(block_v, num_warps):
+    """The "lane" statistics kernel's loop over vocabulary blocks, compiled for sm_90: each thread's
     B / (32 warps) entries cost one ``ex2`` each; no barrier or warp shuffle inside the loop (each
     lane keeps its own maximum; the lanes meet once, after the loop); and no multiply by log2(e)
     anywhere (0f3FB8AA3B, what ``tl.exp`` emits before its ``ex2``): it is folded into 1 / T."""
@@ -77,7 +77,7 @@ def test_forward_loop_is_one_exp2_an_entry_without_block_reductions(block_v, num
                out2_ptr="*fp32", out3_ptr="*fp32", out4_ptr="*fp32", vocab_local="i32", num_real="i32",
                vocab_start="i32", inv_temp="fp32", log2e_inv_temp="fp32",
                FINALIZE="constexpr", HAS_PADDING="constexpr", BLOCK_V="constexpr")
-    ptx = _sm90_ptx(kernels._shard_stats_kernel, sig, {"FINALIZE": True, "HAS_PADDING": False, "BLOCK_V": block_v},
+    ptx = _sm90_ptx(kernels._shard_stats_lane_kernel, sig, {"FINALIZE": True, "HAS_PADDING": False, "BLOCK_V": block_v},
                     num_warps).splitlines()
     header = next(i for i, line in enumerate(ptx) if line.endswith("// %.lr.ph"))  # the loop's first block
     label = ptx[header].split(":")[0]

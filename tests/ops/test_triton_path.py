@@ -39,10 +39,11 @@ def _run(device, interpreter, check, *args):
         return check(device, *args)
     finally:  # the native module is shared with the rest of the session
         kernels.FORCED_SHAPE = None
+        kernels.FORCED_FORWARD = None
 
 
-def check_matches_torch_path(device, dtype, temperature, vocab_size, entropy_grad, inplace):
-    _kernels(device)
+def check_matches_torch_path(device, dtype, temperature, vocab_size, entropy_grad, inplace, forward=None):
+    _kernels(device, forward)
     logits, target, upstream = _inputs(dtype, 300, vocab_size)
     logits, target, upstream = logits.to(device), target.to(device), upstream.to(device)
     kw = dict(temperature=temperature, vocab_size=vocab_size)
@@ -109,14 +110,14 @@ def test_collision_matches_torch_path(interpreter, device, dtype, temperature, v
     _run(device, interpreter, check_collision_matches_torch_path, dtype, temperature, vocab_size)
 
 
-def check_lane_maxima(device):
-    """What the per-lane online maxima of the forward must get right, against float64 with rows of
+def check_lane_maxima(device, forward):
+    """What an online maximum (per block, or per lane: ``forward``) must get right, against float64 with rows of
     1,000 entries in blocks of 64 (16 blocks): every entry a new lane maximum (ascending), none
     after the first block (descending), one lane -inf in every block (masked), a lane whose
     entries are all -inf but one late finite entry, all entries equal, and logits of 40 at
     T = 0.5 (z up to ~200: the tolerance adds 4 ulps of fp32 at 256, the rounding of z itself).
     Sharded (partials), each row split in two shards of 500 combined by ``combine``."""
-    _kernels(device)
+    _kernels(device, forward)
     vocab = 1000
     ramp = torch.linspace(-6.0, 6.0, vocab)
     gen = torch.Generator().manual_seed(3)
@@ -152,8 +153,20 @@ def check_lane_maxima(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_lane_maxima(interpreter, device):
-    _run(device, interpreter, check_lane_maxima)
+@pytest.mark.parametrize("forward", ["block", "lane"])
+def test_online_maxima(interpreter, device, forward):
+    _run(device, interpreter, check_lane_maxima, forward)
+
+
+def check_lane_forward_matches_torch_path(device, dtype, temperature, vocab_size):
+    """The "lane" forward (no device runs it by default yet) against the torch path, as the default."""
+    check_matches_torch_path(device, dtype, temperature, vocab_size, True, False, forward="lane")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_lane_forward_matches_torch_path(interpreter, device, dtype):
+    _run(device, interpreter, check_lane_forward_matches_torch_path, dtype, 0.7, 257)
 
 
 def check_no_grad_and_edge_shapes(device):
