@@ -27,8 +27,8 @@ def test_cuda_op_matches_cpu(dtype):
     torch.testing.assert_close(h_gpu.cpu(), h_cpu, atol=1e-4, rtol=0)
     # fp32: entries (onehot - p) / T differ by <= p / T x 1.5 ulps of log Z < 32 (2^-19 each): half an ulp
     # the rounding of log Z in the Triton backward's exp(z - log Z); half both sides' exp (ex2.approx: 2 ulp)
-    # and sums; half the "lane" Triton forward's sums (if a device runs it) taking each entry's exact (x - x_max) log2(e) / T where the
-    # backward (and the CPU) take the rounded z = fl(x / T): its log Z moves by the p-weighted mean of those
+    # and sums; half the "lane" Triton forward's sums (where a device runs it) taking each entry's exact
+    # (x - x_max) log2(e) / T where the backward (and the CPU) take the rounded z = fl(x / T): its log Z moves by the p-weighted mean of those
     # roundings, at most half an ulp of z (log Z - a few < z <= log Z < 32); 0.47 ulp for these inputs
     # (float64 emulation of both forwards' sums)
     tol = 1.5 * 2**-19 / 0.7 if dtype == torch.float32 else 1e-2
