@@ -5,7 +5,7 @@ To tell which weights sampled a token, the tests load *constant-logit* weights: 
 layer's output projections zeroed (each layer adds nothing to the residual stream), every
 embedding row and the final norm ones (so the final hidden state is the all-ones vector at every
 position), and lm_head row v = logits[v] / hidden x ones, so the next-token logits are
-``logits`` whatever the context. With ``logits`` 0 but FORCED_LOGIT at FORCED, every token those
+``logits`` whatever the context (`stapo_megatron.doctor.engine.constant_logit_weights`). With ``logits`` 0 but FORCED_LOGIT at FORCED, every token those
 weights sample is FORCED (its probability at T = 0.7 is 1 - 299 e^-71, log-prob > -1e-20);
 the random weights sample FORCED with probability about 1/300.
 """
@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from stapo_megatron.bridge.tiny import save_tiny_hf_model
+from stapo_megatron.doctor.engine import constant_logit_weights
 from tests.helpers.engine_parity import LOGPROB_ATOL, vllm_prompt_logprobs
 from tests.helpers.tiny_vllm import tiny_vllm_engine
 
@@ -42,21 +43,6 @@ def restore(engine):
     """Put the random weights back after a test that loads others."""
     yield
     engine.update_weights(engine.random_weights.items())
-
-
-def constant_logit_weights(weights: dict, logits_V: torch.Tensor) -> dict:
-    """``weights`` changed so that the next-token logits are ``logits_V`` at every position (see
-    the module docstring)."""
-    out = {}
-    for name, w in weights.items():
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            w = torch.zeros_like(w)
-        elif name in ("model.embed_tokens.weight", "model.norm.weight"):
-            w = torch.ones_like(w)
-        elif name == "lm_head.weight":
-            w = (logits_V / w.shape[1])[:, None].expand_as(w).contiguous()
-        out[name] = w
-    return out
 
 
 def forcing_weights(engine) -> dict:
