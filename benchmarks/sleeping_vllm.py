@@ -82,7 +82,7 @@ class SleepingLLMEngine:
             cache_config=types.SimpleNamespace(block_size=BLOCK_SIZE,
                                                # one more: vLLM's block pool keeps one as its null block
                                                num_gpu_blocks=decode.kv_capacity_tokens // BLOCK_SIZE + 1),
-            scheduler_config=types.SimpleNamespace(max_num_seqs=decode.max_num_seqs))
+            scheduler_config=types.SimpleNamespace(max_num_seqs=decode.max_num_seqs, async_scheduling=False))
         self.running: Dict[str, _Request] = {}  # in the order they started (preemption takes the last)
         self.waiting: Deque[_Request] = collections.deque()  # added or preempted, in line
         self.drawn: Dict[int, int] = {}  # prompt index -> requests added for it

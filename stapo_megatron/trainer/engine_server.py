@@ -77,6 +77,8 @@ def engine_config(rollout: RolloutSampling, seed: int, return_routes: bool, max_
         enable_sleep_mode=r.sleep_during_training and r.placement == "colocated" and torch.cuda.is_available(),
         # asleep, the weights are dropped (wake_and_sync rewrites them); the trainer syncs before any generate
         sleep_level=2, load_format="dummy", enforce_eager=r.enforce_eager,
+        # a streaming engine takes weights between two iterations: none in flight there
+        async_scheduling=False if r.streaming else None,
     )
 
 

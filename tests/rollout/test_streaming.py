@@ -5,7 +5,7 @@ To tell which weights sampled a token, the tests load *constant-logit* weights: 
 layer's output projections zeroed (each layer adds nothing to the residual stream), every
 embedding row and the final norm ones (so the final hidden state is the all-ones vector at every
 position), and lm_head row v = logits[v] / hidden x ones, so the next-token logits are
-``logits`` whatever the context. With ``logits`` 0 but FORCED_LOGIT at FORCED, every token those
+``logits`` whatever the context (`stapo_megatron.doctor.engine.constant_logit_weights`). With ``logits`` 0 but FORCED_LOGIT at FORCED, every token those
 weights sample is FORCED (its probability at T = 0.7 is 1 - 299 e^-71, log-prob > -1e-20);
 the random weights sample FORCED with probability about 1/300.
 """
@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from stapo_megatron.bridge.tiny import save_tiny_hf_model
+from stapo_megatron.doctor.engine import constant_logit_weights
 from tests.helpers.engine_parity import LOGPROB_ATOL, vllm_prompt_logprobs
 from tests.helpers.tiny_vllm import tiny_vllm_engine
 
@@ -42,21 +43,6 @@ def restore(engine):
     """Put the random weights back after a test that loads others."""
     yield
     engine.update_weights(engine.random_weights.items())
-
-
-def constant_logit_weights(weights: dict, logits_V: torch.Tensor) -> dict:
-    """``weights`` changed so that the next-token logits are ``logits_V`` at every position (see
-    the module docstring)."""
-    out = {}
-    for name, w in weights.items():
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            w = torch.zeros_like(w)
-        elif name in ("model.embed_tokens.weight", "model.norm.weight"):
-            w = torch.ones_like(w)
-        elif name == "lm_head.weight":
-            w = (logits_V / w.shape[1])[:, None].expand_as(w).contiguous()
-        out[name] = w
-    return out
 
 
 def forcing_weights(engine) -> dict:
@@ -221,6 +207,64 @@ def test_kept_kv_is_the_old_weights_and_recomputed_kv_the_new(engine, restore, t
         gaps[mode] = after.abs().max().item()
     assert gaps["recompute"] <= LOGPROB_ATOL
     assert gaps["in_flight"] > 0.05  # unrelated weights: O(0.1 - 1) nats
+
+
+def stream_across_a_load(engine, mode: str, stepped=None):
+    """Two groups of 2 (seeds 500, 510) on ``stepped`` (a stand-in over ``engine``; None: ``engine``),
+    forcing weights loaded in ``mode`` after 6 `step` calls, run to the end: the generator and its
+    groups."""
+    engine.update_weights(engine.random_weights.items())
+    gen = generator(stepped or engine)
+    for i, prompt in enumerate(PROMPTS[:2]):
+        assert gen.admit(prompt, seed=500 + 10 * i, trained_version=0)
+    first = gen.step()
+    for _ in range(5):
+        gen.step()
+    gen.load_weights(forcing_weights(engine).items(), version=1, mode=mode)
+    run_to_end(gen)
+    gen.first_step_tokens = first
+    return gen, gen.take()
+
+
+@pytest.mark.parametrize("mode", ["in_flight", "recompute"])
+def test_an_engine_returning_tokens_one_call_late_stamps_the_weights_that_sampled_them(engine, restore, mode):
+    """vLLM's async scheduling (its default on CUDA): a `step` call schedules iteration c and
+    returns the tokens of c - 1, so at a load iteration c is in flight under the old weights. The
+    same seeded stream on the real engine and behind that contract (tests/helpers/lagging_vllm.py,
+    the same real engine): identical groups, every response's first 6 tokens (iterations 1 - 6,
+    all scheduled before the load) version 0 and the rest version 1 and FORCED; the group's
+    completed_step is the iteration that sampled its last token (24) on both. The lagging
+    generator's first call only schedules (0 tokens while 4 samples run) and it takes one call
+    more to the end (25)."""
+    from tests.helpers.lagging_vllm import LaggingEngine
+
+    sync_gen, sync = stream_across_a_load(engine, mode)
+    lagging = LaggingEngine(engine)
+    lag_gen, late = stream_across_a_load(engine, mode, lagging)
+    for want, got in zip(sync, late):
+        for a, b in zip(want.samples, got.samples):
+            assert b.token_ids == a.token_ids and b.logprobs == a.logprobs
+            assert a.versions == b.versions == [0] * 6 + [1] * 18 and b.token_ids[6:] == [FORCED] * 18
+    assert [t for g in late for s in g.samples for t in s.token_ids[:6]].count(FORCED) <= 1  # random weights'
+    assert [g.completed_step for g in sync] == [g.completed_step for g in late] == [24, 24]
+    assert (sync_gen.first_step_tokens, lag_gen.first_step_tokens) == (4, 0)
+    assert (sync_gen.num_steps, lag_gen.num_steps, lagging.llm.llm_engine.calls) == (24, 25, 25)
+    assert (sync_gen.output_lag, lag_gen.output_lag) == (0, 1)
+
+
+def test_streaming_engines_turn_async_scheduling_off():
+    """A streaming run's engines are built with vLLM's async scheduling off (no iteration in
+    flight at a load); other runs leave vLLM's default (None: on for CUDA)."""
+    from stapo_megatron.rollout.config import RolloutSampling
+    from stapo_megatron.rollout.vllm_engine import engine_kwargs
+    from stapo_megatron.trainer.engine_server import engine_config
+
+    streaming = RolloutSampling(streaming=True, placement="separate", engine_ranks=1, max_staleness=1, engine="vllm")
+    for rollout, expected in ((streaming, False), (RolloutSampling(), None)):
+        config = engine_config(rollout, seed=0, return_routes=False, max_sequence_len=256, bf16=True)
+        assert config.async_scheduling is expected
+        for on_gpu in (True, False):
+            assert engine_kwargs(config, on_gpu, 1, True)["async_scheduling"] is expected
 
 
 def test_drain_loads_after_running_requests(engine, restore):
