@@ -5,6 +5,13 @@ named constants, so that the launch defaults (time limit x requeues, the save-be
 signal) are derived from a stated number and a dry run can show it. A real run's
 ``time_step`` metric replaces it (`stapo_megatron.runlog.progress`).
 
+Streaming rollouts (``rollout.streaming``) are estimated by the calibrated cost model that the
+rollout-schedule simulator runs on (`stapo_megatron.recipes.step_model.streaming_step`: the
+engines' decode iterations and prefill at the samples their KV reservation admits, the trainer's
+forward passes and update with the recipe's recompute, the weight transfer; within 10% of the
+simulator's queue schedule, ``tests/benchmarks/test_sim_recipe.py``). Every other placement is
+the written model below.
+
 Step = rollout (vLLM decode, memory-bandwidth bound) + training (Megatron, FLOP bound), or the
 longer of the two with separate placement and ``rollout.max_staleness`` >= 1 (each on its own GPUs):
     rollout  = decode steps x (this GPU's weight shard + the KV cache read per decode step) / HBM
@@ -48,6 +55,8 @@ class StepTime:
     overlapped: bool = False
     """Separate placement with ``rollout.max_staleness`` >= 1: the engines generate the next step
     while the trainers train this one, so a step takes the longer of the two."""
+    source: str = "recipes/step_time.py"
+    """The model the estimate comes from (the dry run names it)."""
 
     @property
     def total_s(self) -> float:
@@ -58,10 +67,18 @@ class StepTime:
 def estimate_step_time(spec, layout, cfg) -> StepTime:
     """The step time of ``cfg`` on ``layout`` (a `memory.ParallelLayout` after overrides) for ``spec``.
 
-    Evaluation (every ``eval.every`` steps) and the weight sync are not included.
+    Evaluation (every ``eval.every`` steps) is not included, nor the weight sync but with
+    streaming rollouts (`step_model.streaming_step`, the calibrated model).
     """
     from stapo_megatron.bridge.hf_config import num_active_params, num_params
     from stapo_megatron.recipes.memory import memory_estimate
+
+    if cfg.rollout.streaming and layout.engine_ranks:
+        from stapo_megatron.recipes import step_model
+
+        rollout_s, training_s = step_model.streaming_step(step_model.streaming_job(spec, layout, cfg))
+        return StepTime(rollout_s=rollout_s, training_s=training_s, overlapped=True,
+                        source="recipes/step_model.py, the simulator's calibrated model")
 
     n = num_params(spec)  # decode reads every weight (a batch of sequences touches every expert)
     sequences = cfg.prompts_per_step * cfg.rollout.group_size
