@@ -23,22 +23,29 @@ Stand-ins, for hardware this machine lacks (they sleep, so they need no cores):
   values mean nothing else. ``update_weights`` sleeps the separate weight transfer (after the first).
 - `sleeping_vllm.SleepingVLLM` stands in for the same engine driven request by request (streaming
   rollouts): a decode iteration of the running requests at a time, priced by the same model.
-- the update: every trainer sleeps the modelled pi_old forward and update of the step's trained
-  tokens, all replicas' (`sim_model.train_phase_s` on the trainer GPUs), divided by ``--scale``.
+- the update: every trainer sleeps the modelled forward passes and update of the step's trained
+  tokens, all replicas' (`sim_model.trainer_s` on the trainer GPUs: pi_old alone, or with
+  ``--recipe`` the streaming recipe's pi_old and exact tau_H passes and a recomputed update),
+  divided by ``--scale``.
 - the weight sync: the colocated switch (sleep, wake, reload) or the separate transfer
   (`sim_model.switch_s`), scaled, after a real bucket of a few bytes went through the transport.
 
 The simulator's figures come from `sim_schedules.colocated`, ``separate`` and ``partial`` and
 `sim_streaming.streaming` on the same job, prompts and lengths (a GPU per trainer rank and per
-engine); streaming at the KV reservation the generator makes (every sample's prompt plus
-``--reserve-tokens``, default ``max_tokens``: ``kv_reserve`` = (mean prompt + reserve) / (mean
-prompt + mean response); below ``max_tokens`` both preempt). Every figure is in the
+engine; a trainer rank's prompts a contiguous share of the step's, as the trainer's are);
+streaming in the built schedule (``--sim-schedule slices``; ``queue``: the one being built) at
+the generator's KV reservation (every sample's prompt plus ``--reserve-tokens``, default
+``max_tokens``: ``kv_reserve`` = (mean prompt + reserve) / (mean prompt + mean response)). The
+streaming recipe's split, a replica over several engines, is ``--trainers`` below ``--engines``;
+``--recipe`` takes the recipe's reservation, eta and trainer passes (``qwen3_8b_stream``). Every figure is in the
 simulator's seconds (the harness's wall seconds times ``--scale``), steady state over the steps
 after ``--warmup``. The harness's differences from the simulator are what the control plane adds:
 its barriers, its serialisation, its per-message costs.
 
     PYTHONPATH=benchmarks .venv/bin/python benchmarks/control_plane.py            # ~2-3 min
     PYTHONPATH=benchmarks .venv/bin/python benchmarks/control_plane.py --schedules streaming --reserve-tokens 3800
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/control_plane.py --schedules streaming --recipe \
+        --trainers 1 --engines 3 --prompts 6                     # the recipe's split and reservation
 """
 
 from __future__ import annotations
@@ -52,7 +59,7 @@ import time
 import types
 from typing import Dict, List, Optional, Sequence
 
-from sim_model import H100, PAPER_LENGTHS, QWEN3_8B, Lengths, Prompt, sample_prompts, switch_s, train_phase_s
+from sim_model import H100, PAPER_LENGTHS, QWEN3_8B, Lengths, Prompt, sample_prompts, switch_s, trainer_s
 from sim_schedules import Engine, Job, colocated, partial, separate, steady
 from sim_streaming import streaming
 from sleeping_vllm import SleepingVLLM
@@ -82,18 +89,27 @@ class Setup:
     eta: int = 2
     """Streaming rollouts' off-policyness bound (``rollout.max_staleness``)."""
     stream_iterations: int = 8
-    """Streaming: decode iterations a step of the stand-in runs (`sleeping_vllm.SleepingLLMEngine`):
-    at 1 the engine server's and generator's Python between two iterations (about 0.1 ms) is near
-    an iteration's sleep (14 ms / ``scale``), and a loaded machine's falls behind it."""
+    """Streaming: decode iterations a step of the stand-in runs (`sleeping_vllm.SleepingLLMEngine`;
+    at 1 the Python between two iterations, ~0.1 ms, is near an iteration's sleep, 14 ms / ``scale``)."""
     reserve_tokens: Optional[int] = None
     """Streaming: response tokens of KV reserved per sample (``rollout.stream_reserve_tokens``)."""
+    forwards: int = 1
+    """Forward passes before the update; ``recompute``: full recompute in the update."""
+    recompute: bool = False
+    sim_schedule: str = "slices"
+    """The simulator's streaming schedule (`sim_streaming.SCHEDULES`): the built one by default."""
     lengths: Lengths = PAPER_LENGTHS
     seed: int = 0
 
     def job(self, schedule: str) -> Job:
         gpus = self.trainers + (0 if schedule == "colocated" else self.engines)
         return Job(QWEN3_8B, H100, num_gpus=gpus, engine_tp=1, prompts_per_step=self.prompts_per_step,
-                   group=self.group, lengths=self.lengths)
+                   group=self.group, lengths=self.lengths, forwards=self.forwards, recompute=self.recompute)
+
+    def mine(self, step: int, rank: int) -> List[Prompt]:
+        """Trainer ``rank``'s prompts of ``step``: its contiguous share, as the trainer's are."""
+        per = self.prompts_per_step // self.trainers
+        return self.batch(step)[rank * per:(rank + 1) * per]
 
     def prompts(self) -> List[Prompt]:
         """The data order: enough prompts for every step and the pools' look-ahead."""
@@ -206,7 +222,7 @@ def _trainer(setup: Setup, schedule: str, rank: int) -> dict:
     else:
         dist.init_process_group("gloo", rank=rank, world_size=setup.trainers)
         engine, switch = SleepingEngine(setup, separate=False), switch_s(QWEN3_8B, job.eff, colocated=True)
-    mine = lambda step: setup.batch(step)[rank::setup.trainers]  # noqa: E731  (this replica's share)
+    mine = lambda step: setup.mine(step, rank)  # noqa: E731  (this replica's share)
     synced = []
 
     def sync(engine, wake):
@@ -230,8 +246,7 @@ def _trainer(setup: Setup, schedule: str, rank: int) -> dict:
         every: List[Optional[list]] = [None] * setup.trainers
         dist.all_gather_object(every, tokens)
         trained = [t for part in every for t in part]
-        train = sum(train_phase_s(QWEN3_8B, H100, job.eff, trained, setup.trainers, phase)
-                    for phase in ("forward", "update"))
+        train = sum(trainer_s(QWEN3_8B, H100, job.eff, trained, setup.trainers, setup.forwards, setup.recompute))
         time.sleep(train / setup.scale)
         end = time.perf_counter() - started
         syncing = time.perf_counter()
@@ -356,7 +371,8 @@ def simulator_figures(setup: Setup, schedule: str, per_sequence: bool = True,
         run = partial(job, prompts, setup.steps, setup.engines, setup.oversample, engine_tp=1,
                       per_sequence=per_sequence)
     elif schedule == "streaming":
-        run = streaming(job, prompts, setup.steps, setup.engines, setup.eta, engine_tp=1, kv_reserve=kv_reserve)
+        run = streaming(job, prompts, setup.steps, setup.engines, setup.eta, engine_tp=1, kv_reserve=kv_reserve,
+                        schedule=setup.sim_schedule)
     else:
         run = separate(job, batches, setup.engines, int(schedule[-1]), engine_tp=1)
     return dict(steady(run, job.num_gpus, setup.warmup), preemptions=run.get("preemptions", 0),
@@ -396,28 +412,37 @@ def table(setup: Setup, rows: List[tuple]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=Setup.steps)
-    p.add_argument("--warmup", type=int, default=Setup.warmup)
-    p.add_argument("--prompts", type=int, default=Setup.prompts_per_step, help="prompts a step")
-    p.add_argument("--group", type=int, default=Setup.group)
-    p.add_argument("--engines", type=int, default=Setup.engines)
-    p.add_argument("--scale", type=float, default=Setup.scale, help="simulated seconds per wall second")
-    p.add_argument("--partial-tokens", type=int, default=Setup.partial_tokens)
-    p.add_argument("--eta", type=int, default=Setup.eta, help="streaming's off-policyness bound")
-    p.add_argument("--stream-iterations", type=int, default=Setup.stream_iterations,
-                   help="streaming: decode iterations a step of the stand-in runs")
-    p.add_argument("--reserve-tokens", type=int, default=None, help="streaming: KV reserved a sample beyond its prompt")
-    p.add_argument("--schedules", default=",".join(SCHEDULES))
+    for name, kind, default, text in (
+            ("steps", int, Setup.steps, None), ("warmup", int, Setup.warmup, None),
+            ("prompts", int, Setup.prompts_per_step, "prompts a step"), ("group", int, Setup.group, None),
+            ("trainers", int, Setup.trainers, "trainer ranks, a replica each"),
+            ("engines", int, Setup.engines, "engine ranks (above --trainers: a replica's prompts sliced over several)"),
+            ("scale", float, Setup.scale, "simulated seconds per wall second"),
+            ("partial-tokens", int, Setup.partial_tokens, None), ("eta", int, Setup.eta, "streaming's bound"),
+            ("stream-iterations", int, Setup.stream_iterations, "streaming: decode iterations a stand-in step"),
+            ("reserve-tokens", int, None, "streaming: KV reserved a sample beyond its prompt"),
+            ("sim-schedule", str, Setup.sim_schedule, "the simulator's streaming schedule"),
+            ("schedules", str, ",".join(SCHEDULES), None)):
+        p.add_argument(f"--{name}", type=kind, default=default, help=text)
+    p.add_argument("--recipe", action="store_true",
+                   help="the streaming recipe's reservation, eta and trainer passes (qwen3_8b_stream)")
     args = p.parse_args(argv)
-    setup = Setup(steps=args.steps, warmup=args.warmup, prompts_per_step=args.prompts, group=args.group,
-                  engines=args.engines, scale=args.scale, partial_tokens=args.partial_tokens, eta=args.eta,
-                  stream_iterations=args.stream_iterations, reserve_tokens=args.reserve_tokens)
+    from stapo_megatron.recipes import paper
+
+    recipe = dict(reserve_tokens=args.reserve_tokens or paper.STREAM_RESERVE_TOKENS, eta=paper.STREAM_ETA,
+                  forwards=2, recompute=True) if args.recipe else {}
+    setup = Setup(**{**dict(steps=args.steps, warmup=args.warmup, prompts_per_step=args.prompts, group=args.group,
+                            trainers=args.trainers, engines=args.engines, scale=args.scale,
+                            partial_tokens=args.partial_tokens, eta=args.eta, stream_iterations=args.stream_iterations,
+                            reserve_tokens=args.reserve_tokens, sim_schedule=args.sim_schedule), **recipe})
     print(f"Qwen3-8B on H100s (stand-ins), {setup.prompts_per_step} prompts x {setup.group} a step at the paper's "
           f"lengths, {setup.trainers} trainer ranks, {setup.engines} engine rank(s) (separate), {setup.steps} steps, "
           f"steady state over the last {setup.steps - setup.warmup}, time scale 1/{setup.scale:g}; partial: "
           f"oversample {setup.oversample}, rounds of {setup.partial_tokens} tokens; streaming: eta {setup.eta}, "
           f"{setup.stream_iterations} decode iteration(s) a stand-in step, KV reserve "
-          f"{setup.reserve_tokens or 'max_tokens'} a sample (kv_reserve {generator_reserve(setup):.2f})")
+          f"{setup.reserve_tokens or 'max_tokens'} a sample (kv_reserve {generator_reserve(setup):.2f}), simulator "
+          f"schedule {setup.sim_schedule}; trainer: {setup.forwards} forward pass(es) and the update"
+          f"{' with full recompute' if setup.recompute else ''}")
     rows = compare(setup, args.schedules.split(","))
     print(table(setup, rows))
     if any(name == "partial" for name, _, _ in rows):
