@@ -11,14 +11,13 @@ Qwen2.5-Math-7B phase table); every other figure is a stated datasheet value or 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 from typing import List, Sequence
 
 from stapo_megatron.recipes.step_model import (H20, H100, PAPER_LENGTHS, DecodeModel, Efficiency,  # noqa: F401
-                                                  Hardware, Lengths, ModelSpec, decode_model, switch_s,
-                                                  train_phase_s, trainer_s)
+                                                  Hardware, Lengths, ModelSpec, Prompt, decode_model,
+                                                  switch_s, train_phase_s, trainer_s)
 
 QWEN3_8B = ModelSpec("Qwen3-8B", params=8.19e9, num_layers=36, attn_width=4096, kv_heads=8)
 LLAMA31_8B = ModelSpec("Llama-3.1-8B", params=8.03e9, num_layers=32, attn_width=4096, kv_heads=8)
@@ -29,13 +28,6 @@ QWEN3_30B_A3B = ModelSpec("Qwen3-30B-A3B", params=30.5e9, num_layers=48, attn_wi
 width 768 (top-8), hidden 2048, 151,936 tokens untied: 30.5B parameters, 29.0B of them in experts
 (48 x 128 x 3 x 2048 x 768), 3.35B a token (attention 18.9M, 8 experts 37.7M and the router 0.26M
 a layer, and both embeddings, counted as the dense models' are)."""
-
-
-@dataclasses.dataclass
-class Prompt:
-    index: int
-    prompt_len: int
-    responses: List[int]
 
 
 def sample_prompts(lengths: Lengths, num: int, group: int, seed: int, first_index: int = 0) -> List[Prompt]:

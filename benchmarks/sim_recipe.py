@@ -3,7 +3,7 @@
 the package's recipes, over the same prompts.
 
 Everything the simulator takes from a recipe comes from the package
-(`stapo_megatron.recipes.step_model.streaming_job`, the model the dry run's estimate reads): the
+(`stapo_megatron.recipes.step_model.recipe_job`, the model the dry run's estimate reads): the
 model's shapes, the engine GPUs and their TP and memory share, the trainer GPUs and replicas, the
 trainer's passes (pi_old and the exact tau_H pass before the update, full recompute in the
 update: the streaming recipe's trainer; the colocated recipe keeps its activations under CP=2),
@@ -47,13 +47,13 @@ def recipe(name: str, **overrides):
 
 
 def streaming_jobs(name: str = STREAMING_RECIPE, engine_gpus: Optional[int] = None,
-                   **overrides) -> Tuple[step_model.StreamingJob, Job]:
-    """The package's `StreamingJob` of a streaming recipe (``engine_gpus``: another split of its
+                   **overrides) -> Tuple[step_model.RecipeJob, Job]:
+    """The package's `RecipeJob` of a streaming recipe (``engine_gpus``: another split of its
     GPUs) and the simulator's `Job` of it."""
     cfg, layout, spec = recipe(name, **overrides)
     if engine_gpus is not None:
         layout = layout.replace(engine_ranks=engine_gpus)
-    sj = step_model.streaming_job(spec, layout, cfg)
+    sj = step_model.recipe_job(spec, layout, cfg)
     return sj, Job(sj.model, sj.hardware, num_gpus=sj.engine_gpus + sj.trainer_gpus, engine_tp=sj.engine_tp,
                    prompts_per_step=sj.prompts_per_step, group=sj.group, lengths=sj.lengths,
                    separate_memory_share=sj.memory_share, recompute=sj.recompute,
@@ -70,7 +70,7 @@ def colocated_job(name: str = COLOCATED_RECIPE) -> Job:
                recompute=cfg.model.recompute_granularity == "full", forwards=step_model.recipe_forwards(cfg))
 
 
-def simulate(sj: step_model.StreamingJob, job: Job, prompts, steps: int, eta: int, schedule: str,
+def simulate(sj: step_model.RecipeJob, job: Job, prompts, steps: int, eta: int, schedule: str,
              order: str) -> Dict:
     """One streaming run of the recipe's job at its split and reservation."""
     return streaming(job, prompts, steps, sj.engine_gpus, eta, order=order, engine_tp=sj.engine_tp,

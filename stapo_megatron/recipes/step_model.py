@@ -1,7 +1,7 @@
 """The calibrated cost model of one RL step: one vLLM engine's decode iteration and prefill, the
-trainer's passes with or without activation recompute, and the weight sync; and the streaming
-recipe's step time in closed form. The dry run's streaming estimate (`step_time`) and the
-rollout-schedule simulator (``benchmarks/sim_*.py``) both read it.
+trainer's passes with or without activation recompute, and the weight sync; and a recipe's step
+time from them. The dry run's estimate (`step_time`) and the rollout-schedule simulator
+(``benchmarks/sim_*.py``) both read it.
 
 It is a model, not a measurement: the efficiency figures in `Efficiency` are fitted to two
 published runs (``benchmarks/sim_calibrate.py``: NeMo-RL's Llama-3.1-8B GRPO and verl
@@ -24,11 +24,16 @@ prior.
 - **Switching** (`switch_s`): colocated, every step sleeps the engines, wakes the trainer, and
   wakes the engines and reloads the weights in place; separate, the trainers send bf16 weights
   over the network and an engine pauses while it loads them.
-- **Streaming step** (`streaming_step`): engines that never drain, each running as many samples
-  as its KV reservation admits, and trainers that take a step's groups as they complete: a step
-  is the longer of the engines' share of the step's decode iterations and prefill (plus a weight
-  load) and the trainers' passes (plus sending the weights). The simulator's queue schedule
-  (``benchmarks/sim_streaming.py``) checks it (``tests/recipes/test_step_model.py``).
+- **A recipe's step** (`recipe_job`, `estimate`; what the dry run prints): the recipe's model,
+  GPUs, trainer passes and response cap over the paper's length distribution (`PAPER_LENGTHS`),
+  the responses at its quantiles. Colocated and separate placement generate a step at once, each
+  engine its share on `stapo_megatron.recipes.step_engine.Engine` (the simulator's engine), the
+  step waiting for the slowest engine's longest response (`generation_s`). Streaming
+  (`streaming_step`, closed form): engines that never drain, each running as many samples as its
+  KV reservation admits, and trainers that take a step's groups as they complete: a step is the
+  longer of the engines' share of the step's decode iterations and prefill (plus a weight load)
+  and the trainers' passes (plus sending the weights); within 10% of the simulator's queue
+  schedule (``tests/benchmarks/test_sim_recipe.py``).
 """
 
 from __future__ import annotations
@@ -263,9 +268,18 @@ def switch_s(model: ModelSpec, eff: Efficiency, colocated: bool) -> float:
     return weights_gb / eff.transfer_gb_per_s
 
 
+@dataclasses.dataclass
+class Prompt:
+    """A prompt of ``prompt_len`` tokens and its group's response lengths."""
+
+    index: int
+    prompt_len: int
+    responses: List[int]
+
+
 @dataclasses.dataclass(frozen=True)
-class StreamingJob:
-    """A streaming recipe's step as the model reads it (`streaming_job` builds it from a recipe)."""
+class RecipeJob:
+    """A recipe's step as the model reads it (`recipe_job` builds it from a recipe)."""
 
     model: ModelSpec
     hardware: Hardware
@@ -273,6 +287,7 @@ class StreamingJob:
     prompts_per_step: int
     group: int
     engine_gpus: int
+    """GPUs that generate: all of them colocated, the engine ranks with separate placement."""
     engine_tp: int
     memory_share: float
     """vLLM's gpu_memory_utilization on the engine GPUs."""
@@ -283,8 +298,12 @@ class StreamingJob:
     """Forward passes before the update: pi_old, the exact tau_H pass, GRPO's reference."""
     recompute: bool
     """Full activation recompute in the update (8N FLOPs a token instead of 6N)."""
+    colocated: bool = False
+    ahead: int = 0
+    """Separate placement: ``rollout.max_staleness`` (k, or streaming's eta)."""
+    streaming: bool = False
     reserve_tokens: Optional[int] = None
-    """KV reserved a sample beyond its prompt (``rollout.stream_reserve_tokens``; None: the response cap)."""
+    """Streaming: KV reserved a sample beyond its prompt (``rollout.stream_reserve_tokens``; None: the response cap)."""
     eff: Efficiency = Efficiency()
 
     @property
@@ -306,20 +325,79 @@ def recipe_lengths(cfg) -> Lengths:
     return dataclasses.replace(PAPER_LENGTHS, response_cap=cfg.rollout.max_response_len)
 
 
-def streaming_job(spec, layout, cfg, hardware: Hardware = H100) -> StreamingJob:
-    """The `StreamingJob` of ``cfg`` on ``layout`` (a `memory.ParallelLayout` with engine ranks)
-    for the architecture ``spec``."""
-    if not layout.engine_ranks:
-        raise ValueError("a streaming step needs separate placement: layout.engine_ranks is 0")
-    return StreamingJob(
+def recipe_job(spec, layout, cfg, hardware: Hardware = H100) -> RecipeJob:
+    """The `RecipeJob` of ``cfg`` on ``layout`` (a `memory.ParallelLayout` after overrides) for
+    the architecture ``spec``."""
+    colocated = not layout.engine_ranks
+    return RecipeJob(
         model_spec(spec), hardware, recipe_lengths(cfg), cfg.prompts_per_step, cfg.rollout.group_size,
-        engine_gpus=layout.engine_ranks, engine_tp=layout.vllm_tensor_parallel_size,
-        memory_share=layout.vllm_gpu_memory_utilization, trainer_gpus=layout.training_ranks,
-        trainer_replica_gpus=layout.training_ranks // layout.data_parallel_size, forwards=recipe_forwards(cfg),
-        recompute=cfg.model.recompute_granularity == "full", reserve_tokens=cfg.rollout.stream_reserve_tokens)
+        engine_gpus=layout.world_size if colocated else layout.engine_ranks,
+        engine_tp=layout.vllm_tensor_parallel_size, memory_share=layout.vllm_gpu_memory_utilization,
+        trainer_gpus=layout.training_ranks, trainer_replica_gpus=layout.training_ranks // layout.data_parallel_size,
+        forwards=recipe_forwards(cfg), recompute=cfg.model.recompute_granularity == "full", colocated=colocated,
+        ahead=0 if colocated else cfg.rollout.max_staleness, streaming=bool(cfg.rollout.streaming) and not colocated,
+        reserve_tokens=cfg.rollout.stream_reserve_tokens)
 
 
-def streaming_step(job: StreamingJob) -> Tuple[float, float]:
+def _engines(job: RecipeJob) -> int:
+    engines = job.engine_gpus // job.engine_tp
+    if engines < 1:
+        raise ValueError(f"engine_gpus={job.engine_gpus} hold no engine of TP {job.engine_tp}")
+    return engines
+
+
+def _tokens(job: RecipeJob) -> List[int]:
+    """The step's sequences: the mean prompt and the responses at the length distribution's quantiles."""
+    prompt = int(job.lengths.mean_prompt)
+    return [prompt + r for r in job.lengths.quantile_responses(job.prompts_per_step * job.group)]
+
+
+def training_s(job: RecipeJob) -> float:
+    """The trainer's forward passes and update of a step on its GPUs."""
+    return sum(trainer_s(job.model, job.hardware, job.eff, _tokens(job), job.trainer_gpus, job.forwards,
+                         job.recompute))
+
+
+def generation_s(job: RecipeJob) -> float:
+    """One step generated at once (colocated, or separate k): every engine's share of the step's
+    samples (the responses at the length distribution's quantiles, dealt round the engines from
+    the longest, in a fixed shuffled order) on `step_engine.Engine`, until the slowest engine's
+    last response (the tail)."""
+    import random
+
+    from stapo_megatron.recipes.step_engine import Engine
+
+    engines = _engines(job)
+    dm = decode_model(job.model, job.hardware, job.eff, job.engine_tp, job.memory_share)
+    responses = sorted(job.lengths.quantile_responses(job.prompts_per_step * job.group), reverse=True)
+    slowest = 0.0
+    for e in range(engines):
+        share = responses[e::engines]
+        random.Random(e).shuffle(share)
+        engine = Engine(dm)
+        for i, r in enumerate(share):
+            engine.admit(Prompt(i, int(job.lengths.mean_prompt), [r]), 0)
+        engine.run()
+        slowest = max(slowest, engine.clock)
+    return slowest
+
+
+def estimate(job: RecipeJob) -> Tuple[float, float, bool]:
+    """(rollout, training, overlapped) seconds of a steady step of ``job``: a step takes the sum,
+    or the longer of the two when overlapped (separate placement with k >= 1, streaming).
+
+    Colocated: the step's generation with its tail and the switch (sleep, wake, reload), then the
+    trainer's passes on every GPU. Separate: the generation and the engines' weight load, the
+    trainer's passes and sending the weights. Streaming: `streaming_step`."""
+    if job.streaming:
+        return (*streaming_step(job), True)
+    if job.colocated:
+        return generation_s(job) + switch_s(job.model, job.eff, colocated=True), training_s(job), False
+    transfer = switch_s(job.model, job.eff, colocated=False)
+    return generation_s(job) + transfer, training_s(job) + transfer, job.ahead > 0
+
+
+def streaming_step(job: RecipeJob) -> Tuple[float, float]:
     """(rollout, training) seconds of a steady streaming step (module docstring); a step takes
     the longer of the two.
 
@@ -333,9 +411,7 @@ def streaming_step(job: StreamingJob) -> Tuple[float, float]:
     distribution's quantiles) on the trainer GPUs, and sending the weights."""
     lengths, model = job.lengths, job.model
     dm = decode_model(model, job.hardware, job.eff, job.engine_tp, job.memory_share)
-    engines, samples = job.engine_gpus // job.engine_tp, job.prompts_per_step * job.group
-    if engines < 1:
-        raise ValueError(f"engine_gpus={job.engine_gpus} hold no engine of TP {job.engine_tp}")
+    engines, samples = _engines(job), job.prompts_per_step * job.group
     mean, prompt = lengths.mean_response(), lengths.mean_prompt
     context = prompt + lengths.response_moment(2) / (2 * mean)
     reserve = prompt + min(job.reserve_tokens or lengths.response_cap, lengths.response_cap)
@@ -346,6 +422,4 @@ def streaming_step(job: StreamingJob) -> Tuple[float, float]:
     transfer = switch_s(model, job.eff, colocated=False)
     rollout = (samples * mean / (engines * running) * iteration
                + samples * prompt / engines * dm.prefill_s_per_token + transfer)
-    tokens = [int(prompt) + r for r in lengths.quantile_responses(samples)]
-    training = sum(trainer_s(model, job.hardware, job.eff, tokens, job.trainer_gpus, job.forwards, job.recompute))
-    return rollout, training + transfer
+    return rollout, training_s(job) + transfer

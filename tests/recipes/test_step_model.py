@@ -63,23 +63,47 @@ def test_the_trainers_passes():
         step_model.train_phase_s(spec, hw, eff, tokens, 8, "backward")
 
 
-def test_the_streaming_recipes_job():
+def test_the_recipes_jobs():
     cfg, layout = _recipe()
-    job = step_model.streaming_job(QWEN3_8B, layout, cfg)
+    job = step_model.recipe_job(QWEN3_8B, layout, cfg)
     assert (job.engine_gpus, job.engine_tp, job.memory_share, job.trainer_gpus, job.trainer_replica_gpus) == \
         (24, 1, 0.85, 8, 4)
     assert (job.forwards, job.recompute, job.reserve_tokens, job.prompts_per_step, job.group) == \
         (2, True, 4096, 256, 8)
+    assert (job.colocated, job.streaming, job.ahead) == (False, True, 2)
     assert job.kv_reserve == pytest.approx((562 + 4096) / (562 + 4221.8), rel=1e-4)
-    with pytest.raises(ValueError, match="engine_ranks"):
-        step_model.streaming_job(QWEN3_8B, layout.replace(engine_ranks=0), cfg)
     with pytest.raises(ValueError, match="engine_gpus"):
         step_model.streaming_step(dataclasses.replace(job, engine_tp=32))
+    cfg, layout = _recipe("qwen3_8b")  # colocated, CP=2 without recompute
+    job = step_model.recipe_job(paper.ARCHITECTURES["qwen3_8b"], layout, cfg)
+    assert (job.colocated, job.streaming, job.engine_gpus, job.trainer_gpus, job.trainer_replica_gpus) == \
+        (True, False, 32, 32, 8)
+    assert (job.engine_tp, job.memory_share, job.forwards, job.recompute) == (4, 0.4, 2, False)
+    grpo = dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, kl_coef=0.04, tau_h_source="old"))
+    assert step_model.recipe_forwards(grpo) == 2  # pi_old and the reference
+
+
+def test_a_step_generated_at_once_waits_for_its_tail():
+    # 1 prompt x 4 samples on 2 engines of a toy decode model (1 s an iteration, no KV cost): the
+    # responses at the quantiles 1/8, 3/8, 5/8, 7/8 of a log-normal of median 100, sigma 1 are
+    # 31, 72, 137 and 196 capped at 150; dealt from the longest, engine 0 runs 150 and 72 and
+    # ends after 150 iterations, engine 1 (137, 31) after 137
+    lengths = step_model.Lengths((10, 10), response_median=100, response_sigma=1.0, response_cap=150)
+    assert lengths.quantile_responses(4) == [31, 72, 137, 150]
+    toy = step_model.ModelSpec("toy", params=1e9, num_layers=1, attn_width=1, kv_heads=1)
+    eff = step_model.Efficiency(iteration_overhead_s=1.0, decode_mfu=1e9, prefill_mfu=1e9, hbm_efficiency=1e9)
+    job = step_model.RecipeJob(toy, step_model.H100, lengths, 1, 4, engine_gpus=2, engine_tp=1, memory_share=0.5,
+                               trainer_gpus=2, trainer_replica_gpus=1, forwards=1, recompute=False, colocated=True,
+                               eff=eff)
+    assert step_model.generation_s(job) == pytest.approx(150.0, rel=1e-6)
+    rollout, training, overlapped = step_model.estimate(job)
+    assert rollout == pytest.approx(150.0 + 2.0 + 2 / 50, rel=1e-6) and not overlapped  # + sleep, wake, reload
+    assert training == pytest.approx(step_model.training_s(job))
 
 
 def test_the_streaming_step_by_hand():
     cfg, layout = _recipe()
-    rollout_s, training_s = step_model.streaming_step(step_model.streaming_job(QWEN3_8B, layout, cfg))
+    rollout_s, training_s = step_model.streaming_step(step_model.recipe_job(QWEN3_8B, layout, cfg))
     # running samples: 350,060 / (562 + 4,096) - 8 / 2 = 71.15 (the cache at the running samples'
     # mean context 562 + E[L^2] / 2E[L] = 4,258.6 would hold 82.2); an iteration 11.18 ms + 71.15 x
     # 4,258.6 x 51.06 ns of KV + 71.15 x 35.77 us = 29.20 ms; 2,048 x 4,221.8 / (24 x 71.15) =
@@ -96,12 +120,14 @@ def test_the_streaming_step_by_hand():
                                        + 2 * 8.1907e9 / 25e9, rel=1e-6)
 
 
-def test_the_dry_run_estimates_streaming_with_this_model():
+def test_the_dry_run_estimates_with_this_model():
     cfg, layout = _recipe()
     step = step_time.estimate_step_time(QWEN3_8B, layout, cfg)
-    assert (step.rollout_s, step.training_s) == step_model.streaming_step(step_model.streaming_job(QWEN3_8B, layout, cfg))
-    assert step.overlapped and step.total_s == step.training_s and "step_model" in step.source
+    assert (step.rollout_s, step.training_s) == step_model.streaming_step(step_model.recipe_job(QWEN3_8B, layout, cfg))
+    assert step.overlapped and step.total_s == step.training_s
     assert math.isclose(step.total_s / 60, 3.84, abs_tol=0.01)
-    colocated_cfg, colocated_layout = _recipe("qwen3_8b")
-    assert step_time.estimate_step_time(paper.ARCHITECTURES["qwen3_8b"], colocated_layout, colocated_cfg).source == \
-        "recipes/step_time.py"
+    cfg, layout = _recipe("qwen3_8b")
+    step = step_time.estimate_step_time(paper.ARCHITECTURES["qwen3_8b"], layout, cfg)
+    job = step_model.recipe_job(paper.ARCHITECTURES["qwen3_8b"], layout, cfg)
+    assert (step.rollout_s, step.training_s, step.overlapped) == step_model.estimate(job)
+    assert step.total_s == step.rollout_s + step.training_s and 240 < step.total_s < 280

@@ -1,20 +1,13 @@
-"""benchmarks/sim_engine.py (one vLLM engine of the rollout-schedule simulator) against
-timelines worked out by hand.
+"""Tier a: `stapo_megatron.recipes.step_engine` (one vLLM engine of the step model and the
+rollout-schedule simulator) against timelines worked out by hand.
 
 Every case uses a decode model where one iteration costs exactly 1 s whatever the batch (no KV or
 per-sequence cost) and a prefill of ``prefill_s`` a context token, so the timeline can be
 written down (the comments give it).
 """
 
-import os
-import sys
-
-from tests.helpers import REPO_DIR
-
-sys.path.insert(0, os.path.join(REPO_DIR, "benchmarks"))
-
-import sim_engine  # noqa: E402
-import sim_model as model  # noqa: E402
+from stapo_megatron.recipes import step_engine as sim_engine
+from stapo_megatron.recipes import step_model as model
 
 
 def _decode(kv_capacity_tokens=10**12, prefill_s=0.0, max_num_seqs=10**9):
