@@ -52,6 +52,14 @@ def test_the_dry_runs_estimate_is_within_ten_percent_of_the_queue_schedule(eta):
     assert run["streams"] == 2
 
 
+def test_the_dry_runs_colocated_estimate_is_within_ten_percent_of_the_simulator():
+    base = sim_recipe.colocated_job()
+    prompts = sample_prompts(base.lengths, 6 * base.prompts_per_step, base.group, 0)
+    batches = [prompts[s * base.prompts_per_step:(s + 1) * base.prompts_per_step] for s in range(6)]
+    simulated = steady(sim_recipe.colocated(base, batches), base.num_gpus, 2)["step_s"]
+    assert sim_recipe.dry_run_s("qwen3_8b") == pytest.approx(simulated, rel=AGREEMENT)
+
+
 def test_the_slices_as_built_and_the_token_age_distribution():
     rows = sim_recipe.compare(STEPS, WARMUP, [2], schedules=("slices",))
     names = [name for name, _, _, _ in rows]
