@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 import statistics
 from typing import List, Optional, Sequence, Tuple
 
@@ -363,8 +364,6 @@ def generation_s(job: RecipeJob) -> float:
     samples (the responses at the length distribution's quantiles, dealt round the engines from
     the longest, in a fixed shuffled order) on `step_engine.Engine`, until the slowest engine's
     last response (the tail)."""
-    import random
-
     from stapo_megatron.recipes.step_engine import Engine
 
     engines = _engines(job)
