@@ -194,7 +194,7 @@ class DecodeModel:
     prefill_s_per_token: float
     kv_capacity_tokens: int = 10**12
     """Context tokens the KV cache holds: a sequence waits for room before it starts, and a full
-    cache preempts the newest running sequence (``benchmarks/sim_engine.py``)."""
+    cache preempts the newest running sequence (`step_engine.Engine`)."""
     max_num_seqs: int = 10**9
     expert_weight_s: float = 0.0
     """A mixture of experts: reading every routed expert once; an iteration over n sequences
