@@ -117,8 +117,8 @@ def shares(run: Dict, key: str, warmup: int) -> str:
 
 def table(rows: List[Tuple[str, Dict, Dict, float]], warmup: int) -> str:
     base = rows[0][2]["tokens_per_s_per_gpu"]
-    lines = ["| run | step s | dry run's estimate s | tokens/s/GPU | vs colocated | trainer idle | engine idle | preempted "
-             "| groups by staleness | tokens by age |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| run | step s | dry run's estimate s | tokens/s/GPU | vs colocated | trainer idle | engine idle "
+             "| preempted | groups by staleness | tokens by age |", "|" + " --- |" * 10]
     for name, r, s, closed in rows:
         lines.append(f"| {name} | {s['step_s']:.1f} | {closed:.1f} | "
                      f"{s['tokens_per_s_per_gpu']:.0f} | {s['tokens_per_s_per_gpu'] / base:.2f}x | "
