@@ -8,37 +8,38 @@ trainer rank, `stapo_megatron.rollout.remote.RemoteEngine` and `stapo_megatron.r
 (``init_job``: one process per rank, gloo groups over torchrun's kind of store), the engine rank's
 `stapo_megatron.trainer.engine_server.serve` (its listener thread, command queue, merged calls,
 outbox) and `stapo_megatron.trainer.partial.PartialPool`; streaming rollouts: the engine server's
-continuous loop over `stapo_megatron.trainer.stream_pools.StreamPools` and its
-`stapo_megatron.rollout.streaming.StreamingGenerator`.
+loop over `stapo_megatron.trainer.stream_pools.StreamPools` and its `StreamingGenerator`.
 
 Stand-ins, for hardware this machine lacks (they sleep, so they need no cores):
 
-- `SleepingEngine` stands in for a vLLM engine on one H100 (Qwen3-8B, TP=1): ``generate`` sleeps
-  the simulator's decode time for the call's sequences (`sim_schedules.Engine` over
-  `sim_model.decode_model`: continuous batching, prefill of every sequence's context, the call
-  ending with its longest response) divided by ``--scale``, and returns responses of the lengths
-  the simulator draws for the same prompts (`sim_model.sample_prompts` over the paper's length
-  distribution, `sim_model.PAPER_LENGTHS`). A prompt's ids carry its index (its first id), a
-  response's first token its full length, so a partial rollout's continuation finds both; token
-  values mean nothing else. ``update_weights`` sleeps the separate weight transfer (after the first).
-- `sleeping_vllm.SleepingVLLM` stands in for the same engine driven request by request (streaming
-  rollouts): a decode iteration of the running requests at a time, priced by the same model.
-- the update: every trainer sleeps the modelled pi_old forward and update of the step's trained
-  tokens, all replicas' (`sim_model.train_phase_s` on the trainer GPUs), divided by ``--scale``.
-- the weight sync: the colocated switch (sleep, wake, reload) or the separate transfer
-  (`sim_model.switch_s`), scaled, after a real bucket of a few bytes went through the transport.
+- `SleepingEngine`, a vLLM engine on one H100 (Qwen3-8B, TP=1): ``generate`` sleeps the
+  simulator's decode time for the call's sequences (`sim_schedules.Engine`: continuous batching,
+  prefill, the call ending with its longest response) divided by ``--scale`` and returns responses
+  of the simulator's lengths for the same prompts (`sim_model.sample_prompts`, the paper's
+  lengths). A prompt's ids carry its index (its first id), a response's first token its full
+  length (a partial rollout's continuation finds both). ``update_weights`` sleeps the transfer.
+- `sleeping_vllm.SleepingVLLM`, the same engine driven request by request (streaming rollouts).
+- the update: every trainer sleeps the modelled forward passes and update of all replicas' trained
+  tokens (`sim_model.trainer_s`: pi_old, or with ``--recipe`` the streaming recipe's pi_old and
+  exact tau_H passes and a recomputed update), divided by ``--scale``.
+- the weight sync: the colocated switch or the separate transfer (`sim_model.switch_s`), scaled,
+  after a real bucket of a few bytes went through the transport.
 
 The simulator's figures come from `sim_schedules.colocated`, ``separate`` and ``partial`` and
 `sim_streaming.streaming` on the same job, prompts and lengths (a GPU per trainer rank and per
-engine); streaming at the KV reservation the generator makes (every sample's prompt plus
-``--reserve-tokens``, default ``max_tokens``: ``kv_reserve`` = (mean prompt + reserve) / (mean
-prompt + mean response); below ``max_tokens`` both preempt). Every figure is in the
-simulator's seconds (the harness's wall seconds times ``--scale``), steady state over the steps
-after ``--warmup``. The harness's differences from the simulator are what the control plane adds:
-its barriers, its serialisation, its per-message costs.
+engine; a trainer rank's prompts a contiguous share of the step's, as the trainer's are);
+streaming in the built schedule (``--sim-schedule slices``; ``queue``: the one being built) at
+the generator's KV reservation (prompt plus ``--reserve-tokens``, default ``max_tokens``, a
+sample: ``kv_reserve`` = (mean prompt + reserve) / (mean prompt + mean response)). The streaming
+recipe's split, a replica over several engines, is ``--trainers`` below ``--engines``;
+``--recipe`` takes its reservation, eta and trainer passes (``qwen3_8b_stream``). Figures are in
+the simulator's seconds (wall seconds times ``--scale``), steady state after ``--warmup``; the
+harness's differences from the simulator are what the control plane adds.
 
     PYTHONPATH=benchmarks .venv/bin/python benchmarks/control_plane.py            # ~2-3 min
     PYTHONPATH=benchmarks .venv/bin/python benchmarks/control_plane.py --schedules streaming --reserve-tokens 3800
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/control_plane.py --schedules streaming --recipe \
+        --trainers 1 --engines 3 --prompts 6                     # the recipe's split and reservation
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ import time
 import types
 from typing import Dict, List, Optional, Sequence
 
-from sim_model import H100, PAPER_LENGTHS, QWEN3_8B, Lengths, Prompt, sample_prompts, switch_s, train_phase_s
+from sim_model import H100, PAPER_LENGTHS, QWEN3_8B, Lengths, Prompt, sample_prompts, switch_s, trainer_s
 from sim_schedules import Engine, Job, colocated, partial, separate, steady
 from sim_streaming import streaming
 from sleeping_vllm import SleepingVLLM
@@ -72,7 +73,7 @@ class Setup:
     trainers: int = 2
     """Trainer ranks (one data-parallel replica each, one GPU each)."""
     engines: int = 1
-    """Engine ranks of separate placement (one TP=1 engine each); colocated: one per trainer."""
+    """Engine ranks of separate placement (TP=1 each; above ``trainers``: a replica sliced over several)."""
     scale: float = 100.0
     """Simulated seconds per wall second."""
     oversample: float = 0.5
@@ -82,18 +83,27 @@ class Setup:
     eta: int = 2
     """Streaming rollouts' off-policyness bound (``rollout.max_staleness``)."""
     stream_iterations: int = 8
-    """Streaming: decode iterations a step of the stand-in runs (`sleeping_vllm.SleepingLLMEngine`):
-    at 1 the engine server's and generator's Python between two iterations (about 0.1 ms) is near
-    an iteration's sleep (14 ms / ``scale``), and a loaded machine's falls behind it."""
+    """Streaming: decode iterations a step of the stand-in runs (`sleeping_vllm.SleepingLLMEngine`;
+    at 1 the Python between two iterations, ~0.1 ms, is near an iteration's sleep, 14 ms / ``scale``)."""
     reserve_tokens: Optional[int] = None
     """Streaming: response tokens of KV reserved per sample (``rollout.stream_reserve_tokens``)."""
+    forwards: int = 1
+    """Forward passes before the update; ``recompute``: full recompute in the update."""
+    recompute: bool = False
+    sim_schedule: str = "slices"
+    """The simulator's streaming schedule (`sim_streaming.SCHEDULES`): the built one by default."""
     lengths: Lengths = PAPER_LENGTHS
     seed: int = 0
 
     def job(self, schedule: str) -> Job:
         gpus = self.trainers + (0 if schedule == "colocated" else self.engines)
         return Job(QWEN3_8B, H100, num_gpus=gpus, engine_tp=1, prompts_per_step=self.prompts_per_step,
-                   group=self.group, lengths=self.lengths)
+                   group=self.group, lengths=self.lengths, forwards=self.forwards, recompute=self.recompute)
+
+    def mine(self, step: int, rank: int) -> List[Prompt]:
+        """Trainer ``rank``'s prompts of ``step``: its contiguous share, as the trainer's are."""
+        per = self.prompts_per_step // self.trainers
+        return self.batch(step)[rank * per:(rank + 1) * per]
 
     def prompts(self) -> List[Prompt]:
         """The data order: enough prompts for every step and the pools' look-ahead."""
@@ -118,13 +128,12 @@ class SleepingEngine:
         self.prompts = {p.index: p for p in setup.prompts()}
         self.scale = setup.scale
         self.transfer_s = switch_s(QWEN3_8B, job.eff, colocated=False) if separate else 0.0
-        self.busy_s = 0.0
-        """Simulated seconds generating."""
-        self.calls: List[int] = []
-        """Sequences of each ``generate`` call."""
-        self.loads = 0
+        self.busy_s, self.calls, self.loads = 0.0, [], 0
+        """Simulated seconds generating, the sequences of each ``generate`` call, the loads."""
 
     def generate(self, prompt_token_ids, n, temperature, top_p, max_tokens, seed=None):
+        from stapo_megatron.rollout.base import Sample
+
         clock = Engine(self.decode)
         out, sequences = [], 0
         for ids in prompt_token_ids:
@@ -137,7 +146,8 @@ class SleepingEngine:
                 count = min(max_tokens, target - len(so_far))
                 clock.admit(Prompt(prompt.index, len(ids), [count]), 0)
                 tokens = ([target] + [1] * (count - 1)) if not so_far else [1] * count
-                group.append(_sample(tokens, "stop" if len(so_far) + count == target else "length"))
+                group.append(Sample(token_ids=tokens, logprobs=[0.0] * len(tokens), text="",
+                                    finish_reason="stop" if len(so_far) + count == target else "length"))
             out.append(group)
             sequences += len(targets)
         clock.run()
@@ -156,20 +166,10 @@ class SleepingEngine:
             time.sleep(self.transfer_s / self.scale)
         self.loads += 1
 
-    def sleep(self) -> None:
-        pass
+    def sleep(self, *args, **kwargs) -> None:
+        """Nothing to do (``sleep``, ``wake_up`` and ``shutdown`` of a stand-in)."""
 
-    def wake_up(self, tags=None) -> None:
-        pass
-
-    def shutdown(self) -> None:
-        pass
-
-
-def _sample(tokens: List[int], finish: str):
-    from stapo_megatron.rollout.base import Sample
-
-    return Sample(token_ids=tokens, logprobs=[0.0] * len(tokens), text="", finish_reason=finish)
+    wake_up = shutdown = sleep
 
 
 def _sampling(setup: Setup, schedule: str):
@@ -206,7 +206,7 @@ def _trainer(setup: Setup, schedule: str, rank: int) -> dict:
     else:
         dist.init_process_group("gloo", rank=rank, world_size=setup.trainers)
         engine, switch = SleepingEngine(setup, separate=False), switch_s(QWEN3_8B, job.eff, colocated=True)
-    mine = lambda step: setup.batch(step)[rank::setup.trainers]  # noqa: E731  (this replica's share)
+    mine = lambda step: setup.mine(step, rank)  # noqa: E731  (this replica's share)
     synced = []
 
     def sync(engine, wake):
@@ -230,8 +230,7 @@ def _trainer(setup: Setup, schedule: str, rank: int) -> dict:
         every: List[Optional[list]] = [None] * setup.trainers
         dist.all_gather_object(every, tokens)
         trained = [t for part in every for t in part]
-        train = sum(train_phase_s(QWEN3_8B, H100, job.eff, trained, setup.trainers, phase)
-                    for phase in ("forward", "update"))
+        train = sum(trainer_s(QWEN3_8B, H100, job.eff, trained, setup.trainers, setup.forwards, setup.recompute))
         time.sleep(train / setup.scale)
         end = time.perf_counter() - started
         syncing = time.perf_counter()
@@ -356,7 +355,8 @@ def simulator_figures(setup: Setup, schedule: str, per_sequence: bool = True,
         run = partial(job, prompts, setup.steps, setup.engines, setup.oversample, engine_tp=1,
                       per_sequence=per_sequence)
     elif schedule == "streaming":
-        run = streaming(job, prompts, setup.steps, setup.engines, setup.eta, engine_tp=1, kv_reserve=kv_reserve)
+        run = streaming(job, prompts, setup.steps, setup.engines, setup.eta, engine_tp=1, kv_reserve=kv_reserve,
+                        schedule=setup.sim_schedule)
     else:
         run = separate(job, batches, setup.engines, int(schedule[-1]), engine_tp=1)
     return dict(steady(run, job.num_gpus, setup.warmup), preemptions=run.get("preemptions", 0),
@@ -396,28 +396,35 @@ def table(setup: Setup, rows: List[tuple]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=Setup.steps)
-    p.add_argument("--warmup", type=int, default=Setup.warmup)
-    p.add_argument("--prompts", type=int, default=Setup.prompts_per_step, help="prompts a step")
-    p.add_argument("--group", type=int, default=Setup.group)
-    p.add_argument("--engines", type=int, default=Setup.engines)
-    p.add_argument("--scale", type=float, default=Setup.scale, help="simulated seconds per wall second")
-    p.add_argument("--partial-tokens", type=int, default=Setup.partial_tokens)
-    p.add_argument("--eta", type=int, default=Setup.eta, help="streaming's off-policyness bound")
-    p.add_argument("--stream-iterations", type=int, default=Setup.stream_iterations,
-                   help="streaming: decode iterations a step of the stand-in runs")
-    p.add_argument("--reserve-tokens", type=int, default=None, help="streaming: KV reserved a sample beyond its prompt")
-    p.add_argument("--schedules", default=",".join(SCHEDULES))
+    for name, kind, default, text in (
+            ("steps", int, Setup.steps, None), ("warmup", int, Setup.warmup, None),
+            ("prompts", int, Setup.prompts_per_step, "prompts a step"), ("group", int, Setup.group, None),
+            ("trainers", int, Setup.trainers, "trainer ranks, a replica each"),
+            ("engines", int, Setup.engines, "engine ranks (above --trainers: a replica's prompts sliced over several)"),
+            ("scale", float, Setup.scale, "simulated seconds per wall second"),
+            ("partial-tokens", int, Setup.partial_tokens, None), ("eta", int, Setup.eta, "streaming's bound"),
+            ("stream-iterations", int, Setup.stream_iterations, "streaming: decode iterations a stand-in step"),
+            ("reserve-tokens", int, None, "streaming: KV reserved a sample beyond its prompt"),
+            ("sim-schedule", str, Setup.sim_schedule, "the simulator's streaming schedule"),
+            ("schedules", str, ",".join(SCHEDULES), None)):
+        p.add_argument(f"--{name}", type=kind, default=default, help=text)
+    p.add_argument("--recipe", action="store_true", help="the streaming recipe's reservation, eta and trainer passes")
     args = p.parse_args(argv)
-    setup = Setup(steps=args.steps, warmup=args.warmup, prompts_per_step=args.prompts, group=args.group,
-                  engines=args.engines, scale=args.scale, partial_tokens=args.partial_tokens, eta=args.eta,
-                  stream_iterations=args.stream_iterations, reserve_tokens=args.reserve_tokens)
+    from stapo_megatron.recipes import paper
+
+    recipe = dict(reserve_tokens=args.reserve_tokens or paper.STREAM_RESERVE_TOKENS, eta=paper.STREAM_ETA,
+                  forwards=2, recompute=True) if args.recipe else {}
+    setup = Setup(**{**dict(steps=args.steps, warmup=args.warmup, prompts_per_step=args.prompts, group=args.group,
+                            trainers=args.trainers, engines=args.engines, scale=args.scale,
+                            partial_tokens=args.partial_tokens, eta=args.eta, stream_iterations=args.stream_iterations,
+                            reserve_tokens=args.reserve_tokens, sim_schedule=args.sim_schedule), **recipe})
     print(f"Qwen3-8B on H100s (stand-ins), {setup.prompts_per_step} prompts x {setup.group} a step at the paper's "
           f"lengths, {setup.trainers} trainer ranks, {setup.engines} engine rank(s) (separate), {setup.steps} steps, "
-          f"steady state over the last {setup.steps - setup.warmup}, time scale 1/{setup.scale:g}; partial: "
-          f"oversample {setup.oversample}, rounds of {setup.partial_tokens} tokens; streaming: eta {setup.eta}, "
+          f"steady state over the last {setup.steps - setup.warmup}, time scale 1/{setup.scale:g}; partial: oversample "
+          f"{setup.oversample}, rounds of {setup.partial_tokens} tokens; streaming: eta {setup.eta}, "
           f"{setup.stream_iterations} decode iteration(s) a stand-in step, KV reserve "
-          f"{setup.reserve_tokens or 'max_tokens'} a sample (kv_reserve {generator_reserve(setup):.2f})")
+          f"{setup.reserve_tokens or 'max_tokens'} a sample (kv_reserve {generator_reserve(setup):.2f}), simulator schedule {setup.sim_schedule}; trainer: "
+          f"{setup.forwards} forward pass(es) and the update{' with full recompute' if setup.recompute else ''}")
     rows = compare(setup, args.schedules.split(","))
     print(table(setup, rows))
     if any(name == "partial" for name, _, _ in rows):

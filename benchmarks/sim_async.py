@@ -82,9 +82,10 @@ UPDATES = {"in-flight": dict(in_flight=True), "in-flight, KV recomputed": dict(i
 
 
 def compare_streaming(job: Job, steps: int, warmup: int, etas: Sequence[int], engine_tps: Sequence[int],
-                      seed: int = 0) -> List[Tuple[str, str, Dict, Dict]]:
+                      seed: int = 0, schedule: str = "shared") -> List[Tuple[str, str, Dict, Dict]]:
     """Rows (schedule, layout, run, steady figures): colocated, then streaming at each eta, way
-    of loading weights and order, each at its best split, over the same prompts."""
+    of loading weights and order, each at its best split, over the same prompts (``schedule``:
+    `sim_streaming.SCHEDULES`; the recipe as built: `sim_recipe.py`)."""
     prompts = sample_prompts(job.lengths, (steps + max(etas) + 1) * job.prompts_per_step, job.group, seed)
     batches = [prompts[s * job.prompts_per_step:(s + 1) * job.prompts_per_step] for s in range(steps)]
     r = colocated(job, batches)
@@ -93,7 +94,8 @@ def compare_streaming(job: Job, steps: int, warmup: int, etas: Sequence[int], en
         for updates, options in UPDATES.items():
             for order in ORDERS:
                 (tp, gpus), r, s = best(job, lambda tp, g: streaming(job, prompts, steps, g, eta, order=order,
-                                                                     engine_tp=tp, **options), engine_tps, warmup)
+                                                                     engine_tp=tp, schedule=schedule, **options),
+                                        engine_tps, warmup)
                 rows.append((f"streaming, eta = {eta}, {updates}, {order} order", f"{gpus} engine GPUs, TP={tp}", r, s))
     return rows
 
@@ -118,6 +120,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                    help="the recipe to model (repeatable; default: both)")
     p.add_argument("--streaming", action="store_true", help="streaming rollouts at each --etas against colocated")
     p.add_argument("--etas", default="1,2,3", help="off-policyness bounds of the streaming table")
+    p.add_argument("--schedule", default="shared", help="the streaming schedule: shared, queue or slices")
     args = p.parse_args(argv)
     for recipe in args.recipe or list(JOBS):
         if args.streaming:
@@ -129,7 +132,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 def streaming_table(job: Job, args: argparse.Namespace) -> None:
     """Print the markdown table of one job's streaming rows against colocated."""
     rows = compare_streaming(job, args.steps, args.warmup, [int(e) for e in args.etas.split(",")],
-                             [int(t) for t in args.engine_tps.split(",")], args.seed)
+                             [int(t) for t in args.engine_tps.split(",")], args.seed, args.schedule)
     print(f"{job.model.name} on {job.num_gpus} {job.hardware.name}, {job.prompts_per_step} prompts x {job.group} a "
           f"step, {args.steps} steps, steady state over the last {args.steps - args.warmup}")
     base = rows[0][3]["tokens_per_s_per_gpu"]

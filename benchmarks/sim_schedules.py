@@ -28,7 +28,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 from sim_engine import Engine
 from sim_model import (Efficiency, Hardware, Lengths, ModelSpec, Prompt, decode_model, sample_tokens, switch_s,
-                       train_phase_s)
+                       trainer_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +48,8 @@ class Job:
     """vLLM's gpu_memory_utilization alone on its GPUs."""
     recompute: bool = False
     """Activation recompute in the update (8N FLOPs a token instead of 6N)."""
+    forwards: int = 1
+    """Forward passes before the update (pi_old; a STAPO recipe adds the exact tau_H pass)."""
     trainer_replica_gpus: int = 1
     """TP x PP x CP of a trainer replica: the trainer GPU count is a multiple of it."""
     gpus_per_node: int = 8
@@ -57,10 +59,9 @@ class Job:
     model's trainer needs room for its optimizer state); None: any count of whole replicas."""
 
     def train_s(self, prompts: List[Prompt], gpus: int) -> Tuple[float, float]:
-        """(pi_old forward, update) seconds of ``prompts`` on ``gpus`` GPUs."""
-        tokens = sample_tokens(prompts)
-        return tuple(train_phase_s(self.model, self.hardware, self.eff, tokens, gpus, phase, self.recompute)
-                     for phase in ("forward", "update"))
+        """(forward passes, update) seconds of ``prompts`` on ``gpus`` GPUs (`sim_model.trainer_s`)."""
+        return trainer_s(self.model, self.hardware, self.eff, sample_tokens(prompts), gpus, self.forwards,
+                         self.recompute)
 
     def decode(self, tp: int, separate: bool):
         share = self.separate_memory_share if separate else self.colocated_memory_share

@@ -93,7 +93,7 @@ def report(cfg, recipe: str, executor) -> List[str]:
                 f"{r.max_staleness}; correction {cfg.loss.rollout_correction.mode}\n")
     print(f"# ---- layout and memory per GPU (recipes/memory.py: an estimate) ----\n"
           f"# {memory.describe(paper.ARCHITECTURES[recipe], layout)}\n{rollouts}"
-          f"# ---- time (an estimate, recipes/step_time.py: not measured) ----\n"
+          f"# ---- time (an estimate, recipes/step_model.py, the simulator's calibrated model: not measured) ----\n"
           f"# one step ~{step.total_s / 60:.1f} min (rollout {step.rollout_s / 60:.1f}, training "
           f"{step.training_s / 60:.1f}); {cfg.steps} steps ~{cfg.steps * step.total_s / 3600:.0f} h of "
           f"{layout.world_size} GPUs", flush=True)

@@ -131,9 +131,9 @@ LAYOUTS: Dict[str, ParallelLayout] = {
     # The 8B on the same 4 nodes with separate placement and one-step-off rollouts (docs/async.md,
     # "Asynchronous rollouts"; not the paper's protocol): 2 nodes train (TP=4, CP=2, DP=2, the
     # whole card: no vLLM share beside training), 2 nodes generate (4 vLLM engines of TP=4 at 0.85
-    # of their card) while the trainers train the step before. Of the splits 8/16/24 engine GPUs
-    # x vLLM TP 1/2/4, this is the fastest by recipes/step_time.py (6.4 min a step against the
-    # colocated 6.3: generation, bound by the longest response, dominates both);
+    # of their card) while the trainers train the step before: 4.3 min a step by recipes/step_time.py
+    # against the colocated 4.4 (generation, bound by the longest response, dominates both; 24
+    # engine GPUs of TP=4 would generate in 3.6 min, with the trainers at DP=1);
     # benchmarks/sim_async.py models the overlap with a length distribution.
     "qwen3_8b_async": ParallelLayout(num_nodes=4, model=_model(4, context_parallel_size=2, **_NO_RECOMPUTE),
                                      vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.85, engine_ranks=16),
@@ -141,8 +141,10 @@ LAYOUTS: Dict[str, ParallelLayout] = {
     # protocol): 1 node trains (TP=4, DP=2, full recomputation: streaming needs CP=1), 3 nodes
     # generate as 24 vLLM engines of TP=1 (streaming steps one engine per process; the 8B's 16 GB
     # of weights leave 52 GB of KV cache at 0.85), each replica's prompts sliced over 12 of them;
-    # eta = `STREAM_ETA`. The split the simulator picks for streaming engines of TP=1 (1.44x
-    # colocated's tokens/s/GPU: benchmarks/RESULTS.md, "Streaming with an off-policyness bound").
+    # eta = `STREAM_ETA`. The split the simulator picked for streaming engines of TP=1 with a
+    # trainer of one forward pass and no recompute; with this recipe's trainer (the exact tau_H
+    # pass, full recompute) its 8 trainer GPUs set the pace: 1.17x colocated's tokens/s/GPU
+    # (benchmarks/RESULTS.md, "The streaming recipe as built").
     "qwen3_8b_stream": ParallelLayout(num_nodes=4, model=_model(4), vllm_tensor_parallel_size=1,
                                       vllm_gpu_memory_utilization=0.85, engine_ranks=24),
     # 8 nodes (the design's target): TP=4 within a node, CP=4 (two nodes per model replica,

@@ -43,7 +43,7 @@ def test_every_step_trains_every_sample_of_its_replicas(schedule):
         else:  # partial: the request's policy or, for a continued response, an older one
             assert versions[0] == 0 and all(v <= max(0, s - 1) for s, v in enumerate(versions))
         if schedule not in ("partial", "streaming"):  # this replica's share of each step's batch, in order
-            assert [r["indices"] for r in rows] == [[p.index for p in SETUP.batch(s)[rank::SETUP.trainers]]
+            assert [r["indices"] for r in rows] == [[p.index for p in SETUP.mine(s, rank)]
                                                     for s in range(SETUP.steps)]
     assert len(trained) == len(set(trained)) == SETUP.steps * SETUP.prompts_per_step  # each prompt trained once
     if schedule == "colocated":
@@ -75,3 +75,38 @@ def test_the_simulators_kv_reserve_matches_the_generators_reservation():
     assert cp.generator_reserve(at_mean) == pytest.approx(1.0, abs=1e-4)  # a rounded token
     assert cp._sampling(at_mean, "streaming").stream_reserve_tokens == round(lengths.mean_response())
     assert cp._sampling(at_mean, "partial").stream_reserve_tokens is None
+
+
+RECIPE_SPLIT = cp.Setup(steps=3, warmup=1, prompts_per_step=4, group=2, scale=1e5, trainers=1, engines=2,
+                        reserve_tokens=4096, forwards=2, recompute=True)
+"""The streaming recipe's split at a tiny scale: one replica's prompts sliced over two engines, its
+reservation and trainer passes."""
+
+
+def test_the_recipe_split_is_simulated_as_built():
+    """The simulator beside the harness runs the built slices: one stream per engine; the trainer
+    sleeps the recipe's passes; the engines' config carries the split and the reservation."""
+    assert RECIPE_SPLIT.sim_schedule == "slices"
+    config = cp._sampling(RECIPE_SPLIT, "streaming")
+    assert (config.engine_ranks, config.stream_reserve_tokens, config.max_staleness) == (2, 4096, 2)
+    job = RECIPE_SPLIT.job("streaming")
+    assert (job.num_gpus, job.forwards, job.recompute) == (3, 2, True)
+    run = cp.streaming(job, RECIPE_SPLIT.prompts(), RECIPE_SPLIT.steps, 2, 2, engine_tp=1,
+                       kv_reserve=cp.generator_reserve(RECIPE_SPLIT), schedule=RECIPE_SPLIT.sim_schedule)
+    assert run["streams"] == 2 and len(run["step_ends"]) == RECIPE_SPLIT.steps
+    assert [p.index for p in RECIPE_SPLIT.mine(1, 0)] == [4, 5, 6, 7]
+    assert [p.index for p in cp.Setup(prompts_per_step=4).mine(1, 1)] == [6, 7]  # two trainers: contiguous halves
+
+
+@pytest.mark.slow  # three processes, a minute or two on a loaded machine
+def test_the_recipe_split_trains_every_prompt_once():
+    out = cp.run_harness(RECIPE_SPLIT, "streaming", timeout_s=300)
+    rows = out[0]["rows"]
+    assert [r["step"] for r in rows] == list(range(RECIPE_SPLIT.steps))
+    assert all((r["groups"], r["samples"]) == (4, 8) for r in rows)
+    trained = [i for r in rows for i in r["indices"]]
+    assert len(trained) == len(set(trained)) == RECIPE_SPLIT.steps * RECIPE_SPLIT.prompts_per_step
+    assert [out[rank]["served"] for rank in (1, 2)] == [RECIPE_SPLIT.steps] * 2  # both engines served every step
+    prompts = RECIPE_SPLIT.prompts()
+    for r in rows:
+        assert r["tokens"] == sum(sample_tokens([prompts[i] for i in r["indices"]]))

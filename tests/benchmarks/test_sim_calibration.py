@@ -2,13 +2,15 @@
 calibrated on: NeMo-RL's Llama-3.1-8B GRPO on 16 H100s (colocated and one step off) and verl
 fully-async's Qwen2.5-Math-7B colocated phase tables on 32, 64 and 128 H20s.
 
-The target is every figure within 10%. The fitted model meets it for all but the figures in
-`MISSES`, each of which is asserted at its present error: one set of efficiencies cannot match
-both NeMo-RL's H100 decode rate and verl's 32-GPU generation-to-training balance (the fit trades
-them; RESULTS.md gives the residuals). The simulation is deterministic (seeded lengths,
-simulated time), so the figures are exact functions of the stored parameters.
+What is asserted is what the fit did not see: the held-out figures (verl's pi_old and update at 64
+and 128 GPUs) within `HELD_OUT_BAND` of the published ones. The fitted figures are reported (the
+table is printed: ``pytest -s``, and attached to the test's report) and bounded only loosely
+(`FITTED_SANITY`, a broken model rather than a worse fit), so a better fit passes. The simulation
+is deterministic (seeded lengths, simulated time), so the figures are exact functions of the
+stored parameters.
 """
 
+import math
 import os
 import sys
 
@@ -20,43 +22,36 @@ sys.path.insert(0, os.path.join(REPO_DIR, "benchmarks"))
 
 import sim_calibrate as cal  # noqa: E402
 
-CALIBRATED = 0.10
-"""The calibration target: a figure within 10% of the published one."""
-MISSES = {
-    ("NeMo-RL Llama-3.1-8B", "one-step-off tokens/s/GPU"): 0.12,
-    ("NeMo-RL Llama-3.1-8B", "one-step-off step s"): 0.13,
-    ("verl Qwen2.5-Math-7B, 32 H20", "generate s"): 0.15,
-    ("verl Qwen2.5-Math-7B, 32 H20", "forward s"): 0.15,
-}
-"""Figures outside the target, with the bound of their present error (-11%, +13%, -14%, +14%)."""
+HELD_OUT_BAND = 0.10
+"""A held-out prediction within 10% of the published figure."""
+FITTED_SANITY = 0.25
+"""A fitted figure beyond 25% of its published one means the model or the fit broke (one set of
+efficiencies cannot match both NeMo-RL's H100 decode rate and verl's 32-GPU balance of generation
+and training, so the fit leaves some figures 10-15% off; benchmarks/RESULTS.md gives them)."""
 
 
 @pytest.fixture(scope="module")
 def rows():
-    return {(case, figure): (measured, simulated, kind)
-            for case, figure, measured, simulated, _, kind in cal.residuals()}
+    return cal.residuals()
 
 
-def test_nemo_rl_colocated_and_ratio_within_the_target(rows):
-    for figure in ("colocated tokens/s/GPU", "colocated step s", "ratio"):
-        measured, simulated, _ = rows[("NeMo-RL Llama-3.1-8B", figure)]
-        assert simulated == pytest.approx(measured, rel=CALIBRATED), figure
+def test_the_held_out_predictions_are_within_the_band(rows):
+    held_out = [(case, figure, m, s) for case, figure, m, s, _, kind in rows if kind == "held out"]
+    assert {(case.split(", ")[1], figure) for case, figure, _, _ in held_out} == \
+        {(f"{gpus} H20", f"{phase} s") for gpus, phase in cal.HELD_OUT}
+    for case, figure, measured, simulated in held_out:
+        assert simulated == pytest.approx(measured, rel=HELD_OUT_BAND), (case, figure)
 
 
-def test_verl_held_out_training_phases_within_the_target(rows):
-    held_out = [key for key, (_, _, kind) in rows.items() if kind == "held out"]
-    assert len(held_out) == 4
-    for key in held_out:
-        measured, simulated, _ = rows[key]
-        assert simulated == pytest.approx(measured, rel=CALIBRATED), key
-
-
-def test_every_figure_is_within_the_target_but_the_stated_misses(rows):
-    outside = {key for key, (m, s, _) in rows.items() if abs(s / m - 1) > CALIBRATED}
-    assert outside == set(MISSES)
-    for key, bound in MISSES.items():
-        measured, simulated, _ = rows[key]
-        assert simulated == pytest.approx(measured, rel=bound), key
+def test_the_fitted_rows_are_reported(rows, record_property):
+    fitted = [row for row in rows if row[5] == "fitted"]
+    assert len(fitted) == len(rows) - len(cal.HELD_OUT) == 10
+    lines = [f"{case} | {figure} | {m:.4g} | {s:.4g} | {err:+.1%}" for case, figure, m, s, err, _ in fitted]
+    print("\nfitted rows (case | figure | measured | simulated | error):\n" + "\n".join(lines))
+    record_property("fitted_rows", lines)
+    for case, figure, measured, simulated, error, _ in fitted:
+        assert math.isfinite(simulated) and error == pytest.approx(simulated / measured - 1)
+        assert abs(error) < FITTED_SANITY, (case, figure)
 
 
 def test_the_case_lengths_have_the_published_means():

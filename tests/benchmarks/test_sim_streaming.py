@@ -126,3 +126,46 @@ def test_admission_order_bounds_staleness_by_eta_and_completion_order_does_not(e
     assert sum(completion["staleness"].values()) == sum(admission["staleness"].values()) == 10 * 2
     # admission order trains the first 20 groups, every token of them
     assert sum(admission["token_age"].values()) == sum(r for p in prompts[:20] for r in p.responses)
+
+
+@pytest.mark.parametrize("schedule, ends, done", [
+    # one replica (one trainer GPU), two engines that run one sequence at a time (3 KV tokens),
+    # 2 prompts a step, eta = 1. slices: engine 0's stream is prompts 0, 2, 4 (a step's quota 1),
+    # engine 1's 1, 3, 5; engine 0 decodes prompt 0 (0-4), engine 1 prompts 1 (0-1) and 3 (1-2)
+    # and stops at its bound (its third group would train at step 2); step 0 waits for engine 0's
+    # slice and trains prompts 0 and 1 (5 + 2 tokens) 4-11
+    ("slices", [11.0], {0: 4.0, 1: 1.0, 3: 2.0}),
+    # queue: one stream, quota 2, either engine admits its next group: engine 1 decodes prompts
+    # 1, 2 and 3 (0-3) while engine 0 decodes prompt 0; step 0 trains the first two complete,
+    # prompts 1 and 2 (2 + 2 tokens) 2-6
+    ("queue", [6.0], {0: 4.0, 1: 1.0, 2: 2.0, 3: 3.0}),
+])
+def test_slices_wait_for_their_slowest_engine_and_the_queue_does_not(schedule, ends, done):
+    decode = model.DecodeModel(weight_s=1.0, kv_s_per_token=0.0, seq_s=0.0, prefill_s_per_token=0.0,
+                               kv_capacity_tokens=3)
+    job = sched.Job(**{**JOB.__dict__, "num_gpus": 3, "prompts_per_step": 2})
+    r = stream.streaming(job, _prompts([4, 1, 1, 1, 1, 1]), steps=1, engine_gpus=2, eta=1, model=decode,
+                         schedule=schedule)
+    assert r["step_ends"] == ends
+    assert {g: t for g, t in r["group_done"].items() if t <= 4.0} == done
+
+
+def test_the_slices_are_the_built_plan_chunks():
+    # the recipe's split: 2 trainer replicas of 128 prompts a step over 24 engines: 12 slices each,
+    # engine (i x 12 + j) mod 24, the prompts remote.plan_chunks gives each engine
+    from stapo_megatron.rollout.remote import plan_chunks
+
+    streams = stream.plan_streams("slices", 3 * 256, 256, 24, 2)
+    chunks = plan_chunks([128, 128], 24)
+    assert len(streams) == len(chunks) == 24
+    for s, c in zip(streams, chunks):
+        assert s.engines == [c.engine] and s.quota == c.end - c.start
+        assert s.prompts[:s.quota] == [c.dest * 128 + k for k in range(c.start, c.end)]  # step 0, replica dest
+        assert s.prompts[s.quota:2 * s.quota] == [256 + c.dest * 128 + k for k in range(c.start, c.end)]
+    queue = stream.plan_streams("queue", 3 * 256, 256, 24, 2)
+    assert [(q.engines, q.quota) for q in queue] == [(list(range(12)), 128), (list(range(12, 24)), 128)]
+    assert [len(s.prompts) for s in stream.plan_streams("shared", 3 * 256, 256, 24, 2)] == [768]
+    with pytest.raises(ValueError, match="schedule"):
+        stream.plan_streams("random", 10, 2, 2, 1)
+    with pytest.raises(ValueError, match="prompts_per_step"):
+        stream.plan_streams("queue", 10, 3, 2, 2)

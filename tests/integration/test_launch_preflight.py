@@ -29,7 +29,7 @@ def test_dryrun_names_every_path_no_container_mount_holds(tmp_path):
 
 @pytest.mark.slow
 def test_signal_and_budget_come_from_the_overridden_and_loaded_configuration(tmp_path):
-    """Refused before: the recipe's 720 s signal is shorter than the overridden step; a saved
+    """A given 300 s signal is refused as shorter than the overridden step; a saved
     config with steps=10 printed the recipe's 3000-step budget."""
     from tests.helpers.launch_cli import nemo_run, paper_signal_and_retries, sbatch_script
 
@@ -49,8 +49,8 @@ def test_signal_and_budget_come_from_the_overridden_and_loaded_configuration(tmp
     assert f"save signal {signal_s} s before it: ~{retries - 4} jobs; retries={retries} " in out, out
     # given on the command line: kept, and checked
     code, out = nemo_run(tmp_path, "launch/stapo_8b.py", "--dryrun", "output_dir=/lustre/r", *longer,
-                         "run.executor.signal=USR1@720", "run.executor.retries=3")
-    assert code == 0 and "- the save signal 720 s before the time limit is shorter than one step" in out, out
+                         "run.executor.signal=USR1@300", "run.executor.retries=3")
+    assert code == 0 and "- the save signal 300 s before the time limit is shorter than one step" in out, out
 
 
 @pytest.mark.slow

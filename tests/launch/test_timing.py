@@ -23,7 +23,8 @@ def test_signal_and_retries_follow_the_final_configuration(monkeypatch):
     for name in ("STAPO_SLURM_SIGNAL_S", "STAPO_SLURM_RETRIES", "STAPO_SLURM_FAILURE_RETRIES", "STAPO_SLURM_TIME"):
         monkeypatch.delenv(name, raising=False)
     executor = slurm("qwen3_8b")
-    cfg = config("qwen3_8b", steps=10, rollout={"max_response_len": 31744}, model={"context_parallel_size": 4})
+    cfg = config("qwen3_8b", steps=10, prompts_per_step=512, rollout={"max_response_len": 31744},
+                 model={"context_parallel_size": 4})  # a step of ~10 min: longer than the recipe's signal
     layout = paper.layout_for("qwen3_8b", cfg)
     step = step_time.estimate_step_time(paper.ARCHITECTURES["qwen3_8b"], layout, cfg)
     signal_s = step_time.signal_seconds(step)
