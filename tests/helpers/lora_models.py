@@ -12,19 +12,19 @@ VOCAB, SEQ, BATCH = 128, 16, 2
 
 
 def tiny_gpt(tp: int = 1, sequence_parallel: bool = False, seed: int = 1234, **fields):
-    """The tiny Qwen3 GPTModel (`bridge.tiny.tiny_qwen3_spec` with ``fields``; Megatron's local
-    spec, fp32, CPU kernels) for this rank's TP position; needs the parallel state."""
-    from stapo_megatron.bridge.kernels import fused_kernel_settings
-    from stapo_megatron.bridge.tiny import tiny_qwen3_spec
-    from stapo_megatron.bridge.transformer_config import transformer_config_from_spec
-    from stapo_megatron.recipes.synthetic import build_tiny_gpt
+    """The tiny Qwen3 GPTModel (`bridge.tiny.tiny_qwen3_spec` with ``fields``; the local spec with
+    its sequence-parallel torch norms, fp32) for this rank's TP position, its weights drawn from
+    ``seed``; needs the parallel state."""
+    from megatron.core import tensor_parallel
 
-    spec = tiny_qwen3_spec(**fields)
+    from stapo_megatron.bridge.model import build_gpt_model
+    from stapo_megatron.bridge.tiny import tiny_qwen3_spec
+
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
     extra = dict(sequence_parallel=True) if sequence_parallel else {}
-    config = transformer_config_from_spec(spec, tp, 1, use_te=False, use_cpu_initialization=True,
-                                          calculate_per_token_loss=True,
-                                          **fused_kernel_settings(use_te=False, cuda=False), **extra)
-    return build_tiny_gpt(config, VOCAB, SEQ, seed=seed)
+    return build_gpt_model(tiny_qwen3_spec(vocab_size=VOCAB, **fields), make_vocab_size_divisible_by=1,
+                           use_te=False, calculate_per_token_loss=True, use_cpu_initialization=True, **extra)
 
 
 def tokens() -> torch.Tensor:
