@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import warnings
 import zlib
 from typing import Dict, Iterator, List, Sequence, Tuple
 
@@ -207,13 +208,14 @@ def _targets(model: torch.nn.Module, config: LoraConfig) -> List[Tuple[str, torc
     the field for a target that is not one of megatron-core's parallel linears or too narrow."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    out = []
+    out, skipped_experts = [], set()
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
         if leaf not in config.target_modules:
             continue
         is_expert = ".experts." in f".{name}"
         if is_expert and not config.experts:
+            skipped_experts.add(leaf)
             continue
         field = "lora.experts" if is_expert else "lora.target_modules"
         parallel, expected = (("column", ColumnParallelLinear) if leaf in COLUMN_TARGETS
@@ -232,6 +234,10 @@ def _targets(model: torch.nn.Module, config: LoraConfig) -> List[Tuple[str, torc
         out.append((name, module, parallel))
     if not out:
         raise ValueError(f"lora.target_modules {config.target_modules}: the model has none of these linears")
+    unmatched = [t for t in config.target_modules if t not in {name.rsplit(".", 1)[-1] for name, _, _ in out}]
+    if unmatched:
+        why = " (the experts' are adapted only with lora.experts=True)" if set(unmatched) <= skipped_experts else ""
+        warnings.warn(f"lora.target_modules: the model has no {unmatched} to adapt{why}; those targets are skipped")
     return out
 
 

@@ -128,3 +128,36 @@ def test_refusals_name_the_field(parallel):
     with pytest.raises(ValueError, match="full_shapes|this adapter takes"):
         adapter = model.get_submodule("decoder.layers.0.self_attention.linear_proj").lora
         adapter.load_full_(torch.zeros(64, 64), torch.zeros(64, 63))
+
+
+MOE = dict(architecture="Qwen3MoeForCausalLM", num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32)
+"""A tiny Qwen3-MoE (every layer's MLP: router and 4 experts, the local spec's SequentialMLP)."""
+
+
+def test_experts_get_adapters_only_when_asked(parallel):
+    from stapo_megatron.mcore.lora import adapters_disabled, apply_lora
+
+    with pytest.warns(UserWarning, match=r"no \['linear_fc1', 'linear_fc2'\] to adapt \(the experts' are adapted "
+                                         r"only with lora.experts=True\)"):
+        dense_only = apply_lora(tiny_gpt(**MOE), LoraConfig(rank=4))
+    assert sorted(dense_only) == [f"decoder.layers.{i}.self_attention.{m}" for i in range(2)
+                                  for m in ("linear_proj", "linear_qkv")], "no dense MLP; experts not asked"
+    model = tiny_gpt(**MOE)
+    with torch.no_grad():
+        base_logits = forward(model, tokens())
+    adapters = apply_lora(model, LoraConfig(rank=4, alpha=8.0, experts=True, target_modules=["linear_fc1", "linear_fc2"]))
+    assert sorted(adapters) == [f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{m}" for i in range(2)
+                                for e in range(4) for m in ("linear_fc1", "linear_fc2")]
+    fc1 = adapters["decoder.layers.0.mlp.experts.local_experts.1.linear_fc1"]
+    assert fc1.glu and fc1.full_shapes == ((4, 64), (2 * 32, 4))
+    assert not any(p.requires_grad for n, p in model.named_parameters() if "router" in n)
+    for name, adapter in adapters.items():
+        adapter.load_full_(*full_adapter_weights(name, adapter.full_shapes))
+    with torch.no_grad():
+        got = forward(model, tokens())
+        want = forward(merged_copy(model, tiny_gpt(seed=99, **MOE)), tokens())
+        with adapters_disabled(model):
+            off = forward(model, tokens())
+    torch.testing.assert_close(got, want, atol=MERGE_TOL, rtol=0)
+    assert float((got - base_logits).abs().max()) > 1000 * MERGE_TOL
+    assert torch.equal(off, base_logits)
