@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import types
 import warnings
 import zlib
 from typing import Dict, Iterator, List, Sequence, Tuple
@@ -175,6 +176,28 @@ class LoraAdapter(torch.nn.Module):
         return torch.nn.functional.linear(h, self.B)
 
 
+def _sharded_state_dict(base, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+    """An adapted linear's ``sharded_state_dict``: the base's, whose maker marks every key but
+    ``weight`` and ``bias`` replicated over TP, with the adapter's sharded parameter (column B,
+    row A) marked TP-sharded, and a gated ``linear_fc1``'s B split as its weight is (gate and up
+    shards apart), so a checkpoint of the adapted model reshards across TP like the base's."""
+    from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
+
+    out = type(base).sharded_state_dict(base, prefix, sharded_offsets, metadata)
+    adapter = base.lora
+    if adapter.tp_size == 1:
+        return out
+    name, axis = ("B", 0) if adapter.parallel == "column" else ("A", 1)
+    key = f"{prefix}lora.{name}"
+    out[key] = make_tp_sharded_tensor_for_checkpoint(getattr(adapter, name), key, axis,
+                                                     prepend_offsets=sharded_offsets)
+    if adapter.glu:
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+        out[key] = apply_swiglu_sharded_factory(out[key], sharded_offsets)
+    return out
+
+
 def _add_adapter_output(module, args, output):
     """Forward hook on an adapted base linear: its (output, bias) with the adapter's output added."""
     if not module.lora.enabled:
@@ -255,6 +278,7 @@ def apply_lora(model: torch.nn.Module, config: LoraConfig) -> Dict[str, LoraAdap
         glu = name.endswith("linear_fc1") and bool(base.config.gated_linear_unit)
         base.lora = LoraAdapter(base, parallel, config, glu, _init_key(model, name))
         base.register_forward_hook(_add_adapter_output)
+        base.sharded_state_dict = types.MethodType(_sharded_state_dict, base)
         adapters[name] = base.lora
     return adapters
 

@@ -1,5 +1,6 @@
 """Tier b: LoRA adapters at TP = 2 (with and without sequence parallelism) equal TP = 1 (gloo, real
-megatron-core): logits, the gradients of A and B gathered to full size, the optimizer's gradient norm."""
+megatron-core): logits, the gradients of A and B gathered to full size, the optimizer's gradient norm; and
+the adapted model's checkpoint resharded from TP = 1 to TP = 2."""
 
 import pytest
 import torch
@@ -28,14 +29,22 @@ def _worker(tp, sequence_parallel, ckpt_dir):
 
     groups = init_parallel(tp, 1)
     model = tiny_gpt(tp, sequence_parallel)
-    # the same base at every layout: TP=1 saves it, TP=2 loads it resharded (the gated fc1 included)
+    adapters = apply_lora(model, LoraConfig(rank=4, alpha=8.0))
+    hand = {name: full_adapter_weights(name, a.full_shapes) for name, a in adapters.items()}  # B != 0: A gets a grad
+    # the same adapted model at every layout: TP=1 sets the adapters by hand and saves base and adapters,
+    # TP=2 loads them resharded (the gated fc1's B as its weight); it must hold what load_full_ shards
     if tp == 1:
+        for name, adapter in adapters.items():
+            adapter.load_full_(*hand[name])
         dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir)
     else:
         model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), ckpt_dir))
-    adapters = apply_lora(model, LoraConfig(rank=4, alpha=8.0))
-    for name, adapter in adapters.items():  # B != 0, so that A gets a gradient
-        adapter.load_full_(*full_adapter_weights(name, adapter.full_shapes))
+        for name, adapter in adapters.items():
+            loaded = adapter.A.detach().clone(), adapter.B.detach().clone()
+            adapter.load_full_(*hand[name])
+            assert torch.equal(loaded[0], adapter.A) and torch.equal(loaded[1], adapter.B), name
+            full = adapter.gather_full(adapter.A.detach(), adapter.B.detach())
+            assert torch.equal(full[0], hand[name][0]) and torch.equal(full[1], hand[name][1]), name
     ddp = wrap_ddp(model)
     optimizer = build_optimizer(ddp, OptimConfig(optimizer="sgd", lr=1.0, weight_decay=0.0, clip_grad=0.0))
     tp_rank, shard = dist.get_rank(groups.tp), VOCAB // tp
