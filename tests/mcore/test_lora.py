@@ -7,8 +7,8 @@ import torch
 from stapo_megatron.mcore.lora_config import LoraConfig
 from tests.helpers.lora_models import forward, full_adapter_weights, merged_copy, tiny_gpt, tokens
 
-MERGE_TOL = 2e-5
-"""fp32: B (A x) against (W0 + s B A) x differs only by the order of the sums (logits ~1)."""
+MERGE_TOL = 1e-5
+"""fp32: B (A x) against (W0 + s B A) x differs only by the order of the sums (logits <= 1; measured 1.5e-6)."""
 
 
 def _lora_model(**lora_fields):
@@ -145,7 +145,8 @@ def test_experts_get_adapters_only_when_asked(parallel):
     model = tiny_gpt(**MOE)
     with torch.no_grad():
         base_logits = forward(model, tokens())
-    adapters = apply_lora(model, LoraConfig(rank=4, alpha=8.0, experts=True, target_modules=["linear_fc1", "linear_fc2"]))
+    config = LoraConfig(rank=4, alpha=8.0, experts=True, target_modules=["linear_fc1", "linear_fc2"])
+    adapters = apply_lora(model, config)
     assert sorted(adapters) == [f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{m}" for i in range(2)
                                 for e in range(4) for m in ("linear_fc1", "linear_fc2")]
     fc1 = adapters["decoder.layers.0.mlp.experts.local_experts.1.linear_fc1"]
