@@ -18,9 +18,11 @@ T the linear's TP size; in / out the base's full dimensions):
 
 Where the TP communication sits (only r-wide tensors move, never an in- or out-wide one):
 
-- column: the base's input is replicated over TP (or, under sequence parallelism, split along s
-  and gathered inside the base's forward). The adapter computes h = A x on its own tokens and
-  then gathers h over the sequence (SP; backward: reduce-scatter) or passes it through
+- column: the base's input is replicated over TP, or, under sequence parallelism, split along s
+  and gathered inside the base's forward (megatron-core's ColumnParallelLinear passes
+  ``sequence_parallel`` to its matmul, which all-gathers x and reduce-scatters dx). The adapter
+  makes the same pair on r-wide h instead of x (A acts on each token alone): h = A x on its own
+  tokens, then gathered over the sequence (SP; backward: reduce-scatter) or passed through
   ``copy_to_tensor_model_parallel_region`` (backward: all-reduce). Either way dh, which each rank
   holds only for its B shard's outputs, is summed over TP in the backward, so A's gradient and
   the gradient into x are complete without touching the base's own input communication. Under
