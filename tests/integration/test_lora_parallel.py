@@ -66,6 +66,16 @@ def _worker(tp, sequence_parallel, ckpt_dir):
         replicated[name] = (adapter.A if adapter.parallel == "column" else adapter.B).main_grad.clone()
     optimizer.prepare_grads()
     num_params = sum(len(g["params"]) for g in optimizer.param_groups)
+    # dropout on the adapters' inputs: split inputs draw from the model-parallel RNG (forked here)
+    for adapter in adapters.values():
+        adapter.dropout = torch.nn.Dropout(0.5)
+    with torch.no_grad():
+        assert ddp.training and not torch.equal(forward(ddp, tokens()), logits.detach())
+        for kind in ("column", "row"):  # the same mask on every TP rank only for a replicated input
+            kept = next(a for a in adapters.values() if a.parallel == kind)._dropout(torch.ones(8, 2, 16)) != 0
+            masks = [torch.empty_like(kept) for _ in range(tp)]
+            dist.all_gather(masks, kept, group=groups.tp)
+            assert torch.equal(masks[0], masks[-1]) == (tp == 1 or (kind == "column" and not sequence_parallel))
     return (gather_vocab(logits.detach()), gather_vocab(base), grads, replicated, float(optimizer.get_grad_norm()),
             num_params)
 
