@@ -12,4 +12,6 @@ on are laid out in ``batch/``, the log-prob/entropy op is ``ops/``.
   and their optimizer state, CPU shims.
 - ``mcore_versions``: what differs between megatron-core releases (explicit version checks).
 - ``config``: `ModelConfig` (which model, at which layout) and `OptimConfig`.
+- ``lora`` / ``lora_config``: LoRA adapters on the parallel linears, placed as the base is sharded
+  (a library component: the RL loop does not use it yet), and `LoraConfig`.
 """
