@@ -87,7 +87,8 @@ def test_kl_term():
     ref = torch.log(torch.tensor([0.25]))
     keep = torch.tensor([True])
     base, _ = policy_loss(PolicyTokens(logprob, logprob, torch.zeros(1), keep, ~keep))
-    with_kl, _ = policy_loss(PolicyTokens(logprob, logprob, torch.zeros(1), keep, ~keep, ref), PolicyLossConfig(kl_coef=0.1))
+    with_kl, _ = policy_loss(PolicyTokens(logprob, logprob, torch.zeros(1), keep, ~keep, ref),
+                             PolicyLossConfig(kl_coef=0.1))
     k3 = 0.5 - math.log(0.5) - 1.0  # exp(ref - lp) - (ref - lp) - 1
     assert with_kl.item() - base.item() == pytest.approx(0.1 * k3)
     with pytest.raises(ValueError, match="ref_logprob"):
@@ -209,5 +210,6 @@ def test_policy_loss_keeps_float64_and_raises_half_precision():
     expected = -(torch.exp(logprob - old)).sum()
     assert loss.item() == pytest.approx(expected.item(), abs=1e-12)  # float64 keeps the 1e-9
     assert int(count) == 10
-    loss_bf16, _ = policy_loss(PolicyTokens(logprob.bfloat16(), old.bfloat16(), adv.bfloat16(), mask, torch.zeros_like(mask)))
+    loss_bf16, _ = policy_loss(PolicyTokens(logprob.bfloat16(), old.bfloat16(), adv.bfloat16(), mask,
+                                            torch.zeros_like(mask)))
     assert loss_bf16.dtype == torch.float32
