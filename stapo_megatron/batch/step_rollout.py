@@ -6,7 +6,9 @@ changes it: the scorer (texts against answers), the group advantages ([P, G] in 
 routing monitor (routes), the metrics (lengths, token ages) and `stapo_megatron.batch.records.
 make_records`, which turns it into the update's records (`SequenceRecord`). One `RolloutSample` per
 sampled response, flat in (prompt, sample) order: sample g of the step's p-th prompt is entry
-p x G + g.
+p x G + g. A prompt's G samples are its group (`StepRollout.groups`); dynamic sampling
+(`stapo_megatron.trainer.dynamic_sampling`) swaps a group for another prompt's
+(`StepRollout.replace_group`), which gives a new record.
 
 Token versions: the policy version (steps trained) that sampled each response token. One policy
 sampled a whole request (colocated, or separate placement without partial rollouts): every token
@@ -18,7 +20,7 @@ has the request's version. A partial rollout's response continues over several s
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -81,8 +83,7 @@ class StepRollout:
         if self.group_size < 1 or len(self.samples) % self.group_size:
             raise ValueError(f"StepRollout: {len(self.samples)} samples do not form groups of "
                              f"group_size={self.group_size}")
-        for p in range(self.num_prompts):
-            group = self.samples[p * self.group_size:(p + 1) * self.group_size]
+        for p, group in enumerate(self.groups()):
             if len({s.prompt_index for s in group}) != 1:
                 raise ValueError(f"StepRollout: group {p} mixes prompts {sorted({s.prompt_index for s in group})}")
 
@@ -112,6 +113,27 @@ class StepRollout:
             version = min(min(s.versions) for s in flat if s.versions)
         return cls(step, version, group_size, tuple(flat))
 
+    def groups(self) -> Iterator[Tuple[RolloutSample, ...]]:
+        """The step's groups in order: the G samples of each prompt."""
+        G = self.group_size
+        for p in range(len(self.samples) // G):
+            yield self.samples[p * G:(p + 1) * G]
+
+    def replace_group(self, p: int, new: Sequence[RolloutSample]) -> "StepRollout":
+        """This record with group ``p`` (the step's p-th prompt) replaced by ``new``, another
+        prompt's G samples; its version is the oldest among the tokens it then holds (the
+        record's own when no response has a token). ValueError for a ``p`` outside the groups
+        or a ``new`` that is not one prompt's G samples."""
+        if not 0 <= p < self.num_prompts:
+            raise ValueError(f"StepRollout.replace_group: group {p} of a step of {self.num_prompts} groups")
+        if len(new) != self.group_size:
+            raise ValueError(f"StepRollout.replace_group: {len(new)} samples replace group {p}, not "
+                             f"group_size={self.group_size}")
+        G = self.group_size
+        samples = self.samples[:p * G] + tuple(new) + self.samples[(p + 1) * G:]
+        version = min((min(s.versions) for s in samples if s.versions), default=self.version)
+        return dataclasses.replace(self, samples=samples, version=version)
+
     @property
     def num_prompts(self) -> int:
         """P prompts (groups) of the step."""
@@ -120,7 +142,7 @@ class StepRollout:
     @property
     def prompt_indices(self) -> List[int]:
         """The training-set index of each of the step's P prompts, in order."""
-        return [s.prompt_index for s in self.samples[::self.group_size]]
+        return [group[0].prompt_index for group in self.groups()]
 
     @property
     def texts(self) -> List[str]:

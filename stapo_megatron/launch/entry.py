@@ -31,6 +31,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from stapo_megatron.launch import requeue
 from stapo_megatron.trainer import faults
+from stapo_megatron.trainer.config import WarmStartConfig
 from stapo_megatron.trainer.preemption import StoppedForRequeue
 from stapo_megatron.config import TrainerConfig
 from stapo_megatron.config.yaml_io import load_config
@@ -46,9 +47,17 @@ RECIPES = ("tiny", "tiny_moe", *paper.LAYOUTS)
 TINY = ("tiny", "tiny_moe")
 """The CPU demos: they prepare their model folder and take a warm-start."""
 
-SECTIONS = tuple(f.name for f in dataclasses.fields(TrainerConfig)
-                 if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)
-                 ) + ("warmstart",)
+def _subsections(config_type) -> Dict[str, Any]:
+    """The dataclass-valued fields of a config dataclass, each with its own, as a tree of dicts."""
+    return {f.name: _subsections(f.default_factory) for f in dataclasses.fields(config_type)
+            if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)}
+
+
+SUBSECTIONS = {**_subsections(TrainerConfig), "warmstart": _subsections(WarmStartConfig)}
+"""Section -> the tree of its own sections (``{"loss": {"rollout_correction": {}}, ...}``): where
+a nested ``section.sub.field=value`` override goes (a launch task holds a dict per node)."""
+
+SECTIONS = tuple(SUBSECTIONS)
 """Config sections that take nested ``section.field=value`` overrides: the dataclass-valued
 fields of `TrainerConfig`, and the warm-start (`run_recipe` names each as a parameter)."""
 
@@ -255,7 +264,8 @@ def _value(text: str) -> Value:
 
 def parse_arguments(args: Sequence[str]) -> Dict[str, Any]:
     """`run_recipe`'s keyword arguments from ``key=value`` texts: ``section.field=value`` (the
-    `SECTIONS`) into that section's dict, the others as keywords (``method=``, ``output_dir=``,
+    `SECTIONS`) into that section's dict (``loss.rollout_correction.mode=tis`` into the loss
+    dict's ``rollout_correction`` dict: `SUBSECTIONS`), the others as keywords (``method=``, ``output_dir=``,
     ``config=``, top-level fields). ValueError for a text without ``=``."""
     arguments: Dict[str, Any] = {}
     for arg in args:
@@ -264,7 +274,10 @@ def parse_arguments(args: Sequence[str]) -> Dict[str, Any]:
             raise ValueError(f"expected key=value, got {arg!r}")
         section_name, dot, field = key.partition(".")
         if dot and section_name in SECTIONS:
-            arguments.setdefault(section_name, {})[field] = _value(value)
+            node, tree, parts = arguments.setdefault(section_name, {}), SUBSECTIONS[section_name], field.split(".")
+            while len(parts) > 1 and parts[0] in tree:  # a section's own section: a dict of its own
+                node, tree = node.setdefault(parts[0], {}), tree[parts.pop(0)]
+            node[".".join(parts)] = _value(value)
         else:
             arguments[key] = _value(value)
     return arguments
@@ -272,16 +285,25 @@ def parse_arguments(args: Sequence[str]) -> Dict[str, Any]:
 
 def format_arguments(kwargs: Dict[str, Any]) -> List[str]:
     """The ``key=value`` texts `parse_arguments` reads back into ``kwargs`` (a launch task's
-    arguments without ``recipe``; None and empty sections left out)."""
+    arguments without ``recipe``; None and empty sections, at any depth, left out)."""
     def text(value: Any) -> str:  # a string that would read back as another literal is quoted
         return value if isinstance(value, str) and _value(value) == value else repr(value)
 
+    def fields(prefix: str, section: Dict[str, Any], tree: Dict[str, Any]) -> List[str]:
+        out = []
+        for field, value in section.items():
+            if field in tree and isinstance(value, dict):  # a section's own section
+                out += fields(f"{prefix}{field}.", value, tree[field])
+            else:
+                out.append(f"{prefix}{field}={text(value)}")
+        return out
+
     texts = []
     for key, value in kwargs.items():
-        if key == "recipe" or value is None or (key in SECTIONS and not value):
+        if key == "recipe" or value is None:
             continue
         if key in SECTIONS:
-            texts += [f"{key}.{field}={text(v)}" for field, v in value.items()]
+            texts += fields(f"{key}.", value, SUBSECTIONS[key])
         else:
             texts.append(f"{key}={text(value)}")
     return texts

@@ -247,11 +247,26 @@ def check_submission(executor) -> None:
 
 def recipe_task(recipe: str, **arguments) -> run.Partial:
     """The task of a launch file: `entry.run_recipe` for ``recipe``. The config sections are
-    empty dicts so that ``section.field=value`` overrides parse as NeMo-Run attributes."""
+    dicts (``arguments``' own, or empty), each holding one for each of its own sections
+    (`section_task`), so that ``section.field=value`` and ``section.sub.field=value`` overrides
+    parse as NeMo-Run attributes."""
     from stapo_megatron.launch import entry
 
-    sections = {name: run.Config(entry.section) for name in entry.SECTIONS}
-    return run.Partial(entry.run_recipe, recipe=recipe, **{**sections, **arguments})
+    sections = {name: section_task(entry.SUBSECTIONS[name], arguments.pop(name, None)) for name in entry.SECTIONS}
+    return run.Partial(entry.run_recipe, recipe=recipe, **sections, **arguments)
+
+
+def section_task(subsections: dict, given: Optional[run.Config] = None) -> run.Config:
+    """A config section of a launch task: ``given`` (a ``run.Config(entry.section, ...)``, or a
+    new empty one) with an empty one for each of its own sections it does not set
+    (``entry.SUBSECTIONS``), so that NeMo-Run finds every attribute a nested override
+    (``loss.rollout_correction.mode=none``) walks through."""
+    from stapo_megatron.launch import entry
+
+    out = run.Config(entry.section) if given is None else given
+    for name, below in subsections.items():
+        setattr(out, name, section_task(below, getattr(out, name, None)))
+    return out
 
 
 @run.cli.factory(target=run.LocalExecutor, name="local")

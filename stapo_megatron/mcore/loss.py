@@ -55,7 +55,7 @@ import torch.distributed as dist
 
 from stapo_megatron.method import masks
 from stapo_megatron.method.config import LossConfig
-from stapo_megatron.method.objective import PolicyLossConfig, policy_loss
+from stapo_megatron.method.objective import PolicyLossConfig, PolicyTokens, policy_loss
 from stapo_megatron.method.objectives import check_parallelism, clipped_tokens, get_objective
 from stapo_megatron.method.registry import get_method
 from stapo_megatron.method import rollout_correction as rc
@@ -184,11 +184,10 @@ def loss_func(
     objective = get_objective(config.effective_objective)
     policy = PolicyLossConfig(config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio_c, config.kl_coef,
                               objective.loss_agg, objective.build(config, t.seq_ids, t.seq_sum, batch.seed))
-    loss_sum, normaliser = policy_loss(
-        t.logprob, t.old_logprob, t.advantages, t.trained_mask, t.silenced, policy, batch.ref_logprob,
-        is_weight=t.is_weight, sequence_ids=t.seq_ids, sequence_sum=t.seq_sum,
-        count_sequences=t.seq_sum is None or dist.get_rank(cp_group) == 0,
-    )
+    tokens = PolicyTokens(t.logprob, t.old_logprob, t.advantages, t.trained_mask, t.silenced, batch.ref_logprob,
+                          t.is_weight, t.seq_ids)
+    loss_sum, normaliser = policy_loss(tokens, policy, t.seq_sum,
+                                       count_sequences=t.seq_sum is None or dist.get_rank(cp_group) == 0)
     return loss_sum, normaliser.to(torch.int), loss_diagnostics(config, batch, t, loss_sum, normaliser)
 
 

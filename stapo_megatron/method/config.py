@@ -60,9 +60,12 @@ class LossConfig:
     objective: Optional[str] = None
     """The objective the method's mask applies to, a name of
     `stapo_megatron.method.objectives.OBJECTIVES`: "dapo" (the JustRL/DAPO token loss), "grpo",
-    "dual_clip", "gspo", "cispo", "clip_cov", "kl_cov". None: the method's own (`Method.objective`:
-    "grpo" for grpo, "dapo" for the others). The objective's recipe values (GSPO's clip range,
-    GRPO's KL) come with ``method_loss_config(..., objective=...)``, not with this field alone."""
+    "dual_clip", "gspo", "cispo", "clip_cov", "kl_cov"; or the dotted path of a user objective,
+    ``pkg.module:fn`` (a token-loss builder, decorated with
+    `stapo_megatron.method.objectives.register_objective` or plain; docs/extending.md). None: the
+    method's own (`Method.objective`: "grpo" for grpo, "dapo" for the others). The objective's
+    recipe values (GSPO's clip range, GRPO's KL) come with ``method_loss_config(..., objective=...)``,
+    not with this field alone."""
     clip_cov_ratio: float = 2e-4
     """Clip-Cov: fraction of the micro-batch's kept tokens that lose their gradient (verl's default)."""
     clip_cov_lower: float = 1.0

@@ -1,5 +1,6 @@
 """The policy loss of every objective on plain tensors: the per-token clipped surrogate and the
-masked sum of an objective's token losses (`policy_loss`, configured by a `PolicyLossConfig`).
+masked sum of an objective's token losses (`policy_loss` of a micro-batch's `PolicyTokens`,
+configured by a `PolicyLossConfig`).
 
 arXiv 2602.15620, the J_STAPO objective (DAPO/JustRL token level, clip-higher, no KL, no entropy
 bonus, plus the S2T mask of ``stapo_megatron.method.masks``; docs/design.md, "The method"):
@@ -89,43 +90,79 @@ def token_objective(
     return loss, is_clipped
 
 
+@dataclasses.dataclass(frozen=True)
+class PolicyTokens:
+    """One micro-batch's per-token tensors that `policy_loss` reads, each [B, S] like
+    ``logprob`` (checked when the record is built).
+
+    Raises:
+        ValueError: a tensor's shape differs from ``logprob``'s (a [B] advantage would broadcast
+            along the token axis when B == S; a [B, S, 1] mask would multiply the kept count),
+            or a mask is not bool; the message names the field.
+    """
+
+    logprob: torch.Tensor
+    """log pi_theta of the labels (any float dtype; the loss is computed in at least fp32, so
+    fp16/bf16 inputs do not overflow the sum, and float64 inputs keep float64)."""
+    old_logprob: torch.Tensor
+    """log pi_old of the labels."""
+    advantages: torch.Tensor
+    """Per-token advantages (a sequence's advantage broadcast over its tokens,
+    ``adv_B[:, None].expand(B, S)``)."""
+    response_mask: torch.Tensor
+    """bool: the response tokens the loss may train (the rollout correction's rejected ones out)."""
+    silenced: torch.Tensor
+    """bool: the method's mask (keep = response_mask & ~silenced)."""
+    ref_logprob: Optional[torch.Tensor] = None
+    """log pi_ref of the labels, for the k3 KL term (``PolicyLossConfig.kl_coef`` > 0)."""
+    is_weight: Optional[torch.Tensor] = None
+    """Constant importance weight of each token's objective term (the rollout correction's
+    truncated IS, ``method.rollout_correction``; verl multiplies its pg_losses the same way):
+    the KL term and the normaliser are not weighted. None = 1."""
+    sequence_ids: Optional[torch.Tensor] = None
+    """For a packed row (several sequences in one row), the sequence index of every token
+    (``batch.packing.sequence_ids``); only "seq_mean_token_mean" reads it. None: a row is a
+    sequence."""
+
+    def __post_init__(self):
+        tensors = {"old_logprob": self.old_logprob, "advantages": self.advantages,
+                   "response_mask": self.response_mask, "silenced": self.silenced}
+        if self.ref_logprob is not None:
+            tensors["ref_logprob"] = self.ref_logprob
+        if self.is_weight is not None:
+            tensors["is_weight"] = self.is_weight
+        for name, t in tensors.items():
+            if t.shape != self.logprob.shape:
+                hint = ""
+                if name == "advantages":
+                    hint = (" (advantages are per token: expand a per-sequence [B] advantage with "
+                            "adv[:, None].expand_as(logprob))")
+                raise ValueError(f"{name} has shape {list(t.shape)} but logprob has {list(self.logprob.shape)}{hint}")
+        for name in ("response_mask", "silenced"):
+            if tensors[name].dtype != torch.bool:
+                raise ValueError(f"{name} must be a bool tensor, got {tensors[name].dtype}")
+
+
 def policy_loss(
-    logprob: torch.Tensor,
-    old_logprob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    silenced: torch.Tensor,
+    tokens: PolicyTokens,
     config: PolicyLossConfig = PolicyLossConfig(),
-    ref_logprob: Optional[torch.Tensor] = None,
-    is_weight: Optional[torch.Tensor] = None,
-    sequence_ids: Optional[torch.Tensor] = None,
     sequence_sum: Optional[SequenceSum] = None,
     count_sequences: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Sum of the objective's token losses over kept tokens, and the number of kept tokens.
 
     keep = response_mask & ~silenced; loss_sum = -sum keep * min(r A, clip(r, 1-eps_low,
-    1+eps_high) A) (or ``config.token_loss``; + kl_coef * k3 KL to ``ref_logprob`` per kept
-    token if kl_coef > 0). Dividing by the kept count of the whole mini-batch (not by this
-    call's) gives -J.
+    1+eps_high) A) (or ``config.token_loss``; times ``is_weight``; + kl_coef * k3 KL to
+    ``ref_logprob`` per kept token if kl_coef > 0). Dividing by the kept count of the whole
+    mini-batch (not by this call's) gives -J.
 
     Args:
-        logprob, old_logprob, ref_logprob: [B, S] log-probs of the labels (any float dtype;
-            the loss is computed in at least fp32, so fp16/bf16 inputs do not overflow the sum,
-            and float64 inputs keep float64).
-        advantages: [B, S] per-token advantages (a sequence's advantage broadcast over its
-            tokens, ``adv_B[:, None].expand(B, S)``).
-        response_mask, silenced: [B, S] bool.
+        tokens: the micro-batch's per-token tensors (`PolicyTokens`).
         config: the token loss, KL term and aggregation. Its ``loss_agg``: "token_mean"
             (DAPO/JustRL: every kept token weighs the same) or
             "seq_mean_token_mean" (GRPO: mean over each sequence's kept tokens, then over
-            sequences; one row of the [B, S] tensors is one sequence, unless ``sequence_ids``).
-        is_weight: [B, S] constant importance weight of each token's clipped surrogate (the
-            rollout correction's truncated IS, ``method.rollout_correction``; verl multiplies
-            its pg_losses the same way): the KL term and the normaliser are not weighted.
-            None = 1.
-        sequence_ids: for a packed row (several sequences in one row), the sequence index of
-            every token (``batch.packing.sequence_ids``); only "seq_mean_token_mean" reads it.
+            sequences; one row of the [B, S] tensors is one sequence, unless
+            ``tokens.sequence_ids``).
         sequence_sum, count_sequences: context parallelism ("seq_mean_token_mean" with
             ``sequence_ids``): the rows hold only this rank's part of every sequence.
             ``sequence_sum`` adds the per-sequence kept-token counts over the ranks holding the
@@ -139,40 +176,23 @@ def policy_loss(
         tokens, or with "seq_mean_token_mean" the number of sequences with a kept token).
 
     Raises:
-        ValueError: if a tensor's shape differs from ``logprob``'s (a [B] advantage would
-            broadcast along the token axis when B == S; a [B, S, 1] mask would multiply the
-            kept count), or a mask is not bool, or ``kl_coef`` > 0 without ``ref_logprob``.
+        ValueError: ``kl_coef`` > 0 without ``tokens.ref_logprob``.
     """
     loss_agg, kl_coef = config.loss_agg, config.kl_coef
-    tensors = {"old_logprob": old_logprob, "advantages": advantages, "response_mask": response_mask,
-               "silenced": silenced}
-    if ref_logprob is not None:
-        tensors["ref_logprob"] = ref_logprob
-    if is_weight is not None:
-        tensors["is_weight"] = is_weight
-    for name, t in tensors.items():
-        if t.shape != logprob.shape:
-            hint = ""
-            if name == "advantages":
-                hint = (" (advantages are per token: expand a per-sequence [B] advantage with "
-                        "adv[:, None].expand_as(logprob))")
-            raise ValueError(f"{name} has shape {list(t.shape)} but logprob has {list(logprob.shape)}{hint}")
-    for name in ("response_mask", "silenced"):
-        if tensors[name].dtype != torch.bool:
-            raise ValueError(f"{name} must be a bool tensor, got {tensors[name].dtype}")
+    logprob, old_logprob, advantages = tokens.logprob, tokens.old_logprob, tokens.advantages
     # accumulate in at least fp32: half-precision inputs go up, float64 inputs stay float64
     dtype = torch.promote_types(torch.promote_types(logprob.dtype, old_logprob.dtype),
                                 torch.promote_types(advantages.dtype, torch.float32))
     logprob, old_logprob, advantages = logprob.to(dtype), old_logprob.to(dtype), advantages.to(dtype)
-    ref_logprob = None if ref_logprob is None else ref_logprob.to(dtype)
-    keep = response_mask & ~silenced
+    ref_logprob = None if tokens.ref_logprob is None else tokens.ref_logprob.to(dtype)
+    keep = tokens.response_mask & ~tokens.silenced
     if config.token_loss is not None:
         loss = config.token_loss(logprob, old_logprob, advantages, keep)
     else:
         loss, _ = token_objective(logprob, old_logprob, advantages, config.clip_ratio_low, config.clip_ratio_high,
                                   config.clip_ratio_c)
-    if is_weight is not None:
-        loss = loss * is_weight.detach().to(loss.dtype)  # float64 weights stay float64
+    if tokens.is_weight is not None:
+        loss = loss * tokens.is_weight.detach().to(loss.dtype)  # float64 weights stay float64
     if kl_coef:
         if ref_logprob is None:
             raise ValueError("kl_coef > 0 needs ref_logprob")
@@ -180,6 +200,7 @@ def policy_loss(
         loss = loss + kl_coef * (torch.expm1(log_ratio_ref) - log_ratio_ref)
     # where() rather than a multiply: a silenced token's inf/NaN ratio must not leak into the sum.
     loss_BS = torch.where(keep, loss, 0.0)
+    sequence_ids = tokens.sequence_ids
     if loss_agg == "seq_mean_token_mean" and sequence_ids is not None:
         ids_T = sequence_ids.reshape(-1)
         num_seq = int(ids_T.max()) + 1

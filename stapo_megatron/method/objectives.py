@@ -1,4 +1,5 @@
-"""The policy objectives, the second axis of a method: one `Objective` per name in `OBJECTIVES`.
+"""The policy objectives, the second axis of a method: one `Objective` per name in `OBJECTIVES`,
+registered as methods are (`register_objective`, `get_objective` of a name or a dotted path).
 
 A method is a mask (``method.registry``: stapo, entropy20, the random controls, none) applied to
 an objective: the per-token loss l_t that ``method.objective.policy_loss`` sums over the kept
@@ -44,6 +45,7 @@ import torch
 
 from stapo_megatron.method.objective import SequenceSum, TokenLoss, token_objective
 from stapo_megatron.method.rollout_correction import segments, sequence_log_ratio
+from stapo_megatron.utils import is_dotted_path, load_dotted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,17 +134,77 @@ def kl_cov_token_loss(logprob, old_logprob, advantages, keep, ratio=2e-4, kl_coe
 
 # -- the registry ---------------------------------------------------------------------------------
 
+OBJECTIVES: Dict[str, Objective] = {}
+"""Every objective, by name (``LossConfig.objective``): the built-in ones below, in the order
+tables and comparisons list them, and those `register_objective` adds."""
 
+OBJECTIVE_ATTRIBUTE = "stapo_objective"
+"""The attribute `register_objective` sets on the function it decorates: its `Objective`."""
+
+
+def register_objective(name: str, summary: str = "", loss_agg: str = "token_mean",
+                       loss_options: Optional[Mapping[str, Any]] = None, context_parallel: bool = True):
+    """Decorator: register the builder it decorates, ``(config, sequence_ids, sequence_sum, seed)
+    -> TokenLoss`` for one micro-batch, as the `Objective` ``name`` in `OBJECTIVES`.
+
+    The function is returned unchanged with its `Objective` as the attribute `OBJECTIVE_ATTRIBUTE`,
+    so a dotted path to it (``loss.objective=pkg.module:fn``) finds the objective. ``summary``
+    defaults to the first line of the function's docstring. A name already taken by another
+    function is a ValueError (re-importing the same module registers it again, harmlessly).
+
+    Example::
+
+        @register_objective("reinforce", loss_options=dict(clip_ratio_c=None))
+        def reinforce(config, sequence_ids, sequence_sum, seed):
+            \"\"\"REINFORCE: -r A, no clip.\"\"\"
+            return lambda logprob, old_logprob, advantages, keep: -torch.exp(logprob - old_logprob) * advantages
+    """
+    def register(build: Callable[..., TokenLoss]) -> Callable[..., TokenLoss]:
+        line = summary or (build.__doc__ or name).strip().splitlines()[0]
+        objective = Objective(name, line, build, loss_agg, dict(loss_options or {}), context_parallel)
+        taken = OBJECTIVES.get(name)
+        if taken is not None and _qualname(taken.build) != _qualname(build):
+            raise ValueError(f"objective {name!r} is already registered (by {_qualname(taken.build)}); "
+                             f"choose another name for {_qualname(build)}")
+        OBJECTIVES[name] = objective
+        setattr(build, OBJECTIVE_ATTRIBUTE, objective)
+        return build
+    return register
+
+
+def _qualname(fn: Callable) -> str:
+    """``module.qualname`` of a function, for messages and re-registration."""
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+@register_objective("dapo", "the JustRL/DAPO token loss: clipped surrogate, clip-higher, token mean (arXiv 2503.14476)")
 def _dapo(config, sequence_ids, sequence_sum, seed) -> TokenLoss:
     return lambda lp, old, adv, keep: token_objective(lp, old, adv, config.clip_ratio_low, config.clip_ratio_high,
                                                       config.clip_ratio_c)[0]
 
 
+@register_objective("grpo", "DeepSeekMath GRPO: clipped surrogate, sequence mean (+ k3 KL; arXiv 2402.03300)",
+                    loss_agg="seq_mean_token_mean",
+                    loss_options=dict(clip_ratio_high=0.2, clip_ratio_c=None, kl_coef=0.04))
+def _grpo(config, sequence_ids, sequence_sum, seed) -> TokenLoss:
+    return _dapo(config, sequence_ids, sequence_sum, seed)
+
+
+@register_objective("dual_clip", "dual-clip PPO: the dapo loss bounded by -c A for A < 0 (arXiv 1912.09729)",
+                    loss_options=dict(clip_ratio_c=3.0))
+def _dual_clip(config, sequence_ids, sequence_sum, seed) -> TokenLoss:
+    return _dapo(config, sequence_ids, sequence_sum, seed)
+
+
+@register_objective("gspo", "GSPO: sequence-level geometric-mean ratio, clipped, sequence mean (arXiv 2507.18071)",
+                    loss_agg="seq_mean_token_mean", loss_options=dict(clip_ratio_low=3e-4, clip_ratio_high=4e-4))
 def _gspo(config, sequence_ids, sequence_sum, seed) -> TokenLoss:
     return lambda lp, old, adv, keep: gspo_token_loss(lp, old, adv, keep, config.clip_ratio_low,
                                                       config.clip_ratio_high, sequence_ids, sequence_sum)
 
 
+@register_objective("cispo", "CISPO: clipped, detached IS weight times log-prob, token mean (MiniMax-M1, "
+                    "arXiv 2506.13585)")
 def _cispo(config, sequence_ids, sequence_sum, seed) -> TokenLoss:
     return lambda lp, old, adv, keep: cispo_token_loss(lp, old, adv, config.clip_ratio_low, config.clip_ratio_high)
 
@@ -153,6 +215,8 @@ def clip_cov_generator(config, seed: Optional[int]) -> torch.Generator:
     return torch.Generator().manual_seed(config.seed * 1_000_003 + int(seed if seed is not None else 0) + 7)
 
 
+@register_objective("clip_cov", "Clip-Cov: no gradient for random high-covariance tokens (arXiv 2505.22617)",
+                    context_parallel=False)
 def _clip_cov(config, sequence_ids, sequence_sum, seed) -> TokenLoss:
     gen = clip_cov_generator(config, seed)
     return lambda lp, old, adv, keep: clip_cov_token_loss(
@@ -160,36 +224,38 @@ def _clip_cov(config, sequence_ids, sequence_sum, seed) -> TokenLoss:
         config.clip_cov_lower, config.clip_cov_upper, gen)
 
 
+@register_objective("kl_cov", "KL-Cov: |log r| penalty on the top-covariance tokens (arXiv 2505.22617)",
+                    context_parallel=False)
 def _kl_cov(config, sequence_ids, sequence_sum, seed) -> TokenLoss:
     return lambda lp, old, adv, keep: kl_cov_token_loss(lp, old, adv, keep, config.kl_cov_ratio, config.kl_cov_coef)
 
 
-OBJECTIVES: Dict[str, Objective] = {o.name: o for o in (
-    Objective("dapo", "the JustRL/DAPO token loss: clipped surrogate, clip-higher, token mean (arXiv 2503.14476)",
-              _dapo),
-    Objective("grpo", "DeepSeekMath GRPO: clipped surrogate, sequence mean (+ k3 KL; arXiv 2402.03300)", _dapo,
-              loss_agg="seq_mean_token_mean", loss_options=dict(clip_ratio_high=0.2, clip_ratio_c=None, kl_coef=0.04)),
-    Objective("dual_clip", "dual-clip PPO: the dapo loss bounded by -c A for A < 0 (arXiv 1912.09729)", _dapo,
-              loss_options=dict(clip_ratio_c=3.0)),
-    Objective("gspo", "GSPO: sequence-level geometric-mean ratio, clipped, sequence mean (arXiv 2507.18071)",
-              _gspo, loss_agg="seq_mean_token_mean", loss_options=dict(clip_ratio_low=3e-4, clip_ratio_high=4e-4)),
-    Objective("cispo", "CISPO: clipped, detached IS weight times log-prob, token mean (MiniMax-M1, arXiv 2506.13585)",
-              _cispo),
-    Objective("clip_cov", "Clip-Cov: no gradient for random high-covariance tokens (arXiv 2505.22617)", _clip_cov,
-              context_parallel=False),
-    Objective("kl_cov", "KL-Cov: |log r| penalty on the top-covariance tokens (arXiv 2505.22617)", _kl_cov,
-              context_parallel=False),
-)}
-"""Every objective, by name (``LossConfig.objective``)."""
+def objective_from_object(obj: Any, path: str) -> Objective:
+    """The `Objective` a dotted path names: an `Objective`, a builder decorated with
+    `register_objective`, or a plain builder (an objective called ``path``: token mean, no
+    options, allowed under context parallelism)."""
+    if isinstance(obj, Objective):
+        return obj
+    if callable(obj):
+        return getattr(obj, OBJECTIVE_ATTRIBUTE, None) or Objective(
+            path, (obj.__doc__ or path).strip().splitlines()[0], obj)
+    raise ValueError(f"loss.objective = {path!r} names a {type(obj).__name__}, not an Objective or a builder "
+                     f"(config, sequence_ids, sequence_sum, seed) -> token loss (logprob, old_logprob, advantages, "
+                     f"keep) -> [B, S]")
 
 
 def get_objective(name: str) -> Objective:
-    """The `Objective` called ``name``; a ValueError naming the valid ones (and the closest) if none."""
-    if name not in OBJECTIVES:
-        close = difflib.get_close_matches(str(name), OBJECTIVES, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"objective must be one of {tuple(OBJECTIVES)}, got {name!r}{hint}")
-    return OBJECTIVES[name]
+    """The `Objective` called ``name`` (a name of `OBJECTIVES`), or named by a dotted path
+    ``pkg.module:fn`` / ``pkg.module.fn`` (`objective_from_object`); a ValueError naming the valid
+    names (and the closest) for an unknown name, or naming the path for one that does not import."""
+    if name in OBJECTIVES:
+        return OBJECTIVES[name]
+    if is_dotted_path(name):
+        return objective_from_object(load_dotted(name, "loss.objective"), name)
+    close = difflib.get_close_matches(str(name), OBJECTIVES, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ValueError(f"objective must be one of {tuple(OBJECTIVES)}, got {name!r}{hint} (a user objective: its "
+                     f"dotted path 'pkg.module:fn')")
 
 
 @torch.no_grad()

@@ -34,7 +34,12 @@ SILENCED_COLUMNS = ("token", "count", "p_mean", "p_rollout_mean", "entropy_mean"
 """Columns of the silenced-tokens table (the inspector's summary of the last training step)."""
 
 LOG_FILES = ("metrics.jsonl", "silenced_tokens.jsonl", "samples.jsonl")
-"""The JSONL logs of a run folder, one row per step (cut back on resume)."""
+"""The JSONL logs of a run folder, one row per step (cut back on resume); a row's ``step`` counts
+the steps done (the first step's row says 1, an eval before it 0)."""
+
+STEP_INDEX_LOGS = ("rollout_order.jsonl",)
+"""The JSONL logs whose rows name the 0-based step they belong to (cut back on resume): the
+stream positions each step trained (`stapo_megatron.trainer.rollout_schedule.RolloutSchedule`)."""
 
 
 class RunLogger:
@@ -62,14 +67,18 @@ class RunLogger:
     def resume_from(self, step: int) -> None:
         """Drop what a killed run logged after the checkpoint it resumes from (``step``).
 
-        Rows of the `LOG_FILES` with a step > ``step`` are removed (the resumed run logs those
-        steps again), as is a last line cut off by the kill; TensorBoard purges its events after
-        ``step`` too. Each file is rewritten atomically. W&B and MLflow keep theirs.
+        Rows of the `LOG_FILES` with a step > ``step`` and of the `STEP_INDEX_LOGS` with a step
+        >= ``step`` (the 0-based steps the checkpoint has not trained) are removed (the resumed
+        run logs those steps again), as is a last line cut off by the kill; TensorBoard purges
+        its events after ``step`` too. Each file is rewritten atomically. W&B and MLflow keep
+        theirs.
         """
         if not self.enabled:
             return
         for name in LOG_FILES:
             truncate_jsonl(os.path.join(self.run_dir, name), step)
+        for name in STEP_INDEX_LOGS:
+            truncate_jsonl(os.path.join(self.run_dir, name), step - 1)
         for tracker in self._trackers:
             tracker.resume_from(step)
 

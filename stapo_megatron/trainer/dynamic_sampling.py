@@ -18,7 +18,6 @@ rounds run) and ``filter_uniform_left`` (uniform groups trained after the last r
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -41,8 +40,6 @@ def fill_informative(rollout: StepRollout, rewards_PG: torch.Tensor, info: Dict,
                      max_rounds: int, dp_group, device) -> Tuple[StepRollout, torch.Tensor, Dict, Dict[str, float]]:
     """The step's record with its uniform groups replaced (module docstring): the record, its
     rewards [P, G], the scorer's counts over every group scored, and the step's filter metrics."""
-    G = rollout.group_size
-    groups = [rollout.samples[p * G:(p + 1) * G] for p in range(rollout.num_prompts)]
     rewards = list(rewards_PG)
     dropped = rounds = 0
     for round_index in range(max_rounds):
@@ -57,13 +54,10 @@ def fill_informative(rollout: StepRollout, rewards_PG: torch.Tensor, info: Dict,
             continue
         extra_rewards, extra_info = score(extra)
         info = {k: info.get(k, 0) + extra_info.get(k, 0) for k in {*info, *extra_info}}
-        for p, slot in enumerate(slots):
-            groups[slot] = extra.samples[p * G:(p + 1) * G]
+        for p, (slot, group) in enumerate(zip(slots, extra.groups(), strict=True)):
+            rollout = rollout.replace_group(slot, group)
             rewards[slot] = extra_rewards[p]
         dropped += len(slots)
-    samples = tuple(s for group in groups for s in group)
-    version = min((min(s.versions) for s in samples if s.versions), default=rollout.version)
-    rollout = dataclasses.replace(rollout, samples=samples, version=version)
     rewards_PG = torch.stack(rewards)
     sums = torch.tensor([dropped, rollout.num_prompts, len(uniform_groups(rewards_PG))], dtype=torch.float64,
                         device=device)

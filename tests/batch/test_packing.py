@@ -118,7 +118,7 @@ def test_packed_attention_equals_each_sequence_alone(parallel, variant):
 
 def test_grpo_sequence_mean_packed_equals_padded():
     """GRPO's per-sequence mean: a packed row counts its sequences, not its one row."""
-    from stapo_megatron.method.objective import PolicyLossConfig, policy_loss
+    from stapo_megatron.method.objective import PolicyLossConfig, PolicyTokens, policy_loss
 
     lengths = [(3, 5), (6, 1), (2, 9)]
     prompts, responses, adv, lps = _rollouts(lengths)
@@ -131,8 +131,9 @@ def test_grpo_sequence_mean_packed_equals_padded():
     for i, (p, r) in enumerate(lengths):
         logp_pack[0, bounds[i]:bounds[i] + p + r] = logp_pad[i, :p + r]
     def loss(b, lp, ids=None):  # noqa: E306
-        return policy_loss(lp, b.rollout_logprob, b.advantages, b.response_mask, torch.zeros_like(b.response_mask),
-                           PolicyLossConfig(loss_agg="seq_mean_token_mean"), sequence_ids=ids)
+        return policy_loss(PolicyTokens(lp, b.rollout_logprob, b.advantages, b.response_mask,
+                                        torch.zeros_like(b.response_mask), sequence_ids=ids),
+                           PolicyLossConfig(loss_agg="seq_mean_token_mean"))
     want = loss(padded, logp_pad)
     got = loss(packed, logp_pack, sequence_ids(packed.cu_seqlens)[None])
     assert int(got[1]) == int(want[1]) == 3

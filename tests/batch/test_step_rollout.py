@@ -1,6 +1,7 @@
 """Tier a: the step's one record (`batch.step_rollout.StepRollout`): built from the engines' groups
 flat in (prompt, sample) order with each sample's prompt, answer and token versions; the scorer's,
-the metrics' and the routing monitor's views of it; bad groups named."""
+the metrics' and the routing monitor's views of it; its groups, and a group replaced by another
+prompt's; bad groups named."""
 
 import dataclasses
 
@@ -65,3 +66,26 @@ def test_bad_groups_are_named():
     other = dataclasses.replace(one, prompt_index=3)
     with pytest.raises(ValueError, match=r"group 0 mixes prompts \[3, 7\]"):
         StepRollout(0, 0, 2, (one, other))
+
+
+def test_groups_are_each_prompts_samples_and_a_replaced_group_gives_a_new_record():
+    groups = [[_sample([1], "a", [5]), _sample([2, 3], "b", [4, 5])], [_sample([4], "c", [5]), _sample([], "d", [])]]
+    rollout = StepRollout.of_groups(6, [(7, [9]), (3, [8])], ANSWERS.get, groups, 2)
+    assert [[s.sample.text for s in group] for group in rollout.groups()] == [["a", "b"], ["c", "d"]]
+    assert rollout.version == 4
+    other = StepRollout.of_groups(9, [(5, [1])], ANSWERS.get, [[_sample([6], "e", [6]), _sample([7], "f", [6])]], 2)
+    (new,) = other.groups()
+    replaced = rollout.replace_group(0, new)
+    assert replaced.prompt_indices == [5, 3] and replaced.texts == ["e", "f", "c", "d"]
+    assert (replaced.step, replaced.version) == (6, 5)  # the oldest token left is group 1's version 5
+    assert rollout.texts == ["a", "b", "c", "d"] and rollout.version == 4  # the record itself is unchanged
+    again = replaced.replace_group(1, new)
+    assert again.prompt_indices == [5, 5] and again.version == 6
+    empty = StepRollout.of_groups(0, [(7, [1])], ANSWERS.get, [[_sample([], versions=[])] * 2], 2, version=3)
+    assert empty.replace_group(0, empty.samples).version == 3  # no token: the record's version
+    with pytest.raises(ValueError, match="group 2 of a step of 2 groups"):
+        rollout.replace_group(2, new)
+    with pytest.raises(ValueError, match="1 samples replace group 0, not group_size=2"):
+        rollout.replace_group(0, new[:1])
+    with pytest.raises(ValueError, match=r"group 0 mixes prompts \[5, 7\]"):
+        rollout.replace_group(0, (new[0], rollout.samples[0]))

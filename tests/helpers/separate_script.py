@@ -5,7 +5,9 @@ or colocated, and an optional fault on the engine rank, for tests/integration/te
 
 FAULT: ``none``; ``engine-kill:K``: the engine rank SIGKILLs itself as it begins its K-th
 ``generate`` (counted from 1; a point of the run, never a wall-clock moment);
-``engine-kill-stream:K``: the same at its K-th decode iteration of streaming rollouts; ``signal:K``:
+``engine-kill-stream:K``: the same at its K-th decode iteration of streaming rollouts;
+``trainer-kill:K``: trainer rank 0 SIGKILLs itself after training step K (0-based: its rows and
+its line of the rollout order are written, its checkpoint is not); ``signal:K``:
 trainer rank 0 writes ``<run_dir>/waiting_for_signal`` after training step K (0-based) and waits
 there for the scheduler's warning signal. The ``key=value``
 arguments are `entry.parse_arguments`' (``rollout.max_staleness=1``).
@@ -46,7 +48,7 @@ def _wait_for_signal_after(step: int) -> None:
 
 def _inject(fault: str) -> None:
     kind, _, where = fault.partition(":")
-    if kind not in ("none", "engine-kill", "engine-kill-stream", "signal"):
+    if kind not in ("none", "engine-kill", "engine-kill-stream", "trainer-kill", "signal"):
         raise ValueError(f"unknown FAULT {fault!r}")
     if kind == "none":
         return
@@ -54,6 +56,8 @@ def _inject(fault: str) -> None:
         return _wait_for_signal_after(int(where))
     if kind == "engine-kill-stream":
         return _kill_at_iteration(int(where))
+    if kind == "trainer-kill":
+        return _kill_trainer_after(int(where))
     build = engine_server.build_engine
 
     def build_dying(*args, **kwargs):
@@ -85,6 +89,19 @@ def _kill_at_iteration(iteration: int) -> None:
         return step(self)
 
     StreamingGenerator.step = step_or_die
+
+
+def _kill_trainer_after(step: int) -> None:
+    """Trainer rank 0 SIGKILLs itself as training step ``step`` (0-based) returns."""
+    train_step = Trainer.train_step
+
+    def train_then_die(self, s):
+        out = train_step(self, s)
+        if s == step and int(os.environ["RANK"]) == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+    Trainer.train_step = train_then_die
 
 
 def _merge(base: dict, extra: dict) -> dict:

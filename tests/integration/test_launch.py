@@ -258,6 +258,17 @@ def test_tiny_async_dryrun_starts_the_engine_rank_too(tmp_path):
     assert code == 0 and "rollout.max_staleness=1 with loss.rollout_correction.mode='none'" in out, out
 
 
+def test_streaming_dryrun_takes_the_correction_settings(tmp_path):
+    """The correction's own section through the whole command (every recipe launch file's task:
+    tests/launch/test_executors.py): the resolved configuration and the sbatch script's task
+    carry both fields."""
+    code, out = nemo_run(tmp_path, "launch/stapo_8b_stream.py", "loss.rollout_correction.mode=none",
+                         "loss.rollout_correction.tis_cap=3.0", "--dryrun", env=ENV_SETTINGS)
+    assert code == 0, out
+    assert re.search(r"rollout_correction:\s+mode: none\s+tis_cap: 3.0", out), out
+    assert "rollout.max_staleness=2 with loss.rollout_correction.mode='none'" in out
+
+
 def test_tiny_dryrun_shows_the_torchrun_command(tmp_path):
     code, out = nemo_run(tmp_path, "launch/stapo_tiny.py", "--dryrun", "steps=1", f"output_dir={tmp_path}/fresh-run")
     assert code == 0, out

@@ -21,6 +21,12 @@ def test_arguments_read_back():
     assert texts == ["method=justrl", "output_dir=/r", "steps=3", "model.hf_dir=/m", "rollout.max_response_len=8192",
                      "rollout.temperature=0.7", "data.eval_prompt_field='1'"]
     assert parse_arguments(texts) == {k: v for k, v in kwargs.items() if k != "recipe" and v}
+    # a section's own section (loss.rollout_correction) reads back as a dict of its own; an empty one is left out
+    nested = {"loss": {"tau_p": 0.01, "rollout_correction": {"mode": "tis", "tis_cap": 3.0}}, "model": {}}
+    texts = format_arguments(nested)
+    assert texts == ["loss.tau_p=0.01", "loss.rollout_correction.mode=tis", "loss.rollout_correction.tis_cap=3.0"]
+    assert parse_arguments(texts) == {"loss": nested["loss"]}
+    assert format_arguments({"loss": {"rollout_correction": {}}, "model": {}}) == []  # a launch task's empty sections
     with pytest.raises(ValueError, match="expected key=value, got 'steps'"):
         parse_arguments(["steps"])
 

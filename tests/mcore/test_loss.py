@@ -8,7 +8,7 @@ import torch
 
 from stapo_megatron.method import masks
 from stapo_megatron.method.config import LossConfig
-from stapo_megatron.method.objective import PolicyLossConfig, policy_loss
+from stapo_megatron.method.objective import PolicyLossConfig, PolicyTokens, policy_loss
 from stapo_megatron.batch.microbatch import MicroBatch
 from stapo_megatron.mcore.loss import loss_func, minibatch_threshold
 from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy
@@ -31,7 +31,7 @@ def test_loss_sum_and_count_by_hand():
     adv = torch.tensor([1.0, 1.0, -1.0, 3.0])
     mask = torch.tensor([True, True, True, False])
     silenced = torch.tensor([False, True, False, False])
-    loss_sum, num_kept = policy_loss(logprob, old, adv, mask, silenced)
+    loss_sum, num_kept = policy_loss(PolicyTokens(logprob, old, adv, mask, silenced))
     # token0: min(2*1, 1.28*1) = 1.28; token2: min(-2/3, -0.8) = -0.8 -> loss = -(1.28 - 0.8)
     assert num_kept.item() == 2
     assert loss_sum.item() == pytest.approx(-(1.28 - 0.8))
@@ -49,7 +49,7 @@ def test_gradient_matches_float64_reference_through_the_op():
     silenced = torch.zeros(B, S, dtype=torch.bool)
     silenced[0, 1] = True
     logprob, _ = vocab_parallel_logprob_entropy(logits, labels)
-    loss_sum, num_kept = policy_loss(logprob, old, adv, mask, silenced)
+    loss_sum, num_kept = policy_loss(PolicyTokens(logprob, old, adv, mask, silenced))
     (loss_sum / num_kept).backward()
 
     x = logits.detach().double().requires_grad_()
@@ -66,7 +66,7 @@ def test_all_masked_micro_batch_is_zero_not_nan():
     labels = torch.zeros(2, 3, dtype=torch.long)
     logprob, _ = vocab_parallel_logprob_entropy(logits, labels)
     mask = torch.zeros(2, 3, dtype=torch.bool)
-    loss_sum, num_kept = policy_loss(logprob, logprob.detach() + 100.0, torch.ones(2, 3), mask, mask)
+    loss_sum, num_kept = policy_loss(PolicyTokens(logprob, logprob.detach() + 100.0, torch.ones(2, 3), mask, mask))
     assert num_kept.item() == 0 and loss_sum.item() == 0.0
     loss_sum.backward()
     assert torch.equal(logits.grad, torch.zeros_like(logits))
@@ -77,8 +77,8 @@ def test_dual_clip_bounds_negative_advantages():
     old = torch.log(torch.tensor([0.1]))  # r = 9
     adv = torch.tensor([-1.0])
     keep = torch.tensor([True])
-    plain, _ = policy_loss(logprob, old, adv, keep, ~keep)
-    dual, _ = policy_loss(logprob, old, adv, keep, ~keep, PolicyLossConfig(clip_ratio_c=3.0))
+    plain, _ = policy_loss(PolicyTokens(logprob, old, adv, keep, ~keep))
+    dual, _ = policy_loss(PolicyTokens(logprob, old, adv, keep, ~keep), PolicyLossConfig(clip_ratio_c=3.0))
     assert plain.item() == pytest.approx(9.0) and dual.item() == pytest.approx(3.0)
 
 
@@ -86,12 +86,13 @@ def test_kl_term():
     logprob = torch.log(torch.tensor([0.5]))
     ref = torch.log(torch.tensor([0.25]))
     keep = torch.tensor([True])
-    base, _ = policy_loss(logprob, logprob, torch.zeros(1), keep, ~keep)
-    with_kl, _ = policy_loss(logprob, logprob, torch.zeros(1), keep, ~keep, PolicyLossConfig(kl_coef=0.1), ref)
+    base, _ = policy_loss(PolicyTokens(logprob, logprob, torch.zeros(1), keep, ~keep))
+    with_kl, _ = policy_loss(PolicyTokens(logprob, logprob, torch.zeros(1), keep, ~keep, ref),
+                             PolicyLossConfig(kl_coef=0.1))
     k3 = 0.5 - math.log(0.5) - 1.0  # exp(ref - lp) - (ref - lp) - 1
     assert with_kl.item() - base.item() == pytest.approx(0.1 * k3)
     with pytest.raises(ValueError, match="ref_logprob"):
-        policy_loss(logprob, logprob, torch.zeros(1), keep, ~keep, PolicyLossConfig(kl_coef=0.1))
+        policy_loss(PolicyTokens(logprob, logprob, torch.zeros(1), keep, ~keep), PolicyLossConfig(kl_coef=0.1))
 
 
 def test_config_validation():
@@ -165,8 +166,8 @@ def test_per_sequence_advantages_are_refused_not_broadcast_along_tokens():
     adv_B = torch.tensor([1.0, -1.0, 0.5])
     with pytest.raises(ValueError, match=r"advantages has shape \[3\] but logprob has \[3, 3\] \(advantages are "
                                          r"per token: expand a per-sequence \[B\] advantage"):
-        policy_loss(logprob, old, adv_B, mask, ~mask)
-    loss_sum, _ = policy_loss(logprob, old, adv_B[:, None].expand_as(logprob), mask, ~mask)
+        policy_loss(PolicyTokens(logprob, old, adv_B, mask, ~mask))
+    loss_sum, _ = policy_loss(PolicyTokens(logprob, old, adv_B[:, None].expand_as(logprob), mask, ~mask))
     ratio = torch.exp(logprob - old)  # exp(0.1) lies inside the clip range: the loss is -r A
     assert loss_sum.item() == pytest.approx(-(ratio * adv_B[:, None]).sum().item(), rel=1e-6)
 
@@ -180,11 +181,10 @@ def test_per_sequence_advantages_are_refused_not_broadcast_along_tokens():
 ])
 def test_misshapen_inputs_are_refused(name, bad, message):
     logprob, old, adv, mask = _loss_inputs()
-    args = dict(old_logprob=old, advantages=adv, response_mask=mask, silenced=~mask, ref_logprob=old,
-                config=PolicyLossConfig(kl_coef=0.1))
+    args = dict(old_logprob=old, advantages=adv, response_mask=mask, silenced=~mask, ref_logprob=old)
     args[name] = bad(mask)
     with pytest.raises(ValueError, match=message):
-        policy_loss(logprob, **args)
+        policy_loss(PolicyTokens(logprob, **args), PolicyLossConfig(kl_coef=0.1))
 
 
 def test_fp16_logprobs_do_not_overflow_the_sum():
@@ -192,7 +192,7 @@ def test_fp16_logprobs_do_not_overflow_the_sum():
     logprob = torch.full((4, 1024), -1.0, dtype=torch.float16)
     adv = torch.full((4, 1024), -20.0, dtype=torch.float16)
     mask = torch.ones(4, 1024, dtype=torch.bool)
-    loss_sum, num_kept = policy_loss(logprob, logprob, adv, mask, ~mask)
+    loss_sum, num_kept = policy_loss(PolicyTokens(logprob, logprob, adv, mask, ~mask))
     assert loss_sum.dtype == torch.float32 and num_kept.item() == 4096
     assert loss_sum.item() == pytest.approx(20.0 * 4096)
 
@@ -205,10 +205,11 @@ def test_policy_loss_keeps_float64_and_raises_half_precision():
     old = logprob + 1e-9  # a ratio 1 - 1e-9: fp32 rounds it to exactly 1
     adv = torch.ones(2, 5, dtype=torch.float64)
     mask = torch.ones(2, 5, dtype=torch.bool)
-    loss, count = policy_loss(logprob, old, adv, mask, torch.zeros_like(mask))
+    loss, count = policy_loss(PolicyTokens(logprob, old, adv, mask, torch.zeros_like(mask)))
     assert loss.dtype == torch.float64
     expected = -(torch.exp(logprob - old)).sum()
     assert loss.item() == pytest.approx(expected.item(), abs=1e-12)  # float64 keeps the 1e-9
     assert int(count) == 10
-    loss_bf16, _ = policy_loss(logprob.bfloat16(), old.bfloat16(), adv.bfloat16(), mask, torch.zeros_like(mask))
+    loss_bf16, _ = policy_loss(PolicyTokens(logprob.bfloat16(), old.bfloat16(), adv.bfloat16(), mask,
+                                            torch.zeros_like(mask)))
     assert loss_bf16.dtype == torch.float32

@@ -10,7 +10,7 @@ import torch
 
 from stapo_megatron.mcore.loss import loss_func
 from stapo_megatron.method.config import method_loss_config
-from stapo_megatron.method.objective import PolicyLossConfig, policy_loss
+from stapo_megatron.method.objective import PolicyLossConfig, PolicyTokens, policy_loss
 from tests.helpers.spiky_batch import _spiky_batch
 
 
@@ -53,24 +53,24 @@ def test_grpo_loss_equals_the_deepseekmath_formula_in_float64():
     # two "micro-batches": Megatron adds their sums and their normalisers, then divides
     grpo = PolicyLossConfig(config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio_c, config.kl_coef,
                             loss_agg="seq_mean_token_mean")
-    parts = [policy_loss(logprob[rows], old[rows], adv[rows], mask[rows], torch.zeros_like(mask[rows]), grpo,
-                         ref[rows])
+    parts = [policy_loss(PolicyTokens(logprob[rows], old[rows], adv[rows], mask[rows], torch.zeros_like(mask[rows]),
+                                      ref[rows]), grpo)
              for rows in (slice(0, 4), slice(4, 6))]
     loss = sum(p[0] for p in parts) / sum(p[1] for p in parts)
     assert sum(int(p[1]) for p in parts) == 5  # sequences with a response token
     expected = grpo_reference(logprob, old, ref, adv_B, mask)
     # the objective runs in fp32 (inputs are cast): fp32 rounding of exp / sums of ~50 terms
     assert loss.item() == pytest.approx(expected, abs=1e-6)
-    token_mean, num_tokens = policy_loss(logprob, old, adv, mask, torch.zeros_like(mask),
-                                         PolicyLossConfig(0.2, 0.2, None, 0.04), ref)
+    token_mean, num_tokens = policy_loss(PolicyTokens(logprob, old, adv, mask, torch.zeros_like(mask), ref),
+                                         PolicyLossConfig(0.2, 0.2, None, 0.04))
     assert abs(token_mean.item() / num_tokens.item() - expected) > 1e-2, "the aggregation must matter here"
 
 
 def test_grpo_gradient_matches_the_float64_formula():
     logprob, old, ref, adv_B, mask = _grpo_inputs(seed=1)
     x = logprob.clone().requires_grad_()
-    loss_sum, num = policy_loss(x, old, adv_B[:, None].expand_as(x), mask, torch.zeros_like(mask),
-                                PolicyLossConfig(0.2, 0.2, None, 0.04, "seq_mean_token_mean"), ref)
+    loss_sum, num = policy_loss(PolicyTokens(x, old, adv_B[:, None].expand_as(x), mask, torch.zeros_like(mask), ref),
+                                PolicyLossConfig(0.2, 0.2, None, 0.04, "seq_mean_token_mean"))
     (loss_sum / num).backward()
     x64 = logprob.clone().requires_grad_()
     # the same formula vectorised in float64, for autograd
@@ -89,10 +89,10 @@ def test_grpo_gradient_matches_the_float64_formula():
 def test_grpo_without_a_reference_is_refused():
     logprob, old, ref, adv_B, mask = _grpo_inputs()
     with pytest.raises(ValueError, match="kl_coef > 0 needs ref_logprob"):
-        policy_loss(logprob, old, adv_B[:, None].expand_as(logprob), mask, torch.zeros_like(mask),
+        policy_loss(PolicyTokens(logprob, old, adv_B[:, None].expand_as(logprob), mask, torch.zeros_like(mask)),
                     PolicyLossConfig(kl_coef=0.04, loss_agg="seq_mean_token_mean"))
     with pytest.raises(ValueError, match=r"loss_agg must be one of \('token_mean', 'seq_mean_token_mean'\)"):
-        policy_loss(logprob, old, adv_B[:, None].expand_as(logprob), mask, torch.zeros_like(mask),
+        policy_loss(PolicyTokens(logprob, old, adv_B[:, None].expand_as(logprob), mask, torch.zeros_like(mask)),
                     PolicyLossConfig(loss_agg="seq"))
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from stapo_megatron.method.config import LossConfig, method_loss_config
-from stapo_megatron.method.objective import PolicyLossConfig, policy_loss
+from stapo_megatron.method.objective import PolicyLossConfig, PolicyTokens, policy_loss
 from stapo_megatron.method.objectives import (OBJECTIVES, clip_cov_generator, clip_cov_token_loss, get_objective,
                                               kl_cov_token_loss)
 
@@ -111,8 +111,8 @@ def _ours(name, config, lp, old, adv, mask, silenced, sequence_ids=None, seed=5,
     objective = get_objective(name)
     policy = PolicyLossConfig(config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio_c,
                               loss_agg=objective.loss_agg, token_loss=objective.build(config, sequence_ids, None, seed))
-    loss_sum, normaliser = policy_loss(lp, old, adv, mask, silenced, policy, sequence_ids=sequence_ids,
-                                       is_weight=is_weight)
+    loss_sum, normaliser = policy_loss(PolicyTokens(lp, old, adv, mask, silenced, is_weight=is_weight,
+                                                    sequence_ids=sequence_ids), policy)
     return loss_sum / normaliser
 
 
@@ -307,7 +307,7 @@ def test_loss_func_applies_the_s2t_mask_to_the_objective(name):
     silenced = s2t.s2t_mask(logprob, entropy, adv, mask, tau_p=0.002, tau_h=threshold)
     assert silenced.any() and metrics["stapo_sums"][3].item() == silenced.sum().item()
     objective = get_objective(name)
-    want, want_n = policy_loss(logprob, batch.old_logprob, adv, mask, silenced, PolicyLossConfig(
+    want, want_n = policy_loss(PolicyTokens(logprob, batch.old_logprob, adv, mask, silenced), PolicyLossConfig(
         config.clip_ratio_low, config.clip_ratio_high, config.clip_ratio_c, loss_agg=objective.loss_agg,
         token_loss=objective.build(config, None, None, 3)))
     assert int(normaliser) == int(want_n) == (int(mask.any(-1).sum()) if objective.loss_agg != "token_mean"
@@ -356,3 +356,110 @@ def test_each_method_aggregates_as_its_default_objective():
 
     assert {m.name: m.loss_agg for m in METHODS.values()} == {
         m.name: get_objective(m.objective).loss_agg for m in METHODS.values()}
+
+
+# -- user objectives (`register_objective`, `get_objective` of a dotted path) ---------------------
+
+PLUGIN = "tests.helpers.user_objective_plugin"
+"""The user's module (tests/helpers/user_objective_plugin.py)."""
+FP32_TOL = 1e-5
+"""fp32 loss sums of at most 96 tokens of ratio <= e and |A| <= 1."""
+
+
+@pytest.fixture
+def objectives(monkeypatch):
+    """A private copy of `OBJECTIVES`, and the plugin imported afresh into it, so that the
+    registration here leaves the built-in registry (and its order) as other tests expect it."""
+    import importlib
+
+    from stapo_megatron.method import objectives as module
+
+    monkeypatch.setattr(module, "OBJECTIVES", dict(module.OBJECTIVES))
+    importlib.reload(importlib.import_module(PLUGIN))
+    return module.OBJECTIVES
+
+
+def _off_policy_loss(objective):
+    """(loss_sum, normaliser) of justrl on ``objective`` over the spiky batch with pi_old 0.5 nats
+    below pi_theta (ratio e^0.5 ~ 1.65: the PPO clip is active for A > 0), and the ratio."""
+    from stapo_megatron.mcore.loss import loss_func
+    from tests.helpers.spiky_batch import _spiky_batch
+
+    logits, logprob, _, batch = _spiky_batch()
+    batch = dataclasses.replace(batch, old_logprob=logprob.detach() - 0.5)
+    config = LossConfig(method="justrl", objective=objective)
+    loss_sum, normaliser, _ = loss_func(config, batch, torch.tensor(float("nan")), None, None, logits)
+    return loss_sum, normaliser, batch
+
+
+def test_the_built_in_objectives_are_registered_in_order():
+    assert list(OBJECTIVES) == ["dapo", "grpo", "dual_clip", "gspo", "cispo", "clip_cov", "kl_cov"]
+    assert [(o.loss_agg, o.context_parallel) for o in OBJECTIVES.values()] == [
+        ("token_mean", True), ("seq_mean_token_mean", True), ("token_mean", True), ("seq_mean_token_mean", True),
+        ("token_mean", True), ("token_mean", False), ("token_mean", False)]
+    assert dict(OBJECTIVES["grpo"].loss_options) == dict(clip_ratio_high=0.2, clip_ratio_c=None, kl_coef=0.04)
+
+
+def test_a_decorated_objective_trains_a_loss_by_name_and_by_dotted_path(objectives):
+    assert list(objectives)[-1] == "reinforce"
+    objective = get_objective(f"{PLUGIN}:reinforce")
+    assert objective is objectives["reinforce"] is get_objective(f"{PLUGIN}.reinforce")
+    assert (objective.summary, dict(objective.loss_options), objective.loss_agg) == (
+        "REINFORCE with the ratio: l_t = -r A, no clip.", {"clip_ratio_high": 0.4}, "token_mean")
+    assert method_loss_config("justrl", objective=f"{PLUGIN}:reinforce").clip_ratio_high == 0.4
+    for name in ("reinforce", f"{PLUGIN}:reinforce"):
+        loss_sum, normaliser, batch = _off_policy_loss(name)
+        # no clip: every token contributes -e^0.5 A; 4 rows of A = +1 and 4 of -1, 9 response tokens each
+        assert int(normaliser) == 8 * 9 and loss_sum.item() == pytest.approx(0.0, abs=FP32_TOL)
+    dapo, _, _ = _off_policy_loss("dapo")
+    # the PPO clip holds A > 0 at 1.28: 36 x (-1.28) + 36 x e^0.5
+    assert dapo.item() == pytest.approx(36 * (torch.exp(torch.tensor(0.5)).item() - 1.28), abs=FP32_TOL)
+
+
+def test_a_plain_builder_by_dotted_path_trains_a_loss():
+    path = f"{PLUGIN}.sign_only"
+    objective = get_objective(path)
+    assert (objective.name, objective.loss_agg, objective.context_parallel) == (path, "token_mean", True)
+    assert path not in OBJECTIVES
+    g = torch.Generator().manual_seed(0)
+    lp, old = -torch.rand(2, 4, generator=g), -torch.rand(2, 4, generator=g)
+    adv = torch.tensor([[2.0] * 4, [-0.5] * 4])
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    config = PolicyLossConfig(token_loss=objective.build(LossConfig(objective=path), None, None, 0))
+    loss_sum, normaliser = policy_loss(PolicyTokens(lp, old, adv, mask, torch.zeros_like(mask)), config)
+    ratio = torch.exp(lp - old)  # -r for A = 2, +r for A = -0.5
+    assert int(normaliser) == 8 and loss_sum.item() == pytest.approx((ratio[1] - ratio[0]).sum().item(), abs=1e-6)
+
+
+def test_a_user_objective_reaches_the_config_from_the_command_line():
+    from stapo_megatron.config.yaml_io import dump_config, parse_config
+    from stapo_megatron.launch.entry import build_config
+
+    path = f"{PLUGIN}:reinforce"
+    cfg, _ = build_config("tiny", **{"loss.objective": path})
+    assert (cfg.loss.objective, cfg.loss.effective_objective) == (path, path)
+    _, again, _ = parse_config(dump_config(cfg, recipe="tiny"))
+    assert again.loss.objective == path
+
+
+@pytest.mark.parametrize("path, message", [
+    ("tests.no_such_module:fn", "loss.objective = 'tests.no_such_module:fn' does not name an importable object: "
+                                "cannot import module 'tests.no_such_module'"),
+    (f"{PLUGIN}:NOT_AN_OBJECTIVE", f"loss.objective = '{PLUGIN}:NOT_AN_OBJECTIVE' names a int, not an Objective "
+                                   "or a builder"),
+    ("reinforc", "objective must be one of ('dapo', 'grpo'"),
+])
+def test_a_bad_objective_names_the_field_and_the_path(path, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        LossConfig(objective=path)
+
+
+def test_an_objective_name_taken_by_another_function_is_refused(objectives):
+    from stapo_megatron.method.objectives import register_objective
+
+    with pytest.raises(ValueError, match=r"objective 'gspo' is already registered \(by stapo_megatron.method."
+                                         r"objectives._gspo\); choose another name for .*mine"):
+        @register_objective("gspo")
+        def mine(config, sequence_ids, sequence_sum, seed):
+            return None
+    assert objectives["gspo"].build is OBJECTIVES["gspo"].build

@@ -140,10 +140,10 @@ def test_tis_by_hand():
     weight, rejected = rc.correction(rc.RolloutCorrectionConfig("tis", tis_cap=2.0), old, rollout, mask)
     torch.testing.assert_close(weight, torch.tensor([[2.0, 1.0, 0.5, 2.0]]))
     assert not rejected.any()
-    from stapo_megatron.method.objective import policy_loss
+    from stapo_megatron.method.objective import PolicyTokens, policy_loss
 
     adv = torch.tensor([[1.0, 1.0, 1.0, -1.0]])
-    loss_sum, count = policy_loss(old, old, adv, mask, torch.zeros_like(mask), is_weight=weight)
+    loss_sum, count = policy_loss(PolicyTokens(old, old, adv, mask, torch.zeros_like(mask), is_weight=weight))
     assert loss_sum.item() == pytest.approx(-(2 + 1 + 0.5 - 2)) and count.item() == 4  # the count is not weighted
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from stapo_megatron.method.config import LossConfig
-from stapo_megatron.method.objective import policy_loss, token_objective
+from stapo_megatron.method.objective import PolicyTokens, policy_loss, token_objective
 from stapo_megatron.ops import logit_grad
 from stapo_megatron.mcore.loss import loss_func, minibatch_threshold
 from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy
@@ -75,7 +75,7 @@ def test_loss_func_shares_equal_autograd_over_the_micro_batch():
     # the loss before silencing, and its gradient w.r.t. every logit, in float64
     xd = logits.double().requires_grad_()
     logp = torch.log_softmax(xd / 0.9, -1).gather(-1, batch.labels[..., None]).squeeze(-1)
-    loss_sum, _ = policy_loss(logp, old.double(), batch.advantages.double(), batch.response_mask, silenced)
+    loss_sum, _ = policy_loss(PolicyTokens(logp, old.double(), batch.advantages.double(), batch.response_mask, silenced))
     loss_sum.backward()
     row_sq = xd.grad.square().sum(-1)
     from stapo_megatron.method import masks as s2t

@@ -51,3 +51,13 @@ def test_truncate_is_a_no_op_without_later_rows(tmp_path):
     assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
     RunLogger(str(tmp_path / "other"), enabled=False).resume_from(0)  # non-zero ranks write nothing
     assert not (tmp_path / "other").exists()
+
+
+def test_resume_cuts_the_rollout_order_log_back_to_the_steps_the_checkpoint_trained(tmp_path):
+    """The order log names 0-based steps: a checkpoint after 2 steps keeps steps 0 and 1's lines."""
+    path = tmp_path / "rollout_order.jsonl"
+    killed = [{"step": s, "positions": {"0": [2 * s, 2 * s + 1]}} for s in range(4)]  # killed after step 3
+    path.write_text("".join(json.dumps(line) + "\n" for line in killed) + '{"step": 4, "posi')
+    with pytest.warns(UserWarning, match=r"rollout_order.jsonl: removed 3 rows logged after step 1"):
+        RunLogger(str(tmp_path), tensorboard=False).resume_from(2)
+    assert [json.loads(line) for line in open(path)] == killed[:2]

@@ -89,5 +89,5 @@ def test_a_step_without_uniform_groups_asks_for_nothing(gloo):
         raise AssertionError("nothing to replace")
 
     out, _, _, metrics = fill_informative(rollout, rewards, info, replace, _score, 4, None, "cpu")
-    assert out is not rollout and out.samples == rollout.samples
+    assert (out.samples, out.version) == (rollout.samples, rollout.version)
     assert metrics == dict(filter_dropped_groups=0.0, filter_drop_rate=0.0, filter_rounds=0.0, filter_uniform_left=0.0)
