@@ -54,10 +54,15 @@ def streaming_jobs(name: str = STREAMING_RECIPE, engine_gpus: Optional[int] = No
     if engine_gpus is not None:
         layout = layout.replace(engine_ranks=engine_gpus)
     sj = step_model.recipe_job(spec, layout, cfg)
-    return sj, Job(sj.model, sj.hardware, num_gpus=sj.engine_gpus + sj.trainer_gpus, engine_tp=sj.engine_tp,
-                   prompts_per_step=sj.prompts_per_step, group=sj.group, lengths=sj.lengths,
-                   separate_memory_share=sj.memory_share, recompute=sj.recompute,
-                   trainer_replica_gpus=sj.trainer_replica_gpus, forwards=sj.forwards, eff=sj.eff)
+    return sj, job_of(sj)
+
+
+def job_of(sj: step_model.RecipeJob) -> Job:
+    """The simulator's `Job` of a streaming `RecipeJob`."""
+    return Job(sj.model, sj.hardware, num_gpus=sj.engine_gpus + sj.trainer_gpus, engine_tp=sj.engine_tp,
+               prompts_per_step=sj.prompts_per_step, group=sj.group, lengths=sj.lengths,
+               separate_memory_share=sj.memory_share, recompute=sj.recompute,
+               trainer_replica_gpus=sj.trainer_replica_gpus, forwards=sj.forwards, eff=sj.eff)
 
 
 def colocated_job(name: str = COLOCATED_RECIPE) -> Job:
