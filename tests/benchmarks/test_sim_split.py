@@ -61,7 +61,8 @@ def test_the_sweep_prints_a_simulated_row_with_its_token_ages(capsys):
     sim_split.main(["--nodes", "4", "--shares", "0.85", "--etas", "3", "--schedules", "queue", "--orders",
                     "completion", "--steps", "8", "--warmup", "3", "--only", "4/8/none/old/0.85"])
     out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if line.startswith("| 4 nodes: 8 train (DP=2, recompute none, tau_H old)")]
+    name = "| 4 nodes: 8 train (DP=2, recompute none, tau_H old)"
+    rows = [line for line in out.splitlines() if line.startswith(name)]
     simulated = [r for r in rows if "| 3 | queue | completion |" in r]
     assert len(simulated) == 1
     cells = [c.strip() for c in simulated[0].split("|")[1:-1]]

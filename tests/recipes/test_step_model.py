@@ -120,7 +120,8 @@ def test_the_streaming_step_by_hand():
     assert training_s == pytest.approx(sum(step_model.trainer_s(spec, step_model.H100, eff, tokens, 8, 1, False))
                                        + 2 * 8.1907e9 / 25e9, rel=1e-6)
     # with the exact tau_H pass and full recompute (the recipe's trainer before) the trainers set the pace
-    full = dataclasses.replace(cfg.model, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    full = dataclasses.replace(cfg.model, recompute_granularity="full", recompute_method="uniform",
+                               recompute_num_layers=1)
     exact = dataclasses.replace(cfg, model=full, loss=dataclasses.replace(cfg.loss, tau_h_source="exact"))
     exact = step_model.recipe_job(QWEN3_8B, layout, exact)
     assert step_model.streaming_step(exact)[1] == pytest.approx(230.31, abs=0.05)
