@@ -104,7 +104,7 @@ STREAM_TAU_H_SOURCE = "old"
 """Streaming recipes' ``loss.tau_h_source``: tau_H from the pi_old pass, exact for the first of a
 step's 4 PPO mini-batches (256 / 64 prompts) and lagging the 1-3 updates before it for the
 others. The exact pass is a second forward over the step's tokens on the recipe's 8 trainer GPUs,
-which then set the pace (1.35x colocated at best with it on 4 nodes, 1.45x on 6;
+which then set the pace (1.35x colocated at best with it on 4 nodes, 1.48x on 6;
 benchmarks/RESULTS.md, "Where the streaming recipe pays")."""
 
 _NO_RECOMPUTE = dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
