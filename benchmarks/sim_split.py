@@ -104,7 +104,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--simulate-above", type=float, default=1.4,
+    p.add_argument("--simulate-above", type=float, default=1.1,
                    help="simulate the candidates whose closed-form ratio reaches this")
     p.add_argument("--only", default=None,
                    help="simulate only these candidates: nodes/trainers/recompute/tau/share[/reserve];...")
