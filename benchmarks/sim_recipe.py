@@ -5,8 +5,9 @@ the package's recipes, over the same prompts.
 Everything the simulator takes from a recipe comes from the package
 (`stapo_megatron.recipes.step_model.recipe_job`, the model the dry run's estimate reads): the
 model's shapes, the engine GPUs and their TP and memory share, the trainer GPUs and replicas, the
-trainer's passes (pi_old and the exact tau_H pass before the update, full recompute in the
-update: the streaming recipe's trainer; the colocated recipe keeps its activations under CP=2),
+trainer's passes (the streaming recipe's: the pi_old pass, tau_H from it, and the update without
+recomputation on a card of its own; the colocated recipe's: pi_old and the exact tau_H pass, its
+activations kept under CP=2),
 the KV reservation a sample (prompt + ``rollout.stream_reserve_tokens``) and the response cap.
 The schedules (`sim_streaming.streaming`): ``slices``, as built (each replica's prompts in fixed
 slices over its 12 engines, a stream, quota and eta count per slice, a step waiting for every
@@ -16,7 +17,7 @@ token-age distribution of the steady steps (trained step minus the policy versio
 the token, per token) and the package's closed-form step (`step_model.streaming_step`, what the
 dry run prints) beside the simulated one.
 
-    PYTHONPATH=benchmarks .venv/bin/python benchmarks/sim_recipe.py [--etas 2,3] [--steps 12]
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/sim_recipe.py [--etas 2,3] [--steps 12] [--tau-h-source exact]
 """
 
 from __future__ import annotations
@@ -54,10 +55,15 @@ def streaming_jobs(name: str = STREAMING_RECIPE, engine_gpus: Optional[int] = No
     if engine_gpus is not None:
         layout = layout.replace(engine_ranks=engine_gpus)
     sj = step_model.recipe_job(spec, layout, cfg)
-    return sj, Job(sj.model, sj.hardware, num_gpus=sj.engine_gpus + sj.trainer_gpus, engine_tp=sj.engine_tp,
-                   prompts_per_step=sj.prompts_per_step, group=sj.group, lengths=sj.lengths,
-                   separate_memory_share=sj.memory_share, recompute=sj.recompute,
-                   trainer_replica_gpus=sj.trainer_replica_gpus, forwards=sj.forwards, eff=sj.eff)
+    return sj, job_of(sj)
+
+
+def job_of(sj: step_model.RecipeJob) -> Job:
+    """The simulator's `Job` of a streaming `RecipeJob`."""
+    return Job(sj.model, sj.hardware, num_gpus=sj.engine_gpus + sj.trainer_gpus, engine_tp=sj.engine_tp,
+               prompts_per_step=sj.prompts_per_step, group=sj.group, lengths=sj.lengths,
+               separate_memory_share=sj.memory_share, recompute=sj.recompute,
+               trainer_replica_gpus=sj.trainer_replica_gpus, forwards=sj.forwards, eff=sj.eff)
 
 
 def colocated_job(name: str = COLOCATED_RECIPE) -> Job:
@@ -135,10 +141,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--schedules", default=",".join(SCHEDULES), help="slices, queue, shared")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine-gpus", type=int, default=None, help="another split of the recipe's 32 GPUs")
-    p.add_argument("--forwards-only-pi-old", action="store_true",
-                   help="the streaming trainer without the exact tau_H pass (loss.tau_h_source=old)")
+    p.add_argument("--tau-h-source", choices=("old", "exact"), default=None,
+                   help="the streaming trainer's loss.tau_h_source (exact: a second forward pass; "
+                        "default: the recipe's)")
     args = p.parse_args(argv)
-    overrides = {"loss.tau_h_source": "old"} if args.forwards_only_pi_old else {}
+    overrides = {"loss.tau_h_source": args.tau_h_source} if args.tau_h_source else {}
     sj, job = streaming_jobs(engine_gpus=args.engine_gpus, **overrides)
     rollout_s, training_s = step_model.streaming_step(sj)
     print(f"{sj.model.name} ({STREAMING_RECIPE}): {sj.engine_gpus} engine GPUs of TP={sj.engine_tp} at "

@@ -82,6 +82,10 @@ ASYNC_STALENESS = 1
 """``rollout.max_staleness`` of the asynchronous recipe: one-step-off (verl's one_step_off, NeMo-RL's
 async GRPO at 1): step s trains on samples of the policy after step s - 1."""
 ASYNC_CORRECTION = "tis"
+"""``loss.rollout_correction.mode`` of the asynchronous recipe: the samples come from a policy one
+update old, so the surrogate of every token is weighted by min(pi_old / pi_rollout, C), the
+behaviour-policy correction of AReaL's decoupled objective (pi_old recomputed by the trainer is its
+proximal policy; docs/async.md, "What staleness does to STAPO")."""
 STREAMING_LAYOUTS = ("qwen3_8b_stream",)
 """The layouts that stream their rollouts (``rollout.streaming``)."""
 STREAM_RESERVE_TOKENS = 4096
@@ -90,17 +94,21 @@ about the paper's mean response (4,222 tokens in the simulator's length distribu
 simulator that picked the split reserves; the worst case (15,360) would run a third of the
 samples (the control plane at time scale: 218 s a step against 132 s; benchmarks/RESULTS.md).
 Responses that outgrow it are preempted by vLLM and prefilled again."""
-STREAM_ETA = 2
-"""Streaming recipes' off-policyness bound (``rollout.max_staleness``): the simulator's best
-eta at the paper's lengths (benchmarks/RESULTS.md, "Streaming with an off-policyness bound";
-eta 3 adds little and ages the groups further)."""
-"""``loss.rollout_correction.mode`` of the asynchronous recipe: the samples come from a policy one
-update old, so the surrogate of every token is weighted by min(pi_old / pi_rollout, C), the
-behaviour-policy correction of AReaL's decoupled objective (pi_old recomputed by the trainer is its
-proximal policy; docs/async.md, "What staleness does to STAPO")."""
+STREAM_ETA = 3
+"""Streaming recipes' off-policyness bound (``rollout.max_staleness``): with the recipe's split the
+24 TP=1 engines set the pace at eta 2 (1.53x colocated in the simulator's queue schedule, 1.40x
+with the slices) and at eta 3 the trainers nearly do (1.74x, 1.56x); in completion order 16% of
+the trained tokens are then 4 versions old (benchmarks/RESULTS.md, "Where the streaming recipe
+pays")."""
+STREAM_TAU_H_SOURCE = "old"
+"""Streaming recipes' ``loss.tau_h_source``: tau_H from the pi_old pass, exact for the first of a
+step's 4 PPO mini-batches (256 / 64 prompts) and lagging the 1-3 updates before it for the
+others. The exact pass is a second forward over the step's tokens on the recipe's 8 trainer GPUs,
+which then set the pace (1.35x colocated at best with it on 4 nodes, 1.48x on 6;
+benchmarks/RESULTS.md, "Where the streaming recipe pays")."""
 
 _NO_RECOMPUTE = dict(recompute_granularity=None, recompute_method=None, recompute_num_layers=None)
-"""Model fields of a recipe that keeps every layer's activations (CP makes room for them)."""
+"""Model fields of a recipe that keeps every layer's activations (CP, or a card of its own, makes room for them)."""
 
 
 def _model(tensor_model_parallel_size: int, **changes) -> ModelConfig:
@@ -138,14 +146,14 @@ LAYOUTS: Dict[str, ParallelLayout] = {
     "qwen3_8b_async": ParallelLayout(num_nodes=4, model=_model(4, context_parallel_size=2, **_NO_RECOMPUTE),
                                      vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.85, engine_ranks=16),
     # The 8B with streaming rollouts (docs/async.md, "Streaming rollouts"; not the paper's
-    # protocol): 1 node trains (TP=4, DP=2, full recomputation: streaming needs CP=1), 3 nodes
-    # generate as 24 vLLM engines of TP=1 (streaming steps one engine per process; the 8B's 16 GB
-    # of weights leave 52 GB of KV cache at 0.85), each replica's prompts sliced over 12 of them;
-    # eta = `STREAM_ETA`. The split the simulator picked for streaming engines of TP=1 with a
-    # trainer of one forward pass and no recompute; with this recipe's trainer (the exact tau_H
-    # pass, full recompute) its 8 trainer GPUs set the pace: 1.17x colocated's tokens/s/GPU
-    # (benchmarks/RESULTS.md, "The streaming recipe as built").
-    "qwen3_8b_stream": ParallelLayout(num_nodes=4, model=_model(4), vllm_tensor_parallel_size=1,
+    # protocol): 1 node trains (TP=4, DP=2, streaming needs CP=1) without recomputation (the
+    # whole card is the trainer's: 65.5 GB with every layer's activations of a 16k sequence), 3
+    # nodes generate as 24 vLLM engines of TP=1 (streaming steps one engine per process; the 8B's
+    # 16 GB of weights leave 52 GB of KV cache at 0.85); eta = `STREAM_ETA`, tau_H from the pi_old
+    # pass (`STREAM_TAU_H_SOURCE`). The simulator's best split per GPU over 4-7 nodes
+    # (benchmarks/sim_split.py): 1.74x colocated's tokens/s/GPU in the queue schedule, 1.56x with
+    # the slices (benchmarks/RESULTS.md, "Where the streaming recipe pays").
+    "qwen3_8b_stream": ParallelLayout(num_nodes=4, model=_model(4, **_NO_RECOMPUTE), vllm_tensor_parallel_size=1,
                                       vllm_gpu_memory_utilization=0.85, engine_ranks=24),
     # 8 nodes (the design's target): TP=4 within a node, CP=4 (two nodes per model replica,
     # DP=4): 4k tokens of a 16k sequence per rank, without recomputation; one vLLM TP=4 engine
@@ -259,7 +267,8 @@ def paper_recipe(size: str, method: str = "stapo", run_dir: Optional[str] = None
             routing_every=ROUTING_EVERY,
             **(_separate(size, layout) if layout.engine_ranks else {}),
         ),
-        loss=(dataclasses.replace(loss, rollout_correction=RolloutCorrectionConfig(mode=ASYNC_CORRECTION))
+        loss=(dataclasses.replace(loss, rollout_correction=RolloutCorrectionConfig(mode=ASYNC_CORRECTION),
+                                  **({"tau_h_source": STREAM_TAU_H_SOURCE} if size in STREAMING_LAYOUTS else {}))
               if layout.engine_ranks else loss),
         optim=OptimConfig(lr=1e-6, weight_decay=0.1, clip_grad=1.0, use_distributed_optimizer=True),
     )
@@ -299,8 +308,9 @@ def qwen3_8b_async(method: str = "stapo", run_dir: Optional[str] = None) -> Trai
 
 def qwen3_8b_stream(method: str = "stapo", run_dir: Optional[str] = None) -> TrainerConfig:
     """Qwen3-8B-Base with streaming rollouts (``rollout.streaming``, eta `STREAM_ETA`): 4 nodes, 1
-    trains (TP=4, DP=2, full recomputation), 3 generate (24 vLLM engines of TP=1, never drained,
-    weights loaded between decode iterations); tis corrects for the behaviour policy."""
+    trains (TP=4, DP=2, no recomputation), 3 generate (24 vLLM engines of TP=1, never drained,
+    weights loaded between decode iterations); tis corrects for the behaviour policy; tau_H from
+    the pi_old pass (`STREAM_TAU_H_SOURCE`)."""
     return paper_recipe("qwen3_8b_stream", method, run_dir)
 
 

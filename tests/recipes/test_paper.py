@@ -293,6 +293,13 @@ def test_the_streaming_recipe_builds_and_a_layout_that_cannot_stream_is_refused_
     assert (r.streaming, r.max_staleness, r.tensor_parallel_size, r.num_engines) == (True, paper.STREAM_ETA, 1, 24)
     assert r.stream_reserve_tokens == paper.STREAM_RESERVE_TOKENS < r.max_response_len
     assert cfg.loss.rollout_correction.mode == paper.ASYNC_CORRECTION
+    # tau_H from the pi_old pass (exact for the first of 256 / 64 = 4 mini-batches), every layer's activations kept
+    assert (cfg.loss.tau_h_source, paper.STREAM_TAU_H_SOURCE, paper.STREAM_ETA) == ("old", "old", 3)
+    assert (cfg.model.recompute_granularity, cfg.prompts_per_step // cfg.minibatch_prompts) == (None, 4)
+    assert paper.paper_recipe("qwen3_8b_async").loss.tau_h_source == "exact" == paper.PAPER_LOSS["tau_h_source"]
+    layout = paper.layout_for("qwen3_8b_stream", cfg)
+    assert memory.memory_estimate(paper.ARCHITECTURES["qwen3_8b_stream"], layout).total / memory.GB == \
+        pytest.approx(65.5, abs=0.05)
     # the one-step-off layout (CP = 2, vLLM TP = 4) cannot stream: both named
     with pytest.raises(ValueError, match=r"rollout\.streaming=True needs rollout\.tensor_parallel_size=1, got 4"):
         build_config("qwen3_8b_async", check_paths=False, rollout={"streaming": True, "max_staleness": 2})
