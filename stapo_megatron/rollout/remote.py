@@ -116,6 +116,18 @@ class EngineTimes:
     """Loading received weights into the engine."""
 
 
+def stream_take(streamed: dict, request: PoolRequest, urgent: Optional[int], next_index: int) -> Optional[list]:
+    """Which of the posted groups ``streamed`` ((urgent ticket or None, queue index) -> group, in
+    arrival order) a streaming request takes: an urgent one (``urgent``: its ticket) its own
+    first ``want``; a step's the first ``want`` to arrive (``request.order`` "completion") or
+    queue entries ``next_index`` .. + ``want`` ("admission"). None while they are not all there."""
+    if request.order == "admission" and urgent is None:
+        keys = [(None, next_index + i) for i in range(request.want)]
+        return keys if all(k in streamed for k in keys) else None
+    keys = [k for k in streamed if k[0] == urgent][:request.want]
+    return keys if len(keys) == request.want else None
+
+
 class RemoteEngine:
     """The engines of a separately placed job (module docstring), on a training rank.
 
@@ -258,13 +270,8 @@ class RemoteEngine:
         request = ticket.stream
         urgent = ticket.id if request.urgent else None
         while True:
-            if request.order == "admission" and urgent is None:
-                keys = [(None, self.next_index + i) for i in range(request.want)]
-                ready = all(k in self.streamed for k in keys)
-            else:
-                keys = [k for k in self.streamed if k[0] == urgent][:request.want]
-                ready = len(keys) == request.want
-            if ready:
+            keys = stream_take(self.streamed, request, urgent, self.next_index)
+            if keys is not None:
                 break
             leaders = sorted({self.transport.engine_leader(c.engine) for c in ticket.chunks})
             try:

@@ -5,6 +5,7 @@ queue index; admission stopped by the off-policyness bound until newer weights a
 shared with another engine (claims in a store), the bound counted by the queue index wherever the
 group runs; a drain admitting nothing; the store's claims under concurrent engines."""
 
+import dataclasses
 import threading
 
 import pytest
@@ -172,3 +173,67 @@ def test_store_claims_give_each_entry_to_exactly_one_of_several_engines():
         t.join(60)
     assert sorted(claimed) == list(range(200)) and store.add("q/next", 0) == 200
     assert all(store.get(f"q/{j}").decode() == name for j, name in claimed.items())
+
+
+AGE_PROMPTS = [[5, 17, 20, 3], [42] * 108, [7] * 110, [60] * 104, [9] * 106, [11] * 112]
+"""The engine's 128-token context caps each response at 128 - its prompt: the first prompt's run
+124 tokens, the others' 16-24, so long groups are overtaken by short ones."""
+
+
+def _age_run(engine, order: str, eta: int, steps: int, per_step: int, bound: int):
+    """A run of ``steps`` steps as the trainers make it: step s + eta's prompts queued after the
+    weights of step s, each step taking its groups as `stapo_megatron.rollout.remote.stream_take`
+    takes them (``order``), the weights reloaded as version s + 1 after it trains. Returns per
+    step the ages (step - version) of its tokens, and of those ``bound`` keeps in the loss
+    (`stapo_megatron.batch.step_rollout.RolloutSample.keep_mask`, as the step's records apply
+    ``rollout.max_token_age``)."""
+    from stapo_megatron.batch.step_rollout import StepRollout
+    from stapo_megatron.rollout.remote import stream_take
+    from stapo_megatron.trainer.stream_pools import StreamPools
+
+    settings = SamplingSettings(n=1, temperature=1.0, top_p=1.0, max_tokens=124)
+    pools = StreamPools(engine, settings, eta, "in_flight", 0)
+    request = PoolRequest(per_step, per_step, 0, order=order)
+
+    def send(step):
+        first = step * per_step
+        prompts = [(first + j, first + j, AGE_PROMPTS[(first + j) % len(AGE_PROMPTS)]) for j in range(per_step)]
+        pools.add(step, [(Chunk(0, 0, 0, per_step, 0), prompts, dataclasses.replace(settings, seed=1000 + 2 * first))],
+                  {0: request}, {0: 1})
+
+    for step in range(eta + 1):
+        send(step)
+    streamed, next_index, ages, kept = {}, 0, [], []
+    for step in range(steps):
+        while (keys := stream_take(streamed, request, None, next_index)) is None:
+            assert pools.busy
+            pools.advance(lambda ticket, chunk, samples, took: streamed.__setitem__((None, samples[0]["index"]),
+                                                                                    samples[0]))
+        next_index += per_step if order == "admission" else 0
+        groups = [streamed.pop(k)["group"] for k in keys]
+        rollout = StepRollout.of_groups(step, [(g.index, g.prompt) for g in groups], str, [g.samples for g in groups], 1)
+        ages.append([step - v for s in rollout.samples for v in s.versions])
+        kept.append([step - v for s in rollout.samples
+                     for v, keep in zip(s.versions, s.keep_mask(step - bound) or [True] * len(s.versions)) if keep])
+        pools.load(iter(engine.weights.items()), version=step + 1)
+        if step + 1 + eta < steps:
+            send(step + 1 + eta)
+    pools.drain(lambda *args: None)
+    return ages, kept
+
+
+def test_token_ages_are_bounded_by_eta_in_admission_order_and_by_max_token_age_in_completion_order(engine):
+    """Ten steps of two groups at eta 1. In admission order every token of a step is at most eta
+    versions old. In completion order a long group is overtaken by short ones and trains steps
+    after its place in the queue: its first tokens reach 5 versions; ``max_token_age`` = 2 leaves
+    those older than 2 out of the loss, so no trained token is older than the bound."""
+    ages, kept = _age_run(engine, "admission", eta=1, steps=10, per_step=2, bound=1)
+    assert max(max(a) for a in ages) == 1 and kept == ages  # the bound at eta never bites
+    ages, kept = _age_run(engine, "completion", eta=1, steps=10, per_step=2, bound=2)
+    oldest = [max(a) for a in ages]
+    assert max(oldest) == 5 and sum(o > 2 for o in oldest) == 3  # three steps hold tokens past the bound
+    assert max(max(k) for k in kept) == 2  # none of them trains
+    masked = sum(len(a) - len(k) for a, k in zip(ages, kept))
+    assert masked == sum(age > 2 for a in ages for age in a) == 168  # of 811 tokens
+    print(f"completion order, eta 1: oldest token per step {oldest}; {masked} of {sum(map(len, ages))} tokens "
+          f"older than max_token_age 2, left out of the loss")
