@@ -400,6 +400,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--warmup", type=int, default=Setup.warmup)
     p.add_argument("--prompts", type=int, default=Setup.prompts_per_step, help="prompts a step")
     p.add_argument("--group", type=int, default=Setup.group)
+    p.add_argument("--trainers", type=int, default=Setup.trainers, help="trainer ranks (one replica each)")
     p.add_argument("--engines", type=int, default=Setup.engines)
     p.add_argument("--scale", type=float, default=Setup.scale, help="simulated seconds per wall second")
     p.add_argument("--partial-tokens", type=int, default=Setup.partial_tokens)
@@ -410,7 +411,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--schedules", default=",".join(SCHEDULES))
     args = p.parse_args(argv)
     setup = Setup(steps=args.steps, warmup=args.warmup, prompts_per_step=args.prompts, group=args.group,
-                  engines=args.engines, scale=args.scale, partial_tokens=args.partial_tokens, eta=args.eta,
+                  trainers=args.trainers, engines=args.engines, scale=args.scale, partial_tokens=args.partial_tokens, eta=args.eta,
                   stream_iterations=args.stream_iterations, reserve_tokens=args.reserve_tokens)
     print(f"Qwen3-8B on H100s (stand-ins), {setup.prompts_per_step} prompts x {setup.group} a step at the paper's "
           f"lengths, {setup.trainers} trainer ranks, {setup.engines} engine rank(s) (separate), {setup.steps} steps, "

@@ -27,9 +27,9 @@ off-policyness bound eta) into the replica's admission queue, whichever of the r
 has room admits the next group (each group under weights at most eta versions older than the
 step its place in the queue trains at), the engines take the weights between two decode
 iterations and post each group as it completes; step s takes the first P groups to arrive, or
-the queue's next P (``rollout.stream_order``); the tokens' versions say which policy sampled each. The stream positions a step trained (and with
-dynamic sampling, `replace`, those whose groups it dropped) are written to
-``rollout_order.jsonl`` (``order_log``), a line per step.
+the queue's next P (``rollout.stream_order``); the tokens' versions say which policy sampled
+each. The stream positions a step trained (and with dynamic sampling, `replace`, those whose
+groups it dropped) are written to ``rollout_order.jsonl`` (``order_log``), a line per step.
 """
 
 from __future__ import annotations
