@@ -39,6 +39,9 @@ its barriers, its serialisation, its per-message costs.
 
     PYTHONPATH=benchmarks .venv/bin/python benchmarks/control_plane.py            # ~2-3 min
     PYTHONPATH=benchmarks .venv/bin/python benchmarks/control_plane.py --schedules streaming --reserve-tokens 3800
+    # one replica's admission queue over several engines, as the 8B streaming recipe splits them
+    PYTHONPATH=benchmarks .venv/bin/python benchmarks/control_plane.py --schedules streaming --trainers 1 \
+        --engines 4 --prompts 32 --reserve-tokens 4096
 """
 
 from __future__ import annotations

@@ -75,3 +75,18 @@ def test_the_simulators_kv_reserve_matches_the_generators_reservation():
     assert cp.generator_reserve(at_mean) == pytest.approx(1.0, abs=1e-4)  # a rounded token
     assert cp._sampling(at_mean, "streaming").stream_reserve_tokens == round(lengths.mean_response())
     assert cp._sampling(at_mean, "partial").stream_reserve_tokens is None
+
+
+@pytest.mark.slow  # one launch of four processes
+def test_one_replica_over_three_engines_shares_its_admission_queue():
+    """Streaming with one trainer replica and three engines (the recipe's split, scaled down): the
+    engines claim the groups of one queue (which engine runs which depends on timing, so it is not
+    asserted), every prompt trains once, each step its P."""
+    setup = cp.Setup(steps=3, warmup=1, prompts_per_step=6, group=2, trainers=1, engines=3, scale=1e5)
+    out = cp.run_harness(setup, "streaming", timeout_s=300)
+    rows = out[0]["rows"]
+    assert [(r["step"], r["groups"], r["samples"]) for r in rows] == [(s, 6, 12) for s in range(3)]
+    trained = [i for r in rows for i in r["indices"]]
+    assert sorted(trained) == sorted(set(trained)) and len(trained) == 18
+    engines = [out[r] for r in range(1, 4)]
+    assert [e["served"] for e in engines] == [3, 3, 3] and sum(e["calls"] for e in engines) > 0
