@@ -152,8 +152,8 @@ class StreamPools:
         version: the policy version of the weights the engine holds.
         reserve_tokens: ``rollout.stream_reserve_tokens``, the response tokens of KV reserved
             per admitted sample (None: ``max_tokens``, never preempting).
-        claims: where the queues that several engines share are claimed (`StoreClaims`; None:
-            no queue is shared, or only engines of this process share one: `LocalClaims`).
+        claims: where the queues that several engines share are claimed (`StoreClaims`); a
+            queue of this engine alone is counted here (`LocalClaims`), as every queue is with None.
     """
 
     def __init__(self, engine, settings: SamplingSettings, eta: int, mode: str, version: int,
