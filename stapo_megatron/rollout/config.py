@@ -362,9 +362,12 @@ class RolloutSampling(EngineResources):
         if self.partial:
             raise ValueError("rollout.streaming=True and rollout.partial=True are two ways of keeping the engines "
                              "busy: set one (streaming never interrupts a response)")
-        if self.engine == "hf":
-            raise ValueError("rollout.streaming=True needs the vLLM engine (its request API admits and steps "
-                             "requests one decode iteration at a time): rollout.engine='vllm' or 'auto', got 'hf'")
+        from stapo_megatron.rollout.registry import engine_capabilities  # imports no config
+
+        if not engine_capabilities(self.engine).streaming:
+            raise ValueError(f"rollout.streaming=True needs an engine that streams (admits and steps requests one "
+                             f"decode iteration at a time: EngineCapabilities.streaming); rollout.engine="
+                             f"{self.engine!r} does not: use 'vllm' or 'auto'")
         if self.tensor_parallel_size != 1:
             raise ValueError(f"rollout.streaming=True needs rollout.tensor_parallel_size=1, got "
                              f"{self.tensor_parallel_size}: the ranks of a vLLM TP group would have to admit and "

@@ -45,7 +45,8 @@ from stapo_megatron.rollout.config import RolloutSampling, SamplingSettings
     (dict(placement="separate", engine_ranks=1, max_staleness=2, streaming=True, partial=True),
      "rollout.streaming=True and rollout.partial=True are two ways of keeping the engines busy: set one"),
     (dict(placement="separate", engine_ranks=1, max_staleness=2, streaming=True, engine="hf"),
-     "rollout.streaming=True needs the vLLM engine"),
+     "rollout.streaming=True needs an engine that streams (admits and steps requests one decode iteration at a "
+     "time: EngineCapabilities.streaming); rollout.engine='hf' does not"),
     (dict(placement="separate", engine_ranks=2, max_staleness=2, streaming=True, tensor_parallel_size=2),
      "rollout.streaming=True needs rollout.tensor_parallel_size=1, got 2"),
     (dict(placement="separate", engine_ranks=1, max_staleness=2, streaming=True, stream_order="fifo"),
