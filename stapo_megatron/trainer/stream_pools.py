@@ -113,10 +113,11 @@ class _Queue:
     """(ticket that sent it, entry) from queue index ``start`` on."""
 
     def entry(self, index: int) -> Optional[Tuple[int, Entry]]:
-        """Entry ``index`` (dropping those before it: claimed), None if not here yet."""
-        if index > self.start:
-            del self.entries[:index - self.start]
-            self.start = index
+        """Entry ``index`` (dropping those here before it: claimed), None if not here yet (other
+        engines may have claimed entries this one has not received: they still count)."""
+        dropped = min(max(0, index - self.start), len(self.entries))
+        del self.entries[:dropped]
+        self.start += dropped
         return self.entries[index - self.start] if index - self.start < len(self.entries) else None
 
     def __len__(self) -> int:

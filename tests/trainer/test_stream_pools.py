@@ -237,3 +237,15 @@ def test_token_ages_are_bounded_by_eta_in_admission_order_and_by_max_token_age_i
     assert masked == sum(age > 2 for a in ages for age in a) == 168  # of 811 tokens
     print(f"completion order, eta 1: oldest token per step {oldest}; {masked} of {sum(map(len, ages))} tokens "
           f"older than max_token_age 2, left out of the loss")
+
+
+def test_a_lagging_engines_queue_keeps_its_entries_indices_when_others_claimed_past_them():
+    """Other engines claimed entries 0-4 while this one had received only 0-2: it drops those
+    three, and the entries that arrive later keep their indices (3, 4 claimed; 5 the next)."""
+    from stapo_megatron.trainer.stream_pools import _Queue
+
+    queue = _Queue("q")
+    queue.entries += [(0, (p, p, [p], 0)) for p in range(3)]
+    assert queue.entry(5) is None and (queue.start, len(queue)) == (3, 0)
+    queue.entries += [(1, (p, p, [p], 0)) for p in range(3, 7)]
+    assert queue.entry(5)[1][0] == 5 and queue.start == 5 and queue.entry(6)[1][0] == 6 and queue.entry(7) is None
