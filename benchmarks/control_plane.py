@@ -20,18 +20,18 @@ Stand-ins, for hardware this machine lacks (they sleep, so they need no cores):
   length (a partial rollout's continuation finds both). ``update_weights`` sleeps the transfer.
 - `sleeping_vllm.SleepingVLLM`, the same engine driven request by request (streaming rollouts).
 - the update: every trainer sleeps the modelled forward passes and update of all replicas' trained
-  tokens (`sim_model.trainer_s`: pi_old, or with ``--recipe`` the streaming recipe's pi_old and
-  exact tau_H passes and a recomputed update), divided by ``--scale``.
+  tokens (`sim_model.trainer_s`: pi_old, or with ``--recipe`` the streaming recipe's passes and
+  update as the dry run counts them), divided by ``--scale``.
 - the weight sync: the colocated switch or the separate transfer (`sim_model.switch_s`), scaled,
   after a real bucket of a few bytes went through the transport.
 
 The simulator's figures come from `sim_schedules.colocated`, ``separate`` and ``partial`` and
 `sim_streaming.streaming` on the same job, prompts and lengths (a GPU per trainer rank and per
 engine; a trainer rank's prompts a contiguous share of the step's, as the trainer's are);
-streaming in the built schedule (``--sim-schedule slices``; ``queue``: the one being built) at
-the generator's KV reservation (prompt plus ``--reserve-tokens``, default ``max_tokens``, a
-sample: ``kv_reserve`` = (mean prompt + reserve) / (mean prompt + mean response)). The streaming
-recipe's split, a replica over several engines, is ``--trainers`` below ``--engines``;
+streaming in the built schedule (``--sim-schedule queue``, a replica's queue shared by its
+engines; ``slices``: fixed slices, for comparison) at the generator's KV reservation (prompt plus
+``--reserve-tokens``, default ``max_tokens``, a sample: ``kv_reserve`` = (mean prompt + reserve) /
+(mean prompt + mean response)). The streaming recipe's split, a replica over several engines, is ``--trainers`` below ``--engines``;
 ``--recipe`` takes its reservation, eta and trainer passes (``qwen3_8b_stream``). Figures are in
 the simulator's seconds (wall seconds times ``--scale``), steady state after ``--warmup``; the
 harness's differences from the simulator are what the control plane adds.
@@ -39,7 +39,7 @@ harness's differences from the simulator are what the control plane adds.
     PYTHONPATH=benchmarks .venv/bin/python benchmarks/control_plane.py            # ~2-3 min
     PYTHONPATH=benchmarks .venv/bin/python benchmarks/control_plane.py --schedules streaming --reserve-tokens 3800
     PYTHONPATH=benchmarks .venv/bin/python benchmarks/control_plane.py --schedules streaming --recipe \
-        --trainers 1 --engines 3 --prompts 6                     # the recipe's split and reservation
+        --trainers 1 --engines 4 --prompts 32                    # the recipe's split, reservation, passes
 """
 
 from __future__ import annotations
@@ -90,8 +90,9 @@ class Setup:
     forwards: int = 1
     """Forward passes before the update; ``recompute``: full recompute in the update."""
     recompute: bool = False
-    sim_schedule: str = "slices"
-    """The simulator's streaming schedule (`sim_streaming.SCHEDULES`): the built one by default."""
+    sim_schedule: str = "queue"
+    """The simulator's streaming schedule (`sim_streaming.SCHEDULES`): the built one (a replica's
+    admission queue shared by its engines) by default."""
     lengths: Lengths = PAPER_LENGTHS
     seed: int = 0
 
@@ -410,10 +411,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         p.add_argument(f"--{name}", type=kind, default=default, help=text)
     p.add_argument("--recipe", action="store_true", help="the streaming recipe's reservation, eta and trainer passes")
     args = p.parse_args(argv)
-    from stapo_megatron.recipes import paper
+    from stapo_megatron.recipes import paper, step_model
 
+    stream = paper.qwen3_8b_stream()  # its trainer's passes, as the dry run counts them
     recipe = dict(reserve_tokens=args.reserve_tokens or paper.STREAM_RESERVE_TOKENS, eta=paper.STREAM_ETA,
-                  forwards=2, recompute=True) if args.recipe else {}
+                  forwards=step_model.recipe_forwards(stream),
+                  recompute=stream.model.recompute_granularity == "full") if args.recipe else {}
     setup = Setup(**{**dict(steps=args.steps, warmup=args.warmup, prompts_per_step=args.prompts, group=args.group,
                             trainers=args.trainers, engines=args.engines, scale=args.scale,
                             partial_tokens=args.partial_tokens, eta=args.eta, stream_iterations=args.stream_iterations,

@@ -23,6 +23,20 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tok
 """Any of these in an HF folder means it carries a tokenizer (else ``Sample.text`` is "")."""
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine class can do beyond `RolloutEngine`'s calls, declared as its
+    ``capabilities`` attribute; the config's validation asks for it by the engine's name
+    (`stapo_megatron.rollout.registry.engine_capabilities`) instead of naming engines."""
+
+    streaming: bool = False
+    """Admits requests and steps them one decode iteration at a time (``rollout.streaming``)."""
+    partial_continuation: bool = False
+    """``detokenize``: a response continued from its tokens so far (``rollout.partial``)."""
+    router_replay: bool = False
+    """Returns the experts each token was routed to (``rollout.routing_replay``)."""
+
+
 @dataclasses.dataclass
 class Sample:
     """One sampled response."""

@@ -207,12 +207,14 @@ class RolloutSampling(EngineResources):
     updates out of the loss (slime's ``--mask-offpolicy-in-partial-rollout``); the step counts
     them (``stale_tokens``) either way."""
     max_token_age: Optional[int] = None
-    """Partial rollouts: the token-level bound, in steps. A token sampled by the policy after
+    """Partial or streaming rollouts: the token-level bound, in steps. A token sampled by the policy after
     step v trains at step s only if ``s - v <= max_token_age``; older ones are left out of the
     loss (``SequenceRecord.loss_mask``; the response's other tokens still train) and counted
     (``token_age_masked``). At least ``max_staleness`` (a smaller bound would drop whole
     responses the request-level bound admits). None: no bound beyond what partial rollouts give
-    (``token_age_max`` reports it). ``mask_stale_tokens`` is this bound at ``max_staleness``."""
+    (``token_age_max`` reports it). ``mask_stale_tokens`` is this bound at ``max_staleness``.
+    Streaming in completion order: the only bound on a trained token's age (a group overtaken
+    by shorter ones trains later than its place in the queue; docs/async.md)."""
     streaming: bool = False
     """Streaming rollouts (separate placement, vLLM engines of ``tensor_parallel_size`` 1;
     `stapo_megatron.trainer.stream_pools`, docs/async.md): the engines never drain. Each
@@ -311,13 +313,23 @@ class RolloutSampling(EngineResources):
         if not (self.oversample >= 1 and math.isfinite(self.oversample)):
             raise ValueError(f"rollout.oversample must be >= 1, got {self.oversample}")
         if not self.partial:
-            self._check_defaults("partial", oversample=1.0, partial_tokens=0, mask_stale_tokens=False,
-                                 max_token_age=None)
+            self._check_defaults("partial", oversample=1.0, partial_tokens=0, mask_stale_tokens=False)
+            if self.max_token_age is not None and not self.streaming:
+                raise ValueError(f"rollout.max_token_age={self.max_token_age} needs rollout.partial=True or "
+                                 f"rollout.streaming=True (without them every token is the request's policy)")
+            self._check_token_age()
             return
         if self.placement != "separate" or self.max_staleness < 1:
             raise ValueError(f"rollout.partial=True needs rollout.placement='separate' and rollout.max_staleness >= 1 "
                              f"(got placement={self.placement!r}, max_staleness={self.max_staleness}): unfinished "
                              f"responses continue with newer weights")
+        self._check_token_age()
+        if self.routing_replay:
+            raise ValueError("rollout.partial=True with rollout.routing_replay=True is not supported (a continued "
+                             "response's routes would come from two engines' passes)")
+
+    def _check_token_age(self) -> None:
+        """The token-level bound (partial or streaming rollouts)."""
         if self.max_token_age is not None:
             if self.mask_stale_tokens:
                 raise ValueError(f"rollout.mask_stale_tokens=True and rollout.max_token_age={self.max_token_age} both "
@@ -326,9 +338,6 @@ class RolloutSampling(EngineResources):
                 raise ValueError(f"rollout.max_token_age={self.max_token_age} must be >= rollout.max_staleness="
                                  f"{self.max_staleness} (a smaller bound drops whole responses the request-level "
                                  f"bound admits)")
-        if self.routing_replay:
-            raise ValueError("rollout.partial=True with rollout.routing_replay=True is not supported (a continued "
-                             "response's routes would come from two engines' passes)")
 
     def _check_defaults(self, flag: str, **defaults: Any) -> None:
         """The fields of an option that is off (``flag``) keep their defaults."""
@@ -359,9 +368,12 @@ class RolloutSampling(EngineResources):
         if self.partial:
             raise ValueError("rollout.streaming=True and rollout.partial=True are two ways of keeping the engines "
                              "busy: set one (streaming never interrupts a response)")
-        if self.engine == "hf":
-            raise ValueError("rollout.streaming=True needs the vLLM engine (its request API admits and steps "
-                             "requests one decode iteration at a time): rollout.engine='vllm' or 'auto', got 'hf'")
+        from stapo_megatron.rollout.registry import engine_capabilities  # imports no config
+
+        if not engine_capabilities(self.engine).streaming:
+            raise ValueError(f"rollout.streaming=True needs an engine that streams (admits and steps requests one "
+                             f"decode iteration at a time: EngineCapabilities.streaming); rollout.engine="
+                             f"{self.engine!r} does not: use 'vllm' or 'auto'")
         if self.tensor_parallel_size != 1:
             raise ValueError(f"rollout.streaming=True needs rollout.tensor_parallel_size=1, got "
                              f"{self.tensor_parallel_size}: the ranks of a vLLM TP group would have to admit and "
@@ -382,7 +394,7 @@ class RolloutSampling(EngineResources):
 
     @property
     def token_age_bound(self) -> Optional[int]:
-        """Partial rollouts: the oldest a trained token may be, in steps (``max_token_age``, or
+        """Partial or streaming rollouts: the oldest a trained token may be, in steps (``max_token_age``, or
         ``max_staleness`` with ``mask_stale_tokens``); None: unbounded."""
         return self.max_staleness if self.mask_stale_tokens else self.max_token_age
 

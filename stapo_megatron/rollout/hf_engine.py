@@ -42,7 +42,7 @@ from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
-from stapo_megatron.rollout.base import Sample, check_generate_args, has_tokenizer, prompt_seeds
+from stapo_megatron.rollout.base import EngineCapabilities, Sample, check_generate_args, has_tokenizer, prompt_seeds
 from stapo_megatron.rollout.config import RolloutConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -148,6 +148,9 @@ class _RouteRecorder:
 
 class HFEngine:
     """transformers ``generate`` with the `VLLMEngine` interface; see the module docstring."""
+
+    capabilities = EngineCapabilities(partial_continuation=True, router_replay=True)
+    """No streaming: ``generate`` runs a whole batch (transformers has no request API)."""
 
     def __init__(self, hf_dir: str, config: RolloutConfig):
         """Load the HF model (``config.load_format`` "dummy": config only, random weights, for

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import importlib.util
 
-from stapo_megatron.rollout.base import RolloutEngine
-from stapo_megatron.rollout.config import RolloutConfig
+from typing import Any
+
+from stapo_megatron.rollout.base import EngineCapabilities, RolloutEngine
 from stapo_megatron.utils import load_dotted
 
 ENGINES = {
@@ -33,6 +34,14 @@ def resolve_engine(engine: str) -> str:
     return engine
 
 
-def build_engine(engine: str, hf_dir: str, config: RolloutConfig) -> RolloutEngine:
-    """The engine of that name (`ENGINE_NAMES`) for an HF folder."""
+def engine_capabilities(engine: str) -> EngineCapabilities:
+    """What the class of ``engine`` (`ENGINE_NAMES`) declares it can do (its ``capabilities``);
+    "auto" asks vLLM's, the engine it names wherever vLLM is installed (the engine ranks')."""
+    name = "vllm" if engine == "auto" else resolve_engine(engine)
+    return load_dotted(ENGINES[name], "rollout.engine").capabilities
+
+
+def build_engine(engine: str, hf_dir: str, config: Any) -> RolloutEngine:
+    """The engine of that name (`ENGINE_NAMES`) for an HF folder and a
+    `stapo_megatron.rollout.config.RolloutConfig` (not imported: the config asks this module)."""
     return load_dotted(ENGINES[resolve_engine(engine)], "rollout.engine")(hf_dir, config)

@@ -27,10 +27,13 @@ import torch.distributed as dist
 from stapo_megatron.rollout.base import Sample, check_generate_args
 from stapo_megatron.rollout.config import SamplingSettings
 from stapo_megatron.rollout.weight_buckets import plan_buckets
-from stapo_megatron.rollout.transport import Transport, broadcast_object, broadcast_tensor, receive
+from stapo_megatron.rollout.transport import Transport, broadcast_object, broadcast_tensor, receive, receive_any
 
 HEADER = ("ticket", "chunk", "generate_us", "idle_us", "load_us")
 """The ints before each reply's payload (`stapo_megatron.trainer.engine_server`)."""
+STREAMED = -1
+"""A reply's ``chunk`` when it is one streamed group (`stapo_megatron.trainer.stream_pools`):
+its payload names its stream position and queue index, its ticket is its urgent request's."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,13 +81,9 @@ class PoolRequest:
     urgent: bool = False
     """Streaming rollouts: answer this request, and admit its prompts, before those queued (a
     step's replacement groups under dynamic sampling)."""
-
-
-def share(total: int, chunk: Chunk, plan: Sequence[Chunk]) -> int:
-    """``chunk``'s share of ``total`` groups when its asker's request is split into slices as
-    ``plan`` splits it (as `plan_chunks` splits the prompts: the shares add up to ``total``)."""
-    slices = sum(1 for c in plan if c.dest == chunk.dest)
-    return total * (chunk.index + 1) // slices - total * chunk.index // slices
+    order: str = "completion"
+    """Streaming rollouts (``rollout.stream_order``): the step takes the first ``want`` groups to
+    arrive ("completion") or the next ``want`` of the replica's admission queue ("admission")."""
 
 
 Job = Tuple[Chunk, list, SamplingSettings]
@@ -100,7 +99,10 @@ class Ticket:
     version: int
     """Weight transfers before it, less one: the policy version (0 = the first sync's weights)."""
     chunks: List[Chunk]
-    """This rank's slices, in order (empty: this rank did not ask)."""
+    """This rank's slices, in order (empty: this rank did not ask); streaming: one per engine
+    that shares its replica's admission queue."""
+    stream: Optional[PoolRequest] = None
+    """Streaming rollouts: what the request takes of the groups its engines post."""
 
 
 @dataclasses.dataclass
@@ -113,6 +115,18 @@ class EngineTimes:
     """Waiting for a command: the trainers had not asked or sent the next weights yet."""
     load: float = 0.0
     """Loading received weights into the engine."""
+
+
+def stream_take(streamed: dict, request: PoolRequest, urgent: Optional[int], next_index: int) -> Optional[list]:
+    """Which of the posted groups ``streamed`` ((urgent ticket or None, queue index) -> group, in
+    arrival order) a streaming request takes: an urgent one (``urgent``: its ticket) its own
+    first ``want``; a step's the first ``want`` to arrive (``request.order`` "completion") or
+    queue entries ``next_index`` .. + ``want`` ("admission"). None while they are not all there."""
+    if request.order == "admission" and urgent is None:
+        keys = [(None, next_index + i) for i in range(request.want)]
+        return keys if all(k in streamed for k in keys) else None
+    keys = [k for k in streamed if k[0] == urgent][:request.want]
+    return keys if len(keys) == request.want else None
 
 
 class RemoteEngine:
@@ -138,6 +152,11 @@ class RemoteEngine:
         the engines tag partial rollouts' tokens with it (None: the transfer's index)."""
         self.early: dict = {}
         """Replies read before their ticket was asked for: (ticket, chunk, engine rank) -> reply."""
+        self.streamed: dict = {}
+        """Streaming: the groups posted and not taken yet, in arrival order: (urgent ticket or
+        None, queue index) -> (header, reply)."""
+        self.next_index = 0
+        """Streaming, admission order: the queue index of the next group a step takes."""
         self.stopped = False
 
     def submit(self, prompt_token_ids: List[List[int]], settings: SamplingSettings) -> Ticket:
@@ -159,20 +178,20 @@ class RemoteEngine:
     def submit_stream(self, fresh: List[Tuple[int, int, List[int]]], settings: SamplingSettings,
                       request: PoolRequest) -> Ticket:
         """Streaming rollouts (`stapo_megatron.trainer.stream_pools`): ``fresh`` (stream position,
-        index, prompt ids) of the step join this rank's stream at its engine, prompt i's samples
-        seeded from ``settings.skip(i).seed``. With more engines than askers an asker's prompts
-        are sliced over several engines (`plan_chunks`) and each slice asks its engine for its
-        share of ``request.want`` (`share`). ``receive`` returns a reply per slice, a dict with
-        the groups that completed first in that engine's stream (or next in admission order:
-        ``groups``), their stream positions (``positions``) and the stream's state. Collective as
-        ``submit``."""
+        index, prompt ids) of the step join this rank's admission queue on each engine of its
+        replica (one, or with more engines than askers those `plan_chunks` gives it), prompt i's
+        samples seeded from ``settings.skip(i).seed``; whichever of them has room admits the next
+        group. ``receive`` returns one reply, a dict with the ``request.want`` groups the step
+        takes of those the engines posted (the first to arrive, or next in the queue:
+        ``request.order``; ``groups``), their stream positions (``positions``) and the stream's
+        state. Collective as ``submit``."""
         return self._submit("stream", fresh, settings, request)
 
     def _submit(self, kind: str, prompts: list, settings: SamplingSettings,
                 pool: Optional[PoolRequest] = None) -> Ticket:
         """Queue a ``kind`` command of every asker's ``prompts``, each sampled with its asker's
         ``settings`` (the DP replicas' seeds differ) and its ``pool`` request (partial rollouts: one
-        engine per asker; streaming: each asker's own want, shared over its slices)."""
+        engine per asker; streaming: every engine of the asker holds all its prompts)."""
         counts: List[Optional[int]] = [None] * dist.get_world_size()
         dist.all_gather_object(counts, len(prompts) if self.asks else None)
         plan = plan_chunks(counts, self.transport.num_engines)
@@ -180,40 +199,49 @@ class RemoteEngine:
             raise ValueError(f"rollout.partial=True needs at least as many trainer replicas asking as engines "
                              f"({sum(c is not None for c in counts)} replicas, {self.transport.num_engines} engines): "
                              f"each replica's pool lives on one engine")
+        if kind == "stream":  # one admission queue a replica: each of its engines holds the whole window
+            plan = [dataclasses.replace(c, start=0, end=counts[c.dest]) for c in plan]
         # each asker's prompts and its own settings (the DP replicas sample with different seeds)
         requests: Optional[List] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object((prompts, settings, pool) if self.asks else None, requests, dst=0)
-        ticket = Ticket(self.tickets, self.transfers - 1, [c for c in plan if c.dest == dist.get_rank()])
+        ticket = Ticket(self.tickets, self.transfers - 1, [c for c in plan if c.dest == dist.get_rank()],
+                        stream=pool if kind == "stream" else None)
         self.tickets += 1
         if dist.get_rank() == 0:
-            jobs: List[Job] = [(c, requests[c.dest][0][c.start:c.end], requests[c.dest][1].skip(c.start)) for c in plan]
-            if kind == "stream":  # each slice's share of its asker's groups, from its engine's stream
-                pool = {(c.dest, c.index): dataclasses.replace(requests[c.dest][2], want=share(requests[c.dest][2].want,
-                                                                                               c, plan))
-                        for c in plan}
+            if kind == "stream":  # the window whole to each engine (one object: pickled once)
+                jobs: List[Job] = [(c, requests[c.dest][0], requests[c.dest][1]) for c in plan]
+                pool = {c.dest: requests[c.dest][2] for c in plan}
+            else:
+                jobs = [(c, requests[c.dest][0][c.start:c.end], requests[c.dest][1].skip(c.start)) for c in plan]
             broadcast_object(self.transport.control, (kind, ticket.id, jobs, pool))
         return ticket
 
     def receive(self, ticket: Ticket) -> List[List[Sample]]:
         """The samples of ``ticket`` (this rank's prompts, in order; [] where it did not ask),
-        waiting for them up to the timeout per engine.
+        waiting for them up to the timeout per engine (streaming: ``[reply]``, `submit_stream`).
 
         Raises:
             RuntimeError: an engine failed, died or stayed silent; the message names its rank.
         """
+        if ticket.stream is not None:
+            return self._receive_stream(ticket) if ticket.chunks else []
         samples, self.last_times = [], EngineTimes()
         for chunk in ticket.chunks:
             got, part = self._take(ticket.id, chunk)
-            self.last_times.generate += got["generate_us"] / 1e6
-            self.last_times.idle += got["idle_us"] / 1e6
-            self.last_times.load += got["load_us"] / 1e6
+            self._count(got)
             samples += part
         return samples
+
+    def _count(self, got: dict) -> None:
+        self.last_times.generate += got["generate_us"] / 1e6
+        self.last_times.idle += got["idle_us"] / 1e6
+        self.last_times.load += got["load_us"] / 1e6
 
     def _take(self, ticket: int, chunk: Chunk) -> Tuple[dict, list]:
         """The reply to ``ticket``'s ``chunk``. An engine answers a rank's requests in the order
         they were submitted, and a rank may take them in another (an evaluation request submitted
-        after the next steps' is taken first): earlier replies read on the way are kept."""
+        after the next steps' is taken first): earlier replies (and streamed groups) read on the
+        way are kept."""
         leader = self.transport.engine_leader(chunk.engine)
         while (ticket, chunk.index, leader) not in self.early:
             try:
@@ -223,11 +251,47 @@ class RemoteEngine:
                                    f"{ticket} within the rollout timeout of {self.timeout_s:.0f} s, or failed: "
                                    f"{error}") from error
             got = dict(zip(HEADER, header))
-            if got["ticket"] > ticket:
+            if got["chunk"] != STREAMED and got["ticket"] > ticket:
                 raise RuntimeError(f"rank {dist.get_rank()} expected request {ticket} part {chunk.index} from rank "
                                    f"{leader}, got request {got['ticket']} (the engine skipped one)")
-            self.early[(got["ticket"], got["chunk"], leader)] = (got, part)
+            self._keep(leader, got, part)
         return self.early.pop((ticket, chunk.index, leader))
+
+    def _keep(self, leader: int, got: dict, part: list) -> None:
+        """File a message read before it is asked for: a streamed group, or a chunk's reply."""
+        if got["chunk"] == STREAMED:
+            reply = part[0]
+            self.streamed[(got["ticket"] if reply["urgent"] else None, reply["index"])] = (got, reply)
+        else:
+            self.early[(got["ticket"], got["chunk"], leader)] = (got, part)
+
+    def _receive_stream(self, ticket: Ticket) -> List[dict]:
+        """A streaming ticket's groups (`submit_stream`), reading what the engines post (from
+        whichever sends first) until the step has them."""
+        request = ticket.stream
+        urgent = ticket.id if request.urgent else None
+        while True:
+            keys = stream_take(self.streamed, request, urgent, self.next_index)
+            if keys is not None:
+                break
+            leaders = sorted({self.transport.engine_leader(c.engine) for c in ticket.chunks})
+            try:
+                leader, header, part = receive_any(self.transport.data, len(HEADER), self.timeout_s)
+            except RuntimeError as error:
+                raise RuntimeError(f"rollout engines {sorted(c.engine for c in ticket.chunks)} (ranks {leaders}) sent "
+                                   f"no group for request {ticket.id} within the rollout timeout of "
+                                   f"{self.timeout_s:.0f} s, or one failed: {error}") from error
+            self._keep(leader, dict(zip(HEADER, header)), part)
+        if request.order == "admission" and urgent is None:
+            self.next_index += request.want
+        self.last_times = EngineTimes()
+        taken = [self.streamed.pop(k) for k in keys]
+        for got, _ in taken:
+            self._count(got)
+        replies = [reply for _, reply in taken]
+        return [dict(groups=[r["group"] for r in replies], positions=[r["position"] for r in replies],
+                     pool=sum(k[0] is None for k in self.streamed) + (replies[-1]["running"] if replies else 0),
+                     waiting=replies[-1]["waiting"] if replies else 0, continued=0)]
 
     def generate(self, prompt_token_ids, n: int, temperature: float, top_p: float, max_tokens: int,
                  seed: Optional[int] = None) -> List[List[Sample]]:

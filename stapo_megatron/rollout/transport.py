@@ -10,7 +10,10 @@ train and the last E = ``rollout.engine_ranks`` run engines (`stapo_megatron.tra
 * ``data``: all W ranks (gloo): the samples, from an engine to the trainers that asked;
 * ``control``: trainer 0 and the E engines (gloo): trainer 0's commands, in one order every
   engine executes (`stapo_megatron.trainer.engine_server`), and the weight buckets' manifests;
-* ``weights``: the same ranks (NCCL between GPUs, gloo on the CPU): the weight buckets.
+* ``weights``: the same ranks (NCCL between GPUs, gloo on the CPU): the weight buckets;
+
+and keeps a view of the store (``Transport.store``) in which the engines that share a replica's
+streaming admission queue claim its groups (`stapo_megatron.trainer.stream_pools`).
 
 These groups are not registered with ``torch.distributed`` (each side's default group is its
 own); they are used through their own ``send``/``recv``/``broadcast`` (as vLLM's stateless
@@ -56,6 +59,8 @@ class Transport:
     """Trainer 0 (its rank 0) and the engines (rank 1 + e): commands. None on trainers 1 .. T-1."""
     weights: Optional[Any] = None
     """The same ranks as ``control``: weight buckets (NCCL on GPUs). None where ``control`` is."""
+    store: Optional[Any] = None
+    """The job's store under its own prefix (engines): the streaming admission queues' claims."""
 
     @property
     def is_engine(self) -> bool:
@@ -129,6 +134,8 @@ def connect(store, rank: int, world: int, engine_ranks: int, engine_tp: int, sam
         member = 0 if rank == 0 else 1 + rank - trainers
         transport.control = _group(store, "transport/control", member, engine_ranks + 1, ENGINE_WAIT_S, "gloo")
         transport.weights = _group(store, "transport/weights", member, engine_ranks + 1, ENGINE_WAIT_S, weights_backend)
+    if rank >= trainers:
+        transport.store = dist.PrefixStore("transport/queue", store)
     return transport
 
 
@@ -191,3 +198,15 @@ def receive(group, src: int, header_len: int, timeout_s: Optional[float]) -> Tup
     payload = torch.empty(int(head[-1]), dtype=torch.uint8)
     _wait(group.recv([payload], src, SAMPLES_TAG), timeout_s)
     return head[:-1].tolist(), pickle.loads(payload.numpy().tobytes())
+
+
+def receive_any(group, header_len: int, timeout_s: Optional[float]) -> Tuple[int, List[int], Any]:
+    """The next ``(source rank, header, object)`` that any rank sent this rank with `Outbox.send`
+    (the header from whichever rank sent first, then that rank's payload)."""
+    head = torch.empty(header_len + 1, dtype=torch.int64)
+    work = group.recv_anysource([head], HEADER_TAG)
+    _wait(work, timeout_s)
+    src = work._source_rank()
+    payload = torch.empty(int(head[-1]), dtype=torch.uint8)
+    _wait(group.recv([payload], src, SAMPLES_TAG), timeout_s)
+    return src, head[:-1].tolist(), pickle.loads(payload.numpy().tobytes())

@@ -33,7 +33,7 @@ from typing import Iterable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from stapo_megatron.rollout.base import Sample, check_generate_args, has_tokenizer, prompt_seeds
+from stapo_megatron.rollout.base import EngineCapabilities, Sample, check_generate_args, has_tokenizer, prompt_seeds
 from stapo_megatron.rollout.config import RolloutConfig
 
 CPU_DEFAULT_KV_CACHE_BYTES = 2**30
@@ -41,6 +41,9 @@ CPU_DEFAULT_KV_CACHE_BYTES = 2**30
 
 class VLLMEngine:
     """A vllm.LLM in this process; see the module docstring."""
+
+    capabilities = EngineCapabilities(streaming=True, partial_continuation=True, router_replay=True)
+    """Streaming on its request API; routes only from Model Runner V2 (``rollout.vllm_model_runner_v2``)."""
 
     def __init__(self, hf_dir: str, config: RolloutConfig):
         """Build the engine from an HF folder (config.json + safetensors, tokenizer optional).

@@ -24,12 +24,12 @@ commands in order:
   PoolRequest`, what each pool returns), the pools' rounds run in lockstep (one engine
   call a round for all of them), and each pool's first finished groups are posted back as soon
   as it has them;
-* ``("stream", ticket, jobs, request)``: streaming rollouts (`stapo_megatron.trainer.stream_pools`):
-  the step's prompts join their replica's stream; while any stream has samples running or a
-  prompt that may start, the main thread takes the commands that have arrived (without
-  waiting) between two decode iterations, so weights are loaded in flight, and answers each
-  request with its P groups as soon as they are complete; an evaluation's ``generate`` first
-  lets the running samples finish;
+* ``("stream", ticket, jobs, requests)``: streaming rollouts (`stapo_megatron.trainer.stream_pools`):
+  the step's prompts join their replica's admission queue on each of the replica's engines;
+  while this engine has samples running or a queued prompt it may claim and start, the main
+  thread takes the commands that have arrived (without waiting) between two decode iterations,
+  so weights are loaded in flight, and posts each group to its asker as it completes; an
+  evaluation's ``generate`` first lets the running samples finish;
 * ``("stop",)``: return (what is still queued is dropped: the trainers are done or stopping).
 
 All ranks of one engine (vLLM TP > 1) run the same commands; its first rank sends the samples.
@@ -37,6 +37,7 @@ All ranks of one engine (vLLM TP > 1) run the same commands; its first rank send
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import os
@@ -57,7 +58,7 @@ from stapo_megatron.rollout.registry import build_engine, resolve_engine
 from stapo_megatron.rollout.remote import Chunk, Job, PoolRequest
 from stapo_megatron.rollout.weight_receive import receive_weights
 from stapo_megatron.trainer.partial import PartialPool
-from stapo_megatron.trainer.stream_pools import StreamPools
+from stapo_megatron.trainer.stream_pools import StoreClaims, StreamPools
 from stapo_megatron.trainer.prompts import pad_to
 
 STOP_WAIT_S = 60.0
@@ -217,10 +218,11 @@ def serve(cfg: TrainerConfig, transport: Transport, seed: int, return_routes: bo
             if kind == "stream":
                 if stream is None:
                     r = cfg.rollout
-                    stream = StreamPools(engine, r.settings(None), r.max_staleness, r.stream_order, r.weight_load,
-                                         version, reserve_tokens=r.stream_reserve_tokens)
-                stream.add(ticket, mine, pool)
-                stream.answer(post)  # a slice that asks for no groups is answered now
+                    claims = None if transport.store is None else StoreClaims(transport.store,
+                                                                              str(transport.engine_index))
+                    stream = StreamPools(engine, r.settings(None), r.max_staleness, r.weight_load, version,
+                                         reserve_tokens=r.stream_reserve_tokens, claims=claims)
+                stream.add(ticket, mine, pool, collections.Counter(job[0].dest for job in jobs))
             elif kind == "partial":
                 _partial_steps(engine, pools, mine, pool, version, functools.partial(post, ticket))
             else:

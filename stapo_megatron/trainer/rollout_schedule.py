@@ -23,11 +23,13 @@ the checkpoint (`state_dict`), and a resumed run sends the prompts that were in 
 
 Streaming rollouts (``rollout.streaming``, `stapo_megatron.trainer.stream_pools`) keep the same
 queue and account: step s's prompts are sent after the weights of step s - k (k is the
-off-policyness bound eta), the engines admit them as their KV cache allows, take the weights
-between two decode iterations and answer step s with the replica's first P complete groups; the
-tokens' versions say which policy sampled each. The stream positions a step trained (and with
-dynamic sampling, `replace`, those whose groups it dropped) are written to
-``rollout_order.jsonl`` (``order_log``), a line per step.
+off-policyness bound eta) into the replica's admission queue, whichever of the replica's engines
+has room admits the next group (each group under weights at most eta versions older than the
+step its place in the queue trains at), the engines take the weights between two decode
+iterations and post each group as it completes; step s takes the first P groups to arrive, or
+the queue's next P (``rollout.stream_order``); the tokens' versions say which policy sampled
+each. The stream positions a step trained (and with dynamic sampling, `replace`, those whose
+groups it dropped) are written to ``rollout_order.jsonl`` (``order_log``), a line per step.
 """
 
 from __future__ import annotations
@@ -182,8 +184,8 @@ class RolloutSchedule:
             self.engine.policy_version = version
 
     def _partial_step(self, step: int, replies: List[dict]) -> StepRollout:
-        """A pooled step's replies (one per engine slice of this replica's request): their
-        groups (the prompts the pools finished first) as the step's record, its version the
+        """A pooled step's replies (partial rollouts: one per engine of this replica's request;
+        streaming: one): their groups (the prompts the pools finished first) as the step's record, its version the
         oldest among their tokens."""
         groups = [g for reply in replies for g in reply["groups"]]
         self.dropped = []
@@ -214,7 +216,7 @@ class RolloutSchedule:
             order = [(step * len(fresh) + j, i, ids) for j, (i, ids) in enumerate(fresh)]
             window = self.ledger.window(order, self._entry)  # in-flight positions first on resume
             ticket = self.engine.submit_stream(window if asks else [], settings,
-                                               PoolRequest(len(fresh), len(fresh), 0))
+                                               PoolRequest(len(fresh), len(fresh), 0, order=r.stream_order))
         else:
             ticket = replicas.replica_submit(self.engine, self.groups, [ids for _, ids in self.prompts(step)], settings)
         if keep:

@@ -1,30 +1,33 @@
-"""Streaming rollouts on an engine rank (``rollout.streaming``): `StreamPools`, the prompt streams
-of the trainer replicas an engine serves, over one `stapo_megatron.rollout.streaming.
+"""Streaming rollouts on an engine rank (``rollout.streaming``): `StreamPools`, the admission
+queues of the trainer replicas an engine serves, over one `stapo_megatron.rollout.streaming.
 StreamingGenerator` that never drains.
 
 The trainers send each step's prompts of their replica (``("stream", ticket, jobs, requests)``,
 `stapo_megatron.rollout.remote.RemoteEngine.submit_stream`: stream positions in data order, each
-prompt's seed, and the groups the step trains: P, or with more engines than replicas a slice of
-the replica's prompts and its share of P on each of several engines, each slice a stream of its
-own here); the engine server
-(`stapo_megatron.trainer.engine_server`) takes commands between two decode iterations and
+prompt's seed, and the groups a step trains, P) to every engine of the replica (one, or with more
+engines than replicas several); each of them appends them to its copy of the replica's
+**admission queue**, the same on every engine (the commands arrive in one order). The engine
+server (`stapo_megatron.trainer.engine_server`) takes commands between two decode iterations and
 otherwise calls `StreamPools.advance`:
 
-- **Admission.** The replicas' waiting prompts are admitted in turn, one group of G samples at a
-  time, while the generator's capacity (running samples, reserved KV tokens) and the
-  off-policyness bound allow: a replica's j-th admitted group (0-based) trains at step
-  ``base + j // P`` counted in admission order (``base``: the policy version when the replica's
-  stream began), and may start only under a policy at most eta (``rollout.max_staleness``)
-  versions older (AReaL's ``max_head_offpolicyness``). The trainers send step s + eta's prompts
-  after step s's weights, so the supply never runs further ahead than the bound either.
+- **Admission.** Whichever of the replica's engines has room admits the queue's next group: an
+  engine with room for G more samples and their KV reservation claims the next unclaimed entry
+  (`Claims`: an atomic claim in the job's store, `StoreClaims`, when several engines share the
+  queue) and admits it. Queue entry j (0-based, the replica's own steps' prompts in data order)
+  trains at step ``base + j // P`` (``base``: the policy version when the replica's queue began,
+  the same on every engine) and may start only under a policy at most eta
+  (``rollout.max_staleness``) versions older: on the engine that claims it, whichever that is
+  (AReaL's ``max_head_offpolicyness``, counted per group). The trainers send step s + eta's
+  prompts after step s's weights, so the supply never runs further ahead than the bound either.
+- **Urgent prompts** (dynamic sampling's replacements) form a queue of their own, claimed before
+  the steps' and outside the bound's count: they train at the step whose trainers wait for them.
 - **Steps.** One decode iteration of every running sample (the generator's ``step``); a group
   is complete when its G samples have finished.
-- **Replies.** A replica's requests are answered in the order they were sent (an urgent one,
-  dynamic sampling's replacements, before the others, its prompts admitted first and outside
-  the bound's count: they train at the step whose trainers wait for them), each with
-  its P groups as soon as they are complete: the first P to complete (``stream_order="completion"``)
-  or the next P of its admission order (``"admission"``: the data order, whatever the timing).
-  The reply carries the groups' stream positions, which the trainers record and checkpoint.
+- **Replies.** Each complete group is posted to its replica's asking rank at once, with its stream
+  position and queue index (`stapo_megatron.rollout.remote.STREAMED`); the trainers take a step's
+  P groups from what all of the replica's engines posted: the first P to arrive
+  (``stream_order="completion"``) or the next P of the queue (``"admission"``: the data order,
+  whatever the timing).
 - **Weights** arrive between two iterations (`StreamPools.load`, ``rollout.weight_load``): in
   flight (the running samples keep their KV cache), with the KV cache recomputed, or after a
   drain. Every token keeps the version that sampled it.
@@ -32,134 +35,222 @@ otherwise calls `StreamPools.advance`:
   (`StreamPools.drain`: the engine's request loop would otherwise run them to their end inside
   the evaluation's call), then generate; admission resumes after.
 
-Deterministic given the weights' arrival: sample j of a prompt is seeded with the prompt's seed
-plus j whatever the engine's load; which iteration new weights arrive at depends on timing, as
-in every in-flight-update design, and the tokens' versions say which policy sampled each.
+Deterministic given the weights' arrival and the claims: sample j of a prompt is seeded with the
+prompt's seed plus j whatever engine runs it; which engine claims a group and which iteration new
+weights arrive at depend on timing, as in every in-flight-update design, and the tokens' versions
+say which policy sampled each.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import time
-from typing import Callable, Deque, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from stapo_megatron.rollout.config import SamplingSettings
-from stapo_megatron.rollout.remote import Chunk, Job, PoolRequest
-from stapo_megatron.rollout.streaming import StreamedGroup, StreamingGenerator
+from stapo_megatron.rollout.remote import STREAMED, Chunk, Job, PoolRequest
+from stapo_megatron.rollout.streaming import StreamingGenerator
 from stapo_megatron.trainer.partial import Group
 
 Post = Callable[[int, Chunk, list, float], None]
 """``post(ticket, chunk, [reply], seconds)``: a reply to its asker (`engine_server.serve`)."""
+Entry = Tuple[int, int, List[int], int]
+"""(stream position, training-set index, prompt ids, seed): one prompt of an admission queue."""
+
+
+class LocalClaims:
+    """The claims of queues no other engine shares: a counter per queue, in this process."""
+
+    def __init__(self):
+        self.next: Dict[str, int] = {}
+
+    def first(self, queue: str) -> int:
+        """The lowest queue index that may still be unclaimed."""
+        return self.next.get(queue, 0)
+
+    def claim(self, queue: str, index: int) -> bool:
+        """Claim entry ``index`` (>= `first`) for this engine; False when another has it."""
+        self.next[queue] = index + 1
+        return True
+
+
+class StoreClaims:
+    """The claims of queues that several engines share, in the job's store (`stapo_megatron.
+    rollout.transport.Transport.store`): entry j of a queue is this engine's when the store's
+    compare-and-set of its key from empty to this engine's name succeeds (exactly one engine's
+    does); a counter per queue says from where to look (it trails the claims, never passes them).
+
+    Args:
+        store: a ``torch.distributed.Store``.
+        name: this engine's name (unique in the job).
+    """
+
+    def __init__(self, store, name: str):
+        self.store, self.name = store, name
+        self.seen: Dict[str, int] = {}
+
+    def first(self, queue: str) -> int:
+        self.seen[queue] = max(self.seen.get(queue, 0), self.store.add(f"{queue}/next", 0))
+        return self.seen[queue]
+
+    def claim(self, queue: str, index: int) -> bool:
+        if self.store.compare_set(f"{queue}/{index}", "", self.name).decode() != self.name:
+            self.seen[queue] = max(self.seen.get(queue, 0), index + 1)
+            return False
+        self.store.add(f"{queue}/next", 1)
+        self.seen[queue] = max(self.seen.get(queue, 0), index + 1)
+        return True
+
+
+@dataclasses.dataclass
+class _Queue:
+    """One of a replica's admission queues, as this engine holds it: the entries from ``start``
+    on (those before were claimed, by this engine or another)."""
+
+    name: str
+    start: int = 0
+    entries: List[Tuple[int, Entry]] = dataclasses.field(default_factory=list)
+    """(ticket that sent it, entry) from queue index ``start`` on."""
+
+    def entry(self, index: int) -> Optional[Tuple[int, Entry]]:
+        """Entry ``index`` (dropping those here before it: claimed), None if not here yet (other
+        engines may have claimed entries this one has not received: they still count)."""
+        dropped = min(max(0, index - self.start), len(self.entries))
+        del self.entries[:dropped]
+        self.start += dropped
+        return self.entries[index - self.start] if index - self.start < len(self.entries) else None
+
+    def __len__(self) -> int:
+        return len(self.entries)
 
 
 @dataclasses.dataclass
 class _Replica:
-    """One trainer replica's stream on this engine."""
+    """One trainer replica's admission queues on this engine."""
 
-    stream: Tuple[int, int]
-    """(the replica's asking trainer rank, its slice index): its requests' slices on this engine."""
+    dest: int
+    """The replica's asking trainer rank: its groups are posted there."""
+    chunk: Chunk
+    """Where its groups go: the replica's part of a command, its index `STREAMED`."""
     base_version: int
-    """The policy version when the stream began: its j-th admitted group trains at ``base + j // want``."""
-    waiting: Deque[Tuple[int, int, List[int], int, bool]] = dataclasses.field(default_factory=collections.deque)
-    """(stream position, training-set index, prompt ids, seed, urgent) sent and not admitted yet."""
-    requests: Deque[Tuple[int, Chunk, int]] = dataclasses.field(default_factory=collections.deque)
-    """(ticket, chunk, groups wanted) not answered yet, in the order sent."""
-    admitted: List[int] = dataclasses.field(default_factory=list)
-    """Stream positions admitted and not handed out yet, in admission order."""
-    complete: Dict[int, StreamedGroup] = dataclasses.field(default_factory=dict)
-    """Stream position -> complete group not handed out yet, in completion order."""
-    want: int = 0
-    groups_admitted: int = 0
+    """The policy version when the queue began: entry j trains at ``base + j // want``."""
+    want: int
+    steps: _Queue
+    urgent: _Queue
+    running: int = 0
+    """Groups of the replica admitted here and not complete yet."""
 
 
 class StreamPools:
-    """The replicas' streams on one engine (module docstring).
+    """The replicas' admission queues on one engine (module docstring).
 
     Args:
         engine: the engine rank's `stapo_megatron.rollout.vllm_engine.VLLMEngine` (vLLM TP 1).
         settings: the replicas' sampling settings (G, temperature, top-p, max tokens; the seeds
             come with each request).
         eta: the off-policyness bound (``rollout.max_staleness``).
-        order: ``rollout.stream_order``; mode: ``rollout.weight_load``.
+        mode: ``rollout.weight_load``.
         version: the policy version of the weights the engine holds.
         reserve_tokens: ``rollout.stream_reserve_tokens``, the response tokens of KV reserved
             per admitted sample (None: ``max_tokens``, never preempting).
+        claims: where the queues that several engines share are claimed (`StoreClaims`); a
+            queue of this engine alone is counted here (`LocalClaims`), as every queue is with None.
     """
 
-    def __init__(self, engine, settings: SamplingSettings, eta: int, order: str, mode: str, version: int,
-                 reserve_tokens: Optional[int] = None):
-        self.settings, self.order, self.mode = settings, order, mode
+    def __init__(self, engine, settings: SamplingSettings, eta: int, mode: str, version: int,
+                 reserve_tokens: Optional[int] = None, claims=None):
+        self.settings, self.mode = settings, mode
         self.generator = StreamingGenerator(engine, settings, eta=eta, order="completion", version=version,
                                             reserve_tokens=reserve_tokens)
-        self.replicas: Dict[Tuple[int, int], _Replica] = {}
-        """(asking trainer rank, slice index) -> its stream: one per replica, or per slice of a
-        replica's prompts when a replica's step is sliced over several engines."""
+        self.local, self.shared = LocalClaims(), claims
+        self.replicas: Dict[int, _Replica] = {}
+        """Asking trainer rank -> its replica's queues."""
+        self.claims: Dict[int, object] = {}
+        """Asking trainer rank -> the claims of its queues (shared or local)."""
         self.stepping = 0.0
         """Seconds in decode iterations since the last reply (the reply's ``generate`` time)."""
+        self._blocked: Optional[tuple] = None
+        """The generator's state when nothing could be admitted (nothing is tried again before it changes)."""
 
-    def add(self, ticket: int, jobs: List[Job], requests: Dict[Tuple[int, int], PoolRequest]) -> None:
-        """A step's prompts (``jobs``: this engine's slices of the asking replicas' prompts) into
-        their streams, and each slice's request (``requests[(asker, slice index)]``) for its
-        ``want`` complete groups."""
+    def add(self, ticket: int, jobs: List[Job], requests: Dict[int, PoolRequest], sharing: Dict[int, int]) -> None:
+        """A step's prompts (``jobs``: the asking replicas' windows) into their queues;
+        ``requests[asker]``: its request (P, urgent); ``sharing[asker]``: how many engines share
+        the replica's queue."""
         for chunk, prompts, settings in jobs:
             if dataclasses.replace(settings, seed=None) != dataclasses.replace(self.settings, seed=None):
                 raise ValueError(f"streaming rollouts sample every step alike; trainer rank {chunk.dest} asked with "
                                  f"{settings}, the stream runs {self.settings}")
-            request = requests[(chunk.dest, chunk.index)]
-            stream = (chunk.dest, chunk.index)
-            replica = self.replicas.setdefault(stream, _Replica(stream, self.generator.version, want=request.want))
-            entries = [(position, index, list(ids), settings.skip(i).seed or 0, request.urgent)
-                       for i, (position, index, ids) in enumerate(prompts)]
-            if request.urgent:  # a step's replacements: its trainers wait for them now
-                replica.waiting.extendleft(reversed(entries))
-                replica.requests.appendleft((ticket, chunk, request.want))
-            else:
-                replica.waiting.extend(entries)
-                replica.requests.append((ticket, chunk, request.want))
-
-    def answer(self, post: Post) -> None:
-        """Answer the requests whose groups are complete (a request for no groups at once)."""
-        for replica in self.replicas.values():
-            self._answer(replica, post)
+            request = requests[chunk.dest]
+            replica = self.replicas.get(chunk.dest)
+            if replica is None:
+                replica = self.replicas[chunk.dest] = _Replica(
+                    chunk.dest, dataclasses.replace(chunk, index=STREAMED), self.generator.version, request.want,
+                    _Queue(f"stream/{chunk.dest}/steps"), _Queue(f"stream/{chunk.dest}/urgent"))
+                shared = sharing.get(chunk.dest, 1) > 1 and self.shared is not None
+                self.claims[chunk.dest] = self.shared if shared else self.local
+            queue = replica.urgent if request.urgent else replica.steps
+            queue.entries += [(ticket, (position, index, list(ids), settings.skip(i).seed or 0))
+                              for i, (position, index, ids) in enumerate(prompts)]
+        self._blocked = None
 
     @property
     def busy(self) -> bool:
-        """Samples are running, or a waiting prompt could start now."""
-        return self.generator.num_running_samples > 0 or any(
-            r.waiting and self._refusal(r) is None for r in self.replicas.values())
+        """Samples are running, or a queued prompt could start now."""
+        return self.generator.num_running_samples > 0 or self._admissible()
 
-    def _trained(self, replica: _Replica, urgent: bool) -> int:
-        """The step the replica's next group trains at: by the bound's count, or (an urgent
-        replacement) the step its trainers wait in, which the engine's weights never trail by
-        more than eta."""
-        if urgent:
-            return self.generator.version
-        return replica.base_version + replica.groups_admitted // max(1, replica.want)
+    def _state(self) -> tuple:
+        g = self.generator
+        return g.num_running_samples, g.reserved_kv_tokens, g.version
 
-    def _refusal(self, replica: _Replica):
-        _, _, ids, _, urgent = replica.waiting[0]
-        return self.generator.refusal(len(ids), self._trained(replica, urgent))
+    def _admissible(self) -> bool:
+        if self._blocked == self._state():
+            return False
+        if any(self._next(replica) is not None for replica in self.replicas.values()):
+            return True
+        self._blocked = self._state()
+        return False
+
+    def _next(self, replica: _Replica):
+        """The replica's next admissible entry ``(queue, index, ticket, entry, trained)`` that
+        this engine may claim now, or None: its urgent queue first."""
+        claims = self.claims[replica.dest]
+        for queue in (replica.urgent, replica.steps):
+            index = claims.first(queue.name)
+            got = queue.entry(index)
+            if got is None:
+                continue
+            ticket, entry = got
+            trained = self.generator.version if queue is replica.urgent else \
+                replica.base_version + index // max(1, replica.want)
+            if self.generator.refusal(len(entry[2]), trained) is None:
+                return queue, index, ticket, entry, trained
+            return None  # the urgent queue's refused entry is not overtaken by the steps'
+        return None
 
     def admit(self) -> int:
-        """Admit waiting groups, one replica's at a time in turn, while the generator allows;
-        returns how many."""
-        admitted, progress = 0, True
+        """Claim and admit queued groups, one replica's at a time in turn, while the generator
+        allows; returns how many."""
+        admitted, progress = 0, self._blocked != self._state()
         while progress:
             progress = False
             for replica in self.replicas.values():
-                if replica.waiting and self._refusal(replica) is None:
-                    position, index, ids, seed, urgent = replica.waiting.popleft()
-                    assert self.generator.admit(ids, seed, self._trained(replica, urgent),
-                                                key=(position, index, replica.stream))
-                    replica.groups_admitted += not urgent  # the bound counts the steps' own groups
-                    replica.admitted.append(position)
-                    admitted += 1
-                    progress = True
+                nxt = self._next(replica)
+                if nxt is None:
+                    continue
+                queue, index, ticket, (position, training_index, ids, seed), trained = nxt
+                progress = True
+                if not self.claims[replica.dest].claim(queue.name, index):
+                    continue  # another engine has it: look again
+                urgent = ticket if queue is replica.urgent else -1
+                assert self.generator.admit(ids, seed, trained, key=(replica.dest, position, training_index, index,
+                                                                     urgent))
+                replica.running += 1
+                admitted += 1
+        self._blocked = self._state()  # nothing more can start before the generator's state changes
         return admitted
 
     def advance(self, post: Post) -> None:
-        """Admit what may start, run one decode iteration, and answer the requests it completed."""
+        """Admit what may start, run one decode iteration, and post the groups it completed."""
         self.admit()
         self._iterate(post)
 
@@ -174,6 +265,7 @@ class StreamPools:
     def load(self, named_tensors, version: int) -> None:
         """New weights (a streamed transfer) as ``version``, in ``rollout.weight_load``'s mode."""
         self.generator.load_weights(named_tensors, version, self.mode)
+        self._blocked = None
 
     def abort(self) -> int:
         """Drop every running request (a stop); returns how many."""
@@ -184,29 +276,10 @@ class StreamPools:
         self.generator.step()
         self.stepping += time.perf_counter() - started
         for group in self.generator.take():
-            position, _, stream = group.key
-            self.replicas[stream].complete[position] = group
-        self.answer(post)
-
-    def _answer(self, replica: _Replica, post: Post) -> None:
-        while replica.requests:
-            ticket, chunk, want = replica.requests[0]
-            if self.order == "completion":
-                ready = list(replica.complete)
-            else:
-                ready = []
-                for position in replica.admitted:
-                    if position not in replica.complete:
-                        break
-                    ready.append(position)
-            if len(ready) < want:
-                return
-            replica.requests.popleft()
-            taken = ready[:want]
-            groups = [replica.complete.pop(p) for p in taken]
-            taken_set = set(taken)
-            replica.admitted = [p for p in replica.admitted if p not in taken_set]
-            reply = dict(groups=[Group(g.key[1], g.prompt_token_ids, g.samples) for g in groups], positions=taken,
-                         pool=len(replica.admitted), waiting=len(replica.waiting), continued=0)
-            post(ticket, chunk, [reply], self.stepping)
+            dest, position, training_index, index, urgent = group.key
+            replica = self.replicas[dest]
+            replica.running -= 1
+            reply = dict(group=Group(training_index, group.prompt_token_ids, group.samples), position=position,
+                         index=index, urgent=urgent >= 0, running=replica.running, waiting=len(replica.steps))
+            post(urgent if urgent >= 0 else 0, replica.chunk, [reply], self.stepping)
             self.stepping = 0.0

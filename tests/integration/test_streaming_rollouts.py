@@ -1,6 +1,6 @@
 """Streaming rollouts end to end (`stapo_megatron.trainer.stream_pools`): the real trainer, the
 real vLLM engines on their own torchrun ranks over gloo (tests/helpers/separate_script.py), one
-trainer replica whose prompts are sliced over two engines, eta = 2, evaluation between steps.
+trainer replica whose admission queue two engines share, eta = 2, evaluation between steps.
 Every step trains its P groups; the positions each step trained are written down; a requeued
 run resumes from the checkpoint's account and trains every data position exactly once; a
 killed engine ends the job naming its rank; dynamic sampling replaces the groups whose rewards are

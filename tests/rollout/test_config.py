@@ -31,7 +31,9 @@ from stapo_megatron.rollout.config import RolloutSampling, SamplingSettings
      "rollout.oversample must be >= 1, got 0.5"),
     (dict(oversample=2.0), "rollout.oversample=2.0 needs rollout.partial=True"),
     (dict(mask_stale_tokens=True), "rollout.mask_stale_tokens=True needs rollout.partial=True"),
-    (dict(max_token_age=3), "rollout.max_token_age=3 needs rollout.partial=True"),
+    (dict(max_token_age=3), "rollout.max_token_age=3 needs rollout.partial=True or rollout.streaming=True"),
+    (dict(placement="separate", engine_ranks=1, max_staleness=2, streaming=True, max_token_age=1),
+     "rollout.max_token_age=1 must be >= rollout.max_staleness=2"),
     (dict(placement="separate", engine_ranks=1, max_staleness=2, partial=True, max_token_age=1),
      "rollout.max_token_age=1 must be >= rollout.max_staleness=2"),
     (dict(placement="separate", engine_ranks=1, max_staleness=1, partial=True, max_token_age=2, mask_stale_tokens=True),
@@ -43,7 +45,8 @@ from stapo_megatron.rollout.config import RolloutSampling, SamplingSettings
     (dict(placement="separate", engine_ranks=1, max_staleness=2, streaming=True, partial=True),
      "rollout.streaming=True and rollout.partial=True are two ways of keeping the engines busy: set one"),
     (dict(placement="separate", engine_ranks=1, max_staleness=2, streaming=True, engine="hf"),
-     "rollout.streaming=True needs the vLLM engine"),
+     "rollout.streaming=True needs an engine that streams (admits and steps requests one decode iteration at a "
+     "time: EngineCapabilities.streaming); rollout.engine='hf' does not"),
     (dict(placement="separate", engine_ranks=2, max_staleness=2, streaming=True, tensor_parallel_size=2),
      "rollout.streaming=True needs rollout.tensor_parallel_size=1, got 2"),
     (dict(placement="separate", engine_ranks=1, max_staleness=2, streaming=True, stream_order="fifo"),
@@ -67,6 +70,9 @@ def test_the_token_age_bound_is_max_token_age_or_k_with_mask_stale_tokens():
     assert RolloutSampling(**partial).token_age_bound is None
     assert RolloutSampling(**partial, max_token_age=5).token_age_bound == 5
     assert RolloutSampling(**partial, mask_stale_tokens=True).token_age_bound == 2
+    streaming = dict(placement="separate", engine_ranks=1, max_staleness=2, streaming=True)
+    assert RolloutSampling(**streaming).token_age_bound is None
+    assert RolloutSampling(**streaming, max_token_age=3).token_age_bound == 3
 
 
 def test_separate_placement_counts_its_engines():

@@ -1,4 +1,5 @@
-"""Tier a: the rollout engine a config names (vllm, hf, remote, or a dotted path) is the one built."""
+"""Tier a: the rollout engine a config names (vllm, hf, remote, or a dotted path) is the one built;
+what each engine class declares it can do, and the config asking that instead of the name."""
 
 import pytest
 
@@ -13,3 +14,20 @@ def test_engine_choice():
         resolve_engine("sglang")
     with pytest.raises(FileNotFoundError, match="config.json"):
         build_engine("hf", "/nonexistent", RolloutConfig())
+
+
+def test_each_engine_declares_its_capabilities_and_streaming_asks_them(monkeypatch):
+    from stapo_megatron.rollout import registry
+    from stapo_megatron.rollout.base import EngineCapabilities
+    from stapo_megatron.rollout.config import RolloutSampling
+
+    assert registry.engine_capabilities("vllm") == EngineCapabilities(True, True, True)
+    assert registry.engine_capabilities("hf") == EngineCapabilities(False, True, True)
+    assert registry.engine_capabilities("auto") == registry.engine_capabilities("vllm")
+    # a newly registered engine without streaming is refused by its own name, not by a list of names
+    monkeypatch.setitem(registry.ENGINES, "transformers", registry.ENGINES["hf"])
+    monkeypatch.setattr(registry, "ENGINE_NAMES", (*registry.ENGINE_NAMES, "transformers"))
+    streaming = dict(placement="separate", engine_ranks=1, max_staleness=2, streaming=True)
+    with pytest.raises(ValueError, match="rollout.engine='transformers' does not: use 'vllm' or 'auto'"):
+        RolloutSampling(**streaming, engine="transformers")
+    assert RolloutSampling(**streaming, engine="vllm").streaming

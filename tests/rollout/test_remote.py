@@ -1,11 +1,16 @@
-"""`stapo_megatron.rollout.remote`'s pure parts: how a request is split over the engines and how a
-weight bucket travels (the multi-rank paths: tests/trainer/test_rollout_schedule.py and
+"""`stapo_megatron.rollout.remote`: how a request is split over the engines, how a weight bucket
+travels, and how a streaming step takes its groups from what several engines post (threads of
+this process over the real transport; the other multi-rank paths: tests/trainer/test_rollout_schedule.py and
 tests/integration/test_separate_placement.py)."""
+
+import threading
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from stapo_megatron.rollout.remote import Chunk, bucket_bytes, plan_chunks, unpack_bucket
+from tests.helpers.dist_utils import rank_threads
 
 
 def test_each_asker_goes_whole_to_an_engine_when_engines_do_not_outnumber_askers():
@@ -37,11 +42,51 @@ def test_a_bucket_unpacks_to_the_tensors_sent(dtype):
         assert got_name == name and got.dtype == dtype and torch.equal(got, sent)
 
 
-def test_a_sliced_streaming_request_shares_its_groups_as_the_prompts_are_sliced():
-    from stapo_megatron.rollout.remote import plan_chunks, share
+def _streamed(order, sequenced):
+    """Trainer 0 (rank 0) takes two steps of 2 groups and one urgent group of 1 from what two
+    engines (ranks 1, 2) sharing its replica's queue post: engine 1 queue entries 2 and 0 and an
+    urgent group of ticket 5, engine 2 entries 3 and 1 (with ``sequenced``, only after the
+    trainer took its first step). Returns the trainer's (positions, generate seconds) per take."""
+    from stapo_megatron.rollout.remote import STREAMED, PoolRequest, RemoteEngine, Ticket
+    from stapo_megatron.rollout.transport import Outbox, connect
 
-    plan = plan_chunks([16, None, 10], 5)  # two askers, five engines: three slices each
-    for dest, total in ((0, 16), (2, 10)):
-        mine = [c for c in plan if c.dest == dest]
-        assert [share(total, c, plan) for c in mine] == [c.end - c.start for c in mine]
-        assert sum(share(total, c, plan) for c in mine) == total
+    store, first_taken = dist.HashStore(), threading.Event()
+
+    def post(outbox, ticket, index, urgent=False):
+        reply = dict(group=f"group {index}", position=10 * index + 100 * urgent, index=index, urgent=urgent,
+                     running=0, waiting=0)
+        outbox.send(0, [ticket, STREAMED, 1000 * (index + 1), 0, 0], [reply])
+
+    def rank_main(rank):
+        transport = connect(store, rank, 3, 2, 1, samples_timeout_s=60)
+        if rank == 0:
+            remote = RemoteEngine(transport, asks=True, timeout_s=60, bucket_mb=1)
+            chunks = [Chunk(0, 0, 0, 4, 0), Chunk(0, 1, 0, 4, 1)]
+            taken = []
+            for ticket, want, urgent in ((0, 2, False), (5, 1, True), (1, 2, False)):
+                (reply,) = remote.receive(Ticket(ticket, 0, chunks, stream=PoolRequest(want, want, 0, urgent, order)))
+                taken.append((reply["positions"], round(remote.last_times.generate, 3)))
+                first_taken.set()
+            return taken
+        outbox = Outbox(transport.data)
+        if rank == 1:
+            for ticket, index, urgent in ((0, 2, False), (0, 0, False), (5, 0, True)):
+                post(outbox, ticket, index, urgent)
+        else:
+            if sequenced:
+                first_taken.wait(60)
+            for index in (3, 1):
+                post(outbox, 1, index)
+        outbox.close(60)
+
+    return rank_threads(rank_main, 3, timeout=120)[0]
+
+
+def test_a_streaming_step_takes_the_next_groups_of_the_admission_queue_from_any_engine():
+    # whichever engine posts first, the steps take queue entries 0, 1 then 2, 3 (the data order)
+    assert _streamed("admission", sequenced=False) == [([0, 10], 0.003), ([100], 0.001), ([20, 30], 0.007)]
+
+
+def test_a_streaming_step_takes_the_first_groups_to_arrive_in_completion_order():
+    # engine 2 posts only after the first step: the first step takes engine 1's two, in their order
+    assert _streamed("completion", sequenced=True) == [([20, 0], 0.004), ([100], 0.001), ([30, 10], 0.006)]

@@ -44,3 +44,24 @@ def test_commands_reach_every_engine_and_samples_their_asker_in_order():
     assert results[2] == ([("generate", 0), ("generate", 1)], [0, 1, 2, 3, 4, 5])
     assert results[0] == [([0, 7], {"samples": "first"}), ([1, 9], {"samples": "second"})]
     assert results[1] == ([0, 8], ["for rank 1"])
+
+
+def test_receive_any_takes_each_message_from_the_rank_that_sent_it():
+    """Two engines (ranks 1, 2 of a job with one trainer) post to trainer 0; it reads from
+    whichever sent, each header with its own payload; the engines also hold the store view their
+    streaming claims use."""
+    from stapo_megatron.rollout.transport import receive_any
+
+    def run(transport):
+        if transport.rank == 0:
+            return sorted(receive_any(transport.data, 2, 60) for _ in range(4)), transport.store is None
+        outbox = Outbox(transport.data)
+        for i in range(2):
+            outbox.send(0, [transport.rank, i], f"from {transport.rank}, {i}")
+        outbox.close(60)
+        return transport.store.add("claims", 1) > 0
+
+    results = _ranks(run, world=3, engine_ranks=2)
+    assert results[0] == ([(1, [1, 0], "from 1, 0"), (1, [1, 1], "from 1, 1"), (2, [2, 0], "from 2, 0"),
+                           (2, [2, 1], "from 2, 1")], True)
+    assert results[1] is True and results[2] is True
