@@ -104,7 +104,7 @@ def _staging(bucket_kib) -> None:
 def _rank(rank: int, world: int, port: int, args, results) -> None:
     from stapo_megatron.rollout.transport import broadcast_object, connect
     from stapo_megatron.rollout.remote import RemoteEngine
-    from stapo_megatron.rollout.weight_receive import receive_weights
+    from stapo_megatron.serve.weight_receive import receive_weights
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0)

@@ -47,7 +47,7 @@ def _transfer(port: int) -> dict:
 
     from stapo_megatron.rollout.transport import broadcast_object, connect
     from stapo_megatron.rollout.remote import RemoteEngine
-    from stapo_megatron.rollout.weight_receive import receive_weights
+    from stapo_megatron.serve.weight_receive import receive_weights
 
     rank = int(os.environ["RANK"])
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)

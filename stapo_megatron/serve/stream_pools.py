@@ -1,5 +1,5 @@
 """Streaming rollouts on an engine rank (``rollout.streaming``): `StreamPools`, the prompt streams
-of the trainer replicas an engine serves, over one `stapo_megatron.rollout.streaming.
+of the trainer replicas an engine serves, over one `stapo_megatron.serve.streaming.
 StreamingGenerator` that never drains.
 
 The trainers send each step's prompts of their replica (``("stream", ticket, jobs, requests)``,
@@ -7,7 +7,7 @@ The trainers send each step's prompts of their replica (``("stream", ticket, job
 prompt's seed, and the groups the step trains: P, or with more engines than replicas a slice of
 the replica's prompts and its share of P on each of several engines, each slice a stream of its
 own here); the engine server
-(`stapo_megatron.trainer.engine_server`) takes commands between two decode iterations and
+(`stapo_megatron.serve.server`) takes commands between two decode iterations and
 otherwise calls `StreamPools.advance`:
 
 - **Admission.** The replicas' waiting prompts are admitted in turn, one group of G samples at a
@@ -46,11 +46,11 @@ from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from stapo_megatron.rollout.config import SamplingSettings
 from stapo_megatron.rollout.remote import Chunk, Job, PoolRequest
-from stapo_megatron.rollout.streaming import StreamedGroup, StreamingGenerator
-from stapo_megatron.trainer.partial import Group
+from stapo_megatron.serve.streaming import StreamedGroup, StreamingGenerator
+from stapo_megatron.serve.partial import Group
 
 Post = Callable[[int, Chunk, list, float], None]
-"""``post(ticket, chunk, [reply], seconds)``: a reply to its asker (`engine_server.serve`)."""
+"""``post(ticket, chunk, [reply], seconds)``: a reply to its asker (`server.serve`)."""
 
 
 @dataclasses.dataclass
