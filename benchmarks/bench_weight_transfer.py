@@ -9,7 +9,7 @@ Rate (default): starts 1 + ``--engines`` processes on this machine (gloo over lo
 tensors: the trainers' NCCL path needs a GPU per process, two at least, which the lent one-GPU
 machine does not have) joined by a TCP store; trainer 0 streams ``--gb`` of bf16 tensors of a
 4096-wide layer's shapes through the real code (`RemoteEngine.update_weights`, `stapo_megatron.
-rollout.weight_receive.receive_weights` on the engine's main thread, each tensor copied into the
+serve.weight_receive.receive_weights` on the engine's main thread, each tensor copied into the
 engine's "parameters"). A transfer's time runs from the call until every engine holds the whole
 set (a barrier after). Prints one row per bucket size: the median seconds per GB and the GB/s.
 
@@ -104,7 +104,7 @@ def _staging(bucket_kib) -> None:
 def _rank(rank: int, world: int, port: int, args, results) -> None:
     from stapo_megatron.rollout.transport import broadcast_object, connect
     from stapo_megatron.rollout.remote import RemoteEngine
-    from stapo_megatron.rollout.weight_receive import receive_weights
+    from stapo_megatron.serve.weight_receive import receive_weights
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0)

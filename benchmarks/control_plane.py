@@ -6,9 +6,9 @@ inputs.
 Real (the code under test): `stapo_megatron.trainer.rollout_schedule.RolloutSchedule` on every
 trainer rank, `stapo_megatron.rollout.remote.RemoteEngine` and `stapo_megatron.rollout.transport`
 (``init_job``: one process per rank, gloo groups over torchrun's kind of store), the engine rank's
-`stapo_megatron.trainer.engine_server.serve` (its listener thread, command queue, merged calls,
-outbox) and `stapo_megatron.trainer.partial.PartialPool`; streaming rollouts: the engine server's
-loop over `stapo_megatron.trainer.stream_pools.StreamPools` and its `StreamingGenerator`.
+`stapo_megatron.serve.server.serve` (its listener thread, command queue, merged calls,
+outbox) and `stapo_megatron.serve.partial.PartialPool`; streaming rollouts: the engine server's
+loop over `stapo_megatron.serve.stream_pools.StreamPools` and its `StreamingGenerator`.
 
 Stand-ins, for hardware this machine lacks (they sleep, so they need no cores):
 
@@ -249,11 +249,11 @@ def _trainer(setup: Setup, schedule: str, rank: int) -> dict:
 
 
 def _engine(setup: Setup, schedule: str) -> dict:
-    """An engine rank: the real `engine_server.serve` around the sleeping engine."""
+    """An engine rank: the real `server.serve` around the sleeping engine."""
     import torch.distributed as dist
 
     from stapo_megatron.rollout.transport import init_job
-    from stapo_megatron.trainer import engine_server
+    from stapo_megatron.serve import server
 
     if schedule == "streaming":  # built before the trainers' clocks start, as SleepingEngine is (vLLM's imports)
         job = setup.job(schedule)
@@ -262,13 +262,13 @@ def _engine(setup: Setup, schedule: str) -> dict:
     else:
         standin = SleepingEngine(setup, separate=True)
     transport = init_job(setup.engines, 1, init_timeout_s=120, timeout_s=600, samples_timeout_s=600)
-    engine_server.build_engine = lambda *args, **kwargs: standin  # the stand-in for the engine the config names
+    server.build_engine = lambda *args, **kwargs: standin  # the stand-in for the engine the config names
     # what serve reads of a run's config (a whole TrainerConfig would also describe the training)
     rollout = _sampling(setup, schedule)
     cfg = types.SimpleNamespace(rollout=rollout, model=types.SimpleNamespace(hf_dir="", bf16=False),
                                 longest_sequence=lambda: setup.lengths.prompt_range[1] + rollout.max_response_len)
     try:
-        served = engine_server.serve(cfg, transport, seed=0, return_routes=False)
+        served = server.serve(cfg.rollout, cfg.model, cfg.longest_sequence(), transport, seed=0, return_routes=False)
     finally:
         dist.destroy_process_group()
     if schedule == "streaming":  # an engine call: a step of the request API

@@ -4,7 +4,7 @@ bounded by an off-policyness eta, the trainer taking complete groups, in-flight 
 - **Streams** (``schedule``): how a step's prompts reach the engines. The trainers are
   R = trainer GPUs / ``Job.trainer_replica_gpus`` data-parallel replicas, each with P / R of a
   step's prompts (contiguous in data order). ``"slices"`` is what the project builds
-  (`stapo_megatron.rollout.remote.plan_chunks` and `stapo_megatron.trainer.stream_pools`): each
+  (`stapo_megatron.rollout.remote.plan_chunks` and `stapo_megatron.serve.stream_pools`): each
   replica's prompts are cut into ceil(E / R) fixed slices of a step, slice j of replica i going
   to engine (i x slices + j) mod E, and every slice is a stream of its own on its engine, with
   its own quota (its share of the replica's groups a step) and its own eta count. ``"queue"``:

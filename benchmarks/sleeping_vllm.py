@@ -1,5 +1,5 @@
 """A stand-in, asleep, for a vLLM engine on one GPU driven request by request: what
-`stapo_megatron.rollout.streaming.StreamingGenerator` uses of a
+`stapo_megatron.serve.streaming.StreamingGenerator` uses of a
 `stapo_megatron.rollout.vllm_engine.VLLMEngine` and of vLLM 0.32's in-process request API
 (``LLMEngine.add_request`` / ``step`` / ``abort_request`` / ``reset_prefix_cache``,
 ``LLM.collective_rpc``), for the benchmarks that run the real control plane on a machine

@@ -1,6 +1,7 @@
 """Small helpers every wing uses: the one dotted-path loader, the config field checks (an unknown
-field refused with the closest names: `unknown_field_error`), the seed
-stride, the one way sizes are written in messages (`format_bytes`) and the device of a collective.
+field refused with the closest names: `unknown_field_error`), the seed stride and the seed
+streams' hash (`stream_seed`), the one way sizes are written in messages (`format_bytes`) and the
+device of a collective.
 
 Imports nothing of the package (a leaf), so any module may use it without an import circle.
 """
@@ -9,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
 import importlib
-from typing import Any, List
+from typing import Any, List, Union
 
 SEED_STRIDE = 1_000_003
 """The prime that keeps seed streams apart: the rollout seeds (``seed x SEED_STRIDE``), the random
@@ -98,3 +100,11 @@ def unknown_field_error(where: str, obj: Any, name: str) -> ValueError:
     return ValueError(
         f"unknown override {where}: {type(obj).__name__} has no field {name!r}{hint} (fields: {', '.join(names)})"
     )
+
+
+def stream_seed(*parts: Union[str, int]) -> int:
+    """The start of the seed stream named by ``parts`` (a tag, then integers): a 62-bit hash, so
+    that adding a stream's positions (a step's samples) stays below 2^63, what every sampler
+    accepts. The same parts give the same seed on every machine and Python (no ``hash()``)."""
+    text = "/".join(str(p) for p in parts).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 2

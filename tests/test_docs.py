@@ -184,7 +184,7 @@ def test_relative_links_point_at_files():
 
 
 def test_the_docs_name_the_sleep_level_the_trainer_uses():
-    levels = set(re.findall(r"sleep_level=(\d)", read(os.path.join("stapo_megatron", "trainer", "engine_server.py"))))
+    levels = set(re.findall(r"sleep_level=(\d)", read(os.path.join("stapo_megatron", "serve", "server.py"))))
     assert levels == {"2"}, levels
     said = set(re.findall(r"sleep(?:s)?\s*\(?\s*(?:at\s+)?level\s+(\d)", " ".join(read(p) for p in PAGES)))
     assert said == levels, said

@@ -118,6 +118,7 @@ FLOORS = (
     ("mcore", "data"),
     ("bridge",),
     ("rollout", "conversion"),
+    ("serve",),
     ("config",),
     ("eval",),
     ("recipes",),
@@ -189,6 +190,7 @@ TESTED_IN = {
     "stapo_megatron.mcore.step": "tests/integration/test_context_parallel_training.py",
     "stapo_megatron.recipes.synthetic": "tests/integration/test_context_parallel_training.py",
     "stapo_megatron.trainer.loop": "tests/integration/test_eval_sets.py",
+    "stapo_megatron.trainer.pool_ledger": "tests/serve/test_partial.py",
 }
 """Modules whose tests are not in ``tests/<wing>/test_<module>.py``: the file that tests them (it
 imports the module or names of it, itself or through the ``tests/helpers/`` module of its

@@ -13,7 +13,7 @@ p x G + g. A prompt's G samples are its group (`StepRollout.groups`); dynamic sa
 Token versions: the policy version (steps trained) that sampled each response token. One policy
 sampled a whole request (colocated, or separate placement without partial rollouts): every token
 has the request's version. A partial rollout's response continues over several steps
-(`stapo_megatron.trainer.partial`), so its tokens carry the versions the engine reported
+(`stapo_megatron.serve.partial`), so its tokens carry the versions the engine reported
 (``Sample.versions``).
 """
 

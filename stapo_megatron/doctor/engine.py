@@ -84,7 +84,7 @@ def stream_versions_row(engine, weights: dict) -> Check:
     """Stream two groups of 2 on ``engine`` across an in-flight load of `constant_logit_weights`
     (from the checkpoint ``weights``) and check each token's version (module docstring)."""
     from stapo_megatron.rollout.config import SamplingSettings
-    from stapo_megatron.rollout.streaming import StreamingGenerator
+    from stapo_megatron.serve.streaming import StreamingGenerator
 
     gen = StreamingGenerator(engine, SamplingSettings(n=2, temperature=1.0, top_p=1.0, max_tokens=MAX_TOKENS), eta=1)
     for i, prompt in enumerate(PROMPTS[:2]):

@@ -182,6 +182,20 @@ def _prepare_tiny_model(model_dir: str, recipe: str = "tiny", transport=None) ->
 
 
 @record  # torchrun's summary then shows the error (e.g. the rank that failed first), not "N/A"
+def _run_engine_rank(cfg: TrainerConfig, transport) -> None:
+    """An engine rank of a separately placed job: the engine wing's runtime with the run's rollout
+    and model sections, this engine's seed and whether the trainers want routes."""
+    from stapo_megatron.bridge.hf_config import load_hf_config
+    from stapo_megatron.serve.server import run_engine_rank
+    from stapo_megatron.trainer.preemption import DEFAULT_SIGNALS
+    from stapo_megatron.trainer.routing import routes_wanted
+    from stapo_megatron.trainer.seeds import Seeds
+
+    seed = Seeds(cfg.seed, None, cfg.data.seed).engine(transport.engine_index)
+    run_engine_rank(cfg.rollout, cfg.model, cfg.longest_sequence(), transport, seed,
+                    routes_wanted(cfg.rollout, load_hf_config(cfg.model.hf_dir)), DEFAULT_SIGNALS)
+
+
 def run_recipe(
     recipe: str = "tiny",
     method: Optional[str] = None,
@@ -227,9 +241,7 @@ def run_recipe(
         if recipe in TINY:
             _prepare_tiny_model(cfg.model.hf_dir, recipe, transport)
         if transport is not None and transport.is_engine:
-            from stapo_megatron.trainer.engine_server import run_engine_rank
-
-            run_engine_rank(cfg, transport)
+            _run_engine_rank(cfg, transport)
             return
         from stapo_megatron.trainer.loop import train
 

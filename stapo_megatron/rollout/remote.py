@@ -6,7 +6,7 @@ engines in buckets, as the next entry of the same queue.
 
 The order is the point: trainer 0 is the only rank that writes to the queue (`stapo_megatron.
 rollout.transport.Transport.control`), and every engine executes it in order
-(`stapo_megatron.trainer.engine_server`), so which weights generated which samples is decided by
+(`stapo_megatron.serve.server`), so which weights generated which samples is decided by
 the order of the trainers' calls, never by timing (`stapo_megatron.trainer.rollout_schedule`).
 
 Every training rank calls ``submit``, ``receive``, ``generate`` and ``update_weights``
@@ -30,9 +30,9 @@ from stapo_megatron.rollout.weight_buckets import plan_buckets
 from stapo_megatron.rollout.transport import Transport, broadcast_object, broadcast_tensor, receive, receive_any
 
 HEADER = ("ticket", "chunk", "generate_us", "idle_us", "load_us")
-"""The ints before each reply's payload (`stapo_megatron.trainer.engine_server`)."""
+"""The ints before each reply's payload (`stapo_megatron.serve.server`)."""
 STREAMED = -1
-"""A reply's ``chunk`` when it is one streamed group (`stapo_megatron.trainer.stream_pools`):
+"""A reply's ``chunk`` when it is one streamed group (`stapo_megatron.serve.stream_pools`):
 its payload names its stream position and queue index, its ticket is its urgent request's."""
 
 
@@ -69,7 +69,7 @@ def plan_chunks(prompt_counts: Sequence[Optional[int]], num_engines: int) -> Lis
 
 @dataclasses.dataclass(frozen=True)
 class PoolRequest:
-    """What a partial-rollout step asks of each asker's pool (`stapo_megatron.trainer.partial.
+    """What a partial-rollout step asks of each asker's pool (`stapo_megatron.serve.partial.
     PartialPool.step`), beside the sampling settings."""
 
     want: int
@@ -167,7 +167,7 @@ class RemoteEngine:
 
     def submit_partial(self, fresh: List[Tuple[int, int, List[int]]], settings: SamplingSettings,
                        pool: PoolRequest) -> Ticket:
-        """Partial rollouts (`stapo_megatron.trainer.partial`): ``fresh`` (stream position, index,
+        """Partial rollouts (`stapo_megatron.serve.partial`): ``fresh`` (stream position, index,
         prompt ids) of the step into this rank's pool at its engine, which samples with
         ``settings`` (its rounds seeded from ``settings.seed``); ``receive`` returns ``[reply]``,
         a dict with the ``pool.want`` groups the pool finished first (``groups``) and its state.
@@ -177,7 +177,7 @@ class RemoteEngine:
 
     def submit_stream(self, fresh: List[Tuple[int, int, List[int]]], settings: SamplingSettings,
                       request: PoolRequest) -> Ticket:
-        """Streaming rollouts (`stapo_megatron.trainer.stream_pools`): ``fresh`` (stream position,
+        """Streaming rollouts (`stapo_megatron.serve.stream_pools`): ``fresh`` (stream position,
         index, prompt ids) of the step join this rank's admission queue on each engine of its
         replica (one, or with more engines than askers those `plan_chunks` gives it), prompt i's
         samples seeded from ``settings.skip(i).seed``; whichever of them has room admits the next
@@ -305,7 +305,7 @@ class RemoteEngine:
         ``bucket_mb`` cut between vLLM's reload layers (`stapo_megatron.rollout.weight_buckets`;
         a manifest on ``control``, the bytes on ``weights``); the engines receive them between two
         requests, holding the bucket being loaded, the next one and one layer being materialised
-        on their GPU (`stapo_megatron.rollout.weight_receive`), and load them in their queue's order."""
+        on their GPU (`stapo_megatron.serve.weight_receive`), and load them in their queue's order."""
         self.transfers += 1
         control = self.transport.control
         if control is None:  # not trainer 0: take part in the gathers only

@@ -2,18 +2,18 @@
 process groups between them (`Transport`); the object and tensor messages that cross them.
 
 One torchrun (or srun + torchrun) job, nothing else started: of its W ranks the first T = W - E
-train and the last E = ``rollout.engine_ranks`` run engines (`stapo_megatron.trainer.engine_server`).
+train and the last E = ``rollout.engine_ranks`` run engines (`stapo_megatron.serve.server`).
 `init_job` reads torchrun's store and forms
 
 * the default process group of each side: the T trainers (Megatron's world: its groups never
   see an engine) or the E engines (vLLM's external launcher forms its TP groups in it);
 * ``data``: all W ranks (gloo): the samples, from an engine to the trainers that asked;
 * ``control``: trainer 0 and the E engines (gloo): trainer 0's commands, in one order every
-  engine executes (`stapo_megatron.trainer.engine_server`), and the weight buckets' manifests;
+  engine executes (`stapo_megatron.serve.server`), and the weight buckets' manifests;
 * ``weights``: the same ranks (NCCL between GPUs, gloo on the CPU): the weight buckets;
 
 and keeps a view of the store (``Transport.store``) in which the engines that share a replica's
-streaming admission queue claim its groups (`stapo_megatron.trainer.stream_pools`).
+streaming admission queue claim its groups (`stapo_megatron.serve.stream_pools`).
 
 These groups are not registered with ``torch.distributed`` (each side's default group is its
 own); they are used through their own ``send``/``recv``/``broadcast`` (as vLLM's stateless

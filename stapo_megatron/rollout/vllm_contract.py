@@ -2,7 +2,7 @@
 passes), the names it reads, the environment variables it sets and the defaults it relies on.
 
 Owns `VLLM_CALLS`, `VLLM_NAMES`, `VLLM_ENVIRONMENT` and `VLLM_DEFAULTS`. They are data: the
-project's vLLM code (`stapo_megatron.rollout.vllm_engine`, `stapo_megatron.rollout.streaming`,
+project's vLLM code (`stapo_megatron.rollout.vllm_engine`, `stapo_megatron.serve.streaming`,
 `stapo_megatron.eval.engine`, `stapo_megatron.doctor.engine`) does not read them;
 tests/rollout/test_vllm_contract.py checks them against the installed vLLM (signatures with
 ``inspect.signature``, defaults read or exercised) and checks that every vLLM call in the package

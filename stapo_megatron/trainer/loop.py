@@ -48,7 +48,7 @@ from stapo_megatron.trainer.lr import warmup_lr
 from stapo_megatron.trainer.mismatch_metrics import rollout_mismatch
 from stapo_megatron.trainer.step_metrics import SkipGuard, Timer, format_row, gather_silenced, step_row
 from stapo_megatron.trainer.warmstart import WarmStart
-from stapo_megatron.trainer.engine_server import engine_config
+from stapo_megatron.serve.server import engine_config
 from stapo_megatron.trainer.dynamic_sampling import fill_informative
 from stapo_megatron.trainer.rollout_schedule import RolloutSchedule, weight_sync
 

@@ -18,10 +18,10 @@ Which prompts train at which step never changes (`stapo_megatron.trainer.prompts
 step_prompt_indices`), and a resumed run starts a new pipeline at its checkpoint: the steps that
 were in flight are generated again, by the resumed policy (nothing is counted twice; the first k
 steps after a resume are fresher than the bound). With partial rollouts the engines' pools decide
-which prompts a step trains; their account (`stapo_megatron.trainer.partial.PoolLedger`) goes into
+which prompts a step trains; their account (`stapo_megatron.trainer.pool_ledger.PoolLedger`) goes into
 the checkpoint (`state_dict`), and a resumed run sends the prompts that were in flight again.
 
-Streaming rollouts (``rollout.streaming``, `stapo_megatron.trainer.stream_pools`) keep the same
+Streaming rollouts (``rollout.streaming``, `stapo_megatron.serve.stream_pools`) keep the same
 queue and account: step s's prompts are sent after the weights of step s - k (k is the
 off-policyness bound eta) into the replica's admission queue, whichever of the replica's engines
 has room admits the next group (each group under weights at most eta versions older than the
@@ -47,7 +47,8 @@ from stapo_megatron.rollout.config import RolloutSampling
 from stapo_megatron.rollout.remote import PoolRequest
 from stapo_megatron.rollout.weight_sync import sync_weights, wake_and_sync
 from stapo_megatron.trainer import replicas
-from stapo_megatron.trainer.partial import PoolLedger, partial_metrics
+from stapo_megatron.serve.partial import round_seed
+from stapo_megatron.trainer.pool_ledger import PoolLedger, partial_metrics
 from stapo_megatron.trainer.seeds import Seeds
 
 
@@ -232,7 +233,7 @@ class RolloutSchedule:
         asks = self.groups.mp is None or dist.get_rank(self.groups.mp) == 0
         count = len(slots)
         entries = self.ledger.send_extra(count, self._entry)
-        settings = self.config.settings(Seeds.round(self.seed(step), round_index))
+        settings = self.config.settings(round_seed(self.seed(step), round_index))
         ticket = self.engine.submit_stream(entries if asks else [], settings, PoolRequest(count, count, 0, urgent=True))
         replies = replicas.replica_receive(self.engine, self.groups, ticket, self.timeout_s)
         groups = [g for reply in replies for g in reply["groups"]]

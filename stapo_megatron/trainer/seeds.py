@@ -18,7 +18,7 @@ Which stream seeds what (``seed`` = ``TrainerConfig.seed``, k = the training ste
                                                                                (m samples per rank); prompt i,
                                                                                sample j: that + i n + j
                                                                                (rollout engines)
-    round(base, r)              H(round, base, r)                              round r of a partial-rollout
+    round_seed(base, r)         H(round, base, r)                              round r of a partial-rollout
                                                                                pool (base: the step's rollout
                                                                                seed); its responses count on
                                                                                from it
@@ -37,7 +37,8 @@ Which stream seeds what (``seed`` = ``TrainerConfig.seed``, k = the training ste
 fixing them (the demo does) gives every RL seed the same held-out problems and the same
 warm-started weights, so seeds differ only in what RL does.
 
-H is `stream_seed`, a 62-bit hash (BLAKE2b) of its parts: each (seed, step) and (step seed, round)
+``round_seed`` is `stapo_megatron.serve.partial.round_seed` (the engine ranks' pools draw it).
+H is `stapo_megatron.utils.stream_seed`, a 62-bit hash (BLAKE2b) of its parts: each (seed, step) and (step seed, round)
 starts its own stream, and a stream's samples count up from it (a step draws at most millions,
 against 2^62 starts), so no two samples of a run share a seed: the first sample of step k + 1 is
 not the second of step k, and a partial round's responses do not run into the next replica's.
@@ -52,17 +53,10 @@ the runs so far used, so fixed-seed results stay reproducible.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-from typing import Optional, Union
+from typing import Optional
 
+from stapo_megatron.utils import stream_seed
 
-
-def stream_seed(*parts: Union[str, int]) -> int:
-    """The start of the seed stream named by ``parts`` (a tag, then integers): a 62-bit hash, so
-    that adding a stream's positions (a step's samples) stays below 2^63, what every sampler
-    accepts. The same parts give the same seed on every machine and Python (no ``hash()``)."""
-    text = "/".join(str(p) for p in parts).encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,12 +107,6 @@ class Seeds:
         samples_per_rank, so every sample of the step gets its own seed, the same one whatever
         the DP size; each step's stream starts at its own hash (`stream_seed`)."""
         return stream_seed("rollout", self.seed, step) + dp_rank * samples_per_rank
-
-    @staticmethod
-    def round(step_seed: int, round_index: int) -> int:
-        """The first seed of round ``round_index`` of a partial-rollout pool whose step seed (this
-        replica's `rollout` seed of the step that asked) is ``step_seed``."""
-        return stream_seed("round", step_seed, round_index)
 
     @property
     def evaluation(self) -> int:

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(REPO_DIR, "benchmarks"))
 from sim_model import DecodeModel, Prompt  # noqa: E402
 from sleeping_vllm import BLOCK_SIZE, SleepingVLLM  # noqa: E402
 
-from stapo_megatron.rollout.streaming import StreamingGenerator  # noqa: E402
+from stapo_megatron.serve.streaming import StreamingGenerator  # noqa: E402
 
 DECODE = DecodeModel(weight_s=0.01, kv_s_per_token=1e-6, seq_s=1e-4, prefill_s_per_token=1e-5,
                      kv_capacity_tokens=64 * BLOCK_SIZE, max_num_seqs=8)
@@ -40,7 +40,7 @@ def generator(engine, **kw):
     """A `StreamingGenerator` over ``engine``: G = 2, T = 1.0, max_tokens = MAX_TOKENS, eta = 1 unless ``kw`` says
     otherwise (``group_size``, ``temperature``, ``top_p``, ``max_tokens``: its `SamplingSettings`)."""
     from stapo_megatron.rollout.config import SamplingSettings
-    from stapo_megatron.rollout.streaming import StreamingGenerator
+    from stapo_megatron.serve.streaming import StreamingGenerator
 
     settings = SamplingSettings(n=kw.pop("group_size", 2), temperature=kw.pop("temperature", 1.0),
                                 top_p=kw.pop("top_p", 1.0), max_tokens=kw.pop("max_tokens", MAX_TOKENS))

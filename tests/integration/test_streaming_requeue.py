@@ -1,5 +1,5 @@
 """A streaming run killed with positions in flight, then requeued (`stapo_megatron.trainer.
-stream_pools`, `stapo_megatron.trainer.partial.PoolLedger`): the real trainer and one real vLLM
+stream_pools`, `stapo_megatron.serve.partial.PoolLedger`): the real trainer and one real vLLM
 engine on their own torchrun ranks over gloo (tests/helpers/separate_script.py), eta = 2.
 
 The trainer is SIGKILLed as step 3 returns (its line of ``rollout_order.jsonl`` written, its

@@ -1,4 +1,4 @@
-"""Streaming rollouts end to end (`stapo_megatron.trainer.stream_pools`): the real trainer, the
+"""Streaming rollouts end to end (`stapo_megatron.serve.stream_pools`): the real trainer, the
 real vLLM engines on their own torchrun ranks over gloo (tests/helpers/separate_script.py), one
 trainer replica whose admission queue two engines share, eta = 2, evaluation between steps.
 Every step trains its P groups; the positions each step trained are written down; a requeued
@@ -85,7 +85,7 @@ def test_dynamic_sampling_replaces_uniform_groups_from_further_prompts(tmp_path)
     """The tiny recipe's first steps are mostly all-wrong groups: most are dropped and replaced
     (4 rounds at most), every step still trains its P groups, and the dropped positions are
     logged apart from the trained ones."""
-    from stapo_megatron.trainer.partial import EXTRA_POSITIONS
+    from stapo_megatron.trainer.pool_ledger import EXTRA_POSITIONS
 
     run_dir = tmp_path / "run"
     run = _launch(run_dir, *STREAMING, "rollout.engine_ranks=1", "rollout.filter_groups=True", "steps=2",

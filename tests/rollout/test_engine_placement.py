@@ -8,7 +8,7 @@ import pytest
 from stapo_megatron.rollout.transport import Transport
 from stapo_megatron.rollout.config import RolloutConfig
 from stapo_megatron.rollout.vllm_engine import engine_kwargs, reprocessed_after_reload
-from stapo_megatron.trainer.engine_server import engine_pool_env
+from stapo_megatron.serve.server import engine_pool_env
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 8])

@@ -98,7 +98,7 @@ def test_detokenize_gives_the_samples_text_and_per_prompt_seeds_sample_as_alone(
     """`VLLMEngine.detokenize` of a sample's tokens is the text vLLM detokenised for it (what
     partial rollouts rebuild a continued response's text with), "" without a tokenizer; one call
     with a seed per prompt draws what each prompt draws alone with its seed (several replicas'
-    slices in one call, `stapo_megatron.rollout.merged_calls`)."""
+    slices in one call, `stapo_megatron.serve.merged_calls`)."""
     from stapo_megatron.data.tokenizer import build_char_tokenizer
     from stapo_megatron.rollout.config import RolloutConfig
     from stapo_megatron.rollout.vllm_engine import VLLMEngine

@@ -1,6 +1,8 @@
 """The run's seeds come from one place and keep the values earlier runs used (reproducibility)."""
 
-from stapo_megatron.trainer.seeds import Seeds, stream_seed
+from stapo_megatron.serve.partial import round_seed
+from stapo_megatron.trainer.seeds import Seeds
+from stapo_megatron.utils import stream_seed
 
 
 def test_seed_streams_keep_their_values():
@@ -8,7 +10,7 @@ def test_seed_streams_keep_their_values():
     assert (seeds.model_init, seeds.data_split, seeds.data_order, seeds.engine()) == (1234, 1234, 1234, 1234)
     assert (seeds.warmstart_order, seeds.evaluation) == (1234 + 99, 1234 + 7)
     assert seeds.rollout(5) == stream_seed("rollout", 1234, 5) == 586627204264430560
-    assert Seeds.round(seeds.rollout(5), 2) == stream_seed("round", 586627204264430560, 2)
+    assert round_seed(seeds.rollout(5), 2) == stream_seed("round", 586627204264430560, 2)
     assert Seeds.microbatches(step=3, first_sequence=64, dp_rank=1) == 3 * 100_003 + 64 + 10_007
     assert Seeds.warmstart_microbatches(9) == 9
 
@@ -49,8 +51,8 @@ def test_hashed_streams_keep_every_sample_of_a_run_apart():
     m, steps = 64, 200  # samples per rank, steps
     drawn = [seeds.rollout(k, dp, m) + i for k in range(steps) for dp in range(4) for i in range(m)]
     assert len(set(drawn)) == len(drawn) == steps * 4 * m
-    # round r of a pool counts its responses on from Seeds.round(step seed, r): up to 10,000 each
-    rounds = [Seeds.round(seeds.rollout(k, dp, m), r) + i
+    # round r of a pool counts its responses on from round_seed(step seed, r): up to 10,000 each
+    rounds = [round_seed(seeds.rollout(k, dp, m), r) + i
               for k in range(20) for dp in range(4) for r in range(30) for i in range(0, 10_000, 97)]
     assert len(set(rounds)) == len(rounds) and not set(rounds) & set(drawn)
     # every start leaves room for a step's positions below 2^63, what torch and vLLM accept

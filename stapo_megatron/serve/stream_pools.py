@@ -1,5 +1,5 @@
 """Streaming rollouts on an engine rank (``rollout.streaming``): `StreamPools`, the admission
-queues of the trainer replicas an engine serves, over one `stapo_megatron.rollout.streaming.
+queues of the trainer replicas an engine serves, over one `stapo_megatron.serve.streaming.
 StreamingGenerator` that never drains.
 
 The trainers send each step's prompts of their replica (``("stream", ticket, jobs, requests)``,
@@ -7,7 +7,7 @@ The trainers send each step's prompts of their replica (``("stream", ticket, job
 prompt's seed, and the groups a step trains, P) to every engine of the replica (one, or with more
 engines than replicas several); each of them appends them to its copy of the replica's
 **admission queue**, the same on every engine (the commands arrive in one order). The engine
-server (`stapo_megatron.trainer.engine_server`) takes commands between two decode iterations and
+server (`stapo_megatron.serve.server`) takes commands between two decode iterations and
 otherwise calls `StreamPools.advance`:
 
 - **Admission.** Whichever of the replica's engines has room admits the queue's next group: an
@@ -49,11 +49,11 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from stapo_megatron.rollout.config import SamplingSettings
 from stapo_megatron.rollout.remote import STREAMED, Chunk, Job, PoolRequest
-from stapo_megatron.rollout.streaming import StreamingGenerator
-from stapo_megatron.trainer.partial import Group
+from stapo_megatron.serve.streaming import StreamingGenerator
+from stapo_megatron.serve.partial import Group
 
 Post = Callable[[int, Chunk, list, float], None]
-"""``post(ticket, chunk, [reply], seconds)``: a reply to its asker (`engine_server.serve`)."""
+"""``post(ticket, chunk, [reply], seconds)``: a reply to its asker (`server.serve`)."""
 Entry = Tuple[int, int, List[int], int]
 """(stream position, training-set index, prompt ids, seed): one prompt of an admission queue."""
 

@@ -1,4 +1,4 @@
-"""`stapo_megatron.trainer.engine_server.serve` with the real HF engine on a tiny model and the
+"""`stapo_megatron.serve.server.serve` with the real HF engine on a tiny model and the
 real transport groups, three ranks as threads of this process (trainer 0, trainer 1, one engine):
 an engine holding both asking replicas' slices of a request generates them in one engine call
 (one tail for the request), each slice with the samples it has when generated alone."""
@@ -16,7 +16,7 @@ from stapo_megatron.rollout.config import RolloutConfig, SamplingSettings
 from stapo_megatron.rollout.hf_engine import HFEngine
 from stapo_megatron.rollout.remote import HEADER, RemoteEngine, plan_chunks
 from stapo_megatron.rollout.transport import broadcast_object, connect, receive
-from stapo_megatron.trainer import engine_server
+from stapo_megatron.serve import server
 from tests.helpers.dist_utils import rank_threads
 
 PROMPTS = {0: [[5, 17, 20, 3], [42] * 6, [1, 2, 3]], 1: [[9, 8, 7, 6, 5], [11, 12]]}
@@ -48,7 +48,7 @@ def _serve_one_request(hf_dir, monkeypatch):
     cfg = _config(hf_dir)
     weights = HFEngine(hf_dir, RolloutConfig(dtype="float32")).model.state_dict()
     calls = []
-    build = engine_server.build_engine
+    build = server.build_engine
 
     def build_counting(*args, **kwargs):
         engine = build(*args, **kwargs)
@@ -61,7 +61,7 @@ def _serve_one_request(hf_dir, monkeypatch):
         engine.generate = counted
         return engine
 
-    monkeypatch.setattr(engine_server, "build_engine", build_counting)
+    monkeypatch.setattr(server, "build_engine", build_counting)
     store = dist.HashStore()
     plan = plan_chunks([len(PROMPTS[0]), len(PROMPTS[1])], 1)
     jobs = [(c, PROMPTS[c.dest][c.start:c.end], SamplingSettings(N, 1.0, 1.0, MAX_TOKENS, SEEDS[c.dest]).skip(c.start))
@@ -70,7 +70,7 @@ def _serve_one_request(hf_dir, monkeypatch):
     def rank_main(rank):
         transport = connect(store, rank, 3, 1, 1, samples_timeout_s=120)
         if rank == 2:
-            return engine_server.serve(cfg, transport, seed=0, return_routes=False)
+            return server.serve(cfg.rollout, cfg.model, cfg.longest_sequence(), transport, seed=0, return_routes=False)
         if rank == 0:  # the folder's weights first (the engine starts from dummy ones), then the request
             RemoteEngine(transport, asks=True, timeout_s=120, bucket_mb=1).update_weights(iter(weights.items()))
             broadcast_object(transport.control, ("generate", 0, jobs, None))
@@ -88,7 +88,7 @@ def test_both_replicas_slices_are_one_engine_call_with_each_slices_own_samples(h
     assert replies[2] == 1  # one request served
     assert calls == [len(PROMPTS[0]) + len(PROMPTS[1])]  # one call for both slices: one tail
     cfg = _config(hf_dir)
-    alone = HFEngine(hf_dir, engine_server.engine_config(cfg.rollout, 0, False, cfg.longest_sequence(), cfg.model.bf16))
+    alone = HFEngine(hf_dir, server.engine_config(cfg.rollout, 0, False, cfg.longest_sequence(), cfg.model.bf16))
     alone.update_weights(iter(HFEngine(hf_dir, RolloutConfig(dtype="float32")).model.state_dict().items()))
     tokens = {}
     for rank in (0, 1):

@@ -1,4 +1,4 @@
-"""`stapo_megatron.rollout.merged_calls` with the real HF engine on a tiny model: several askers'
+"""`stapo_megatron.serve.merged_calls` with the real HF engine on a tiny model: several askers'
 calls as one engine call with each asker's samples, and two partial-rollout pools stepped in
 lockstep, one engine call a round for both, returning what each pool returns stepped alone."""
 
@@ -12,8 +12,8 @@ from stapo_megatron.data.tokenizer import build_char_tokenizer
 from stapo_megatron.rollout.base import prompt_seeds
 from stapo_megatron.rollout.config import RolloutConfig, SamplingSettings
 from stapo_megatron.rollout.hf_engine import HFEngine
-from stapo_megatron.rollout.merged_calls import Call, generate_merged, step_together
-from stapo_megatron.trainer.partial import PartialPool
+from stapo_megatron.serve.merged_calls import Call, generate_merged, step_together
+from stapo_megatron.serve.partial import PartialPool
 
 EOS, G, MAX_TOKENS, ROUND = 3, 2, 12, 4
 PROMPTS = [[5, 17, 20, 3], [42] * 6, [1, 2, 3, 4, 5], [7, 7, 9], [11, 12], [30, 31, 32, 33], [8, 6, 4], [2, 9]]

