@@ -181,7 +181,6 @@ def _prepare_tiny_model(model_dir: str, recipe: str = "tiny", transport=None) ->
         dist.barrier()
 
 
-@record  # torchrun's summary then shows the error (e.g. the rank that failed first), not "N/A"
 def _run_engine_rank(cfg: TrainerConfig, transport) -> None:
     """An engine rank of a separately placed job: the engine wing's runtime with the run's rollout
     and model sections, this engine's seed and whether the trainers want routes."""
@@ -196,6 +195,7 @@ def _run_engine_rank(cfg: TrainerConfig, transport) -> None:
                     routes_wanted(cfg.rollout, load_hf_config(cfg.model.hf_dir)), DEFAULT_SIGNALS)
 
 
+@record  # torchrun's summary then shows the error (e.g. the rank that failed first), not "N/A"
 def run_recipe(
     recipe: str = "tiny",
     method: Optional[str] = None,
