@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from stapo_megatron.method.registry import METHODS
+from stapo_megatron.recipes import paper
 from tests.helpers import REPO_DIR
 from tests.helpers.launch_cli import NEMO_RUN, nemo_run, paper_signal_and_retries, sbatch_script
 
@@ -187,7 +188,7 @@ LAYOUT_LINES = {
                r"recompute full; vLLM TP=4 at 0\.4 of the card;",
     # separate placement: both pools
     "8b_async": r"# 4 x 8 GPUs, separate placement: 16 train \(TP=4 PP=1 CP=2 DP=2; 16384-token sequences, recompute "
-                r"none; [\d.]+ GB of 80 GB\), 16 generate \(4 vLLM engines of TP=4 at 0\.85 of the card, 2\.5 GB of "
+                r"none; [\d.]+ GB of 80 GB\), 16 generate \(4 vLLM engines of TP=4 at 0\.85 of the card, 1\.9 GB of "
                 r"weight buckets beside it: KV cache for "
                 r"\d+ tokens per GPU\)",
 }
@@ -266,7 +267,7 @@ def test_streaming_dryrun_takes_the_correction_settings(tmp_path):
                          "loss.rollout_correction.tis_cap=3.0", "--dryrun", env=ENV_SETTINGS)
     assert code == 0, out
     assert re.search(r"rollout_correction:\s+mode: none\s+tis_cap: 3.0", out), out
-    assert "rollout.max_staleness=2 with loss.rollout_correction.mode='none'" in out
+    assert f"rollout.max_staleness={paper.STREAM_ETA} with loss.rollout_correction.mode='none'" in out
 
 
 def test_tiny_dryrun_shows_the_torchrun_command(tmp_path):
