@@ -1,6 +1,6 @@
 """Small helpers every wing uses: the one dotted-path loader, the config field checks (an unknown
 field refused with the closest names: `unknown_field_error`), the seed stride and the seed
-streams' hash (`stream_seed`), the one way sizes are written in messages (`format_bytes`) and the
+streams' hash (`stream_seed`), a function's name in messages (`qualname`), the one way sizes are written in messages (`format_bytes`) and the
 device of a collective.
 
 Imports nothing of the package (a leaf), so any module may use it without an import circle.
@@ -12,7 +12,7 @@ import dataclasses
 import difflib
 import hashlib
 import importlib
-from typing import Any, List, Union
+from typing import Any, Callable, List, Union
 
 SEED_STRIDE = 1_000_003
 """The prime that keeps seed streams apart: the rollout seeds (``seed x SEED_STRIDE``), the random
@@ -108,3 +108,9 @@ def stream_seed(*parts: Union[str, int]) -> int:
     accepts. The same parts give the same seed on every machine and Python (no ``hash()``)."""
     text = "/".join(str(p) for p in parts).encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 2
+
+
+def qualname(fn: Callable) -> str:
+    """``module.qualname`` of a function, for messages and re-registration (the method and objective
+    registries)."""
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"

@@ -45,7 +45,7 @@ import torch
 
 from stapo_megatron.method.objective import SequenceSum, TokenLoss, token_objective
 from stapo_megatron.method.rollout_correction import segments, sequence_log_ratio
-from stapo_megatron.utils import is_dotted_path, load_dotted
+from stapo_megatron.utils import is_dotted_path, load_dotted, qualname
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,18 +163,13 @@ def register_objective(name: str, summary: str = "", loss_agg: str = "token_mean
         line = summary or (build.__doc__ or name).strip().splitlines()[0]
         objective = Objective(name, line, build, loss_agg, dict(loss_options or {}), context_parallel)
         taken = OBJECTIVES.get(name)
-        if taken is not None and _qualname(taken.build) != _qualname(build):
-            raise ValueError(f"objective {name!r} is already registered (by {_qualname(taken.build)}); "
-                             f"choose another name for {_qualname(build)}")
+        if taken is not None and qualname(taken.build) != qualname(build):
+            raise ValueError(f"objective {name!r} is already registered (by {qualname(taken.build)}); "
+                             f"choose another name for {qualname(build)}")
         OBJECTIVES[name] = objective
         setattr(build, OBJECTIVE_ATTRIBUTE, objective)
         return build
     return register
-
-
-def _qualname(fn: Callable) -> str:
-    """``module.qualname`` of a function, for messages and re-registration."""
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
 @register_objective("dapo", "the JustRL/DAPO token loss: clipped surrogate, clip-higher, token mean (arXiv 2503.14476)")

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from stapo_megatron.method import masks
 from stapo_megatron.utils import SEED_STRIDE
-from stapo_megatron.utils import is_dotted_path, load_dotted
+from stapo_megatron.utils import is_dotted_path, load_dotted, qualname
 
 LossConfigT = Any
 """The `stapo_megatron.method.config.LossConfig` a mask or threshold reads (that module imports
@@ -179,18 +179,13 @@ def register_method(name: str, summary: str = "", threshold: Optional[ThresholdF
         line = summary or (mask.__doc__ or name).strip().splitlines()[0]
         method = Method(name, line, mask, threshold, dict(loss_options or {}), loss_agg)
         taken = METHODS.get(name)
-        if taken is not None and _qualname(taken.mask) != _qualname(mask):
-            raise ValueError(f"method {name!r} is already registered (by {_qualname(taken.mask)}); "
-                             f"choose another name for {_qualname(mask)}")
+        if taken is not None and qualname(taken.mask) != qualname(mask):
+            raise ValueError(f"method {name!r} is already registered (by {qualname(taken.mask)}); "
+                             f"choose another name for {qualname(mask)}")
         METHODS[name] = method
         setattr(mask, METHOD_ATTRIBUTE, method)
         return mask
     return register
-
-
-def _qualname(fn: Callable) -> str:
-    """``module.qualname`` of a function, for messages and re-registration."""
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
 def method_from_object(obj: Any, path: str) -> Method:
