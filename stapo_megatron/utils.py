@@ -1,7 +1,7 @@
 """Small helpers every wing uses: the one dotted-path loader, the config field checks (an unknown
 field refused with the closest names: `unknown_field_error`), the seed stride and the seed
-streams' hash (`stream_seed`), a function's name in messages (`qualname`), the one way sizes are written in messages (`format_bytes`) and the
-device of a collective.
+streams' hash (`stream_seed`), a function's name in messages (`qualname`), the one way sizes are
+written in messages (`format_bytes`) and the device of a collective.
 
 Imports nothing of the package (a leaf), so any module may use it without an import circle.
 """
