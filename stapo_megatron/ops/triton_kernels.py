@@ -110,6 +110,30 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _finish_row(row, row_ptr, target_ptr, out0_ptr, out1_ptr, out2_ptr, out3_ptr, out4_ptr, num_real, vocab_start,
+                inv_temp, m, s, w, q, FINALIZE: tl.constexpr):
+    """A row's end in both statistics kernels: the target's z_y if this shard owns it, then the
+    finished row (TP = 1) or the partials ``combine.reduce_stats`` combines."""
+    local_id = tl.load(target_ptr + row) - vocab_start
+    owned = (local_id >= 0) & (local_id < num_real)
+    x_y = tl.load(row_ptr + tl.where(owned, local_id, 0), mask=owned, other=0.0)
+    z_y = tl.where(owned, x_y.to(tl.float32) * inv_temp, 0.0)
+    if FINALIZE:
+        log_s = tl.log(s)
+        log_z = m + log_s
+        tl.store(out0_ptr + row, z_y - log_z)  # log p
+        tl.store(out1_ptr + row, log_s - w / s)  # H
+        tl.store(out2_ptr + row, log_z)
+        tl.store(out3_ptr + row, q / (s * s))  # sum_v p_v^2
+    else:
+        tl.store(out0_ptr + row, m)
+        tl.store(out1_ptr + row, s)
+        tl.store(out2_ptr + row, w)
+        tl.store(out3_ptr + row, z_y)
+        tl.store(out4_ptr + row, q)
+
+
+@triton.jit
 def _shard_stats_kernel(
     logits_ptr, row_stride, target_ptr,
     out0_ptr, out1_ptr, out2_ptr, out3_ptr, out4_ptr,
@@ -149,23 +173,8 @@ def _shard_stats_kernel(
     s = tl.sum(s_B, axis=0)
     w = tl.sum(w_B, axis=0)
     q = tl.sum(q_B, axis=0)
-    local_id = tl.load(target_ptr + row) - vocab_start
-    owned = (local_id >= 0) & (local_id < num_real)
-    x_y = tl.load(row_ptr + tl.where(owned, local_id, 0), mask=owned, other=0.0)
-    z_y = tl.where(owned, x_y.to(tl.float32) * inv_temp, 0.0)
-    if FINALIZE:
-        log_s = tl.log(s)
-        log_z = m + log_s
-        tl.store(out0_ptr + row, z_y - log_z)  # log p
-        tl.store(out1_ptr + row, log_s - w / s)  # H
-        tl.store(out2_ptr + row, log_z)
-        tl.store(out3_ptr + row, q / (s * s))  # sum_v p_v^2
-    else:
-        tl.store(out0_ptr + row, m)
-        tl.store(out1_ptr + row, s)
-        tl.store(out2_ptr + row, w)
-        tl.store(out3_ptr + row, z_y)
-        tl.store(out4_ptr + row, q)
+    _finish_row(row, row_ptr, target_ptr, out0_ptr, out1_ptr, out2_ptr, out3_ptr, out4_ptr, num_real, vocab_start,
+                inv_temp, m, s, w, q, FINALIZE)
 
 
 @triton.jit
@@ -212,23 +221,8 @@ def _shard_stats_lane_kernel(
     # the reference in natural units as the backward computes each z: fl(x inv_temp); -inf when
     # nothing in the shard is finite (s = 0), as ``combine.packed_partials`` expects
     m = tl.where(s > 0.0, x_max * inv_temp, float("-inf"))
-    local_id = tl.load(target_ptr + row) - vocab_start
-    owned = (local_id >= 0) & (local_id < num_real)
-    x_y = tl.load(row_ptr + tl.where(owned, local_id, 0), mask=owned, other=0.0)
-    z_y = tl.where(owned, x_y.to(tl.float32) * inv_temp, 0.0)
-    if FINALIZE:
-        log_s = tl.log(s)
-        log_z = m + log_s
-        tl.store(out0_ptr + row, z_y - log_z)  # log p
-        tl.store(out1_ptr + row, log_s - w / s)  # H
-        tl.store(out2_ptr + row, log_z)
-        tl.store(out3_ptr + row, q / (s * s))  # sum_v p_v^2
-    else:
-        tl.store(out0_ptr + row, m)
-        tl.store(out1_ptr + row, s)
-        tl.store(out2_ptr + row, w)
-        tl.store(out3_ptr + row, z_y)
-        tl.store(out4_ptr + row, q)
+    _finish_row(row, row_ptr, target_ptr, out0_ptr, out1_ptr, out2_ptr, out3_ptr, out4_ptr, num_real, vocab_start,
+                inv_temp, m, s, w, q, FINALIZE)
 
 
 @triton.jit
