@@ -414,7 +414,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from stapo_megatron.recipes import paper, step_model
 
     stream = paper.qwen3_8b_stream()  # its trainer's passes, as the dry run counts them
-    recipe = dict(reserve_tokens=args.reserve_tokens or paper.STREAM_RESERVE_TOKENS, eta=paper.STREAM_ETA,
+    recipe = dict(reserve_tokens=args.reserve_tokens or paper.STREAM_RESERVE_TOKENS, eta=paper.STREAM_STALENESS,
                   forwards=step_model.recipe_forwards(stream),
                   recompute=stream.model.recompute_granularity == "full") if args.recipe else {}
     setup = Setup(**{**dict(steps=args.steps, warmup=args.warmup, prompts_per_step=args.prompts, group=args.group,

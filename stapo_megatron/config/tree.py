@@ -162,8 +162,8 @@ class TrainerConfig:
         if problems:
             raise ValueError(problems[0])
         check_parallelism(self.loss.effective_objective, self.model.context_parallel_size)
-        if self.rollout.max_staleness >= 1 and self.loss.rollout_correction.mode == "none":
-            warnings.warn(f"rollout.max_staleness={self.rollout.max_staleness} with loss.rollout_correction.mode="
+        if self.rollout.separate.max_staleness >= 1 and self.loss.rollout_correction.mode == "none":
+            warnings.warn(f"rollout.separate.max_staleness={self.rollout.separate.max_staleness} with loss.rollout_correction.mode="
                           f"'none': stale samples train without a behaviour-policy correction (pi_old / "
                           f"pi_rollout); set loss.rollout_correction.mode='tis' (or 'icepop') (docs/async.md)",
                           stacklevel=2)

@@ -267,7 +267,7 @@ def test_streaming_dryrun_takes_the_correction_settings(tmp_path):
                          "loss.rollout_correction.tis_cap=3.0", "--dryrun", env=ENV_SETTINGS)
     assert code == 0, out
     assert re.search(r"rollout_correction:\s+mode: none\s+tis_cap: 3.0", out), out
-    assert f"rollout.max_staleness={paper.STREAM_ETA} with loss.rollout_correction.mode='none'" in out
+    assert f"rollout.max_staleness={paper.STREAM_STALENESS} with loss.rollout_correction.mode='none'" in out
 
 
 def test_tiny_dryrun_shows_the_torchrun_command(tmp_path):

@@ -290,11 +290,11 @@ def test_the_async_recipe_corrects_for_the_behaviour_policy_and_the_synchronous_
 def test_the_streaming_recipe_builds_and_a_layout_that_cannot_stream_is_refused_naming_the_fields():
     cfg, _ = build_config("qwen3_8b_stream", check_paths=False)
     r = cfg.rollout
-    assert (r.streaming, r.max_staleness, r.tensor_parallel_size, r.num_engines) == (True, paper.STREAM_ETA, 1, 24)
+    assert (r.streaming, r.max_staleness, r.tensor_parallel_size, r.num_engines) == (True, paper.STREAM_STALENESS, 1, 24)
     assert r.stream_reserve_tokens == paper.STREAM_RESERVE_TOKENS < r.max_response_len
     assert cfg.loss.rollout_correction.mode == paper.ASYNC_CORRECTION
     # tau_H from the pi_old pass (exact for the first of 256 / 64 = 4 mini-batches), every layer's activations kept
-    assert (cfg.loss.tau_h_source, paper.STREAM_TAU_H_SOURCE, paper.STREAM_ETA) == ("old", "old", 3)
+    assert (cfg.loss.tau_h_source, paper.STREAM_TAU_H_SOURCE, paper.STREAM_STALENESS) == ("old", "old", 3)
     assert (cfg.model.recompute_granularity, cfg.prompts_per_step // cfg.minibatch_prompts) == (None, 4)
     assert paper.paper_recipe("qwen3_8b_async").loss.tau_h_source == "exact" == paper.PAPER_LOSS["tau_h_source"]
     layout = paper.layout_for("qwen3_8b_stream", cfg)
