@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 
 from stapo_megatron.bridge.hf_config import QwenSpec
+from stapo_megatron.bridge.hybrid_config import check_hybrid_parallel
 from stapo_megatron.bridge.kernels import fused_kernel_settings, use_transformer_engine
 
 DEFAULT_VOCAB_DIVISOR = 128
@@ -39,6 +40,7 @@ def check_parallel_sizes(spec: QwenSpec, tensor_model_parallel_size: int, pipeli
         checks.append((tp, "tensor_model_parallel_size", "ffn_hidden_size (intermediate_size)", spec.ffn_hidden_size))
         if ep != 1:
             raise ValueError(f"expert_model_parallel_size {ep} needs a MoE model; {spec.architecture} is dense")
+    checks += check_hybrid_parallel(spec, tp)
     for size, size_name, name, value in checks:
         if value % size:
             raise ValueError(f"{size_name} {size} does not divide {name} {value}")
@@ -132,5 +134,8 @@ def transformer_config_from_spec(
     )
     if spec.is_moe:
         kwargs.update(moe_settings(spec, use_te))
+    from stapo_megatron.bridge.hybrid import hybrid_settings
+
+    kwargs.update(hybrid_settings(spec))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)

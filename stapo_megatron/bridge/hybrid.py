@@ -1,0 +1,87 @@
+"""The Megatron model of a Qwen3.5 (hybrid) spec: its TransformerConfig fields and its decoder
+block of gated delta-net and gated full-attention layers, on the local (non-TE) spec.
+
+Layers: each layer of ``spec.layer_types`` is a TransformerLayer whose ``self_attention`` is
+megatron-core's ``GatedDeltaNet`` (``ssm/gated_delta_net.py``: fused ``in_proj`` [q k v z b a],
+a depthwise causal ``conv1d`` over q/k/v, ``A_log``, ``dt_bias``, the gated ``out_norm``,
+``out_proj``) or its ``SelfAttention`` with ``attention_output_gate``; the MLP is the local
+SwiGLU MLP. Norms: `norm.TorchNorm` (zero-centred, as Qwen3.5's) except the delta net's output
+norm (`norm.PlainRMSNorm`, a plain weight as HF's ``Qwen3_5RMSNormGated``). The local spec maps
+``input_layernorm`` to the checkpoint's TE spelling (``self_attention.in_proj.layer_norm_weight``
+in delta-net layers), so its checkpoints are keyed as megatron-core's TE block
+(``get_transformer_block_with_experimental_attention_variant_spec``) keys them.
+
+Kernels: on CUDA the delta rule runs in flash-linear-attention's (``fla``) Triton kernels, as
+megatron-core calls them. On the CPU those refuse to run (fla 0.6.0: "0 active drivers", with or
+without ``TRITON_INTERPRET=1``; installed on the CPU, transformers would pick them too and fail
+the same way, so fla is a GPU-only requirement), and `stapo_megatron.mcore.cpu_compat` points the module at
+megatron-core's own torch reference (``torch_chunk_gated_delta_rule``, the deterministic-mode
+path) and a torch L2 norm: the same equations, chunked in fp32.
+
+Not supported here (ValueError): context parallelism and packed sequences in delta-net layers
+(megatron-core 0.16.1's GatedDeltaNet raises NotImplementedError for packed input and has no CP).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+from stapo_megatron.bridge.hf_config import LINEAR_ATTENTION, QwenSpec
+
+
+def hybrid_settings(spec: QwenSpec) -> dict:
+    """TransformerConfig's fields for a Qwen3.5 spec (`hybrid_config` documents each)."""
+    if not spec.is_hybrid and not spec.attention_output_gate:
+        return {}
+    fields = dict(attention_output_gate=spec.attention_output_gate,
+                  layernorm_zero_centered_gamma=spec.zero_centered_norm)
+    if spec.is_hybrid:
+        fields.update(experimental_attention_variant="gated_delta_net",
+                      linear_attention_freq=[int(t == LINEAR_ATTENTION) for t in spec.layer_types],
+                      linear_conv_kernel_dim=spec.linear_conv_kernel_dim,
+                      linear_key_head_dim=spec.linear_key_head_dim,
+                      linear_value_head_dim=spec.linear_value_head_dim,
+                      linear_num_key_heads=spec.linear_num_key_heads,
+                      linear_num_value_heads=spec.linear_num_value_heads)
+    return fields
+
+
+def delta_net_layer(full_attention_layer):
+    """A delta-net layer spec from the local full-attention layer spec: the same norms, MLP and
+    residuals, megatron-core's GatedDeltaNet as the token mixer."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from stapo_megatron.bridge.norm import PlainRMSNorm
+
+    layer = copy.deepcopy(full_attention_layer)
+    layer.submodules.self_attention = ModuleSpec(
+        module=GatedDeltaNet,
+        submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=PlainRMSNorm,
+                                           out_proj=RowParallelLinear))
+    layer.submodules.sharded_state_dict_keys_map = {"input_layernorm.": "self_attention.in_proj.layer_norm_",
+                                                    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+    return layer
+
+
+def hybrid_block_spec(spec: QwenSpec, full_attention_layer, config, vp_stage: Optional[int] = None):
+    """This pipeline stage's decoder block: each of its layers as ``spec.layer_types`` says, then
+    the final norm."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from stapo_megatron.bridge.norm import final_norm
+
+    if config.context_parallel_size > 1:
+        raise ValueError(f"context_parallel_size {config.context_parallel_size}: megatron-core 0.16.1's gated delta "
+                         f"net has no context parallelism (layer_types has linear_attention layers)")
+    linear = delta_net_layer(full_attention_layer)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage,
+                                          pp_rank=ps.get_pipeline_model_parallel_rank())
+    count = get_num_layers_to_build(config, vp_stage=vp_stage)
+    layers = [linear if spec.layer_types[i] == LINEAR_ATTENTION else full_attention_layer
+              for i in range(offset, offset + count)]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=final_norm())
