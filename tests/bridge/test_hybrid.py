@@ -79,3 +79,23 @@ def test_transformer_engine_spec_is_refused_for_delta_net_layers():
     with one_rank_parallel():
         with pytest.raises(ValueError, match="Qwen3_5ForCausalLM .delta-net layers. is built on the local spec only"):
             build_gpt_model(tiny_config("qwen3.5"), use_te=True)
+
+
+def test_weight_stream_of_the_loaded_model_is_the_hf_checkpoint(converted):
+    """`rollout.weight_sync.iter_hf_weights` (what the rollout engine is synced with) gives back every
+    HF tensor of the text model bit for bit: the delta net's fused in_proj and conv1d split again,
+    the gated q_proj re-interleaved, only the rows of each layer's type."""
+    from safetensors.torch import load_file
+
+    from stapo_megatron.rollout.weight_sync import iter_hf_weights
+
+    hf, ckpt = converted
+    with open(os.path.join(hf, "config.json")) as f:
+        cfg = json.load(f)
+    expected = load_file(os.path.join(hf, "model.safetensors"))
+    with one_rank_parallel() as groups:
+        model = build_gpt_model(cfg)
+        load_checkpoint(model, ckpt)
+        streamed = dict(iter_hf_weights(model, cfg, groups))
+    assert sorted(streamed) == sorted(expected)
+    assert all(torch.equal(streamed[n], expected[n]) for n in expected)
