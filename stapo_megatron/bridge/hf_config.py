@@ -23,11 +23,12 @@ import os
 import shutil
 from typing import Any, Mapping, Optional, Union
 
+from stapo_megatron.bridge.hybrid_config import (FULL_ATTENTION, LINEAR_ATTENTION,  # noqa: F401  (re-exported)
+                                                 delta_net_params, qwen35_fields)
+
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3_5ForCausalLM")
 """HF ``architectures`` entries this bridge converts (Qwen2.5 checkpoints use Qwen2ForCausalLM)."""
 
-LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
-"""Qwen3.5 ``layer_types`` entries: a gated delta-net layer and a (gated) full-attention layer."""
 VISION_LANGUAGE_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 """Vision-language checkpoints: refused by name (their vision tower ``model.visual.*`` would not
 be converted, and transformers' ``AutoModelForCausalLM`` drops it without a word)."""
@@ -261,8 +262,6 @@ def spec_from_hf_config(hf_config: Union[Mapping[str, Any], Any]) -> QwenSpec:
     cfg = _as_dict(hf_config)
     arch = _architecture(cfg)
     if arch == "Qwen3_5ForCausalLM":
-        from stapo_megatron.bridge.hybrid_config import qwen35_fields
-
         hybrid = qwen35_fields(cfg)
     else:
         hybrid = dict(rotary_percent=_partial_rotary(cfg))
@@ -325,8 +324,6 @@ def num_params(spec: QwenSpec) -> int:
     experts = (spec.num_moe_experts or 0) * expert_params(spec)
     total = spec.num_layers * (dense_layer_params(spec) + experts) + embeddings + spec.hidden_size
     if spec.is_hybrid:  # delta-net layers: their token mixer instead of attention and q/k norms
-        from stapo_megatron.bridge.hybrid_config import delta_net_params
-
         h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
         attention = h * (2 * q + 2 * kv) + q * h + 2 * spec.kv_channels
         total += len(spec.layers_of_type(LINEAR_ATTENTION)) * (delta_net_params(spec) - attention)

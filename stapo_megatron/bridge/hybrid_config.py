@@ -15,7 +15,8 @@ only, the three position streams are equal and the rotation is plain RoPE.
 
 from __future__ import annotations
 
-from stapo_megatron.bridge.hf_config import FULL_ATTENTION, LINEAR_ATTENTION
+LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
+"""Qwen3.5 ``layer_types`` entries: a gated delta-net layer and a (gated) full-attention layer."""
 
 _LINEAR_FIELDS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
                   "linear_num_key_heads", "linear_num_value_heads")
