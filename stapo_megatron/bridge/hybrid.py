@@ -18,8 +18,9 @@ the same way, so fla is a GPU-only requirement), and `stapo_megatron.mcore.cpu_c
 megatron-core's own torch reference (``torch_chunk_gated_delta_rule``, the deterministic-mode
 path) and a torch L2 norm: the same equations, chunked in fp32.
 
-Not supported here (ValueError): context parallelism and packed sequences in delta-net layers
-(megatron-core 0.16.1's GatedDeltaNet raises NotImplementedError for packed input and has no CP).
+Not supported: context parallelism (ValueError here: megatron-core 0.16.1's GatedDeltaNet has
+none) and packed sequences in delta-net layers (the GatedDeltaNet itself raises
+NotImplementedError for ``PackedSeqParams``); the transformer-engine spec (`model.build_gpt_model`).
 """
 
 from __future__ import annotations
