@@ -39,7 +39,8 @@ def tiny_qwen3_spec(**fields: Any) -> QwenSpec:
     return dataclasses.replace(QWEN3_TINY, **fields)
 
 
-_MODEL_TYPES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
+_MODEL_TYPES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+                "Qwen3_5ForCausalLM": "qwen3_5_text"}
 _CONFIG_CLASSES = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig",
                    "qwen3_5_text": "Qwen3_5TextConfig"}
 
@@ -64,6 +65,12 @@ def hf_config_from_spec(spec: QwenSpec) -> dict:
                          f"add_qkv_bias={spec.add_qkv_bias}, qk_layernorm={spec.qk_layernorm}")
     else:
         cfg["attention_bias"] = False
+    if spec.architecture == "Qwen3_5ForCausalLM":
+        cfg["rope_parameters"]["partial_rotary_factor"] = spec.rotary_percent
+        cfg.update(layer_types=list(spec.layer_types), mtp_num_hidden_layers=spec.mtp_num_layers,
+                   **{f: getattr(spec, f) for f in ("linear_conv_kernel_dim", "linear_key_head_dim",
+                                                    "linear_value_head_dim", "linear_num_key_heads",
+                                                    "linear_num_value_heads")})
     if spec.is_moe:
         cfg.update(num_experts=spec.num_moe_experts, num_experts_per_tok=spec.moe_router_topk,
                    moe_intermediate_size=spec.moe_ffn_hidden_size, norm_topk_prob=spec.norm_topk_prob,
