@@ -24,9 +24,12 @@ import shutil
 from typing import Any, Mapping, Optional, Union
 
 from stapo_megatron.bridge.hybrid_config import (FULL_ATTENTION, LINEAR_ATTENTION,  # noqa: F401  (re-exported)
-                                                 delta_net_params, qwen35_fields)
+                                                 delta_net_params, qwen35_fields, qwen35_moe_fields)
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3_5ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3_5ForCausalLM",
+                           "Qwen3_5MoeForCausalLM")
+QWEN35_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+"""The Qwen3.5 text models (hybrid layers; `hybrid_config`)."""
 """HF ``architectures`` entries this bridge converts (Qwen2.5 checkpoints use Qwen2ForCausalLM)."""
 
 VISION_LANGUAGE_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
@@ -79,6 +82,9 @@ class QwenSpec:
     """MoE: the top-k routing probabilities are renormalised to sum to 1 (HF ``norm_topk_prob``)."""
     moe_aux_loss_coeff: float = 0.0
     """MoE: load-balancing auxiliary loss coefficient (HF ``router_aux_loss_coef``)."""
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """MoE: width of the shared expert every token also passes through, its output scaled by
+    sigmoid(``shared_expert_gate`` x) (Qwen3.5-MoE's HF ``shared_expert_intermediate_size``); None: none."""
     layer_types: Optional[tuple[str, ...]] = None
     """Qwen3.5: each layer's token mixer, ``"linear_attention"`` (gated delta net) or
     ``"full_attention"`` (HF ``layer_types``); None for a model of full-attention layers only."""
@@ -189,6 +195,7 @@ def _partial_rotary(cfg: dict) -> float:
 
 ARCHITECTURE_OF_MODEL_TYPE = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                               "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+                              "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
                               "qwen3_5": "Qwen3_5ForConditionalGeneration",
                               "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
 """The architecture of a config without ``architectures`` (saved from a bare ``PretrainedConfig``
@@ -261,7 +268,7 @@ def spec_from_hf_config(hf_config: Union[Mapping[str, Any], Any]) -> QwenSpec:
     """
     cfg = _as_dict(hf_config)
     arch = _architecture(cfg)
-    if arch == "Qwen3_5ForCausalLM":
+    if arch in QWEN35_ARCHITECTURES:
         hybrid = qwen35_fields(cfg)
     else:
         hybrid = dict(rotary_percent=_partial_rotary(cfg))
@@ -279,13 +286,16 @@ def spec_from_hf_config(hf_config: Union[Mapping[str, Any], Any]) -> QwenSpec:
             # with add_bias_linear (which would add MLP biases too).
             raise ValueError(f"{arch} with attention_bias=True is not supported (o_proj bias)")
         qkv_bias, qk_norm = False, True
-    moe = _moe_fields(cfg) if arch == "Qwen3MoeForCausalLM" else {}
+    moe = (_moe_fields(cfg) if arch == "Qwen3MoeForCausalLM" else
+           qwen35_moe_fields(cfg) if arch == "Qwen3_5MoeForCausalLM" else {})
     return QwenSpec(
         architecture=arch,
         num_layers=int(cfg["num_hidden_layers"]),
         hidden_size=int(cfg["hidden_size"]),
-        # MoE: the dense width is unused (every layer is MoE) but kept for the record.
-        ffn_hidden_size=int(cfg["intermediate_size"]),
+        # MoE: the dense width is unused (every layer is MoE) but kept for the record (Qwen3.5-MoE
+        # configs have none: the shared expert's).
+        ffn_hidden_size=int(cfg["intermediate_size"] if "intermediate_size" in cfg
+                            else cfg["shared_expert_intermediate_size"]),
         num_attention_heads=heads,
         num_query_groups=int(cfg.get("num_key_value_heads") or heads),
         # Same fallback as transformers' Qwen2Attention when head_dim is absent or null.
@@ -309,6 +319,8 @@ def dense_layer_params(spec: QwenSpec) -> int:
     h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
     attention = h * (q * (2 if spec.attention_output_gate else 1) + 2 * kv) + q * h
     mlp = h * spec.num_moe_experts if spec.is_moe else 3 * h * spec.ffn_hidden_size
+    if spec.moe_shared_expert_intermediate_size:  # gate/up/down and its one-row gate
+        mlp += 3 * h * spec.moe_shared_expert_intermediate_size + h
     norms = 2 * h + (2 * spec.kv_channels if spec.qk_layernorm else 0)
     return attention + mlp + norms
 

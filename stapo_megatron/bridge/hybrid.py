@@ -62,8 +62,10 @@ def delta_net_layer(full_attention_layer):
         module=GatedDeltaNet,
         submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=PlainRMSNorm,
                                            out_proj=RowParallelLinear))
-    layer.submodules.sharded_state_dict_keys_map = {"input_layernorm.": "self_attention.in_proj.layer_norm_",
-                                                    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+    # the full-attention layer's map (MoE layers keep pre_mlp_layernorm's own key), the input norm renamed
+    layer.submodules.sharded_state_dict_keys_map = {
+        **full_attention_layer.submodules.sharded_state_dict_keys_map,
+        "input_layernorm.": "self_attention.in_proj.layer_norm_"}
     return layer
 
 

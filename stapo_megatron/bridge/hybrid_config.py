@@ -64,6 +64,27 @@ def qwen35_fields(cfg: dict) -> dict:
                 **{f: int(cfg[f]) for f in _LINEAR_FIELDS})
 
 
+def qwen35_moe_fields(cfg: dict) -> dict:
+    """`QwenSpec`'s MoE fields of a ``Qwen3_5MoeForCausalLM`` config: routed experts in every layer
+    and a gated shared expert. Its router always renormalises the top-k probabilities
+    (transformers' ``Qwen3_5MoeTopKRouter`` has no ``norm_topk_prob`` switch)."""
+    fields = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+    for field in fields:
+        value = cfg.get(field)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"field {field!r} must be a positive integer, got {value!r}")
+    if not cfg["num_experts_per_tok"] <= cfg["num_experts"]:
+        raise ValueError(f"num_experts_per_tok {cfg['num_experts_per_tok']} must be in [1, num_experts "
+                         f"{cfg['num_experts']}]")
+    if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1:
+        raise ValueError(f"mlp_only_layers {cfg.get('mlp_only_layers')} / decoder_sparse_step "
+                         f"{cfg.get('decoder_sparse_step')}: only every layer a MoE layer is supported")
+    return dict(num_moe_experts=cfg["num_experts"], moe_router_topk=cfg["num_experts_per_tok"],
+                moe_ffn_hidden_size=cfg["moe_intermediate_size"], norm_topk_prob=True,
+                moe_aux_loss_coeff=float(cfg.get("router_aux_loss_coef", 0.001)),
+                moe_shared_expert_intermediate_size=cfg["shared_expert_intermediate_size"])
+
+
 def delta_net_dims(spec) -> dict:
     """Row counts of a delta-net layer's projections: ``qk`` (each of query and key,
     heads x key head size), ``v`` (value and the gate z), ``heads`` (value heads: rows of b and
@@ -83,8 +104,11 @@ def delta_net_params(spec) -> int:
 
 def check_hybrid_parallel(spec, tensor_model_parallel_size: int) -> list[tuple]:
     """(size, size name, field name, value) divisibility checks of the delta-net layers at this TP."""
-    if not spec.is_hybrid:
-        return []
     tp = tensor_model_parallel_size
-    return [(tp, "tensor_model_parallel_size", "linear_num_key_heads", spec.linear_num_key_heads),
+    shared = ([(tp, "tensor_model_parallel_size", "moe_shared_expert_intermediate_size "
+                "(shared_expert_intermediate_size)", spec.moe_shared_expert_intermediate_size)]
+              if spec.moe_shared_expert_intermediate_size else [])
+    if not spec.is_hybrid:
+        return shared
+    return shared + [(tp, "tensor_model_parallel_size", "linear_num_key_heads", spec.linear_num_key_heads),
             (tp, "tensor_model_parallel_size", "linear_num_value_heads", spec.linear_num_value_heads)]

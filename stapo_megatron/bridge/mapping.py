@@ -191,7 +191,7 @@ def checkpoint_parts(m: ParamMapping, spec: QwenSpec) -> list[tuple[str, int, in
 
 def carried_names(spec: QwenSpec, names) -> list[str]:
     """The HF tensors among ``names`` carried through conversion unchanged (Qwen3.5's MTP layers)."""
-    if spec.architecture != "Qwen3_5ForCausalLM":
+    if not spec.architecture.startswith("Qwen3_5"):
         return []
     return sorted(n for n in names if n.startswith(CARRIED_HF_PREFIXES))
 
@@ -211,6 +211,13 @@ def mappings_for(spec: QwenSpec) -> list[ParamMapping]:
                    (f"mlp.experts.{e}.gate_proj.weight", f"mlp.experts.{e}.up_proj.weight"), "gate_up", 0),
             _layer(_LOCAL_EXPERTS + "linear_fc2.weight", f"mlp.experts.{e}.down_proj.weight", tp_axis=1),
         ]
+        if spec.moe_shared_expert_intermediate_size:  # Qwen3.5-MoE: a gated shared expert
+            rows += [
+                _layer("mlp.shared_experts.linear_fc1.weight",
+                       ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"), "gate_up", 0),
+                _layer("mlp.shared_experts.linear_fc2.weight", "mlp.shared_expert.down_proj.weight", tp_axis=1),
+                _layer("mlp.shared_experts.gate_weight", "mlp.shared_expert_gate.weight"),
+            ]
     else:
         rows += [
             _layer("mlp.linear_fc1.layer_norm_weight", "post_attention_layernorm.weight"),
@@ -255,6 +262,10 @@ def _layer_shapes(spec: QwenSpec, experts, layer_type: str = FULL_ATTENTION) -> 
         for e in experts:
             per_layer.update({f"mlp.experts.{e}.gate_proj.weight": (Fe, H), f"mlp.experts.{e}.up_proj.weight": (Fe, H),
                               f"mlp.experts.{e}.down_proj.weight": (H, Fe)})
+        Fs = spec.moe_shared_expert_intermediate_size
+        if Fs:
+            per_layer.update({"mlp.shared_expert.gate_proj.weight": (Fs, H), "mlp.shared_expert.up_proj.weight": (Fs, H),
+                              "mlp.shared_expert.down_proj.weight": (H, Fs), "mlp.shared_expert_gate.weight": (1, H)})
     else:
         per_layer.update({"mlp.gate_proj.weight": (F, H), "mlp.up_proj.weight": (F, H), "mlp.down_proj.weight": (H, F)})
     if layer_type == LINEAR_ATTENTION:

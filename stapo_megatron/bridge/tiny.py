@@ -40,9 +40,9 @@ def tiny_qwen3_spec(**fields: Any) -> QwenSpec:
 
 
 _MODEL_TYPES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
-                "Qwen3_5ForCausalLM": "qwen3_5_text"}
+                "Qwen3_5ForCausalLM": "qwen3_5_text", "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text"}
 _CONFIG_CLASSES = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig",
-                   "qwen3_5_text": "Qwen3_5TextConfig"}
+                   "qwen3_5_text": "Qwen3_5TextConfig", "qwen3_5_moe_text": "Qwen3_5MoeTextConfig"}
 
 
 def hf_config_from_spec(spec: QwenSpec) -> dict:
@@ -65,7 +65,7 @@ def hf_config_from_spec(spec: QwenSpec) -> dict:
                          f"add_qkv_bias={spec.add_qkv_bias}, qk_layernorm={spec.qk_layernorm}")
     else:
         cfg["attention_bias"] = False
-    if spec.architecture == "Qwen3_5ForCausalLM":
+    if spec.architecture in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"):
         cfg["rope_parameters"]["partial_rotary_factor"] = spec.rotary_percent
         cfg.update(layer_types=list(spec.layer_types), mtp_num_hidden_layers=spec.mtp_num_layers,
                    **{f: getattr(spec, f) for f in ("linear_conv_kernel_dim", "linear_key_head_dim",
@@ -75,6 +75,9 @@ def hf_config_from_spec(spec: QwenSpec) -> dict:
         cfg.update(num_experts=spec.num_moe_experts, num_experts_per_tok=spec.moe_router_topk,
                    moe_intermediate_size=spec.moe_ffn_hidden_size, norm_topk_prob=spec.norm_topk_prob,
                    router_aux_loss_coef=spec.moe_aux_loss_coeff)
+    if spec.moe_shared_expert_intermediate_size:  # Qwen3.5-MoE (always renormalised, no dense width)
+        cfg.update(shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size)
+        del cfg["norm_topk_prob"], cfg["intermediate_size"]
     return cfg
 
 
@@ -142,6 +145,12 @@ TINY_CONFIGS = {
                     rope_parameters={"rope_theta": 10000000.0, "rope_type": "default", "partial_rotary_factor": 0.25,
                                      "mrope_section": [11, 11, 10], "mrope_interleaved": True}),
 }
+# Qwen3.5-MoE (as Qwen3.5-35B-A3B, scaled down): the qwen3.5 layers with every MLP 4 routed experts
+# (top-2, width 32) and a gated shared expert (width 32); no dense width.
+TINY_CONFIGS["qwen3.5-moe"] = {**{k: v for k, v in TINY_CONFIGS["qwen3.5"].items() if k != "intermediate_size"},
+                               "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
+                               "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                               "shared_expert_intermediate_size": 32, "router_aux_loss_coef": 0.001}
 TINY_CONFIGS["qwen3.5-tied"] = {**TINY_CONFIGS["qwen3.5"], "tie_word_embeddings": True,
                                 "layer_types": ["linear_attention", "full_attention"] * 2}
 

@@ -77,7 +77,8 @@ def moe_settings(spec: QwenSpec, use_te: bool) -> dict:
         moe_aux_loss_coeff=spec.moe_aux_loss_coeff,
         moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=use_te,
-        moe_shared_expert_intermediate_size=None,
+        moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=spec.moe_shared_expert_intermediate_size is not None,
         moe_router_enable_expert_bias=False,
         moe_expert_capacity_factor=None,  # dropless, as HF
     )

@@ -74,6 +74,8 @@ def load_spec(hf_dir: str) -> tuple[dict, QwenSpec]:
         raise ValueError(f"{path}: {e}") from None
     optional = _OPTIONAL_INT_FIELDS
     required = _INT_FIELDS
+    if arch == "Qwen3_5MoeForCausalLM":  # no dense width; its MoE fields are checked by the bridge
+        required = tuple(f for f in _INT_FIELDS if f != "intermediate_size")
     if arch == "Qwen3MoeForCausalLM":
         required += _MOE_INT_FIELDS
         optional += _MOE_EXPERT_FIELDS
@@ -235,9 +237,13 @@ def extra_state_objects(spec: QwenSpec) -> list[BytesObject]:
     if spec.is_hybrid:  # keyed per layer, without a layer axis (megatron-core: offset 0 of shape 1)
         modules = {LINEAR_ATTENTION: ("self_attention.in_proj", "self_attention.out_proj"),
                    FULL_ATTENTION: _LINEAR_MODULES[:2]}
-        return [BytesObject(f"{LAYER_PREFIX}{layer}.{mod}._extra_state/shard_0_1", [None])
+        mlp = (("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+               if spec.moe_shared_expert_intermediate_size else ()) if spec.is_moe else _LINEAR_MODULES[2:]
+        E = spec.num_moe_experts
+        experts = [f"{mod}._extra_state/shard_{e}_{E}" for mod in _EXPERT_LINEAR_MODULES for e in range(E or 0)]
+        return [BytesObject(f"{LAYER_PREFIX}{layer}.{name}", [None])
                 for layer, layer_type in enumerate(spec.layer_types)
-                for mod in modules[layer_type] + _LINEAR_MODULES[2:]]
+                for name in [f"{mod}._extra_state/shard_0_1" for mod in modules[layer_type] + mlp] + experts]
     objects = [BytesObject(f"{LAYER_PREFIX}{mod}._extra_state/shard_{layer}_{L}", [None])
                for mod in _LINEAR_MODULES[:2] for layer in range(L)]
     if not spec.is_moe:

@@ -1,6 +1,7 @@
-"""Tier a/b: the Megatron model of a tiny Qwen3.5 (delta-net and gated full-attention layers) on the
-CPU: a converted checkpoint holds exactly the keys the model's sharded state dict has, loads, and
-gives transformers' logits at TP = 1 (this process) and TP = 2, PP = 2 (gloo ranks, `verify`).
+"""Tier a/b: the Megatron model of a tiny Qwen3.5, dense and MoE (delta-net and gated full-attention
+layers; routed experts and a gated shared expert) on the CPU: a converted checkpoint holds exactly the
+keys the model's sharded state dict has, loads, and gives transformers' logits at TP = 1 (this
+process) and TP = 2, PP = 2, and for the MoE EP = 2 (gloo ranks, `verify`).
 
 The delta rule runs in megatron-core's torch reference on the CPU (`mcore.cpu_compat`), transformers'
 in its own torch path; both chunk the recurrence in fp32, so the logits differ by fp32 rounding only
@@ -17,29 +18,33 @@ from stapo_megatron.bridge.mapping import CARRIED_PREFIX
 from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
 from stapo_megatron.conversion.cli import main
 from stapo_megatron.conversion.dcp_io import CheckpointReader
+from stapo_megatron.conversion.hf_to_mcore import extra_state_objects
 from stapo_megatron.conversion.verify import FP32_LOGIT_TOL, _megatron_forward, compare, fixed_prompts, hf_logits, verify
 from tests.helpers.dist_utils import one_rank_parallel
 
 
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    """A tiny fp32 Qwen3.5 (3 delta-net layers, then full attention; MTP tensors) and its conversion."""
-    root = tmp_path_factory.mktemp("qwen35")
+@pytest.fixture(scope="module", params=["qwen3.5", "qwen3.5-moe"])
+def converted(request, tmp_path_factory):
+    """A tiny fp32 Qwen3.5, dense or MoE (3 delta-net layers, then full attention; MTP tensors),
+    and its conversion."""
+    root = tmp_path_factory.mktemp(request.param)
     hf, ckpt = str(root / "hf"), str(root / "ckpt")
-    save_tiny_hf_model(hf, "qwen3.5", dtype=torch.float32)
+    save_tiny_hf_model(hf, request.param, dtype=torch.float32)
     assert main(["hf-to-mcore", "--hf-dir", hf, "--out", ckpt]) == 0
     return hf, ckpt
 
 
-def _checkpoint_keys(model) -> set:
-    """The tensor keys the model's sharded state dict writes (megatron-core's factories applied:
-    the delta net's in_proj and conv1d one key per piece)."""
+def _checkpoint_keys(model) -> tuple[set, set]:
+    """The tensor keys and the object (``_extra_state``) keys the model's sharded state dict writes
+    (megatron-core's factories applied: the delta net's in_proj and conv1d one key per piece)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
 
     sharded = model.sharded_state_dict()
     apply_factories(sharded)
-    return {v.key for v in nested_values(sharded) if isinstance(v, ShardedTensor)}
+    values = list(nested_values(sharded))
+    return ({v.key for v in values if isinstance(v, ShardedTensor)},
+            {v.unique_key for v in values if isinstance(v, ShardedObject)})
 
 
 def test_converted_keys_are_the_models_and_logits_equal_transformers(converted):
@@ -56,7 +61,9 @@ def test_converted_keys_are_the_models_and_logits_equal_transformers(converted):
         mixers = [type(layer.self_attention) for layer in model.decoder.layers]
         assert mixers == [GatedDeltaNet] * 3 + [SelfAttention]
         stored = {k for k in CheckpointReader(ckpt).tensors() if not k.startswith(CARRIED_PREFIX)}
-        assert _checkpoint_keys(model) == stored
+        tensor_keys, object_keys = _checkpoint_keys(model)
+        assert tensor_keys == stored
+        assert object_keys == {o.key for o in extra_state_objects(model.qwen_spec)}
         assert any(k.startswith(CARRIED_PREFIX + "mtp.") for k in CheckpointReader(ckpt).tensors())
         load_checkpoint(model, ckpt)
         model.eval()
@@ -73,6 +80,10 @@ def test_tp2_and_pp2_logits_equal_transformers(converted):
     rows = verify(hf, ckpt, [(2, 1), (1, 2)], num_prompts=2, seq_len=24)
     assert [(r.tensor_model_parallel_size, r.pipeline_model_parallel_size) for r in rows] == [(2, 1), (1, 2)]
     assert all(r.ok(FP32_LOGIT_TOL) for r in rows), rows
+    with open(os.path.join(hf, "config.json")) as f:
+        if "num_experts" in json.load(f):  # the MoE: its experts over 2 ranks
+            row, = verify(hf, ckpt, [(1, 1)], num_prompts=2, seq_len=24, expert_model_parallel_size=2)
+            assert row.ok(FP32_LOGIT_TOL), row
 
 
 def test_transformer_engine_spec_is_refused_for_delta_net_layers():
