@@ -3,7 +3,7 @@ TransformerConfig (`transformer_config`), model builder, mapping table, transfor
 
 Dense Qwen2/2.5/3 and Qwen3-MoE (`hf_config.py` reads the router and expert fields,
 `transformer_config.py` maps them; `model.py` builds the MoE layer spec; `mapping.py` has the
-router/expert rows with a per-expert wildcard); the Qwen3.5 text model (`hybrid_config.py` reads
+router/expert rows with a per-expert wildcard); the Qwen3.5 text models, dense and MoE (`hybrid_config.py` reads
 its layer pattern and delta-net fields, `hybrid.py` builds its gated delta-net and gated
 full-attention layers, `mapping.py` has their rows, per layer type).
 

@@ -11,7 +11,8 @@ mixture of routed experts: softmax router, top-k, optional top-k renormalisation
 expert), ``Qwen3_5ForCausalLM`` (the Qwen3.5 text model: gated delta-net linear-attention layers
 and gated full-attention layers in the pattern of ``layer_types``, zero-centred RMSNorms, partial
 RoPE; its MTP tensors are carried through the converter unchanged, see `bridge.mapping`). Tied and
-untied embeddings. A spec's parameter counts (`num_params`, `num_active_params`)
+untied embeddings; ``Qwen3_5MoeForCausalLM`` adds Qwen3-MoE's routed experts and a gated shared
+expert to every layer. A spec's parameter counts (`num_params`, `num_active_params`)
 are here too: the memory model and the converter's host-memory check both count them.
 """
 

@@ -25,14 +25,21 @@ def test_qwen35_27b_text_fields():
     assert delta_net_dims(s) == dict(qk=16 * 128, v=48 * 128, heads=48, conv=2 * 16 * 128 + 48 * 128)
 
 
-@pytest.mark.parametrize("variant", ["qwen3.5", "qwen3.5-tied"])
+@pytest.mark.parametrize("variant", ["qwen3.5", "qwen3.5-tied", "qwen3.5-moe"])
 def test_parameter_count_and_shapes_equal_transformers(variant):
-    """num_params and hf_shapes of the spec are those of transformers' Qwen3_5ForCausalLM."""
+    """num_params and hf_shapes of the spec are those of transformers' Qwen3_5ForCausalLM (and
+    Qwen3_5MoeForCausalLM, whose experts save as the released per-expert tensors)."""
+    import tempfile
+
+    from stapo_megatron.conversion.safetensors_io import index_checkpoint, read_rows
+
     spec = spec_from_hf_config(tiny_config(variant))
     model = build_hf_model(transformers_config(tiny_config(variant)), seed=0)
-    state = model.state_dict()
+    with tempfile.TemporaryDirectory() as saved:  # the checkpoint's names (experts unfused)
+        model.save_pretrained(saved)
+        state = {n: read_rows(info) for n, info in index_checkpoint(saved).items()}
     if spec.tie_word_embeddings:
-        state.pop("lm_head.weight")
+        state.pop("lm_head.weight", None)
     assert {n: tuple(t.shape) for n, t in state.items()} == hf_shapes(spec)
     assert num_params(spec) == sum(t.numel() for t in state.values())
 
@@ -89,3 +96,17 @@ def test_tp_must_divide_the_delta_net_heads():
     check_parallel_sizes(spec, 2)
     with pytest.raises(ValueError, match="tensor_model_parallel_size 4 does not divide linear_num_key_heads 2"):
         check_parallel_sizes(dataclasses.replace(spec, num_attention_heads=8, num_query_groups=4), 4)
+
+
+def test_qwen35_moe_fields():
+    cfg = tiny_config("qwen3.5-moe")
+    s = spec_from_hf_config(cfg)
+    assert (s.num_moe_experts, s.moe_router_topk, s.moe_ffn_hidden_size, s.moe_shared_expert_intermediate_size) == (
+        4, 2, 32, 32)
+    assert s.norm_topk_prob and s.is_hybrid  # transformers' Qwen3.5-MoE router always renormalises
+    rows = {m.megatron for m in mappings_for(s)}
+    assert "decoder.layers.*.mlp.shared_experts.gate_weight" in rows
+    with pytest.raises(ValueError, match="'shared_expert_intermediate_size' must be a positive integer"):
+        spec_from_hf_config({**cfg, "shared_expert_intermediate_size": None})
+    with pytest.raises(ValueError, match="only every layer a MoE layer"):
+        spec_from_hf_config({**cfg, "mlp_only_layers": [0]})

@@ -14,7 +14,8 @@ from tests.helpers.conversion_parity import _assert_bit_exact
 from tests.helpers.conversion_cli import _roundtrip
 
 
-@pytest.mark.parametrize("variant", ["qwen2", "qwen2.5", "qwen3", "qwen3-tied", "qwen3.5", "qwen3.5-tied"])
+@pytest.mark.parametrize("variant", ["qwen2", "qwen2.5", "qwen3", "qwen3-tied", "qwen3.5", "qwen3.5-tied",
+                                     "qwen3.5-moe"])
 def test_roundtrip_bf16_bit_exact(tmp_path, variant):
     hf, ckpt, back = _roundtrip(tmp_path, variant)
     _assert_bit_exact(hf, back)
