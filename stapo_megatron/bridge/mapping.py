@@ -264,7 +264,8 @@ def _layer_shapes(spec: QwenSpec, experts, layer_type: str = FULL_ATTENTION) -> 
                               f"mlp.experts.{e}.down_proj.weight": (H, Fe)})
         Fs = spec.moe_shared_expert_intermediate_size
         if Fs:
-            per_layer.update({"mlp.shared_expert.gate_proj.weight": (Fs, H), "mlp.shared_expert.up_proj.weight": (Fs, H),
+            per_layer.update({"mlp.shared_expert.gate_proj.weight": (Fs, H),
+                              "mlp.shared_expert.up_proj.weight": (Fs, H),
                               "mlp.shared_expert.down_proj.weight": (H, Fs), "mlp.shared_expert_gate.weight": (1, H)})
     else:
         per_layer.update({"mlp.gate_proj.weight": (F, H), "mlp.up_proj.weight": (F, H), "mlp.down_proj.weight": (H, F)})

@@ -19,7 +19,8 @@ from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
 from stapo_megatron.conversion.cli import main
 from stapo_megatron.conversion.dcp_io import CheckpointReader
 from stapo_megatron.conversion.hf_to_mcore import extra_state_objects
-from stapo_megatron.conversion.verify import FP32_LOGIT_TOL, _megatron_forward, compare, fixed_prompts, hf_logits, verify
+from stapo_megatron.conversion.verify import (FP32_LOGIT_TOL, _megatron_forward, compare, fixed_prompts, hf_logits,
+                                              verify)
 from tests.helpers.dist_utils import one_rank_parallel
 
 
