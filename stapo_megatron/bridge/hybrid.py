@@ -18,9 +18,11 @@ the same way, so fla is a GPU-only requirement), and `stapo_megatron.mcore.cpu_c
 megatron-core's own torch reference (``torch_chunk_gated_delta_rule``, the deterministic-mode
 path) and a torch L2 norm: the same equations, chunked in fp32.
 
+Packed sequences: megatron-core 0.16.1's GatedDeltaNet refuses ``PackedSeqParams``; the layer
+here runs it on each sequence of ``cu_seqlens`` alone (`packed_delta_net`), so packed equals padded.
 Not supported: context parallelism (ValueError here: megatron-core 0.16.1's GatedDeltaNet has
-none) and packed sequences in delta-net layers (the GatedDeltaNet itself raises
-NotImplementedError for ``PackedSeqParams``); the transformer-engine spec (`model.build_gpt_model`).
+none), sequence parallelism with packed delta-net layers, the transformer-engine spec
+(`model.build_gpt_model`).
 """
 
 from __future__ import annotations
@@ -48,10 +50,43 @@ def hybrid_settings(spec: QwenSpec) -> dict:
     return fields
 
 
+def packed_delta_net():
+    """megatron-core's GatedDeltaNet with packed sequences (``PackedSeqParams(qkv_format="thd")``,
+    hidden states [t, 1, h]): the convolution and the recurrent state restart at every sequence
+    of ``cu_seqlens``, so nothing leaks between packed sequences. 0.16.1's own forward raises
+    NotImplementedError for packed input; this one runs it on each sequence alone (what the
+    padded batch computed for it: its right padding comes after it in a causal recurrence).
+    A reference path (one call per sequence), as `attention.SDPAttention`'s on the CPU; fla's
+    varlen kernels (``cu_seqlens``) would be the fast one on CUDA."""
+    import torch
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    class PackedGatedDeltaNet(GatedDeltaNet):
+        """GatedDeltaNet that keeps packed sequences apart (`packed_delta_net`)."""
+
+        def forward(self, hidden_states, attention_mask, *args, packed_seq_params=None, **kwargs):
+            if packed_seq_params is None:
+                return super().forward(hidden_states, attention_mask, *args, **kwargs)
+            if packed_seq_params.qkv_format != "thd" or self.config.sequence_parallel:
+                raise ValueError(f"packed delta-net layers need qkv_format 'thd' without sequence parallelism, got "
+                                 f"{packed_seq_params.qkv_format!r}, sequence_parallel={self.config.sequence_parallel}")
+            if self.config.context_parallel_size > 1:
+                raise ValueError("packed delta-net layers do not support context parallelism")
+            bounds = packed_seq_params.cu_seqlens_q.tolist()
+            if bounds[-1] < hidden_states.shape[0]:  # the row's padding after its last sequence
+                bounds.append(hidden_states.shape[0])
+            outs = [super(PackedGatedDeltaNet, self).forward(hidden_states[a:b], attention_mask, *args, **kwargs)
+                    for a, b in zip(bounds, bounds[1:])]
+            bias = outs[0][1]  # out_proj's bias (skip_bias_add): the same for every sequence
+            return torch.cat([out for out, _ in outs]), bias
+
+    return PackedGatedDeltaNet
+
+
 def delta_net_layer(full_attention_layer):
     """A delta-net layer spec from the local full-attention layer spec: the same norms, MLP and
     residuals, megatron-core's GatedDeltaNet as the token mixer."""
-    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -59,7 +94,7 @@ def delta_net_layer(full_attention_layer):
 
     layer = copy.deepcopy(full_attention_layer)
     layer.submodules.self_attention = ModuleSpec(
-        module=GatedDeltaNet,
+        module=packed_delta_net(),
         submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=PlainRMSNorm,
                                            out_proj=RowParallelLinear))
     # the full-attention layer's map (MoE layers keep pre_mlp_layernorm's own key), the input norm renamed

@@ -111,3 +111,33 @@ def test_weight_stream_of_the_loaded_model_is_the_hf_checkpoint(converted):
         streamed = dict(iter_hf_weights(model, cfg, groups))
     assert sorted(streamed) == sorted(expected)
     assert all(torch.equal(streamed[n], expected[n]) for n in expected)
+
+
+def test_packed_sequences_equal_padded():
+    """Two sequences packed into one THD row (``cu_seqlens``) give each the logits it has alone in a
+    padded batch: the delta net's convolution and recurrent state restart at the boundary (a
+    state leaking from the first sequence would change every logit of the second)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cfg = tiny_config("qwen3.5")
+    lengths = (13, 9)
+    tokens = fixed_prompts(cfg["vocab_size"], num_prompts=2, seq_len=max(lengths))
+    with one_rank_parallel():
+        torch.manual_seed(0)
+        model = build_gpt_model(cfg, parallel_output=False, core_attention="sdpa")
+        model.eval()
+        with torch.no_grad():
+            alone = [model(tokens[i:i + 1, :n], torch.arange(n).unsqueeze(0), attention_mask=None)[0]
+                     for i, n in enumerate(lengths)]
+            packed_ids = torch.cat([tokens[i, :n] for i, n in enumerate(lengths)]).unsqueeze(0)
+            positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+            cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32)
+            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
+                                     max_seqlen_kv=max(lengths))
+            packed = model(packed_ids, positions, attention_mask=None, packed_seq_params=params)[0]
+            leaky = model(packed_ids, positions, attention_mask=None)[0]  # one sequence: state flows on
+    # logits [t, V] of batch row 0; the same per-sequence ops on the same inputs: equal up to fp32
+    # rounding of differently shaped matmuls
+    torch.testing.assert_close(packed, torch.cat(alone), rtol=0, atol=1e-5)
+    # the comparison has power: without the boundary the second sequence's logits move by far more
+    assert (leaky[lengths[0]:] - alone[1]).abs().max() > 1e-2
