@@ -33,6 +33,27 @@ from typing import Optional
 from stapo_megatron.bridge.hf_config import LINEAR_ATTENTION, QwenSpec
 
 
+def delta_net_version_gap() -> Optional[str]:
+    """Why the installed megatron-core's GatedDeltaNet is not the one this module is written
+    against (0.16.1's single ``ssm/gated_delta_net.py``), or None. 0.19 made it a package
+    (``ssm/gated_delta_net/``: the delta rule chosen at construction, varlen and CP paths) that
+    the CPU shim and `packed_delta_net` do not cover yet."""
+    from megatron.core import __version__
+    from megatron.core.ssm import gated_delta_net
+
+    if hasattr(gated_delta_net, "__path__"):
+        return (f"megatron-core {__version__}'s GatedDeltaNet (the ssm/gated_delta_net/ package) is not supported "
+                f"yet: the Qwen3.5 model is built against megatron-core 0.16.1's")
+    return None
+
+
+def check_delta_net_version() -> None:
+    """ValueError naming the megatron-core version when `delta_net_version_gap` finds one."""
+    gap = delta_net_version_gap()
+    if gap:
+        raise ValueError(gap)
+
+
 def hybrid_settings(spec: QwenSpec) -> dict:
     """TransformerConfig's fields for a Qwen3.5 spec (`hybrid_config` documents each)."""
     if not spec.is_hybrid and not spec.attention_output_gate:
@@ -113,6 +134,7 @@ def hybrid_block_spec(spec: QwenSpec, full_attention_layer, config, vp_stage: Op
 
     from stapo_megatron.bridge.norm import final_norm
 
+    check_delta_net_version()
     if config.context_parallel_size > 1:
         raise ValueError(f"context_parallel_size {config.context_parallel_size}: megatron-core 0.16.1's gated delta "
                          f"net has no context parallelism (layer_types has linear_attention layers)")

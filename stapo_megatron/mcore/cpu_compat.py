@@ -313,9 +313,11 @@ def _torch_delta_rule() -> None:
     in fp32) and a torch L2 norm stand in for them."""
     from megatron.core.ssm import gated_delta_net
 
-    gated_delta_net.l2norm = _torch_l2norm
-    gated_delta_net.chunk_gated_delta_rule = gated_delta_net.torch_chunk_gated_delta_rule
-    gated_delta_net.HAVE_FLA = True
+    # 0.19.2 made it a package whose forward reads these names in gated_delta_net/common.py
+    module = getattr(gated_delta_net, "common", gated_delta_net)
+    module.l2norm = _torch_l2norm
+    module.chunk_gated_delta_rule = module.torch_chunk_gated_delta_rule
+    module.HAVE_FLA = True
 
 
 def _tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):

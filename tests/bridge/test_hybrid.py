@@ -24,6 +24,16 @@ from stapo_megatron.conversion.verify import (FP32_LOGIT_TOL, _megatron_forward,
 from tests.helpers.dist_utils import one_rank_parallel
 
 
+def _version_gap():
+    from stapo_megatron.bridge.hybrid import delta_net_version_gap
+
+    return delta_net_version_gap()
+
+
+# `make test-mcore019` runs this file on megatron-core 0.19.2, whose delta net is not covered yet
+pytestmark = pytest.mark.skipif(_version_gap() is not None, reason=str(_version_gap()))
+
+
 @pytest.fixture(scope="module", params=["qwen3.5", "qwen3.5-moe"])
 def converted(request, tmp_path_factory):
     """A tiny fp32 Qwen3.5, dense or MoE (3 delta-net layers, then full attention; MTP tensors),
