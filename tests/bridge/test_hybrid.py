@@ -70,7 +70,7 @@ def test_converted_keys_are_the_models_and_logits_equal_transformers(converted):
     with one_rank_parallel():
         model = build_gpt_model(cfg, parallel_output=False)
         mixers = [type(layer.self_attention) for layer in model.decoder.layers]
-        assert mixers == [GatedDeltaNet] * 3 + [SelfAttention]
+        assert [issubclass(m, GatedDeltaNet) for m in mixers] == [True] * 3 + [False] and mixers[3] is SelfAttention
         stored = {k for k in CheckpointReader(ckpt).tensors() if not k.startswith(CARRIED_PREFIX)}
         tensor_keys, object_keys = _checkpoint_keys(model)
         assert tensor_keys == stored
