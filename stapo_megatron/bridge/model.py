@@ -135,7 +135,9 @@ def build_gpt_model(
         define_missing_te_names()
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
-    use_te = use_transformer_engine(use_te)
+    if spec.is_hybrid and use_te:
+        raise ValueError(f"use_te=True: {spec.architecture} (delta-net layers) is built on the local spec only")
+    use_te = False if spec.is_hybrid else use_transformer_engine(use_te)
     cp = ps.get_context_parallel_world_size()
     if cp > 1:  # the split itself is the caller's (batch.context_parallel); attention and RoPE read this
         config_overrides.setdefault("context_parallel_size", cp)
@@ -155,9 +157,15 @@ def build_gpt_model(
                             **config_overrides}
     config = transformer_config_from_spec(spec, tp, pp, params_dtype, use_te=use_te, **config_overrides)
     vocab = padded_vocab_size(spec.vocab_size, tp, make_vocab_size_divisible_by)
+    if spec.is_hybrid:  # Qwen3.5: delta-net and full-attention layers (bridge/hybrid.py)
+        from stapo_megatron.bridge.hybrid import hybrid_block_spec
+
+        block = hybrid_block_spec(spec, layer_spec(spec, use_te, core_attention), config, vp_stage)
+    else:
+        block = block_spec(layer_spec(spec, use_te, core_attention), config, use_te, vp_stage)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=block_spec(layer_spec(spec, use_te, core_attention), config, use_te, vp_stage),
+        transformer_layer_spec=block,
         vocab_size=vocab,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
@@ -165,7 +173,7 @@ def build_gpt_model(
         parallel_output=parallel_output,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
         position_embedding_type="rope",
-        rotary_percent=1.0,
+        rotary_percent=spec.rotary_percent,
         rotary_base=spec.rotary_base,
         vp_stage=vp_stage,
     )

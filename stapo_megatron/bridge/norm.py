@@ -17,16 +17,49 @@ from __future__ import annotations
 import torch
 
 
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """RMSNorm whose weight w is stored zero-centred and applied as (1 + w), in fp32 and rounded
+    once to the input dtype (HF ``Qwen3_5RMSNorm``; megatron-core's ``layernorm_zero_centered_gamma``
+    with transformer-engine). The parameter is ``weight``, so checkpoint keys do not change."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).type_as(x)
+
+
+class PlainRMSNorm:
+    """`TorchNorm`'s RMSNorm with its weight applied as it is, whatever the config's
+    ``layernorm_zero_centered_gamma``: the gated delta net's output norm (HF ``Qwen3_5RMSNormGated``
+    stores a plain weight while the model's other norms are zero-centred)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_):
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+
 class TorchNorm:
-    """``WrappedTorchNorm`` that supports sequence parallelism (module docstring)."""
+    """``WrappedTorchNorm`` that supports sequence parallelism (module docstring), and
+    zero-centred RMSNorm weights (`ZeroCenteredRMSNorm`)."""
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
                 zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
-        unsupported = [name for name in ("layernorm_zero_centered_gamma", "persist_layer_norm",
-                                         "memory_efficient_layer_norm") if getattr(config, name, False)]
+        unsupported = [name for name in ("persist_layer_norm", "memory_efficient_layer_norm")
+                       if getattr(config, name, False)]
+        if config.layernorm_zero_centered_gamma and config.normalization != "RMSNorm":
+            unsupported.append("layernorm_zero_centered_gamma with LayerNorm")
         if unsupported:
             raise ValueError(f"the local spec's torch norm does not support {', '.join(unsupported)}")
-        if config.normalization == "RMSNorm":
+        if config.layernorm_zero_centered_gamma:
+            norm = ZeroCenteredRMSNorm(hidden_size, eps)
+        elif config.normalization == "RMSNorm":
             norm = torch.nn.RMSNorm(hidden_size, eps=eps)
         elif config.normalization == "LayerNorm":
             norm = torch.nn.LayerNorm(hidden_size, eps=eps)

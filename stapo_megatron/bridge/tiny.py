@@ -39,8 +39,10 @@ def tiny_qwen3_spec(**fields: Any) -> QwenSpec:
     return dataclasses.replace(QWEN3_TINY, **fields)
 
 
-_MODEL_TYPES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
-_CONFIG_CLASSES = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig"}
+_MODEL_TYPES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+                "Qwen3_5ForCausalLM": "qwen3_5_text", "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text"}
+_CONFIG_CLASSES = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "qwen3_moe": "Qwen3MoeConfig",
+                   "qwen3_5_text": "Qwen3_5TextConfig", "qwen3_5_moe_text": "Qwen3_5MoeTextConfig"}
 
 
 def hf_config_from_spec(spec: QwenSpec) -> dict:
@@ -63,10 +65,19 @@ def hf_config_from_spec(spec: QwenSpec) -> dict:
                          f"add_qkv_bias={spec.add_qkv_bias}, qk_layernorm={spec.qk_layernorm}")
     else:
         cfg["attention_bias"] = False
+    if spec.architecture in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"):
+        cfg["rope_parameters"]["partial_rotary_factor"] = spec.rotary_percent
+        cfg.update(layer_types=list(spec.layer_types), mtp_num_hidden_layers=spec.mtp_num_layers,
+                   **{f: getattr(spec, f) for f in ("linear_conv_kernel_dim", "linear_key_head_dim",
+                                                    "linear_value_head_dim", "linear_num_key_heads",
+                                                    "linear_num_value_heads")})
     if spec.is_moe:
         cfg.update(num_experts=spec.num_moe_experts, num_experts_per_tok=spec.moe_router_topk,
                    moe_intermediate_size=spec.moe_ffn_hidden_size, norm_topk_prob=spec.norm_topk_prob,
                    router_aux_loss_coef=spec.moe_aux_loss_coeff)
+    if spec.moe_shared_expert_intermediate_size:  # Qwen3.5-MoE (always renormalised, no dense width)
+        cfg.update(shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size)
+        del cfg["norm_topk_prob"], cfg["intermediate_size"]
     return cfg
 
 
@@ -121,7 +132,28 @@ TINY_CONFIGS = {
                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=300,
                       tie_word_embeddings=False, attention_bias=False,
                       rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"}),
+    # Qwen3.5 (as Qwen3.5-27B, scaled down): layers 0-2 gated delta net, layer 3 gated full attention
+    # (q_proj 2 x heads x head_dim), partial RoPE 0.25 of head_dim 32, 2 key / 4 value delta-net
+    # heads (TP=2 splits both), zero-centred norms, one MTP layer (mtp.* tensors added by
+    # save_tiny_hf_model: transformers builds none), multimodal-RoPE fields as released.
+    "qwen3.5": dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", hidden_size=64,
+                    intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=300,
+                    tie_word_embeddings=False, attention_bias=False,
+                    layer_types=["linear_attention"] * 3 + ["full_attention"], linear_conv_kernel_dim=4,
+                    linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                    linear_num_value_heads=4, mtp_num_hidden_layers=1,
+                    rope_parameters={"rope_theta": 10000000.0, "rope_type": "default", "partial_rotary_factor": 0.25,
+                                     "mrope_section": [11, 11, 10], "mrope_interleaved": True}),
 }
+# Qwen3.5-MoE (as Qwen3.5-35B-A3B, scaled down): the qwen3.5 layers with every MLP 4 routed experts
+# (top-2, width 32) and a gated shared expert (width 32); no dense width.
+TINY_CONFIGS["qwen3.5-moe"] = {**{k: v for k, v in TINY_CONFIGS["qwen3.5"].items() if k != "intermediate_size"},
+                               "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
+                               "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                               "shared_expert_intermediate_size": 32, "router_aux_loss_coef": 0.001}
+TINY_CONFIGS["qwen3.5-tied"] = {**TINY_CONFIGS["qwen3.5"], "tie_word_embeddings": True,
+                                "layer_types": ["linear_attention", "full_attention"] * 2}
+
 
 def tiny_config(variant: str) -> dict:
     """config.json contents of a tiny variant (see TINY_CONFIGS)."""
@@ -149,4 +181,44 @@ def save_tiny_hf_model(path: str, variant: str, dtype: torch.dtype = torch.bfloa
             else:
                 p.normal_(1.0, 0.1)
     model.to(dtype).save_pretrained(path, max_shard_size=max_shard_size)
+    if model.config.to_dict().get("mtp_num_hidden_layers"):
+        add_mtp_tensors(path, dtype, seed)
     return model
+
+
+def add_mtp_tensors(path: str, dtype: torch.dtype, seed: int) -> list[str]:
+    """Add a Qwen3.5 checkpoint's ``mtp.*`` tensors (as the released ones name them: one
+    full-attention layer, its input projection ``fc`` and three norms) to a saved folder, in a
+    safetensors file of their own listed in the index; returns their names."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    from stapo_megatron.bridge.hf_config import spec_from_hf_config
+    from stapo_megatron.bridge.mapping import hf_shapes
+
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        spec = spec_from_hf_config(json.load(f))
+    H, gen = spec.hidden_size, torch.Generator().manual_seed(seed + 1)
+    full = spec.layers_of_type("full_attention")[0]
+    shapes = {"mtp.fc.weight": (H, 2 * H), "mtp.norm.weight": (H,), "mtp.pre_fc_norm_embedding.weight": (H,),
+              "mtp.pre_fc_norm_hidden.weight": (H,)}
+    prefix = f"model.layers.{full}."
+    shapes.update({"mtp.layers.0." + n[len(prefix):]: s for n, s in hf_shapes(spec).items() if n.startswith(prefix)})
+    tensors = {n: (torch.randn(s, generator=gen) / (s[-1] ** 0.5 if len(s) > 1 else 10.0)).to(dtype)
+               for n, s in shapes.items()}
+    save_file(tensors, os.path.join(path, "mtp.safetensors"), metadata={"format": "pt"})
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path, encoding="utf-8") as f:
+            index = json.load(f)
+    else:  # a single model.safetensors: index it and the MTP file together
+        from safetensors import safe_open
+
+        with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+            index = {"metadata": {}, "weight_map": {n: "model.safetensors" for n in f.keys()}}
+    index["weight_map"].update({n: "mtp.safetensors" for n in tensors})
+    with open(index_path, "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=2)
+    return sorted(tensors)

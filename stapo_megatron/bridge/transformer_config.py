@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 
 from stapo_megatron.bridge.hf_config import QwenSpec
+from stapo_megatron.bridge.hybrid_config import check_hybrid_parallel
 from stapo_megatron.bridge.kernels import fused_kernel_settings, use_transformer_engine
 
 DEFAULT_VOCAB_DIVISOR = 128
@@ -39,6 +40,7 @@ def check_parallel_sizes(spec: QwenSpec, tensor_model_parallel_size: int, pipeli
         checks.append((tp, "tensor_model_parallel_size", "ffn_hidden_size (intermediate_size)", spec.ffn_hidden_size))
         if ep != 1:
             raise ValueError(f"expert_model_parallel_size {ep} needs a MoE model; {spec.architecture} is dense")
+    checks += check_hybrid_parallel(spec, tp)
     for size, size_name, name, value in checks:
         if value % size:
             raise ValueError(f"{size_name} {size} does not divide {name} {value}")
@@ -75,7 +77,8 @@ def moe_settings(spec: QwenSpec, use_te: bool) -> dict:
         moe_aux_loss_coeff=spec.moe_aux_loss_coeff,
         moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=use_te,
-        moe_shared_expert_intermediate_size=None,
+        moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=spec.moe_shared_expert_intermediate_size is not None,
         moe_router_enable_expert_bias=False,
         moe_expert_capacity_factor=None,  # dropless, as HF
     )
@@ -132,5 +135,8 @@ def transformer_config_from_spec(
     )
     if spec.is_moe:
         kwargs.update(moe_settings(spec, use_te))
+    from stapo_megatron.bridge.hybrid import hybrid_settings
+
+    kwargs.update(hybrid_settings(spec))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)

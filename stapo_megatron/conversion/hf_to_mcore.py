@@ -35,7 +35,9 @@ from stapo_megatron.bridge.hf_config import (  # noqa: F401  (HF_SUBDIR, copy_hf
     spec_from_hf_config,
 )
 from stapo_megatron.bridge.transformer_config import DEFAULT_VOCAB_DIVISOR, check_parallel_sizes, padded_vocab_size
-from stapo_megatron.bridge.mapping import LAYER_PREFIX, hf_shapes, mappings_for, megatron_shape
+from stapo_megatron.bridge.hf_config import FULL_ATTENTION, LINEAR_ATTENTION
+from stapo_megatron.bridge.mapping import (CARRIED_PREFIX, LAYER_PREFIX, carried_names, checkpoint_parts, hf_shapes,
+                                           mappings_for, megatron_shape)
 from stapo_megatron.bridge.transforms import merge_qkv
 from stapo_megatron.utils import format_bytes
 
@@ -72,6 +74,8 @@ def load_spec(hf_dir: str) -> tuple[dict, QwenSpec]:
         raise ValueError(f"{path}: {e}") from None
     optional = _OPTIONAL_INT_FIELDS
     required = _INT_FIELDS
+    if arch == "Qwen3_5MoeForCausalLM":  # no dense width; its MoE fields are checked by the bridge
+        required = tuple(f for f in _INT_FIELDS if f != "intermediate_size")
     if arch == "Qwen3MoeForCausalLM":
         required += _MOE_INT_FIELDS
         optional += _MOE_EXPERT_FIELDS
@@ -110,7 +114,14 @@ def check_tensors(spec: QwenSpec, infos: dict[str, TensorInfo]) -> None:
             raise ValueError(
                 f"tensor {name} has shape {infos[name].shape} in the checkpoint but the config implies {shape}"
             )
-    extra = sorted(set(infos) - set(expected))
+    extra = sorted(set(infos) - set(expected) - set(carried_names(spec, infos)))
+    vision = [n for n in extra if n.startswith(("model.visual.", "visual."))]
+    if vision:
+        raise ValueError(f"the checkpoint holds {len(vision)} vision-tower tensors (e.g. {vision[0]}) that "
+                         f"{spec.architecture} does not use: converting it as a text model would drop them")
+    if spec.mtp_num_layers and not carried_names(spec, infos):
+        warnings.warn(f"config.json declares mtp_num_hidden_layers={spec.mtp_num_layers} but the checkpoint holds "
+                      "no mtp.* tensors: the converted checkpoint has no MTP weights")
     beyond = sorted({int(n.split(".")[2]) for n in extra if n.startswith("model.layers.") and n.split(".")[2].isdigit()})
     if beyond:
         raise ValueError(
@@ -123,15 +134,17 @@ def check_tensors(spec: QwenSpec, infos: dict[str, TensorInfo]) -> None:
 
 
 def _row_chunks(key: str, global_shape: tuple, lead: tuple, info: TensorInfo, dtype: torch.dtype,
-                row0: int = 0, name: str = "") -> list[Chunk]:
-    """Chunks copying ``info`` into rows ``row0..`` of a (layer-stacked) global tensor."""
-    rows = info.shape[0]
-    step = max(1, BLOCK_BYTES // (info.nbytes // rows))  # rows per block
+                row0: int = 0, name: str = "", src: Optional[tuple[int, int]] = None) -> list[Chunk]:
+    """Chunks copying rows ``src`` (default all) of ``info`` into rows ``row0..`` of a
+    (layer-stacked) global tensor."""
+    first, last = src or (0, info.shape[0])
+    step = max(1, BLOCK_BYTES // (info.nbytes // info.shape[0]))  # rows per block
     ones, zeros = (1,) * len(lead), (0,) * (len(info.shape) - 1)
     chunks = []
-    for start in range(0, rows, step):
-        stop = min(rows, start + step)
-        chunks.append(Chunk(key, global_shape, lead + (row0 + start,) + zeros, ones + (stop - start,) + info.shape[1:],
+    for start in range(first, last, step):
+        stop = min(last, start + step)
+        chunks.append(Chunk(key, global_shape, lead + (row0 + start - first,) + zeros,
+                            ones + (stop - start,) + info.shape[1:],
                             dtype, functools.partial(_finite_rows, name or key, info, start, stop)))
     return chunks
 
@@ -150,7 +163,7 @@ def _finite_rows(name: str, info: TensorInfo, start: int = 0, stop: Optional[int
 
 def _merged_qkv(infos: list[TensorInfo], names: list[str], spec: QwenSpec) -> torch.Tensor:
     q, k, v = (_finite_rows(n, i) for n, i in zip(names, infos))
-    return merge_qkv(q, k, v, spec.num_query_groups, spec.kv_channels)
+    return merge_qkv(q, k, v, spec.num_query_groups, spec.kv_channels, spec.attention_output_gate)
 
 
 def plan_chunks(spec: QwenSpec, infos: dict[str, TensorInfo], padded_vocab: int, dtype: torch.dtype) -> list[Chunk]:
@@ -161,11 +174,15 @@ def plan_chunks(spec: QwenSpec, infos: dict[str, TensorInfo], padded_vocab: int,
     for m in mappings_for(spec):
         shape = megatron_shape(m, spec, padded_vocab)
         global_shape = m.checkpoint_lead(spec) + shape
-        for lead in m.indices(spec):
-            names = m.hf_names(*lead)
+        for index in m.indices(spec):
+            names = m.hf_names(*index)
             srcs = [infos[n] for n in names]
-            key = m.checkpoint_key
-            if m.transform == "qkv":
+            key, lead = m.checkpoint_key_at(index), m.stored_lead(index)
+            if checkpoint_parts(m, spec):  # one key per piece, each from a row range of an HF tensor
+                for suffix, i, row0, rows in checkpoint_parts(m, spec):
+                    chunks += _row_chunks(f"{key}.{suffix}", m.checkpoint_lead(spec) + (rows,) + shape[1:], lead,
+                                          srcs[i], dtype, name=names[i], src=(row0, row0 + rows))
+            elif m.transform == "qkv":
                 # Interleaved per query group: one merged chunk per layer.
                 chunks.append(Chunk(key, global_shape, lead + (0,) * len(shape), (1,) * len(lead) + shape, dtype,
                                     functools.partial(_merged_qkv, srcs, names, spec)))
@@ -179,6 +196,9 @@ def plan_chunks(spec: QwenSpec, infos: dict[str, TensorInfo], padded_vocab: int,
                 pad_shape = (padded_vocab - spec.vocab_size, spec.hidden_size)
                 chunks.append(Chunk(key, global_shape, (spec.vocab_size, 0), pad_shape, dtype,
                                     functools.partial(torch.zeros, pad_shape, dtype=dtype)))
+    for name in carried_names(spec, infos):  # Qwen3.5's MTP layers: stored as they are
+        info = infos[name]
+        chunks += _row_chunks(CARRIED_PREFIX + name, info.shape, (), info, dtype, name=name)
     return chunks
 
 
@@ -214,6 +234,16 @@ def extra_state_objects(spec: QwenSpec) -> list[BytesObject]:
     keyed as ``ShardedObject.unique_key``: ``<key>/shard_<offsets>_<shape>`` (dot-joined), with
     (layer, global expert) offsets for the experts' linears."""
     L = spec.num_layers
+    if spec.is_hybrid:  # keyed per layer, without a layer axis (megatron-core: offset 0 of shape 1)
+        modules = {LINEAR_ATTENTION: ("self_attention.in_proj", "self_attention.out_proj"),
+                   FULL_ATTENTION: _LINEAR_MODULES[:2]}
+        mlp = (("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+               if spec.moe_shared_expert_intermediate_size else ()) if spec.is_moe else _LINEAR_MODULES[2:]
+        E = spec.num_moe_experts
+        experts = [f"{mod}._extra_state/shard_{e}_{E}" for mod in _EXPERT_LINEAR_MODULES for e in range(E or 0)]
+        return [BytesObject(f"{LAYER_PREFIX}{layer}.{name}", [None])
+                for layer, layer_type in enumerate(spec.layer_types)
+                for name in [f"{mod}._extra_state/shard_0_1" for mod in modules[layer_type] + mlp] + experts]
     objects = [BytesObject(f"{LAYER_PREFIX}{mod}._extra_state/shard_{layer}_{L}", [None])
                for mod in _LINEAR_MODULES[:2] for layer in range(L)]
     if not spec.is_moe:

@@ -13,9 +13,11 @@ front, so memory stays at one layer's tensors whatever the model size.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
+import warnings
 from typing import Iterator, Optional, TextIO
 
 import torch
@@ -25,7 +27,8 @@ from stapo_megatron.conversion.hf_to_mcore import HF_SUBDIR, copy_hf_side_files,
 from stapo_megatron.conversion.publish import Progress, check_output_dir, staged_output
 from stapo_megatron.conversion.safetensors_io import INDEX_NAME, SINGLE_NAME, ShardWriter, cast_checked
 from stapo_megatron.bridge.hf_config import QwenSpec, load_hf_config
-from stapo_megatron.bridge.mapping import ParamMapping, hf_shapes, mappings_for, megatron_shape
+from stapo_megatron.bridge.mapping import (CARRIED_PREFIX, ParamMapping, checkpoint_parts, hf_shapes, mappings_for,
+                                           megatron_shape)
 from stapo_megatron.bridge.transforms import split_qkv_pieces
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
@@ -78,33 +81,46 @@ def find_hf_side_dir(ckpt: str, ckpt_dir: str, hf_config_dir: Optional[str]) -> 
 
 def check_stored(spec: QwenSpec, stored: dict, padded_vocab_hint: int) -> None:
     """Every Megatron tensor the config implies is stored, with a compatible global shape."""
-    for m in mappings_for(spec):
-        if m.checkpoint_key not in stored:
-            raise ValueError(f"checkpoint has no tensor {m.checkpoint_key} (needed for {spec.architecture})")
-        stored_dtype = stored[m.checkpoint_key].properties.dtype
+    for m, key, want in _stored_keys(spec, padded_vocab_hint):
+        if key not in stored:
+            raise ValueError(f"checkpoint has no tensor {key} (needed for {spec.architecture})")
+        stored_dtype = stored[key].properties.dtype
         if not stored_dtype.is_floating_point:
-            raise ValueError(
-                f"checkpoint tensor {m.checkpoint_key} has dtype {stored_dtype}; weights must be floating-point"
-            )
-        got = tuple(stored[m.checkpoint_key].size)
-        want = m.checkpoint_lead(spec) + megatron_shape(m, spec, padded_vocab_hint)
+            raise ValueError(f"checkpoint tensor {key} has dtype {stored_dtype}; weights must be floating-point")
+        got = tuple(stored[key].size)
         if m.transform == "vocab":
             if got[1:] != want[1:] or got[0] < spec.vocab_size:
                 raise ValueError(
-                    f"checkpoint tensor {m.checkpoint_key} has shape {got} but the config implies "
+                    f"checkpoint tensor {key} has shape {got} but the config implies "
                     f"({spec.vocab_size} or more padded rows, {want[1]})"
                 )
         elif got != want:
-            raise ValueError(f"checkpoint tensor {m.checkpoint_key} has shape {got} but the config implies {want}")
+            raise ValueError(f"checkpoint tensor {key} has shape {got} but the config implies {want}")
 
 
-def _read_layer(reader: CheckpointReader, m: ParamMapping, lead: tuple, shape: tuple, row0: int = 0,
-                rows: Optional[int] = None) -> torch.Tensor:
-    """Rows ``[row0, row0 + rows)`` of one layer's (or one layer's one expert's, ``lead`` =
-    (layer, expert)) slice of a layer-stacked tensor."""
+def _stored_keys(spec: QwenSpec, padded_vocab_hint: int) -> Iterator[tuple[ParamMapping, str, tuple]]:
+    """(row, checkpoint key, global shape) of every tensor the config implies: one per row, one
+    per layer of an unstacked row, one per piece of a split row."""
+    for m in mappings_for(spec):
+        shape = megatron_shape(m, spec, padded_vocab_hint)
+        keys = sorted({m.checkpoint_key_at(index) for index in m.indices(spec)})
+        for key in keys:
+            parts = checkpoint_parts(m, spec)
+            if not parts:
+                yield m, key, m.checkpoint_lead(spec) + shape
+            for suffix, _, _, rows in parts:
+                yield m, f"{key}.{suffix}", m.checkpoint_lead(spec) + (rows,) + shape[1:]
+
+
+def _read_layer(reader: CheckpointReader, m: ParamMapping, index: tuple, shape: tuple, row0: int = 0,
+                rows: Optional[int] = None, suffix: str = "") -> torch.Tensor:
+    """Rows ``[row0, row0 + rows)`` of one layer's (or one layer's one expert's, ``index`` =
+    (layer, expert)) slice of a layer-stacked tensor (or of its layer's key, unstacked; of a
+    piece's key ``<key>.<suffix>``, split)."""
     rows = shape[0] - row0 if rows is None else rows
+    key, lead = m.checkpoint_key_at(index) + (f".{suffix}" if suffix else ""), m.stored_lead(index)
     offsets = lead + (row0,) + (0,) * (len(shape) - 1)
-    region = reader.read({m.checkpoint_key: (offsets, (1,) * len(lead) + (rows,) + shape[1:])})[m.checkpoint_key]
+    region = reader.read({key: (offsets, (1,) * len(lead) + (rows,) + shape[1:])})[key]
     return region.reshape((rows,) + shape[1:])
 
 
@@ -125,9 +141,14 @@ def hf_tensors(reader: CheckpointReader, m: ParamMapping, lead: tuple,
     names = m.hf_names(*lead)
     if m.per_layer:
         shape = megatron_shape(m, spec, spec.vocab_size)
-        if m.transform == "qkv":
+        if checkpoint_parts(m, spec):  # each HF tensor: its pieces' keys in order
+            parts = [[] for _ in names]
+            for suffix, i, _, rows in checkpoint_parts(m, spec):
+                parts[i].append(_read_layer(reader, m, lead, (rows,) + shape[1:], suffix=suffix))
+        elif m.transform == "qkv":
             full = _read_layer(reader, m, lead, shape)
-            parts = split_qkv_pieces(full, spec.num_attention_heads, spec.num_query_groups, spec.kv_channels)
+            parts = split_qkv_pieces(full, spec.num_attention_heads, spec.num_query_groups, spec.kv_channels,
+                                     spec.attention_output_gate)
         elif m.transform == "gate_up":
             # Stored in the TP=1 layout [gate; up]; reading the halves separately matches the
             # chunks hf-to-mcore writes (one read each instead of a read into a merged buffer).
@@ -192,6 +213,12 @@ def convert_mcore_to_hf(
     shapes = hf_shapes(spec)
     jobs = [(m, lead) for m in mappings_for(spec) for lead in m.indices(spec)]
     order = [n for m, lead in jobs for n in m.hf_names(*lead)]
+    carried = sorted(k for k in stored if k.startswith(CARRIED_PREFIX))  # Qwen3.5's MTP layers
+    if spec.mtp_num_layers and not carried:
+        warnings.warn(f"config.json declares mtp_num_hidden_layers={spec.mtp_num_layers} but {ckpt_dir} carries no "
+                      "mtp.* tensors (a training checkpoint does not): the export has no MTP weights")
+    shapes.update({k[len(CARRIED_PREFIX):]: tuple(stored[k].size) for k in carried})
+    order += [k[len(CARRIED_PREFIX):] for k in carried]
     shards = _shard_plan([(n, dtype, shapes[n]) for n in order], max_shard_bytes)
     files = [SINGLE_NAME] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
@@ -200,20 +227,24 @@ def convert_mcore_to_hf(
     with staged_output(out, overwrite, inputs) as tmp:
         writers = iter([(f, shard) for f, shard in zip(files, shards)])
         writer, remaining = None, 0
-        for m, lead in jobs:
-            for name, blocks in hf_tensors(reader, m, lead, spec):
-                if remaining == 0:
-                    if writer is not None:
-                        writer.close()
-                    fname, shard = next(writers)
-                    writer, remaining = ShardWriter(os.path.join(tmp, fname), shard), len(shard)
-                nbytes = 0
-                for block in blocks:
-                    block = cast_checked(block, dtype, name)
-                    writer.write(block)
-                    nbytes += block.nbytes
-                remaining -= 1
-                progress.update(nbytes)
+        # lazily: each mapping row is read only when its tensors are written (memory stays flat)
+        streams = itertools.chain((stream for m, lead in jobs for stream in hf_tensors(reader, m, lead, spec)),
+                                  ((k[len(CARRIED_PREFIX):], _row_blocks(reader, k, stored[k].size[0],
+                                                                         tuple(stored[k].size[1:])))
+                                   for k in carried))
+        for name, blocks in streams:
+            if remaining == 0:
+                if writer is not None:
+                    writer.close()
+                fname, shard = next(writers)
+                writer, remaining = ShardWriter(os.path.join(tmp, fname), shard), len(shard)
+            nbytes = 0
+            for block in blocks:
+                block = cast_checked(block, dtype, name)
+                writer.write(block)
+                nbytes += block.nbytes
+            remaining -= 1
+            progress.update(nbytes)
         writer.close()
         if len(files) > 1:
             index = {"metadata": {"total_size": progress.bytes}, "weight_map": {n: file_of[n] for n in order}}

@@ -294,6 +294,30 @@ def apply() -> None:
     from megatron.core.transformer.moe import token_dispatcher
 
     token_dispatcher.maybe_move_tensor_to_cpu = _tensor_to_cpu
+    _torch_delta_rule()
+
+
+def _torch_l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6, output_dtype=None) -> torch.Tensor:
+    """fla's ``l2norm`` (x / sqrt(sum x^2 + eps) over the last dim) in torch, in fp32."""
+    y = x.float() * torch.rsqrt(x.float().pow(2).sum(dim, keepdim=True) + eps)
+    return y.to(output_dtype or x.dtype)
+
+
+def _torch_delta_rule() -> None:
+    """ssm/gated_delta_net.py (megatron-core 0.16.1) calls flash-linear-attention's Triton kernels
+    (``l2norm``, ``chunk_gated_delta_rule``) and refuses to build a GatedDeltaNet without the
+    package. fla 0.6.0 launches nothing without a GPU ("0 active drivers", also under
+    ``TRITON_INTERPRET=1``), so on the CPU fla is not installed (installed, transformers'
+    Qwen3.5 picks its kernels too and fails the same way) and the module's own torch reference
+    ``torch_chunk_gated_delta_rule`` (its deterministic-mode path: the same chunked recurrence,
+    in fp32) and a torch L2 norm stand in for them."""
+    from megatron.core.ssm import gated_delta_net
+
+    # 0.19.2 made it a package whose forward reads these names in gated_delta_net/common.py
+    module = getattr(gated_delta_net, "common", gated_delta_net)
+    module.l2norm = _torch_l2norm
+    module.chunk_gated_delta_rule = module.torch_chunk_gated_delta_rule
+    module.HAVE_FLA = True
 
 
 def _tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):

@@ -29,8 +29,9 @@ import torch
 import torch.distributed as dist
 
 from stapo_megatron.bridge.hf_config import QwenSpec, spec_from_hf_config
+from stapo_megatron.bridge.hybrid_config import delta_net_dims
 from stapo_megatron.bridge.mapping import ParamMapping, hf_shapes, mappings_for
-from stapo_megatron.bridge.transforms import split_gate_up, split_qkv, unpad_vocab
+from stapo_megatron.bridge.transforms import split_gate_up, split_qkv, split_tp_pieces, unpad_vocab
 from stapo_megatron.utils import collective_device
 
 
@@ -94,7 +95,14 @@ def _gather_tp(tensor: torch.Tensor, axis: Optional[int], tp_group) -> torch.Ten
 def _to_hf(full: torch.Tensor, m: ParamMapping, spec: QwenSpec, tp_size: int) -> tuple[torch.Tensor, ...]:
     """A gathered Megatron tensor -> its HF tensors, in ``m.hf`` order."""
     if m.transform == "qkv":
-        return split_qkv(full, spec.num_attention_heads, spec.num_query_groups, spec.kv_channels)
+        return split_qkv(full, spec.num_attention_heads, spec.num_query_groups, spec.kv_channels,
+                         spec.attention_output_gate)
+    if m.transform in ("delta_in_proj", "delta_conv"):
+        # The gathered tensor is the in-memory layout: per TP shard [q_i; k_i; v_i (; z_i; b_i; a_i)].
+        d = delta_net_dims(spec)
+        pieces = split_tp_pieces(full, [d["qk"], d["qk"], d["v"], d["v"], d["heads"], d["heads"]][
+            :6 if m.transform == "delta_in_proj" else 3], tp_size)
+        return (torch.cat(pieces[:3]), *pieces[3:])  # HF: in_proj_qkv / conv1d, then z, b, a
     if m.transform == "gate_up":
         # The gathered tensor is the in-memory layout [gate_0; up_0; gate_1; up_1; ...].
         return split_gate_up(full, tp_size)
@@ -117,7 +125,7 @@ def _jobs(spec: QwenSpec, stage_layers: list[list[int]]) -> Iterator[tuple[Param
             yield m, None, 0
     for layer in range(spec.num_layers):
         for m in rows:
-            if m.per_layer:
+            if m.per_layer and (m.layers is None or layer in m.layers):  # hybrid: this layer's type's rows
                 yield m, layer, stage_of[layer]
     for m in rows:
         if not m.per_layer and not m.megatron.startswith("embedding."):

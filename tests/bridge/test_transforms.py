@@ -16,6 +16,7 @@ from stapo_megatron.bridge import (
     unpad_vocab,
 )
 from stapo_megatron.bridge.tiny import tiny_config
+from stapo_megatron.bridge.transforms import merge_tp_pieces, split_tp_pieces
 
 
 def _rows(tag: float, n: int, d: int, width: int = 3) -> torch.Tensor:
@@ -107,3 +108,33 @@ def test_mapping_names_local_spec_and_checkpoint_keys():
     qkv = rows["decoder.layers.*.self_attention.linear_qkv.weight"]
     assert qkv.hf_names(0)[1] == "model.layers.0.self_attn.k_proj.weight" and qkv.tp_axis == 0
     assert rows["decoder.layers.*.mlp.linear_fc2.weight"].tp_axis == 1
+
+
+def test_gated_qkv_grouped_order_by_hand():
+    # 4 heads (head dim 1) in 2 groups, HF q_proj [q0 g0 q1 g1 q2 g2 q3 g3]: Megatron holds per
+    # group its queries, then their gates, then k, then v (megatron-core attention_output_gate).
+    q = torch.tensor([0, 10, 1, 11, 2, 12, 3, 13], dtype=torch.float64).unsqueeze(1)
+    k, v = _rows(100, 2, 1, width=1), _rows(200, 2, 1, width=1)
+    merged = merge_qkv(q, k, v, num_query_groups=2, kv_channels=1, gated=True)
+    assert merged[:, 0].tolist() == [0, 1, 10, 11, 100, 200, 2, 3, 12, 13, 101, 201]
+    assert all(torch.equal(a, b) for a, b in zip(split_qkv(merged, 4, 2, 1, gated=True), (q, k, v)))
+
+
+@pytest.mark.parametrize("nh, ng, d", [(4, 2, 32), (8, 2, 16), (4, 4, 8)])
+def test_gated_qkv_pieces_are_views_in_hf_order(nh, ng, d):
+    q, k, v = torch.randn(2 * nh * d, 5), torch.randn(ng * d, 5), torch.randn(ng * d, 5)
+    merged = merge_qkv(q, k, v, ng, d, gated=True)
+    pieces = split_qkv_pieces(merged, nh, ng, d, gated=True)
+    assert all(p.data_ptr() >= merged.data_ptr() for p in pieces[0])  # views, no copies
+    assert all(torch.equal(torch.cat(p), t) for p, t in zip(pieces, (q, k, v)))
+
+
+def test_tp_pieces_by_hand_and_back():
+    # pieces of 4, 2, 2 rows at TP=2: shard 0 = [a0 a1 b0 c0], shard 1 = [a2 a3 b1 c1]
+    a, b, c = (_rows(tag, n, 1, width=1) for tag, n in ((0, 4), (100, 2), (200, 2)))
+    fused = merge_tp_pieces([a, b, c], 2)
+    assert fused[:, 0].tolist() == [0, 1, 100, 200, 2, 3, 101, 201]
+    assert torch.equal(merge_tp_pieces([a, b, c], 1), torch.cat([a, b, c]))
+    assert all(torch.equal(x, y) for x, y in zip(split_tp_pieces(fused, [4, 2, 2], 2), (a, b, c)))
+    with pytest.raises(ValueError, match="does not divide the rows of pieces"):
+        merge_tp_pieces([a, _rows(0, 3, 1)], 2)

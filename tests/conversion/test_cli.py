@@ -9,6 +9,7 @@ import struct
 import pytest
 import torch
 
+from stapo_megatron.bridge.tiny import save_tiny_hf_model
 from stapo_megatron.conversion.cli import main
 from tests.helpers import REPO_DIR
 from tests.helpers.conversion_cli import _fails, hf, tiny_hf  # noqa: F401
@@ -459,3 +460,51 @@ def test_conversion_onto_a_full_disk_names_the_sizes(hf, tmp_path):
     assert needed and needed.group(2) == str(disk), proc.stderr
     assert 64 < float(needed.group(1).split()[0]) < 1024  # the tiny checkpoint: more than the disk, < 1 MiB
     assert "Traceback" not in proc.stderr
+
+
+@pytest.fixture
+def qwen35_hf(tmp_path):
+    path = str(tmp_path / "qwen35")
+    save_tiny_hf_model(path, "qwen3.5")
+    return path
+
+
+def test_qwen35_unmapped_layer_type_is_refused_naming_the_field(capsys, qwen35_hf, tmp_path):
+    _edit_config(qwen35_hf, layer_types=["linear_attention", "linear_attention", "mamba", "full_attention"])
+    _fails(capsys, ["hf-to-mcore", "--hf-dir", qwen35_hf, "--out", str(tmp_path / "out")],
+           "config.json: layer_types entry 'mamba' (layer 2) is not mapped")
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_qwen35_vision_checkpoint_and_vision_tensors_are_refused(capsys, qwen35_hf, tmp_path):
+    """A vision-language config is refused by name; a text config over a checkpoint that still
+    holds the vision tower is refused too (its tensors would be dropped), naming a tensor."""
+    with open(os.path.join(qwen35_hf, "config.json")) as f:
+        text = json.load(f)
+    vl = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text,
+          "vision_config": {"depth": 2, "hidden_size": 32}}
+    with open(os.path.join(qwen35_hf, "config.json"), "w") as f:
+        json.dump(vl, f)
+    _fails(capsys, ["hf-to-mcore", "--hf-dir", qwen35_hf, "--out", str(tmp_path / "a")],
+           "'Qwen3_5ForConditionalGeneration' is a vision-language checkpoint", "drop its vision tower")
+    with open(os.path.join(qwen35_hf, "config.json"), "w") as f:
+        json.dump(text, f)
+    from safetensors.torch import save_file
+
+    save_file({"model.visual.blocks.0.attn.qkv.weight": torch.zeros(96, 32)},
+              os.path.join(qwen35_hf, "visual.safetensors"), metadata={"format": "pt"})
+    index = os.path.join(qwen35_hf, "model.safetensors.index.json")
+    with open(index) as f:
+        weight_map = json.load(f)["weight_map"]
+    weight_map["model.visual.blocks.0.attn.qkv.weight"] = "visual.safetensors"
+    with open(index, "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    _fails(capsys, ["hf-to-mcore", "--hf-dir", qwen35_hf, "--out", str(tmp_path / "b")],
+           "1 vision-tower tensors (e.g. model.visual.blocks.0.attn.qkv.weight)", "would drop them")
+    assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")
+
+
+def test_qwen35_tp_must_divide_delta_net_heads(capsys, qwen35_hf, tmp_path):
+    _edit_config(qwen35_hf, linear_num_key_heads=1, linear_num_value_heads=4)
+    _fails(capsys, ["hf-to-mcore", "--hf-dir", qwen35_hf, "--out", str(tmp_path / "out"), "--tp", "2"],
+           "tensor_model_parallel_size 2 does not divide linear_num_key_heads 1")

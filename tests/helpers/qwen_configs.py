@@ -18,3 +18,25 @@ QWEN3_14B = {
     "rms_norm_eps": 1e-06, "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
     "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 151936,
 }
+
+
+# A Qwen3.5-27B-sized text model (the text_config of the released vision-language checkpoint, saved
+# as a Qwen3_5ForCausalLM): 64 layers, every fourth full attention, 248,320-token vocabulary.
+QWEN35_27B_TEXT = {
+    "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "attention_bias": False, "head_dim": 256,
+    "hidden_act": "silu", "hidden_size": 5120, "initializer_range": 0.02, "intermediate_size": 17408,
+    "max_position_embeddings": 262144, "num_attention_heads": 24, "num_hidden_layers": 64, "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06, "tie_word_embeddings": False, "vocab_size": 248320, "full_attention_interval": 4,
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 48, "mtp_num_hidden_layers": 1,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+}
+
+# The vision-language checkpoint around it: refused (its vision tower would not be converted).
+QWEN35_27B_VL = {
+    "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+    "text_config": {k: v for k, v in QWEN35_27B_TEXT.items() if k not in ("architectures", "model_type")},
+    "vision_config": {"depth": 27, "hidden_size": 1152, "model_type": "qwen3_5_vision"},
+    "tie_word_embeddings": False,
+}

@@ -47,3 +47,29 @@ def test_hf_stream_is_the_order_iter_hf_weights_streams(parallel):
         streamed = [(name, tuple(t.shape)) for name, t in iter_hf_weights(model, tiny_config(variant), parallel)]
         assert streamed == hf_stream(spec_from_hf_config(tiny_config(variant))), variant
         assert len(streamed) == {"qwen3": 47, "qwen3-moe": 87}[variant]
+
+
+def test_gathered_qwen35_layouts_at_tp2():
+    """Tier a: a Qwen3.5's gathered TP=2 tensors back to HF: the delta net's in_proj (per shard
+    [q k v z b a]) and conv1d (per shard [q k v]), and the gated linear_qkv; rows only for the
+    layers of their type."""
+    from stapo_megatron.bridge import mappings_for, merge_qkv
+    from stapo_megatron.bridge.hybrid_config import delta_net_dims
+    from stapo_megatron.bridge.transforms import merge_tp_pieces
+    from stapo_megatron.rollout.weight_sync import _jobs, _to_hf
+
+    spec = spec_from_hf_config(tiny_config("qwen3.5"))
+    names = [n for m, layer, _ in _jobs(spec, [[0, 1, 2, 3]]) for n in m.hf_names(layer)]
+    assert names == list(dict.fromkeys(names)) and set(names) == set(hf_shapes(spec))
+    rows = {m.transform: m for m in mappings_for(spec)}
+    d = delta_net_dims(spec)
+    qkv, z, b, a = (torch.randn(r, 64) for r in (d["conv"], d["v"], d["heads"], d["heads"]))
+    q, k, v = torch.split(qkv, [d["qk"], d["qk"], d["v"]])
+    got = _to_hf(merge_tp_pieces([q, k, v, z, b, a], 2), rows["delta_in_proj"], spec, tp_size=2)
+    assert all(torch.equal(x, y) for x, y in zip(got, (qkv, z, b, a))) and len(got) == 4
+    conv = torch.randn(d["conv"], 1, 4)
+    got = _to_hf(merge_tp_pieces(list(torch.split(conv, [d["qk"], d["qk"], d["v"]])), 2), rows["delta_conv"], spec, 2)
+    assert len(got) == 1 and torch.equal(got[0], conv)
+    q, k, v = torch.randn(2 * 4 * 32, 64), torch.randn(64, 64), torch.randn(64, 64)
+    got = _to_hf(merge_qkv(q, k, v, 2, 32, gated=True), rows["qkv"], spec, tp_size=2)
+    assert all(torch.equal(x, y) for x, y in zip(got, (q, k, v)))

@@ -1,0 +1,147 @@
+"""The Megatron model of a Qwen3.5 (hybrid) spec: its TransformerConfig fields and its decoder
+block of gated delta-net and gated full-attention layers, on the local (non-TE) spec.
+
+Layers: each layer of ``spec.layer_types`` is a TransformerLayer whose ``self_attention`` is
+megatron-core's ``GatedDeltaNet`` (``ssm/gated_delta_net.py``: fused ``in_proj`` [q k v z b a],
+a depthwise causal ``conv1d`` over q/k/v, ``A_log``, ``dt_bias``, the gated ``out_norm``,
+``out_proj``) or its ``SelfAttention`` with ``attention_output_gate``; the MLP is the local
+SwiGLU MLP. Norms: `norm.TorchNorm` (zero-centred, as Qwen3.5's) except the delta net's output
+norm (`norm.PlainRMSNorm`, a plain weight as HF's ``Qwen3_5RMSNormGated``). The local spec maps
+``input_layernorm`` to the checkpoint's TE spelling (``self_attention.in_proj.layer_norm_weight``
+in delta-net layers), so its checkpoints are keyed as megatron-core's TE block
+(``get_transformer_block_with_experimental_attention_variant_spec``) keys them.
+
+Kernels: on CUDA the delta rule runs in flash-linear-attention's (``fla``) Triton kernels, as
+megatron-core calls them. On the CPU those refuse to run (fla 0.6.0: "0 active drivers", with or
+without ``TRITON_INTERPRET=1``; installed on the CPU, transformers would pick them too and fail
+the same way, so fla is a GPU-only requirement), and `stapo_megatron.mcore.cpu_compat` points the module at
+megatron-core's own torch reference (``torch_chunk_gated_delta_rule``, the deterministic-mode
+path) and a torch L2 norm: the same equations, chunked in fp32.
+
+Packed sequences: megatron-core 0.16.1's GatedDeltaNet refuses ``PackedSeqParams``; the layer
+here runs it on each sequence of ``cu_seqlens`` alone (`packed_delta_net`), so packed equals padded.
+Not supported: context parallelism (ValueError here: megatron-core 0.16.1's GatedDeltaNet has
+none), sequence parallelism with packed delta-net layers, the transformer-engine spec
+(`model.build_gpt_model`).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+from stapo_megatron.bridge.hf_config import LINEAR_ATTENTION, QwenSpec
+
+
+def delta_net_version_gap() -> Optional[str]:
+    """Why the installed megatron-core's GatedDeltaNet is not the one this module is written
+    against (0.16.1's single ``ssm/gated_delta_net.py``), or None. 0.19 made it a package
+    (``ssm/gated_delta_net/``: the delta rule chosen at construction, varlen and CP paths) that
+    the CPU shim and `packed_delta_net` do not cover yet."""
+    from megatron.core import __version__
+    from megatron.core.ssm import gated_delta_net
+
+    if hasattr(gated_delta_net, "__path__"):
+        return (f"megatron-core {__version__}'s GatedDeltaNet (the ssm/gated_delta_net/ package) is not supported "
+                f"yet: the Qwen3.5 model is built against megatron-core 0.16.1's")
+    return None
+
+
+def check_delta_net_version() -> None:
+    """ValueError naming the megatron-core version when `delta_net_version_gap` finds one."""
+    gap = delta_net_version_gap()
+    if gap:
+        raise ValueError(gap)
+
+
+def hybrid_settings(spec: QwenSpec) -> dict:
+    """TransformerConfig's fields for a Qwen3.5 spec (`hybrid_config` documents each)."""
+    if not spec.is_hybrid and not spec.attention_output_gate:
+        return {}
+    fields = dict(attention_output_gate=spec.attention_output_gate,
+                  layernorm_zero_centered_gamma=spec.zero_centered_norm)
+    if spec.is_hybrid:
+        fields.update(experimental_attention_variant="gated_delta_net",
+                      linear_attention_freq=[int(t == LINEAR_ATTENTION) for t in spec.layer_types],
+                      linear_conv_kernel_dim=spec.linear_conv_kernel_dim,
+                      linear_key_head_dim=spec.linear_key_head_dim,
+                      linear_value_head_dim=spec.linear_value_head_dim,
+                      linear_num_key_heads=spec.linear_num_key_heads,
+                      linear_num_value_heads=spec.linear_num_value_heads)
+    return fields
+
+
+def packed_delta_net():
+    """megatron-core's GatedDeltaNet with packed sequences (``PackedSeqParams(qkv_format="thd")``,
+    hidden states [t, 1, h]): the convolution and the recurrent state restart at every sequence
+    of ``cu_seqlens``, so nothing leaks between packed sequences. 0.16.1's own forward raises
+    NotImplementedError for packed input; this one runs it on each sequence alone (what the
+    padded batch computed for it: its right padding comes after it in a causal recurrence).
+    A reference path (one call per sequence), as `attention.SDPAttention`'s on the CPU; fla's
+    varlen kernels (``cu_seqlens``) would be the fast one on CUDA."""
+    import torch
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    class PackedGatedDeltaNet(GatedDeltaNet):
+        """GatedDeltaNet that keeps packed sequences apart (`packed_delta_net`)."""
+
+        def forward(self, hidden_states, attention_mask, *args, packed_seq_params=None, **kwargs):
+            if packed_seq_params is None:
+                return super().forward(hidden_states, attention_mask, *args, **kwargs)
+            if packed_seq_params.qkv_format != "thd" or self.config.sequence_parallel:
+                raise ValueError(f"packed delta-net layers need qkv_format 'thd' without sequence parallelism, got "
+                                 f"{packed_seq_params.qkv_format!r}, sequence_parallel={self.config.sequence_parallel}")
+            if self.config.context_parallel_size > 1:
+                raise ValueError("packed delta-net layers do not support context parallelism")
+            bounds = packed_seq_params.cu_seqlens_q.tolist()
+            if bounds[-1] < hidden_states.shape[0]:  # the row's padding after its last sequence
+                bounds.append(hidden_states.shape[0])
+            outs = [super(PackedGatedDeltaNet, self).forward(hidden_states[a:b], attention_mask, *args, **kwargs)
+                    for a, b in zip(bounds, bounds[1:])]
+            bias = outs[0][1]  # out_proj's bias (skip_bias_add): the same for every sequence
+            return torch.cat([out for out, _ in outs]), bias
+
+    return PackedGatedDeltaNet
+
+
+def delta_net_layer(full_attention_layer):
+    """A delta-net layer spec from the local full-attention layer spec: the same norms, MLP and
+    residuals, megatron-core's GatedDeltaNet as the token mixer."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from stapo_megatron.bridge.norm import PlainRMSNorm
+
+    layer = copy.deepcopy(full_attention_layer)
+    layer.submodules.self_attention = ModuleSpec(
+        module=packed_delta_net(),
+        submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=PlainRMSNorm,
+                                           out_proj=RowParallelLinear))
+    # the full-attention layer's map (MoE layers keep pre_mlp_layernorm's own key), the input norm renamed
+    layer.submodules.sharded_state_dict_keys_map = {
+        **full_attention_layer.submodules.sharded_state_dict_keys_map,
+        "input_layernorm.": "self_attention.in_proj.layer_norm_"}
+    return layer
+
+
+def hybrid_block_spec(spec: QwenSpec, full_attention_layer, config, vp_stage: Optional[int] = None):
+    """This pipeline stage's decoder block: each of its layers as ``spec.layer_types`` says, then
+    the final norm."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from stapo_megatron.bridge.norm import final_norm
+
+    check_delta_net_version()
+    if config.context_parallel_size > 1:
+        raise ValueError(f"context_parallel_size {config.context_parallel_size}: megatron-core 0.16.1's gated delta "
+                         f"net has no context parallelism (layer_types has linear_attention layers)")
+    linear = delta_net_layer(full_attention_layer)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage,
+                                          pp_rank=ps.get_pipeline_model_parallel_rank())
+    count = get_num_layers_to_build(config, vp_stage=vp_stage)
+    layers = [linear if spec.layer_types[i] == LINEAR_ATTENTION else full_attention_layer
+              for i in range(offset, offset + count)]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=final_norm())
