@@ -19,6 +19,7 @@ import dataclasses
 from typing import Any, List, Optional
 
 from stapo_megatron.batch.alignment import PACKING_MODES, rank_tokens, sequence_multiple
+from stapo_megatron.bridge.hybrid_config import check_hybrid_parallel, delta_net_layout_problems
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +176,10 @@ def model_problems(spec: Any, cfg: Any) -> List[str]:
                         f"{m.pipeline_model_parallel_size}")
     if m.sequence_parallel and tp == 1:
         problems.append("sequence_parallel needs tensor_model_parallel_size > 1")
+    # Qwen3.5's delta-net layers: no CP, no sequence parallelism with packing (the bridge's check)
+    problems += delta_net_layout_problems(spec, cp, m.sequence_parallel, packed=cfg.packing != "padded")
+    problems += [f"{field} {value} is not divisible by {name} {size}"
+                 for size, name, field, value in check_hybrid_parallel(spec, tp) if value % size]
     return problems + _expert_problems(spec, cfg)
 
 

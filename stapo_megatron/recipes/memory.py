@@ -17,6 +17,7 @@ from stapo_megatron.bridge.transformer_config import padded_vocab_size
 from stapo_megatron.config import TrainerConfig
 from stapo_megatron.mcore.config import ModelConfig
 from stapo_megatron.batch.alignment import rank_tokens
+from stapo_megatron.recipes import delta_net
 from stapo_megatron.config.parallel_layout import Cluster
 from stapo_megatron.rollout.weight_buckets import planned_staging_bytes
 
@@ -208,6 +209,8 @@ def params_per_gpu(spec: QwenSpec, layout: ParallelLayout) -> int:
     plus its experts (`expert_params_per_gpu`)."""
     tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
     layers = spec.num_layers // pp * dense_layer_params(spec) // tp
+    # Qwen3.5: each delta-net layer's token mixer instead of attention (0 for Qwen2/3)
+    layers += delta_net.num_linear_layers(spec) // pp * delta_net.mixer_params_difference(spec) // tp
     vocab_rows = padded_vocab_size(spec.vocab_size, tp) // tp * spec.hidden_size
     # PP = 1: the one stage holds the embedding and, untied, the output layer. PP > 1: the
     # first stage holds the embedding, the last the output layer (a copy when tied).
@@ -242,7 +245,8 @@ def kept_layer_bytes(spec: QwenSpec, layout: ParallelLayout) -> float:
     - q/k norms: two fp32 copies of q and k: 8 (q + kv);
     - attention: the fused QKV output (v is a view of it), q and k after RoPE, the output
       (kept by flash attention and by the output projection): 6 (q + kv) [+ 4 kv x (CP - 1) for
-      the K and V gathered over CP with ``cp_comm_type="all_gather"``];
+      the K and V gathered over CP with ``cp_comm_type="all_gather"``] [+ 6 q with Qwen3.5's
+      output gate: its rows of the fused output, the gate's sigmoid and the output before it];
     - dense MLP: `SWIGLU_BYTES` ffn, the fused SwiGLU's input and the second linear's input
       (counting 10 ffn, more than even the unfused SwiGLU keeps, the model over-counted the
       GPU by 4 ffn per layer: +10% at 8k and +13% at 16k tokens on the H200). MoE: the router's fp32 logits and
@@ -257,16 +261,35 @@ def kept_layer_bytes(spec: QwenSpec, layout: ParallelLayout) -> float:
     """
     tp = layout.tensor_model_parallel_size
     sp = tp if layout.sequence_parallel else 1
-    h, q, kv, cp = spec.hidden_size, spec.q_size, spec.kv_size, layout.context_parallel_size
-    gathered = 4 * kv * (cp - 1) if layout.cp_comm_type == "all_gather" else 0
-    attention = 10 * h / sp + (14 * (q + kv) + gathered) / tp
+    h = spec.hidden_size
+    attention = 10 * h / sp + attention_mixer_bytes(spec, layout)
     if spec.is_moe:
         copies = spec.moe_router_topk * MOE_ROUTING_IMBALANCE
         mlp = 10 * h / sp + 8 * spec.num_moe_experts / sp + copies * (
             4 * h / sp + SWIGLU_BYTES * spec.moe_ffn_hidden_size / layout.expert_tensor_size)
+        # Qwen3.5-MoE's shared expert: a SwiGLU MLP every token passes (its one-row gate is negligible)
+        mlp += SWIGLU_BYTES * (spec.moe_shared_expert_intermediate_size or 0) / tp
     else:
         mlp = 10 * h / sp + SWIGLU_BYTES * spec.ffn_hidden_size / tp
     return attention + mlp
+
+
+def attention_mixer_bytes(spec: QwenSpec, layout: ParallelLayout) -> float:
+    """Bytes per token a full-attention token mixer keeps after its input norm (`kept_layer_bytes`:
+    q/k norms, attention, the CP gather, the output gate), over TP."""
+    q, kv, cp = spec.q_size, spec.kv_size, layout.context_parallel_size
+    gathered = 4 * kv * (cp - 1) if layout.cp_comm_type == "all_gather" else 0
+    gate = 6 * q if spec.attention_output_gate else 0
+    return (14 * (q + kv) + gathered + gate) / layout.tensor_model_parallel_size
+
+
+def kept_layers_bytes(spec: QwenSpec, layout: ParallelLayout) -> float:
+    """Bytes per token every layer keeps without recomputation, plus one layer's gradients:
+    (layers + 1) `kept_layer_bytes`, each delta-net layer with its token mixer's bytes
+    (`delta_net.kept_mixer_bytes`) instead of attention's."""
+    kept = (spec.num_layers + 1) * kept_layer_bytes(spec, layout)
+    mixer = delta_net.kept_mixer_bytes(spec, layout.tensor_model_parallel_size) if spec.is_hybrid else 0.0
+    return kept + delta_net.num_linear_layers(spec) * (mixer - attention_mixer_bytes(spec, layout))
 
 
 def _recompute_layer_bytes(spec: QwenSpec, layout: ParallelLayout) -> float:
@@ -280,9 +303,13 @@ def _recompute_layer_bytes(spec: QwenSpec, layout: ParallelLayout) -> float:
     if spec.is_moe:
         mlp = spec.moe_router_topk * MOE_ROUTING_IMBALANCE * (
             3 * spec.moe_ffn_hidden_size / layout.expert_tensor_size + h / sp)
+        mlp += 3 * (spec.moe_shared_expert_intermediate_size or 0) / tp  # Qwen3.5-MoE's shared expert
     else:
         mlp = 3 * spec.ffn_hidden_size / tp
-    return 2 * (4 * h / sp + (2 * q + 2 * kv) / tp + mlp)
+    mixer = (2 * q + 2 * kv + (q if spec.attention_output_gate else 0)) / tp
+    if spec.is_hybrid:  # the larger of the two layer kinds is the one rebuilt at the peak
+        mixer = max(mixer, delta_net.recompute_mixer_bytes(spec, tp))
+    return 2 * (4 * h / sp + mixer + mlp)
 
 
 def memory_estimate(spec: QwenSpec, layout: ParallelLayout, seq_len: Optional[int] = None,
@@ -333,17 +360,19 @@ def memory_estimate(spec: QwenSpec, layout: ParallelLayout, seq_len: Optional[in
         kept_inputs = 2 * spec.hidden_size / sp * tokens * spec.num_layers
         activations = kept_inputs + 2 * _recompute_layer_bytes(spec, layout) * tokens
     else:
-        activations = (spec.num_layers + 1) * kept_layer_bytes(spec, layout) * tokens
+        activations = kept_layers_bytes(spec, layout) * tokens
     logits = tokens * padded_vocab_size(spec.vocab_size, tp) / tp * (2 + 2)
     vllm = layout.vllm_gpu_memory_utilization * gpu_bytes  # on a training GPU only when colocated
     reference = 2 * params if layout.reference_model else 0.0
     vllm_weights = 2 * num_params(spec) / layout.vllm_tensor_parallel_size
-    kv_bytes_per_token = 2 * spec.num_layers * spec.kv_size * 2 / layout.vllm_tensor_parallel_size
+    # K and V of the full-attention layers only; a hybrid model's delta-net states per sequence
+    kv_tokens = delta_net.kv_cache_tokens(spec, vllm - vllm_weights - VLLM_RUNTIME_BYTES,
+                                          layout.vllm_tensor_parallel_size, seq_len or layout.seq_len)
     return MemoryEstimate(
         weights=2 * params, grads=4 * params, optimizer=optimizer,
         activations=activations, logits=logits, overhead=FRAMEWORK_OVERHEAD_BYTES,
         vllm=0.0 if layout.engine_ranks else vllm, reference=reference,
-        vllm_kv_tokens=int(max(0.0, vllm - vllm_weights - VLLM_RUNTIME_BYTES) / kv_bytes_per_token),
+        vllm_kv_tokens=kv_tokens,
     )
 
 

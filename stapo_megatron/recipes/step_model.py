@@ -79,11 +79,17 @@ class ModelSpec:
     """Parameters in routed experts (0: dense)."""
     expert_share: float = 0.0
     """The share of the routed experts one token uses (top-k / experts)."""
+    attn_layers: Optional[int] = None
+    """Layers with causal attention and a KV cache (Qwen3.5: the full-attention ones); None: all."""
+    state_bytes: float = 0.0
+    """Qwen3.5: a sequence's delta-net states in vLLM, whatever its length (`delta_net`)."""
+    linear_flops: float = 0.0
+    """Qwen3.5: forward FLOPs a token of the delta rule beyond its projections, linear in the length."""
 
     @property
     def kv_bytes_per_token(self) -> float:
-        """bf16 K and V of every layer for one token."""
-        return self.num_layers * self.kv_heads * self.kv_channels * 2 * 2
+        """bf16 K and V of every attention layer for one token."""
+        return (self.num_layers if self.attn_layers is None else self.attn_layers) * self.kv_heads * self.kv_channels * 4
 
     @property
     def flop_params(self) -> float:
@@ -95,12 +101,16 @@ def model_spec(spec, name: str = "") -> ModelSpec:
     """The cost model's shapes of a `stapo_megatron.bridge.hf_config.QwenSpec`."""
     from stapo_megatron.bridge.hf_config import expert_params, num_active_params, num_params
 
+    from stapo_megatron.recipes import delta_net
+
     experts = (spec.num_moe_experts or 0) * spec.num_layers * expert_params(spec) if spec.is_moe else 0.0
+    hybrid = dict(attn_layers=delta_net.num_attention_layers(spec), state_bytes=delta_net.state_bytes_per_sequence(
+        spec), linear_flops=delta_net.delta_rule_flops_per_token(spec)) if spec.is_hybrid else {}
     return ModelSpec(name or spec.architecture, params=float(num_params(spec)), num_layers=spec.num_layers,
                      attn_width=spec.q_size, kv_heads=spec.num_query_groups, kv_channels=spec.kv_channels,
                      active_params=float(num_active_params(spec)) if spec.is_moe else None,
                      expert_params=float(experts),
-                     expert_share=spec.moe_router_topk / spec.num_moe_experts if spec.is_moe else 0.0)
+                     expert_share=spec.moe_router_topk / spec.num_moe_experts if spec.is_moe else 0.0, **hybrid)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +206,9 @@ class DecodeModel:
     """Context tokens the KV cache holds: a sequence waits for room before it starts, and a full
     cache preempts the newest running sequence (`step_engine.Engine`)."""
     max_num_seqs: int = 10**9
+    seq_tokens: int = 1
+    """Cache tokens a running sequence holds beyond its context: its next token, and a hybrid
+    model's delta-net states in KV tokens' worth (`ModelSpec.state_bytes`)."""
     expert_weight_s: float = 0.0
     """A mixture of experts: reading every routed expert once; an iteration over n sequences
     reads the share 1 - (1 - expert_share)^n of them (the experts some token is routed to, for
@@ -229,7 +242,9 @@ def decode_model(model: ModelSpec, hw: Hardware, eff: Efficiency, tp: int, memor
     overhead = eff.iteration_overhead_s + (2 * model.num_layers * eff.allreduce_s if tp > 1 else 0.0)
     return DecodeModel(weight_s=2 * (model.params - model.expert_params) / bw + overhead,
                        kv_s_per_token=model.kv_bytes_per_token / bw,
-                       seq_s=2 * model.flop_params / (flops * eff.decode_mfu),
+                       # a delta-net state is read and written back every iteration
+                       seq_s=2 * model.flop_params / (flops * eff.decode_mfu) + 2 * model.state_bytes / bw,
+                       seq_tokens=1 + math.ceil(model.state_bytes / model.kv_bytes_per_token),
                        prefill_s_per_token=2 * model.flop_params / (flops * eff.prefill_mfu),
                        kv_capacity_tokens=int(kv_gb * 1e9 / model.kv_bytes_per_token), max_num_seqs=eff.max_num_seqs,
                        expert_weight_s=2 * model.expert_params / bw, expert_share=model.expert_share)
@@ -244,8 +259,9 @@ def train_phase_s(model: ModelSpec, hw: Hardware, eff: Efficiency, tokens: Seque
     passes = 1 if phase == "forward" else 3 + int(recompute)  # backward = 2 forwards
     mfu_max = eff.forward_mfu if phase == "forward" else eff.update_mfu
     total = sum(tokens)
-    attention = 4 * model.num_layers * model.attn_width * sum(n * n / 2 for n in tokens)
-    flops = passes * (2 * model.flop_params * total + attention)
+    layers = model.num_layers if model.attn_layers is None else model.attn_layers  # the quadratic ones
+    attention = 4 * layers * model.attn_width * sum(n * n / 2 for n in tokens)
+    flops = passes * ((2 * model.flop_params + model.linear_flops) * total + attention)
     per_gpu = total / gpus
     mfu = mfu_max * per_gpu / (per_gpu + eff.half_tokens)
     return flops / (gpus * hw.peak_tflops * 1e12 * mfu)
@@ -413,9 +429,9 @@ def streaming_step(job: RecipeJob) -> Tuple[float, float]:
     engines, samples = _engines(job), job.prompts_per_step * job.group
     mean, prompt = lengths.mean_response(), lengths.mean_prompt
     context = prompt + lengths.response_moment(2) / (2 * mean)
-    reserve = prompt + min(job.reserve_tokens or lengths.response_cap, lengths.response_cap)
+    reserve = prompt + min(job.reserve_tokens or lengths.response_cap, lengths.response_cap) + dm.seq_tokens - 1
     running = max(1.0, min(dm.max_num_seqs, dm.kv_capacity_tokens / reserve - job.group / 2,
-                           dm.kv_capacity_tokens / context))
+                           dm.kv_capacity_tokens / (context + dm.seq_tokens - 1)))
     iteration = dm.time(running * context, running, 1) if not dm.expert_weight_s else \
         dm.time(running * context, int(running), 1)
     transfer = switch_s(model, job.eff, colocated=False)
