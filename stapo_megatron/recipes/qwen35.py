@@ -51,8 +51,9 @@ QWEN35_27B_CONFIG = dict(
     linear_num_value_heads=48)
 """Qwen/Qwen3.5-27B's text config: 64 layers (48 delta net, 16 gated full attention) of width
 5120, SwiGLU 17408, 24 query heads over 4 KV heads, 48 delta-net value heads (slime's 27B script
-gives the attention and MLP shapes; the delta-net value heads, 48, are those public Qwen3.5-27B
-``text_config`` copies list; transformers' defaults are the 9B's 32). 26.9B parameters by
+gives the attention and MLP shapes; the delta-net value heads, 48, are what public copies of the
+27B's ``text_config`` list, not checked against the hub file; transformers' defaults are the 9B's
+32). 26.9B parameters by
 `num_params` (the card: 27B, its vision tower aside)."""
 
 QWEN35_35B_A3B_CONFIG = dict(
@@ -95,10 +96,12 @@ QWEN35_LAYOUTS: Dict[str, ParallelLayout] = {
     # MoE, 8 nodes: TP=2 (the 2 KV heads bound Megatron's and vLLM's TP), EP=64 with ETP=1 (4
     # whole experts a rank), DP=32, full recomputation, packed micro-batches without sequence
     # parallelism. vLLM TP=2 holds 34.7 GB of bf16 weights a rank, so its share is 0.5 (6 GB of
-    # cache, ~31 sequences of 16k tokens); EP=32 on 8 nodes is 82.0 GB, 4 nodes at EP=32 88.4 GB.
+    # cache, ~31 sequences of 16k tokens; 0.46 beside GRPO's 3.5 GB reference: ~14 sequences);
+    # EP=32 on 8 nodes is 82.0 GB, 4 nodes at EP=32 88.4 GB.
     "qwen35_35b_a3b": ParallelLayout(num_nodes=8, model=_model(2, False, expert_model_parallel_size=64,
                                                                expert_tensor_parallel_size=1),
-                                     vllm_tensor_parallel_size=2, vllm_gpu_memory_utilization=0.5),
+                                     vllm_tensor_parallel_size=2, vllm_gpu_memory_utilization=0.5,
+                                     vllm_gpu_memory_utilization_with_reference=0.46),
 }
 """The parallel layout of each Qwen3.5 recipe (see `memory_estimate` and the table of docs/recipes.md)."""
 
