@@ -19,7 +19,6 @@ import dataclasses
 from typing import Any, List, Optional
 
 from stapo_megatron.batch.alignment import PACKING_MODES, rank_tokens, sequence_multiple
-from stapo_megatron.bridge.hybrid_config import check_hybrid_parallel, delta_net_layout_problems
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +160,9 @@ def model_problems(spec: Any, cfg: Any) -> List[str]:
     """What the architecture ``spec`` (a `stapo_megatron.bridge.hf_config.QwenSpec`) needs of
     ``cfg``'s layout: heads and KV heads over TP (x CP for the all-to-all CP exchanges) and vLLM's
     TP, layers over PP, experts over EP and their widths over ETP; sequence parallelism needs TP."""
+    # here, not at the top: the config tree imports this module without the bridge (or torch)
+    from stapo_megatron.bridge.hybrid_config import check_hybrid_parallel, delta_net_layout_problems
+
     m = cfg.model
     tp, cp, vtp = m.tensor_model_parallel_size, m.context_parallel_size, cfg.rollout.tensor_parallel_size
     # "a2a" CP scatters heads over the CP ranks (Ulysses), so heads must split over TP x CP
