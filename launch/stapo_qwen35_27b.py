@@ -1,4 +1,4 @@
-"""STAPO on Qwen3.5-27B (dense, hybrid delta-net layers; `recipes/qwen35.py::qwen35_27b`) on Slurm.
+"""STAPO on Qwen3.5-27B (dense, hybrid delta-net layers; `recipes/paper.py::qwen35_27b`, layout in `recipes/qwen35.py`) on Slurm.
 
     nemo-run launch/stapo_qwen35_27b.py --dryrun            # render the sbatch script, submit nothing
     nemo-run launch/stapo_qwen35_27b.py method=justrl model.hf_dir=... model.megatron_ckpt=... \

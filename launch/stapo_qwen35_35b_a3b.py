@@ -1,4 +1,4 @@
-"""STAPO on Qwen3.5-35B-A3B (mixture of experts, hybrid delta-net layers; `recipes/qwen35.py::qwen35_35b_a3b`)
+"""STAPO on Qwen3.5-35B-A3B (mixture of experts, hybrid delta-net layers; `recipes/paper.py::qwen35_35b_a3b`)
 on Slurm.
 
     nemo-run launch/stapo_qwen35_35b_a3b.py --dryrun            # render the sbatch script, submit nothing

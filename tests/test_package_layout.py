@@ -178,7 +178,6 @@ def test_light_modules_import_no_megatron_vllm_or_transformers(module):
 TESTS = os.path.join(os.path.dirname(ROOT), "tests")
 TESTED_IN = {
     "stapo_megatron.conversion.safetensors_io": "tests/conversion/test_roundtrip.py",
-    "stapo_megatron.doctor.kernels": "tests/gpu/test_gpu.py",
     "stapo_megatron.eval.generate": "tests/eval/test_cli.py",
     "stapo_megatron.launch.shipping": "tests/integration/test_launch.py",
     "stapo_megatron.batch.microbatch": "tests/batch/test_packing.py",

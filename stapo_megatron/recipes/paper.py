@@ -38,8 +38,8 @@ from stapo_megatron.method.config import method_loss_config
 from stapo_megatron.method.rollout_correction import RolloutCorrectionConfig
 from stapo_megatron.recipes.engine_memory import engine_start_problems
 from stapo_megatron.recipes.memory import GB, GPU_MEMORY_BYTES, MAX_PROMPT_LEN, ParallelLayout, memory_estimate
-from stapo_megatron.recipes.qwen35 import (QWEN35_ARCHITECTURES, QWEN35_DISPLAY_NAMES, QWEN35_LAYOUTS,  # noqa: F401
-                                           QWEN35_PACKING, qwen35_27b, qwen35_35b_a3b)
+from stapo_megatron.recipes.qwen35 import (QWEN35_ARCHITECTURES, QWEN35_DISPLAY_NAMES, QWEN35_LAYOUTS,
+                                           QWEN35_PACKING)
 
 
 def _qwen3(num_layers, hidden, heads, ffn, tied) -> QwenSpec:
@@ -334,6 +334,16 @@ def qwen3_30b_a3b(method: str = "stapo", run_dir: Optional[str] = None) -> Train
     both once a GPU run shows V2's parity; the routing-disagreement metric (every 10th step)
     says how much it would change."""
     return paper_recipe("qwen3_30b_a3b", method, run_dir)
+
+
+def qwen35_27b(method: str = "stapo", run_dir: Optional[str] = None) -> TrainerConfig:
+    """Qwen3.5-27B (`recipes.qwen35`): 8 nodes x 8 GPUs, TP=4, PP=2, DP=8, no CP, vLLM TP=4."""
+    return paper_recipe("qwen35_27b", method, run_dir)
+
+
+def qwen35_35b_a3b(method: str = "stapo", run_dir: Optional[str] = None) -> TrainerConfig:
+    """Qwen3.5-35B-A3B (MoE, `recipes.qwen35`): 8 nodes x 8 GPUs, TP=2, EP=64, ETP=1, DP=32, no CP, vLLM TP=2."""
+    return paper_recipe("qwen35_35b_a3b", method, run_dir)
 
 
 def layout_problems(spec: QwenSpec, layout: ParallelLayout, cfg: TrainerConfig) -> List[str]:

@@ -14,13 +14,13 @@ chosen with the memory model (`recipes.memory`, with the delta-net layers of `re
 - vLLM's TP must divide the KV heads (4 for the 27B, 2 for the 35B-A3B) and Megatron's TP.
 
 `QWEN35_LAYOUTS` and `QWEN35_ARCHITECTURES` join `paper.LAYOUTS` / `paper.ARCHITECTURES`, so
-``paper_recipe("qwen35_27b")``, the launchers' dry runs and ``scripts/memory_table.py`` take them
-as they take the Qwen3 recipes.
+``paper_recipe("qwen35_27b")`` (``paper.qwen35_27b()``, ``paper.qwen35_35b_a3b()``), the launchers'
+dry runs and ``scripts/memory_table.py`` take them as they take the Qwen3 recipes.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict
 
 from stapo_megatron.bridge.hf_config import QwenSpec, spec_from_hf_config
 from stapo_megatron.mcore.config import ModelConfig
@@ -109,16 +109,3 @@ QWEN35_PACKING = {"qwen35_27b": "padded", "qwen35_35b_a3b": "budget"}
 """``packing`` of each Qwen3.5 recipe: padded where pipeline parallelism needs it (one sequence a
 micro-batch, with sequence parallelism), else the Qwen3 recipes' budget packing."""
 
-
-def qwen35_27b(method: str = "stapo", run_dir: Optional[str] = None):
-    """Qwen3.5-27B: 8 nodes x 8 GPUs, TP=4, PP=2, DP=8, full recomputation, vLLM TP=4."""
-    from stapo_megatron.recipes.paper import paper_recipe
-
-    return paper_recipe("qwen35_27b", method, run_dir)
-
-
-def qwen35_35b_a3b(method: str = "stapo", run_dir: Optional[str] = None):
-    """Qwen3.5-35B-A3B (MoE): 8 nodes x 8 GPUs, TP=2, EP=64, ETP=1, DP=32, vLLM TP=2."""
-    from stapo_megatron.recipes.paper import paper_recipe
-
-    return paper_recipe("qwen35_35b_a3b", method, run_dir)

@@ -37,7 +37,7 @@ def test_the_paper_settings_and_no_context_parallelism(size):
     assert cfg.model.context_parallel_size == 1 and cfg.packing == qwen35.QWEN35_PACKING[size]
     # packed delta-net layers take whole sequences: sequence parallelism only with padded micro-batches
     assert cfg.model.sequence_parallel == (cfg.packing == "padded")
-    assert getattr(qwen35, size)() == cfg
+    assert getattr(paper, size)() == cfg
     layout = paper.layout_for(size, cfg)
     assert memory.memory_estimate(paper.ARCHITECTURES[size], layout).total < memory.GPU_MEMORY_BYTES
     assert paper.layout_problems(paper.ARCHITECTURES[size], layout, cfg) == []
