@@ -26,3 +26,11 @@ def test_the_cpu_row_checks_the_torch_reference_the_model_runs():
     row = kernels.check_delta_net()
     assert row.status == "pass" and row.values["kernel"].endswith("torch_chunk_gated_delta_rule")
     assert row.values["error"] <= kernels.DELTA_RULE_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (fla's Triton kernels)")
+def test_the_cuda_row_checks_flas_kernel():
+    row = kernels.check_delta_net()
+    assert row.status == "pass", row.detail
+    assert row.values["kernel"].startswith("fla.") and row.values["error"] <= kernels.DELTA_RULE_TOL
