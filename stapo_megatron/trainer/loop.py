@@ -37,7 +37,8 @@ from stapo_megatron.mcore.parallel import destroy_parallel
 from stapo_megatron.utils import collective_device
 from stapo_megatron.batch.records import SequenceRecord, make_records
 from stapo_megatron.batch.step_rollout import StepRollout
-from stapo_megatron.mcore.reference import add_reference_logprobs, frozen_copy, reset_reference
+from stapo_megatron.mcore.lora import apply_lora
+from stapo_megatron.mcore.reference import add_reference_logprobs, build_reference, reset_reference
 from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
 from stapo_megatron.mcore.step import build_optimizer, policy_update, wrap_ddp
 from stapo_megatron.trainer import faults, replicas, routing
@@ -93,8 +94,9 @@ class Trainer:
             load_checkpoint(model, cfg.model.megatron_ckpt)
         # the output layer is padded to a multiple of 128 x TP; the softmax must not see it
         self.vocab_size = model.qwen_spec.vocab_size
-        # GRPO's KL term: a frozen copy of the initial weights, same sharding (reference.py)
-        self.ref_model = frozen_copy(model, build) if cfg.loss.kl_coef > 0 else None
+        if cfg.lora is not None:  # the base frozen: DDP's buffers and the optimizer hold only the adapters
+            apply_lora(model, cfg.lora)
+        self.ref_model = build_reference(model, build, cfg.loss.kl_coef)  # GRPO's KL: a frozen copy or LoRA's base
         # Device rule: batches live on the model's device; what goes through a DP collective is
         # created on the backend's device (the same CUDA device under NCCL, the CPU under gloo).
         self.device = next(model.parameters()).device
