@@ -42,7 +42,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from stapo_megatron.mcore.checkpoint_optimizer import optimizer_sharded_state_dict, restore_loaded_optimizer_state
+from stapo_megatron.mcore.checkpoint_optimizer import (optimizer_sharded_state_dict, restore_loaded_optimizer_state,
+                                                       unshare_adam_steps)
 from stapo_megatron.mcore.lora import lora_adapters
 from stapo_megatron.mcore.mcore_versions import checkpoint_writer_queue
 
@@ -376,5 +377,6 @@ def load_checkpoint(path: str, model, optimizer) -> Dict[str, Any]:
     # no_grad (megatron-core 0.16 - 0.19, distrib_optimizer._set_main_param_and_optimizer_states).
     with torch.no_grad():
         optimizer.load_state_dict(state["optimizer"])
+    unshare_adam_steps(optimizer)
     _set_rng_state(rng_state)
     return trainer_state

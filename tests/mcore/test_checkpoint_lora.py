@@ -1,7 +1,7 @@
 """Tier a: a LoRA run's training state (`stapo_megatron.mcore.checkpoint` with adapters): Megatron's
 DDP buffers and optimizer hold only the adapters, the checkpoint holds only them and resumes the
-run exactly, at a fraction of a full checkpoint's size, and a full checkpoint is refused as LoRA
-(and the reverse), naming ``lora``."""
+run exactly (a full fine-tune's too, with either optimizer), at a fraction of a full checkpoint's
+size, and a full checkpoint is refused as LoRA (and the reverse), naming ``lora``."""
 
 import os
 
@@ -76,23 +76,28 @@ def test_ddp_and_the_optimizer_hold_only_the_adapters(parallel, distributed):
     assert any(v.abs().max() > 0 for k, v in _adapters(model).items() if k.endswith("lora.B")), "B moved off 0"
 
 
-def test_the_adapter_only_checkpoint_resumes_exactly(parallel, tmp_path):
-    model, optimizer = _model_and_optimizer(LORA)
+@pytest.mark.parametrize("distributed", [False, True], ids=["adam", "distributed_optimizer"])
+@pytest.mark.parametrize("lora", [LORA, None], ids=["lora", "full"])
+def test_the_checkpoint_resumes_exactly(parallel, tmp_path, lora, distributed):
+    """LoRA: from the adapters alone. Full fine-tuning alike, for the distributed optimizer's
+    shared Adam step after a load (`checkpoint_optimizer.unshare_adam_steps`), found here."""
+    model, optimizer = _model_and_optimizer(lora, distributed)
     losses = [_step(model, optimizer, parallel, step) for step in range(3)]
-    trained = _adapters(model)
+    trained = {k: v.detach().clone() for k, v in model.module.named_parameters()}
 
-    model, optimizer = _model_and_optimizer(LORA)
+    model, optimizer = _model_and_optimizer(lora, distributed)
     again = [_step(model, optimizer, parallel, step) for step in range(2)]
     path = ckpt.save_checkpoint(str(tmp_path / "run"), 2, model, optimizer, {"note": "lora"})
     stored = ckpt.read_dcp_metadata(path).state_dict_metadata
     model_keys = [k for k in stored if not k.startswith("optimizer.")]
-    assert model_keys and all(".lora." in k for k in model_keys), "adapter-only: no base weight saved"
+    assert model_keys and all(".lora." in k for k in model_keys) == (lora is not None), "LoRA: adapters only"
 
-    model, optimizer = _model_and_optimizer(LORA)  # a fresh process builds the same base
+    model, optimizer = _model_and_optimizer(lora, distributed)  # a fresh process builds the same base
     assert ckpt.load_checkpoint(path, model, optimizer)["step"] == 2
     again.append(_step(model, optimizer, parallel, 2))
-    assert again == losses, "resumed from the adapter-only checkpoint: the same losses, bit for bit"
-    assert all(torch.equal(v, _adapters(model)[k]) for k, v in trained.items()), "and the same adapters"
+    assert again == losses, "resumed: the same losses, bit for bit"
+    now = dict(model.module.named_parameters())
+    assert all(torch.equal(v, now[k]) for k, v in trained.items()), "and the same weights after the third update"
 
 
 def test_the_adapter_checkpoint_is_a_fraction_of_the_full_one(parallel, tmp_path):
