@@ -3,18 +3,9 @@
 A LoRA checkpoint of the trainer (`stapo_megatron.mcore.checkpoint`) holds, per adapted linear,
 A (r x in) and B (out x r) of Megatron's fused modules (`stapo_megatron.mcore.lora`), stacked over
 the layers like every per-layer tensor of a dist checkpoint (``decoder.layers.<suffix>.lora.A``,
-[L, r, in]). PEFT adapts transformers' separate projections, so each fused adapter is split by
-the same data the weight converter uses (`stapo_megatron.bridge.mapping`'s rows and
-`stapo_megatron.bridge.transforms`):
-
-- ``linear_qkv`` -> ``q_proj``, ``k_proj``, ``v_proj``: B's rows split GQA-grouped (`split_qkv`),
-  each projection keeping the shared A. Exact: q = W_q x + s B_q (A x) is the fused module's q.
-- ``linear_fc1`` -> ``gate_proj``, ``up_proj``: B's rows [gate; up] (the checkpoint layout at any
-  TP) split in two (`split_gate_up`), A shared.
-- ``linear_proj`` -> ``o_proj``, ``linear_fc2`` -> ``down_proj``: A and B as they are.
-
-PEFT's scaling is ``lora_alpha / r`` (``use_rslora`` false), the trainer's ``alpha / rank``. The
-folder: ``adapter_config.json`` (written here, so the export needs no peft) and
+[L, r, in]). They are read whole (any TP they were saved at), split per transformers projection
+and named as PEFT names them (`stapo_megatron.bridge.peft`). The folder: ``adapter_config.json``
+(written here, so the export needs no peft) and
 ``adapter_model.safetensors`` with PEFT's keys ``base_model.model.<HF module>.lora_A.weight`` /
 ``lora_B.weight``. Mixture-of-experts expert adapters are not exported (transformers 5 stacks the
 experts into one tensor, which PEFT's LoRA does not wrap per expert).
@@ -30,53 +21,12 @@ import torch
 import yaml
 
 from stapo_megatron.bridge.hf_config import QwenSpec, load_hf_config, spec_from_hf_config
-from stapo_megatron.bridge.mapping import LAYER_PREFIX, ParamMapping, mappings_for
-from stapo_megatron.bridge.transforms import split_gate_up, split_qkv
+from stapo_megatron.bridge.mapping import LAYER_PREFIX
+from stapo_megatron.bridge.peft import adapter_config, peft_tensors, target_rows
 from stapo_megatron.conversion.dcp_io import CheckpointReader
 from stapo_megatron.conversion.mcore_to_hf import find_hf_side_dir, resolve_checkpoint_dir
 
-PEFT_PREFIX = "base_model.model."
-"""What PEFT's ``PeftModel`` puts before the transformers module names in a saved adapter."""
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
-
-
-def _target_rows(spec: QwenSpec) -> Dict[str, ParamMapping]:
-    """{Megatron target name (``linear_qkv``, ...): the mapping row of its weight} (dense layers)."""
-    rows = {}
-    for m in mappings_for(spec):
-        leaf = m.megatron.rsplit(".", 2)
-        if m.per_layer and not m.per_expert and leaf[-1] == "weight" and leaf[-2].startswith("linear_"):
-            rows[leaf[-2]] = m
-    return rows
-
-
-def split_adapter(m: ParamMapping, spec: QwenSpec, a_full: torch.Tensor,
-                  b_full: torch.Tensor) -> Tuple[Tuple[torch.Tensor, torch.Tensor], ...]:
-    """One fused adapter's full (A, B) -> an (A, B) per HF projection of mapping row ``m``, in
-    ``m.hf`` order (see the module docstring)."""
-    if m.transform == "qkv":
-        bs = split_qkv(b_full, spec.num_attention_heads, spec.num_query_groups, spec.kv_channels)
-    elif m.transform == "gate_up":
-        bs = split_gate_up(b_full, 1)  # the checkpoint's [gate; up] rows at any TP
-    else:
-        bs = (b_full,)
-    return tuple((a_full, b) for b in bs)
-
-
-def peft_tensors(adapters: Dict[Tuple[int, str], Tuple[torch.Tensor, torch.Tensor]],
-                 spec: QwenSpec) -> Dict[str, torch.Tensor]:
-    """PEFT's adapter tensors from the full adapters ``{(layer, target): (A, B)}``."""
-    rows = _target_rows(spec)
-    out = {}
-    for (layer, target), (a_full, b_full) in sorted(adapters.items()):
-        if target not in rows:
-            raise ValueError(f"lora target {target} has no transformers projection in this model ({sorted(rows)})")
-        m = rows[target]
-        for hf_name, (a, b) in zip(m.hf_names(layer), split_adapter(m, spec, a_full, b_full)):
-            module = PEFT_PREFIX + hf_name[: -len(".weight")]
-            out[f"{module}.lora_A.weight"] = a.clone()  # one copy per projection (safetensors shares none)
-            out[f"{module}.lora_B.weight"] = b.contiguous()
-    return out
 
 
 def read_checkpoint_adapters(reader: CheckpointReader,
@@ -88,7 +38,7 @@ def read_checkpoint_adapters(reader: CheckpointReader,
         raise ValueError("the checkpoint holds expert adapters (lora.experts=True): PEFT export covers the "
                          "attention and dense MLP adapters only")
     adapters = {}
-    for target, m in _target_rows(spec).items():
+    for target, m in target_rows(spec).items():
         stem = m.checkpoint_key[: -len(".weight")]
         keys = {name: f"{stem}.lora.{name}" for name in ("A", "B")}
         if not all(k in stored for k in keys.values()):
@@ -113,16 +63,6 @@ def checkpoint_lora_section(ckpt_dir: str) -> dict:
     if not lora:
         raise ValueError(f"{path}: the run has no lora section (lora=None): not a LoRA run")
     return lora
-
-
-def adapter_config(spec: QwenSpec, rank: int, alpha: float, dropout: float, targets, base_model: str) -> dict:
-    """PEFT's ``adapter_config.json`` for adapters of ``rank`` on the HF projections of ``targets``."""
-    rows = _target_rows(spec)
-    modules = sorted({name.split(".")[-2] for t in targets for name in rows[t].hf})
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "lora_dropout": dropout,
-            "target_modules": modules, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
-            "use_dora": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
-            "base_model_name_or_path": base_model}
 
 
 def export_peft(ckpt: str, out: str, alpha: Optional[float] = None, hf_config_dir: Optional[str] = None,
