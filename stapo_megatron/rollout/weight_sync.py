@@ -35,7 +35,7 @@ import torch.distributed as dist
 from stapo_megatron.bridge.hf_config import QwenSpec, spec_from_hf_config
 from stapo_megatron.bridge.mapping import ParamMapping, hf_shapes, mappings_for
 from stapo_megatron.bridge.transforms import split_gate_up, split_qkv, unpad_vocab
-from stapo_megatron.mcore.lora import MergedParameters
+from stapo_megatron.mcore.lora import MergedParameters, lora_adapters
 from stapo_megatron.utils import collective_device
 
 
@@ -217,11 +217,14 @@ def _expert_tensors(params, m: ParamMapping, spec: QwenSpec, layer: int, local_l
 
 
 def sync_weights(model, hf_config: Union[QwenSpec, dict, Any], groups, engine) -> dict:
-    """Push the model's current weights into this rank's `VLLMEngine`, streamed.
+    """Push the model's current weights into this rank's `VLLMEngine`, streamed; a LoRA policy
+    into an engine that ``serves_adapters`` (`stapo_megatron.rollout.vllm_lora`): its adapters.
 
     Returns:
         ``{"bytes": HF bytes loaded into this rank's engine, "seconds": wall time}``.
     """
+    if getattr(engine, "serves_adapters", False) and any(a.enabled for a in lora_adapters(_unwrap(model)).values()):
+        return engine.sync_adapters(model, hf_config, groups)  # the adapters alone (the base once)
     start = time.perf_counter()
     total = [0]
 

@@ -34,7 +34,7 @@ def _config(run_dir: str, hf_dir: str, steps: int):
 
 def _run(cfg):
     """Train ``cfg`` in this process; (its rows, the policy's parameters after it, whether the
-    reference was the policy itself)."""
+    reference was the policy itself, the adapter versions a `VLLMLoraEngine` was sent or None)."""
     from stapo_megatron.mcore.parallel import destroy_parallel
     from stapo_megatron.trainer.loop import Trainer
 
@@ -44,7 +44,8 @@ def _run(cfg):
             trainer = Trainer(cfg)
             rows = trainer.run()
             params = {k: v.detach().clone() for k, v in trainer.model.module.named_parameters()}
-            return rows, params, trainer.ref_model is trainer.model.module
+            sent = getattr(trainer.engine, "adapter_version", None)
+            return rows, params, trainer.ref_model is trainer.model.module, sent
         finally:
             if trainer is not None:
                 trainer.close()
@@ -63,7 +64,7 @@ def test_lora_training_syncs_merged_weights_and_resumes_exactly(tmp_path):
 
     hf_dir = str(tmp_path / "model")
     prepare_tiny_model(hf_dir)
-    rows, params, reference_is_policy = _run(_config(str(tmp_path / "straight"), hf_dir, 3))
+    rows, params, reference_is_policy, _ = _run(_config(str(tmp_path / "straight"), hf_dir, 3))
     assert reference_is_policy, "GRPO's reference with LoRA: the policy's base, no copy"
     train = [r for r in rows if r["kind"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3]
@@ -73,12 +74,36 @@ def test_lora_training_syncs_merged_weights_and_resumes_exactly(tmp_path):
     assert any(v.abs().max() > 0 for k, v in params.items() if k.endswith("lora.B")), "the adapters trained"
 
     # the same run stopped after step 2 and resumed from its adapter-only checkpoint
-    first, _, _ = _run(_config(str(tmp_path / "resumed"), hf_dir, 2))
+    first, *_ = _run(_config(str(tmp_path / "resumed"), hf_dir, 2))
     latest = ckpt.find_latest(str(tmp_path / "resumed"), world_size=1)
     stored = ckpt.read_dcp_metadata(latest).state_dict_metadata
     assert all(".lora." in k for k in stored if not k.startswith("optimizer.")), "adapters only"
-    rest, resumed, _ = _run(_config(str(tmp_path / "resumed"), hf_dir, 3))
+    rest, resumed, *_ = _run(_config(str(tmp_path / "resumed"), hf_dir, 3))
     assert [r["step"] for r in rest if r["kind"] == "train"] == [3]
     assert [_values(r) for r in first + rest if r["kind"] == "train"] == [_values(r) for r in train]
     assert all(torch.equal(resumed[k], v) for k, v in params.items()), "the same weights, base and adapters"
     assert os.path.isdir(os.path.join(str(tmp_path / "resumed"), "checkpoints", "step_00000003"))
+
+
+def test_adapter_only_sync_into_vllm_in_the_trainer(tmp_path):
+    """``rollout.engine="vllm_lora"``: the engine gets the base once, then each step's adapters
+    alone (`stapo_megatron.rollout.vllm_lora`); the sampler agrees with the trainer at k = 0 in
+    every step, also after a resume (a new engine: the base again, then the adapters)."""
+    from stapo_megatron.config.overrides import apply_overrides
+    from stapo_megatron.recipes.tiny import prepare_tiny_model
+
+    pytest.importorskip("vllm")
+    hf_dir = str(tmp_path / "model")
+    prepare_tiny_model(hf_dir)
+    run_dir = str(tmp_path / "vllm_lora")
+    rows, versions = [], []
+    for steps in (2, 3):
+        cfg = apply_overrides(_config(run_dir, hf_dir, steps), {"rollout.engine": "vllm_lora"})
+        run_rows, _, _, sent = _run(cfg)
+        rows += [r for r in run_rows if r["kind"] == "train"]
+        versions.append(sent)
+    assert versions == [3, 2], "one adapter version at the start and one after each step"
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["rollout_train_logprob_diff"] < SYNCED_ATOL and r["mismatch_abs_logprob_diff_max"] < SYNCED_ATOL, r
+        assert r["skipped"] == 0
