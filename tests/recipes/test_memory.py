@@ -138,3 +138,43 @@ def test_dry_run_layout_line_shows_cp_and_ep():
     line = memory.describe(paper.ARCHITECTURES["qwen3_8b"], paper.LAYOUTS["qwen3_8b_async"])
     assert "16 generate (4 vLLM engines of TP=4 at 0.85 of the card, 1.9 GB of weight buckets beside it" in line
     assert memory.engine_staging_bytes(paper.ARCHITECTURES["qwen3_8b"], paper.LAYOUTS["qwen3_8b_async"]) == 1857822720
+
+
+@pytest.mark.parametrize("fields, lora_fields", [
+    ({}, {}),
+    ({}, dict(target_modules=["linear_qkv", "linear_fc2"])),
+    (dict(architecture="Qwen3MoeForCausalLM", num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32),
+     dict(experts=True)),
+])
+def test_adapter_parameters_are_what_apply_lora_adds(parallel, fields, lora_fields):
+    """`adapter_params_per_gpu` against the adapters of a real model (TP = 1)."""
+    from stapo_megatron.bridge.tiny import tiny_qwen3_spec
+    from stapo_megatron.mcore.lora import adapter_parameters, apply_lora
+    from stapo_megatron.mcore.lora_config import LoraConfig
+    from tests.helpers.lora_models import VOCAB, tiny_gpt
+
+    model, config = tiny_gpt(**fields), LoraConfig(rank=4, **lora_fields)
+    apply_lora(model, config)
+    layout = memory.ParallelLayout(num_nodes=1, gpus_per_node=1, model=ModelConfig(), vllm_tensor_parallel_size=1,
+                                   vllm_gpu_memory_utilization=0.3, lora_rank=4, lora_experts=config.experts,
+                                   lora_targets=tuple(config.target_modules))
+    spec = tiny_qwen3_spec(vocab_size=VOCAB, **fields)
+    assert memory.adapter_params_per_gpu(spec, layout) == sum(p.numel() for p in adapter_parameters(model)) > 0
+
+
+def test_lora_trains_the_adapters_only_and_its_reference_is_free():
+    spec = paper.ARCHITECTURES["qwen3_14b"]
+    full = paper.LAYOUTS["qwen3_14b"].replace(reference_model=True)
+    lora = full.replace(lora_rank=16)
+    a, b = memory.memory_estimate(spec, full), memory.memory_estimate(spec, lora)
+    adapters = memory.adapter_params_per_gpu(spec, lora)
+    # r = 16 on q/k/v, o, gate/up and down of 40 layers, TP = 4: A whole, B split (column) or the reverse (row)
+    h, q, kv, f = 5120, 5120, 1024, 17408
+    assert adapters == 40 * 16 * ((h + (q + 2 * kv) // 4) + (q // 4 + h) + (h + 2 * f // 4) + (f // 4 + h))
+    assert b.weights == a.weights + 2 * adapters, "the frozen base stays, bf16, and the adapters join it"
+    assert b.grads == 4 * adapters and a.grads > 100 * b.grads  # 23.4M of 3.69G parameters per GPU
+    dense_shards = full.data_parallel_size * full.context_parallel_size
+    assert b.optimizer == 12 * adapters / dense_shards
+    assert a.reference == a.weights and b.reference == 0, "LoRA's reference is its own base"
+    assert (b.activations, b.logits) == (a.activations, a.logits)
+    assert "LoRA r=16" in memory.describe(spec, lora)
