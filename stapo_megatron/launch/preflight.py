@@ -9,8 +9,7 @@ holds it: `stapo_megatron.launch.paths`), and the model folder against the recip
 (`model_problems`: a dense ``Qwen3ForCausalLM`` folder given to the MoE recipe, or an 8B-shaped
 folder to the 14B recipe, would fail or train the wrong model only after the GPUs are allocated;
 a prompt plus response longer than the folder's ``max_position_embeddings`` would fail only when
-vLLM starts, and a ``lora.rank`` wider than a targeted linear only when the model is built).
-Every check runs whatever the others found, so that one pass lists every problem.
+vLLM starts). Every check runs whatever the others found, so that one pass lists every problem.
 """
 
 import json
@@ -115,22 +114,6 @@ def length_problems(cfg, hf: dict, where: str) -> List[str]:
     return problems
 
 
-def lora_problems(recipe: str, cfg) -> List[str]:
-    """A ``lora.rank`` larger than a targeted linear of the recipe's model (the MoE experts' only
-    with ``lora.experts``; a MoE model has no dense MLP)."""
-    from stapo_megatron.mcore.lora_config import rank_problems
-    from stapo_megatron.recipes.paper import ARCHITECTURES, DISPLAY_NAMES
-
-    if cfg.lora is None:
-        return []
-    spec = ARCHITECTURES[recipe]
-    h, ffn = spec.hidden_size, spec.moe_ffn_hidden_size if spec.is_moe else spec.ffn_hidden_size
-    shapes = {"linear_qkv": (h, spec.q_size + 2 * spec.kv_size), "linear_proj": (spec.q_size, h)}
-    if not spec.is_moe or cfg.lora.experts:
-        shapes.update(linear_fc1=(h, 2 * ffn), linear_fc2=(ffn, h))
-    return rank_problems(cfg.lora, shapes, f" in {DISPLAY_NAMES[recipe]}")
-
-
 def model_problems(recipe: str, cfg, folder: str) -> List[str]:
     """Everything wrong with ``folder`` (``cfg.model.hf_dir`` as this machine sees it) for a run of
     ``cfg`` with the paper recipe ``recipe``; nothing when the folder is missing (the path check
@@ -146,4 +129,4 @@ def model_problems(recipe: str, cfg, folder: str) -> List[str]:
         return [f"model.hf_dir {where} has no config.json: give the folder of a Hugging Face checkpoint"]
     except (OSError, ValueError) as e:
         return [f"model.hf_dir {where}: cannot read {path}: {e}"]
-    return architecture_problems(recipe, hf, where) + length_problems(cfg, hf, where) + lora_problems(recipe, cfg)
+    return architecture_problems(recipe, hf, where) + length_problems(cfg, hf, where)

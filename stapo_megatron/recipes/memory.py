@@ -10,13 +10,13 @@ dry run prints it, and ``scripts/memory_table.py`` writes the table of docs/reci
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from stapo_megatron.bridge.hf_config import QwenSpec, dense_layer_params, expert_params, num_params
 from stapo_megatron.bridge.transformer_config import padded_vocab_size
 from stapo_megatron.config import TrainerConfig
 from stapo_megatron.mcore.config import ModelConfig
-from stapo_megatron.mcore.lora_config import LORA_TARGETS
+from stapo_megatron.mcore.lora_config import LORA_TARGETS, LoraConfig, rank_problems
 from stapo_megatron.batch.alignment import rank_tokens
 from stapo_megatron.config.parallel_layout import Cluster
 from stapo_megatron.rollout.weight_buckets import planned_staging_bytes
@@ -245,6 +245,21 @@ def adapter_params_per_gpu(spec: QwenSpec, layout: ParallelLayout) -> int:
         expert = {"linear_fc1": r * (h + 2 * fe), "linear_fc2": r * (fe + h)}
         per_layer += local * sum(n for target, n in expert.items() if target in layout.lora_targets)
     return spec.num_layers // layout.pipeline_model_parallel_size * per_layer
+
+
+def lora_rank_problems(spec: QwenSpec, layout: ParallelLayout) -> List[str]:
+    """A ``lora.rank`` larger than a targeted linear of ``spec`` (`rank_problems`, the rule
+    `stapo_megatron.mcore.lora.apply_lora` applies when the model is built): the dense linears,
+    the experts' with ``lora.experts`` (a MoE model has no dense MLP)."""
+    if not layout.lora_rank:
+        return []
+    h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
+    ffn = spec.moe_ffn_hidden_size if spec.is_moe else spec.ffn_hidden_size
+    shapes = {"linear_qkv": (h, q + 2 * kv), "linear_proj": (q, h)}
+    if not spec.is_moe or layout.lora_experts:
+        shapes.update(linear_fc1=(h, 2 * ffn), linear_fc2=(ffn, h))
+    config = LoraConfig(rank=layout.lora_rank, target_modules=list(layout.lora_targets), experts=layout.lora_experts)
+    return rank_problems(config, shapes)
 
 
 RECOMPUTE_MODES = ("full", "selective", None)

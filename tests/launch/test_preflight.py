@@ -51,22 +51,3 @@ def test_sequences_longer_than_the_folders_positions_are_named(tmp_path):
     assert preflight.model_problems("qwen3_8b", cfg, str(tmp_path)) == [
         f"model.hf_dir {folder!r} has no config.json: give the folder of a Hugging Face checkpoint"]
 
-
-def test_a_lora_rank_wider_than_a_linear_is_named(tmp_path):
-    folder = write_hf_config(tmp_path / "8b", "qwen3_8b")
-    assert preflight.model_problems("qwen3_8b", config("qwen3_8b", lora={"rank": 64}), folder) == []
-    # Qwen3-8B: hidden 4096, 32 x 128 query and 8 x 128 key/value rows, MLP 12288: the narrowest is 4096
-    problems = preflight.model_problems("qwen3_8b", config("qwen3_8b", lora={"rank": 5000}), folder)
-    assert problems == [
-        "lora.rank 5000 is larger than linear_qkv's smaller dimension 4096 (in 4096, out 6144) in Qwen3-8B-Base",
-        "lora.rank 5000 is larger than linear_proj's smaller dimension 4096 (in 4096, out 4096) in Qwen3-8B-Base",
-        "lora.rank 5000 is larger than linear_fc1's smaller dimension 4096 (in 4096, out 24576) in Qwen3-8B-Base",
-        "lora.rank 5000 is larger than linear_fc2's smaller dimension 4096 (in 12288, out 4096) in Qwen3-8B-Base",
-    ]
-    # Qwen3-30B-A3B: attention 2048 wide, no dense MLP; its experts' down projection 768, checked
-    # only when the experts are adapted
-    moe = write_hf_config(tmp_path / "moe", "qwen3_30b_a3b")
-    assert preflight.model_problems("qwen3_30b_a3b", config("qwen3_30b_a3b", lora={"rank": 1000}), moe) == []
-    experts = config("qwen3_30b_a3b", lora={"rank": 1000, "experts": True})
-    assert preflight.model_problems("qwen3_30b_a3b", experts, moe) == [
-        "lora.rank 1000 is larger than linear_fc2's smaller dimension 768 (in 768, out 2048) in Qwen3-30B-A3B-Base"]

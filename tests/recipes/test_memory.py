@@ -178,3 +178,28 @@ def test_lora_trains_the_adapters_only_and_its_reference_is_free():
     assert a.reference == a.weights and b.reference == 0, "LoRA's reference is its own base"
     assert (b.activations, b.logits) == (a.activations, a.logits)
     assert "LoRA r=16" in memory.describe(spec, lora)
+
+
+def test_a_lora_rank_wider_than_a_linear_is_named_with_the_layout():
+    """`lora_rank_problems` in the recipes' check (the dry run): the dense linears, the experts'
+    only when adapted."""
+    from stapo_megatron.config.overrides import apply_overrides
+
+    dense = paper.ARCHITECTURES["qwen3_8b"]  # hidden 4096, 32 x 128 query and 8 x 128 key/value rows, MLP 12288
+    layout = paper.LAYOUTS["qwen3_8b"]
+    assert memory.lora_rank_problems(dense, layout.replace(lora_rank=4096)) == []
+    assert memory.lora_rank_problems(dense, layout.replace(lora_rank=5000)) == [
+        "lora.rank 5000 is larger than linear_qkv's smaller dimension 4096 (in 4096, out 6144)",
+        "lora.rank 5000 is larger than linear_proj's smaller dimension 4096 (in 4096, out 4096)",
+        "lora.rank 5000 is larger than linear_fc1's smaller dimension 4096 (in 4096, out 24576)",
+        "lora.rank 5000 is larger than linear_fc2's smaller dimension 4096 (in 12288, out 4096)",
+    ]
+    # Qwen3-30B-A3B: attention 2048 wide, no dense MLP; the experts' down projection 768
+    moe, moe_layout = paper.ARCHITECTURES["qwen3_30b_a3b"], paper.LAYOUTS["qwen3_30b_a3b"].replace(lora_rank=1000)
+    assert memory.lora_rank_problems(moe, moe_layout) == []
+    assert memory.lora_rank_problems(moe, moe_layout.replace(lora_experts=True)) == [
+        "lora.rank 1000 is larger than linear_fc2's smaller dimension 768 (in 768, out 2048)"]
+    cfg = apply_overrides(paper.qwen3_8b(), {"lora.rank": 5000})
+    with pytest.raises(ValueError, match=r"recipe qwen3_8b cannot run:\n  - lora.rank 5000 is larger than "
+                                         r"linear_qkv's smaller dimension 4096"):
+        paper.check_paper_config("qwen3_8b", cfg, check_paths=False)
