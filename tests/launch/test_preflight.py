@@ -50,4 +50,3 @@ def test_sequences_longer_than_the_folders_positions_are_named(tmp_path):
     assert preflight.model_problems("qwen3_8b", cfg, folder) == []
     assert preflight.model_problems("qwen3_8b", cfg, str(tmp_path)) == [
         f"model.hf_dir {folder!r} has no config.json: give the folder of a Hugging Face checkpoint"]
-
