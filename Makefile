@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stapo-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo demo-async demo-moe demo-seeds demo-synthetic compare test test-fast test-mcore019 bench venv clean gpu-install-plan
+.PHONY: demo demo-async demo-moe demo-schedules demo-seeds demo-synthetic compare test test-fast test-mcore019 bench venv clean gpu-install-plan
 
 # CUDA machines (nvidia-smi present): the venv sees the system's packages, so the machine's own
 # CUDA torch stays (pip would otherwise pull another build), megatron-core is 0.19.2
@@ -74,6 +74,11 @@ demo-async: $(STAMP)
 # result and docs/figures/demo_seeds.png come from here. Finished seeds are not run again.
 demo-seeds: $(STAMP)
 	$(PY) examples/demo_seeds.py
+
+# The demo in each rollout mode on one seed (colocated, separate one-step-off, streaming; about 25
+# minutes on 2 cores): docs/results.md's schedules table and the README's streaming line.
+demo-schedules: $(STAMP)
+	$(PY) examples/demo_schedules.py
 
 # The tiny Qwen3-MoE demo (EP=2 over 2 processes, ~3 min) and docs/results.md's demo-moe table from its metrics.
 demo-moe: $(STAMP)

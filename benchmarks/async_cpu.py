@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/async_cpu.py runs/demo runs/demo-sep0 runs/demo-async
 
-Reads each run's ``metrics.jsonl`` (make demo; make demo-async ARGS="rollout.max_staleness=0
+Reads each run's ``metrics.jsonl`` (make demo; make demo-async ARGS="rollout.separate.max_staleness=0
 loss.rollout_correction.mode='none' output_dir=runs/demo-sep0"; make demo-async) and prints one row per run, medians over the
 training steps after the first:
 

@@ -3,7 +3,7 @@ server, the transport and the partial-rollout pools run for real, against stand-
 and their trainer wait, engine idle and step time are set beside the simulator's for the same
 inputs.
 
-Real (the code under test): `stapo_megatron.trainer.rollout_schedule.RolloutSchedule` on every
+Real (the code under test): each mode's `stapo_megatron.trainer.rollout_schedule.RolloutSchedule` on every
 trainer rank, `stapo_megatron.rollout.remote.RemoteEngine` and `stapo_megatron.rollout.transport`
 (``init_job``: one process per rank, gloo groups over torchrun's kind of store), the engine rank's
 `stapo_megatron.serve.server.serve` (its listener thread, command queue, merged calls,
@@ -77,16 +77,16 @@ class Setup:
     scale: float = 100.0
     """Simulated seconds per wall second."""
     oversample: float = 0.5
-    """Partial rollouts: groups in flight beyond the step's (the pools' ``rollout.oversample`` is 1 + this)."""
+    """Partial rollouts: groups in flight beyond the step's (the pools' ``rollout.partial.oversample`` is 1 + this)."""
     partial_tokens: int = 4096
-    """Partial rollouts' round (``rollout.partial_tokens``)."""
+    """Partial rollouts' round (``rollout.partial.round_tokens``)."""
     eta: int = 2
-    """Streaming rollouts' off-policyness bound (``rollout.max_staleness``)."""
+    """Streaming rollouts' off-policyness bound (``rollout.separate.max_staleness``)."""
     stream_iterations: int = 8
     """Streaming: decode iterations a step of the stand-in runs (`sleeping_vllm.SleepingLLMEngine`;
     at 1 the Python between two iterations, ~0.1 ms, is near an iteration's sleep, 14 ms / ``scale``)."""
     reserve_tokens: Optional[int] = None
-    """Streaming: response tokens of KV reserved per sample (``rollout.stream_reserve_tokens``)."""
+    """Streaming: response tokens of KV reserved per sample (``rollout.streaming.reserve_tokens``)."""
     forwards: int = 1
     """Forward passes before the update; ``recompute``: full recompute in the update."""
     recompute: bool = False
@@ -175,17 +175,18 @@ class SleepingEngine:
 
 def _sampling(setup: Setup, schedule: str):
     from stapo_megatron.rollout.config import RolloutSampling
+    from stapo_megatron.rollout.rollout_modes import PartialRollouts, SeparatePlacement, StreamingRollouts
 
-    separate = schedule != "colocated"
-    return RolloutSampling(
-        group_size=setup.group, max_response_len=setup.lengths.response_cap,
-        engine="vllm" if schedule == "streaming" else "hf",  # the stand-ins replace either
-        placement="separate" if separate else "colocated", engine_ranks=setup.engines if separate else 0,
-        max_staleness={"k=0": 0, "k=1": 1, "partial": 1, "streaming": setup.eta}.get(schedule, 0),
-        partial=schedule == "partial", streaming=schedule == "streaming",
-        oversample=1 + setup.oversample if schedule == "partial" else 1.0,
-        partial_tokens=setup.partial_tokens if schedule == "partial" else 0, weight_bucket_mb=1,
-        stream_reserve_tokens=setup.reserve_tokens if schedule == "streaming" else None)
+    mode = {"colocated": "colocated", "partial": "partial", "streaming": "streaming"}.get(schedule, "separate")
+    sections = {} if mode == "colocated" else dict(separate=SeparatePlacement(
+        setup.engines, {"k=0": 0, "k=1": 1, "partial": 1, "streaming": setup.eta}[schedule], weight_bucket_mb=1))
+    if mode == "partial":
+        sections["partial"] = PartialRollouts(oversample=1 + setup.oversample, round_tokens=setup.partial_tokens)
+    if mode == "streaming":
+        sections["streaming"] = StreamingRollouts(reserve_tokens=setup.reserve_tokens)
+    return RolloutSampling(group_size=setup.group, max_response_len=setup.lengths.response_cap,
+                           engine="vllm" if schedule == "streaming" else "hf",  # the stand-ins replace either
+                           mode=mode, **sections)
 
 
 def _trainer(setup: Setup, schedule: str, rank: int) -> dict:
@@ -196,7 +197,7 @@ def _trainer(setup: Setup, schedule: str, rank: int) -> dict:
     from stapo_megatron.mcore.parallel import Groups
     from stapo_megatron.rollout.remote import RemoteEngine
     from stapo_megatron.rollout.transport import init_job
-    from stapo_megatron.trainer.rollout_schedule import RolloutSchedule
+    from stapo_megatron.trainer.pooled_schedules import build_schedule
 
     config = _sampling(setup, schedule)
     job = setup.job(schedule)
@@ -217,9 +218,9 @@ def _trainer(setup: Setup, schedule: str, rank: int) -> dict:
         synced.append(wake)
         return {}
 
-    schedule_ = RolloutSchedule(config, engine, Groups(None, None, None, True, 0),
-                                lambda s: [(p.index, prompt_ids(p)) for p in mine(s)], lambda index: "",
-                                lambda s: 1000 * s + 100 * rank, sync, setup.steps, timeout_s=600.0)
+    schedule_ = build_schedule(config, engine, Groups(None, None, None, True, 0),
+                               lambda s: [(p.index, prompt_ids(p)) for p in mine(s)], lambda index: "",
+                               lambda s: 1000 * s + 100 * rank, sync, setup.steps, timeout_s=600.0)
     started = time.perf_counter()
     schedule_.start(0)
     rows = []
@@ -414,7 +415,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from stapo_megatron.recipes import paper, step_model
 
     stream = paper.qwen3_8b_stream()  # its trainer's passes, as the dry run counts them
-    recipe = dict(reserve_tokens=args.reserve_tokens or paper.STREAM_RESERVE_TOKENS, eta=paper.STREAM_ETA,
+    recipe = dict(reserve_tokens=args.reserve_tokens or paper.STREAM_RESERVE_TOKENS, eta=paper.STREAM_STALENESS,
                   forwards=step_model.recipe_forwards(stream),
                   recompute=stream.model.recompute_granularity == "full") if args.recipe else {}
     setup = Setup(**{**dict(steps=args.steps, warmup=args.warmup, prompts_per_step=args.prompts, group=args.group,

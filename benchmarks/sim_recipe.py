@@ -8,7 +8,7 @@ model's shapes, the engine GPUs and their TP and memory share, the trainer GPUs 
 trainer's passes (the streaming recipe's: the pi_old pass, tau_H from it, and the update without
 recomputation on a card of its own; the colocated recipe's: pi_old and the exact tau_H pass, its
 activations kept under CP=2),
-the KV reservation a sample (prompt + ``rollout.stream_reserve_tokens``) and the response cap.
+the KV reservation a sample (prompt + ``rollout.streaming.reserve_tokens``) and the response cap.
 The schedules (`sim_streaming.streaming`): ``slices``, as built (each replica's prompts in fixed
 slices over its 12 engines, a stream, quota and eta count per slice, a step waiting for every
 slice), and ``queue`` (a replica's groups admitted by whichever of its engines has room, eta
@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from sim_model import sample_prompts
 from sim_schedules import Job, colocated, steady
 from sim_streaming import ORDERS, streaming
 
+from stapo_megatron.config.overrides import apply_overrides
 from stapo_megatron.recipes import paper, step_model
 
 STREAMING_RECIPE, COLOCATED_RECIPE = "qwen3_8b_stream", "qwen3_8b"
@@ -40,10 +40,7 @@ SCHEDULES = ("slices", "queue")
 
 def recipe(name: str, **overrides):
     """(config, layout, architecture) of a paper recipe (``overrides``: dotted config fields)."""
-    cfg = paper.paper_recipe(name)
-    for key, value in overrides.items():
-        section, field = key.split(".")
-        cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **{field: value})})
+    cfg = apply_overrides(paper.paper_recipe(name), overrides)
     return cfg, paper.layout_for(name, cfg), paper.ARCHITECTURES[name]
 
 

@@ -58,7 +58,7 @@ class Candidate:
 def candidate_jobs(c: Candidate):
     """(`step_model.RecipeJob`, simulator `Job`, memory estimate GB) of a candidate."""
     overrides = {"loss.tau_h_source": c.tau_h_source, "rollout.gpu_memory_utilization": c.memory_share,
-                 "rollout.stream_reserve_tokens": c.reserve_tokens,
+                 "rollout.streaming.reserve_tokens": c.reserve_tokens,
                  **{f"model.{k}": v for k, v in RECOMPUTE[c.recompute].items()}}
     cfg, layout, spec = recipe(STREAMING_RECIPE, **overrides)
     layout = layout.replace(num_nodes=c.nodes, engine_ranks=c.engine_gpus)

@@ -16,7 +16,7 @@ bounded by an off-policyness eta, the trainer taking complete groups, in-flight 
   turn): an engine asks whenever its KV cache has room for the group's prompts and every
   running sequence's next token, fewer than ``max_num_seqs`` sequences run, and its running
   sequences and the group's fit the cache at a reservation of ``kv_reserve`` x the mean
-  sequence each (as SGLang, and the project's ``rollout.stream_reserve_tokens``, reserve room
+  sequence each (as SGLang, and the project's ``rollout.streaming.reserve_tokens``, reserve room
   for the tokens a running request will still generate). A stream's group j (0-based, in its
   admission order) belongs to step s = j // w (w: the stream's quota a step) and may start only
   on an engine whose loaded weights are at least version s - eta: AReaL's

@@ -48,7 +48,7 @@ class SequenceRecord:
     sampled by several: this is the oldest."""
     loss_mask: Optional[torch.Tensor] = None
     """[R] bool: the response tokens the loss sees (None: all). Partial rollouts with
-    a token-level bound (``rollout.max_token_age``, ``rollout.mask_stale_tokens``) leave out the
+    a token-level bound (the mode's ``max_token_age``: `RolloutSampling.token_age_bound`) leave out the
     tokens an older policy than the bound sampled."""
 
     def __post_init__(self):

@@ -22,9 +22,14 @@ from typing import Any, Dict, List, Mapping, Optional
 from stapo_megatron.utils import MAX_SUGGESTIONS, closest_fields, unknown_field_error  # noqa: F401  (this module's API)
 
 def renamed_field_error(prefix: str, old: str, new: str, value: Any) -> ValueError:
-    """The error for a key of an earlier version (``reward_workers``), naming its new key."""
-    return ValueError(f"{prefix}{old} is now {prefix}{new}: write {prefix}{new}={value!r} "
-                      f"(the flat key was replaced by the {new.partition('.')[0]!r} section)")
+    """The error for a key of an earlier version, naming its new spelling: a key (``reward_workers``
+    -> ``reward.workers``), a whole setting (``rollout.streaming`` -> ``mode='streaming'``), or
+    alternatives joined by " or "."""
+    if "=" not in new and " or " not in new:
+        return ValueError(f"{prefix}{old} is now {prefix}{new}: write {prefix}{new}={value!r} "
+                          f"(the flat key was replaced by the {new.partition('.')[0]!r} section)")
+    spelled = " or ".join(f"{prefix}{key}" + ("" if "=" in key else f"={value!r}") for key in new.split(" or "))
+    return ValueError(f"{prefix}{old}={value!r} is no longer a setting: write {spelled}")
 
 
 def check_value(where: str, value: Any, annotation: Any) -> Any:
@@ -81,15 +86,12 @@ def apply_overrides(obj: Any, overrides: Mapping[str, Any], prefix: str = "", ch
     names = {f.name for f in dataclasses.fields(obj)}
     changes: Dict[str, Any] = {}
     renamed = getattr(type(obj), "RENAMED_FIELDS", {})
-    for key, value in overrides.items():
-        head, _, rest = key.partition(".")
+    for head, value in _by_field(overrides).items():
         if head not in names:
             if head in renamed:
                 raise renamed_field_error(prefix, head, renamed[head], value)
             raise unknown_field_error(f"{prefix}{head}", obj, head)
-        current = changes.get(head, getattr(obj, head))
-        if rest:
-            value = {rest: value}
+        current = getattr(obj, head)
         section = _optional_section(hints[head])
         if current is None and section is not None and isinstance(value, Mapping):
             current = section()  # an optional section off by default (``lora``): its fields turn it on
@@ -111,3 +113,19 @@ def apply_overrides(obj: Any, overrides: Mapping[str, Any], prefix: str = "", ch
     for name, value in changes.items():
         setattr(unchecked, name, value)
     return unchecked
+
+
+def _by_field(overrides: Mapping[str, Any]) -> Dict[str, Any]:
+    """``overrides`` by the field each names: the dotted keys and nested dicts of one section
+    merged into one dict, so that a section's fields that depend on each other (``rollout.mode``
+    and ``rollout.separate.engine_ranks``) are applied, and checked, together."""
+    fields: Dict[str, Any] = {}
+    for key, value in overrides.items():
+        head, _, rest = key.partition(".")
+        if rest:
+            value = {rest: value}
+        known = fields.get(head)
+        if isinstance(known, Mapping) and isinstance(value, Mapping):
+            value = {**known, **value}
+        fields[head] = value
+    return fields

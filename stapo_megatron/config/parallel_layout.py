@@ -55,7 +55,7 @@ def config_problems(cfg: Any) -> List[str]:
     if cfg.packing == "budget":
         problems += _budget_problems(cfg)
     if cfg.rollout.pooled and cp > 1:
-        problems.append(f"rollout.{_pooled_name(cfg.rollout)}=True is not supported with model.context_parallel_size="
+        problems.append(f"rollout.mode={cfg.rollout.mode!r} is not supported with model.context_parallel_size="
                         f"{cp} (a replica's prompts live in one engine's pool, and CP ranks split their replica's "
                         f"prompts)")
     # vLLM's external launcher forms an engine from consecutive ranks, and Megatron's TP
@@ -89,8 +89,8 @@ def _budget_problems(cfg: Any) -> List[str]:
 
 def world_problems(cfg: Any, world_size: int, gpus_per_node: Optional[int] = None,
                    whole_micro_batches: bool = False) -> List[str]:
-    """What ``cfg`` needs of ``world_size`` GPUs (the job's: with ``rollout.placement=
-    "separate"``, the training ranks are all but the last ``rollout.engine_ranks``): TP x PP x CP
+    """What ``cfg`` needs of ``world_size`` GPUs (the job's: with a separate
+    ``rollout.mode``, the training ranks are all but the last ``rollout.separate.engine_ranks``): TP x PP x CP
     dividing the training ranks (and, given
     ``gpus_per_node``, the node topology), the prompts over DP and over a replica's CP ranks,
     the expert groups, partial rollouts' replicas against the engines; with
@@ -98,12 +98,12 @@ def world_problems(cfg: Any, world_size: int, gpus_per_node: Optional[int] = Non
     check: the trainer pads a short last one)."""
     m = cfg.model
     tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
-    engines = cfg.rollout.engine_ranks  # separate placement: the job's last ranks only generate
+    engines = cfg.rollout.separate.engine_ranks  # separate modes: the job's last ranks only generate
     if engines:
         if world_size <= engines:
-            return [f"rollout.engine_ranks={engines} leaves no training rank of the job's {world_size}"]
+            return [f"rollout.separate.engine_ranks={engines} leaves no training rank of the job's {world_size}"]
         if gpus_per_node is not None and engines % gpus_per_node and gpus_per_node % engines:
-            return [f"rollout.engine_ranks={engines} must be whole nodes of {gpus_per_node} GPUs or divide "
+            return [f"rollout.separate.engine_ranks={engines} must be whole nodes of {gpus_per_node} GPUs or divide "
                     f"one (the trainers' TP groups must not straddle an engine)"]
         world_size -= engines
     if world_size % (tp * pp * cp):
@@ -149,15 +149,11 @@ def _partial_problems(rollout: Any, dp: int) -> List[str]:
     """Partial rollouts: each DP replica's pool lives on one engine, so no engine may be left
     without a replica (`stapo_megatron.rollout.remote.plan_chunks` gives a replica one engine
     only when there are as many replicas as engines or more)."""
-    if not rollout.partial or dp >= rollout.num_engines:
+    if rollout.mode != "partial" or dp >= rollout.num_engines:
         return []
-    return [f"rollout.partial=True needs at least as many trainer replicas (DP {dp}) as engines "
-            f"(rollout.engine_ranks={rollout.engine_ranks} / rollout.tensor_parallel_size="
+    return [f"rollout.mode='partial' needs at least as many trainer replicas (DP {dp}) as engines "
+            f"(rollout.separate.engine_ranks={rollout.separate.engine_ranks} / rollout.tensor_parallel_size="
             f"{rollout.tensor_parallel_size} = {rollout.num_engines}): each replica's pool lives on one engine"]
-
-
-def _pooled_name(rollout: Any) -> str:
-    return "partial" if rollout.partial else "streaming"
 
 
 def model_problems(spec: Any, cfg: Any) -> List[str]:

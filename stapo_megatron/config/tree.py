@@ -178,8 +178,8 @@ class TrainerConfig:
                 raise ValueError(f"rollout.engine='vllm_lora' syncs dense adapters at pipeline parallel size 1; got "
                                  f"lora.experts={self.lora.experts}, model.pipeline_model_parallel_size="
                                  f"{self.model.pipeline_model_parallel_size}: use rollout.engine='vllm' (merged sync)")
-        if self.rollout.max_staleness >= 1 and self.loss.rollout_correction.mode == "none":
-            warnings.warn(f"rollout.max_staleness={self.rollout.max_staleness} with loss.rollout_correction.mode="
+        if self.rollout.separate.max_staleness >= 1 and self.loss.rollout_correction.mode == "none":
+            warnings.warn(f"rollout.separate.max_staleness={self.rollout.separate.max_staleness} with loss.rollout_correction.mode="
                           f"'none': stale samples train without a behaviour-policy correction (pi_old / "
                           f"pi_rollout); set loss.rollout_correction.mode='tis' (or 'icepop') (docs/async.md)",
                           stacklevel=2)

@@ -86,7 +86,7 @@ def stream_versions_row(engine, weights: dict) -> Check:
     from stapo_megatron.rollout.config import SamplingSettings
     from stapo_megatron.serve.streaming import StreamingGenerator
 
-    gen = StreamingGenerator(engine, SamplingSettings(n=2, temperature=1.0, top_p=1.0, max_tokens=MAX_TOKENS), eta=1)
+    gen = StreamingGenerator(engine, SamplingSettings(n=2, temperature=1.0, top_p=1.0, max_tokens=MAX_TOKENS), max_staleness=1)
     for i, prompt in enumerate(PROMPTS[:2]):
         gen.admit(prompt, seed=700 + 10 * i, trained_version=0)
     for _ in range(STREAM_LOAD_AFTER):

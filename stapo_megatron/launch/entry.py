@@ -234,7 +234,7 @@ def run_recipe(
         # wait at a barrier; separate placement splits the job into trainers and engines
         transport = None
         if cfg.rollout.placement == "separate":
-            transport = init_job(cfg.rollout.engine_ranks, cfg.rollout.tensor_parallel_size, cfg.init_timeout_s,
+            transport = init_job(cfg.rollout.separate.engine_ranks, cfg.rollout.tensor_parallel_size, cfg.init_timeout_s,
                               cfg.distributed_timeout_s, cfg.rollout_timeout())
         else:
             init_process_group(cfg.init_timeout_s, cfg.distributed_timeout_s)

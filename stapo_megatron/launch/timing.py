@@ -85,12 +85,13 @@ def report(cfg, recipe: str, executor) -> List[str]:
     signal_s = signal_of(executor)
     limit_s = step_time.parse_slurm_time(executor.time)
     r = cfg.rollout
-    rollouts = ("" if r.placement != "separate" else
-                f"# rollouts: streaming, eta (rollout.max_staleness) {r.max_staleness}, {r.stream_order} order, "
-                f"weights loaded {r.weight_load.replace('_', '-')}, KV reserved a sample: prompt + "
-                f"{r.stream_reserve_tokens or r.max_response_len} tokens; correction {cfg.loss.rollout_correction.mode}\n"
-                if r.streaming else f"# rollouts: {'partial, ' if r.partial else ''}k (rollout.max_staleness) "
-                f"{r.max_staleness}; correction {cfg.loss.rollout_correction.mode}\n")
+    s = r.streaming
+    rollouts = ("" if r.mode == "colocated" else
+                f"# rollouts: streaming, eta (rollout.separate.max_staleness) {r.separate.max_staleness}, {s.order} "
+                f"order, weights loaded {s.weight_load.replace('_', '-')}, KV reserved a sample: prompt + "
+                f"{s.reserve_tokens or r.max_response_len} tokens; correction {cfg.loss.rollout_correction.mode}\n"
+                if r.mode == "streaming" else f"# rollouts: {r.mode}, k (rollout.separate.max_staleness) "
+                f"{r.separate.max_staleness}; correction {cfg.loss.rollout_correction.mode}\n")
     print(f"# ---- layout and memory per GPU (recipes/memory.py: an estimate) ----\n"
           f"# {memory.describe(paper.ARCHITECTURES[recipe], layout)}\n{rollouts}"
           f"# ---- time (an estimate, recipes/step_model.py, the simulator's calibrated model: not measured) ----\n"

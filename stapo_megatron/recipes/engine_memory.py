@@ -39,7 +39,7 @@ def engine_start_problems(spec: QwenSpec, layout: ParallelLayout, gpu_bytes: flo
         if requested + staging > gpu_bytes:
             return [f"rollout.gpu_memory_utilization={util} gives vLLM {requested / GB:.1f} GB of an engine GPU's "
                     f"{gpu_bytes / GB:.1f} GB, and a weight transfer holds {staging / GB:.1f} GB of buckets beside it "
-                    f"(the buckets of rollout.weight_bucket_mb={layout.weight_bucket_mb} vLLM's reload keeps and "
+                    f"(the buckets of rollout.separate.weight_bucket_mb={layout.weight_bucket_mb} vLLM's reload keeps and "
                     f"the layer it materialises, `engine_staging_bytes`): lower either field"]
         return []
     free = free_at_engine_start(spec, layout, gpu_bytes)

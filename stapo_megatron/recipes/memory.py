@@ -77,10 +77,10 @@ class ParallelLayout:
     """Longest training sequence (prompt + response) in tokens: the activations and logits of a
     micro-batch are ``micro_batch_size`` such sequences."""
     engine_ranks: int = 0
-    """Separate placement (``rollout.engine_ranks``): the job's last GPUs run only vLLM, at
+    """Separate modes (``rollout.separate.engine_ranks``): the job's last GPUs run only vLLM, at
     ``vllm_gpu_memory_utilization`` of their card; the others only train. 0: colocated."""
     weight_bucket_mb: int = 512
-    """Separate placement: the weight transfer's bucket (``rollout.weight_bucket_mb``); what an
+    """Separate placement: the weight transfer's bucket (``rollout.separate.weight_bucket_mb``); what an
     engine GPU holds of a transfer beside vLLM's share: `engine_staging_bytes`."""
     lora_rank: int = 0
     """LoRA (``lora.rank``): the base frozen, gradients and optimizer state for the adapters only,
@@ -99,7 +99,8 @@ class ParallelLayout:
                    vllm_gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
                    micro_batch_size=cfg.micro_batch_size, reference_model=cfg.loss.kl_coef > 0,
                    seq_len=cfg.data.max_prompt_len + cfg.rollout.max_response_len,
-                   engine_ranks=cfg.rollout.engine_ranks, weight_bucket_mb=cfg.rollout.weight_bucket_mb,
+                   engine_ranks=cfg.rollout.separate.engine_ranks,
+                   weight_bucket_mb=cfg.rollout.separate.weight_bucket_mb,
                    **({} if cfg.lora is None else dict(lora_rank=cfg.lora.rank, lora_experts=cfg.lora.experts,
                                                        lora_targets=tuple(cfg.lora.target_modules))))
 
@@ -403,7 +404,7 @@ def engine_staging_bytes(spec: QwenSpec, layout: ParallelLayout) -> float:
     (vLLM sizes its KV cache to fill the share): the received buckets vLLM's layer-wise reload
     still keeps and the reload layer it materialises, at the worst moment of the transfer
     (`stapo_megatron.rollout.weight_buckets.planned_staging_bytes`: buckets of
-    ``rollout.weight_bucket_mb`` cut between reload layers, bf16, the layer split over vLLM's TP);
+    ``rollout.separate.weight_bucket_mb`` cut between reload layers, bf16, the layer split over vLLM's TP);
     0 colocated (the in-process engine takes the tensors one at a time)."""
     if not layout.engine_ranks:
         return 0.0

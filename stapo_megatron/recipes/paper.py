@@ -29,6 +29,7 @@ from stapo_megatron.mcore.config import ModelConfig, OptimConfig
 from stapo_megatron.method.config import LossConfig
 from stapo_megatron.rewards.config import RewardConfig
 from stapo_megatron.rollout.config import RolloutSampling
+from stapo_megatron.rollout.rollout_modes import SeparatePlacement, StreamingRollouts
 from stapo_megatron.batch.alignment import rank_tokens
 from stapo_megatron.config.parallel_layout import Cluster
 from stapo_megatron.config.parallel_layout import layout_problems as check_layout
@@ -80,7 +81,7 @@ DISPLAY_NAMES = {"qwen3_1p7b": "Qwen3-1.7B-Base", "qwen3_8b": "Qwen3-8B-Base", "
 
 
 ASYNC_STALENESS = 1
-"""``rollout.max_staleness`` of the asynchronous recipe: one-step-off (verl's one_step_off, NeMo-RL's
+"""``rollout.separate.max_staleness`` of the asynchronous recipe: one-step-off (verl's one_step_off, NeMo-RL's
 async GRPO at 1): step s trains on samples of the policy after step s - 1."""
 ASYNC_CORRECTION = "tis"
 """``loss.rollout_correction.mode`` of the asynchronous recipe: the samples come from a policy one
@@ -88,15 +89,15 @@ update old, so the surrogate of every token is weighted by min(pi_old / pi_rollo
 behaviour-policy correction of AReaL's decoupled objective (pi_old recomputed by the trainer is its
 proximal policy; docs/async.md, "What staleness does to STAPO")."""
 STREAMING_LAYOUTS = ("qwen3_8b_stream",)
-"""The layouts that stream their rollouts (``rollout.streaming``)."""
+"""The layouts that stream their rollouts (``rollout.mode="streaming"``)."""
 STREAM_RESERVE_TOKENS = 4096
-"""Streaming recipes' KV reservation per sample beyond its prompt (``rollout.stream_reserve_tokens``):
+"""Streaming recipes' KV reservation per sample beyond its prompt (``rollout.streaming.reserve_tokens``):
 about the paper's mean response (4,222 tokens in the simulator's length distribution), as the
 simulator that picked the split reserves; the worst case (15,360) would run a third of the
 samples (the control plane at time scale: 218 s a step against 132 s; benchmarks/RESULTS.md).
 Responses that outgrow it are preempted by vLLM and prefilled again."""
-STREAM_ETA = 3
-"""Streaming recipes' off-policyness bound (``rollout.max_staleness``): with the recipe's split the
+STREAM_STALENESS = 3
+"""Streaming recipes' off-policyness bound eta (``rollout.separate.max_staleness``): with the recipe's split the
 24 TP=1 engines set the pace at eta 2 (1.53x colocated in the simulator's queue schedule, 1.40x
 with the slices) and at eta 3 the trainers nearly do (1.74x, 1.56x); in completion order 16% of
 the trained tokens are then 4 versions old (benchmarks/RESULTS.md, "Where the streaming recipe
@@ -150,7 +151,7 @@ LAYOUTS: Dict[str, ParallelLayout] = {
     # protocol): 1 node trains (TP=4, DP=2, streaming needs CP=1) without recomputation (the
     # whole card is the trainer's: 65.5 GB with every layer's activations of a 16k sequence), 3
     # nodes generate as 24 vLLM engines of TP=1 (streaming steps one engine per process; the 8B's
-    # 16 GB of weights leave 52 GB of KV cache at 0.85); eta = `STREAM_ETA`, tau_H from the pi_old
+    # 16 GB of weights leave 52 GB of KV cache at 0.85); eta = `STREAM_STALENESS`, tau_H from the pi_old
     # pass (`STREAM_TAU_H_SOURCE`). The simulator's best split per GPU over 4-7 nodes
     # (benchmarks/sim_split.py): 1.74x colocated's tokens/s/GPU in the queue schedule, 1.56x with
     # the slices (benchmarks/RESULTS.md, "Where the streaming recipe pays").
@@ -279,9 +280,9 @@ def paper_recipe(size: str, method: str = "stapo", run_dir: Optional[str] = None
 def _separate(size: str, layout: ParallelLayout) -> dict:
     """The rollout fields of a separately placed recipe: one-step-off, or streaming."""
     if size in STREAMING_LAYOUTS:
-        return dict(placement="separate", engine_ranks=layout.engine_ranks, max_staleness=STREAM_ETA, streaming=True,
-                    stream_reserve_tokens=STREAM_RESERVE_TOKENS)
-    return dict(placement="separate", engine_ranks=layout.engine_ranks, max_staleness=ASYNC_STALENESS)
+        return dict(mode="streaming", separate=SeparatePlacement(layout.engine_ranks, STREAM_STALENESS),
+                    streaming=StreamingRollouts(reserve_tokens=STREAM_RESERVE_TOKENS))
+    return dict(mode="separate", separate=SeparatePlacement(layout.engine_ranks, ASYNC_STALENESS))
 
 
 def qwen3_1p7b(method: str = "stapo", run_dir: Optional[str] = None) -> TrainerConfig:
@@ -300,15 +301,15 @@ def qwen3_8b_32k(method: str = "stapo", run_dir: Optional[str] = None) -> Traine
 
 
 def qwen3_8b_async(method: str = "stapo", run_dir: Optional[str] = None) -> TrainerConfig:
-    """Qwen3-8B-Base with separate placement and one-step-off rollouts (``rollout.max_staleness``
-    1): 4 nodes, 2 train (TP=4, CP=2, DP=2), 2 generate (4 vLLM engines of TP=4); the stale
+    """Qwen3-8B-Base with separate placement and one-step-off rollouts
+    (``rollout.separate.max_staleness`` 1): 4 nodes, 2 train (TP=4, CP=2, DP=2), 2 generate (4 vLLM engines of TP=4); the stale
     samples corrected for their behaviour policy (``loss.rollout_correction.mode`` "tis",
     `ASYNC_CORRECTION`)."""
     return paper_recipe("qwen3_8b_async", method, run_dir)
 
 
 def qwen3_8b_stream(method: str = "stapo", run_dir: Optional[str] = None) -> TrainerConfig:
-    """Qwen3-8B-Base with streaming rollouts (``rollout.streaming``, eta `STREAM_ETA`): 4 nodes, 1
+    """Qwen3-8B-Base with streaming rollouts (``rollout.mode="streaming"``, eta `STREAM_STALENESS`): 4 nodes, 1
     trains (TP=4, DP=2, no recomputation), 3 generate (24 vLLM engines of TP=1, never drained,
     weights loaded between decode iterations); tis corrects for the behaviour policy; tau_H from
     the pi_old pass (`STREAM_TAU_H_SOURCE`)."""

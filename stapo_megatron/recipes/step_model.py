@@ -300,11 +300,11 @@ class RecipeJob:
     recompute: bool
     """Full activation recompute in the update (8N FLOPs a token instead of 6N)."""
     colocated: bool = False
-    ahead: int = 0
-    """Separate placement: ``rollout.max_staleness`` (k, or streaming's eta)."""
+    max_staleness: int = 0
+    """Separate modes: ``rollout.separate.max_staleness`` (k; streaming's eta)."""
     streaming: bool = False
     reserve_tokens: Optional[int] = None
-    """Streaming: KV reserved a sample beyond its prompt (``rollout.stream_reserve_tokens``; None: the response cap)."""
+    """Streaming: KV reserved a sample beyond its prompt (``rollout.streaming.reserve_tokens``; None: the response cap)."""
     eff: Efficiency = Efficiency()
 
     @property
@@ -336,8 +336,8 @@ def recipe_job(spec, layout, cfg, hardware: Hardware = H100) -> RecipeJob:
         engine_tp=layout.vllm_tensor_parallel_size, memory_share=layout.vllm_gpu_memory_utilization,
         trainer_gpus=layout.training_ranks, trainer_replica_gpus=layout.training_ranks // layout.data_parallel_size,
         forwards=recipe_forwards(cfg), recompute=cfg.model.recompute_granularity == "full", colocated=colocated,
-        ahead=0 if colocated else cfg.rollout.max_staleness, streaming=bool(cfg.rollout.streaming) and not colocated,
-        reserve_tokens=cfg.rollout.stream_reserve_tokens)
+        max_staleness=cfg.rollout.separate.max_staleness, streaming=cfg.rollout.mode == "streaming",
+        reserve_tokens=cfg.rollout.streaming.reserve_tokens)
 
 
 def _engines(job: RecipeJob) -> int:
@@ -393,7 +393,7 @@ def estimate(job: RecipeJob) -> Tuple[float, float, bool]:
     if job.colocated:
         return generation_s(job) + switch_s(job.model, job.eff, colocated=True), training_s(job), False
     transfer = switch_s(job.model, job.eff, colocated=False)
-    return generation_s(job) + transfer, training_s(job) + transfer, job.ahead > 0
+    return generation_s(job) + transfer, training_s(job) + transfer, job.max_staleness > 0
 
 
 def streaming_step(job: RecipeJob) -> Tuple[float, float]:

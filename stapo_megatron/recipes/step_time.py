@@ -11,7 +11,7 @@ run's ``time_step`` metric replaces it (`stapo_megatron.runlog.progress`).
 Step = rollout (the engines generating a step, to the slowest engine's longest response; with
 colocated engines, their sleep, wake and weight reload) + training (the pi_old pass, the exact
 tau_H pass, GRPO's reference, the update and its recomputation), or the longer of the two with
-separate placement and ``rollout.max_staleness`` >= 1 (each on its own GPUs, both paying the
+separate placement and ``rollout.separate.max_staleness`` >= 1 (each on its own GPUs, both paying the
 weight transfer); streaming rollouts by `step_model.streaming_step`, within 10% of the
 simulator's queue schedule.
 """
@@ -36,7 +36,7 @@ class StepTime:
     training_s: float
     """Log-prob passes and the policy update."""
     overlapped: bool = False
-    """Separate placement with ``rollout.max_staleness`` >= 1 (and streaming): the engines generate
+    """Separate placement with ``rollout.separate.max_staleness`` >= 1 (and streaming): the engines generate
     the next step while the trainers train this one, so a step takes the longer of the two."""
 
     @property

@@ -30,9 +30,9 @@ class EngineCapabilities:
     (`stapo_megatron.rollout.registry.engine_capabilities`) instead of naming engines."""
 
     streaming: bool = False
-    """Admits requests and steps them one decode iteration at a time (``rollout.streaming``)."""
+    """Admits requests and steps them one decode iteration at a time (``rollout.mode="streaming"``)."""
     partial_continuation: bool = False
-    """``detokenize``: a response continued from its tokens so far (``rollout.partial``)."""
+    """``detokenize``: a response continued from its tokens so far (``rollout.mode="partial"``)."""
     router_replay: bool = False
     """Returns the experts each token was routed to (``rollout.routing_replay``)."""
 
@@ -58,9 +58,9 @@ class Sample:
     vLLM's ``CompletionOutput.routed_experts`` layout; None when not recorded (dense models)."""
     versions: Optional[list[int]] = None
     """The policy version (steps trained) that sampled each token of ``token_ids``, where the
-    weights can change while a response is sampled: partial rollouts (`stapo_megatron.trainer.
+    weights can change while a response is sampled: partial rollouts (`stapo_megatron.serve.
     partial`, a response continued over steps) and the streaming generator (`stapo_megatron.
-    rollout.streaming`, weights loaded between decode iterations); None: one policy sampled them
+    serve.streaming`, weights loaded between decode iterations); None: one policy sampled them
     all (``generate``)."""
 
 

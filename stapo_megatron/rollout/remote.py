@@ -82,7 +82,7 @@ class PoolRequest:
     """Streaming rollouts: answer this request, and admit its prompts, before those queued (a
     step's replacement groups under dynamic sampling)."""
     order: str = "completion"
-    """Streaming rollouts (``rollout.stream_order``): the step takes the first ``want`` groups to
+    """Streaming rollouts (``rollout.streaming.order``): the step takes the first ``want`` groups to
     arrive ("completion") or the next ``want`` of the replica's admission queue ("admission")."""
 
 
@@ -136,7 +136,7 @@ class RemoteEngine:
         transport: this rank's `Transport`.
         asks: whether this rank asks for samples (the first rank of its model-parallel group).
         timeout_s: how long ``receive`` waits for one engine's samples.
-        bucket_mb: the weight transfer's bucket size (``rollout.weight_bucket_mb``).
+        bucket_mb: the weight transfer's bucket size (``rollout.separate.weight_bucket_mb``).
     """
 
     def __init__(self, transport: Transport, asks: bool, timeout_s: float, bucket_mb: int):
@@ -196,7 +196,7 @@ class RemoteEngine:
         dist.all_gather_object(counts, len(prompts) if self.asks else None)
         plan = plan_chunks(counts, self.transport.num_engines)
         if kind == "partial" and any(c.index for c in plan):
-            raise ValueError(f"rollout.partial=True needs at least as many trainer replicas asking as engines "
+            raise ValueError(f"rollout.mode='partial' needs at least as many trainer replicas asking as engines "
                              f"({sum(c is not None for c in counts)} replicas, {self.transport.num_engines} engines): "
                              f"each replica's pool lives on one engine")
         if kind == "stream":  # one admission queue a replica: each of its engines holds the whole window

@@ -2,7 +2,7 @@
 process groups between them (`Transport`); the object and tensor messages that cross them.
 
 One torchrun (or srun + torchrun) job, nothing else started: of its W ranks the first T = W - E
-train and the last E = ``rollout.engine_ranks`` run engines (`stapo_megatron.serve.server`).
+train and the last E = ``rollout.separate.engine_ranks`` run engines (`stapo_megatron.serve.server`).
 `init_job` reads torchrun's store and forms
 
 * the default process group of each side: the T trainers (Megatron's world: its groups never
@@ -100,7 +100,7 @@ def init_job(engine_ranks: int, engine_tp: int, init_timeout_s: float, timeout_s
     """Split torchrun's job into trainers and engines (module docstring) and form the groups.
 
     Args:
-        engine_ranks, engine_tp: ``rollout.engine_ranks``, ``rollout.tensor_parallel_size``.
+        engine_ranks, engine_tp: ``rollout.separate.engine_ranks``, ``rollout.tensor_parallel_size``.
         init_timeout_s: how long a rank waits for the others to join (``init_timeout_s``).
         timeout_s: the default groups' collective timeout (``distributed_timeout_s``).
         samples_timeout_s: how long a trainer waits for an engine's samples (the rollout timeout).
@@ -110,7 +110,7 @@ def init_job(engine_ranks: int, engine_tp: int, init_timeout_s: float, timeout_s
     store, rank, world = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=init_timeout_s)))
     trainers = world - engine_ranks
     if trainers < 1:
-        raise ValueError(f"rollout.engine_ranks={engine_ranks} leaves no training rank of the job's {world}")
+        raise ValueError(f"rollout.separate.engine_ranks={engine_ranks} leaves no training rank of the job's {world}")
     on_gpu = torch.cuda.is_available()
     backend = "nccl" if on_gpu else "gloo"
     if on_gpu:

@@ -39,7 +39,7 @@ the steps done (the first step's row says 1, an eval before it 0)."""
 
 STEP_INDEX_LOGS = ("rollout_order.jsonl",)
 """The JSONL logs whose rows name the 0-based step they belong to (cut back on resume): the
-stream positions each step trained (`stapo_megatron.trainer.rollout_schedule.RolloutSchedule`)."""
+stream positions each step trained (`stapo_megatron.trainer.pooled_schedules.StreamingSchedule`)."""
 
 
 class RunLogger:

@@ -1,10 +1,10 @@
-"""Partial rollouts on an engine rank (``rollout.partial``; APRIL, arXiv 2509.18521; slime's
+"""Partial rollouts on an engine rank (``rollout.mode="partial"``; APRIL, arXiv 2509.18521; slime's
 ``--partial-rollout``): `PartialPool`, one per trainer replica an engine serves.
 
 Per step the trainers send a window of the replica's prompts in data order (the step's P and the
 next step's first ``(oversample - 1)`` x P); the pool takes the ones it has not seen and admits
 them while it holds fewer than ``oversample`` x P groups, then generates in rounds: every group not yet started gets
-its G samples of at most ``rollout.round_tokens`` tokens, every unfinished response a
+its G samples of at most ``rollout.partial.round_tokens`` tokens, every unfinished response a
 continuation of at most as many (its prompt and its tokens so far as the prompt). After each
 round the groups whose G responses have all finished (EOS, or ``max_response_len`` tokens) are
 counted in admission order; once P are, the step stops waiting: the first P are returned and the

@@ -78,7 +78,7 @@ def engine_config(rollout: RolloutSampling, seed: int, return_routes: bool, max_
         # asleep, the weights are dropped (wake_and_sync rewrites them); the trainer syncs before any generate
         sleep_level=2, load_format="dummy", enforce_eager=r.enforce_eager,
         # a streaming engine takes weights between two iterations: none in flight there
-        async_scheduling=False if r.streaming else None,
+        async_scheduling=False if r.mode == "streaming" else None,
     )
 
 
@@ -220,8 +220,9 @@ def serve(rollout: RolloutSampling, model: ModelConfig, max_sequence_len: int, t
                     r = rollout
                     claims = None if transport.store is None else StoreClaims(transport.store,
                                                                               str(transport.engine_index))
-                    stream = StreamPools(engine, r.settings(None), r.max_staleness, r.weight_load, version,
-                                         reserve_tokens=r.stream_reserve_tokens, claims=claims)
+                    stream = StreamPools(engine, r.settings(None), r.separate.max_staleness,
+                                         r.streaming.weight_load, version, reserve_tokens=r.streaming.reserve_tokens,
+                                         claims=claims)
                 stream.add(ticket, mine, pool, collections.Counter(job[0].dest for job in jobs))
             elif kind == "partial":
                 _partial_steps(engine, pools, mine, pool, version, functools.partial(post, ticket))

@@ -1,4 +1,4 @@
-"""Streaming rollouts on an engine rank (``rollout.streaming``): `StreamPools`, the admission
+"""Streaming rollouts on an engine rank (``rollout.mode="streaming"``): `StreamPools`, the admission
 queues of the trainer replicas an engine serves, over one `stapo_megatron.serve.streaming.
 StreamingGenerator` that never drains.
 
@@ -16,7 +16,7 @@ otherwise calls `StreamPools.advance`:
   queue) and admits it. Queue entry j (0-based, the replica's own steps' prompts in data order)
   trains at step ``base + j // P`` (``base``: the policy version when the replica's queue began,
   the same on every engine) and may start only under a policy at most eta
-  (``rollout.max_staleness``) versions older: on the engine that claims it, whichever that is
+  (``rollout.separate.max_staleness``) versions older: on the engine that claims it, whichever that is
   (AReaL's ``max_head_offpolicyness``, counted per group). The trainers send step s + eta's
   prompts after step s's weights, so the supply never runs further ahead than the bound either.
 - **Urgent prompts** (dynamic sampling's replacements) form a queue of their own, claimed before
@@ -26,9 +26,9 @@ otherwise calls `StreamPools.advance`:
 - **Replies.** Each complete group is posted to its replica's asking rank at once, with its stream
   position and queue index (`stapo_megatron.rollout.remote.STREAMED`); the trainers take a step's
   P groups from what all of the replica's engines posted: the first P to arrive
-  (``stream_order="completion"``) or the next P of the queue (``"admission"``: the data order,
+  (``rollout.streaming.order="completion"``) or the next P of the queue (``"admission"``: the data order,
   whatever the timing).
-- **Weights** arrive between two iterations (`StreamPools.load`, ``rollout.weight_load``): in
+- **Weights** arrive between two iterations (`StreamPools.load`, ``rollout.streaming.weight_load``): in
   flight (the running samples keep their KV cache), with the KV cache recomputed, or after a
   drain. Every token keeps the version that sampled it.
 - **Evaluation** requests (a blocking ``generate``) first let the running samples finish
@@ -148,19 +148,19 @@ class StreamPools:
         engine: the engine rank's `stapo_megatron.rollout.vllm_engine.VLLMEngine` (vLLM TP 1).
         settings: the replicas' sampling settings (G, temperature, top-p, max tokens; the seeds
             come with each request).
-        eta: the off-policyness bound (``rollout.max_staleness``).
-        mode: ``rollout.weight_load``.
+        max_staleness: the off-policyness bound eta (``rollout.separate.max_staleness``).
+        mode: ``rollout.streaming.weight_load``.
         version: the policy version of the weights the engine holds.
-        reserve_tokens: ``rollout.stream_reserve_tokens``, the response tokens of KV reserved
+        reserve_tokens: ``rollout.streaming.reserve_tokens``, the response tokens of KV reserved
             per admitted sample (None: ``max_tokens``, never preempting).
         claims: where the queues that several engines share are claimed (`StoreClaims`); a
             queue of this engine alone is counted here (`LocalClaims`), as every queue is with None.
     """
 
-    def __init__(self, engine, settings: SamplingSettings, eta: int, mode: str, version: int,
+    def __init__(self, engine, settings: SamplingSettings, max_staleness: int, mode: str, version: int,
                  reserve_tokens: Optional[int] = None, claims=None):
         self.settings, self.mode = settings, mode
-        self.generator = StreamingGenerator(engine, settings, eta=eta, order="completion", version=version,
+        self.generator = StreamingGenerator(engine, settings, max_staleness=max_staleness, order="completion", version=version,
                                             reserve_tokens=reserve_tokens)
         self.local, self.shared = LocalClaims(), claims
         self.replicas: Dict[int, _Replica] = {}
@@ -263,7 +263,7 @@ class StreamPools:
         return iterations
 
     def load(self, named_tensors, version: int) -> None:
-        """New weights (a streamed transfer) as ``version``, in ``rollout.weight_load``'s mode."""
+        """New weights (a streamed transfer) as ``version``, in ``rollout.streaming.weight_load``'s mode."""
         self.generator.load_weights(named_tensors, version, self.mode)
         self._blocked = None
 

@@ -27,7 +27,7 @@ is not here.
   (`stapo_megatron.rollout.vllm_engine.cpu_batched_tokens`). A sample's share is released when it finishes, as
   vLLM frees its blocks (not when its group does).
 - **Off-policyness.** A group may be admitted only while the engine's weights are at least
-  ``trained_version - eta``, where ``trained_version`` (the caller's) is the policy version that
+  ``trained_version - max_staleness``, where ``trained_version`` (the caller's) is the policy version that
   will train the group: AReaL's ``max_head_offpolicyness``; in admission order group j of P a
   step trains at version j // P (`benchmarks/sim_streaming.py` counts it so).
 - **Versions.** The version that produced each token is the engine's version at the iteration
@@ -132,7 +132,7 @@ class StreamingGenerator:
         settings: what every sample is drawn with (`stapo_megatron.rollout.config.SamplingSettings`:
             G = ``settings.n`` samples a group, temperature, top-p, ``max_tokens``; its ``seed``
             is unused: each group gets its own at `admit`).
-        eta: the off-policyness bound (>= 0).
+        max_staleness: the off-policyness bound eta (>= 0; ``rollout.separate.max_staleness``).
         order: the order `take` hands complete groups out in (`ORDERS`).
         version: the version of the weights the engine holds now.
         max_running_samples: most admitted, unfinished samples (None: vLLM's ``max_num_seqs``).
@@ -143,11 +143,11 @@ class StreamingGenerator:
             (None: ``max_tokens``, the worst case: vLLM never preempts; below it vLLM may).
     """
 
-    def __init__(self, engine, settings: SamplingSettings, *, eta: int, order: str = "completion", version: int = 0,
+    def __init__(self, engine, settings: SamplingSettings, *, max_staleness: int, order: str = "completion", version: int = 0,
                  max_running_samples: Optional[int] = None, max_kv_tokens: Optional[int] = None,
                  reserve_tokens: Optional[int] = None):
-        if not isinstance(eta, int) or eta < 0:
-            raise ValueError(f"eta must be an int >= 0, got {eta!r}")
+        if not isinstance(max_staleness, int) or max_staleness < 0:
+            raise ValueError(f"max_staleness must be an int >= 0, got {max_staleness!r}")
         if reserve_tokens is not None and (not isinstance(reserve_tokens, int) or reserve_tokens < 1):
             raise ValueError(f"reserve_tokens must be None or an int >= 1, got {reserve_tokens!r}")
         if order not in ORDERS:
@@ -157,7 +157,7 @@ class StreamingGenerator:
         self.settings = settings
         self.group_size, self.temperature, self.top_p, self.max_tokens = (settings.n, settings.temperature,
                                                                           settings.top_p, settings.max_tokens)
-        self.eta, self.version = eta, version
+        self.max_staleness, self.version = max_staleness, version
         self.reserve_tokens = self.max_tokens if reserve_tokens is None else min(reserve_tokens, self.max_tokens)
         cache = self.llm_engine.vllm_config.cache_config
         self.block_size = cache.block_size
@@ -209,8 +209,9 @@ class StreamingGenerator:
     def refusal(self, prompt_len: int, trained_version: int) -> Optional[str]:
         """Why a group of a ``prompt_len``-token prompt, to be trained at ``trained_version``,
         cannot be admitted now (None: it can)."""
-        if self.version < trained_version - self.eta:
-            return (f"eta: weights version {self.version} < trained version {trained_version} - eta {self.eta}")
+        if self.version < trained_version - self.max_staleness:
+            return (f"eta: weights version {self.version} < trained version {trained_version} - max_staleness "
+                    f"{self.max_staleness}")
         if self.num_running_samples + self.group_size > self.max_running_samples:
             return (f"capacity: {self.num_running_samples} running + {self.group_size} > max_running_samples "
                     f"{self.max_running_samples}")

@@ -1,10 +1,10 @@
 """DAPO's dynamic sampling ("filter groups", arXiv 2503.14476) over streaming rollouts
-(``rollout.filter_groups``): a step's groups whose G rewards are all equal carry no advantage,
+(``rollout.streaming.filter_groups``): a step's groups whose G rewards are all equal carry no advantage,
 so no gradient; they are dropped and replaced by groups of further prompts until the step has P
 informative groups, as DAPO keeps sampling until its batch is full.
 
 The replacements come from the engines' streams ahead of the queued steps
-(`stapo_megatron.trainer.rollout_schedule.RolloutSchedule.replace`: the replica's replacement
+(`stapo_megatron.trainer.pooled_schedules.StreamingSchedule.replace`: the replica's replacement
 prompts, a part of its data order no step trains), so a step waits for them only as long as their
 groups take to complete. A round replaces every uniform group at once; after ``filter_rounds``
 rounds the groups still uniform train as they would without the filter (their advantages are

@@ -51,7 +51,8 @@ from stapo_megatron.trainer.step_metrics import SkipGuard, Timer, format_row, ga
 from stapo_megatron.trainer.warmstart import WarmStart
 from stapo_megatron.serve.server import engine_config
 from stapo_megatron.trainer.dynamic_sampling import fill_informative
-from stapo_megatron.trainer.rollout_schedule import RolloutSchedule, weight_sync
+from stapo_megatron.trainer.pooled_schedules import build_schedule
+from stapo_megatron.trainer.rollout_schedule import weight_sync
 
 
 class Trainer:
@@ -92,8 +93,7 @@ class Trainer:
         self.seq_multiple, self.seq_align = replicas.seq_multiple(cfg.model), replicas.seq_align(cfg.model)
         if cfg.model.megatron_ckpt:
             load_checkpoint(model, cfg.model.megatron_ckpt)
-        # the output layer is padded to a multiple of 128 x TP; the softmax must not see it
-        self.vocab_size = model.qwen_spec.vocab_size
+        self.vocab_size = model.qwen_spec.vocab_size  # the output layer is padded (128 x TP): not for the softmax
         if cfg.lora is not None:  # the base frozen: DDP's buffers and the optimizer hold only the adapters
             apply_lora(model, cfg.lora)
         self.ref_model = build_reference(model, build, cfg.loss.kl_coef)  # GRPO's KL: a frozen copy or LoRA's base
@@ -121,16 +121,16 @@ class Trainer:
         self.routing = routing.RoutingMonitor(r, self.hf_config, self.model)  # MoE: the engine records its routes
         if self.transport is not None:  # separate placement: the engines run on the job's last ranks
             asks = self.groups.mp is None or dist.get_rank(self.groups.mp) == 0
-            self.engine = RemoteEngine(self.transport, asks, timeout, r.weight_bucket_mb)
+            self.engine = RemoteEngine(self.transport, asks, timeout, r.separate.weight_bucket_mb)
         else:
             self.engine = build_engine(r.engine, cfg.model.hf_dir, engine_config(
                 r, self.seeds.engine(self.dp_rank), self.routing.enabled, cfg.longest_sequence(), cfg.model.bf16))
         per_rank = cfg.prompts_per_step // self.dp_size * r.group_size  # this rank's samples of a step
-        self.schedule = RolloutSchedule(r, self.engine, self.groups, self._indexed_prompts,
-                                        lambda index: self.train_ex[index].answer,
-                                        lambda step: self.seeds.rollout(step, self.dp_rank, per_rank),
-                                        weight_sync(self.model, self.hf_config, self.groups), cfg.steps, timeout,
-                                        order_log=os.path.join(cfg.run_dir, "rollout_order.jsonl"))
+        self.schedule = build_schedule(r, self.engine, self.groups, self._indexed_prompts,
+                                       lambda index: self.train_ex[index].answer,
+                                       lambda step: self.seeds.rollout(step, self.dp_rank, per_rank),
+                                       weight_sync(self.model, self.hf_config, self.groups), cfg.steps, timeout,
+                                       order_log=os.path.join(cfg.run_dir, "rollout_order.jsonl"))
         self.scorer = RewardScorer(num_workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s,
                                    score_fn=reward.score_fn, failure_reward=reward.failure_reward)
         self.evaluator = Evaluator(cfg.eval, self.held_out, self.eval_sets, self.engine, self.scorer, self.groups,
@@ -151,11 +151,11 @@ class Trainer:
         with timer("reward"):
             rewards_PG, reward_info = self._score(rollout)
         filtered = {}
-        if self.cfg.rollout.filter_groups:  # DAPO's dynamic sampling: uniform groups replaced
+        if self.cfg.rollout.streaming.filter_groups:  # DAPO's dynamic sampling: uniform groups replaced
             with timer("filter"):
                 rollout, rewards_PG, reward_info, filtered = fill_informative(
                     rollout, rewards_PG, reward_info, partial(self.schedule.replace, step), self._score,
-                    self.cfg.rollout.filter_rounds, self.groups.dp, self.dp_device)
+                    self.cfg.rollout.streaming.filter_rounds, self.groups.dp, self.dp_device)
         self.engine.sleep()  # GPU: vLLM's memory goes to training until the weight sync
         adv_PG, num_flat = group_advantages(rewards_PG)
         records = self._records(rollout, adv_PG)
@@ -193,7 +193,7 @@ class Trainer:
     def _records(self, rollout: StepRollout, adv_PG: torch.Tensor) -> List[SequenceRecord]:
         """This rank's samples of the step as sequence records, flat in (prompt, sample) order:
         each response's version is its oldest token's policy (steps trained) x mini-batches per
-        step RL optimizer updates (`RolloutSchedule`), with their MoE routes when the step carries
+        step RL optimizer updates (`stapo_megatron.trainer.rollout_schedule.RolloutSchedule`), with their MoE routes when the step carries
         them and (partial rollouts, an option) the tokens older than the token-level bound left
         out of the loss."""
         with_routes = self.routing.step_routes(rollout)  # MoE: replayed and/or measured

@@ -98,7 +98,7 @@ def partial_metrics(rollout: StepRollout, config, pool_state: dict, groups, devi
 
     step, versions = rollout.step, rollout.token_versions
     bound = config.token_age_bound
-    sums = torch.tensor([sum(v < step - config.max_staleness for v in versions), len(versions),
+    sums = torch.tensor([sum(v < step - config.separate.max_staleness for v in versions), len(versions),
                          sum(step - v for v in versions), sum(len(set(s.versions)) > 1 for s in rollout.samples),
                          0 if bound is None else sum(step - v > bound for v in versions)],
                         dtype=torch.float64, device=device)

@@ -40,7 +40,7 @@ def init_groups(cfg: TrainerConfig, seed: int) -> Groups:
         expert_tensor_parallel_size=m.expert_tensor_parallel_size,
         init_timeout_s=cfg.init_timeout_s, timeout_s=cfg.distributed_timeout_s,
     )
-    job = dist.get_world_size() + cfg.rollout.engine_ranks  # separate placement: the engines' ranks too
+    job = dist.get_world_size() + cfg.rollout.separate.engine_ranks  # separate modes: the engines' ranks too
     raise_problems(world_problems(cfg, job), f"the layout cannot run on {job} ranks")
     return groups
 

@@ -66,15 +66,15 @@ def test_every_step_trains_every_sample_of_its_replicas(schedule):
 def test_the_simulators_kv_reserve_matches_the_generators_reservation():
     """`sim_streaming`'s ``kv_reserve`` for ``--reserve-tokens``: (mean prompt + reserve) / (mean
     prompt + mean response), the reserve capped at the response cap (``max_tokens``), which is
-    also the default; the reserve reaches the engines' config as ``rollout.stream_reserve_tokens``."""
+    also the default; the reserve reaches the engines' config as ``rollout.streaming.reserve_tokens``."""
     lengths = SETUP.lengths
     mean_prompt, mean_sequence = sum(lengths.prompt_range) / 2, sum(lengths.prompt_range) / 2 + lengths.mean_response()
     assert cp.generator_reserve(SETUP) == pytest.approx((mean_prompt + 15360) / mean_sequence)
     assert cp.generator_reserve(SETUP) == cp.generator_reserve(cp.Setup(reserve_tokens=10**6))
     at_mean = cp.Setup(reserve_tokens=round(lengths.mean_response()))
     assert cp.generator_reserve(at_mean) == pytest.approx(1.0, abs=1e-4)  # a rounded token
-    assert cp._sampling(at_mean, "streaming").stream_reserve_tokens == round(lengths.mean_response())
-    assert cp._sampling(at_mean, "partial").stream_reserve_tokens is None
+    assert cp._sampling(at_mean, "streaming").streaming.reserve_tokens == round(lengths.mean_response())
+    assert cp._sampling(at_mean, "partial").streaming.reserve_tokens is None
 
 
 RECIPE_SPLIT = cp.Setup(steps=3, warmup=1, prompts_per_step=4, group=2, scale=1e5, trainers=1, engines=2,
@@ -88,7 +88,7 @@ def test_the_recipe_split_is_simulated_as_built():
     the trainer sleeps the recipe's passes; the engines' config carries the split and the reservation."""
     assert RECIPE_SPLIT.sim_schedule == "queue"
     config = cp._sampling(RECIPE_SPLIT, "streaming")
-    assert (config.engine_ranks, config.stream_reserve_tokens, config.max_staleness) == (2, 4096, 2)
+    assert (config.separate.engine_ranks, config.streaming.reserve_tokens, config.separate.max_staleness) == (2, 4096, 2)
     job = RECIPE_SPLIT.job("streaming")
     assert (job.num_gpus, job.forwards, job.recompute) == (3, 1, False)
     run = cp.streaming(job, RECIPE_SPLIT.prompts(), RECIPE_SPLIT.steps, 2, 2, engine_tp=1,

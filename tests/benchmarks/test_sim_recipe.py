@@ -43,7 +43,7 @@ def test_the_dry_runs_estimate_is_within_ten_percent_of_the_queue_schedule():
     """At the recipe's eta (3) and order (completion); at eta 2 the closed form runs 14% short of
     the simulator (150.1 s against 174.9 s): it has no tail and no bound stalls."""
     sj, job = sim_recipe.streaming_jobs()
-    eta = paper.STREAM_ETA
+    eta = paper.STREAM_STALENESS
     assert eta == 3
     prompts = sample_prompts(job.lengths, (STEPS + eta + 1) * job.prompts_per_step, job.group, 0)
     run = sim_recipe.simulate(sj, job, prompts, STEPS, eta, "queue", "completion")

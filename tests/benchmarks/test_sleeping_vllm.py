@@ -37,14 +37,14 @@ def prompt_ids(p: Prompt) -> list:
 
 
 def generator(engine, **kw):
-    """A `StreamingGenerator` over ``engine``: G = 2, T = 1.0, max_tokens = MAX_TOKENS, eta = 1 unless ``kw`` says
+    """A `StreamingGenerator` over ``engine``: G = 2, T = 1.0, max_tokens = MAX_TOKENS, max_staleness = 1 unless ``kw`` says
     otherwise (``group_size``, ``temperature``, ``top_p``, ``max_tokens``: its `SamplingSettings`)."""
     from stapo_megatron.rollout.config import SamplingSettings
     from stapo_megatron.serve.streaming import StreamingGenerator
 
     settings = SamplingSettings(n=kw.pop("group_size", 2), temperature=kw.pop("temperature", 1.0),
                                 top_p=kw.pop("top_p", 1.0), max_tokens=kw.pop("max_tokens", MAX_TOKENS))
-    return StreamingGenerator(engine, settings, **{"eta": 1, **kw})
+    return StreamingGenerator(engine, settings, **{"max_staleness": 1, **kw})
 
 
 def engine(**kw) -> SleepingVLLM:
@@ -96,7 +96,7 @@ def test_admission_order_waits_for_earlier_groups():
 
 
 def test_eta_and_capacity_refuse_admission():
-    gen = generator(engine(), eta=1)
+    gen = generator(engine(), max_staleness=1)
     assert gen.admit(prompt_ids(PROMPTS[0]), 0, trained_version=1)  # version 0 >= 1 - 1
     assert gen.refusal(5, trained_version=2).startswith("eta")
     assert not gen.admit(prompt_ids(PROMPTS[1]), 0, trained_version=2) and gen.num_running_samples == 2

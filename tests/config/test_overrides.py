@@ -47,8 +47,8 @@ def test_unchecked_overrides_leave_the_refusal_to_the_caller():
 def test_none_on_the_command_line_is_the_text_for_a_str_field_and_none_for_an_optional_one():
     """``loss.rollout_correction.mode=none`` reaches the parser as None (the command line reads it
     so): a str field takes its text, an Optional field None."""
-    config = apply_overrides(TrainerConfig(), {"loss.rollout_correction.mode": None, "rollout.max_token_age": None})
-    assert config.loss.rollout_correction.mode == "none" and config.rollout.max_token_age is None
+    config = apply_overrides(TrainerConfig(), {"loss.rollout_correction.mode": None, "rollout.streaming.max_token_age": None})
+    assert config.loss.rollout_correction.mode == "none" and config.rollout.streaming.max_token_age is None
     with pytest.raises(ValueError, match="expected int, got NoneType"):
         apply_overrides(TrainerConfig(), {"steps": None})
 

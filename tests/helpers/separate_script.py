@@ -1,4 +1,4 @@
-"""The real launch entry (`entry.run_recipe`, tiny recipe) with ``rollout.placement="separate"``
+"""The real launch entry (`entry.run_recipe`, tiny recipe) with a separate ``rollout.mode``
 or colocated, and an optional fault on the engine rank, for tests/integration/test_separate_placement.py.
 
     torchrun --nproc-per-node N tests/helpers/separate_script.py OUTPUT_DIR FAULT [key=value ...]
@@ -10,7 +10,7 @@ FAULT: ``none``; ``engine-kill:K``: the engine rank SIGKILLs itself as it begins
 its line of the rollout order are written, its checkpoint is not); ``signal:K``:
 trainer rank 0 writes ``<run_dir>/waiting_for_signal`` after training step K (0-based) and waits
 there for the scheduler's warning signal. The ``key=value``
-arguments are `entry.parse_arguments`' (``rollout.max_staleness=1``).
+arguments are `entry.parse_arguments`' (``rollout.separate.max_staleness=1``).
 """
 
 import os

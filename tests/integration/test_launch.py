@@ -247,7 +247,7 @@ def test_submission_checks_every_path_on_the_login_node(tmp_path):
 
 
 def test_tiny_async_dryrun_starts_the_engine_rank_too(tmp_path):
-    """`make demo-async`: three processes, the last the engine (rollout.engine_ranks=1)."""
+    """`make demo-async`: three processes, the last the engine (rollout.separate.engine_ranks=1)."""
     code, out = nemo_run(tmp_path, "launch/stapo_tiny_async.py", "--dryrun", f"output_dir={tmp_path}/fresh-run")
     assert code == 0, out
     args = re.findall(r"'([^']*)'", re.search(r"'args': \[(.*?)\]", out, re.S).group(1))
@@ -256,7 +256,7 @@ def test_tiny_async_dryrun_starts_the_engine_rank_too(tmp_path):
     assert re.search(r"rollout_correction:\s+mode: tis", out), out  # stale samples corrected by default
     code, out = nemo_run(tmp_path, "launch/stapo_tiny_async.py", "--dryrun", f"output_dir={tmp_path}/fresh-run",
                          "loss.rollout_correction.mode='none'")
-    assert code == 0 and "rollout.max_staleness=1 with loss.rollout_correction.mode='none'" in out, out
+    assert code == 0 and "rollout.separate.max_staleness=1 with loss.rollout_correction.mode='none'" in out, out
 
 
 def test_streaming_dryrun_takes_the_correction_settings(tmp_path):
@@ -267,7 +267,7 @@ def test_streaming_dryrun_takes_the_correction_settings(tmp_path):
                          "loss.rollout_correction.tis_cap=3.0", "--dryrun", env=ENV_SETTINGS)
     assert code == 0, out
     assert re.search(r"rollout_correction:\s+mode: none\s+tis_cap: 3.0", out), out
-    assert f"rollout.max_staleness={paper.STREAM_ETA} with loss.rollout_correction.mode='none'" in out
+    assert f"rollout.separate.max_staleness={paper.STREAM_STALENESS} with loss.rollout_correction.mode='none'" in out
 
 
 def test_tiny_dryrun_shows_the_torchrun_command(tmp_path):

@@ -23,7 +23,7 @@ from tests.helpers.repo_scripts import compare_metrics
 differences, load_rows = compare_metrics.differences, compare_metrics.load_rows
 
 SCRIPT = os.path.join(HELPERS_DIR, "separate_script.py")
-SEPARATE = ("rollout.placement=separate", "rollout.engine_ranks=1")
+SEPARATE = ("rollout.mode=separate", "rollout.separate.engine_ranks=1")
 
 
 def _launch(nproc: int, run_dir, fault: str = "none", *overrides: str, timeout: int = 900):
@@ -62,14 +62,14 @@ def test_synchronous_separate_placement_writes_the_colocated_metrics(tmp_path):
 @pytest.mark.slow  # two launches with three processes (two trainers, one engine), a few minutes
 def test_one_step_off_trains_on_one_update_old_samples_and_resumes_with_a_fresh_pipeline(tmp_path):
     run_dir = tmp_path / "run"
-    first = _launch(3, run_dir, "none", *SEPARATE, "rollout.max_staleness=1", "steps=4", "save_every=2",
+    first = _launch(3, run_dir, "none", *SEPARATE, "rollout.separate.max_staleness=1", "steps=4", "save_every=2",
                     "eval.every=0")
     assert first.returncode == 0, first.stderr[-4000:]
     rows = _train_rows(run_dir)
     assert [r["staleness"] for r in rows] == [0.0, 1.0, 1.0, 1.0]  # (the exact versions: test_rollout_schedule.py)
     assert reference_differences("one_step_off", run_dir) == []  # the same maths as ever
     # requeued: the next launch resumes from step 4 and regenerates what was in flight
-    second = _launch(3, run_dir, "none", *SEPARATE, "rollout.max_staleness=1", "steps=6", "save_every=2",
+    second = _launch(3, run_dir, "none", *SEPARATE, "rollout.separate.max_staleness=1", "steps=6", "save_every=2",
                      "eval.every=0")
     assert second.returncode == 0, second.stderr[-4000:]
     assert "resumed from" in second.stdout + second.stderr
@@ -103,7 +103,7 @@ def test_warning_signal_saves_and_the_engines_stop_cleanly(tmp_path):
     from stapo_megatron.trainer.preemption import torchrun_env
 
     run_dir = tmp_path / "run"
-    args = [*SEPARATE, "rollout.max_staleness=1", "steps=5", "eval.every=0"]
+    args = [*SEPARATE, "rollout.separate.max_staleness=1", "steps=5", "eval.every=0"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--max-restarts", "0",
            "--master-port", str(_free_port()), SCRIPT, str(run_dir), "signal:1", *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", **torchrun_env(120))
@@ -129,10 +129,11 @@ def test_warning_signal_saves_and_the_engines_stop_cleanly(tmp_path):
 def test_partial_rollouts_train_the_first_finished_groups_and_keep_the_rest(tmp_path):
     """k = 1 with partial rollouts at over-sampling 1.5 and 8-token rounds: every step trains its
     replicas' P groups, the pools carry over-sampled groups between steps, tokens of a policy older
-    than the bound are counted (and, with mask_stale_tokens, left out of the loss); a resumed run
+    than the bound are counted (and, with the token-age bound at k, left out of the loss); a resumed run
     goes on from the checkpoint's pool account."""
-    partial = (*SEPARATE, "rollout.max_staleness=1", "rollout.partial=True", "rollout.oversample=1.5",
-               "rollout.partial_tokens=8", "rollout.mask_stale_tokens=True", "eval.every=0", "save_every=3")
+    partial = ("rollout.mode=partial", "rollout.separate.engine_ranks=1", "rollout.separate.max_staleness=1",
+               "rollout.partial.oversample=1.5",
+               "rollout.partial.round_tokens=8", "rollout.partial.max_token_age=1", "eval.every=0", "save_every=3")
     run = _launch(3, tmp_path / "run", "none", *partial, "steps=3")
     assert run.returncode == 0, run.stderr[-4000:]
     rows = _train_rows(tmp_path / "run")

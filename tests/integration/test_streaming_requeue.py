@@ -23,8 +23,8 @@ from tests.helpers.dist_utils import _free_port, kill_marked
 SCRIPT = os.path.join(HELPERS_DIR, "separate_script.py")
 P = 4  # prompts a step: the least that keeps a step's groups in flight beside the next steps'
 STEPS = 6
-STREAMING = ("rollout.placement=separate", "rollout.engine_ranks=1", "rollout.max_staleness=2",
-             "rollout.streaming=True", f"prompts_per_step={P}", f"minibatch_prompts={P}", "rollout.group_size=4",
+STREAMING = ("rollout.mode=streaming", "rollout.separate.engine_ranks=1", "rollout.separate.max_staleness=2",
+             f"prompts_per_step={P}", f"minibatch_prompts={P}", "rollout.group_size=4",
              f"steps={STEPS}", "save_every=2", "eval.every=0", "warmstart.steps=0")
 """The tiny recipe cut to what the account needs: one engine, four prompts of four samples a step,
 no warm-start (the rewards do not matter here), a checkpoint every two steps."""
@@ -69,7 +69,7 @@ def _ledger_at(run_dir, step: int) -> dict:
 @pytest.mark.parametrize("stream_order", ["completion", "admission"])
 def test_a_kill_with_positions_in_flight_requeues_every_position_once(tmp_path, stream_order):
     run_dir = tmp_path / "run"
-    order = f"rollout.stream_order={stream_order}"
+    order = f"rollout.streaming.order={stream_order}"
     code, _, err = _launch(run_dir, "trainer-kill:3", order)
     assert code != 0, err  # killed as step 3 returned: steps 0-3 logged, step 2's checkpoint the last
     killed = _order(run_dir)

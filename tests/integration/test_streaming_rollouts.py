@@ -19,7 +19,7 @@ from tests.helpers.repo_scripts import compare_metrics
 from tests.helpers.two_node_faults import _root_causes, _two_nodes
 
 SCRIPT = os.path.join(HELPERS_DIR, "separate_script.py")
-STREAMING = ("rollout.placement=separate", "rollout.max_staleness=2", "rollout.streaming=True",
+STREAMING = ("rollout.mode=streaming", "rollout.separate.max_staleness=2",
              "loss.rollout_correction.mode=tis")
 P = 16  # prompts a step (tests/helpers/separate_script.py's recipe)
 
@@ -42,7 +42,7 @@ def _trained_positions(run_dir):
 @pytest.mark.slow  # two launches with three processes (one trainer, two engines), about a minute each
 def test_streaming_trains_every_position_once_across_a_requeue(tmp_path):
     run_dir = tmp_path / "run"
-    first = _launch(run_dir, *STREAMING, "rollout.engine_ranks=2", "steps=4", "save_every=2", "eval.every=2")
+    first = _launch(run_dir, *STREAMING, "rollout.separate.engine_ranks=2", "steps=4", "save_every=2", "eval.every=2")
     assert first.returncode == 0, first.stderr[-4000:]
     rows = _train_rows(run_dir)
     assert [r["num_prompts"] for r in rows] == [P] * 4
@@ -59,7 +59,7 @@ def test_streaming_trains_every_position_once_across_a_requeue(tmp_path):
     assert [line["step"] for line in order] == [0, 1, 2, 3]
     assert all(len(line["positions"]["0"]) == P for line in order)
     # requeued: resumes at step 4; the positions in flight at the checkpoint are sent again
-    second = _launch(run_dir, *STREAMING, "rollout.engine_ranks=2", "steps=6", "save_every=2", "eval.every=0")
+    second = _launch(run_dir, *STREAMING, "rollout.separate.engine_ranks=2", "steps=6", "save_every=2", "eval.every=0")
     assert second.returncode == 0, second.stderr[-4000:]
     assert "resumed from" in second.stdout and "(step 4)" in second.stdout, second.stdout[-2000:]
     assert [r["step"] for r in _train_rows(run_dir)] == [1, 2, 3, 4, 5, 6]
@@ -71,7 +71,7 @@ def test_streaming_trains_every_position_once_across_a_requeue(tmp_path):
 def test_an_engine_killed_mid_stream_ends_the_job_naming_its_rank(tmp_path):
     """Trainer rank 0 on the first "node", the engine rank 1 on the second; the engine dies at its
     40th decode iteration, in the middle of the first steps' groups."""
-    codes, outputs = _two_nodes(tmp_path / "run", "engine-kill-stream:40", *STREAMING, "rollout.engine_ranks=1",
+    codes, outputs = _two_nodes(tmp_path / "run", "engine-kill-stream:40", *STREAMING, "rollout.separate.engine_ranks=1",
                                 "eval.every=0", script=SCRIPT)
     assert codes[0] != 0 and codes[1] != 0, outputs
     (survivor, cause), (killed, killed_cause) = _root_causes(outputs)
@@ -88,7 +88,7 @@ def test_dynamic_sampling_replaces_uniform_groups_from_further_prompts(tmp_path)
     from stapo_megatron.trainer.pool_ledger import EXTRA_POSITIONS
 
     run_dir = tmp_path / "run"
-    run = _launch(run_dir, *STREAMING, "rollout.engine_ranks=1", "rollout.filter_groups=True", "steps=2",
+    run = _launch(run_dir, *STREAMING, "rollout.separate.engine_ranks=1", "rollout.streaming.filter_groups=True", "steps=2",
                   "eval.every=0")
     assert run.returncode == 0, run.stderr[-4000:]
     rows = _train_rows(run_dir)

@@ -66,6 +66,6 @@ def test_a_launch_file_keeps_its_own_section_settings_beside_the_nested_ones():
     factory = load_entrypoint(os.path.join(REPO_DIR, "launch/stapo_tiny_async.py")).default_factory
     kwargs = dict(fdl.build(parse_cli_args(factory(), ["loss.rollout_correction.tis_cap=3.0"])).keywords)
     assert kwargs["loss"] == {"rollout_correction": {"mode": "tis", "tis_cap": 3.0}}
-    assert kwargs["model"] == {} and kwargs["rollout"]["max_staleness"] == 1
+    assert kwargs["model"] == {} and kwargs["rollout"]["separate"]["max_staleness"] == 1
     kwargs = dict(fdl.build(parse_cli_args(factory(), ["loss.rollout_correction.mode=icepop"])).keywords)
     assert kwargs["loss"]["rollout_correction"] == {"mode": "icepop"}

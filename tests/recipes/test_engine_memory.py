@@ -63,7 +63,7 @@ def test_a_separate_engine_gpu_holds_the_buckets_the_reload_keeps_and_one_materi
     assert engine_memory.engine_staging_bytes(QWEN3_8B, paper.LAYOUTS["qwen3_8b"]) == 0  # colocated: one at a time
     assert engine_memory.engine_start_problems(QWEN3_8B, layout.replace(weight_bucket_mb=6000)) == []  # 12.6 GB
     problems = engine_memory.engine_start_problems(QWEN3_8B, layout.replace(weight_bucket_mb=6400))  # 16.4 GB
-    assert len(problems) == 1 and "16.4 GB of buckets" in problems[0] and "rollout.weight_bucket_mb=6400" in problems[0]
+    assert len(problems) == 1 and "16.4 GB of buckets" in problems[0] and "rollout.separate.weight_bucket_mb=6400" in problems[0]
 
 
 def test_a_moe_layer_larger_than_a_bucket_travels_alone_and_is_counted_twice():

@@ -31,7 +31,7 @@ def test_recipe_is_consistent_with_its_layout(size):
     assert cfg.model.expert_tensor_parallel_size == layout.expert_tensor_parallel_size
     assert spec.num_attention_heads % tp == 0 and spec.num_query_groups % tp == 0
     assert spec.num_layers % pp == 0
-    assert layout.world_size - cfg.rollout.engine_ranks == tp * pp * dp * cp  # separate placement: less the engines
+    assert layout.world_size - cfg.rollout.separate.engine_ranks == tp * pp * dp * cp  # separate placement: less the engines
     assert cfg.prompts_per_step % cfg.minibatch_prompts == 0
     assert cfg.minibatch_prompts % dp == 0
     assert (cfg.minibatch_prompts * cfg.rollout.group_size) % (dp * cfg.micro_batch_size) == 0
@@ -258,22 +258,22 @@ def test_docs_memory_table_is_current():
 def test_partial_rollouts_on_the_8b_async_layout_are_refused_at_build_time_naming_the_fields():
     """The 8B async layout (CP = 2; DP 2 trainer replicas against 4 engines) cannot run partial
     rollouts: building the config names both reasons, before any process starts."""
-    partial = {"partial": True, "oversample": 1.5}
+    partial = {"mode": "partial", "partial": {"oversample": 1.5}}
     with pytest.raises(ValueError) as info:
         build_config("qwen3_8b_async", check_paths=False, rollout=partial)
     message = str(info.value)
-    assert "rollout.partial=True is not supported with model.context_parallel_size=2" in message, message
-    assert ("rollout.partial=True needs at least as many trainer replicas (DP 2) as engines (rollout.engine_ranks=16 "
+    assert "rollout.mode='partial' is not supported with model.context_parallel_size=2" in message, message
+    assert ("rollout.mode='partial' needs at least as many trainer replicas (DP 2) as engines (rollout.separate.engine_ranks=16 "
             "/ rollout.tensor_parallel_size=4 = 4)") in message, message
     # without CP the 16 training ranks are DP 4 replicas, one per engine: it builds
     no_cp = {"context_parallel_size": 1, "recompute_granularity": "full", "recompute_method": "uniform",
              "recompute_num_layers": 1}
     cfg, _ = build_config("qwen3_8b_async", check_paths=False, rollout=partial, model=no_cp,
                           max_tokens_per_microbatch=16384)
-    assert cfg.rollout.partial and cfg.rollout.num_engines == 4
+    assert cfg.rollout.mode == "partial" and cfg.rollout.partial.oversample == 1.5 and cfg.rollout.num_engines == 4
     # engines of vLLM TP 2: 8 engines for 4 replicas
-    with pytest.raises(ValueError, match=r"rollout\.partial=True needs at least as many trainer replicas \(DP 4\) as "
-                                         r"engines \(rollout\.engine_ranks=16 / rollout\.tensor_parallel_size=2 = 8\)"):
+    with pytest.raises(ValueError, match=r"rollout\.mode='partial' needs at least as many trainer replicas \(DP 4\) as "
+                                         r"engines \(rollout\.separate\.engine_ranks=16 / rollout\.tensor_parallel_size=2 = 8\)"):
         build_config("qwen3_8b_async", check_paths=False, rollout={**partial, "tensor_parallel_size": 2},
                      model=no_cp, max_tokens_per_microbatch=16384)
 
@@ -290,22 +290,22 @@ def test_the_async_recipe_corrects_for_the_behaviour_policy_and_the_synchronous_
 def test_the_streaming_recipe_builds_and_a_layout_that_cannot_stream_is_refused_naming_the_fields():
     cfg, _ = build_config("qwen3_8b_stream", check_paths=False)
     r = cfg.rollout
-    assert (r.streaming, r.max_staleness, r.tensor_parallel_size, r.num_engines) == (True, paper.STREAM_ETA, 1, 24)
-    assert r.stream_reserve_tokens == paper.STREAM_RESERVE_TOKENS < r.max_response_len
+    assert (r.mode, r.separate.max_staleness, r.tensor_parallel_size, r.num_engines) == ("streaming",
+                                                                                         paper.STREAM_STALENESS, 1, 24)
+    assert r.streaming.reserve_tokens == paper.STREAM_RESERVE_TOKENS < r.max_response_len
     assert cfg.loss.rollout_correction.mode == paper.ASYNC_CORRECTION
     # tau_H from the pi_old pass (exact for the first of 256 / 64 = 4 mini-batches), every layer's activations kept
-    assert (cfg.loss.tau_h_source, paper.STREAM_TAU_H_SOURCE, paper.STREAM_ETA) == ("old", "old", 3)
+    assert (cfg.loss.tau_h_source, paper.STREAM_TAU_H_SOURCE, paper.STREAM_STALENESS) == ("old", "old", 3)
     assert (cfg.model.recompute_granularity, cfg.prompts_per_step // cfg.minibatch_prompts) == (None, 4)
     assert paper.paper_recipe("qwen3_8b_async").loss.tau_h_source == "exact" == paper.PAPER_LOSS["tau_h_source"]
     layout = paper.layout_for("qwen3_8b_stream", cfg)
     assert memory.memory_estimate(paper.ARCHITECTURES["qwen3_8b_stream"], layout).total / memory.GB == \
         pytest.approx(65.5, abs=0.05)
     # the one-step-off layout (CP = 2, vLLM TP = 4) cannot stream: both named
-    with pytest.raises(ValueError, match=r"rollout\.streaming=True needs rollout\.tensor_parallel_size=1, got 4"):
-        build_config("qwen3_8b_async", check_paths=False, rollout={"streaming": True, "max_staleness": 2})
-    with pytest.raises(ValueError, match=r"rollout\.streaming=True is not supported with model\.context_parallel_size=2"):
+    with pytest.raises(ValueError, match=r"rollout\.mode='streaming' needs rollout\.tensor_parallel_size=1, got 4"):
+        build_config("qwen3_8b_async", check_paths=False, rollout={"mode": "streaming", "separate.max_staleness": 2})
+    with pytest.raises(ValueError, match=r"rollout\.mode='streaming' is not supported with model\.context_parallel_size=2"):
         build_config("qwen3_8b_async", check_paths=False,
-                     rollout={"streaming": True, "max_staleness": 2, "tensor_parallel_size": 1})
-    with pytest.raises(ValueError, match=r"rollout\.streaming=True needs rollout\.placement='separate' and "
-                                         r"rollout\.max_staleness >= 1"):
-        build_config("qwen3_8b_stream", check_paths=False, rollout={"max_staleness": 0})
+                     rollout={"mode": "streaming", "separate.max_staleness": 2, "tensor_parallel_size": 1})
+    with pytest.raises(ValueError, match=r"rollout\.mode='streaming' needs rollout\.separate\.max_staleness >= 1"):
+        build_config("qwen3_8b_stream", check_paths=False, rollout={"separate.max_staleness": 0})

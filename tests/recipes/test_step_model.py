@@ -70,7 +70,7 @@ def test_the_recipes_jobs():
         (24, 1, 0.85, 8, 4)
     assert (job.forwards, job.recompute, job.reserve_tokens, job.prompts_per_step, job.group) == \
         (1, False, 4096, 256, 8)
-    assert (job.colocated, job.streaming, job.ahead) == (False, True, 3)
+    assert (job.colocated, job.streaming, job.max_staleness) == (False, True, 3)
     assert job.kv_reserve == pytest.approx((562 + 4096) / (562 + 4221.8), rel=1e-4)
     with pytest.raises(ValueError, match="engine_gpus"):
         step_model.streaming_step(dataclasses.replace(job, engine_tp=32))

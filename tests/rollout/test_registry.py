@@ -20,6 +20,7 @@ def test_each_engine_declares_its_capabilities_and_streaming_asks_them(monkeypat
     from stapo_megatron.rollout import registry
     from stapo_megatron.rollout.base import EngineCapabilities
     from stapo_megatron.rollout.config import RolloutSampling
+    from stapo_megatron.rollout.rollout_modes import SeparatePlacement
 
     assert registry.engine_capabilities("vllm") == EngineCapabilities(True, True, True)
     assert registry.engine_capabilities("hf") == EngineCapabilities(False, True, True)
@@ -27,7 +28,7 @@ def test_each_engine_declares_its_capabilities_and_streaming_asks_them(monkeypat
     # a newly registered engine without streaming is refused by its own name, not by a list of names
     monkeypatch.setitem(registry.ENGINES, "transformers", registry.ENGINES["hf"])
     monkeypatch.setattr(registry, "ENGINE_NAMES", (*registry.ENGINE_NAMES, "transformers"))
-    streaming = dict(placement="separate", engine_ranks=1, max_staleness=2, streaming=True)
+    streaming = dict(mode="streaming", separate=SeparatePlacement(engine_ranks=1, max_staleness=2))
     with pytest.raises(ValueError, match="rollout.engine='transformers' does not: use 'vllm' or 'auto'"):
         RolloutSampling(**streaming, engine="transformers")
-    assert RolloutSampling(**streaming, engine="vllm").streaming
+    assert RolloutSampling(**streaming, engine="vllm").mode == "streaming"

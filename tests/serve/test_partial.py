@@ -16,6 +16,7 @@ from stapo_megatron.batch.records import make_records
 from stapo_megatron.batch.step_rollout import StepRollout
 from stapo_megatron.mcore.parallel import Groups
 from stapo_megatron.rollout.config import RolloutSampling
+from stapo_megatron.rollout.rollout_modes import PartialRollouts, SeparatePlacement
 from stapo_megatron.serve.partial import PartialPool
 from stapo_megatron.trainer.pool_ledger import PoolLedger, partial_metrics
 
@@ -118,7 +119,7 @@ def test_the_token_age_bound_masks_older_tokens_and_the_step_reports_their_ages(
     assert found is not None  # the case the bound is for: a response continued over two steps
     T, samples = found
     versions = [v for group in samples for s in group for v in s.versions]
-    config = RolloutSampling(placement="separate", engine_ranks=1, max_staleness=1, partial=True, max_token_age=1)
+    config = RolloutSampling(mode="partial", separate=SeparatePlacement(1, 1), partial=PartialRollouts(max_token_age=1))
     rollout = StepRollout.of_groups(T, [(i, [1]) for i in range(len(samples))], str, samples, G)
     records = make_records(rollout, torch.zeros(len(samples), G), updates_per_step=2,
                            token_age_bound=config.token_age_bound)

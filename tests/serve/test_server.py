@@ -12,6 +12,7 @@ import torch.distributed as dist
 from stapo_megatron.bridge.tiny import save_tiny_hf_model
 from stapo_megatron.data.tokenizer import build_char_tokenizer
 from stapo_megatron.recipes.tiny import tiny_demo
+from stapo_megatron.rollout.rollout_modes import SeparatePlacement
 from stapo_megatron.rollout.config import RolloutConfig, SamplingSettings
 from stapo_megatron.rollout.hf_engine import HFEngine
 from stapo_megatron.rollout.remote import HEADER, RemoteEngine, plan_chunks
@@ -38,7 +39,7 @@ def _config(hf_dir: str):
     cfg, _ = tiny_demo(run_dir="unused")
     return dataclasses.replace(
         cfg, model=dataclasses.replace(cfg.model, hf_dir=hf_dir),
-        rollout=dataclasses.replace(cfg.rollout, engine="hf", placement="separate", engine_ranks=1, max_staleness=0,
+        rollout=dataclasses.replace(cfg.rollout, engine="hf", mode="separate", separate=SeparatePlacement(1, 0),
                                     group_size=N, max_response_len=MAX_TOKENS))
 
 

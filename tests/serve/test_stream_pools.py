@@ -189,7 +189,7 @@ def _age_run(engine, order: str, eta: int, steps: int, per_step: int, bound: int
     takes them (``order``), the weights reloaded as version s + 1 after it trains. Returns per
     step the ages (step - version) of its tokens, and of those ``bound`` keeps in the loss
     (`stapo_megatron.batch.step_rollout.RolloutSample.keep_mask`, as the step's records apply
-    ``rollout.max_token_age``)."""
+    ``rollout.streaming.max_token_age``)."""
     from stapo_megatron.batch.step_rollout import StepRollout
     from stapo_megatron.rollout.remote import stream_take
     from stapo_megatron.serve.stream_pools import StreamPools

@@ -52,14 +52,14 @@ def forcing_weights(engine) -> dict:
 
 
 def generator(engine, **kw):
-    """A `StreamingGenerator` over ``engine``: G = 2, T = TEMPERATURE, max_tokens = 24, eta = 1 unless ``kw`` says
+    """A `StreamingGenerator` over ``engine``: G = 2, T = TEMPERATURE, max_tokens = 24, max_staleness = 1 unless ``kw`` says
     otherwise (``group_size``, ``temperature``, ``top_p``, ``max_tokens``: its `SamplingSettings`)."""
     from stapo_megatron.rollout.config import SamplingSettings
     from stapo_megatron.serve.streaming import StreamingGenerator
 
     settings = SamplingSettings(n=kw.pop("group_size", 2), temperature=kw.pop("temperature", TEMPERATURE),
                                 top_p=kw.pop("top_p", 1.0), max_tokens=kw.pop("max_tokens", 24))
-    return StreamingGenerator(engine, settings, **{"eta": 1, **kw})
+    return StreamingGenerator(engine, settings, **{"max_staleness": 1, **kw})
 
 
 def run_to_end(gen) -> int:
@@ -120,18 +120,18 @@ def test_a_finished_sample_releases_its_kv_reservation_before_its_group_complete
 def test_eta_bounds_admission(engine, restore):
     """At eta = 1 weights of version v admit groups to be trained at versions <= v + 1 only; a
     load to v + 1 admits the next version's."""
-    gen = generator(engine, eta=1, max_tokens=3)
+    gen = generator(engine, max_staleness=1, max_tokens=3)
     assert gen.admit(PROMPTS[0], seed=0, trained_version=1, key="a")
     assert not gen.admit(PROMPTS[0], seed=0, trained_version=2)
-    assert gen.refusal(4, 2) == "eta: weights version 0 < trained version 2 - eta 1"
+    assert gen.refusal(4, 2) == "eta: weights version 0 < trained version 2 - max_staleness 1"
     assert gen.num_running_samples == 2
     gen.load_weights(engine.random_weights.items(), version=1)
     assert gen.admit(PROMPTS[1], seed=0, trained_version=2, key="b")
     assert not gen.admit(PROMPTS[1], seed=0, trained_version=3)
     run_to_end(gen)
     assert [(g.key, g.admission_version) for g in gen.take()] == [("a", 0), ("b", 1)]
-    with pytest.raises(ValueError, match="eta must be an int >= 0"):
-        generator(engine, eta=-1)
+    with pytest.raises(ValueError, match="max_staleness must be an int >= 0"):
+        generator(engine, max_staleness=-1)
     with pytest.raises(ValueError, match="max_running_samples 1 must hold one group"):
         generator(engine, max_running_samples=1)
     with pytest.raises(ValueError, match=r"max_kv_tokens 40000 exceeds the engine's KV cache \(32640 tokens\)"):
@@ -256,10 +256,11 @@ def test_streaming_engines_turn_async_scheduling_off():
     """A streaming run's engines are built with vLLM's async scheduling off (no iteration in
     flight at a load); other runs leave vLLM's default (None: on for CUDA)."""
     from stapo_megatron.rollout.config import RolloutSampling
+    from stapo_megatron.rollout.rollout_modes import SeparatePlacement
     from stapo_megatron.rollout.vllm_engine import engine_kwargs
     from stapo_megatron.serve.server import engine_config
 
-    streaming = RolloutSampling(streaming=True, placement="separate", engine_ranks=1, max_staleness=1, engine="vllm")
+    streaming = RolloutSampling(mode="streaming", separate=SeparatePlacement(1, 1), engine="vllm")
     for rollout, expected in ((streaming, False), (RolloutSampling(), None)):
         config = engine_config(rollout, seed=0, return_routes=False, max_sequence_len=256, bf16=True)
         assert config.async_scheduling is expected

@@ -17,11 +17,13 @@ from stapo_megatron.data.tokenizer import build_char_tokenizer
 from stapo_megatron.mcore.parallel import Groups
 from stapo_megatron.recipes.tiny import tiny_demo
 from stapo_megatron.rollout.transport import connect
-from stapo_megatron.rollout.config import RolloutConfig, RolloutSampling
+from stapo_megatron.rollout.config import RolloutConfig
+from stapo_megatron.rollout.rollout_modes import SeparatePlacement
 from stapo_megatron.rollout.hf_engine import HFEngine
 from stapo_megatron.rollout.remote import RemoteEngine
 from stapo_megatron.serve.server import engine_config, serve
-from stapo_megatron.trainer.rollout_schedule import RolloutSchedule
+from stapo_megatron.trainer.pooled_schedules import build_schedule
+from stapo_megatron.trainer.rollout_schedule import SeparateSchedule
 from tests.helpers.dist_utils import one_rank_parallel
 
 PROMPTS = [[5, 17, 20, 3], [42] * 6, [1, 2, 3, 4, 5, 6, 7, 8, 9]]
@@ -45,8 +47,8 @@ def _config(hf_dir: str, k: int):
     cfg, _ = tiny_demo(run_dir="unused")
     return dataclasses.replace(
         cfg, steps=STEPS, model=dataclasses.replace(cfg.model, hf_dir=hf_dir),
-        rollout=dataclasses.replace(cfg.rollout, engine="hf", placement="separate", engine_ranks=1, max_staleness=k,
-                                    group_size=2, max_response_len=6, weight_bucket_mb=1))
+        rollout=dataclasses.replace(cfg.rollout, engine="hf", mode="separate", separate=SeparatePlacement(1, k, 1),
+                                    group_size=2, max_response_len=6))
 
 
 @pytest.mark.parametrize("k", [0, 1, 2])
@@ -70,9 +72,10 @@ def test_step_s_is_generated_by_the_policy_after_s_minus_k_updates(versions, k):
 
     with one_rank_parallel():
         engine = RemoteEngine(trainer, asks=True, timeout_s=120, bucket_mb=1)
-        schedule = RolloutSchedule(cfg.rollout, engine, Groups(None, None, None, True, 0),
-                                   lambda s: list(enumerate(PROMPTS)), str, lambda s: 1000 * s, sync, cfg.steps,
-                                   cfg.rollout_timeout())
+        schedule = build_schedule(cfg.rollout, engine, Groups(None, None, None, True, 0),
+                                  lambda s: list(enumerate(PROMPTS)), str, lambda s: 1000 * s, sync, cfg.steps,
+                                  cfg.rollout_timeout())
+        assert type(schedule) is SeparateSchedule and schedule.state_dict() == {}  # nothing in flight to keep
         schedule.start(0)
         got = []
         for step in range(STEPS):
@@ -92,14 +95,3 @@ def test_step_s_is_generated_by_the_policy_after_s_minus_k_updates(versions, k):
         local.update_weights(iter(tensors[version].items()))
         expected = local.generate(PROMPTS, 2, cfg.rollout.temperature, 1.0, 6, seed=1000 * step)
         assert tokens == [[s.token_ids for s in group] for group in expected], (step, version)
-
-
-def test_partial_resume_from_a_checkpoint_without_pool_ledgers_is_refused_by_name():
-    """A checkpoint saved without partial rollouts holds no pool ledgers: resuming it with them
-    would lose the prompts in flight silently, so it is refused naming the setting."""
-    sampling = RolloutSampling(placement="separate", engine_ranks=1, max_staleness=1, partial=True)
-    schedule = RolloutSchedule(sampling, None, Groups(None, None, None, True, 0), lambda s: [], str, lambda s: 0,
-                               lambda: None, steps=1, timeout_s=1.0)
-    with pytest.raises(ValueError, match="rollout.partial resumes from a checkpoint whose trainer state has no "
-                                         "pool ledgers .*resume it without rollout.partial"):
-        schedule.load_state_dict({"step": 3})
