@@ -87,6 +87,7 @@ class Trainer:
         build = partial(build_gpt_model, self.hf_config, params_dtype=torch.bfloat16 if cfg.model.bf16 else torch.float32,
                         calculate_per_token_loss=True, bf16=cfg.model.bf16, **cfg.model.memory_settings(),
                         **cfg.model.context_parallel_settings(), moe_enable_routing_replay=cfg.rollout.routing_replay,
+                        use_te=False if cfg.lora else None,  # LoRA adapts megatron-core's own linears: the local spec
                         core_attention="sdpa" if cfg.packing != "padded" else None)  # packed (and CP): SDPAttention
         model = build()
         # lengths: sequence parallelism splits them over TP, context parallelism into 2 x CP chunks
@@ -97,8 +98,7 @@ class Trainer:
         if cfg.lora is not None:  # the base frozen: DDP's buffers and the optimizer hold only the adapters
             apply_lora(model, cfg.lora)
         self.ref_model = build_reference(model, build, cfg.loss.kl_coef)  # GRPO's KL: a frozen copy or LoRA's base
-        # Device rule: batches live on the model's device; what goes through a DP collective is
-        # created on the backend's device (the same CUDA device under NCCL, the CPU under gloo).
+        # Device rule: batches on the model's device, DP collectives' tensors on the backend's (NCCL: CUDA, gloo: CPU)
         self.device = next(model.parameters()).device
         self.dp_device = collective_device(self.groups.dp)
         self.batch_layout = MicroBatchLayout(  # how a step's records become micro-batches (batch/minibatches.py)
