@@ -72,12 +72,12 @@ demo-async: $(STAMP)
 	$(VENV)/bin/nemo-run launch/stapo_tiny_async.py $(ARGS) --yes
 
 # `make demo` for 5 seeds, one after another, each training its own warm-start as on a fresh
-# clone (about 35 minutes on 2 cores): the demo table of docs/results.md, the README's expected
+# clone (about 20 minutes on 2 cores): the demo table of docs/results.md, the README's expected
 # result and docs/figures/demo_seeds.png come from here. Finished seeds are not run again.
 demo-seeds: $(STAMP)
 	$(PY) examples/demo_seeds.py
 
-# The demo in each rollout mode on one seed (colocated, separate one-step-off, streaming; about 25
+# The demo in each rollout mode on one seed (colocated, separate one-step-off, streaming; about 15
 # minutes on 2 cores): docs/results.md's schedules table and the README's streaming line.
 demo-schedules: $(STAMP)
 	$(PY) examples/demo_schedules.py

@@ -184,7 +184,6 @@ TESTED_IN = {
     "stapo_megatron.mcore.loss_metrics": "tests/method/test_rollout_correction.py",
     "stapo_megatron.mcore.parallel": "tests/integration/test_context_parallel_training.py",
     "stapo_megatron.batch.records": "tests/batch/test_minibatches.py",
-    "stapo_megatron.mcore.reference": "tests/integration/test_context_parallel_training.py",
     "stapo_megatron.mcore.schedule": "tests/mcore/test_router_replay.py",
     "stapo_megatron.mcore.step": "tests/integration/test_context_parallel_training.py",
     "stapo_megatron.recipes.synthetic": "tests/integration/test_context_parallel_training.py",

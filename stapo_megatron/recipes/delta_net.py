@@ -120,6 +120,25 @@ def kept_mixer_bytes(spec, tensor_parallel_size: int) -> float:
     return (6 * d["conv"] + 4 * qk + repeated + (6 + 4 * CHUNK_SIZE) * heads + 20 * v) / tensor_parallel_size
 
 
+def attention_mixer_bytes(spec, layout) -> float:
+    """Bytes per token a full-attention token mixer keeps after its input norm (`recipes.memory.
+    kept_layer_bytes`: q/k norms, attention, the K/V gathered over CP with ``cp_comm_type``
+    "all_gather", Qwen3.5's output gate), over TP (``layout``: a `recipes.memory.ParallelLayout`)."""
+    q, kv, cp = spec.q_size, spec.kv_size, layout.context_parallel_size
+    gathered = 4 * kv * (cp - 1) if layout.cp_comm_type == "all_gather" else 0
+    gate = 6 * q if spec.attention_output_gate else 0
+    return (14 * (q + kv) + gathered + gate) / layout.tensor_model_parallel_size
+
+
+def kept_mixer_difference(spec, layout) -> float:
+    """Bytes per token the delta-net layers keep beyond what as many full-attention layers would
+    (`kept_mixer_bytes` less `attention_mixer_bytes`, each); 0 without delta-net layers."""
+    if not spec.is_hybrid:
+        return 0.0
+    mixer = kept_mixer_bytes(spec, layout.tensor_model_parallel_size)
+    return num_linear_layers(spec) * (mixer - attention_mixer_bytes(spec, layout))
+
+
 def recompute_mixer_bytes(spec, tensor_parallel_size: int) -> float:
     """bf16 elements per token (over TP) full recomputation rebuilds of a delta-net token mixer:
     in_proj's q/k/v and z outputs, the conv's output, the kernel's output and the gated norm's:

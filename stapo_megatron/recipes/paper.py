@@ -37,7 +37,8 @@ from stapo_megatron.data.examples import JUSTRL_PROMPT_TEMPLATE
 from stapo_megatron.method.config import method_loss_config
 from stapo_megatron.method.rollout_correction import RolloutCorrectionConfig
 from stapo_megatron.recipes.engine_memory import engine_start_problems
-from stapo_megatron.recipes.memory import GB, GPU_MEMORY_BYTES, MAX_PROMPT_LEN, ParallelLayout, memory_estimate
+from stapo_megatron.recipes.memory import (GB, GPU_MEMORY_BYTES, MAX_PROMPT_LEN, ParallelLayout, lora_rank_problems,
+                                           memory_estimate)
 from stapo_megatron.recipes.qwen35 import (QWEN35_ARCHITECTURES, QWEN35_DISPLAY_NAMES, QWEN35_LAYOUTS,
                                            QWEN35_PACKING)
 
@@ -349,9 +350,10 @@ def qwen35_35b_a3b(method: str = "stapo", run_dir: Optional[str] = None) -> Trai
 def layout_problems(spec: QwenSpec, layout: ParallelLayout, cfg: TrainerConfig) -> List[str]:
     """Why ``cfg`` cannot run on ``layout``'s cluster (empty when it can): the one validator's
     problems (`stapo_megatron.config.parallel_layout.layout_problems`: heads, layers, experts, GPUs and
-    batches over TP/PP/CP/EP/DP, the node topology, the CP token budget, vLLM groups), then the
-    memory estimate of ``layout``."""
-    problems = check_layout(cfg, layout.cluster, spec)
+    batches over TP/PP/CP/EP/DP, the node topology, the CP token budget, vLLM groups), a
+    ``lora.rank`` wider than a targeted linear (`lora_rank_problems`), then the memory estimate
+    of ``layout``."""
+    problems = check_layout(cfg, layout.cluster, spec) + lora_rank_problems(spec, layout)
     if layout.world_size % (layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size
                             * layout.context_parallel_size):
         return problems  # named by the validator; there is no estimate for a layout that does not split the GPUs

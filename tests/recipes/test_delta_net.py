@@ -65,7 +65,8 @@ def test_activations_by_hand():
     assert delta_net.kept_mixer_bytes(SPEC, 1) == 768 + 128 + 256 + 1048 + 1280 == 3480
     assert delta_net.kept_mixer_bytes(SPEC, 2) == 3480 / 2
     # gated attention: 14 (q + kv) + 6 q for the output gate
-    assert memory.attention_mixer_bytes(SPEC, _layout()) == 14 * 192 + 6 * 128 == 3456
+    assert delta_net.attention_mixer_bytes(SPEC, _layout()) == 14 * 192 + 6 * 128 == 3456
+    assert delta_net.kept_mixer_difference(SPEC, _layout()) == 3 * (3480 - 3456)
     # a layer: two norms' 10 h each, the mixer, SwiGLU 6 ffn
     assert memory.kept_layer_bytes(SPEC, _layout()) == 640 + 3456 + 640 + 576 == 5312
     tokens = 16384
