@@ -89,7 +89,8 @@ class ModelSpec:
     @property
     def kv_bytes_per_token(self) -> float:
         """bf16 K and V of every attention layer for one token."""
-        return (self.num_layers if self.attn_layers is None else self.attn_layers) * self.kv_heads * self.kv_channels * 4
+        layers = self.num_layers if self.attn_layers is None else self.attn_layers
+        return layers * self.kv_heads * self.kv_channels * 2 * 2
 
     @property
     def flop_params(self) -> float:
