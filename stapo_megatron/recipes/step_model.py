@@ -20,10 +20,14 @@ prior.
   update (6N, 8N with activation recompute, plus attention) at an MFU that falls as the tokens
   each GPU trains in the step shrink: ``mfu(w) = mfu_max * w / (w + half_tokens)``, i.e. every
   phase pays a fixed cost worth ``half_tokens`` tokens a GPU (optimizer steps, gradient
-  reductions, launch and packing overheads) on top of its FLOPs.
+  reductions, launch and packing overheads) on top of its FLOPs. With LoRA
+  (`ModelSpec.adapter_params`) the frozen base computes no weight gradients: the update is 4N
+  (6N with recompute) for the base plus 6 (8) FLOPs per adapter parameter; the forward passes
+  add the adapters' 2 each (the KL reference, the base with its adapters off, is still a pass).
 - **Switching** (`switch_s`): colocated, every step sleeps the engines, wakes the trainer, and
   wakes the engines and reloads the weights in place; separate, the trainers send bf16 weights
-  over the network and an engine pauses while it loads them.
+  over the network and an engine pauses while it loads them (the fp32 adapters alone with
+  ``rollout.engine="vllm_lora"``, `ModelSpec.adapter_sync`).
 - **A recipe's step** (`recipe_job`, `estimate`; what the dry run prints): the recipe's model,
   GPUs, trainer passes and response cap over the paper's length distribution (`PAPER_LENGTHS`),
   the responses at its quantiles. Colocated and separate placement generate a step at once, each
@@ -85,6 +89,10 @@ class ModelSpec:
     """Qwen3.5: a sequence's delta-net states in vLLM, whatever its length (`delta_net`)."""
     linear_flops: float = 0.0
     """Qwen3.5: forward FLOPs a token of the delta rule beyond its projections, linear in the length."""
+    adapter_params: float = 0.0
+    """LoRA: the adapters' parameters, the rest frozen (0: full fine-tuning)."""
+    adapter_sync: bool = False
+    """LoRA with adapter-only sync: the weight sync moves the fp32 adapters, not the bf16 model."""
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -258,11 +266,16 @@ def train_phase_s(model: ModelSpec, hw: Hardware, eff: Efficiency, tokens: Seque
     if phase not in ("forward", "update"):
         raise ValueError(f"phase must be 'forward' or 'update', got {phase!r}")
     passes = 1 if phase == "forward" else 3 + int(recompute)  # backward = 2 forwards
+    # a frozen base's backward is its input gradients only: one forward's FLOPs, not two
+    base_passes = passes - int(phase == "update" and model.adapter_params > 0)
     mfu_max = eff.forward_mfu if phase == "forward" else eff.update_mfu
     total = sum(tokens)
     layers = model.num_layers if model.attn_layers is None else model.attn_layers  # the quadratic ones
     attention = 4 * layers * model.attn_width * sum(n * n / 2 for n in tokens)
-    flops = passes * ((2 * model.flop_params + model.linear_flops) * total + attention)
+    # the weights' GEMMs follow base_passes; the adapters, the delta rule and attention (no
+    # weights of their own to skip) every pass
+    flops = (base_passes * 2 * model.flop_params * total
+             + passes * ((2 * model.adapter_params + model.linear_flops) * total + attention))
     per_gpu = total / gpus
     mfu = mfu_max * per_gpu / (per_gpu + eff.half_tokens)
     return flops / (gpus * hw.peak_tflops * 1e12 * mfu)
@@ -280,7 +293,7 @@ def trainer_s(model: ModelSpec, hw: Hardware, eff: Efficiency, tokens: Sequence[
 
 def switch_s(model: ModelSpec, eff: Efficiency, colocated: bool) -> float:
     """Colocated: sleep, wake and reload in place; separate: the network transfer of the weights."""
-    weights_gb = 2 * model.params / 1e9
+    weights_gb = (4 * model.adapter_params if model.adapter_sync else 2 * model.params) / 1e9
     if colocated:
         return eff.sleep_wake_s + weights_gb / eff.refit_gb_per_s
     return weights_gb / eff.transfer_gb_per_s
@@ -345,10 +358,15 @@ def recipe_lengths(cfg) -> Lengths:
 
 def recipe_job(spec, layout, cfg, hardware: Hardware = H100) -> RecipeJob:
     """The `RecipeJob` of ``cfg`` on ``layout`` (a `memory.ParallelLayout` after overrides) for
-    the architecture ``spec``."""
+    the architecture ``spec``; with LoRA (``layout.lora_rank``) its adapters, `memory`'s count."""
+    from stapo_megatron.recipes.memory import adapter_params_per_gpu
+
     colocated = not layout.engine_ranks
+    whole = layout.replace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1)
+    model = dataclasses.replace(model_spec(spec), adapter_params=float(adapter_params_per_gpu(spec, whole)),
+                                adapter_sync=cfg.rollout.engine == "vllm_lora")
     return RecipeJob(
-        model_spec(spec), hardware, recipe_lengths(cfg), cfg.prompts_per_step, cfg.rollout.group_size,
+        model, hardware, recipe_lengths(cfg), cfg.prompts_per_step, cfg.rollout.group_size,
         engine_gpus=layout.world_size if colocated else layout.engine_ranks,
         engine_tp=layout.vllm_tensor_parallel_size, memory_share=layout.vllm_gpu_memory_utilization,
         trainer_gpus=layout.training_ranks, trainer_replica_gpus=layout.training_ranks // layout.data_parallel_size,

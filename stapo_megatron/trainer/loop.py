@@ -123,8 +123,8 @@ class Trainer:
             asks = self.groups.mp is None or dist.get_rank(self.groups.mp) == 0
             self.engine = RemoteEngine(self.transport, asks, timeout, r.separate.weight_bucket_mb)
         else:
-            self.engine = build_engine(r.engine, cfg.model.hf_dir, engine_config(
-                r, self.seeds.engine(self.dp_rank), self.routing.enabled, cfg.longest_sequence(), cfg.model.bf16))
+            self.engine = build_engine(r.engine, cfg.model.hf_dir, engine_config(r, self.seeds.engine(self.dp_rank),
+                self.routing.enabled, cfg.longest_sequence(), cfg.model.bf16, None if cfg.lora is None else cfg.lora.rank))
         per_rank = cfg.prompts_per_step // self.dp_size * r.group_size  # this rank's samples of a step
         self.schedule = build_schedule(r, self.engine, self.groups, self._indexed_prompts,
                                        lambda index: self.train_ex[index].answer,

@@ -61,4 +61,8 @@ def test_the_adapter_syncing_engine_needs_dense_lora_adapters():
                                          r"rollout.engine='vllm'"):
         apply_overrides(TrainerConfig(), {"rollout.engine": "vllm_lora", "lora.experts": True,
                                           "lora.target_modules": ["linear_fc1"]})
+    with pytest.raises(ValueError, match=r"syncs adapters into colocated engines; got rollout.mode='separate': use "
+                                         r"rollout.engine='vllm'"):
+        apply_overrides(TrainerConfig(), {"rollout.engine": "vllm_lora", "lora.rank": 8, "rollout.mode": "separate",
+                                          "rollout.separate.engine_ranks": 1})
     assert apply_overrides(TrainerConfig(), {"rollout.engine": "vllm_lora", "lora.rank": 8}).lora.rank == 8

@@ -52,7 +52,7 @@ def synced(tmp_path_factory):
     build_char_tokenizer(hf_dir)
     out = {}
     with one_rank_parallel() as groups:
-        engine = VLLMLoraEngine(hf_dir, RolloutConfig(seed=0, **ENGINE_KW), lora_rank=RANK)
+        engine = VLLMLoraEngine(hf_dir, RolloutConfig(seed=0, max_lora_rank=RANK, **ENGINE_KW))
         model = build_gpt_model(tiny_config(VARIANT), params_dtype=torch.float32, calculate_per_token_loss=True)
         randomize(model, seed=3)  # a base the engine's folder does not hold: the first sync must send it
         for name, adapter in apply_lora(model, LoraConfig(rank=RANK, alpha=8.0)).items():
