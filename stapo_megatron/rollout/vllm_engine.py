@@ -44,6 +44,10 @@ class VLLMEngine:
 
     capabilities = EngineCapabilities(streaming=True, partial_continuation=True, router_replay=True)
     """Streaming on its request API; routes only from Model Runner V2 (``rollout.vllm_model_runner_v2``)."""
+    lora_request = None
+    """The adapter every ``generate`` samples with (`stapo_megatron.rollout.vllm_lora`); None: the
+    weights alone. A class default, so that engines built another way (the evaluator's worker
+    processes) have it too."""
 
     def __init__(self, hf_dir: str, config: RolloutConfig):
         """Build the engine from an HF folder (config.json + safetensors, tokenizer optional).
@@ -74,7 +78,6 @@ class VLLMEngine:
         # Without a default process group (stapo-eval, a one-process script) vLLM forms one of
         # its own (world 1); `shutdown` destroys only that one, never the caller's.
         self.owns_default_group = not dist.is_initialized()
-        self.lora_request = None
         """The LoRA adapter every request uses (`stapo_megatron.rollout.vllm_lora`); None: the model alone."""
         self.llm = self._build_llm(hf_dir, kwargs, config.vllm_model_runner_v2)
 

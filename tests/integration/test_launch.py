@@ -90,9 +90,11 @@ def test_dryrun_renders_the_sbatch_script(tmp_path, short, nodes, settings):
     ]:
         assert re.search(pattern, script, re.M), f"{pattern!r} not in\n{script}"
     # the task's arguments as NeMo-Run resolved them (steps=1 is the int 1, not True)
-    for name, value in [("recipe", f"'qwen3_{short}'"), ("method", "'justrl'"), ("steps", "1"),
-                        ("rollout", r"section\(max_response_len=8192\)")]:
+    for name, value in [("recipe", f"'qwen3_{short}'"), ("method", "'justrl'"), ("steps", "1")]:
         assert re.search(rf"│ {name}\s+│ {value}\s+│", out), (name, out)
+    # the rollout section: the override beside its mode sections (empty, for nested overrides)
+    rollout = out[out.index("│ rollout"):out.index("└", out.index("│ rollout"))]
+    assert "max_response_len=8192)" in rollout and "streaming=section()" in rollout, rollout
 
 
 def test_dryrun_marks_missing_settings(tmp_path):
@@ -252,7 +254,7 @@ def test_tiny_async_dryrun_starts_the_engine_rank_too(tmp_path):
     assert code == 0, out
     args = re.findall(r"'([^']*)'", re.search(r"'args': \[(.*?)\]", out, re.S).group(1))
     assert args[args.index("--nproc-per-node") + 1] == "3"
-    assert re.search(r"placement: separate", out) and re.search(r"engine_ranks: 1", out) and "max_staleness: 1" in out
+    assert re.search(r"mode: separate", out) and re.search(r"engine_ranks: 1", out) and "max_staleness: 1" in out
     assert re.search(r"rollout_correction:\s+mode: tis", out), out  # stale samples corrected by default
     code, out = nemo_run(tmp_path, "launch/stapo_tiny_async.py", "--dryrun", f"output_dir={tmp_path}/fresh-run",
                          "loss.rollout_correction.mode='none'")
