@@ -42,9 +42,9 @@ from stapo_megatron.mcore.parallel import init_process_group
 from stapo_megatron.rollout.transport import init_job
 from stapo_megatron.recipes import paper
 
-RECIPES = ("tiny", "tiny_moe", *paper.LAYOUTS)
+RECIPES = ("tiny", "tiny_moe", "tiny_qwen35", *paper.LAYOUTS)
 """Recipe names: the CPU demos (``recipes/tiny.py``) and the paper's sizes (``recipes/paper.py``)."""
-TINY = ("tiny", "tiny_moe")
+TINY = ("tiny", "tiny_moe", "tiny_qwen35")
 """The CPU demos: they prepare their model folder and take a warm-start."""
 
 def _subsections(config_type) -> Dict[str, Any]:
@@ -111,7 +111,7 @@ def build_config(
     elif recipe in TINY:
         from stapo_megatron.recipes.tiny import TINY_RECIPES
 
-        run_dir = output_dir or ("runs/demo" if recipe == "tiny" else "runs/demo-moe")
+        run_dir = output_dir or {"tiny": "runs/demo", "tiny_moe": "runs/demo-moe"}.get(recipe, "runs/demo-qwen35")
         cfg, warmstart = TINY_RECIPES[recipe](run_dir=run_dir, method=method or "stapo")
     else:
         cfg, warmstart = paper.paper_recipe(recipe, method or "stapo", run_dir=output_dir), None

@@ -42,7 +42,7 @@ def test_a_submission_from_a_machine_without_sbatch_is_refused_first(tmp_path, m
 
 
 def test_every_recipe_launch_file_is_found():
-    assert len(RECIPE_LAUNCH_FILES) == 10 and "launch/stapo_8b_stream.py" in RECIPE_LAUNCH_FILES
+    assert len(RECIPE_LAUNCH_FILES) == 11 and "launch/stapo_8b_stream.py" in RECIPE_LAUNCH_FILES
 
 
 @pytest.mark.parametrize("path", RECIPE_LAUNCH_FILES)
