@@ -18,6 +18,6 @@ if __name__ == "__main__":
     cfg = apply_overrides(cfg, {
         "steps": steps, "prompts_per_step": 8, "minibatch_prompts": 4, "micro_batch_size": 16,
         "eval.every": 0, "save_every": steps, "model.hf_dir": model_dir, "data.num_train": 64, "data.num_eval": 8,
-        # a loose tau_p so that S2T silences tokens of an almost untrained model
-        "loss.tau_p": 0.2})
+        # a loose tau_p so that S2T silences tokens of an almost untrained model, and a reward it can earn
+        "loss.tau_p": 0.2, "reward.name": "tests.helpers.digit_reward.starts_with_digit"})
     train(cfg, dataclasses.replace(warmstart, steps=warmstart_steps, cache_dir=""))

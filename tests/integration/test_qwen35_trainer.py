@@ -1,6 +1,7 @@
 """End to end: STAPO steps of the real trainer on a tiny Qwen3.5 (``tiny_qwen35_demo``'s model: three
 gated delta-net layers, then gated full attention) with HF-engine rollouts synced every step, math
-rewards and Megatron (packed micro-batches: the delta net runs per sequence of ``cu_seqlens``)."""
+rewards and Megatron (packed micro-batches: the delta net runs per sequence of ``cu_seqlens``).
+The policy is barely warm-started, so the reward is `tests/helpers/digit_reward.py`'s dense one."""
 
 import json
 import math
@@ -23,7 +24,7 @@ def _version_gap():
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_version_gap() is not None, reason=str(_version_gap()))]
 
-STEPS, WARMSTART_STEPS = 2, 30
+STEPS, WARMSTART_STEPS = 2, 2
 
 SYNCED_MEAN_ATOL, SYNCED_MAX_ATOL = 1e-4, 1e-3
 """Engine vs trainer log-probs at k = 0 (both fp32, synced before each step's rollouts): the bounds of
@@ -50,13 +51,13 @@ def test_stapo_steps_on_a_tiny_qwen35(tmp_path):
         print(f"step {r['step']}: loss {r['loss']:+.4g}, reward {r['reward_mean']:.3f}, grad_norm {r['grad_norm']:.3g}, "
               f"approx_kl {r['approx_kl']:.3g}, rollout_train_logprob_diff {r['rollout_train_logprob_diff']:.3g}, "
               f"max {r['mismatch_abs_logprob_diff_max']:.3g}, silenced {r['silenced_count']}")
-        assert math.isfinite(r["loss"]) and r["skipped"] == 0 and r["grad_norm"] > 0
+        assert math.isfinite(r["loss"]) and r["skipped"] == 0 and 0 < r["reward_mean"] < 1 and r["grad_norm"] > 0
         assert r["num_prompts"] == 8 and r["response_len_mean"] > 0
         # the engine samples with the weights Megatron trains (synced before every step's rollouts)
         assert r["rollout_train_logprob_diff"] < SYNCED_MEAN_ATOL and r["mismatch_abs_logprob_diff_max"] < SYNCED_MAX_ATOL
         assert r["mismatch_token_flagged_fraction"] == 0
-        # two mini-batches a step: the second one's pi differs from pi_old, so the first update moved the weights
-        assert r["approx_kl"] > 0
     assert any(r["silenced_count"] > 0 for r in train), "the loose tau_p must make S2T silence tokens"
+    # two mini-batches a step: where the second one's pi differs from pi_old, the first update moved the weights
+    assert any(r["approx_kl"] > 0 for r in train)
     latest = ckpt.find_latest(str(run_dir), world_size=1)
     assert latest is not None and latest.endswith(f"step_{STEPS:08d}")
