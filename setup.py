@@ -54,8 +54,9 @@ setup(
         # (requirements/launch-nodeps.txt with --no-deps, then requirements/launch.txt).
         "launch": ["nemo-run==0.11.1", "leptonai<0.47"],
         "tracking": TRACKING,
-        # The tests use the tracking packages for real (W&B offline, MLflow file store).
-        "test": ["pytest>=8", *TRACKING],
+        # The tests use the tracking packages for real (W&B offline, MLflow file store), and
+        # peft to load an exported LoRA adapter onto the transformers model.
+        "test": ["pytest>=8", "peft>=0.17", *TRACKING],
     },
     entry_points={
         "console_scripts": [

@@ -1,7 +1,7 @@
 """The tiny demo in each rollout mode on one seed: the schedules table of docs/results.md and the
 README's streaming line come from here.
 
-    .venv/bin/python examples/demo_schedules.py                  # = make demo-schedules (~25 min on 2 cores)
+    .venv/bin/python examples/demo_schedules.py                  # = make demo-schedules (~15 min on 2 cores)
     .venv/bin/python examples/demo_schedules.py --modes colocated streaming --no-publish
 
 Each mode runs what its make target runs (NeMo-Run, torchrun, local processes), one after another,

@@ -65,8 +65,10 @@ def _section(cls, prefix: str, title: typing.Optional[str] = None) -> typing.Lis
     nested = []
     for field in dataclasses.fields(cls):
         hint = hints[field.name]
-        if dataclasses.is_dataclass(hint):
-            nested.append((hint, f"{prefix}{field.name}."))
+        optional = [a for a in typing.get_args(hint) if a is not type(None)]
+        section = optional[0] if len(optional) == 1 and type(None) in typing.get_args(hint) else hint
+        if dataclasses.is_dataclass(section):  # a section, or an optional one (None: off)
+            nested.append((section, f"{prefix}{field.name}."))
         text = " ".join(docs[field.name].split()).replace("|", "\\|")
         lines.append(f"| `{prefix}{field.name}` | `{_type_name(hint)}` | {_default(field)} | {text} |")
     lines.append("")

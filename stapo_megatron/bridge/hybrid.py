@@ -31,6 +31,7 @@ import copy
 from typing import Optional
 
 from stapo_megatron.bridge.hf_config import LINEAR_ATTENTION, QwenSpec
+from stapo_megatron.bridge.hybrid_config import delta_net_layout_problems
 
 
 def delta_net_version_gap() -> Optional[str]:
@@ -135,9 +136,9 @@ def hybrid_block_spec(spec: QwenSpec, full_attention_layer, config, vp_stage: Op
     from stapo_megatron.bridge.norm import final_norm
 
     check_delta_net_version()
-    if config.context_parallel_size > 1:
-        raise ValueError(f"context_parallel_size {config.context_parallel_size}: megatron-core 0.16.1's gated delta "
-                         f"net has no context parallelism (layer_types has linear_attention layers)")
+    problems = delta_net_layout_problems(spec, config.context_parallel_size)
+    if problems:
+        raise ValueError(problems[0])
     linear = delta_net_layer(full_attention_layer)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage,
                                           pp_rank=ps.get_pipeline_model_parallel_rank())

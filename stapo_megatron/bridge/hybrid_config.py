@@ -112,3 +112,24 @@ def check_hybrid_parallel(spec, tensor_model_parallel_size: int) -> list[tuple]:
         return shared
     return shared + [(tp, "tensor_model_parallel_size", "linear_num_key_heads", spec.linear_num_key_heads),
             (tp, "tensor_model_parallel_size", "linear_num_value_heads", spec.linear_num_value_heads)]
+
+
+def delta_net_layout_problems(spec, context_parallel_size: int, sequence_parallel: bool = False,
+                              packed: bool = False) -> list[str]:
+    """What the delta-net layers of ``spec`` refuse of a parallel layout (empty for a model
+    without them): context parallelism (megatron-core 0.16.1's gated delta net has none), and
+    sequence parallelism with packed micro-batches (the packed delta-net layer runs each
+    sequence on its own, `bridge.hybrid.packed_delta_net`, so a TP rank needs whole sequences)."""
+    if not spec.is_hybrid:
+        return []
+    problems = []
+    if context_parallel_size > 1:
+        problems.append(f"model.context_parallel_size {context_parallel_size} is not supported for {spec.architecture}: "
+                        f"megatron-core 0.16.1's gated delta net has no context parallelism (layer_types has "
+                        f"{len(spec.layers_of_type(LINEAR_ATTENTION))} linear_attention layers); use "
+                        f"model.context_parallel_size=1")
+    if packed and sequence_parallel:
+        problems.append(f"model.sequence_parallel=True with packed micro-batches is not supported for "
+                        f"{spec.architecture}: a packed delta-net layer runs each sequence on its own and needs it "
+                        f"whole on every TP rank; set model.sequence_parallel=False or packing='padded'")
+    return problems

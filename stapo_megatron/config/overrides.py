@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import typing
-from typing import Any, Dict, List, Mapping
+from typing import Any, Dict, List, Mapping, Optional
 
 from stapo_megatron.utils import MAX_SUGGESTIONS, closest_fields, unknown_field_error  # noqa: F401  (this module's API)
 
@@ -61,6 +61,13 @@ def check_value(where: str, value: Any, annotation: Any) -> Any:
     return value
 
 
+def _optional_section(annotation: Any) -> Optional[type]:
+    """The dataclass of an ``Optional[SomeConfig]`` field (a section that may be None), else None."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    is_optional = typing.get_origin(annotation) is typing.Union and len(args) == 1
+    return args[0] if is_optional and dataclasses.is_dataclass(args[0]) else None
+
+
 def apply_overrides(obj: Any, overrides: Mapping[str, Any], prefix: str = "", check: bool = True) -> Any:
     """A copy of dataclass ``obj`` with ``overrides`` applied (dotted keys or nested dicts).
 
@@ -85,8 +92,13 @@ def apply_overrides(obj: Any, overrides: Mapping[str, Any], prefix: str = "", ch
                 raise renamed_field_error(prefix, head, renamed[head], value)
             raise unknown_field_error(f"{prefix}{head}", obj, head)
         current = getattr(obj, head)
+        section = _optional_section(hints[head])
+        if current is None and section is not None and isinstance(value, Mapping):
+            current = section()  # an optional section off by default (``lora``): its fields turn it on
         if dataclasses.is_dataclass(current) and isinstance(value, Mapping):
             value = apply_overrides(current, value, f"{prefix}{head}.")
+        elif value is None and section is not None:
+            pass  # ``lora=none``: the optional section off
         elif dataclasses.is_dataclass(current) and not isinstance(value, type(current)):
             if head in renamed:
                 raise renamed_field_error(prefix, head, renamed[head], value)

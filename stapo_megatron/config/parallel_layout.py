@@ -160,6 +160,9 @@ def model_problems(spec: Any, cfg: Any) -> List[str]:
     """What the architecture ``spec`` (a `stapo_megatron.bridge.hf_config.QwenSpec`) needs of
     ``cfg``'s layout: heads and KV heads over TP (x CP for the all-to-all CP exchanges) and vLLM's
     TP, layers over PP, experts over EP and their widths over ETP; sequence parallelism needs TP."""
+    # here, not at the top: the config tree imports this module without the bridge (or torch)
+    from stapo_megatron.bridge.hybrid_config import check_hybrid_parallel, delta_net_layout_problems
+
     m = cfg.model
     tp, cp, vtp = m.tensor_model_parallel_size, m.context_parallel_size, cfg.rollout.tensor_parallel_size
     # "a2a" CP scatters heads over the CP ranks (Ulysses), so heads must split over TP x CP
@@ -175,6 +178,10 @@ def model_problems(spec: Any, cfg: Any) -> List[str]:
                         f"{m.pipeline_model_parallel_size}")
     if m.sequence_parallel and tp == 1:
         problems.append("sequence_parallel needs tensor_model_parallel_size > 1")
+    # Qwen3.5's delta-net layers: no CP, no sequence parallelism with packing (the bridge's check)
+    problems += delta_net_layout_problems(spec, cp, m.sequence_parallel, packed=cfg.packing != "padded")
+    problems += [f"{field} {value} is not divisible by {name} {size}"
+                 for size, name, field, value in check_hybrid_parallel(spec, tp) if value % size]
     return problems + _expert_problems(spec, cfg)
 
 

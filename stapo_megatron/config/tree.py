@@ -11,6 +11,7 @@
       .reward  RewardConfig       the reward function and its worker processes
       .eval    EvalConfig         held-out evaluation: every, temperature, samples, max length,
                                   and .sets [EvalSetConfig], named sets (benchmarks)
+      .lora    LoraConfig | None  LoRA adapters on the policy, the base frozen (None: full fine-tuning)
     WarmStartConfig               the supervised warm-start before RL (CPU demo)
 
 Every field has a one-line (or longer) docstring under it. Defaults are the paper's recipe
@@ -39,6 +40,7 @@ from stapo_megatron.rewards.config import RewardConfig
 from stapo_megatron.rollout.config import EngineResources, RolloutConfig, RolloutSampling
 from stapo_megatron.runlog.config import LoggingConfig
 from stapo_megatron.mcore.config import ModelConfig, OptimConfig
+from stapo_megatron.mcore.lora_config import LoraConfig
 from stapo_megatron.utils import check_at_least
 
 __all__ = ["TrainerConfig", "field_docs"]
@@ -134,6 +136,12 @@ class TrainerConfig:
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     """In-training evaluation: when (``eval.every``), how (``eval.temperature``,
     ``eval.samples``, ``eval.max_response_len``) and the named sets (``eval.sets``)."""
+    lora: Optional[LoraConfig] = None
+    """LoRA: low-rank adapters on the policy's parallel linears, the base model frozen and the
+    optimizer holding only the adapters; the KL reference is the base with the adapters off and
+    the rollout engine gets the merged weights (docs/lora.md). None: full fine-tuning. Setting any
+    of its fields (``lora.rank=16``) turns it on with the other fields' defaults; ``lora=none``
+    turns it off."""
 
     RENAMED_FIELDS: ClassVar[Dict[str, str]] = {
         "reward": "reward.name", "reward_timeout_s": "reward.timeout_s", "reward_workers": "reward.workers",
@@ -162,6 +170,17 @@ class TrainerConfig:
         if problems:
             raise ValueError(problems[0])
         check_parallelism(self.loss.effective_objective, self.model.context_parallel_size)
+        if self.rollout.engine == "vllm_lora":  # adapter-only sync (rollout/vllm_lora.py)
+            if self.lora is None:
+                raise ValueError("rollout.engine='vllm_lora' syncs LoRA adapters, but lora is None: set the lora "
+                                 "section (lora.rank=...) or choose rollout.engine='vllm'")
+            if self.lora.experts or self.model.pipeline_model_parallel_size > 1:
+                raise ValueError(f"rollout.engine='vllm_lora' syncs dense adapters at pipeline parallel size 1; got "
+                                 f"lora.experts={self.lora.experts}, model.pipeline_model_parallel_size="
+                                 f"{self.model.pipeline_model_parallel_size}: use rollout.engine='vllm' (merged sync)")
+            if self.rollout.placement != "colocated":  # the engine ranks get no adapters (serve/server.py)
+                raise ValueError(f"rollout.engine='vllm_lora' syncs adapters into colocated engines; got rollout.mode="
+                                 f"{self.rollout.mode!r}: use rollout.engine='vllm' (merged sync)")
         if self.rollout.separate.max_staleness >= 1 and self.loss.rollout_correction.mode == "none":
             warnings.warn(f"rollout.separate.max_staleness={self.rollout.separate.max_staleness} with loss.rollout_correction.mode="
                           f"'none': stale samples train without a behaviour-policy correction (pi_old / "

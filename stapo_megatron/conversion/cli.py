@@ -3,6 +3,7 @@
     stapo-convert hf-to-mcore --hf-dir HF --out CKPT [--dtype bfloat16] [--tp N --pp M --ep E]
     stapo-convert mcore-to-hf --ckpt CKPT --out HF [--dtype bfloat16] [--hf-config DIR]
     stapo-convert verify --hf-dir HF --ckpt CKPT --tp N --pp M [--ep E] [--tol 1e-5]
+    stapo-convert lora-to-peft --ckpt RUN --out ADAPTER [--alpha A] [--hf-config DIR]
 
 verify starts TP x PP x EP processes on this host and refuses a layout whose estimated memory
 exceeds the available memory (--no-memory-check skips that); a rank the kernel kills is named
@@ -16,6 +17,7 @@ names the problem; nothing that looks complete is left at the output path), 130 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from typing import Optional, Sequence
@@ -78,6 +80,15 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--min-top1", type=float, default=1.0, help="minimal top-1 agreement")
     c.add_argument("--no-memory-check", action="store_true",
                    help="start the TP x PP x EP processes even when their estimated memory exceeds the available")
+
+    d = sub.add_parser("lora-to-peft", help="a LoRA run's adapters -> Hugging Face PEFT adapter folder")
+    d.add_argument("--ckpt", required=True, help="checkpoint of a LoRA run (a run folder or one of its steps)")
+    d.add_argument("--out", required=True,
+                   help="output adapter folder (adapter_config.json, adapter_model.safetensors)")
+    d.add_argument("--alpha", type=_positive(float),
+                   help="lora_alpha (default: the run's lora.alpha, from its config.yaml)")
+    d.add_argument("--hf-config", help="HF folder with config.json (default: the checkpoint's hf/)")
+    d.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     return p
 
 
@@ -97,6 +108,13 @@ def _run(args: argparse.Namespace) -> int:
         files = convert_mcore_to_hf(args.ckpt, args.out, dtype=DTYPES.get(args.dtype), hf_config_dir=args.hf_config,
                                     overwrite=args.overwrite, max_shard_bytes=int(args.max_shard_gb * 2**30))
         print(f"wrote {len(files)} safetensors file(s) to {args.out}")
+        return 0
+    if args.command == "lora-to-peft":
+        from stapo_megatron.conversion.peft_export import export_peft
+
+        files = export_peft(args.ckpt, args.out, alpha=args.alpha, hf_config_dir=args.hf_config,
+                            overwrite=args.overwrite)
+        print(f"wrote the PEFT adapter ({', '.join(os.path.basename(f) for f in files)}) to {args.out}")
         return 0
     from stapo_megatron.conversion.verify import FP32_LOGIT_TOL, format_table, verify
 

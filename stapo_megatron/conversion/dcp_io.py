@@ -278,14 +278,18 @@ class CheckpointReader:
     checkpoint stores them so or under Megatron DDP's ``module.`` prefix (a trainer checkpoint).
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, probe: Optional[str] = "embedding.word_embeddings.weight"):
+        """``probe``: a model tensor the checkpoint must hold (its key tells the prefix); None
+        for a checkpoint without the embedding (a LoRA run's adapters only): the prefix is
+        DDP's if any stored tensor has it."""
         self.path = path
         self._reader = FileSystemReader(path)
         self.metadata = read_dcp_metadata(path)
         self.metadata.storage_meta.load_id = self._reader.load_id
         self._reader.set_up_storage_reader(self.metadata, is_coordinator=True)
         stored = [k for k, v in self.metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)]
-        self.key_prefix = model_key_prefix(stored)
+        self.key_prefix = (model_key_prefix(stored, probe) if probe
+                           else DDP_PREFIX if any(k.startswith(DDP_PREFIX) for k in stored) else "")
 
     def tensors(self) -> dict[str, TensorStorageMetadata]:
         """Stored tensors by Megatron model key (ShardedObjects and byte items excluded; in a

@@ -26,7 +26,8 @@ import torch.distributed as dist
 from stapo_megatron.doctor import report
 from stapo_megatron.doctor.report import Check
 
-CHECKS = ("versions", "collectives", "logprob_op", "attention", "te_spec", "vllm", "engine_start", "stapo_steps")
+CHECKS = ("versions", "collectives", "logprob_op", "attention", "delta_net", "te_spec", "vllm", "engine_start",
+          "stapo_steps")
 """The check names ``--only`` and ``--skip`` take (``vllm`` is the engine's rows together)."""
 
 
@@ -62,13 +63,15 @@ def run_local(names: Sequence[str], moe: bool = False) -> List[Check]:
         rows.append(report.run_check("versions", versions.check_versions))
     if "collectives" in names:
         rows.append(report.run_check("collectives", collectives.check_collectives))
-    in_process = [n for n in ("logprob_op", "attention", "te_spec", "vllm") if n in names]
+    in_process = [n for n in ("logprob_op", "attention", "delta_net", "te_spec", "vllm") if n in names]
     if in_process:
         with one_rank_megatron() as groups:
             if "logprob_op" in names:
                 rows.append(report.run_check("logprob_op", kernels.check_logprob_op))
             if "attention" in names:
                 rows.append(report.run_check("attention", kernels.check_attention))
+            if "delta_net" in names:  # Qwen3.5's delta-net kernels (fla on CUDA, the torch reference on the CPU)
+                rows.append(report.run_check("delta_net", kernels.check_delta_net))
             if "te_spec" in names:
                 for variant in ("qwen3", "qwen3-moe") if moe else ("qwen3",):
                     rows.append(report.run_check(f"te_spec_{variant}", lambda v=variant: kernels.check_te_spec(v)))

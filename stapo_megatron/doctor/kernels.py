@@ -1,6 +1,7 @@
 """The doctor's kernel rows: the fused log-prob/entropy op against its torch path, packed and
-context-parallel attention against each sequence's causal SDPA, and the transformer-engine layer
-spec against the local spec on the same converted weights.
+context-parallel attention against each sequence's causal SDPA, the delta-net kernels (Qwen3.5)
+against the gated delta rule token by token, and the transformer-engine layer spec against the
+local spec on the same converted weights.
 
 Each runs on this process's device (CUDA when there is one) inside a one-rank Megatron parallel
 state the caller has formed (`stapo_megatron.mcore.parallel.init_parallel`). On a CPU machine the
@@ -35,6 +36,11 @@ log Z differ by a few ulps and so does every probability (that file's 1e-5 at |g
 ATTENTION_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 """Max error over max reference value (outputs; gradients get 5x): fp32 sums in other orders;
 bf16 flash attention's P @ V in bf16 (tests/gpu/test_gpu.py's attention tolerances)."""
+
+DELTA_RULE_TOL = 1e-4
+"""Max error over max reference value of the chunked gated delta rule against the token-by-token
+recurrence, both fp32: the chunked form solves each 64-token chunk's triangular system and sums in
+another order (measured ~1e-6 on the CPU at the check's shape)."""
 
 TE_LOGIT_TOL = 1e-3
 """TE spec vs local spec, fp32 weights, relative to the largest logit: TE's fused LayerNorm-linear
@@ -192,3 +198,66 @@ def check_te_spec(variant: str = "qwen3") -> Check:
     detail = f"max |dlogit| {diff:.1e} of max |logit| {scale:.2f} (bound {TE_LOGIT_TOL:.0e} relative), top-1 {top1:.1%}"
     ok = diff <= TE_LOGIT_TOL * scale and top1 == 1.0
     return (passed if ok else failed)(f"te_spec_{variant}", detail, max_abs_diff=diff, logit_scale=scale, top1=top1)
+
+
+def recurrent_delta_rule(q, k, v, g, beta):
+    """The gated delta rule token by token (fp32; [batch, tokens, heads, dim] inputs, ``g`` the
+    log decay and ``beta`` the write strength per token and head): S_t = a_t S_{t-1} +
+    beta_t k_t (v_t - a_t S_{t-1}^T k_t)^T with a_t = exp(g_t), o_t = S_t^T q_t / sqrt(dim_k)."""
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    q = q / q.shape[-1] ** 0.5
+    state = torch.zeros(q.shape[0], q.shape[2], k.shape[-1], v.shape[-1], dtype=torch.float32, device=q.device)
+    out = []
+    for t in range(q.shape[1]):
+        state = state * g[:, t].exp()[..., None, None]
+        delta = (v[:, t] - torch.einsum("bhkv,bhk->bhv", state, k[:, t])) * beta[:, t][..., None]
+        state = state + k[:, t][..., None] * delta[..., None, :]
+        out.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
+    return torch.stack(out, dim=1)
+
+
+def delta_rule_error(device: str) -> Tuple[str, float]:
+    """(which kernel, max error / max reference) of the chunked gated delta rule megatron-core's
+    GatedDeltaNet calls in this process (fla's Triton kernel on CUDA; on the CPU the torch chunked
+    reference `stapo_megatron.mcore.cpu_compat` installs) against `recurrent_delta_rule`, fp32, over
+    150 tokens (two whole chunks and a ragged one) of 4 heads of 32."""
+    import torch.nn.functional as F
+    from megatron.core.ssm import gated_delta_net
+
+    module = getattr(gated_delta_net, "common", gated_delta_net)  # megatron-core 0.19.2: a package
+    kernel = module.chunk_gated_delta_rule
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 150, 4, 32, generator=gen) for _ in range(3))
+    q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)  # the layer l2-normalises q and k first
+    g = -F.softplus(torch.randn(1, 150, 4, generator=gen))  # log decays < 0
+    beta = torch.sigmoid(torch.randn(1, 150, 4, generator=gen))
+    want = recurrent_delta_rule(q, k, v, g, beta)
+    got, _ = kernel(*(x.to(device) for x in (q, k, v, g, beta)), initial_state=None, output_final_state=False,
+                    use_qk_l2norm_in_kernel=False)
+    name = f"{kernel.__module__}.{kernel.__name__}"
+    return name, float((got.float().cpu() - want).abs().max() / want.abs().max())
+
+
+def check_delta_net() -> Check:
+    """Qwen3.5's delta-net kernels: on CUDA fla must import with a working Triton driver (its
+    chunked kernel is the fast path); on the CPU the torch reference the CPU shim installs runs
+    instead. Either is compared with the token-by-token gated delta rule."""
+    import importlib.util
+
+    from stapo_megatron.mcore import cpu_compat
+
+    cuda = torch.cuda.is_available()
+    if cuda and importlib.util.find_spec("fla") is None:
+        return failed("delta_net", "CUDA without flash-linear-attention: Qwen3.5's delta-net layers need fla "
+                                   "(pip install '.[gpu]', fla-core==0.6.0)")
+    if cuda:
+        try:
+            import fla.ops.gated_delta_rule  # noqa: F401
+        except Exception as error:  # e.g. a triton fla does not support: the row names the error
+            return failed("delta_net", f"fla does not import: {type(error).__name__}: {error}")
+    else:
+        cpu_compat.apply()  # the torch reference megatron-core's GatedDeltaNet runs on the CPU
+    name, error = delta_rule_error("cuda" if cuda else "cpu")
+    detail = (f"{'cuda' if cuda else 'cpu'} fp32, {name}: max error {error:.1e} of the recurrence's max "
+              f"(bound {DELTA_RULE_TOL:.0e})")
+    return (passed if error <= DELTA_RULE_TOL else failed)("delta_net", detail, kernel=name, error=error)

@@ -40,11 +40,12 @@ from stapo_megatron.config.parallel_layout import config_problems
 from stapo_megatron.config.overrides import apply_overrides
 from stapo_megatron.mcore.parallel import init_process_group
 from stapo_megatron.rollout.transport import init_job
-from stapo_megatron.recipes import paper
+from stapo_megatron.recipes import lora, paper
 
-RECIPES = ("tiny", "tiny_moe", "tiny_qwen35", *paper.LAYOUTS)
-"""Recipe names: the CPU demos (``recipes/tiny.py``) and the paper's sizes (``recipes/paper.py``)."""
-TINY = ("tiny", "tiny_moe", "tiny_qwen35")
+RECIPES = ("tiny", "tiny_moe", "tiny_lora", "tiny_qwen35", *paper.LAYOUTS, *lora.LAYOUTS)
+"""Recipe names: the CPU demos (``recipes/tiny.py``), the paper's sizes (``recipes/paper.py``) and
+their LoRA variants (``recipes/lora.py``)."""
+TINY = ("tiny", "tiny_moe", "tiny_lora", "tiny_qwen35")
 """The CPU demos: they prepare their model folder and take a warm-start."""
 
 def _subsections(config_type) -> Dict[str, Any]:
@@ -53,13 +54,14 @@ def _subsections(config_type) -> Dict[str, Any]:
             if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)}
 
 
-SUBSECTIONS = {**_subsections(TrainerConfig), "warmstart": _subsections(WarmStartConfig)}
+SUBSECTIONS = {**_subsections(TrainerConfig), "lora": {}, "warmstart": _subsections(WarmStartConfig)}
 """Section -> the tree of its own sections (``{"loss": {"rollout_correction": {}}, ...}``): where
 a nested ``section.sub.field=value`` override goes (a launch task holds a dict per node)."""
 
 SECTIONS = tuple(SUBSECTIONS)
 """Config sections that take nested ``section.field=value`` overrides: the dataclass-valued
-fields of `TrainerConfig`, and the warm-start (`run_recipe` names each as a parameter)."""
+fields of `TrainerConfig`, the optional ``lora`` section (``lora.rank=64``; an empty one leaves
+the recipe's as it is) and the warm-start (`run_recipe` names each as a parameter)."""
 
 Value = Optional[Union[int, float, bool, str]]
 """What one ``key=value`` override can be: NeMo-Run parses the text as the first type that fits
@@ -105,16 +107,19 @@ def build_config(
     if method is not None:
         get_method(method)  # before building anything: a ValueError naming the methods
     sections = {name: overrides.pop(name) or {} for name in SECTIONS if name in overrides}
+    if not sections.get("lora"):  # a launch task holds every section: an empty one must not turn LoRA on
+        sections.pop("lora", None)
     warmstart_overrides = sections.pop("warmstart", {})
     if config:
         cfg, warmstart = _from_yaml(config, recipe, method, output_dir)
     elif recipe in TINY:
         from stapo_megatron.recipes.tiny import TINY_RECIPES
 
-        run_dir = output_dir or {"tiny": "runs/demo", "tiny_moe": "runs/demo-moe"}.get(recipe, "runs/demo-qwen35")
+        run_dir = output_dir or {"tiny": "runs/demo", "tiny_moe": "runs/demo-moe", "tiny_lora": "runs/demo-lora",
+                              "tiny_qwen35": "runs/demo-qwen35"}[recipe]
         cfg, warmstart = TINY_RECIPES[recipe](run_dir=run_dir, method=method or "stapo")
     else:
-        cfg, warmstart = paper.paper_recipe(recipe, method or "stapo", run_dir=output_dir), None
+        cfg, warmstart = lora.recipe_module(recipe).paper_recipe(recipe, method or "stapo", run_dir=output_dir), None
     try:
         cfg = apply_overrides(cfg, {**overrides, **sections})
     except ValueError as refusal:
@@ -127,7 +132,7 @@ def build_config(
             raise ValueError(f"recipe {recipe} has no warm-start; drop the warmstart.* overrides")
         warmstart = apply_overrides(warmstart, warmstart_overrides, "warmstart.")
     if recipe not in TINY:
-        paper.check_paper_config(recipe, cfg, num_nodes, gpus_per_node, check_paths)
+        lora.recipe_module(recipe).check_paper_config(recipe, cfg, num_nodes, gpus_per_node, check_paths)
     return cfg, warmstart
 
 
@@ -141,7 +146,7 @@ def _every_layout_problem(recipe: str, cfg: Any, overrides: Dict[str, Any], refu
     if str(refusal) not in config_problems(unchecked):
         return refusal
     try:
-        paper.check_paper_config(recipe, unchecked, num_nodes, gpus_per_node, check_paths)
+        lora.recipe_module(recipe).check_paper_config(recipe, unchecked, num_nodes, gpus_per_node, check_paths)
     except ValueError as listed:
         return listed
     return refusal
@@ -210,6 +215,7 @@ def run_recipe(
     reward: Optional[Dict[str, Value]] = None,
     eval: Optional[Dict[str, Value]] = None,  # noqa: A002  (the config section's name)
     warmstart: Optional[Dict[str, Value]] = None,
+    lora: Optional[Dict[str, Value]] = None,
     **overrides: Value,
 ) -> None:
     """Train one recipe in this worker process (one per GPU / CPU rank, under torchrun).
@@ -226,7 +232,7 @@ def run_recipe(
     cfg, warmstart_cfg = build_config(
         recipe, method, output_dir, config=config, num_nodes=world // per_node, gpus_per_node=per_node, model=model,
         data=data, rollout=rollout, loss=loss, optim=optim, logging=logging, reward=reward, eval=eval,
-        warmstart=warmstart, **overrides,
+        warmstart=warmstart, lora=lora, **overrides,
     )
     faults.clear_record(cfg.run_dir)
     try:

@@ -122,10 +122,11 @@ def paper_slurm_executor(size: str) -> run.Config:
     file's defaults: `nemo-run` derives both again from the final configuration
     (`timing.apply_final`: overrides, ``config=run.yaml``, the executor's nodes)."""
     from stapo_megatron.launch import timing
-    from stapo_megatron.recipes import paper
+    from stapo_megatron.recipes.lora import recipe_module
 
-    layout = paper.LAYOUTS[size]
-    signal_s, retries = timing.derived_timing(size, paper.paper_recipe(size), layout.num_nodes,
+    recipes = recipe_module(size)  # recipes/paper.py, or recipes/lora.py for a LoRA recipe
+    layout = recipes.LAYOUTS[size]
+    signal_s, retries = timing.derived_timing(size, recipes.paper_recipe(size), layout.num_nodes,
                                               layout.gpus_per_node, _setting("STAPO_SLURM_TIME", DEFAULT_TIME))
     return slurm_executor(layout.num_nodes, layout.gpus_per_node, signal_s=signal_s, retries=retries)
 

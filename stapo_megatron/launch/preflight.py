@@ -83,9 +83,10 @@ def _folder_value(hf: dict, key: str):
 
 def architecture_problems(recipe: str, hf: dict, where: str) -> List[str]:
     """The differences between ``hf`` (a config.json) and the architecture of ``recipe``."""
-    from stapo_megatron.recipes.paper import ARCHITECTURES, DISPLAY_NAMES
+    from stapo_megatron.recipes.lora import recipe_module
 
-    spec = ARCHITECTURES[recipe]
+    recipes = recipe_module(recipe)
+    spec, display_name = recipes.ARCHITECTURES[recipe], recipes.DISPLAY_NAMES[recipe]
     problems = []
     for field, key in COMPARED:
         want, have = getattr(spec, field), _folder_value(hf, key)
@@ -93,7 +94,7 @@ def architecture_problems(recipe: str, hf: dict, where: str) -> List[str]:
             continue  # dense both
         if want != have:
             problems.append(f"model.hf_dir {where} has {key}={have!r}, but recipe {recipe} trains "
-                            f"{DISPLAY_NAMES[recipe]} ({key}={want!r})")
+                            f"{display_name} ({key}={want!r})")
     return problems
 
 

@@ -29,10 +29,12 @@ LONGER_TIME = "24:00:00"
 
 
 def _step(recipe: str, cfg, nodes: int, gpus_per_node: int):
-    from stapo_megatron.recipes import paper, step_time
+    from stapo_megatron.recipes import step_time
+    from stapo_megatron.recipes.lora import recipe_module
 
-    layout = dataclasses.replace(paper.layout_for(recipe, cfg), num_nodes=nodes, gpus_per_node=gpus_per_node)
-    return layout, step_time.estimate_step_time(paper.ARCHITECTURES[recipe], layout, cfg)
+    recipes = recipe_module(recipe)
+    layout = dataclasses.replace(recipes.layout_for(recipe, cfg), num_nodes=nodes, gpus_per_node=gpus_per_node)
+    return layout, step_time.estimate_step_time(recipes.ARCHITECTURES[recipe], layout, cfg)
 
 
 def derived_timing(recipe: str, cfg, nodes: int, gpus_per_node: int, time_limit: str,
@@ -79,7 +81,8 @@ def report(cfg, recipe: str, executor) -> List[str]:
     """Print the estimated layout, memory and step time of ``cfg`` on ``executor`` and what they
     mean at its time limit; the problems a submission would have (a save signal shorter than a
     step, too few requeues)."""
-    from stapo_megatron.recipes import memory, paper, step_time
+    from stapo_megatron.recipes import memory, step_time
+    from stapo_megatron.recipes.lora import recipe_module
 
     layout, step = _step(recipe, cfg, executor.nodes, executor.gpus_per_node)
     signal_s = signal_of(executor)
@@ -93,7 +96,7 @@ def report(cfg, recipe: str, executor) -> List[str]:
                 if r.mode == "streaming" else f"# rollouts: {r.mode}, k (rollout.separate.max_staleness) "
                 f"{r.separate.max_staleness}; correction {cfg.loss.rollout_correction.mode}\n")
     print(f"# ---- layout and memory per GPU (recipes/memory.py: an estimate) ----\n"
-          f"# {memory.describe(paper.ARCHITECTURES[recipe], layout)}\n{rollouts}"
+          f"# {memory.describe(recipe_module(recipe).ARCHITECTURES[recipe], layout)}\n{rollouts}"
           f"# ---- time (an estimate, recipes/step_model.py, the simulator's calibrated model: not measured) ----\n"
           f"# one step ~{step.total_s / 60:.1f} min (rollout {step.rollout_s / 60:.1f}, training "
           f"{step.training_s / 60:.1f}); {cfg.steps} steps ~{cfg.steps * step.total_s / 3600:.0f} h of "

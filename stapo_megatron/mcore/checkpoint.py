@@ -16,6 +16,12 @@ A checkpoint is written to ``.tmp_step_...`` and renamed when every rank has fin
 either the previous complete checkpoint or the new one, never a half-written directory that looks
 complete; ``find_latest`` additionally checks the files a complete checkpoint has.
 
+LoRA runs (`stapo_megatron.mcore.lora`) save only the adapters of the model (keys ``...lora.A`` /
+``...lora.B``) and their optimizer state: the frozen base is what the run builds again from its
+configuration (``model.megatron_ckpt`` or the seeded initialisation), so a resume is exact at a
+fraction of the full checkpoint's size. Resuming a full checkpoint as LoRA, or the reverse, is
+refused naming ``lora``.
+
 Retention (``keep_last``, `prune_checkpoints`): after a save is published, the oldest
 ``step_*`` directories beyond the newest ``keep_last`` complete ones are deleted; the one
 ``latest`` names and the newest complete one are never deleted.
@@ -36,7 +42,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from stapo_megatron.mcore.checkpoint_optimizer import optimizer_sharded_state_dict, restore_loaded_optimizer_state
+from stapo_megatron.mcore.checkpoint_optimizer import (optimizer_sharded_state_dict, restore_loaded_optimizer_state,
+                                                       unshare_adam_steps)
+from stapo_megatron.mcore.lora import lora_adapters
 from stapo_megatron.mcore.mcore_versions import checkpoint_writer_queue
 
 LATEST = "latest"
@@ -139,8 +147,14 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+LORA_KEY = ".lora."
+"""What every key of a LoRA adapter's parameters holds (``<linear>.lora.A``, ``<linear>.lora.B``)."""
+
+
 def _sharded(model, optimizer, is_loading: bool) -> Dict[str, Any]:
     model_sd = model.sharded_state_dict()
+    if lora_adapters(model):  # adapter-only: the frozen base comes from the run's configuration
+        model_sd = {k: v for k, v in model_sd.items() if LORA_KEY in k}
     return {"model": model_sd, "optimizer": optimizer_sharded_state_dict(optimizer, model_sd, is_loading)}
 
 
@@ -313,6 +327,20 @@ def _check_optimizer_layout(path: str, stored, optimizer_sharded) -> None:
             "was saved with, or start a new run from its model weights (stapo_megatron.bridge.load_checkpoint)")
 
 
+def _check_lora_layout(path: str, stored, lora: bool) -> None:
+    """ValueError naming ``lora`` if the checkpoint is adapter-only and the run is not, or the
+    reverse (the saved model keys, optimizer state aside, show which)."""
+    model_keys = [k for k in stored if not k.startswith("optimizer.")]
+    saved_lora = bool(model_keys) and all(LORA_KEY in k for k in model_keys)
+    if saved_lora and not lora:
+        raise ValueError(f"checkpoint {path} holds LoRA adapters only (a run with the lora section), but this run "
+                         f"has lora=None (full fine-tuning): resume it with the lora section it was saved with")
+    if lora and not saved_lora:
+        raise ValueError(f"checkpoint {path} holds a full model (a run without the lora section), but this run has "
+                         f"lora set: resume it with lora=none, or start a new LoRA run from its weights "
+                         f"(model.megatron_ckpt={path})")
+
+
 def load_checkpoint(path: str, model, optimizer) -> Dict[str, Any]:
     """Collective: restore model, optimizer and this rank's RNG; return the trainer state."""
     from megatron.core import dist_checkpointing
@@ -329,6 +357,8 @@ def load_checkpoint(path: str, model, optimizer) -> Dict[str, Any]:
     stored = read_dcp_metadata(path).state_dict_metadata
     rng_state = _torch_load_weights_only(os.path.join(path, f"rng_rank{_rank():05d}.pt"))
     trainer_state = read_trainer_state(path)
+    lora = bool(lora_adapters(model))
+    _check_lora_layout(path, stored, lora)
     sharded = _sharded(model, optimizer, is_loading=True)
     _check_optimizer_layout(path, stored, sharded["optimizer"])
     state = dist_checkpointing.load(sharded, path)
@@ -337,7 +367,8 @@ def load_checkpoint(path: str, model, optimizer) -> Dict[str, Any]:
     inner, prefix = (model.module, "module.") if hasattr(model, "module") else (model, "")
     model_state = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state["model"].items()}
     missing, unexpected = inner.load_state_dict(model_state, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]  # TE fp8 metadata only
+    # TE fp8 metadata only; with LoRA the frozen base, which the checkpoint does not hold
+    missing = [k for k in missing if not k.endswith("_extra_state") and (not lora or LORA_KEY in k)]
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
     restore_loaded_optimizer_state(state["optimizer"])
@@ -346,5 +377,6 @@ def load_checkpoint(path: str, model, optimizer) -> Dict[str, Any]:
     # no_grad (megatron-core 0.16 - 0.19, distrib_optimizer._set_main_param_and_optimizer_states).
     with torch.no_grad():
         optimizer.load_state_dict(state["optimizer"])
+    unshare_adam_steps(optimizer)
     _set_rng_state(rng_state)
     return trainer_state

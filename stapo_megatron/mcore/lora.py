@@ -47,7 +47,7 @@ import re
 import types
 import warnings
 import zlib
-from typing import Dict, Iterator, List, Sequence, Tuple
+from typing import Dict, Iterator, List, Mapping, Sequence, Tuple
 
 import torch
 
@@ -310,3 +310,35 @@ def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for adapter, state in zip(adapters, states):
             adapter.enabled = state
+
+
+@torch.no_grad()
+def merged_weight(adapter: LoraAdapter, weight: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of the merged weight W0 + (alpha / r) B A, in ``weight``'s dtype (the sum
+    in float64). The shards multiply locally: a column adapter's B rows times the replicated A
+    are the rows of the full B A that W0's shard holds, a row adapter's replicated B times its A
+    columns the columns; so merging needs no communication."""
+    delta = adapter.scaling * (adapter.B.double() @ adapter.A.double())
+    return (weight.double() + delta).to(weight.dtype)
+
+
+class MergedParameters(Mapping):
+    """A model's parameters by name (``named_parameters``, detached), with the weight of every
+    linear whose adapter is on merged with it (`merged_weight`) when read: what a rollout engine
+    without LoRA support is sent (merge-on-sync). Each merge is computed when its name is read,
+    so at most one merged shard exists at a time beside the model."""
+
+    def __init__(self, model: torch.nn.Module):
+        self._params = dict(model.named_parameters())
+        self._adapters = {f"{name}.weight": a for name, a in lora_adapters(model).items() if a.enabled}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        weight = self._params[name].detach()
+        adapter = self._adapters.get(name)
+        return weight if adapter is None else merged_weight(adapter, weight)
+
+    def __iter__(self):
+        return iter(self._params)
+
+    def __len__(self) -> int:
+        return len(self._params)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import List
+from typing import Dict, List, Tuple
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 """Megatron-Core's names of the linears an adapter can wrap: the attention's fused QKV and output
@@ -69,3 +69,17 @@ class LoraConfig:
     def scaling(self) -> float:
         """``alpha / rank``: the factor on the adapter's output."""
         return self.alpha / self.rank
+
+
+def rank_problems(config: LoraConfig, shapes: Dict[str, Tuple[int, int]], where: str = "") -> List[str]:
+    """Each target of ``config`` whose linear is narrower than ``config.rank``: ``shapes`` gives the
+    model's (in, out) full dimensions by target name (those it lacks are not checked; the
+    adapters skip them). The same rule as `stapo_megatron.mcore.lora.apply_lora`'s, for a check
+    before any model is built (the launch's dry run)."""
+    problems = []
+    for target in config.target_modules:
+        if target in shapes and config.rank > min(shapes[target]):
+            fan_in, fan_out = shapes[target]
+            problems.append(f"lora.rank {config.rank} is larger than {target}'s smaller dimension "
+                            f"{min(fan_in, fan_out)} (in {fan_in}, out {fan_out}){where}")
+    return problems

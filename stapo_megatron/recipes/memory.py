@@ -10,13 +10,15 @@ dry run prints it, and ``scripts/memory_table.py`` writes the table of docs/reci
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from stapo_megatron.bridge.hf_config import QwenSpec, dense_layer_params, expert_params, num_params
 from stapo_megatron.bridge.transformer_config import padded_vocab_size
 from stapo_megatron.config import TrainerConfig
 from stapo_megatron.mcore.config import ModelConfig
+from stapo_megatron.mcore.lora_config import LORA_TARGETS, LoraConfig, rank_problems
 from stapo_megatron.batch.alignment import rank_tokens
+from stapo_megatron.recipes import delta_net
 from stapo_megatron.config.parallel_layout import Cluster
 from stapo_megatron.rollout.weight_buckets import planned_staging_bytes
 
@@ -81,6 +83,13 @@ class ParallelLayout:
     weight_bucket_mb: int = 512
     """Separate placement: the weight transfer's bucket (``rollout.separate.weight_bucket_mb``); what an
     engine GPU holds of a transfer beside vLLM's share: `engine_staging_bytes`."""
+    lora_rank: int = 0
+    """LoRA (``lora.rank``): the base frozen, gradients and optimizer state for the adapters only,
+    the reference free (`adapter_params_per_gpu`); 0: full fine-tuning."""
+    lora_targets: Tuple[str, ...] = LORA_TARGETS
+    """``lora.target_modules``."""
+    lora_experts: bool = False
+    """``lora.experts``: the MoE experts' linears adapted too."""
 
     @classmethod
     def of(cls, cfg: TrainerConfig, cluster: Cluster) -> "ParallelLayout":
@@ -92,7 +101,9 @@ class ParallelLayout:
                    micro_batch_size=cfg.micro_batch_size, reference_model=cfg.loss.kl_coef > 0,
                    seq_len=cfg.data.max_prompt_len + cfg.rollout.max_response_len,
                    engine_ranks=cfg.rollout.separate.engine_ranks,
-                   weight_bucket_mb=cfg.rollout.separate.weight_bucket_mb)
+                   weight_bucket_mb=cfg.rollout.separate.weight_bucket_mb,
+                   **({} if cfg.lora is None else dict(lora_rank=cfg.lora.rank, lora_experts=cfg.lora.experts,
+                                                       lora_targets=tuple(cfg.lora.target_modules))))
 
     def replace(self, **changes: Any) -> "ParallelLayout":
         """A copy with ``changes`` of its own fields or of its model's (`MODEL_FIELDS`)."""
@@ -150,9 +161,10 @@ class MemoryEstimate:
     """Bytes on the most loaded GPU (first/last pipeline stage) of one layout."""
 
     weights: float
-    """bf16 parameters of this rank's shard (2 B/param)."""
+    """bf16 parameters of this rank's shard (2 B/param), LoRA adapters included."""
     grads: float
-    """Megatron DDP's fp32 gradient buffer (``grad_reduce_in_fp32=True``, 4 B/param)."""
+    """Megatron DDP's fp32 gradient buffer (``grad_reduce_in_fp32=True``, 4 B/param) of the
+    trained parameters (with LoRA: the adapters only)."""
     optimizer: float
     """Distributed optimizer: fp32 master weights + Adam m and v (12 B/param), the dense
     parameters' / (DP x CP), the experts' / the expert data-parallel size."""
@@ -173,7 +185,8 @@ class MemoryEstimate:
     vllm_kv_tokens: int
     """Tokens of KV cache one vLLM rank holds after its weights and runtime."""
     reference: float = 0.0
-    """The frozen reference model of methods with a KL term (bf16, 2 B/param), else 0."""
+    """The frozen reference model of methods with a KL term (bf16, 2 B/param), else 0 (and with
+    LoRA, whose reference is its own base)."""
 
     @property
     def training(self) -> float:
@@ -208,11 +221,48 @@ def params_per_gpu(spec: QwenSpec, layout: ParallelLayout) -> int:
     plus its experts (`expert_params_per_gpu`)."""
     tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
     layers = spec.num_layers // pp * dense_layer_params(spec) // tp
+    layers += delta_net.num_linear_layers(spec) // pp * delta_net.mixer_params_difference(spec) // tp  # Qwen3.5
     vocab_rows = padded_vocab_size(spec.vocab_size, tp) // tp * spec.hidden_size
     # PP = 1: the one stage holds the embedding and, untied, the output layer. PP > 1: the
     # first stage holds the embedding, the last the output layer (a copy when tied).
     tables = (1 if spec.tie_word_embeddings else 2) if pp == 1 else 1
     return layers + tables * vocab_rows + spec.hidden_size + expert_params_per_gpu(spec, layout)
+
+
+def adapter_params_per_gpu(spec: QwenSpec, layout: ParallelLayout) -> int:
+    """LoRA parameters on one rank (`stapo_megatron.mcore.lora`'s placement): per layer of its
+    stage and targeted linear, a column-parallel base's (``linear_qkv``, ``linear_fc1``) A r x in
+    whole and B out/TP x r, a row-parallel base's (``linear_proj``, ``linear_fc2``) A r x in/TP
+    and B out x r whole; the experts' (expert-TP 1) per local expert. 0 without LoRA."""
+    r, tp = layout.lora_rank, layout.tensor_model_parallel_size
+    if not r:
+        return 0
+    h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
+    dense = {"linear_qkv": r * (h + (q + 2 * kv) // tp), "linear_proj": r * (q // tp + h)}
+    if not spec.is_moe:
+        f = spec.ffn_hidden_size
+        dense.update(linear_fc1=r * (h + 2 * f // tp), linear_fc2=r * (f // tp + h))
+    per_layer = sum(n for target, n in dense.items() if target in layout.lora_targets)
+    if spec.is_moe and layout.lora_experts:
+        fe, local = spec.moe_ffn_hidden_size, spec.num_moe_experts // layout.expert_model_parallel_size
+        expert = {"linear_fc1": r * (h + 2 * fe), "linear_fc2": r * (fe + h)}
+        per_layer += local * sum(n for target, n in expert.items() if target in layout.lora_targets)
+    return spec.num_layers // layout.pipeline_model_parallel_size * per_layer
+
+
+def lora_rank_problems(spec: QwenSpec, layout: ParallelLayout) -> List[str]:
+    """A ``lora.rank`` larger than a targeted linear of ``spec`` (`rank_problems`, the rule
+    `stapo_megatron.mcore.lora.apply_lora` applies when the model is built): the dense linears,
+    the experts' with ``lora.experts`` (a MoE model has no dense MLP)."""
+    if not layout.lora_rank:
+        return []
+    h, q, kv = spec.hidden_size, spec.q_size, spec.kv_size
+    ffn = spec.moe_ffn_hidden_size if spec.is_moe else spec.ffn_hidden_size
+    shapes = {"linear_qkv": (h, q + 2 * kv), "linear_proj": (q, h)}
+    if not spec.is_moe or layout.lora_experts:
+        shapes.update(linear_fc1=(h, 2 * ffn), linear_fc2=(ffn, h))
+    config = LoraConfig(rank=layout.lora_rank, target_modules=list(layout.lora_targets), experts=layout.lora_experts)
+    return rank_problems(config, shapes)
 
 
 RECOMPUTE_MODES = ("full", "selective", None)
@@ -242,7 +292,8 @@ def kept_layer_bytes(spec: QwenSpec, layout: ParallelLayout) -> float:
     - q/k norms: two fp32 copies of q and k: 8 (q + kv);
     - attention: the fused QKV output (v is a view of it), q and k after RoPE, the output
       (kept by flash attention and by the output projection): 6 (q + kv) [+ 4 kv x (CP - 1) for
-      the K and V gathered over CP with ``cp_comm_type="all_gather"``];
+      the K and V gathered over CP with ``cp_comm_type="all_gather"``] [+ 6 q with Qwen3.5's
+      output gate: its rows of the fused output, the gate's sigmoid and the output before it];
     - dense MLP: `SWIGLU_BYTES` ffn, the fused SwiGLU's input and the second linear's input
       (counting 10 ffn, more than even the unfused SwiGLU keeps, the model over-counted the
       GPU by 4 ffn per layer: +10% at 8k and +13% at 16k tokens on the H200). MoE: the router's fp32 logits and
@@ -257,13 +308,14 @@ def kept_layer_bytes(spec: QwenSpec, layout: ParallelLayout) -> float:
     """
     tp = layout.tensor_model_parallel_size
     sp = tp if layout.sequence_parallel else 1
-    h, q, kv, cp = spec.hidden_size, spec.q_size, spec.kv_size, layout.context_parallel_size
-    gathered = 4 * kv * (cp - 1) if layout.cp_comm_type == "all_gather" else 0
-    attention = 10 * h / sp + (14 * (q + kv) + gathered) / tp
+    h = spec.hidden_size
+    attention = 10 * h / sp + delta_net.attention_mixer_bytes(spec, layout)
     if spec.is_moe:
         copies = spec.moe_router_topk * MOE_ROUTING_IMBALANCE
         mlp = 10 * h / sp + 8 * spec.num_moe_experts / sp + copies * (
             4 * h / sp + SWIGLU_BYTES * spec.moe_ffn_hidden_size / layout.expert_tensor_size)
+        # Qwen3.5-MoE's shared expert: a SwiGLU MLP every token passes (its one-row gate is negligible)
+        mlp += SWIGLU_BYTES * (spec.moe_shared_expert_intermediate_size or 0) / tp
     else:
         mlp = 10 * h / sp + SWIGLU_BYTES * spec.ffn_hidden_size / tp
     return attention + mlp
@@ -280,9 +332,13 @@ def _recompute_layer_bytes(spec: QwenSpec, layout: ParallelLayout) -> float:
     if spec.is_moe:
         mlp = spec.moe_router_topk * MOE_ROUTING_IMBALANCE * (
             3 * spec.moe_ffn_hidden_size / layout.expert_tensor_size + h / sp)
+        mlp += 3 * (spec.moe_shared_expert_intermediate_size or 0) / tp  # Qwen3.5-MoE's shared expert
     else:
         mlp = 3 * spec.ffn_hidden_size / tp
-    return 2 * (4 * h / sp + (2 * q + 2 * kv) / tp + mlp)
+    mixer = (2 * q + 2 * kv + (q if spec.attention_output_gate else 0)) / tp
+    if spec.is_hybrid:  # the larger of the two layer kinds is the one rebuilt at the peak
+        mixer = max(mixer, delta_net.recompute_mixer_bytes(spec, tp))
+    return 2 * (4 * h / sp + mixer + mlp)
 
 
 def memory_estimate(spec: QwenSpec, layout: ParallelLayout, seq_len: Optional[int] = None,
@@ -329,21 +385,27 @@ def memory_estimate(spec: QwenSpec, layout: ParallelLayout, seq_len: Optional[in
     experts = expert_params_per_gpu(spec, layout)
     dense_shards = layout.data_parallel_size * layout.context_parallel_size
     optimizer = 12 * ((params - experts) / dense_shards + experts / max(1, layout.expert_data_parallel_size))
+    adapters = adapter_params_per_gpu(spec, layout)
+    trained = params
+    if layout.lora_rank:  # the frozen base: no gradient, no optimizer state (expert adapters counted as dense)
+        trained, optimizer = adapters, 12 * adapters / dense_shards
     if layout.recompute_granularity == "full":
         kept_inputs = 2 * spec.hidden_size / sp * tokens * spec.num_layers
         activations = kept_inputs + 2 * _recompute_layer_bytes(spec, layout) * tokens
     else:
-        activations = (spec.num_layers + 1) * kept_layer_bytes(spec, layout) * tokens
+        activations = ((spec.num_layers + 1) * kept_layer_bytes(spec, layout)
+                       + delta_net.kept_mixer_difference(spec, layout)) * tokens
     logits = tokens * padded_vocab_size(spec.vocab_size, tp) / tp * (2 + 2)
     vllm = layout.vllm_gpu_memory_utilization * gpu_bytes  # on a training GPU only when colocated
-    reference = 2 * params if layout.reference_model else 0.0
+    reference = 2 * params if layout.reference_model and not layout.lora_rank else 0.0  # LoRA: its own base
     vllm_weights = 2 * num_params(spec) / layout.vllm_tensor_parallel_size
-    kv_bytes_per_token = 2 * spec.num_layers * spec.kv_size * 2 / layout.vllm_tensor_parallel_size
+    kv_tokens = delta_net.kv_cache_tokens(spec, vllm - vllm_weights - VLLM_RUNTIME_BYTES,
+                                          layout.vllm_tensor_parallel_size, seq_len or layout.seq_len)
     return MemoryEstimate(
-        weights=2 * params, grads=4 * params, optimizer=optimizer,
+        weights=2 * (params + adapters), grads=4 * trained, optimizer=optimizer,
         activations=activations, logits=logits, overhead=FRAMEWORK_OVERHEAD_BYTES,
         vllm=0.0 if layout.engine_ranks else vllm, reference=reference,
-        vllm_kv_tokens=int(max(0.0, vllm - vllm_weights - VLLM_RUNTIME_BYTES) / kv_bytes_per_token),
+        vllm_kv_tokens=kv_tokens,
     )
 
 
@@ -375,7 +437,8 @@ def describe(spec: QwenSpec, layout: ParallelLayout) -> str:
                 f"{layout.vllm_tensor_parallel_size} at {layout.vllm_gpu_memory_utilization} of the card, "
                 f"{engine_staging_bytes(spec, layout) / GB:.1f} GB of weight buckets beside it: KV cache for "
                 f"{est.vllm_kv_tokens} tokens per GPU)")
-    return (f"{layout.num_nodes} x {layout.gpus_per_node} GPUs: TP={layout.tensor_model_parallel_size} "
+    lora = f" LoRA r={layout.lora_rank}" if layout.lora_rank else ""
+    return (f"{layout.num_nodes} x {layout.gpus_per_node} GPUs{lora}: TP={layout.tensor_model_parallel_size} "
             f"PP={layout.pipeline_model_parallel_size} CP={layout.context_parallel_size}{experts} "
             f"DP={layout.data_parallel_size}; {layout.seq_len}-token sequences ("
             f"{rank_tokens(layout.seq_len, layout.context_parallel_size)} per CP rank), recompute "

@@ -37,7 +37,10 @@ from stapo_megatron.data.examples import JUSTRL_PROMPT_TEMPLATE
 from stapo_megatron.method.config import method_loss_config
 from stapo_megatron.method.rollout_correction import RolloutCorrectionConfig
 from stapo_megatron.recipes.engine_memory import engine_start_problems
-from stapo_megatron.recipes.memory import GB, GPU_MEMORY_BYTES, MAX_PROMPT_LEN, ParallelLayout, memory_estimate
+from stapo_megatron.recipes.memory import (GB, GPU_MEMORY_BYTES, MAX_PROMPT_LEN, ParallelLayout, lora_rank_problems,
+                                           memory_estimate)
+from stapo_megatron.recipes.qwen35 import (QWEN35_ARCHITECTURES, QWEN35_DISPLAY_NAMES, QWEN35_LAYOUTS,
+                                           QWEN35_PACKING)
 
 
 def _qwen3(num_layers, hidden, heads, ffn, tied) -> QwenSpec:
@@ -70,12 +73,13 @@ ARCHITECTURES: Dict[str, QwenSpec] = {
     "qwen3_8b_stream": _qwen3(36, 4096, 32, 12288, tied=False),
     "qwen3_14b": _qwen3(40, 5120, 40, 17408, tied=False),
     "qwen3_30b_a3b": QWEN3_30B_A3B,
+    **QWEN35_ARCHITECTURES,  # Qwen3.5-27B and -35B-A3B (recipes/qwen35.py)
 }
 """The architecture of each recipe: Qwen3-{1.7B,8B,14B,30B-A3B}-Base (the training memory model
 and consistency checks use them; the trainer itself reads the architecture from ``model.hf_dir``)."""
 DISPLAY_NAMES = {"qwen3_1p7b": "Qwen3-1.7B-Base", "qwen3_8b": "Qwen3-8B-Base", "qwen3_8b_32k": "Qwen3-8B-Base",
                  "qwen3_8b_async": "Qwen3-8B-Base", "qwen3_8b_stream": "Qwen3-8B-Base",
-                 "qwen3_14b": "Qwen3-14B-Base", "qwen3_30b_a3b": "Qwen3-30B-A3B-Base"}
+                 "qwen3_14b": "Qwen3-14B-Base", "qwen3_30b_a3b": "Qwen3-30B-A3B-Base", **QWEN35_DISPLAY_NAMES}
 """The HF model each recipe starts from."""
 
 
@@ -175,6 +179,7 @@ LAYOUTS: Dict[str, ParallelLayout] = {
     "qwen3_30b_a3b": ParallelLayout(num_nodes=4,
                                     model=_model(4, expert_model_parallel_size=16, expert_tensor_parallel_size=1),
                                     vllm_tensor_parallel_size=4, vllm_gpu_memory_utilization=0.4),
+    **QWEN35_LAYOUTS,  # no CP (the delta-net layers have none): recipes/qwen35.py
 }
 """The parallel layout of each paper recipe (see `memory_estimate` and the table of docs/recipes.md)."""
 
@@ -221,7 +226,8 @@ LR_WARMUP_STEPS = 10
 
 def paper_recipe(size: str, method: str = "stapo", run_dir: Optional[str] = None) -> TrainerConfig:
     """JustRL + S2T for one recipe of `LAYOUTS` ("qwen3_1p7b" | "qwen3_8b" | "qwen3_8b_32k" |
-    "qwen3_8b_async" | "qwen3_8b_stream" | "qwen3_14b" | "qwen3_30b_a3b").
+    "qwen3_8b_async" | "qwen3_8b_stream" | "qwen3_14b" | "qwen3_30b_a3b" | Qwen3.5's "qwen35_27b" |
+    "qwen35_35b_a3b", `recipes.qwen35`).
 
     3000 training steps; AdamW lr 1e-6 (linear warm-up from 0 over 10 training steps, then
     constant), weight decay 0.1, grad clip 1.0; 256 prompts x 8 rollouts per step, PPO
@@ -248,7 +254,7 @@ def paper_recipe(size: str, method: str = "stapo", run_dir: Optional[str] = None
         micro_batch_size=layout.micro_batch_size,
         # whole sequences packed up to one longest sequence's tokens per micro-batch (per CP
         # rank: its 1/CP share): the memory estimate's tokens, with no padding computed
-        packing="budget",
+        packing=QWEN35_PACKING.get(size, "budget"),  # Qwen3.5 with PP: padded (recipes/qwen35.py)
         max_tokens_per_microbatch=rank_tokens(layout.seq_len, layout.context_parallel_size) * layout.micro_batch_size,
         lr_warmup_steps=LR_WARMUP_STEPS,
         save_every=SAVE_EVERY,
@@ -331,12 +337,23 @@ def qwen3_30b_a3b(method: str = "stapo", run_dir: Optional[str] = None) -> Train
     return paper_recipe("qwen3_30b_a3b", method, run_dir)
 
 
+def qwen35_27b(method: str = "stapo", run_dir: Optional[str] = None) -> TrainerConfig:
+    """Qwen3.5-27B (`recipes.qwen35`): 8 nodes x 8 GPUs, TP=4, PP=2, DP=8, no CP, vLLM TP=4."""
+    return paper_recipe("qwen35_27b", method, run_dir)
+
+
+def qwen35_35b_a3b(method: str = "stapo", run_dir: Optional[str] = None) -> TrainerConfig:
+    """Qwen3.5-35B-A3B (MoE, `recipes.qwen35`): 8 nodes x 8 GPUs, TP=2, EP=64, ETP=1, DP=32, no CP, vLLM TP=2."""
+    return paper_recipe("qwen35_35b_a3b", method, run_dir)
+
+
 def layout_problems(spec: QwenSpec, layout: ParallelLayout, cfg: TrainerConfig) -> List[str]:
     """Why ``cfg`` cannot run on ``layout``'s cluster (empty when it can): the one validator's
     problems (`stapo_megatron.config.parallel_layout.layout_problems`: heads, layers, experts, GPUs and
-    batches over TP/PP/CP/EP/DP, the node topology, the CP token budget, vLLM groups), then the
-    memory estimate of ``layout``."""
-    problems = check_layout(cfg, layout.cluster, spec)
+    batches over TP/PP/CP/EP/DP, the node topology, the CP token budget, vLLM groups), a
+    ``lora.rank`` wider than a targeted linear (`lora_rank_problems`), then the memory estimate
+    of ``layout``."""
+    problems = check_layout(cfg, layout.cluster, spec) + lora_rank_problems(spec, layout)
     if layout.world_size % (layout.tensor_model_parallel_size * layout.pipeline_model_parallel_size
                             * layout.context_parallel_size):
         return problems  # named by the validator; there is no estimate for a layout that does not split the GPUs

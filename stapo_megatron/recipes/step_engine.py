@@ -77,7 +77,8 @@ class Engine:
     def fits(self, context: int, n: int = 1) -> bool:
         """Whether ``n`` sequences of ``context`` tokens in all can start: the cache holds them
         and every running sequence's next token, and fewer than ``max_num_seqs`` would run."""
-        return not self.running or (self.context_sum + context + len(self.running) + n <= self.model.kv_capacity_tokens
+        held = (len(self.running) + n) * self.model.seq_tokens
+        return not self.running or (self.context_sum + context + held <= self.model.kv_capacity_tokens
                                     and len(self.running) + n <= self.model.max_num_seqs)
 
     def _start(self, seq: Seq) -> None:
@@ -122,7 +123,8 @@ class Engine:
 
     def _preempt(self) -> None:
         """Preempt the newest running sequences until every running one's next token fits."""
-        while len(self.running) > 1 and self.context_sum + len(self.running) > self.model.kv_capacity_tokens:
+        while len(self.running) > 1 and (self.context_sum + len(self.running) * self.model.seq_tokens
+                                         > self.model.kv_capacity_tokens):
             seq = next(reversed(self.running))
             self._stop(seq)
             seq.tie, self.preemptions = -1, self.preemptions + 1
@@ -157,7 +159,7 @@ class Engine:
             n, cap = len(self.running), self.model.kv_capacity_tokens
             m = self.ends[0][0] - self.it
             if n > 1:  # up to the iteration whose next tokens would not fit
-                m = min(m, (cap - self.context_sum) // n)
+                m = min(m, (cap - self.context_sum - n * (self.model.seq_tokens - 1)) // n)
             if self.clock + self.model.time(self.context_sum, n, m) > until:
                 m = self.model.iterations_within(self.context_sum, n, until - self.clock, m)
                 if m == 0:

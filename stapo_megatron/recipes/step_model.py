@@ -20,12 +20,16 @@ prior.
   update (6N, 8N with activation recompute, plus attention) at an MFU that falls as the tokens
   each GPU trains in the step shrink: ``mfu(w) = mfu_max * w / (w + half_tokens)``, i.e. every
   phase pays a fixed cost worth ``half_tokens`` tokens a GPU (optimizer steps, gradient
-  reductions, launch and packing overheads) on top of its FLOPs.
+  reductions, launch and packing overheads) on top of its FLOPs. With LoRA
+  (`ModelSpec.adapter_params`) the frozen base computes no weight gradients: the update is 4N
+  (6N with recompute) for the base plus 6 (8) FLOPs per adapter parameter; the forward passes
+  add the adapters' 2 each (the KL reference, the base with its adapters off, is still a pass).
 - **Switching** (`switch_s`): colocated, every step sleeps the engines, wakes the trainer, and
   wakes the engines and reloads the weights in place; separate, the trainers send bf16 weights
-  over the network and an engine pauses while it loads them.
+  over the network and an engine pauses while it loads them (the fp32 adapters alone with
+  ``rollout.engine="vllm_lora"``, `ModelSpec.adapter_sync`).
 - **A recipe's step** (`recipe_job`, `estimate`; what the dry run prints): the recipe's model,
-  GPUs, trainer passes and response cap over the paper's length distribution (`PAPER_LENGTHS`),
+  GPUs, trainer passes and response cap over the paper's length distribution (`stapo_megatron.recipes.lengths.PAPER_LENGTHS`),
   the responses at its quantiles. Colocated and separate placement generate a step at once, each
   engine its share on `stapo_megatron.recipes.step_engine.Engine` (the simulator's engine), the
   step waiting for the slowest engine's longest response (`generation_s`). Streaming
@@ -41,8 +45,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-import statistics
 from typing import List, Optional, Sequence, Tuple
+
+from stapo_megatron.recipes.lengths import PAPER_LENGTHS, Lengths  # noqa: F401  (the model's lengths, re-exported)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,11 +84,22 @@ class ModelSpec:
     """Parameters in routed experts (0: dense)."""
     expert_share: float = 0.0
     """The share of the routed experts one token uses (top-k / experts)."""
+    attn_layers: Optional[int] = None
+    """Layers with causal attention and a KV cache (Qwen3.5: the full-attention ones); None: all."""
+    state_bytes: float = 0.0
+    """Qwen3.5: a sequence's delta-net states in vLLM, whatever its length (`delta_net`)."""
+    linear_flops: float = 0.0
+    """Qwen3.5: forward FLOPs a token of the delta rule beyond its projections, linear in the length."""
+    adapter_params: float = 0.0
+    """LoRA: the adapters' parameters, the rest frozen (0: full fine-tuning)."""
+    adapter_sync: bool = False
+    """LoRA with adapter-only sync: the weight sync moves the fp32 adapters, not the bf16 model."""
 
     @property
     def kv_bytes_per_token(self) -> float:
-        """bf16 K and V of every layer for one token."""
-        return self.num_layers * self.kv_heads * self.kv_channels * 2 * 2
+        """bf16 K and V of every attention layer for one token."""
+        layers = self.num_layers if self.attn_layers is None else self.attn_layers
+        return layers * self.kv_heads * self.kv_channels * 2 * 2
 
     @property
     def flop_params(self) -> float:
@@ -95,12 +111,16 @@ def model_spec(spec, name: str = "") -> ModelSpec:
     """The cost model's shapes of a `stapo_megatron.bridge.hf_config.QwenSpec`."""
     from stapo_megatron.bridge.hf_config import expert_params, num_active_params, num_params
 
+    from stapo_megatron.recipes import delta_net
+
     experts = (spec.num_moe_experts or 0) * spec.num_layers * expert_params(spec) if spec.is_moe else 0.0
+    hybrid = dict(attn_layers=delta_net.num_attention_layers(spec), state_bytes=delta_net.state_bytes_per_sequence(
+        spec), linear_flops=delta_net.delta_rule_flops_per_token(spec)) if spec.is_hybrid else {}
     return ModelSpec(name or spec.architecture, params=float(num_params(spec)), num_layers=spec.num_layers,
                      attn_width=spec.q_size, kv_heads=spec.num_query_groups, kv_channels=spec.kv_channels,
                      active_params=float(num_active_params(spec)) if spec.is_moe else None,
                      expert_params=float(experts),
-                     expert_share=spec.moe_router_topk / spec.num_moe_experts if spec.is_moe else 0.0)
+                     expert_share=spec.moe_router_topk / spec.num_moe_experts if spec.is_moe else 0.0, **hybrid)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,55 +155,6 @@ class Efficiency:
     """vLLM's default concurrency cap on GPUs with >= 70 GB (V1 engine)."""
 
 
-def _phi(x: float) -> float:
-    return 0.5 * (1 + math.erf(x / math.sqrt(2)))
-
-
-@dataclasses.dataclass(frozen=True)
-class Lengths:
-    """Prompts uniform in ``prompt_range``; responses log-normal (``response_median``,
-    ``response_sigma``) capped at ``response_cap`` tokens."""
-
-    prompt_range: Tuple[int, int]
-    response_median: float
-    response_sigma: float
-    response_cap: int
-
-    @property
-    def mean_prompt(self) -> float:
-        return sum(self.prompt_range) / 2
-
-    def mean_response(self) -> float:
-        """E[min(X, cap)] of the log-normal X."""
-        return self.response_moment(1)
-
-    def response_moment(self, k: int) -> float:
-        """E[min(X, cap)^k] of the log-normal X (k = 1 or 2)."""
-        mu, s, c = math.log(self.response_median), self.response_sigma, self.response_cap
-        return (math.exp(k * mu + k * k * s * s / 2) * _phi((math.log(c) - mu - k * s * s) / s)
-                + c ** k * (1 - _phi((math.log(c) - mu) / s)))
-
-    def with_mean_response(self, mean: float) -> "Lengths":
-        """The same shape with the median that gives a capped mean of ``mean`` tokens."""
-        if not 0 < mean < self.response_cap:
-            raise ValueError(f"mean response {mean} must lie in (0, response_cap={self.response_cap})")
-        lo, hi = 1.0, float(self.response_cap) * 10
-        for _ in range(100):
-            mid = math.sqrt(lo * hi)
-            lo, hi = (mid, hi) if dataclasses.replace(self, response_median=mid).mean_response() < mean else (lo, mid)
-        return dataclasses.replace(self, response_median=math.sqrt(lo * hi))
-
-    def quantile_responses(self, n: int) -> List[int]:
-        """``n`` response lengths at the quantiles (i + 0.5) / n: a deterministic stand-in for a sample."""
-        normal = statistics.NormalDist(math.log(self.response_median), self.response_sigma)
-        return [min(self.response_cap, max(1, int(math.exp(normal.inv_cdf((i + 0.5) / n))))) for i in range(n)]
-
-
-PAPER_LENGTHS = Lengths((100, 1024), response_median=3000, response_sigma=0.9, response_cap=15360)
-"""The paper's regime (``benchmarks/bench_packing.py`` at full scale): prompts of the JustRL
-wrapper around DAPO-Math problems, responses of RL-trained Qwen3 base models."""
-
-
 @dataclasses.dataclass
 class DecodeModel:
     """Seconds of one decode iteration: ``weight_s + kv_s_per_token * sum(contexts) + seq_s * n``."""
@@ -196,6 +167,9 @@ class DecodeModel:
     """Context tokens the KV cache holds: a sequence waits for room before it starts, and a full
     cache preempts the newest running sequence (`step_engine.Engine`)."""
     max_num_seqs: int = 10**9
+    seq_tokens: int = 1
+    """Cache tokens a running sequence holds beyond its context: its next token, and a hybrid
+    model's delta-net states in KV tokens' worth (`ModelSpec.state_bytes`)."""
     expert_weight_s: float = 0.0
     """A mixture of experts: reading every routed expert once; an iteration over n sequences
     reads the share 1 - (1 - expert_share)^n of them (the experts some token is routed to, for
@@ -229,7 +203,9 @@ def decode_model(model: ModelSpec, hw: Hardware, eff: Efficiency, tp: int, memor
     overhead = eff.iteration_overhead_s + (2 * model.num_layers * eff.allreduce_s if tp > 1 else 0.0)
     return DecodeModel(weight_s=2 * (model.params - model.expert_params) / bw + overhead,
                        kv_s_per_token=model.kv_bytes_per_token / bw,
-                       seq_s=2 * model.flop_params / (flops * eff.decode_mfu),
+                       # a delta-net state is read and written back every iteration
+                       seq_s=2 * model.flop_params / (flops * eff.decode_mfu) + 2 * model.state_bytes / bw,
+                       seq_tokens=1 + math.ceil(model.state_bytes / model.kv_bytes_per_token),
                        prefill_s_per_token=2 * model.flop_params / (flops * eff.prefill_mfu),
                        kv_capacity_tokens=int(kv_gb * 1e9 / model.kv_bytes_per_token), max_num_seqs=eff.max_num_seqs,
                        expert_weight_s=2 * model.expert_params / bw, expert_share=model.expert_share)
@@ -242,10 +218,16 @@ def train_phase_s(model: ModelSpec, hw: Hardware, eff: Efficiency, tokens: Seque
     if phase not in ("forward", "update"):
         raise ValueError(f"phase must be 'forward' or 'update', got {phase!r}")
     passes = 1 if phase == "forward" else 3 + int(recompute)  # backward = 2 forwards
+    # a frozen base's backward is its input gradients only: one forward's FLOPs, not two
+    base_passes = passes - int(phase == "update" and model.adapter_params > 0)
     mfu_max = eff.forward_mfu if phase == "forward" else eff.update_mfu
     total = sum(tokens)
-    attention = 4 * model.num_layers * model.attn_width * sum(n * n / 2 for n in tokens)
-    flops = passes * (2 * model.flop_params * total + attention)
+    layers = model.num_layers if model.attn_layers is None else model.attn_layers  # the quadratic ones
+    attention = 4 * layers * model.attn_width * sum(n * n / 2 for n in tokens)
+    # the weights' GEMMs follow base_passes; the adapters, the delta rule and attention (no
+    # weights of their own to skip) every pass
+    flops = (base_passes * 2 * model.flop_params * total
+             + passes * ((2 * model.adapter_params + model.linear_flops) * total + attention))
     per_gpu = total / gpus
     mfu = mfu_max * per_gpu / (per_gpu + eff.half_tokens)
     return flops / (gpus * hw.peak_tflops * 1e12 * mfu)
@@ -263,7 +245,7 @@ def trainer_s(model: ModelSpec, hw: Hardware, eff: Efficiency, tokens: Sequence[
 
 def switch_s(model: ModelSpec, eff: Efficiency, colocated: bool) -> float:
     """Colocated: sleep, wake and reload in place; separate: the network transfer of the weights."""
-    weights_gb = 2 * model.params / 1e9
+    weights_gb = (4 * model.adapter_params if model.adapter_sync else 2 * model.params) / 1e9
     if colocated:
         return eff.sleep_wake_s + weights_gb / eff.refit_gb_per_s
     return weights_gb / eff.transfer_gb_per_s
@@ -328,10 +310,15 @@ def recipe_lengths(cfg) -> Lengths:
 
 def recipe_job(spec, layout, cfg, hardware: Hardware = H100) -> RecipeJob:
     """The `RecipeJob` of ``cfg`` on ``layout`` (a `memory.ParallelLayout` after overrides) for
-    the architecture ``spec``."""
+    the architecture ``spec``; with LoRA (``layout.lora_rank``) its adapters, `memory`'s count."""
+    from stapo_megatron.recipes.memory import adapter_params_per_gpu
+
     colocated = not layout.engine_ranks
+    whole = layout.replace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1)
+    model = dataclasses.replace(model_spec(spec), adapter_params=float(adapter_params_per_gpu(spec, whole)),
+                                adapter_sync=cfg.rollout.engine == "vllm_lora")
     return RecipeJob(
-        model_spec(spec), hardware, recipe_lengths(cfg), cfg.prompts_per_step, cfg.rollout.group_size,
+        model, hardware, recipe_lengths(cfg), cfg.prompts_per_step, cfg.rollout.group_size,
         engine_gpus=layout.world_size if colocated else layout.engine_ranks,
         engine_tp=layout.vllm_tensor_parallel_size, memory_share=layout.vllm_gpu_memory_utilization,
         trainer_gpus=layout.training_ranks, trainer_replica_gpus=layout.training_ranks // layout.data_parallel_size,
@@ -413,9 +400,9 @@ def streaming_step(job: RecipeJob) -> Tuple[float, float]:
     engines, samples = _engines(job), job.prompts_per_step * job.group
     mean, prompt = lengths.mean_response(), lengths.mean_prompt
     context = prompt + lengths.response_moment(2) / (2 * mean)
-    reserve = prompt + min(job.reserve_tokens or lengths.response_cap, lengths.response_cap)
+    reserve = prompt + min(job.reserve_tokens or lengths.response_cap, lengths.response_cap) + dm.seq_tokens - 1
     running = max(1.0, min(dm.max_num_seqs, dm.kv_capacity_tokens / reserve - job.group / 2,
-                           dm.kv_capacity_tokens / context))
+                           dm.kv_capacity_tokens / (context + dm.seq_tokens - 1)))
     iteration = dm.time(running * context, running, 1) if not dm.expert_weight_s else \
         dm.time(running * context, int(running), 1)
     transfer = switch_s(model, job.eff, colocated=False)

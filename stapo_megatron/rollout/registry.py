@@ -18,6 +18,7 @@ from stapo_megatron.utils import load_dotted
 ENGINES = {
     "vllm": "stapo_megatron.rollout.vllm_engine.VLLMEngine",
     "hf": "stapo_megatron.rollout.hf_engine.HFEngine",
+    "vllm_lora": "stapo_megatron.rollout.vllm_lora.VLLMLoraEngine",  # vLLM with LoRA: adapter-only sync
 }
 """Engine name -> dotted path of its class."""
 

@@ -59,8 +59,11 @@ worker-process engine) can pass."""
 VLLM_CALLS = (
     VLLMCall("vllm.entrypoints.llm.LLM", ("LLM",), ENGINE_ARGUMENTS, "vllm.engine.arg_utils.EngineArgs",
              "the in-process engine (`VLLMEngine._build_llm`)"),
-    VLLMCall("vllm.entrypoints.llm.LLM.generate", ("llm.generate",), ("prompts", "sampling_params", "use_tqdm"),
-             why="`VLLMEngine.generate`: a batch of prompts run to the end"),
+    VLLMCall("vllm.entrypoints.llm.LLM.generate", ("llm.generate",),
+             ("prompts", "sampling_params", "use_tqdm", "lora_request"),
+             why="`VLLMEngine.generate`: a batch of prompts run to the end (with the newest LoRA adapter, if any)"),
+    VLLMCall("vllm.lora.request.LoRARequest", ("LoRARequest",), ("lora_name", "lora_int_id", "lora_path"),
+             why="`VLLMLoraEngine.load_adapter`: a new name and id per adapter version (vLLM caches by id)"),
     VLLMCall("vllm.entrypoints.llm.LLM.reset_prefix_cache", ("llm.reset_prefix_cache",),
              why="seeded calls and weight updates drop the cached prefix KV"),
     VLLMCall("vllm.entrypoints.llm.LLM.collective_rpc", ("llm.collective_rpc",), ("method", "kwargs"),
@@ -95,6 +98,9 @@ VLLM_CALLS = (
 
 VLLM_NAMES = (
     ("vllm.LLM", "imported by `VLLMEngine._build_llm`"),
+    ("vllm.engine.arg_utils.EngineArgs.enable_lora", "`VLLMLoraEngine` starts the engine with LoRA support"),
+    ("vllm.engine.arg_utils.EngineArgs.max_lora_rank", "`VLLMLoraEngine`: one of `vllm_lora.VLLM_LORA_RANKS`"),
+    ("vllm.engine.arg_utils.EngineArgs.max_loras", "`VLLMLoraEngine`: one adapter slot (the newest version)"),
     ("vllm.SamplingParams", "imported by `VLLMEngine.generate` and streaming"),
     ("vllm.sampling_params.RequestOutputKind.DELTA", "streaming takes each iteration's new tokens"),
     ("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method.UnquantizedFusedMoEMethod",

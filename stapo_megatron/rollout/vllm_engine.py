@@ -74,6 +74,8 @@ class VLLMEngine:
         # Without a default process group (stapo-eval, a one-process script) vLLM forms one of
         # its own (world 1); `shutdown` destroys only that one, never the caller's.
         self.owns_default_group = not dist.is_initialized()
+        self.lora_request = None
+        """The LoRA adapter every request uses (`stapo_megatron.rollout.vllm_lora`); None: the model alone."""
         self.llm = self._build_llm(hf_dir, kwargs, config.vllm_model_runner_v2)
 
     @staticmethod
@@ -135,7 +137,7 @@ class VLLMEngine:
             # Separate placement orders requests differently from colocated engines; within
             # this call the G samples of a prompt still share its cached prefix.
             self.llm.reset_prefix_cache()
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
         return [[_to_sample(c, self.returns_routes) for c in out.outputs] for out in outputs]
 
     def detokenize(self, token_ids: list[int]) -> str:

@@ -18,6 +18,10 @@ global expert ``ep_rank * E / EP + local``) and each expert's matrices over the 
 Every engine needs every expert, so per (layer, expert row, local index) the local expert is
 first gathered over expert-TP, then all-gathered over EP: EP tensors at a time, one per
 global expert, streamed under their HF per-expert names (``mlp.experts.<e>.gate_proj.weight``).
+
+LoRA (`stapo_megatron.mcore.lora`): each adapted linear's weight is streamed merged,
+W0 + (alpha / r) B A, computed on its own shard before the gather (merge-on-sync: the engine
+serves a plain model); the adapters' own parameters are not streamed.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from stapo_megatron.bridge.hf_config import QwenSpec, spec_from_hf_config
 from stapo_megatron.bridge.hybrid_config import delta_net_dims
 from stapo_megatron.bridge.mapping import ParamMapping, hf_shapes, mappings_for
 from stapo_megatron.bridge.transforms import split_gate_up, split_qkv, split_tp_pieces, unpad_vocab
+from stapo_megatron.mcore.lora import MergedParameters, lora_adapters
 from stapo_megatron.utils import collective_device
 
 
@@ -77,7 +82,7 @@ def _local_param(params: dict, m: ParamMapping, local_layer: Optional[int], expe
         names.append(f"{prefix}.{suffix}{expert}")
     for name in names:
         if name in params:
-            return params[name].detach()
+            return params[name]
     raise ValueError(f"model has no parameter {names[0]} (mapping row {m.megatron})")
 
 
@@ -160,8 +165,8 @@ def iter_hf_weights(model, hf_config: Union[QwenSpec, dict, Any], groups) -> Ite
     """
     spec = hf_config if isinstance(hf_config, QwenSpec) else spec_from_hf_config(hf_config)
     gpt = _unwrap(model)
-    params = dict(gpt.named_parameters())
-    first = next(iter(params.values()))
+    params = MergedParameters(gpt)  # detached; LoRA: adapted weights merged as they are read
+    first = next(gpt.parameters())
     tp_size, pp_size, pp_rank = _group_size(groups.tp), _group_size(groups.pp), _group_rank(groups.pp)
     stage_layers = _stage_layers(gpt, groups.pp)
     if sorted(l for layers in stage_layers for l in layers) != list(range(spec.num_layers)):
@@ -220,11 +225,14 @@ def _expert_tensors(params, m: ParamMapping, spec: QwenSpec, layer: int, local_l
 
 
 def sync_weights(model, hf_config: Union[QwenSpec, dict, Any], groups, engine) -> dict:
-    """Push the model's current weights into this rank's `VLLMEngine`, streamed.
+    """Push the model's current weights into this rank's `VLLMEngine`, streamed; a LoRA policy
+    into an engine that ``serves_adapters`` (`stapo_megatron.rollout.vllm_lora`): its adapters.
 
     Returns:
         ``{"bytes": HF bytes loaded into this rank's engine, "seconds": wall time}``.
     """
+    if getattr(engine, "serves_adapters", False) and any(a.enabled for a in lora_adapters(_unwrap(model)).values()):
+        return engine.sync_adapters(model, hf_config, groups)  # the adapters alone (the base once)
     start = time.perf_counter()
     total = [0]
 

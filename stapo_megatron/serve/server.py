@@ -45,7 +45,7 @@ import queue
 import signal
 import threading
 import time
-from typing import Any, Iterator, List, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -65,10 +65,11 @@ STOP_WAIT_S = 60.0
 
 
 def engine_config(rollout: RolloutSampling, seed: int, return_routes: bool, max_sequence_len: int,
-                  bf16: bool) -> RolloutConfig:
+                  bf16: bool, lora_rank: Optional[int] = None) -> RolloutConfig:
     """The engine a run's rollouts and evaluation need: the same for colocated and separate
     placement (so that both sample the same responses from the same weights). ``max_sequence_len``:
-    `TrainerConfig.longest_sequence`; ``bf16``: the trainer's dtype."""
+    `TrainerConfig.longest_sequence`; ``bf16``: the trainer's dtype; ``lora_rank``: the run's
+    ``lora.rank`` (None: full fine-tuning), the widest adapter an adapter-serving engine reserves."""
     r = rollout
     return r.engine_config(
         max_model_len=_pad_to(max_sequence_len), seed=seed, return_routed_experts=return_routes,
@@ -78,7 +79,7 @@ def engine_config(rollout: RolloutSampling, seed: int, return_routes: bool, max_
         # asleep, the weights are dropped (wake_and_sync rewrites them); the trainer syncs before any generate
         sleep_level=2, load_format="dummy", enforce_eager=r.enforce_eager,
         # a streaming engine takes weights between two iterations: none in flight there
-        async_scheduling=False if r.mode == "streaming" else None,
+        async_scheduling=False if r.mode == "streaming" else None, max_lora_rank=lora_rank,
     )
 
 

@@ -37,7 +37,8 @@ from stapo_megatron.mcore.parallel import destroy_parallel
 from stapo_megatron.utils import collective_device
 from stapo_megatron.batch.records import SequenceRecord, make_records
 from stapo_megatron.batch.step_rollout import StepRollout
-from stapo_megatron.mcore.reference import add_reference_logprobs, frozen_copy, reset_reference
+from stapo_megatron.mcore.lora import apply_lora
+from stapo_megatron.mcore.reference import add_reference_logprobs, build_reference, reset_reference
 from stapo_megatron.mcore.schedule import PassContext, old_policy_pass
 from stapo_megatron.mcore.step import build_optimizer, policy_update, wrap_ddp
 from stapo_megatron.trainer import faults, replicas, routing
@@ -86,18 +87,18 @@ class Trainer:
         build = partial(build_gpt_model, self.hf_config, params_dtype=torch.bfloat16 if cfg.model.bf16 else torch.float32,
                         calculate_per_token_loss=True, bf16=cfg.model.bf16, **cfg.model.memory_settings(),
                         **cfg.model.context_parallel_settings(), moe_enable_routing_replay=cfg.rollout.routing_replay,
+                        use_te=False if cfg.lora else None,  # LoRA adapts megatron-core's own linears: the local spec
                         core_attention="sdpa" if cfg.packing != "padded" else None)  # packed (and CP): SDPAttention
         model = build()
         # lengths: sequence parallelism splits them over TP, context parallelism into 2 x CP chunks
         self.seq_multiple, self.seq_align = replicas.seq_multiple(cfg.model), replicas.seq_align(cfg.model)
         if cfg.model.megatron_ckpt:
             load_checkpoint(model, cfg.model.megatron_ckpt)
-        # the output layer is padded to a multiple of 128 x TP; the softmax must not see it
-        self.vocab_size = model.qwen_spec.vocab_size
-        # GRPO's KL term: a frozen copy of the initial weights, same sharding (reference.py)
-        self.ref_model = frozen_copy(model, build) if cfg.loss.kl_coef > 0 else None
-        # Device rule: batches live on the model's device; what goes through a DP collective is
-        # created on the backend's device (the same CUDA device under NCCL, the CPU under gloo).
+        self.vocab_size = model.qwen_spec.vocab_size  # the output layer is padded (128 x TP): not for the softmax
+        if cfg.lora is not None:  # the base frozen: DDP's buffers and the optimizer hold only the adapters
+            apply_lora(model, cfg.lora)
+        self.ref_model = build_reference(model, build, cfg.loss.kl_coef)  # GRPO's KL: a frozen copy or LoRA's base
+        # Device rule: batches on the model's device, DP collectives' tensors on the backend's (NCCL: CUDA, gloo: CPU)
         self.device = next(model.parameters()).device
         self.dp_device = collective_device(self.groups.dp)
         self.batch_layout = MicroBatchLayout(  # how a step's records become micro-batches (batch/minibatches.py)
@@ -122,8 +123,8 @@ class Trainer:
             asks = self.groups.mp is None or dist.get_rank(self.groups.mp) == 0
             self.engine = RemoteEngine(self.transport, asks, timeout, r.separate.weight_bucket_mb)
         else:
-            self.engine = build_engine(r.engine, cfg.model.hf_dir, engine_config(
-                r, self.seeds.engine(self.dp_rank), self.routing.enabled, cfg.longest_sequence(), cfg.model.bf16))
+            self.engine = build_engine(r.engine, cfg.model.hf_dir, engine_config(r, self.seeds.engine(self.dp_rank),
+                self.routing.enabled, cfg.longest_sequence(), cfg.model.bf16, None if cfg.lora is None else cfg.lora.rank))
         per_rank = cfg.prompts_per_step // self.dp_size * r.group_size  # this rank's samples of a step
         self.schedule = build_schedule(r, self.engine, self.groups, self._indexed_prompts,
                                        lambda index: self.train_ex[index].answer,

@@ -69,6 +69,8 @@ def cache_key(cfg: TrainerConfig, warmstart: WarmStartConfig, seed: int, data_se
     data = dataclasses.asdict(dataclasses.replace(cfg.data, seed=None))
     payload = dict(format=_FORMAT, warmstart=ws, seed=seed, data=data, data_seed=data_seed, model=model,
                    optim=optim, micro_batch_size=cfg.micro_batch_size, world_size=world_size)
+    if cfg.lora is not None:  # LoRA: the warm-start trains the adapters (full fine-tuning keys stay as they were)
+        payload["lora"] = dataclasses.asdict(cfg.lora)
     text = json.dumps(payload, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -151,10 +153,16 @@ class WarmStart:
         if self.config.save_to:
             ckpt.save_model_only(ctx.model, self.config.save_to)
         rl_optimizer.reload_model_params()
+        if self.cfg.lora is not None and self.cfg.loss.kl_coef > 0:
+            warnings.warn("LoRA with a warm-start and loss.kl_coef > 0: the warm-start trained the adapters, and the "
+                          "KL reference is the base model without them (the model before the warm-start)")
 
     def load_reference(self, reference) -> None:
         """On resume: the KL reference is the warm-started policy RL began from, read back from
-        the cache; without a cache it keeps the pre-warm-start weights (warned)."""
+        the cache; without a cache it keeps the pre-warm-start weights (warned). With LoRA the
+        reference is the policy's base, which the warm-start did not train: nothing to load."""
+        if self.cfg.lora is not None:
+            return
         if self.cached and is_complete(self.cached):
             load_checkpoint(reference, self.cached)
             return

@@ -110,3 +110,17 @@ def test_qwen35_moe_fields():
         spec_from_hf_config({**cfg, "shared_expert_intermediate_size": None})
     with pytest.raises(ValueError, match="only every layer a MoE layer"):
         spec_from_hf_config({**cfg, "mlp_only_layers": [0]})
+
+
+def test_delta_net_layouts_refuse_cp_and_packed_sequence_parallelism_naming_the_fields():
+    """One check for the bridge (the block spec refuses CP) and the layout validator (which also
+    refuses sequence parallelism with packed micro-batches)."""
+    from stapo_megatron.bridge.hybrid_config import delta_net_layout_problems
+
+    hybrid, dense = spec_from_hf_config(tiny_config("qwen3.5")), spec_from_hf_config(tiny_config("qwen3"))
+    assert delta_net_layout_problems(hybrid, 1, sequence_parallel=True, packed=False) == []
+    assert delta_net_layout_problems(hybrid, 1, sequence_parallel=False, packed=True) == []
+    assert delta_net_layout_problems(dense, 4, sequence_parallel=True, packed=True) == []
+    cp, sp = delta_net_layout_problems(hybrid, 2, sequence_parallel=True, packed=True)
+    assert cp.startswith("model.context_parallel_size 2 is not supported for Qwen3_5ForCausalLM") and "3 linear" in cp
+    assert sp.startswith("model.sequence_parallel=True with packed micro-batches is not supported")

@@ -51,3 +51,22 @@ def test_none_on_the_command_line_is_the_text_for_a_str_field_and_none_for_an_op
     assert config.loss.rollout_correction.mode == "none" and config.rollout.streaming.max_token_age is None
     with pytest.raises(ValueError, match="expected int, got NoneType"):
         apply_overrides(TrainerConfig(), {"steps": None})
+
+
+def test_an_optional_section_is_turned_on_by_a_field_and_off_by_none():
+    from stapo_megatron.config.yaml_io import dump_config, parse_config
+    from stapo_megatron.mcore.lora_config import LoraConfig
+
+    assert TrainerConfig().lora is None, "LoRA is off unless asked for"
+    on = apply_overrides(TrainerConfig(), {"lora.rank": 8, "lora.target_modules": ["linear_qkv"]})
+    assert on.lora == LoraConfig(rank=8, target_modules=["linear_qkv"]), "the other fields keep their defaults"
+    assert apply_overrides(TrainerConfig(), {"lora": {"alpha": 4.0}}).lora == LoraConfig(alpha=4.0)
+    assert apply_overrides(on, {"lora": None}).lora is None
+    assert parse_config(dump_config(on))[1] == on, "the YAML round trip keeps the section"
+    with pytest.raises(ValueError, match=r"unknown override lora.rnk: LoraConfig has no field 'rnk' \(did you mean "
+                                         r"'rank'\?\)"):
+        apply_overrides(TrainerConfig(), {"lora.rnk": 8})
+    with pytest.raises(ValueError, match="lora.rank must be a positive integer, got 0"):
+        apply_overrides(TrainerConfig(), {"lora.rank": 0})
+    with pytest.raises(ValueError, match=r"lora.target_modules: \['q_proj'\] are not adaptable linears"):
+        apply_overrides(TrainerConfig(), {"lora.target_modules": ["q_proj"]})

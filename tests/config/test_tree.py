@@ -50,3 +50,19 @@ def test_engine_fields_are_declared_once():
     assert engine.vllm_model_runner_v2
     with pytest.raises(ValueError, match=r"RolloutConfig.gpu_memory_utilization must be in \(0, 1\], got 1.5"):
         RolloutConfig(gpu_memory_utilization=1.5)
+
+
+def test_the_adapter_syncing_engine_needs_dense_lora_adapters():
+    from stapo_megatron.config.overrides import apply_overrides
+
+    with pytest.raises(ValueError, match=r"rollout.engine='vllm_lora' syncs LoRA adapters, but lora is None"):
+        apply_overrides(TrainerConfig(), {"rollout.engine": "vllm_lora"})
+    with pytest.raises(ValueError, match=r"got lora.experts=True, model.pipeline_model_parallel_size=1: use "
+                                         r"rollout.engine='vllm'"):
+        apply_overrides(TrainerConfig(), {"rollout.engine": "vllm_lora", "lora.experts": True,
+                                          "lora.target_modules": ["linear_fc1"]})
+    with pytest.raises(ValueError, match=r"syncs adapters into colocated engines; got rollout.mode='separate': use "
+                                         r"rollout.engine='vllm'"):
+        apply_overrides(TrainerConfig(), {"rollout.engine": "vllm_lora", "lora.rank": 8, "rollout.mode": "separate",
+                                          "rollout.separate.engine_ranks": 1})
+    assert apply_overrides(TrainerConfig(), {"rollout.engine": "vllm_lora", "lora.rank": 8}).lora.rank == 8

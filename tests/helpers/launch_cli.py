@@ -8,7 +8,7 @@ import re
 import subprocess
 import sys
 
-from stapo_megatron.recipes import paper
+from stapo_megatron.recipes import lora, paper
 from tests.helpers import REPO_DIR
 
 REPO = REPO_DIR
@@ -70,5 +70,5 @@ SAVE = 'mkdir -p "$RUN/checkpoints/step_00000020" && echo step_00000020 > "$RUN/
 """What a save does to the run folder (mcore/checkpoint.py's layout)."""
 
 
-PAPER_FILES = [f"launch/stapo_{name.removeprefix('qwen3_')}.py" for name in sorted(paper.LAYOUTS)]
-"""The launch file of each paper recipe (``qwen3_8b_32k`` -> ``launch/stapo_8b_32k.py``)."""
+PAPER_FILES = [f"launch/stapo_{name.removeprefix('qwen3_')}.py" for name in sorted([*paper.LAYOUTS, *lora.LAYOUTS])]
+"""The launch file of each paper recipe and LoRA recipe (``qwen3_8b_32k`` -> ``launch/stapo_8b_32k.py``)."""

@@ -59,3 +59,11 @@ def merged_copy(lora_model, plain_model):
             weight = plain_model.get_submodule(name).weight
             weight += adapter.scaling * adapter.B.double() @ adapter.A.double()
     return plain_model
+
+
+def seven_reward(response: str, answer: str):
+    """A reward that an untrained character-level model earns now and then (1.0 when the response
+    holds a "7", else 0.0): mixed rewards in every group, so a few RL steps train the adapters."""
+    from stapo_megatron.rewards.answers import STATUS_OK
+
+    return (1.0 if "7" in response else 0.0), STATUS_OK

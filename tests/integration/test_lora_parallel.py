@@ -1,6 +1,7 @@
 """Tier b: LoRA adapters at TP = 2 (with and without sequence parallelism) equal TP = 1 (gloo, real
-megatron-core): logits, the gradients of A and B gathered to full size, the optimizer's gradient norm; and
-the adapted model's checkpoint resharded from TP = 1 to TP = 2."""
+megatron-core): logits, the gradients of A and B gathered to full size, the optimizer's gradient norm, the
+merged HF tensors the weight sync streams (merge-on-sync, bit for bit); and the adapted model's checkpoint
+resharded from TP = 1 to TP = 2."""
 
 import pytest
 import torch
@@ -46,6 +47,10 @@ def _worker(tp, sequence_parallel, ckpt_dir):
             full = adapter.gather_full(adapter.A.detach(), adapter.B.detach())
             assert torch.equal(full[0], hand[name][0]) and torch.equal(full[1], hand[name][1]), name
     ddp = wrap_ddp(model)
+    # merge-on-sync: the HF tensors the engine gets, W0 + s B A merged on each TP shard before the gather
+    from stapo_megatron.rollout.weight_sync import iter_hf_weights
+
+    streamed = {name: t.clone() for name, t in iter_hf_weights(ddp, model.qwen_spec, groups)}
     optimizer = build_optimizer(ddp, OptimConfig(optimizer="sgd", lr=1.0, weight_decay=0.0, clip_grad=0.0))
     tp_rank, shard = dist.get_rank(groups.tp), VOCAB // tp
     weight = torch.randn(2, 16, VOCAB, generator=torch.Generator().manual_seed(3))[..., tp_rank * shard:][..., :shard]
@@ -77,7 +82,7 @@ def _worker(tp, sequence_parallel, ckpt_dir):
             dist.all_gather(masks, kept, group=groups.tp)
             assert torch.equal(masks[0], masks[-1]) == (tp == 1 or (kind == "column" and not sequence_parallel))
     return (gather_vocab(logits.detach()), gather_vocab(base), grads, replicated, float(optimizer.get_grad_norm()),
-            num_params)
+            num_params, streamed)
 
 
 @pytest.fixture(scope="module")
@@ -88,11 +93,14 @@ def tp1(tmp_path_factory):
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_tp2_equals_tp1(tp1, sequence_parallel):
-    (logits, base, grads, _, grad_norm, num_params), ckpt = tp1
+    (logits, base, grads, _, grad_norm, num_params, streamed), ckpt = tp1
     assert num_params == 16, "the optimizer holds A and B of the 8 adapters, nothing of the base"
     assert float((logits - base).abs().max()) > 1000 * LOGIT_TOL, "the adapters move the logits"
     ranks = run_distributed(2, _worker, 2, sequence_parallel, ckpt)
-    for got_logits, got_base, got_grads, replicated, got_norm, got_params in ranks:
+    for got_logits, got_base, got_grads, replicated, got_norm, got_params, got_streamed in ranks:
+        assert sorted(got_streamed) == sorted(streamed)
+        for name, tensor in streamed.items():  # each element the same r-long dot product at any TP
+            assert torch.equal(got_streamed[name], tensor), name
         torch.testing.assert_close(got_logits, logits, atol=LOGIT_TOL, rtol=0)
         torch.testing.assert_close(got_base, base, atol=LOGIT_TOL, rtol=0)
         assert got_params == num_params

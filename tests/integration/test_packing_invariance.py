@@ -42,7 +42,7 @@ def _rollouts():
     return [p for p, _ in seqs], [r for _, r in seqs], adv, lps
 
 
-def _worker(tp, modes):
+def _worker(tp, modes, lora=None):
     from stapo_megatron.method.config import LossConfig
     from stapo_megatron.mcore.config import OptimConfig
     from stapo_megatron.batch.minibatches import MicroBatchLayout, build_minibatches
@@ -61,6 +61,10 @@ def _worker(tp, modes):
     for mode in modes:
         # use_cpu_initialization: the same seed gives the same full weights at TP=1 and TP=2
         model = build_tiny_gpt(tiny_gpt_config(tp), VOCAB, 64, core_attention="sdpa")
+        if lora is not None:  # LoRA: the adapters train, per token like the base (stapo_megatron.mcore.lora)
+            from stapo_megatron.mcore.lora import apply_lora
+
+            apply_lora(model, lora)
         model, optimizer = wrap_model_and_optimizer(
             model, OptimConfig(optimizer="sgd", lr=0.5, weight_decay=0.0, clip_grad=0.0))
         # the trainer's builder: "budget" moves sequences between the DP ranks, the others do not
@@ -125,6 +129,21 @@ def test_dp2_and_tp2_agree_with_dp1(dp1, tp):
     if tp == 1:
         tokens = [sum(res["budget"][2][1]) for res in results]
         assert max(tokens) / (sum(tokens) / 2) <= 1.05, f"DP ranks near-equal in tokens: {tokens}"
+
+
+def test_lora_padded_fixed_budget_agree():
+    """The same with LoRA adapters (r = 4, all targets): the adapters' weights after two updates,
+    the metrics and the S2T mask do not depend on the packing."""
+    from stapo_megatron.mcore.lora_config import LoraConfig
+
+    results = run_distributed(1, _worker, 1, MODES, LoraConfig(rank=4, alpha=8.0))
+    ref = results[0]["padded"]
+    trained = {name: w for name, w in ref[1].items() if ".lora." in name}
+    assert len(trained) == 16 and any(w.abs().max() > 0 for n, w in trained.items() if n.endswith("lora.B"))
+    for mode in ("fixed", "budget"):
+        _check_same(results, results, mode)
+        for name, want in ref[1].items():
+            torch.testing.assert_close(results[0][mode][1][name], want, atol=1e-6, rtol=0, msg=f"{mode} {name}")
 
 
 def _pp_worker():

@@ -162,3 +162,23 @@ def test_experts_get_adapters_only_when_asked(parallel):
     torch.testing.assert_close(got, want, atol=MERGE_TOL, rtol=0)
     assert float((got - base_logits).abs().max()) > 1000 * MERGE_TOL
     assert torch.equal(off, base_logits)
+
+
+def test_merged_parameters_are_the_merged_weights(parallel):
+    from stapo_megatron.mcore.lora import MergedParameters, adapters_disabled
+
+    model, adapters = _lora_model()
+    for name, adapter in adapters.items():
+        adapter.load_full_(*full_adapter_weights(name, adapter.full_shapes))
+    want = dict(merged_copy(model, tiny_gpt(seed=99)).named_parameters())
+    merged = MergedParameters(model)
+    assert sorted(merged) == sorted(n for n, _ in model.named_parameters()), "every parameter, by its name"
+    for name, tensor in want.items():
+        # fp32 rounding of the float64 sum, as merged_copy's in-place fp32 add rounds it
+        torch.testing.assert_close(merged[name], tensor.detach(), atol=1e-6, rtol=0)
+        assert not merged[name].requires_grad
+    qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
+    assert not torch.equal(merged[qkv], model.get_submodule(qkv[: -len(".weight")]).weight)
+    with adapters_disabled(model):
+        plain = MergedParameters(model)
+        assert all(torch.equal(plain[n], p) for n, p in model.named_parameters()), "adapters off: the base"

@@ -41,3 +41,13 @@ def test_the_config_imports_no_megatron():
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'torch')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_rank_problems_name_each_linear_narrower_than_the_rank():
+    from stapo_megatron.mcore.lora_config import rank_problems
+
+    shapes = {"linear_qkv": (64, 256), "linear_proj": (128, 64), "linear_fc2": (32, 64)}  # no linear_fc1
+    assert rank_problems(LoraConfig(rank=32), shapes) == []
+    assert rank_problems(LoraConfig(rank=33), shapes, " in M") == [
+        "lora.rank 33 is larger than linear_fc2's smaller dimension 32 (in 32, out 64) in M"]
+    assert len(rank_problems(LoraConfig(rank=65), shapes)) == 3

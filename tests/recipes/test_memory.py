@@ -138,3 +138,68 @@ def test_dry_run_layout_line_shows_cp_and_ep():
     line = memory.describe(paper.ARCHITECTURES["qwen3_8b"], paper.LAYOUTS["qwen3_8b_async"])
     assert "16 generate (4 vLLM engines of TP=4 at 0.85 of the card, 1.9 GB of weight buckets beside it" in line
     assert memory.engine_staging_bytes(paper.ARCHITECTURES["qwen3_8b"], paper.LAYOUTS["qwen3_8b_async"]) == 1857822720
+
+
+@pytest.mark.parametrize("fields, lora_fields", [
+    ({}, {}),
+    ({}, dict(target_modules=["linear_qkv", "linear_fc2"])),
+    (dict(architecture="Qwen3MoeForCausalLM", num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32),
+     dict(experts=True)),
+])
+def test_adapter_parameters_are_what_apply_lora_adds(parallel, fields, lora_fields):
+    """`adapter_params_per_gpu` against the adapters of a real model (TP = 1)."""
+    from stapo_megatron.bridge.tiny import tiny_qwen3_spec
+    from stapo_megatron.mcore.lora import adapter_parameters, apply_lora
+    from stapo_megatron.mcore.lora_config import LoraConfig
+    from tests.helpers.lora_models import VOCAB, tiny_gpt
+
+    model, config = tiny_gpt(**fields), LoraConfig(rank=4, **lora_fields)
+    apply_lora(model, config)
+    layout = memory.ParallelLayout(num_nodes=1, gpus_per_node=1, model=ModelConfig(), vllm_tensor_parallel_size=1,
+                                   vllm_gpu_memory_utilization=0.3, lora_rank=4, lora_experts=config.experts,
+                                   lora_targets=tuple(config.target_modules))
+    spec = tiny_qwen3_spec(vocab_size=VOCAB, **fields)
+    assert memory.adapter_params_per_gpu(spec, layout) == sum(p.numel() for p in adapter_parameters(model)) > 0
+
+
+def test_lora_trains_the_adapters_only_and_its_reference_is_free():
+    spec = paper.ARCHITECTURES["qwen3_14b"]
+    full = paper.LAYOUTS["qwen3_14b"].replace(reference_model=True)
+    lora = full.replace(lora_rank=16)
+    a, b = memory.memory_estimate(spec, full), memory.memory_estimate(spec, lora)
+    adapters = memory.adapter_params_per_gpu(spec, lora)
+    # r = 16 on q/k/v, o, gate/up and down of 40 layers, TP = 4: A whole, B split (column) or the reverse (row)
+    h, q, kv, f = 5120, 5120, 1024, 17408
+    assert adapters == 40 * 16 * ((h + (q + 2 * kv) // 4) + (q // 4 + h) + (h + 2 * f // 4) + (f // 4 + h))
+    assert b.weights == a.weights + 2 * adapters, "the frozen base stays, bf16, and the adapters join it"
+    assert b.grads == 4 * adapters and a.grads > 100 * b.grads  # 23.4M of 3.69G parameters per GPU
+    dense_shards = full.data_parallel_size * full.context_parallel_size
+    assert b.optimizer == 12 * adapters / dense_shards
+    assert a.reference == a.weights and b.reference == 0, "LoRA's reference is its own base"
+    assert (b.activations, b.logits) == (a.activations, a.logits)
+    assert "LoRA r=16" in memory.describe(spec, lora)
+
+
+def test_a_lora_rank_wider_than_a_linear_is_named_with_the_layout():
+    """`lora_rank_problems` in the recipes' check (the dry run): the dense linears, the experts'
+    only when adapted."""
+    from stapo_megatron.config.overrides import apply_overrides
+
+    dense = paper.ARCHITECTURES["qwen3_8b"]  # hidden 4096, 32 x 128 query and 8 x 128 key/value rows, MLP 12288
+    layout = paper.LAYOUTS["qwen3_8b"]
+    assert memory.lora_rank_problems(dense, layout.replace(lora_rank=4096)) == []
+    assert memory.lora_rank_problems(dense, layout.replace(lora_rank=5000)) == [
+        "lora.rank 5000 is larger than linear_qkv's smaller dimension 4096 (in 4096, out 6144)",
+        "lora.rank 5000 is larger than linear_proj's smaller dimension 4096 (in 4096, out 4096)",
+        "lora.rank 5000 is larger than linear_fc1's smaller dimension 4096 (in 4096, out 24576)",
+        "lora.rank 5000 is larger than linear_fc2's smaller dimension 4096 (in 12288, out 4096)",
+    ]
+    # Qwen3-30B-A3B: attention 2048 wide, no dense MLP; the experts' down projection 768
+    moe, moe_layout = paper.ARCHITECTURES["qwen3_30b_a3b"], paper.LAYOUTS["qwen3_30b_a3b"].replace(lora_rank=1000)
+    assert memory.lora_rank_problems(moe, moe_layout) == []
+    assert memory.lora_rank_problems(moe, moe_layout.replace(lora_experts=True)) == [
+        "lora.rank 1000 is larger than linear_fc2's smaller dimension 768 (in 768, out 2048)"]
+    cfg = apply_overrides(paper.qwen3_8b(), {"lora.rank": 5000})
+    with pytest.raises(ValueError, match=r"recipe qwen3_8b cannot run:\n  - lora.rank 5000 is larger than "
+                                         r"linear_qkv's smaller dimension 4096"):
+        paper.check_paper_config("qwen3_8b", cfg, check_paths=False)

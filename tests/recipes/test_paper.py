@@ -36,11 +36,12 @@ def test_recipe_is_consistent_with_its_layout(size):
     assert cfg.minibatch_prompts % dp == 0
     assert (cfg.minibatch_prompts * cfg.rollout.group_size) % (dp * cfg.micro_batch_size) == 0
     assert layout.gpus_per_node % vtp == 0 and layout.world_size % vtp == 0 and tp % vtp == 0
-    assert cfg.model.sequence_parallel == (tp > 1)
+    # Qwen3.5: packed delta-net layers need whole sequences on each TP rank (recipes/qwen35.py)
+    assert cfg.model.sequence_parallel == (tp > 1 and (not spec.is_hybrid or cfg.packing == "padded"))
     assert cfg.model.recompute_granularity == layout.recompute_granularity
     # the packing budget is one CP rank's share of the longest sequence, the estimate's tokens
     longest = cfg.data.max_prompt_len + cfg.rollout.max_response_len
-    assert longest == layout.seq_len and cfg.packing == "budget"
+    assert longest == layout.seq_len and cfg.packing == paper.QWEN35_PACKING.get(size, "budget")
     assert cfg.max_tokens_per_microbatch == alignment.rank_tokens(longest, cp) == -(-longest // cp)
     if spec.is_moe:
         assert spec.num_moe_experts % ep == 0 and layout.world_size % (ep * layout.expert_tensor_size * pp) == 0

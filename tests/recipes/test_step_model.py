@@ -27,18 +27,6 @@ def test_the_shapes_of_a_recipes_architecture():
     assert moe.expert_params == 48 * 128 * 3 * 2048 * 768 and moe.expert_share == 8 / 128
 
 
-def test_the_length_moments_match_their_quantiles():
-    lengths = step_model.PAPER_LENGTHS
-    q = lengths.quantile_responses(100_000)
-    assert lengths.mean_response() == pytest.approx(4221.8, abs=0.1)
-    assert sum(q) / len(q) == pytest.approx(lengths.mean_response(), rel=1e-3)
-    assert sum(x * x for x in q) / len(q) == pytest.approx(lengths.response_moment(2), rel=1e-3)
-    assert max(q) == 15360 and min(q) >= 1
-    assert lengths.mean_prompt == 562.0
-    with pytest.raises(ValueError, match="mean response"):
-        lengths.with_mean_response(20000)
-
-
 def test_one_h100_engine_of_the_8b():
     # weights 16.38 GB at 3.35 TB/s x 1/1.16, plus the fitted 5.51 ms; KV of 0.85 x 80 GB less the weights
     dm = step_model.decode_model(step_model.model_spec(QWEN3_8B), step_model.H100, step_model.Efficiency(), 1, 0.85)
@@ -138,3 +126,55 @@ def test_the_dry_run_estimates_with_this_model():
     job = step_model.recipe_job(paper.ARCHITECTURES["qwen3_8b"], layout, cfg)
     assert (step.rollout_s, step.training_s, step.overlapped) == step_model.estimate(job)
     assert step.total_s == step.rollout_s + step.training_s and 240 < step.total_s < 280
+
+
+def test_lora_passes_by_hand():
+    """LoRA: the frozen base's backward computes input gradients only (2N, not 4N), the adapters
+    cost 2 FLOPs per parameter and token in every pass (6 in the update, 8 with recompute);
+    attention is unchanged. A toy model: N = 1e9, adapters 1e7, 10 layers of width 1000, eight
+    sequences of 1000 tokens on 8 GPUs (1000 tokens a GPU)."""
+    toy = step_model.ModelSpec("toy", params=1e9, num_layers=10, attn_width=1000, kv_heads=8)
+    lora = dataclasses.replace(toy, adapter_params=1e7)
+    hw, eff, tokens = step_model.H100, step_model.Efficiency(), [1000] * 8
+    attention = 4 * 10 * 1000 * 8 * 1000 ** 2 / 2  # 1.6e11 a pass
+    base, adapters = 2 * 1e9 * 8000, 2 * 1e7 * 8000  # 1.6e13, 1.6e11 a pass
+
+    def seconds(flops, mfu_max):
+        return flops / (8 * 989e12 * mfu_max * 1000 / (1000 + eff.half_tokens))
+
+    update = step_model.train_phase_s(lora, hw, eff, tokens, 8, "update")
+    assert update == pytest.approx(seconds(2 * base + 3 * (adapters + attention), eff.update_mfu), rel=1e-12)
+    assert update == pytest.approx(seconds(3.296e13, eff.update_mfu), rel=1e-12)  # against full: 4.848e13
+    assert step_model.train_phase_s(toy, hw, eff, tokens, 8, "update") == \
+        pytest.approx(seconds(4.848e13, eff.update_mfu), rel=1e-12)
+    assert step_model.train_phase_s(lora, hw, eff, tokens, 8, "update", recompute=True) == \
+        pytest.approx(seconds(3 * base + 4 * (adapters + attention), eff.update_mfu), rel=1e-12)
+    assert step_model.train_phase_s(lora, hw, eff, tokens, 8, "forward") == \
+        pytest.approx(seconds(1.632e13, eff.forward_mfu), rel=1e-12)
+    # merge-on-sync reloads the bf16 model (2 GB); the adapter-only sync the fp32 adapters (40 MB)
+    assert step_model.switch_s(lora, eff, colocated=False) == pytest.approx(2.0 / eff.transfer_gb_per_s)
+    only = dataclasses.replace(lora, adapter_sync=True)
+    assert step_model.switch_s(only, eff, colocated=False) == pytest.approx(0.04 / eff.transfer_gb_per_s)
+
+
+def test_a_lora_recipes_job_counts_its_adapters():
+    """The job of a LoRA recipe counts the whole model's adapters (Qwen3-8B, r = 16, all four
+    targets: 16 x (4096 + 6144 + 8192 + 4096 + 24576 + 12288 + 4096) x 36 layers), the reference
+    pass of a KL term stays (the base with its adapters off), and the step trains faster."""
+    from stapo_megatron.mcore.lora_config import LoraConfig
+
+    cfg = paper.paper_recipe("qwen3_8b")
+    lora_cfg = dataclasses.replace(cfg, lora=LoraConfig(rank=16))
+    full = step_model.recipe_job(paper.ARCHITECTURES["qwen3_8b"], paper.layout_for("qwen3_8b", cfg), cfg)
+    job = step_model.recipe_job(paper.ARCHITECTURES["qwen3_8b"], paper.layout_for("qwen3_8b", lora_cfg), lora_cfg)
+    assert (full.model.adapter_params, job.model.adapter_params) == (0.0, 16 * 63488 * 36)
+    assert not job.model.adapter_sync and job.forwards == full.forwards == 2
+    (full_fwd, full_update), (fwd, update) = (
+        step_model.trainer_s(j.model, j.hardware, j.eff, step_model._tokens(j), j.trainer_gpus, j.forwards, j.recompute)
+        for j in (full, job))
+    # the forwards gain the adapters' 2 x 36.6M against 2 x 8.2B FLOPs a token (0.4%, and attention)
+    assert fwd == pytest.approx(full_fwd * (1 + 36569088 / 8190735360), rel=1e-3) and fwd > full_fwd
+    # the update loses one of its three base passes; attention (16k-token sequences) stays
+    assert 2 / 3 < update / full_update < 0.75
+    grpo = dataclasses.replace(lora_cfg, loss=dataclasses.replace(cfg.loss, kl_coef=0.04))
+    assert step_model.recipe_forwards(grpo) == 3  # pi_old, tau_H and the reference (base) pass

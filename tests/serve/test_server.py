@@ -13,7 +13,7 @@ from stapo_megatron.bridge.tiny import save_tiny_hf_model
 from stapo_megatron.data.tokenizer import build_char_tokenizer
 from stapo_megatron.recipes.tiny import tiny_demo
 from stapo_megatron.rollout.rollout_modes import SeparatePlacement
-from stapo_megatron.rollout.config import RolloutConfig, SamplingSettings
+from stapo_megatron.rollout.config import RolloutConfig, RolloutSampling, SamplingSettings
 from stapo_megatron.rollout.hf_engine import HFEngine
 from stapo_megatron.rollout.remote import HEADER, RemoteEngine, plan_chunks
 from stapo_megatron.rollout.transport import broadcast_object, connect, receive
@@ -105,3 +105,23 @@ def test_both_replicas_slices_are_one_engine_call_with_each_slices_own_samples(h
                 assert s.logprobs == pytest.approx(r.logprobs, rel=1e-5, abs=1e-5)
         tokens[rank] = sum(len(s.token_ids) for g in samples for s in g)
     assert len(set(tokens.values()) | {0}) > 1  # both replies carry samples
+
+
+def test_the_engine_reserves_the_runs_lora_rank():
+    """`engine_config` carries the run's ``lora.rank`` into `RolloutConfig.max_lora_rank`, which the
+    adapter-serving engine rounds up to vLLM's next accepted ``max_lora_rank``; a full run has none,
+    and that engine refuses to start without it."""
+    from stapo_megatron.rollout.vllm_lora import VLLMLoraEngine, vllm_max_lora_rank
+
+    rollout = RolloutSampling()
+    assert server.engine_config(rollout, 0, False, 256, True).max_lora_rank is None
+    config = server.engine_config(rollout, 0, False, 256, True, lora_rank=96)
+    assert config.max_lora_rank == 96
+    assert vllm_max_lora_rank(config.max_lora_rank) == 128  # 64 < 96 <= 128 (VLLM_LORA_RANKS)
+    assert [vllm_max_lora_rank(r) for r in (1, 4, 16, 17, 512)] == [1, 8, 16, 32, 512]
+    with pytest.raises(ValueError, match=r"lora.rank 513 is above vLLM's largest max_lora_rank 512"):
+        vllm_max_lora_rank(513)
+    with pytest.raises(ValueError, match=r"RolloutConfig.max_lora_rank is None: the trainer sets it from lora.rank"):
+        VLLMLoraEngine("unused", server.engine_config(rollout, 0, False, 256, True))
+    with pytest.raises(ValueError, match=r"RolloutConfig.max_lora_rank must be >= 1 \(the run's lora.rank\), got 0"):
+        RolloutConfig(max_lora_rank=0)
