@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stapo-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo demo-async demo-lora demo-moe demo-schedules demo-seeds demo-synthetic compare test test-fast test-mcore019 bench venv clean gpu-install-plan
+.PHONY: demo demo-async demo-lora demo-moe demo-qwen35 demo-schedules demo-seeds demo-synthetic compare test test-fast test-mcore019 bench venv clean gpu-install-plan
 
 # CUDA machines (nvidia-smi present): the venv sees the system's packages, so the machine's own
 # CUDA torch stays (pip would otherwise pull another build), megatron-core is 0.19.2
@@ -93,6 +93,11 @@ demo-lora: $(STAMP)
 # The tiny Qwen3-MoE demo (EP=2 over 2 processes, ~3 min) and docs/results.md's demo-moe table from its metrics.
 demo-moe: $(STAMP)
 	$(PY) examples/demo_moe.py
+
+# The tiny demo on a tiny Qwen3.5 (gated delta-net and gated full-attention layers; DP=2 over 2
+# processes, HF-engine rollouts): writes runs/demo-qwen35.
+demo-qwen35: $(STAMP)
+	$(VENV)/bin/nemo-run launch/stapo_tiny_qwen35.py $(ARGS) --yes
 
 # The method comparison (stapo / justrl / entropy20 / random x 5 seeds on the tiny task, each run
 # launched as `make demo` is): runs/compare/summary.md, curves.png and docs/results.md's compare block.

@@ -42,10 +42,10 @@ from stapo_megatron.mcore.parallel import init_process_group
 from stapo_megatron.rollout.transport import init_job
 from stapo_megatron.recipes import lora, paper
 
-RECIPES = ("tiny", "tiny_moe", "tiny_lora", *paper.LAYOUTS, *lora.LAYOUTS)
+RECIPES = ("tiny", "tiny_moe", "tiny_lora", "tiny_qwen35", *paper.LAYOUTS, *lora.LAYOUTS)
 """Recipe names: the CPU demos (``recipes/tiny.py``), the paper's sizes (``recipes/paper.py``) and
 their LoRA variants (``recipes/lora.py``)."""
-TINY = ("tiny", "tiny_moe", "tiny_lora")
+TINY = ("tiny", "tiny_moe", "tiny_lora", "tiny_qwen35")
 """The CPU demos: they prepare their model folder and take a warm-start."""
 
 def _subsections(config_type) -> Dict[str, Any]:
@@ -115,7 +115,8 @@ def build_config(
     elif recipe in TINY:
         from stapo_megatron.recipes.tiny import TINY_RECIPES
 
-        run_dir = output_dir or {"tiny": "runs/demo", "tiny_moe": "runs/demo-moe", "tiny_lora": "runs/demo-lora"}[recipe]
+        run_dir = output_dir or {"tiny": "runs/demo", "tiny_moe": "runs/demo-moe", "tiny_lora": "runs/demo-lora",
+                              "tiny_qwen35": "runs/demo-qwen35"}[recipe]
         cfg, warmstart = TINY_RECIPES[recipe](run_dir=run_dir, method=method or "stapo")
     else:
         cfg, warmstart = lora.recipe_module(recipe).paper_recipe(recipe, method or "stapo", run_dir=output_dir), None

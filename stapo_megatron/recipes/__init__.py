@@ -1,7 +1,7 @@
 """Recipes: functions that return a fully populated training configuration.
 
-- ``tiny``: the embedded CPU default (``tiny_demo``), its MoE variant (``tiny_moe_demo``) and the
-  CPU method comparison.
+- ``tiny``: the embedded CPU default (``tiny_demo``), its MoE and Qwen3.5 variants (``tiny_moe_demo``,
+  ``tiny_qwen35_demo``) and the CPU method comparison.
 - ``paper``: the paper's Qwen3-1.7B/8B/14B-Base setups (JustRL + S2T) with their parallel layouts.
 - ``synthetic``: a tiny GPTModel (from `bridge.tiny`'s spec) and synthetic rollouts for the demo,
   benchmarks and tests (no checkpoint).

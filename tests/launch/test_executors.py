@@ -42,9 +42,10 @@ def test_a_submission_from_a_machine_without_sbatch_is_refused_first(tmp_path, m
 
 
 def test_every_recipe_launch_file_is_found():
-    assert len(RECIPE_LAUNCH_FILES) == 15 and "launch/stapo_8b_stream.py" in RECIPE_LAUNCH_FILES
+    assert len(RECIPE_LAUNCH_FILES) == 16 and "launch/stapo_8b_stream.py" in RECIPE_LAUNCH_FILES
     assert {"launch/stapo_qwen35_27b.py", "launch/stapo_qwen35_35b_a3b.py"} <= set(RECIPE_LAUNCH_FILES)
     assert {"launch/stapo_14b_lora.py", "launch/stapo_32b_lora.py", "launch/stapo_tiny_lora.py"} <= set(RECIPE_LAUNCH_FILES)
+    assert "launch/stapo_tiny_qwen35.py" in RECIPE_LAUNCH_FILES
 
 
 @pytest.mark.parametrize("path", RECIPE_LAUNCH_FILES)

@@ -38,3 +38,22 @@ def test_the_lora_demo_is_the_demos_rl_on_its_warm_started_base():
     assert cfg.model.hf_dir == full.model.hf_dir == "runs/demo-lora/model"
     assert dataclasses.replace(cfg.model, megatron_ckpt=full.model.megatron_ckpt) == full.model
     assert dataclasses.replace(cfg, lora=None, optim=full.optim, model=full.model) == full
+
+
+def test_tiny_qwen35_recipe_is_the_demo_on_a_hybrid_model():
+    """``tiny_qwen35_demo``: the demo's task with ``QWEN35_OVERRIDES`` (HF-engine rollouts), on a model
+    the bridge reads as Qwen3.5 (delta-net layers 0-2, gated full attention at 3, partial RoPE)."""
+    import dataclasses
+
+    from stapo_megatron.bridge import spec_from_hf_config
+    from stapo_megatron.recipes.tiny import QWEN35_OVERRIDES, tiny_qwen35_config, tiny_qwen35_demo
+
+    cfg, warmstart = tiny_qwen35_demo(run_dir="runs/q")
+    demo, demo_warmstart = tiny_demo(run_dir="runs/q")
+    assert cfg.rollout.engine == "hf" and cfg.steps == QWEN35_OVERRIDES["steps"] and warmstart == demo_warmstart
+    assert dataclasses.replace(cfg, steps=demo.steps, eval=demo.eval, save_every=demo.save_every,
+                               rollout=demo.rollout) == demo
+    config = tiny_qwen35_config(100, 1, 0)
+    spec = spec_from_hf_config({**config.to_dict(), "architectures": config.architectures})
+    assert config.architectures == ["Qwen3_5ForCausalLM"] and spec.vocab_size == 100
+    assert spec.layers_of_type("linear_attention") == (0, 1, 2) and spec.layers_of_type("full_attention") == (3,)
