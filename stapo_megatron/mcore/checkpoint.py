@@ -149,6 +149,14 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
 
 LORA_KEY = ".lora."
 """What every key of a LoRA adapter's parameters holds (``<linear>.lora.A``, ``<linear>.lora.B``)."""
+NOT_MODEL_KEYS = ("optimizer.", "common_state/")
+"""Stored keys that are not the model's: its optimizer state, and megatron-core 0.19's common
+state saved as a sharded object (``common_state/shard_0_1``; 0.16 keeps it in a file)."""
+
+
+def saved_model_keys(stored) -> list:
+    """The model's keys among a checkpoint's stored ones (`NOT_MODEL_KEYS` aside)."""
+    return [k for k in stored if not k.startswith(NOT_MODEL_KEYS)]
 
 
 def _sharded(model, optimizer, is_loading: bool) -> Dict[str, Any]:
@@ -330,7 +338,7 @@ def _check_optimizer_layout(path: str, stored, optimizer_sharded) -> None:
 def _check_lora_layout(path: str, stored, lora: bool) -> None:
     """ValueError naming ``lora`` if the checkpoint is adapter-only and the run is not, or the
     reverse (the saved model keys, optimizer state aside, show which)."""
-    model_keys = [k for k in stored if not k.startswith("optimizer.")]
+    model_keys = saved_model_keys(stored)
     saved_lora = bool(model_keys) and all(LORA_KEY in k for k in model_keys)
     if saved_lora and not lora:
         raise ValueError(f"checkpoint {path} holds LoRA adapters only (a run with the lora section), but this run "
