@@ -18,6 +18,7 @@ the adapter-only engine does not serve expert adapters: its attention projection
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import socket
 import tempfile
@@ -81,7 +82,7 @@ def measured(ranks) -> dict:
                                         calculate_per_token_loss=True)
                 apply_lora(model, LoraConfig(rank=rank, alpha=2.0 * rank))
                 merged = sync_weights(model, tiny_config("qwen3"), groups, HFEngine(hf_dir, config))["bytes"]
-                engine = VLLMLoraEngine(hf_dir, config, lora_rank=rank)
+                engine = VLLMLoraEngine(hf_dir, dataclasses.replace(config, max_lora_rank=rank))
                 sync_adapters(model, tiny_config("qwen3"), groups, engine)  # the base, once
                 adapters = sync_adapters(model, tiny_config("qwen3"), groups, engine)["bytes"]
                 engine.shutdown()

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from stapo_megatron.mcore import checkpoint as ckpt
-from tests.helpers import HELPERS_DIR
+from tests.helpers import HELPERS_DIR, REPO_DIR
 from tests.helpers.dist_utils import _free_port
 
 
@@ -42,7 +42,9 @@ def test_stapo_steps_on_a_tiny_qwen35(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", f"--master-port={_free_port()}",
            os.path.join(HELPERS_DIR, "qwen35_trainer_script.py"), str(run_dir), str(model_dir), str(STEPS),
            str(WARMSTART_STEPS)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    # the script names the test reward by its dotted path: the checkout on the children's path
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO_DIR, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     train = [r for r in rows if r["kind"] == "train"]
