@@ -95,7 +95,8 @@ demo-moe: $(STAMP)
 	$(PY) examples/demo_moe.py
 
 # The tiny demo on a tiny Qwen3.5 (gated delta-net and gated full-attention layers; DP=2 over 2
-# processes, HF-engine rollouts): writes runs/demo-qwen35.
+# processes, HF-engine rollouts): writes runs/demo-qwen35. Hours on a CPU, not minutes: the delta
+# rule runs megatron-core's torch reference there (docs/rollouts.md, "Qwen3.5"); not yet run to the end.
 demo-qwen35: $(STAMP)
 	$(VENV)/bin/nemo-run launch/stapo_tiny_qwen35.py $(ARGS) --yes
 
