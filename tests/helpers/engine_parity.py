@@ -24,6 +24,23 @@ TEMPERATURE = 0.7
 ENGINE_KW = dict(dtype="float32", max_model_len=128, kv_cache_memory_bytes=2**26)
 
 
+MISMATCH_PROMPTS = [[5, 17, 200, 3], [42] * 6, [1, 2, 3, 4, 5, 6, 7, 8, 9], [100, 101, 102]]
+"""The prompts the engine/trainer mismatch tests sample (token ids of the tiny vocabulary)."""
+
+
+def mismatch_minibatch(prompts, samples, group_size: int, seq: int, seed: int):
+    """Sampled groups as one mini-batch of two micro-batches of ``seq``-token rows, advantages +-1
+    alternating: what the mismatch tests run the pi_old pass and an update on."""
+    from stapo_megatron.batch.microbatch import pack_sequences, split_microbatches
+    from stapo_megatron.batch.records import make_records
+    from stapo_megatron.batch.step_rollout import StepRollout
+
+    adv_PG = torch.tensor([1.0, -1.0]).repeat(len(samples) * group_size // 2).view(len(samples), group_size)
+    rollout = StepRollout.of_groups(0, list(enumerate(prompts)), lambda i: "", samples, group_size, version=0)
+    batch = pack_sequences(make_records(rollout, adv_PG, updates_per_step=1), 0, seq)
+    return [split_microbatches(batch, batch.num_rows // 2, seed=seed)]
+
+
 def fixed_sequences(vocab_size: int, num: int = 3, length: int = 20, seed: int = 0) -> torch.Tensor:
     """Prompt+response token ids shared by both sides."""
     return torch.randint(0, vocab_size, (num, length), generator=torch.Generator().manual_seed(seed))

@@ -12,26 +12,17 @@ from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
 from stapo_megatron.method import rollout_correction as rc
 from stapo_megatron.method.config import LossConfig
 from tests.helpers.dist_utils import one_rank_parallel
-from tests.helpers.engine_parity import ENGINE_KW, LOGPROB_ATOL, randomize
+from tests.helpers.engine_parity import ENGINE_KW, LOGPROB_ATOL, MISMATCH_PROMPTS, mismatch_minibatch, randomize
 from tests.helpers.lora_models import full_adapter_weights
 
 pytest.importorskip("vllm")
 
 VARIANT = "qwen3"
-PROMPTS = [[5, 17, 200, 3], [42] * 6, [1, 2, 3, 4, 5, 6, 7, 8, 9], [100, 101, 102]]
+PROMPTS = MISMATCH_PROMPTS
 G, MAX_TOKENS, SEQ = 4, 12, 32
 RANK = 4
 
 
-def _minibatch(prompts, samples, seed):
-    from stapo_megatron.batch.microbatch import pack_sequences, split_microbatches
-    from stapo_megatron.batch.records import make_records
-    from stapo_megatron.batch.step_rollout import StepRollout
-
-    adv_PG = torch.tensor([1.0, -1.0]).repeat(len(samples) * G // 2).view(len(samples), G)
-    rollout = StepRollout.of_groups(0, list(enumerate(prompts)), lambda i: "", samples, G, version=0)
-    batch = pack_sequences(make_records(rollout, adv_PG, updates_per_step=1), 0, SEQ)
-    return [split_microbatches(batch, batch.num_rows // 2, seed=seed)]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +53,7 @@ def synced(tmp_path_factory):
 
         def sample_and_measure(seed):
             samples = engine.generate(PROMPTS, n=G, temperature=1.0, top_p=1.0, max_tokens=MAX_TOKENS, seed=seed)
-            minis = _minibatch(PROMPTS, samples, seed)
+            minis = mismatch_minibatch(PROMPTS, samples, G, SEQ, seed)
             old_policy_pass(ctx, minis)
             return minis, rollout_mismatch(minis, rc.RolloutCorrectionConfig(), groups, torch.device("cpu"))
 
