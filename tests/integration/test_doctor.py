@@ -18,13 +18,16 @@ def test_cpu_subset_end_to_end():
     rows = {c["name"]: c for c in json.loads(proc.stdout)["checks"]}  # stdout holds the JSON alone
     status = {name: c["status"] for name, c in rows.items()}
     assert status == dict(versions="pass", gloo_collectives="pass", logprob_op="pass", attention="pass",
-                          te_spec_qwen3="skip", vllm_start="pass", vllm_sleep="skip", vllm_wake_sync="pass",
+                          delta_net="pass", te_spec_qwen3="skip", vllm_start="pass", vllm_sleep="skip", vllm_wake_sync="pass",
                           vllm_generate="pass", mismatch_logprob="pass", mismatch_k3="pass",
                           vllm_stream_versions="skip", stapo_steps="pass", engine_start="pass")
     assert rows["gloo_collectives"]["values"]["ranks"] == 2
     assert rows["gloo_collectives"]["values"]["all_reduce_busbw_gbps"] > 0
     assert rows["logprob_op"]["values"]["logprob_max_diff"] < 1e-4  # fp32, interpreted kernels vs torch
     assert max(e["output"] for e in rows["attention"]["values"].values()) < 1e-5
+    # the CPU runs the torch chunked delta rule the CPU shim installs, checked against the recurrence
+    assert rows["delta_net"]["values"]["kernel"].endswith("torch_chunk_gated_delta_rule")
+    assert rows["delta_net"]["values"]["error"] < 1e-5
     assert rows["te_spec_qwen3"]["detail"] == "needs CUDA (the transformer-engine layer spec)"
     assert rows["vllm_wake_sync"]["values"]["bytes"] > 0
     # fp32 on both sides: the synced engine samples what Megatron computes
