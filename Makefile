@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stapo-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo demo-async demo-lora demo-moe demo-qwen35 demo-schedules demo-seeds demo-synthetic compare test test-fast test-mcore019 bench venv clean gpu-install-plan
+.PHONY: demo demo-async demo-lora demo-lora-seeds demo-moe demo-qwen35 demo-schedules demo-seeds demo-synthetic compare test test-fast test-mcore019 bench venv clean gpu-install-plan
 
 # CUDA machines (nvidia-smi present): the venv sees the system's packages, so the machine's own
 # CUDA torch stays (pip would otherwise pull another build), megatron-core is 0.19.2
@@ -89,6 +89,11 @@ demo-lora: $(STAMP)
 	$(VENV)/bin/nemo-run launch/stapo_tiny.py steps=0 output_dir=runs/demo-lora-base \
 	  warmstart.save_to=runs/demo-lora-base/warm-start --yes
 	$(VENV)/bin/nemo-run launch/stapo_tiny_lora.py $(ARGS) --yes
+
+# `make demo` against `make demo-lora` on 3 seeds from one warm-start (full_S and lora_S under
+# runs/demo-lora-seeds, about 30 minutes on 2 cores): docs/results.md's demo-lora table.
+demo-lora-seeds: $(STAMP)
+	$(PY) examples/demo_lora_seeds.py
 
 # The tiny Qwen3-MoE demo (EP=2 over 2 processes, ~3 min) and docs/results.md's demo-moe table from its metrics.
 demo-moe: $(STAMP)
