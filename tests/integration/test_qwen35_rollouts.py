@@ -28,7 +28,6 @@ from tests.helpers.dist_utils import one_rank_parallel
 from tests.helpers.engine_parity import fixed_sequences, hf_logprobs, megatron_logprobs, randomize
 
 
-
 pytestmark = pytest.mark.slow
 
 VARIANT = "qwen3.5"

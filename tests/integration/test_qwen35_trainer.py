@@ -16,7 +16,6 @@ from tests.helpers import HELPERS_DIR, REPO_DIR
 from tests.helpers.dist_utils import _free_port
 
 
-
 pytestmark = pytest.mark.slow
 
 STEPS, WARMSTART_STEPS = 2, 2
