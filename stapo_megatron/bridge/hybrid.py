@@ -16,12 +16,21 @@ megatron-core calls them. On the CPU those refuse to run (fla 0.6.0: "0 active d
 without ``TRITON_INTERPRET=1``; installed on the CPU, transformers would pick them too and fail
 the same way, so fla is a GPU-only requirement), and `stapo_megatron.mcore.cpu_compat` points the module at
 megatron-core's own torch reference (``torch_chunk_gated_delta_rule``, the deterministic-mode
-path) and a torch L2 norm: the same equations, chunked in fp32.
+path), a torch L2 norm and a torch causal convolution: the same equations, chunked in fp32.
 
-Packed sequences: megatron-core 0.16.1's GatedDeltaNet refuses ``PackedSeqParams``; the layer
-here runs it on each sequence of ``cu_seqlens`` alone (`packed_delta_net`), so packed equals padded.
-Not supported: context parallelism (ValueError here: megatron-core 0.16.1's GatedDeltaNet has
-none), sequence parallelism with packed delta-net layers, the transformer-engine spec
+Versions: megatron-core 0.16 to 0.19 (`mcore_versions`: 0.18 added the packed path and binds the
+kernel at construction, 0.19 split the module into the ``ssm/gated_delta_net/`` package). The
+parameters and their checkpoint keys are the same in all of them (``in_proj`` one TP shard
+[q k v z b a] of this rank's heads, saved as ``in_proj.weight.{query,key,value,z,beta,alpha}``;
+``conv1d`` [q k v] as ``conv1d.weight.{query,key,value}``), so one converter serves every release.
+
+Packed sequences (`packed_delta_net`): from 0.18 megatron-core's GatedDeltaNet runs a packed row
+itself, the convolution and the recurrence restarting at every sequence of ``cu_seqlens`` (fla's
+varlen kernels on CUDA; on the CPU the shim's kernels run each sequence alone); 0.16 and 0.17
+refuse ``PackedSeqParams``, and the layer here runs their GatedDeltaNet on each sequence alone.
+Either way packed equals padded.
+Not supported: context parallelism (ValueError here: 0.16 and 0.17 have none; 0.18's is not
+built on here), sequence parallelism with packed delta-net layers, the transformer-engine spec
 (`model.build_gpt_model`).
 """
 
@@ -33,18 +42,20 @@ from typing import Optional
 from stapo_megatron.bridge.hf_config import LINEAR_ATTENTION, QwenSpec
 from stapo_megatron.bridge.hybrid_config import delta_net_layout_problems
 
+DELTA_NET_SINCE = (0, 16)
+"""The oldest megatron-core release whose GatedDeltaNet the Qwen3.5 model here is built and tested on."""
+
 
 def delta_net_version_gap() -> Optional[str]:
-    """Why the installed megatron-core's GatedDeltaNet is not the one this module is written
-    against (0.16.1's single ``ssm/gated_delta_net.py``), or None. 0.19 made it a package
-    (``ssm/gated_delta_net/``: the delta rule chosen at construction, varlen and CP paths) that
-    the CPU shim and `packed_delta_net` do not cover yet."""
+    """Why the installed megatron-core's GatedDeltaNet is not one this module is written against
+    (0.16 to 0.19), or None: a release before 0.16 (`DELTA_NET_SINCE`)."""
     from megatron.core import __version__
-    from megatron.core.ssm import gated_delta_net
 
-    if hasattr(gated_delta_net, "__path__"):
-        return (f"megatron-core {__version__}'s GatedDeltaNet (the ssm/gated_delta_net/ package) is not supported "
-                f"yet: the Qwen3.5 model is built against megatron-core 0.16.1's")
+    from stapo_megatron.mcore.mcore_versions import mcore_release
+
+    if mcore_release() < DELTA_NET_SINCE:
+        return (f"megatron-core {__version__} is older than the GatedDeltaNet the Qwen3.5 model is built on: "
+                f"use megatron-core {'.'.join(map(str, DELTA_NET_SINCE))} to 0.19")
     return None
 
 
@@ -75,13 +86,15 @@ def hybrid_settings(spec: QwenSpec) -> dict:
 def packed_delta_net():
     """megatron-core's GatedDeltaNet with packed sequences (``PackedSeqParams(qkv_format="thd")``,
     hidden states [t, 1, h]): the convolution and the recurrent state restart at every sequence
-    of ``cu_seqlens``, so nothing leaks between packed sequences. 0.16.1's own forward raises
-    NotImplementedError for packed input; this one runs it on each sequence alone (what the
-    padded batch computed for it: its right padding comes after it in a causal recurrence).
-    A reference path (one call per sequence), as `attention.SDPAttention`'s on the CPU; fla's
-    varlen kernels (``cu_seqlens``) would be the fast one on CUDA."""
+    of ``cu_seqlens``, so nothing leaks between packed sequences. From 0.18 megatron-core's own
+    forward does it in one call over the row (`mcore_versions.delta_net_takes_packed`; not in its
+    deterministic mode, which refuses packed input); 0.16 and 0.17 raise NotImplementedError for
+    packed input, and this one runs their forward on each sequence alone (what the padded batch
+    computed for it: its right padding comes after it in a causal recurrence)."""
     import torch
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    from stapo_megatron.mcore.mcore_versions import delta_net_takes_packed
 
     class PackedGatedDeltaNet(GatedDeltaNet):
         """GatedDeltaNet that keeps packed sequences apart (`packed_delta_net`)."""
@@ -94,6 +107,9 @@ def packed_delta_net():
                                  f"{packed_seq_params.qkv_format!r}, sequence_parallel={self.config.sequence_parallel}")
             if self.config.context_parallel_size > 1:
                 raise ValueError("packed delta-net layers do not support context parallelism")
+            if delta_net_takes_packed() and not self.config.deterministic_mode:
+                return super().forward(hidden_states, attention_mask, *args, packed_seq_params=packed_seq_params,
+                                       **kwargs)
             bounds = packed_seq_params.cu_seqlens_q.tolist()
             if bounds[-1] < hidden_states.shape[0]:  # the row's padding after its last sequence
                 bounds.append(hidden_states.shape[0])

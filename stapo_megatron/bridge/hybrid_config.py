@@ -6,7 +6,7 @@ layers in the pattern of ``layer_types`` (three of every four layers linear in t
 models). Full attention is Qwen3's with an output gate (q_proj also yields a per-head gate),
 partial RoPE (``partial_rotary_factor``, 0.25) and zero-centred norms; MLPs are dense SwiGLU.
 
-Megatron-core 0.16.1 expresses all of it: ``experimental_attention_variant="gated_delta_net"``
+Megatron-core 0.16 to 0.19 express all of it: ``experimental_attention_variant="gated_delta_net"``
 with the per-layer pattern as ``linear_attention_freq`` (a list, 1 = delta net),
 ``attention_output_gate``, ``rotary_percent`` and ``layernorm_zero_centered_gamma``.
 The multimodal RoPE fields (``mrope_section``, ``mrope_interleaved``) are accepted: with text
@@ -117,19 +117,22 @@ def check_hybrid_parallel(spec, tensor_model_parallel_size: int) -> list[tuple]:
 def delta_net_layout_problems(spec, context_parallel_size: int, sequence_parallel: bool = False,
                               packed: bool = False) -> list[str]:
     """What the delta-net layers of ``spec`` refuse of a parallel layout (empty for a model
-    without them): context parallelism (megatron-core 0.16.1's gated delta net has none), and
-    sequence parallelism with packed micro-batches (the packed delta-net layer runs each
-    sequence on its own, `bridge.hybrid.packed_delta_net`, so a TP rank needs whole sequences)."""
+    without them): context parallelism (megatron-core 0.16 and 0.17's gated delta net has none; the
+    bridge does not build on 0.18's), and sequence parallelism with packed micro-batches (the
+    packed delta-net layer of 0.16 and 0.17 runs each sequence on its own,
+    `bridge.hybrid.packed_delta_net`, so a TP rank needs whole sequences; refused on every release
+    alike, so a layout means the same on all)."""
     if not spec.is_hybrid:
         return []
     problems = []
     if context_parallel_size > 1:
         problems.append(f"model.context_parallel_size {context_parallel_size} is not supported for {spec.architecture}: "
-                        f"megatron-core 0.16.1's gated delta net has no context parallelism (layer_types has "
+                        f"the delta-net layers have no context parallelism here (layer_types has "
                         f"{len(spec.layers_of_type(LINEAR_ATTENTION))} linear_attention layers); use "
                         f"model.context_parallel_size=1")
     if packed and sequence_parallel:
         problems.append(f"model.sequence_parallel=True with packed micro-batches is not supported for "
-                        f"{spec.architecture}: a packed delta-net layer runs each sequence on its own and needs it "
-                        f"whole on every TP rank; set model.sequence_parallel=False or packing='padded'")
+                        f"{spec.architecture}: the packed delta-net layer is built without it (on megatron-core 0.16 "
+                        f"and 0.17 it runs each sequence on its own, whole on every TP rank); set "
+                        f"model.sequence_parallel=False or packing='padded'")
     return problems

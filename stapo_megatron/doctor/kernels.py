@@ -222,10 +222,10 @@ def delta_rule_error(device: str) -> Tuple[str, float]:
     reference `stapo_megatron.mcore.cpu_compat` installs) against `recurrent_delta_rule`, fp32, over
     150 tokens (two whole chunks and a ragged one) of 4 heads of 32."""
     import torch.nn.functional as F
-    from megatron.core.ssm import gated_delta_net
 
-    module = getattr(gated_delta_net, "common", gated_delta_net)  # megatron-core 0.19.2: a package
-    kernel = module.chunk_gated_delta_rule
+    from stapo_megatron.mcore.mcore_versions import delta_net_modules
+
+    kernel = delta_net_modules()[0].chunk_gated_delta_rule  # the name GatedDeltaNet's own module binds
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 150, 4, 32, generator=gen) for _ in range(3))
     q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)  # the layer l2-normalises q and k first

@@ -304,20 +304,68 @@ def _torch_l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6, output_dtyp
 
 
 def _torch_delta_rule() -> None:
-    """ssm/gated_delta_net.py (megatron-core 0.16.1) calls flash-linear-attention's Triton kernels
-    (``l2norm``, ``chunk_gated_delta_rule``) and refuses to build a GatedDeltaNet without the
-    package. fla 0.6.0 launches nothing without a GPU ("0 active drivers", also under
-    ``TRITON_INTERPRET=1``), so on the CPU fla is not installed (installed, transformers'
-    Qwen3.5 picks its kernels too and fails the same way) and the module's own torch reference
-    ``torch_chunk_gated_delta_rule`` (its deterministic-mode path: the same chunked recurrence,
-    in fp32) and a torch L2 norm stand in for them."""
+    """ssm/gated_delta_net.py (megatron-core 0.16.1; 0.19.2's gated_delta_net/ package) calls
+    flash-linear-attention's Triton kernels (``l2norm``, ``chunk_gated_delta_rule``, from 0.18
+    ``causal_conv1d``) and refuses to build a GatedDeltaNet without the package. fla 0.6.0
+    launches nothing without a GPU ("0 active drivers", also under ``TRITON_INTERPRET=1``), so on
+    the CPU fla is not installed (installed, transformers' Qwen3.5 picks its kernels too and fails
+    the same way) and the module's own torch reference ``torch_chunk_gated_delta_rule`` (its
+    deterministic-mode path: the same chunked recurrence, in fp32), a torch L2 norm and a torch
+    causal convolution stand in for them. Each is set in every module the layer reads it from
+    (`mcore_versions.delta_net_modules`: 0.19.2's ``gdn.py`` binds the kernel by name at import and
+    picks it at construction, so the names must be set before a model is built); the delta rule
+    and the convolution take fla's varlen ``cu_seqlens`` (the packed path of 0.18 and later) and
+    run each sequence alone."""
     from megatron.core.ssm import gated_delta_net
 
-    # 0.19.2 made it a package whose forward reads these names in gated_delta_net/common.py
-    module = getattr(gated_delta_net, "common", gated_delta_net)
-    module.l2norm = _torch_l2norm
-    module.chunk_gated_delta_rule = module.torch_chunk_gated_delta_rule
-    module.HAVE_FLA = True
+    from stapo_megatron.mcore.mcore_versions import delta_net_modules, delta_net_takes_packed
+
+    rule = gated_delta_net.torch_chunk_gated_delta_rule  # the CPU's delta-rule kernel
+    for module in delta_net_modules():
+        module.l2norm = _torch_l2norm
+        module.chunk_gated_delta_rule = _per_sequence(rule)
+        module.HAVE_FLA = True
+        if delta_net_takes_packed():  # 0.16 and 0.17 convolve with torch's nn.Conv1d without causal_conv1d_fn
+            module.causal_conv1d = _torch_causal_conv1d
+
+
+def _segments(cu_seqlens, total: int) -> list:
+    """(start, end) of each non-empty sequence of fla's ``cu_seqlens`` (the whole axis without it)."""
+    bounds = [0, total] if cu_seqlens is None else cu_seqlens.tolist()
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def _per_sequence(rule):
+    """fla's ``chunk_gated_delta_rule`` contract over ``rule``, a delta rule of whole sequences
+    ([B, T, H, D] inputs, no ``cu_seqlens``): with ``cu_seqlens`` (a packed row, B = 1) each
+    sequence runs alone from a zero state, as fla's varlen kernel runs it. Megatron-core passes no
+    initial state and asks for no final one."""
+
+    @functools.wraps(rule)
+    def varlen_rule(q, k, v, g, beta, *, cu_seqlens=None, **kwargs):
+        if cu_seqlens is None:
+            return rule(q, k, v, g, beta, **kwargs)
+        assert kwargs.get("initial_state") is None and not kwargs.get("output_final_state"), kwargs
+        outs = [rule(*(x[:, a:b] for x in (q, k, v, g, beta)), **kwargs)[0]
+                for a, b in _segments(cu_seqlens, q.shape[1])]
+        return torch.cat(outs, dim=1), None
+
+    return varlen_rule
+
+
+def _torch_causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, output_final_state=False,
+                         cu_seqlens=None, **kwargs):
+    """fla's ``causal_conv1d`` (``fla.modules.convolution``) in torch: the depthwise causal
+    convolution of x [B, T, D] with weight [D, W], then SiLU for ``activation`` "silu"/"swish";
+    with ``cu_seqlens`` each sequence is convolved alone (zeros before its first token). Returns
+    (y [B, T, D], None): megatron-core asks for no final state."""
+    assert initial_state is None and not output_final_state and activation in (None, "silu", "swish"), activation
+    width = weight.shape[-1]
+    outs = [torch.nn.functional.conv1d(torch.nn.functional.pad(x[:, a:b].transpose(1, 2), (width - 1, 0)),
+                                       weight.unsqueeze(1), bias, groups=weight.shape[0])
+            for a, b in _segments(cu_seqlens, x.shape[1])]
+    y = torch.cat(outs, dim=-1).transpose(1, 2)
+    return (torch.nn.functional.silu(y) if activation else y), None
 
 
 def _tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):

@@ -8,6 +8,15 @@ never a test of upstream source text, with the release that changed it:
   size; 0.16 to 0.18 do not.
 - ``define_missing_te_names``: 0.16's ``transformer/moe/moe_utils.py`` leaves the transformer-engine
   MoE names undefined when transformer-engine does not import (0.17 binds them to None).
+- ``delta_net_takes_packed``: 0.18.0's ``ssm/gated_delta_net.py`` runs packed (THD) input itself
+  (``cu_seqlens`` into flash-linear-attention's varlen ``causal_conv1d`` and
+  ``chunk_gated_delta_rule``), binds its delta-rule kernel at construction
+  (``self.gated_delta_rule``) and has context parallelism; 0.16 and 0.17 refuse packed input and
+  call the kernels by module name in ``forward``.
+- ``delta_net_modules``: 0.19.0 made ``ssm/gated_delta_net.py`` a package (``common.py``: the
+  base class, ``l2norm``, ``HAVE_FLA``; ``gdn.py``: ``GatedDeltaNet`` and the kernels it binds),
+  each module holding its own references to fla's kernels. Read from the classes' ``__module__``
+  (where their methods look names up), not from the version.
 
 Also the one use of a private torch call, `in_backward`: torch 2.13 has no public API that tells a
 forward run inside a backward pass (activation recomputation) from an ordinary forward.
@@ -25,6 +34,9 @@ ROUTER_TOKEN_FACTOR_SINCE = (0, 19)
 
 TE_MOE_NAMES_BOUND_SINCE = (0, 17)
 """First megatron-core release that binds moe_utils' transformer-engine names to None without TE."""
+
+DELTA_NET_PACKED_SINCE = (0, 18)
+"""First megatron-core release whose GatedDeltaNet takes packed (THD) input and binds its kernel at construction."""
 
 _TE_MOE_NAMES = ("te_general_gemm", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
                  "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
@@ -66,6 +78,29 @@ def define_missing_te_names() -> None:
     for name in _TE_MOE_NAMES:
         if not hasattr(moe_utils, name):
             setattr(moe_utils, name, None)
+
+
+def delta_net_takes_packed() -> bool:
+    """Whether megatron-core's GatedDeltaNet runs packed sequences itself (0.18.0 and later: one
+    call over the row, the convolution and the recurrence restarting at each ``cu_seqlens``
+    boundary); before 0.18 its forward raises NotImplementedError for ``packed_seq_params``."""
+    return mcore_release() >= DELTA_NET_PACKED_SINCE
+
+
+def delta_net_modules() -> tuple:
+    """The megatron-core modules whose globals GatedDeltaNet's methods read fla's names from
+    (``l2norm``, ``chunk_gated_delta_rule``, ``causal_conv1d``, ``HAVE_FLA``): the module of the
+    class and of each megatron-core base it inherits methods from. Up to 0.18 that is
+    ``ssm/gated_delta_net.py`` alone; 0.19's package has ``gdn.py`` (``GatedDeltaNet``, which binds
+    ``chunk_gated_delta_rule`` by name at import) and ``common.py`` (``_GDNBase``: ``l2norm``, the
+    ``HAVE_FLA`` check). A shim that replaces a kernel sets it in each of them."""
+    import sys
+
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    names = dict.fromkeys(cls.__module__ for cls in GatedDeltaNet.__mro__
+                          if cls.__module__.startswith("megatron.core.ssm.gated_delta_net"))
+    return tuple(sys.modules[name] for name in names)
 
 
 def in_backward() -> bool:

@@ -22,8 +22,8 @@ the recipes' models that changes four things, each a function here that `recipes
   length; the projections are in the parameter count (2 FLOPs a parameter and token), and only
   the full-attention layers add the quadratic causal-attention term.
 
-Context parallelism is not modelled: megatron-core 0.16.1's gated delta net has none, and the
-layout check refuses it (`stapo_megatron.bridge.hybrid_config.delta_net_layout_problems`).
+Context parallelism is not modelled: the bridge builds the gated delta net without it (0.16 and
+0.17 have none), and the layout check refuses it (`stapo_megatron.bridge.hybrid_config.delta_net_layout_problems`).
 """
 
 from __future__ import annotations

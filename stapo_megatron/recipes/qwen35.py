@@ -6,11 +6,13 @@ count what ``stapo-convert`` builds. The STAPO settings are the Qwen3 recipes' (
 JustRL + S2T, 3000 steps, lr 1e-6, 256 x 8 rollouts, 16k-token sequences); only the layout differs,
 chosen with the memory model (`recipes.memory`, with the delta-net layers of `recipes.delta_net`):
 
-- Qwen3.5 has no context parallelism (megatron-core 0.16.1's gated delta net has none; the layout
-  check refuses ``model.context_parallel_size`` > 1), so a 16k sequence is whole on a rank;
-- the packed delta-net layer runs each sequence on its own and needs it whole on every TP rank, so
-  packing (``packing="budget"``) goes without sequence parallelism, and sequence parallelism with
-  ``packing="padded"`` (which pipeline parallelism needs too);
+- Qwen3.5 has no context parallelism here (megatron-core 0.16 and 0.17's gated delta net has
+  none, the bridge does not build on 0.18's; the layout check refuses
+  ``model.context_parallel_size`` > 1), so a 16k sequence is whole on a rank;
+- the packed delta-net layer is built without sequence parallelism (on 0.16 and 0.17 it runs each
+  sequence on its own, whole on every TP rank), so packing (``packing="budget"``) goes without
+  sequence parallelism, and sequence parallelism with ``packing="padded"`` (which pipeline
+  parallelism needs too);
 - vLLM's TP must divide the KV heads (4 for the 27B, 2 for the 35B-A3B) and Megatron's TP.
 
 `QWEN35_LAYOUTS` and `QWEN35_ARCHITECTURES` join `paper.LAYOUTS` / `paper.ARCHITECTURES`, so

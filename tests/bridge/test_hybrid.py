@@ -24,16 +24,6 @@ from stapo_megatron.conversion.verify import (FP32_LOGIT_TOL, _megatron_forward,
 from tests.helpers.dist_utils import one_rank_parallel
 
 
-def _version_gap():
-    from stapo_megatron.bridge.hybrid import delta_net_version_gap
-
-    return delta_net_version_gap()
-
-
-# `make test-mcore019` runs this file on megatron-core 0.19.2, whose delta net is not covered yet
-pytestmark = pytest.mark.skipif(_version_gap() is not None, reason=str(_version_gap()))
-
-
 @pytest.fixture(scope="module", params=["qwen3.5", "qwen3.5-moe"])
 def converted(request, tmp_path_factory):
     """A tiny fp32 Qwen3.5, dense or MoE (3 delta-net layers, then full attention; MTP tensors),
@@ -126,16 +116,24 @@ def test_weight_stream_of_the_loaded_model_is_the_hf_checkpoint(converted):
 def test_packed_sequences_equal_padded():
     """Two sequences packed into one THD row (``cu_seqlens``) give each the logits it has alone in a
     padded batch: the delta net's convolution and recurrent state restart at the boundary (a
-    state leaking from the first sequence would change every logit of the second)."""
+    state leaking from the first sequence would change every logit of the second). From
+    megatron-core 0.18 the row goes through its GatedDeltaNet in one call, the kernel seeing
+    ``cu_seqlens``; before, the layer here calls it once per sequence."""
     from megatron.core.packed_seq_params import PackedSeqParams
+
+    from stapo_megatron.mcore.mcore_versions import delta_net_takes_packed
 
     cfg = tiny_config("qwen3.5")
     lengths = (13, 9)
     tokens = fixed_prompts(cfg["vocab_size"], num_prompts=2, seq_len=max(lengths))
+    seen = []  # cu_seqlens of each kernel call (0.18 and later bind the kernel to the layer)
     with one_rank_parallel():
         torch.manual_seed(0)
         model = build_gpt_model(cfg, parallel_output=False, core_attention="sdpa")
         model.eval()
+        for mixer in (layer.self_attention for layer in model.decoder.layers):
+            if delta_net_takes_packed() and hasattr(mixer, "gated_delta_rule"):
+                mixer.gated_delta_rule = _recording(mixer.gated_delta_rule, seen)
         with torch.no_grad():
             alone = [model(tokens[i:i + 1, :n], torch.arange(n).unsqueeze(0), attention_mask=None)[0]
                      for i, n in enumerate(lengths)]
@@ -151,3 +149,16 @@ def test_packed_sequences_equal_padded():
     torch.testing.assert_close(packed, torch.cat(alone), rtol=0, atol=1e-5)
     # the comparison has power: without the boundary the second sequence's logits move by far more
     assert (leaky[lengths[0]:] - alone[1]).abs().max() > 1e-2
+    if delta_net_takes_packed():  # the 3 delta-net layers of each forward: 2 sequences alone, packed, leaky
+        assert [None if cu is None else cu.tolist() for cu in seen] == [None] * 6 + [[0, 13, 22]] * 3 + [None] * 3
+    else:
+        assert seen == []
+
+
+def _recording(rule, seen):
+    """``rule`` that also appends the ``cu_seqlens`` it is called with to ``seen``."""
+    def call(*args, cu_seqlens=None, **kwargs):
+        seen.append(cu_seqlens)
+        return rule(*args, cu_seqlens=cu_seqlens, **kwargs)
+
+    return call

@@ -28,13 +28,7 @@ from tests.helpers.dist_utils import one_rank_parallel
 from tests.helpers.engine_parity import fixed_sequences, hf_logprobs, megatron_logprobs, randomize
 
 
-def _version_gap():
-    from stapo_megatron.bridge.hybrid import delta_net_version_gap
-
-    return delta_net_version_gap()
-
-
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(_version_gap() is not None, reason=str(_version_gap()))]
+pytestmark = pytest.mark.slow
 
 VARIANT = "qwen3.5"
 PROMPTS = [[5, 17, 200, 3], [42] * 6, [1, 2, 3, 4, 5, 6, 7, 8, 9]]

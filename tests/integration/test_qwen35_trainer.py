@@ -16,13 +16,7 @@ from tests.helpers import HELPERS_DIR, REPO_DIR
 from tests.helpers.dist_utils import _free_port
 
 
-def _version_gap():
-    from stapo_megatron.bridge.hybrid import delta_net_version_gap
-
-    return delta_net_version_gap()
-
-
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(_version_gap() is not None, reason=str(_version_gap()))]
+pytestmark = pytest.mark.slow
 
 STEPS, WARMSTART_STEPS = 2, 2
 

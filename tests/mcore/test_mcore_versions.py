@@ -50,3 +50,22 @@ def test_in_backward_is_true_only_during_a_backward_pass():
     Probe.apply(x).sum().backward()
     assert seen == [("forward", False), ("backward", True)]
     assert not mcore_versions.in_backward()
+
+
+@pytest.mark.parametrize("release, packed", [((0, 16, 1), False), ((0, 17, 0), False), ((0, 18, 0), True),
+                                             ((0, 19, 2), True)])
+def test_delta_net_takes_packed_input_from_0_18(monkeypatch, release, packed):
+    monkeypatch.setattr(mcore_versions, "mcore_release", lambda: release)
+    assert mcore_versions.delta_net_takes_packed() is packed
+
+
+def test_delta_net_modules_are_where_the_layer_reads_fla_names():
+    """0.16.1: the one module; 0.19.2: gdn.py (GatedDeltaNet) and common.py (its base class)."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    names = [m.__name__ for m in mcore_versions.delta_net_modules()]
+    assert names[0] == GatedDeltaNet.__module__
+    if mcore_versions.mcore_release()[:2] >= (0, 19):
+        assert names == ["megatron.core.ssm.gated_delta_net.gdn", "megatron.core.ssm.gated_delta_net.common"]
+    else:
+        assert names == ["megatron.core.ssm.gated_delta_net"]
