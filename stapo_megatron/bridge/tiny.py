@@ -200,9 +200,10 @@ _VISION_LANGUAGE = {"qwen3.5": "Qwen3_5", "qwen3.5-moe": "Qwen3_5Moe"}
 def save_tiny_vision_language_model(path: str, variant: str = "qwen3.5", dtype: torch.dtype = torch.bfloat16,
                                     seed: int = 0, tie_word_embeddings: bool = False):
     """A tiny Qwen3.5 vision-language model (``Qwen3_5ForConditionalGeneration``, or the MoE's for
-    ``"qwen3.5-moe"``): the tiny text model ``variant`` as its ``text_config``, `TINY_VISION_CONFIG`
-    projecting into its width, weights redrawn as `save_tiny_hf_model` does, saved with
-    ``save_pretrained`` and the ``mtp.*`` tensors of the released checkpoints."""
+    ``"qwen3.5-moe"``) around the tiny text model ``variant``: its ``text_config``, and its text
+    tower the very weights `save_tiny_hf_model` gives that model at ``seed``; a vision tower
+    (`TINY_VISION_CONFIG`, projecting into the text width) drawn as `save_tiny_hf_model` draws;
+    saved with ``save_pretrained`` and the ``mtp.*`` tensors of the released checkpoints."""
     import transformers
 
     if variant not in _VISION_LANGUAGE:
@@ -214,8 +215,13 @@ def save_tiny_vision_language_model(path: str, variant: str = "qwen3.5", dtype: 
         text_config=text, vision_config={**TINY_VISION_CONFIG, "out_hidden_size": text["hidden_size"]},
         tie_word_embeddings=tie_word_embeddings)
     config.architectures = [f"{name}ForConditionalGeneration"]
+    text_model = _unit_scale(build_hf_model(transformers_config({**tiny_config(variant), **text}), seed))
     torch.manual_seed(seed)
     model = _unit_scale(transformers.AutoModelForImageTextToText.from_config(config))
+    with torch.no_grad():
+        model.model.language_model.load_state_dict(text_model.model.state_dict())
+        if not tie_word_embeddings:
+            model.lm_head.weight.copy_(text_model.lm_head.weight)
     model.to(dtype).save_pretrained(path)
     add_mtp_tensors(path, dtype, seed)
     return model
