@@ -177,3 +177,15 @@ def test_what_is_not_converted_is_refused(converted, tmp_path, capsys):
                  "--text-only"]) == 2
     assert "--text-only exports a vision-language checkpoint's text tower" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "c")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_version_gap() is not None, reason=str(_version_gap()))
+def test_verify_at_tp2(converted):
+    """`stapo-convert verify` on the vision-language folder: its text config to the Megatron
+    ranks, the vision-language model as the reference, at TP = 2."""
+    from stapo_megatron.conversion.verify import FP32_LOGIT_TOL, verify
+
+    hf, ckpt, _ = converted
+    row, = verify(hf, ckpt, [(2, 1)], num_prompts=2, seq_len=24)
+    assert row.ok(FP32_LOGIT_TOL), row
