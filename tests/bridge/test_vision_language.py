@@ -101,6 +101,19 @@ def _config(path):
         return json.load(f)
 
 
+def test_tied_round_trip(tmp_path):
+    """Tied by the top-level switch: no lm_head in the checkpoint, the converted spec tied, and
+    the round trip bit-exact."""
+    from stapo_megatron.conversion.hf_to_mcore import load_spec
+
+    hf, ckpt, back = (str(tmp_path / n) for n in ("hf", "ckpt", "back"))
+    save_tiny_vision_language_model(hf, "qwen3.5", dtype=torch.bfloat16, tie_word_embeddings=True)
+    assert "lm_head.weight" not in index_checkpoint(hf) and load_spec(hf)[1].tie_word_embeddings
+    assert main(["hf-to-mcore", "--hf-dir", hf, "--out", ckpt]) == 0
+    assert main(["mcore-to-hf", "--ckpt", ckpt, "--out", back]) == 0
+    _assert_bit_exact(hf, back)
+
+
 @pytest.mark.skipif(_version_gap() is not None, reason=str(_version_gap()))
 def test_megatron_logits_equal_the_vision_language_models_on_text(converted):
     from stapo_megatron.bridge import build_gpt_model, load_checkpoint
