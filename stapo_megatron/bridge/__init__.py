@@ -5,7 +5,9 @@ Dense Qwen2/2.5/3 and Qwen3-MoE (`hf_config.py` reads the router and expert fiel
 `transformer_config.py` maps them; `model.py` builds the MoE layer spec; `mapping.py` has the
 router/expert rows with a per-expert wildcard); the Qwen3.5 text models, dense and MoE (`hybrid_config.py` reads
 its layer pattern and delta-net fields, `hybrid.py` builds its gated delta-net and gated
-full-attention layers, `mapping.py` has their rows, per layer type).
+full-attention layers, `mapping.py` has their rows, per layer type); the text tower of Qwen3.5's
+vision-language checkpoints (`vision_language.py`: its config and tensor names; the vision tower
+is kept aside by the converter).
 
 Used by the converter (`stapo_megatron/conversion/`), the trainer and the rollout weight sync. Importing it
 does not import megatron-core; the functions that need it import it when called.

@@ -34,8 +34,10 @@ QWEN35_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 """HF ``architectures`` entries this bridge converts (Qwen2.5 checkpoints use Qwen2ForCausalLM)."""
 
 VISION_LANGUAGE_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
-"""Vision-language checkpoints: refused by name (their vision tower ``model.visual.*`` would not
-be converted, and transformers' ``AutoModelForCausalLM`` drops it without a word)."""
+"""Vision-language checkpoints: not a text model's config, so refused here by name (the model built
+from a config is the text model; transformers' ``AutoModelForCausalLM`` drops the vision tower
+``model.visual.*`` without a word). The converter takes their text tower through
+`bridge.vision_language.text_config` and keeps the vision tower aside."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,9 +211,10 @@ def _architecture(cfg: dict) -> str:
         archs = [ARCHITECTURE_OF_MODEL_TYPE[cfg["model_type"]]]
     if len(archs) == 1 and (archs[0] in VISION_LANGUAGE_ARCHITECTURES or cfg.get("vision_config")):
         raise ValueError(
-            f"architecture {archs[0]!r} is a vision-language checkpoint (vision_config, tensors model.visual.*): "
-            f"converting it as a text model would drop its vision tower; only the text model "
-            f"Qwen3_5ForCausalLM (a config with model_type 'qwen3_5_text' and model.layers.* tensors) is converted")
+            f"architecture {archs[0]!r} is a vision-language checkpoint (vision_config, tensors model.visual.*), "
+            f"not a text model: `stapo-convert hf-to-mcore` converts its text tower (the vision tower kept aside), "
+            f"and `stapo-convert mcore-to-hf --text-only` writes that text tower as a text model "
+            f"(Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM), the folder training and rollouts take")
     if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"unsupported architecture {archs or cfg.get('model_type')!r}; "

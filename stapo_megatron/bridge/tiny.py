@@ -171,7 +171,15 @@ def save_tiny_hf_model(path: str, variant: str, dtype: torch.dtype = torch.bfloa
     N(0, 1/fan_in), norms 1 + N(0, 0.1^2), biases N(0, 0.1^2). The router is a matrix too, so
     routing logits are O(1) and top-k choices are not ties.
     """
-    model = build_hf_model(transformers_config(tiny_config(variant)), seed)
+    model = _unit_scale(build_hf_model(transformers_config(tiny_config(variant)), seed))
+    model.to(dtype).save_pretrained(path, max_shard_size=max_shard_size)
+    if model.config.to_dict().get("mtp_num_hidden_layers"):
+        add_mtp_tensors(path, dtype, seed)
+    return model
+
+
+def _unit_scale(model):
+    """`save_tiny_hf_model`'s redrawn weights, in place; returns ``model``."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim >= 2:
@@ -180,9 +188,42 @@ def save_tiny_hf_model(path: str, variant: str, dtype: torch.dtype = torch.bfloa
                 p.normal_(0.0, 0.1)
             else:
                 p.normal_(1.0, 0.1)
-    model.to(dtype).save_pretrained(path, max_shard_size=max_shard_size)
-    if model.config.to_dict().get("mtp_num_hidden_layers"):
-        add_mtp_tensors(path, dtype, seed)
+    return model
+
+
+TINY_VISION_CONFIG = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                          temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
+"""A tiny Qwen3.5 vision tower (2 blocks of width 32) for `save_tiny_vision_language_model`."""
+_VISION_LANGUAGE = {"qwen3.5": "Qwen3_5", "qwen3.5-moe": "Qwen3_5Moe"}
+
+
+def save_tiny_vision_language_model(path: str, variant: str = "qwen3.5", dtype: torch.dtype = torch.bfloat16,
+                                    seed: int = 0, tie_word_embeddings: bool = False):
+    """A tiny Qwen3.5 vision-language model (``Qwen3_5ForConditionalGeneration``, or the MoE's for
+    ``"qwen3.5-moe"``) around the tiny text model ``variant``: its ``text_config``, and its text
+    tower the very weights `save_tiny_hf_model` gives that model at ``seed``; a vision tower
+    (`TINY_VISION_CONFIG`, projecting into the text width) drawn as `save_tiny_hf_model` draws;
+    saved with ``save_pretrained`` and the ``mtp.*`` tensors of the released checkpoints."""
+    import transformers
+
+    if variant not in _VISION_LANGUAGE:
+        raise ValueError(f"unknown vision-language variant {variant!r}; choose from {sorted(_VISION_LANGUAGE)}")
+    text = {k: v for k, v in tiny_config(variant).items() if k not in ("architectures", "model_type")}
+    text["tie_word_embeddings"] = tie_word_embeddings
+    name = _VISION_LANGUAGE[variant]
+    config = getattr(transformers, f"{name}Config")(
+        text_config=text, vision_config={**TINY_VISION_CONFIG, "out_hidden_size": text["hidden_size"]},
+        tie_word_embeddings=tie_word_embeddings)
+    config.architectures = [f"{name}ForConditionalGeneration"]
+    text_model = _unit_scale(build_hf_model(transformers_config({**tiny_config(variant), **text}), seed))
+    torch.manual_seed(seed)
+    model = _unit_scale(transformers.AutoModelForImageTextToText.from_config(config))
+    with torch.no_grad():
+        model.model.language_model.load_state_dict(text_model.model.state_dict())
+        if not tie_word_embeddings:
+            model.lm_head.weight.copy_(text_model.lm_head.weight)
+    model.to(dtype).save_pretrained(path)
+    add_mtp_tensors(path, dtype, seed)
     return model
 
 
@@ -197,9 +238,11 @@ def add_mtp_tensors(path: str, dtype: torch.dtype, seed: int) -> list[str]:
 
     from stapo_megatron.bridge.hf_config import spec_from_hf_config
     from stapo_megatron.bridge.mapping import hf_shapes
+    from stapo_megatron.bridge.vision_language import text_config, vision_language_architecture
 
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-        spec = spec_from_hf_config(json.load(f))
+        cfg = json.load(f)
+    spec = spec_from_hf_config(text_config(cfg) if vision_language_architecture(cfg) else cfg)
     H, gen = spec.hidden_size, torch.Generator().manual_seed(seed + 1)
     full = spec.layers_of_type("full_attention")[0]
     shapes = {"mtp.fc.weight": (H, 2 * H), "mtp.norm.weight": (H,), "mtp.pre_fc_norm_embedding.weight": (H,),

@@ -1,9 +1,13 @@
 """stapo-convert: HF Qwen <-> Megatron torch_dist checkpoints, and a logit-parity check.
 
     stapo-convert hf-to-mcore --hf-dir HF --out CKPT [--dtype bfloat16] [--tp N --pp M --ep E]
-    stapo-convert mcore-to-hf --ckpt CKPT --out HF [--dtype bfloat16] [--hf-config DIR]
+    stapo-convert mcore-to-hf --ckpt CKPT --out HF [--dtype bfloat16] [--hf-config DIR] [--text-only]
     stapo-convert verify --hf-dir HF --ckpt CKPT --tp N --pp M [--ep E] [--tol 1e-5]
     stapo-convert lora-to-peft --ckpt RUN --out ADAPTER [--alpha A] [--hf-config DIR]
+
+A Qwen3.5 vision-language checkpoint (Qwen3_5ForConditionalGeneration, and its MoE) converts its
+text tower; its vision tower is kept verbatim in CKPT/hf/vision_tower.safetensors and put back by
+mcore-to-hf (or left out with --text-only, which writes the text model alone).
 
 verify starts TP x PP x EP processes on this host and refuses a layout whose estimated memory
 exceeds the available memory (--no-memory-check skips that); a rank the kernel kills is named
@@ -65,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--hf-config", help="HF folder with config.json/tokenizer (default: the checkpoint's hf/, which "
                    "converted and trainer-written checkpoints carry; needed for other training checkpoints)")
     b.add_argument("--max-shard-gb", type=_positive(float), default=5.0, help="largest safetensors shard in GiB")
+    b.add_argument("--text-only", action="store_true",
+                   help="a vision-language checkpoint's text tower as the text model alone (Qwen3_5ForCausalLM; "
+                   "its vision tower is not written)")
     b.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
 
     c = sub.add_parser("verify", help="compare Megatron logits from CKPT with transformers logits from HF")
@@ -101,12 +108,17 @@ def _run(args: argparse.Namespace) -> int:
                                      expert_model_parallel_size=args.ep,
                                      overwrite=args.overwrite, thread_count=args.threads)
         print(f"wrote {record['architecture']} checkpoint ({record['dtype']}) to {args.out}")
+        if "vision_language" in record:
+            vl = record["vision_language"]
+            print(f"{vl['architecture']}: its text tower converted; its vision tower ({vl['num_vision_tensors']} "
+                  f"tensors) kept verbatim in {os.path.join(args.out, vl['vision_tower'])}, put back by mcore-to-hf")
         return 0
     if args.command == "mcore-to-hf":
         from stapo_megatron.conversion.mcore_to_hf import convert_mcore_to_hf
 
         files = convert_mcore_to_hf(args.ckpt, args.out, dtype=DTYPES.get(args.dtype), hf_config_dir=args.hf_config,
-                                    overwrite=args.overwrite, max_shard_bytes=int(args.max_shard_gb * 2**30))
+                                    overwrite=args.overwrite, max_shard_bytes=int(args.max_shard_gb * 2**30),
+                                    text_only=args.text_only)
         print(f"wrote {len(files)} safetensors file(s) to {args.out}")
         return 0
     if args.command == "lora-to-peft":

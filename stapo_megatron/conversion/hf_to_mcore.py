@@ -7,6 +7,7 @@ of at most `BLOCK_BYTES`, so memory stays flat whatever the model size.
 Output layout (``CKPT``):
     metadata.json, common.pt, .metadata, __0_*.distcp   the Megatron dist checkpoint
     hf/                                               config.json, tokenizer and generation files
+    hf/vision_tower.safetensors                       a vision-language checkpoint's vision tower, verbatim
     stapo_conversion.json                             what was converted, from where, how
 """
 
@@ -25,7 +26,7 @@ import torch
 
 from stapo_megatron.conversion.dcp_io import BytesObject, Chunk, write_checkpoint
 from stapo_megatron.conversion.publish import Progress, check_output_dir, staged_output
-from stapo_megatron.conversion.safetensors_io import TensorInfo, index_checkpoint, read_rows
+from stapo_megatron.conversion.safetensors_io import TensorInfo, copy_tensors, index_checkpoint, read_rows
 from stapo_megatron.bridge.hf_config import (  # noqa: F401  (HF_SUBDIR, copy_hf_side_files: used from here)
     HF_SUBDIR,
     QwenSpec,
@@ -39,6 +40,7 @@ from stapo_megatron.bridge.hf_config import FULL_ATTENTION, LINEAR_ATTENTION
 from stapo_megatron.bridge.mapping import (CARRIED_PREFIX, LAYER_PREFIX, carried_names, checkpoint_parts, hf_shapes,
                                            mappings_for, megatron_shape)
 from stapo_megatron.bridge.transforms import merge_qkv
+from stapo_megatron.bridge.vision_language import VISION_FILE, split_towers, text_config, vision_language_architecture
 from stapo_megatron.utils import format_bytes
 
 BLOCK_BYTES = 16 * 2**20
@@ -59,8 +61,9 @@ _MOE_EXPERT_FIELDS = ("num_experts", "num_local_experts")  # either spelling (br
 
 
 def load_spec(hf_dir: str) -> tuple[dict, QwenSpec]:
-    """``hf_dir/config.json`` and its QwenSpec; a missing or malformed field is a ValueError
-    naming the file and the field."""
+    """``hf_dir/config.json`` (of a vision-language checkpoint: its text tower's,
+    `bridge.vision_language.text_config`) and its QwenSpec; a missing or malformed field is a
+    ValueError naming the file and the field."""
     path = os.path.join(hf_dir, "config.json")
     try:
         cfg = load_hf_config(hf_dir)
@@ -69,6 +72,7 @@ def load_spec(hf_dir: str) -> tuple[dict, QwenSpec]:
     if not isinstance(cfg, dict):
         raise ValueError(f"{path}: not a JSON object")
     try:
+        cfg = text_config(cfg) if vision_language_architecture(cfg) else cfg
         arch = check_architecture(cfg)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
@@ -275,11 +279,19 @@ def convert_hf_to_mcore(
             padded for this TP (other TP/PP sizes load it too).
         expert_model_parallel_size: the EP it is meant for (MoE), checked against the expert
             count (the checkpoint stores every expert; any EP loads it).
+
+    A Qwen3.5 vision-language checkpoint converts its text tower (`bridge.vision_language`); its
+    vision tower is copied verbatim into ``out/hf/vision_tower.safetensors``, for the export.
     """
     _, spec = load_spec(hf_dir)
     check_parallel_sizes(spec, tensor_model_parallel_size, pipeline_model_parallel_size, expert_model_parallel_size)
     check_output_dir(out, overwrite, inputs=[hf_dir])
     infos = index_checkpoint(hf_dir)
+    vision_language, vision = vision_language_architecture(load_hf_config(hf_dir)), {}
+    if vision_language:  # the text tower under its text model's names; the vision tower aside
+        text_names, vision_names = split_towers(infos)
+        vision = {n: infos[n] for n in vision_names}
+        infos = {name: infos[stored] for name, stored in text_names.items()}
     check_tensors(spec, infos)
     dtype = dtype or infos["model.embed_tokens.weight"].dtype
     padded = padded_vocab_size(spec.vocab_size, tensor_model_parallel_size, make_vocab_size_divisible_by)
@@ -294,11 +306,16 @@ def convert_hf_to_mcore(
         "pipeline_model_parallel_size": pipeline_model_parallel_size,
         "expert_model_parallel_size": expert_model_parallel_size,
     }
-    check_free_space(out, total)
+    if vision_language:
+        record["vision_language"] = {"architecture": vision_language, "vision_tower": f"{HF_SUBDIR}/{VISION_FILE}",
+                                     "num_vision_tensors": len(vision)}
+    check_free_space(out, total + sum(info.nbytes for info in vision.values()))
     with staged_output(out, overwrite, inputs=[hf_dir]) as tmp, failed_writes_named(out):
         write_checkpoint(tmp, chunks, extra_state_objects(spec), thread_count=thread_count,
                          on_chunk=progress.update)
         copy_hf_side_files(hf_dir, os.path.join(tmp, HF_SUBDIR))
+        if vision:
+            copy_tensors(vision, os.path.join(tmp, HF_SUBDIR, VISION_FILE))
         with open(os.path.join(tmp, META_NAME), "w", encoding="utf-8") as f:
             json.dump(record, f, indent=2)
     progress.close()

@@ -6,6 +6,13 @@ Megatron-LM run directory, or one of its step directories), for which ``hf_confi
 the model's config.json and tokenizer (it also overrides a checkpoint's own ``hf/``).
 Optimizer state in the checkpoint is ignored.
 
+A checkpoint of a Qwen3.5 vision-language model's text tower (its ``hf/config.json`` is the
+vision-language config) is exported as that vision-language model: the text tensors under its
+names (``model.language_model.*``, `bridge.vision_language`) and the vision tower put back
+verbatim, from ``hf/vision_tower.safetensors`` (written by `hf-to-mcore`) or from the
+vision-language HF folder ``hf_config_dir`` names; or, asked for (``text_only``), as the text
+model alone (``Qwen3_5ForCausalLM``, the text config; the vision tower is not written).
+
 Streaming: each HF tensor is read as one region of the stored tensor (one layer's slice, or
 row blocks of the embedding) and appended to a safetensors shard whose header was written up
 front, so memory stays at one layer's tensors whatever the model size.
@@ -25,11 +32,14 @@ import torch
 from stapo_megatron.conversion.dcp_io import CheckpointReader, is_complete
 from stapo_megatron.conversion.hf_to_mcore import HF_SUBDIR, copy_hf_side_files, load_spec
 from stapo_megatron.conversion.publish import Progress, check_output_dir, staged_output
-from stapo_megatron.conversion.safetensors_io import INDEX_NAME, SINGLE_NAME, ShardWriter, cast_checked
+from stapo_megatron.conversion.safetensors_io import (INDEX_NAME, SINGLE_NAME, ShardWriter, TensorInfo, cast_checked,
+                                                      index_checkpoint, read_header, read_tensor)
 from stapo_megatron.bridge.hf_config import QwenSpec, load_hf_config
 from stapo_megatron.bridge.mapping import (CARRIED_PREFIX, ParamMapping, checkpoint_parts, hf_shapes, mappings_for,
                                            megatron_shape)
 from stapo_megatron.bridge.transforms import split_qkv_pieces
+from stapo_megatron.bridge.vision_language import (VISION_FILE, VISION_PREFIX, text_config,
+                                                   vision_language_architecture, vision_language_name)
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 """Largest safetensors shard written (transformers' historical default of 5 GB)."""
@@ -174,8 +184,28 @@ def _shard_plan(entries: list[tuple[str, torch.dtype, tuple]], max_shard_bytes: 
     return shards
 
 
-def _write_config(side_dir: str, dest: str, dtype: torch.dtype) -> None:
+def vision_tower(side_dir: str) -> dict[str, TensorInfo]:
+    """The vision tower of a vision-language checkpoint's export: ``side_dir/vision_tower.safetensors``
+    (a converted checkpoint's ``hf/``), or the ``model.visual.*`` tensors of the HF folder
+    ``side_dir`` is; ValueError naming both places when neither holds it."""
+    path = os.path.join(side_dir, VISION_FILE)
+    if os.path.isfile(path):
+        return read_header(path)
+    try:
+        vision = {n: i for n, i in index_checkpoint(side_dir).items() if n.startswith(VISION_PREFIX)}
+    except FileNotFoundError:
+        vision = {}
+    if not vision:
+        raise ValueError(f"{side_dir}/config.json is a vision-language config but neither {path} nor that folder's "
+                         f"safetensors hold its vision tower ({VISION_PREFIX}*): pass --hf-config the converted "
+                         f"checkpoint's hf/ folder or the vision-language HF folder, or --text-only to export "
+                         f"the text model alone")
+    return vision
+
+
+def _write_config(side_dir: str, dest: str, dtype: torch.dtype, text_only: bool = False) -> None:
     cfg = load_hf_config(side_dir)
+    cfg = text_config(cfg) if text_only else cfg
     name = str(dtype).replace("torch.", "")
     keys = [k for k in ("dtype", "torch_dtype") if k in cfg] or ["dtype"]
     for k in keys:
@@ -192,24 +222,32 @@ def convert_mcore_to_hf(
     overwrite: bool = False,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     stream: Optional[TextIO] = None,
+    text_only: bool = False,
 ) -> list[str]:
     """Convert; returns the names of the safetensors files written.
 
     Args:
-        dtype: output dtype; default the stored dtype of the embedding.
+        dtype: output dtype; default the stored dtype of the embedding (a vision-language
+            model's vision tower keeps its own: it is copied, not converted).
         hf_config_dir: HF folder providing config.json and tokenizer (default ``ckpt/hf``).
         max_shard_bytes: largest safetensors shard.
+        text_only: a vision-language checkpoint's text tower as the text model alone
+            (``Qwen3_5ForCausalLM`` names and config, no vision tower); ValueError for a text model.
     """
     ckpt_dir = resolve_checkpoint_dir(ckpt)
     side_dir = find_hf_side_dir(ckpt, ckpt_dir, hf_config_dir)
     _, spec = load_spec(side_dir)
+    vision_language = vision_language_architecture(load_hf_config(side_dir))
+    if text_only and not vision_language:
+        raise ValueError(f"--text-only exports a vision-language checkpoint's text tower; {side_dir}/config.json is "
+                         f"the text model {spec.architecture}'s already")
+    vision = vision_tower(side_dir) if vision_language and not text_only else {}
     inputs = [ckpt, ckpt_dir, side_dir]
     check_output_dir(out, overwrite, inputs)
     reader = CheckpointReader(ckpt_dir)
     stored = reader.tensors()
     check_stored(spec, stored, spec.vocab_size)
     dtype = dtype or stored["embedding.word_embeddings.weight"].properties.dtype
-    itemsize = torch.empty((), dtype=dtype).element_size()
     shapes = hf_shapes(spec)
     jobs = [(m, lead) for m in mappings_for(spec) for lead in m.indices(spec)]
     order = [n for m, lead in jobs for n in m.hf_names(*lead)]
@@ -219,19 +257,27 @@ def convert_mcore_to_hf(
                       "mtp.* tensors (a training checkpoint does not): the export has no MTP weights")
     shapes.update({k[len(CARRIED_PREFIX):]: tuple(stored[k].size) for k in carried})
     order += [k[len(CARRIED_PREFIX):] for k in carried]
-    shards = _shard_plan([(n, dtype, shapes[n]) for n in order], max_shard_bytes)
+    # the written name of each text model's tensor: its own, or the vision-language model's
+    written = {n: vision_language_name(n) if vision else n for n in order}
+    dtypes = {**{written[n]: dtype for n in order}, **{n: i.dtype for n, i in vision.items()}}
+    shapes = {**{written[n]: shapes[n] for n in order}, **{n: i.shape for n, i in vision.items()}}
+    order = [written[n] for n in order] + sorted(vision)
+    shards = _shard_plan([(n, dtypes[n], shapes[n]) for n in order], max_shard_bytes)
     files = [SINGLE_NAME] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     file_of = {entry[0]: f for f, shard in zip(files, shards) for entry in shard}
-    progress = Progress("mcore-to-hf", len(order), sum(math.prod(shapes[n]) for n in order) * itemsize, stream)
+    nbytes = sum(math.prod(shapes[n]) * torch.empty((), dtype=dtypes[n]).element_size() for n in order)
+    progress = Progress("mcore-to-hf", len(order), nbytes, stream)
     with staged_output(out, overwrite, inputs) as tmp:
         writers = iter([(f, shard) for f, shard in zip(files, shards)])
         writer, remaining = None, 0
         # lazily: each mapping row is read only when its tensors are written (memory stays flat)
-        streams = itertools.chain((stream for m, lead in jobs for stream in hf_tensors(reader, m, lead, spec)),
-                                  ((k[len(CARRIED_PREFIX):], _row_blocks(reader, k, stored[k].size[0],
-                                                                         tuple(stored[k].size[1:])))
-                                   for k in carried))
+        streams = itertools.chain(((written[n], blocks) for m, lead in jobs
+                                   for n, blocks in hf_tensors(reader, m, lead, spec)),
+                                  ((written[k[len(CARRIED_PREFIX):]], _row_blocks(reader, k, stored[k].size[0],
+                                                                                  tuple(stored[k].size[1:])))
+                                   for k in carried),
+                                  ((n, iter([read_tensor(vision[n])])) for n in sorted(vision)))
         for name, blocks in streams:
             if remaining == 0:
                 if writer is not None:
@@ -240,7 +286,7 @@ def convert_mcore_to_hf(
                 writer, remaining = ShardWriter(os.path.join(tmp, fname), shard), len(shard)
             nbytes = 0
             for block in blocks:
-                block = cast_checked(block, dtype, name)
+                block = cast_checked(block, dtypes[name], name)
                 writer.write(block)
                 nbytes += block.nbytes
             remaining -= 1
@@ -251,6 +297,6 @@ def convert_mcore_to_hf(
             with open(os.path.join(tmp, INDEX_NAME), "w", encoding="utf-8") as f:
                 json.dump(index, f, indent=2)
         copy_hf_side_files(side_dir, tmp)
-        _write_config(side_dir, tmp, dtype)
+        _write_config(side_dir, tmp, dtype, text_only)
     progress.close()
     return files

@@ -191,3 +191,26 @@ class ShardWriter:
         os.fsync(self._file.fileno())
         self._file.close()
         assert self._written == self.total, (self.path, self._written, self.total)
+
+
+def read_tensor(info: TensorInfo) -> torch.Tensor:
+    """A whole stored tensor, a 0-d one included."""
+    if info.shape:
+        return read_rows(info)
+    return read_rows(dataclasses.replace(info, shape=(1,))).reshape(())
+
+
+def copy_tensors(infos: dict[str, TensorInfo], path: str, block_bytes: int = 16 * 2**20) -> None:
+    """Write the stored tensors ``infos`` (by name, sorted) verbatim into one safetensors file at
+    ``path``: same dtype, shape and bytes, each read in row blocks of about ``block_bytes``."""
+    names = sorted(infos)
+    writer = ShardWriter(path, [(n, infos[n].dtype, infos[n].shape) for n in names])
+    for name in names:
+        info = infos[name]
+        if not info.shape:
+            writer.write(read_tensor(info))
+            continue
+        step = max(1, block_bytes // max(1, info.nbytes // max(1, info.shape[0])))
+        for start in range(0, info.shape[0], step):
+            writer.write(read_rows(info, start, min(info.shape[0], start + step)))
+    writer.close()

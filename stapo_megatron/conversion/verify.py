@@ -96,10 +96,16 @@ def fixed_prompts(vocab_size: int, num_prompts: int = 4, seq_len: int = 32, seed
 
 
 def hf_logits(hf_dir: str, tokens_BS: torch.Tensor) -> torch.Tensor:
-    """transformers logits ``[B, S, V]`` in fp32."""
-    from transformers import AutoModelForCausalLM
+    """transformers logits ``[B, S, V]`` in fp32; of a vision-language checkpoint, the
+    vision-language model's own on text alone (not ``AutoModelForCausalLM``'s, which loads its
+    text tower by itself)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    from stapo_megatron.bridge.hf_config import load_hf_config
+    from stapo_megatron.bridge.vision_language import vision_language_architecture
+
+    auto = AutoModelForImageTextToText if vision_language_architecture(load_hf_config(hf_dir)) else AutoModelForCausalLM
+    model = auto.from_pretrained(hf_dir, dtype=torch.float32)
     model.eval()
     with torch.no_grad():
         return model(input_ids=tokens_BS).logits.float()

@@ -477,8 +477,9 @@ def test_qwen35_unmapped_layer_type_is_refused_naming_the_field(capsys, qwen35_h
 
 
 def test_qwen35_vision_checkpoint_and_vision_tensors_are_refused(capsys, qwen35_hf, tmp_path):
-    """A vision-language config is refused by name; a text config over a checkpoint that still
-    holds the vision tower is refused too (its tensors would be dropped), naming a tensor."""
+    """A vision-language config over a text model's tensors (``model.layers.*``, not its text
+    tower's ``model.language_model.*``) is refused naming a tensor; a text config over a checkpoint
+    that still holds the vision tower is refused too (its tensors would be dropped), naming a tensor."""
     with open(os.path.join(qwen35_hf, "config.json")) as f:
         text = json.load(f)
     vl = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text,
@@ -486,7 +487,8 @@ def test_qwen35_vision_checkpoint_and_vision_tensors_are_refused(capsys, qwen35_
     with open(os.path.join(qwen35_hf, "config.json"), "w") as f:
         json.dump(vl, f)
     _fails(capsys, ["hf-to-mcore", "--hf-dir", qwen35_hf, "--out", str(tmp_path / "a")],
-           "'Qwen3_5ForConditionalGeneration' is a vision-language checkpoint", "drop its vision tower")
+           "tensors outside its text tower (model.language_model.*, lm_head.*, mtp.*) and vision tower "
+           "(model.visual.*), e.g. ['model.embed_tokens.weight'")
     with open(os.path.join(qwen35_hf, "config.json"), "w") as f:
         json.dump(text, f)
     from safetensors.torch import save_file

@@ -33,7 +33,8 @@ QWEN35_27B_TEXT = {
                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
 }
 
-# The vision-language checkpoint around it: refused (its vision tower would not be converted).
+# The vision-language checkpoint around it: `spec_from_hf_config` refuses it by name (not a text model
+# config); the converter takes its text tower (`bridge.vision_language.text_config`).
 QWEN35_27B_VL = {
     "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
     "text_config": {k: v for k, v in QWEN35_27B_TEXT.items() if k not in ("architectures", "model_type")},

@@ -1,63 +1,34 @@
 """Tier a: the op (``ops.logprob_entropy``: its torch path on the CPU) against a full-vocabulary float64
 reference, its input checks and options."""
 
-import math
-
 import pytest
 import torch
 
 from stapo_megatron.ops.logprob_entropy import vocab_parallel_logprob_entropy
 
+from stapo_megatron.bridge.transformer_config import padded_vocab_size
+from stapo_megatron.ops.combine import normalise, packed_partials
+from stapo_megatron.ops.torch_path import _local_stats
+from tests.helpers.dominant_logits import (BF16_GRAD_TOL, ENTROPY_TOL, GRAD_TOL, LOGPROB_TOL, QWEN35_VOCAB, TEMPERATURES,
+                                           VOCABS, check_inputs, dominant_inputs, padded_logits, reference)
+
 # fp32 op vs float64 reference: sums over ~1e3 terms in fp32 -> a few 1e-6 absolute.
 FP32_TOL = 1e-5
-# bf16 inputs: log-prob/entropy are still accumulated in fp32 (same tolerance); the returned
-# gradient is bf16, so one bf16 ulp of the largest entries (|g| / T <= ~5 here: 2^-8 * 5).
-BF16_GRAD_TOL = 2e-2
 
 
-def reference(logits, target, temperature=1.0):
-    x = logits.detach().double().requires_grad_()
-    logp_all = torch.log_softmax(x / temperature, dim=-1)
-    logprob = logp_all.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return x, logprob, entropy
-
-
-QWEN_VOCAB = 151936
-# Full-vocabulary fp32 accuracy. log p = z_y - log Z with both below 32 here: the roundings of
-# z = x / T, of log Z and of the difference are half an ulp of 32 (2^-20) each -> 2^-18.
-LOGPROB_TOL = 2**-18
-# H = log S - W / S below log V < 16: a few ulps of 16 (2^-20 each), z's rounding included.
-ENTROPY_TOL = 2**-18
-# Gradient entries g (onehot - p) / T with |g| / T < 4 here and p <= 1 exact to a few ulps (2^-24).
-GRAD_TOL = 2**-20
-
-
-def dominant_inputs(dtype, temperature, seed=0):
-    """[2, 4] rows of Qwen-vocabulary logits (randn * 3) where one token holds p > 0.9 in six rows:
-    the target itself in rows 0-2 (p = 0.92, 0.99, 0.9999: the gradient's cancellation-prone case)
-    and another token in rows 3-5 (p = 0.92, 0.95, 0.99); rows 6-7 are left as drawn."""
-    gen = torch.Generator().manual_seed(seed)
-    logits = torch.randn(8, QWEN_VOCAB, generator=gen) * 3
-    target = torch.randint(0, QWEN_VOCAB, (8,), generator=gen)
-    for row, (p, token) in enumerate([(0.92, None), (0.99, None), (0.9999, None), (0.92, 5), (0.95, 77), (0.99, -1)]):
-        token = int(target[row]) if token is None else token % QWEN_VOCAB
-        others_z = torch.cat([logits[row, :token], logits[row, token + 1 :]]).double() / temperature
-        logits[row, token] = temperature * (torch.logsumexp(others_z, 0) + math.log(p / (1 - p)))
-    return logits.to(dtype).view(2, 4, QWEN_VOCAB), target.view(2, 4)
-
-
+@pytest.mark.parametrize("vocab", list(VOCABS.values()), ids=list(VOCABS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
-def test_matches_float64_reference(dtype, temperature):
-    """The full Qwen vocabulary with dominant tokens: every fp32 sum over 151,936 terms where one
-    term is ~1 and the rest are small, the case where a sum accumulated term by term in fp32 loses
-    the small terms (the normaliser of torch's CPU softmax is; the op must not inherit it)."""
-    logits, target = dominant_inputs(dtype, temperature)
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_matches_float64_reference(dtype, temperature, vocab):
+    """The full Qwen3 and Qwen3.5 vocabularies with dominant tokens: every fp32 sum over 151,936 or
+    248,320 terms where one term is ~1 and the rest are small, the case where a sum accumulated
+    term by term in fp32 loses the small terms (the normaliser of torch's CPU softmax is; the op
+    must not inherit it)."""
+    logits, target = dominant_inputs(dtype, temperature, vocab)
     logits.requires_grad_()
     logprob, entropy = vocab_parallel_logprob_entropy(logits, target, temperature=temperature)
     x, ref_lp, ref_h = reference(logits, target, temperature)
-    assert (torch.softmax(x.detach().view(8, -1)[:6] / temperature, -1).amax(-1) > 0.9).all()
+    check_inputs(x, temperature)
     assert logprob.dtype == entropy.dtype == torch.float32
     assert logprob.shape == entropy.shape == target.shape
     torch.testing.assert_close(logprob.double(), ref_lp, atol=LOGPROB_TOL, rtol=0)
@@ -68,6 +39,34 @@ def test_matches_float64_reference(dtype, temperature):
     assert logits.grad.dtype == dtype
     tol = GRAD_TOL if dtype == torch.float32 else BF16_GRAD_TOL
     torch.testing.assert_close(logits.grad.double(), x.grad, atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("tp,num_padded", [(2, 0), (4, 0), (8, 512)])
+def test_qwen35_vocabulary_split_as_the_bridge_pads_it(tp, num_padded):
+    """248,320 = 1,940 x 128 is a multiple of 128 x TP at TP = 1, 2 and 4 (no padding) and is padded
+    by 512 ids at TP = 8 (`padded_vocab_size`, the bridge's): each TP rank's partials of its shard
+    of the padded output layer's logits (step 1, the padded ids' zero logits excluded by the real
+    vocabulary), combined as the op's MAX and packed SUM do (here by hand: ``max`` and ``+`` over
+    the shards; tests/integration/test_logprob_entropy_tp.py runs TP = 2 on gloo with the
+    backward), equal float64 on the unpadded row. Same tolerances as TP = 1: the shards change
+    only the order of the fp32 sums, and log Z stays below the bound the tolerance is derived at."""
+    padded = padded_vocab_size(QWEN35_VOCAB, tp)
+    assert padded - QWEN35_VOCAB == num_padded
+    temperature = 0.7
+    logits, target = dominant_inputs(torch.float32, temperature, QWEN35_VOCAB)
+    logits, target = logits.view(8, -1), target.view(8)
+    vocab_local = padded // tp
+    partials = []
+    for rank, shard in enumerate(padded_logits(logits, padded).split(vocab_local, dim=-1)):
+        num_real = min(vocab_local, QWEN35_VOCAB - rank * vocab_local)
+        partials.append(_local_stats(shard[:, :num_real].contiguous(), target, rank * vocab_local, 1 / temperature)[0])
+    global_m = torch.stack([p[0] for p in partials]).amax(0)
+    packed = sum(packed_partials(m, global_m, s, w, z_y) for m, s, w, z_y, _ in partials)
+    _, logprob, entropy, _ = normalise(global_m, packed[0], packed[1], packed[2])
+    x, ref_lp, ref_h = reference(logits, target, temperature)
+    check_inputs(x, temperature)
+    torch.testing.assert_close(logprob.double(), ref_lp, atol=LOGPROB_TOL, rtol=0)
+    torch.testing.assert_close(entropy.double(), ref_h, atol=ENTROPY_TOL, rtol=0)
 
 
 def test_entropy_is_detached_and_input_untouched():
