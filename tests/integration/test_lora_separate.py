@@ -4,7 +4,10 @@ weight transfer on both sides). Merge-on-sync under ``rollout.mode=separate`` (k
 ``rollout.mode=streaming`` (eta = 2): the engine receives, transfer for transfer, the merged
 W0 + (alpha / r) B A computed apart from the sync (PEFT's per-projection adapters on the base's HF
 tensors), the base stays frozen while the adapters train, and the samples drawn with fresh
-weights agree with the trainer's pi_old pass within the colocated LoRA tests' tolerance."""
+weights agree with the trainer's pi_old pass within the colocated LoRA tests' tolerance.
+Adapter-only sync (``rollout.engine=vllm_lora``) under ``rollout.mode`` separate and partial: the
+base once, then PEFT's adapter tensors alone at each sync (the bytes benchmarks/lora_sync_bytes.py
+models), the engine rank sampling with the newest adapter at k = 0."""
 
 import os
 import subprocess
@@ -45,33 +48,57 @@ def _train_rows(run_dir):
     return [r for r in compare_metrics.load_rows(os.path.join(run_dir, "metrics.jsonl")) if r["kind"] == "train"]
 
 
-def _transfers(run_dir) -> list:
-    """[(trainer's record, engine's tensors)] per weight transfer, in order."""
+def _transfers(run_dir):
+    """(trainer rank 0's record of each sync, the engine's tensors of each transfer), in order."""
     path = os.path.join(run_dir, "transfers")
     names = sorted(os.listdir(path))
-    trainer = [n for n in names if n.startswith("trainer_")]
-    engine = [n for n in names if n.startswith("engine_")]
-    assert len(trainer) == len(engine) > 1, names
-    return [(torch.load(os.path.join(path, t)), torch.load(os.path.join(path, e))) for t, e in zip(trainer, engine)]
+    load = lambda prefix: [torch.load(os.path.join(path, n)) for n in names if n.startswith(prefix)]  # noqa: E731
+    return load("trainer_"), load("engine_")
+
+
+def _nbytes(tensors: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _modelled_bytes(run_dir) -> tuple:
+    """(merged, adapter-only) bytes of one sync of the run's model at r = 4 in fp32, as
+    benchmarks/lora_sync_bytes.py models them."""
+    from stapo_megatron.bridge.hf_config import load_hf_config, spec_from_hf_config
+
+    sys.path.insert(0, os.path.join(REPO_DIR, "benchmarks"))
+    import lora_sync_bytes
+
+    return lora_sync_bytes.modelled(spec_from_hf_config(load_hf_config(os.path.join(run_dir, "model"))), 4, 4)
+
+
+def _assert_trained_adapters_on_a_frozen_base(records: list) -> None:
+    first, last = records[0], records[-1]
+    for record in records:
+        assert all(torch.equal(p, first["base"][n]) for n, p in record["base"].items()), "the base is frozen"
+    moved = [k for k, b in last["adapters"].items()
+             if k.endswith("lora_B.weight") and not torch.equal(b, first["adapters"][k])]
+    assert moved, "the adapters trained between the first and the last sync"
+    # what the merge carries: adapted weights other than the base's
+    assert any(not torch.equal(w, last["base_hf"][k]) for k, w in last["expected"].items())
 
 
 def _assert_merged_syncs(run_dir) -> None:
-    """Every transfer: the engine got the merged weights (and nothing else), the base never moved,
-    the adapters did."""
-    transfers = _transfers(run_dir)
-    first = transfers[0][0]
-    for record, got in transfers:
+    """Every transfer: the engine got the merged weights (and nothing else), as many bytes as the
+    benchmark's model of a merged sync; the base never moved, the adapters did."""
+    records, received = _transfers(run_dir)
+    assert len(records) == len(received) > 1
+    for record, got in zip(records, received):
         assert sorted(got) == sorted(record["expected"])
         for name, want in record["expected"].items():
             torch.testing.assert_close(got[name], want, rtol=MERGE_RTOL, atol=MERGE_RTOL * want.abs().max().item(),
                                        msg=name)
-        assert record["bytes"] == sum(t.numel() * t.element_size() for t in got.values())
-        assert all(torch.equal(p, first["base"][n]) for n, p in record["base"].items()), "the base is frozen"
-    last = transfers[-1][0]
-    moved = [k for k, b in last["adapters"].items() if k.endswith("lora_B.weight") and not torch.equal(b, first["adapters"][k])]
-    assert moved, "the adapters trained between the first and the last sync"
-    # what the merge carries: adapted weights other than the base's
-    assert any(not torch.equal(w, last["base_hf"][k]) for k, w in last["expected"].items())
+        assert record["bytes"] == _nbytes(got) == _modelled_bytes(run_dir)[0]
+    _assert_trained_adapters_on_a_frozen_base(records)
+
+
+def _assert_k0_rows(rows) -> None:
+    for r in rows:  # the engine sampled with the weights the trainer has
+        assert r["rollout_train_logprob_diff"] < SYNCED_ATOL and r["mismatch_abs_logprob_diff_max"] < SYNCED_ATOL, r
 
 
 def test_merge_on_sync_with_separate_placement(tmp_path):
@@ -79,9 +106,8 @@ def test_merge_on_sync_with_separate_placement(tmp_path):
     assert run.returncode == 0, run.stderr[-4000:]
     rows = _train_rows(tmp_path / "run")
     assert [r["staleness"] for r in rows] == [0.0, 0.0, 0.0]
-    for r in rows:  # k = 0 every step: the engine sampled with the weights the trainer has
-        assert r["rollout_train_logprob_diff"] < SYNCED_ATOL and r["mismatch_abs_logprob_diff_max"] < SYNCED_ATOL, r
-        assert r["skipped"] == 0 and r["grad_norm"] > 0
+    _assert_k0_rows(rows)
+    assert all(r["skipped"] == 0 and r["grad_norm"] > 0 for r in rows)
     _assert_merged_syncs(tmp_path / "run")
 
 
@@ -92,6 +118,40 @@ def test_merge_on_sync_with_streaming_rollouts(tmp_path):
     rows = _train_rows(tmp_path / "run")
     # the first step's groups ran on the first sync's weights alone: fresh, k = 0
     assert rows[0]["staleness"] == 0 and rows[0]["token_age_max"] == 0
-    assert rows[0]["rollout_train_logprob_diff"] < SYNCED_ATOL and rows[0]["mismatch_abs_logprob_diff_max"] < SYNCED_ATOL
+    _assert_k0_rows(rows[:1])
     assert all(r["skipped"] == 0 and r["grad_norm"] > 0 for r in rows)
     _assert_merged_syncs(tmp_path / "run")
+
+
+PARTIAL = ("rollout.mode=partial", "rollout.separate.max_staleness=1", "rollout.partial.oversample=1.5",
+           "rollout.partial.round_tokens=8", "loss.rollout_correction.mode=tis")
+"""Partial rollouts as tests/integration/test_separate_placement.py runs them (k = 1, 8-token rounds)."""
+
+
+@pytest.mark.parametrize("mode", ["separate", "partial"])
+def test_adapter_only_sync_with_separate_placement(tmp_path, mode):
+    """``rollout.engine=vllm_lora``: the engine rank gets the base once (the policy with its adapters
+    off), then at every sync PEFT's adapter tensors alone, as many bytes as the benchmark's model
+    of an adapter-only sync, and samples with the newest adapter: k = 0 agreement every step
+    (partial rollouts: the first step, the only one whose tokens all come from fresh weights)."""
+    run_dir = tmp_path / "run"
+    run = _launch(run_dir, "rollout.engine=vllm_lora", "steps=3",
+                  *(PARTIAL if mode == "partial" else ("rollout.mode=separate",)))
+    assert run.returncode == 0, run.stderr[-4000:]
+    rows = _train_rows(run_dir)
+    fresh = rows if mode == "separate" else rows[:1]
+    assert [r["staleness"] for r in fresh] == [0.0] * len(fresh)
+    _assert_k0_rows(fresh)
+    assert all(r["skipped"] == 0 and r["grad_norm"] > 0 for r in rows)
+    records, received = _transfers(run_dir)
+    assert len(received) == len(records) + 1 > 2, "the base once, then one adapter a sync"
+    base = received[0]
+    assert sorted(base) == sorted(records[0]["base_hf"])
+    assert all(torch.equal(t, records[0]["base_hf"][k]) for k, t in base.items())
+    adapter_bytes = _modelled_bytes(run_dir)[1]
+    for record, got in zip(records, received[1:]):
+        assert sorted(got) == sorted(record["adapters"])
+        assert all(torch.equal(t, record["adapters"][k]) for k, t in got.items())
+        assert record["bytes"] == _nbytes(got) == adapter_bytes
+    assert adapter_bytes < _nbytes(base) / 10  # r = 4 on the four dense linears of the tiny model
+    _assert_trained_adapters_on_a_frozen_base(records)
