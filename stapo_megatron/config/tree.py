@@ -170,7 +170,9 @@ class TrainerConfig:
         if problems:
             raise ValueError(problems[0])
         check_parallelism(self.loss.effective_objective, self.model.context_parallel_size)
-        if self.rollout.engine == "vllm_lora":  # adapter-only sync (rollout/vllm_lora.py)
+        # adapter-only sync (rollout/vllm_lora.py), colocated or to the engine ranks; streaming is the
+        # engine's capability (RolloutSampling refuses it)
+        if self.rollout.engine == "vllm_lora":
             if self.lora is None:
                 raise ValueError("rollout.engine='vllm_lora' syncs LoRA adapters, but lora is None: set the lora "
                                  "section (lora.rank=...) or choose rollout.engine='vllm'")
@@ -178,9 +180,6 @@ class TrainerConfig:
                 raise ValueError(f"rollout.engine='vllm_lora' syncs dense adapters at pipeline parallel size 1; got "
                                  f"lora.experts={self.lora.experts}, model.pipeline_model_parallel_size="
                                  f"{self.model.pipeline_model_parallel_size}: use rollout.engine='vllm' (merged sync)")
-            if self.rollout.placement != "colocated":  # the engine ranks get no adapters (serve/server.py)
-                raise ValueError(f"rollout.engine='vllm_lora' syncs adapters into colocated engines; got rollout.mode="
-                                 f"{self.rollout.mode!r}: use rollout.engine='vllm' (merged sync)")
         if self.rollout.separate.max_staleness >= 1 and self.loss.rollout_correction.mode == "none":
             warnings.warn(f"rollout.separate.max_staleness={self.rollout.separate.max_staleness} with loss.rollout_correction.mode="
                           f"'none': stale samples train without a behaviour-policy correction (pi_old / "

@@ -188,7 +188,8 @@ def _prepare_tiny_model(model_dir: str, recipe: str = "tiny", transport=None) ->
 
 def _run_engine_rank(cfg: TrainerConfig, transport) -> None:
     """An engine rank of a separately placed job: the engine wing's runtime with the run's rollout
-    and model sections, this engine's seed and whether the trainers want routes."""
+    and model sections, this engine's seed, whether the trainers want routes and the run's
+    ``lora.rank``."""
     from stapo_megatron.bridge.hf_config import load_hf_config
     from stapo_megatron.serve.server import run_engine_rank
     from stapo_megatron.trainer.preemption import DEFAULT_SIGNALS
@@ -197,7 +198,8 @@ def _run_engine_rank(cfg: TrainerConfig, transport) -> None:
 
     seed = Seeds(cfg.seed, None, cfg.data.seed).engine(transport.engine_index)
     run_engine_rank(cfg.rollout, cfg.model, cfg.longest_sequence(), transport, seed,
-                    routes_wanted(cfg.rollout, load_hf_config(cfg.model.hf_dir)), DEFAULT_SIGNALS)
+                    routes_wanted(cfg.rollout, load_hf_config(cfg.model.hf_dir)), DEFAULT_SIGNALS,
+                    None if cfg.lora is None else cfg.lora.rank)
 
 
 @record  # torchrun's summary then shows the error (e.g. the rank that failed first), not "N/A"

@@ -42,6 +42,14 @@ def engine_capabilities(engine: str) -> EngineCapabilities:
     return load_dotted(ENGINES[name], "rollout.engine").capabilities
 
 
+def serves_adapters(engine: str) -> bool:
+    """Whether the class of ``engine`` takes LoRA adapters apart from the base (its
+    ``serves_adapters``: `stapo_megatron.rollout.weight_sync.sync_weights` then sends it the
+    adapters alone); the engine ranks' `stapo_megatron.rollout.remote.RemoteEngine` asks."""
+    name = "vllm" if engine == "auto" else resolve_engine(engine)
+    return getattr(load_dotted(ENGINES[name], "rollout.engine"), "serves_adapters", False)
+
+
 def build_engine(engine: str, hf_dir: str, config: Any) -> RolloutEngine:
     """The engine of that name (`ENGINE_NAMES`) for an HF folder and a
     `stapo_megatron.rollout.config.RolloutConfig` (not imported: the config asks this module)."""

@@ -2,7 +2,10 @@
 `stapo_megatron.rollout.base.RolloutEngine` whose ``generate`` is split in two, ``submit`` (the
 request goes into every engine's command queue; the trainers go on) and ``receive`` (the
 samples, when the trainer needs them), and whose ``update_weights`` streams the weights to the
-engines in buckets, as the next entry of the same queue.
+engines in buckets, as the next entry of the same queue. With ``rollout.engine=vllm_lora`` the
+weight sync sends a LoRA policy's adapters alone (`sync_adapters`, after the base once: the same
+path as the colocated `stapo_megatron.rollout.vllm_lora.VLLMLoraEngine`), PEFT's tensors through
+the same buckets (`load_adapter`).
 
 The order is the point: trainer 0 is the only rank that writes to the queue (`stapo_megatron.
 rollout.transport.Transport.control`), and every engine executes it in order
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -137,10 +140,16 @@ class RemoteEngine:
         asks: whether this rank asks for samples (the first rank of its model-parallel group).
         timeout_s: how long ``receive`` waits for one engine's samples.
         bucket_mb: the weight transfer's bucket size (``rollout.separate.weight_bucket_mb``).
+        serves_adapters: the engines take LoRA adapters apart from the base
+            (`stapo_megatron.rollout.registry.serves_adapters` of ``rollout.engine``).
     """
 
-    def __init__(self, transport: Transport, asks: bool, timeout_s: float, bucket_mb: int):
+    def __init__(self, transport: Transport, asks: bool, timeout_s: float, bucket_mb: int,
+                 serves_adapters: bool = False):
         self.transport, self.asks, self.timeout_s = transport, asks, timeout_s
+        self.serves_adapters = serves_adapters
+        self.has_base = False
+        """Adapter-only sync: whether the engines were sent the base (`sync_adapters` does it once)."""
         self.bucket_bytes = bucket_mb * 2**20
         self.tickets = 0
         self.transfers = 0
@@ -307,13 +316,37 @@ class RemoteEngine:
         requests, holding the bucket being loaded, the next one and one layer being materialised
         on their GPU (`stapo_megatron.serve.weight_receive`), and load them in their queue's order."""
         self.transfers += 1
+        self._transfer(("weights", self._version()), named_tensors)
+
+    def sync_adapters(self, model, hf_config, groups) -> dict:
+        """`stapo_megatron.rollout.vllm_lora.sync_adapters` to the engines (what `weight_sync.
+        sync_weights` asks of an engine that ``serves_adapters``): the base the first time (a
+        full-weight transfer), then the adapter. Both are one policy version."""
+        from stapo_megatron.rollout.vllm_lora import sync_adapters
+
+        if self.has_base:  # the first sync's version is counted by the base's transfer
+            self.transfers += 1
+        return sync_adapters(model, hf_config, groups, self)
+
+    def load_adapter(self, tensors: Dict[str, torch.Tensor], config: dict) -> None:
+        """Send a PEFT adapter (``tensors`` under PEFT's names, ``adapter_config.json``'s
+        ``config``) to every engine, which writes it as its next version and samples every later
+        request with it (`stapo_megatron.serve.server`). Collective as ``update_weights``; every
+        trainer computed the tensors, trainer 0 sends them."""
+        self._transfer(("adapter", self._version(), config), tensors.items())
+
+    def _version(self) -> int:
+        return self.transfers - 1 if self.policy_version is None else self.policy_version
+
+    def _transfer(self, command: tuple, named_tensors: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        """Trainer 0 queues ``command`` and streams the tensors after it in buckets; the other
+        trainers consume the iterator (taking part in the gathers it runs)."""
         control = self.transport.control
         if control is None:  # not trainer 0: take part in the gathers only
             for _ in named_tensors:
                 pass
             return
-        version = self.transfers - 1 if self.policy_version is None else self.policy_version
-        broadcast_object(control, ("weights", version))
+        broadcast_object(control, command)
         tensors = ((name, tensor.detach().contiguous()) for name, tensor in named_tensors)
         for bucket in plan_buckets(tensors, self.bucket_bytes, lambda t: t[0], lambda t: t[1].nbytes):
             self._send_bucket(bucket)

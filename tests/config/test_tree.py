@@ -61,8 +61,15 @@ def test_the_adapter_syncing_engine_needs_dense_lora_adapters():
                                          r"rollout.engine='vllm'"):
         apply_overrides(TrainerConfig(), {"rollout.engine": "vllm_lora", "lora.experts": True,
                                           "lora.target_modules": ["linear_fc1"]})
-    with pytest.raises(ValueError, match=r"syncs adapters into colocated engines; got rollout.mode='separate': use "
-                                         r"rollout.engine='vllm'"):
-        apply_overrides(TrainerConfig(), {"rollout.engine": "vllm_lora", "lora.rank": 8, "rollout.mode": "separate",
-                                          "rollout.separate.engine_ranks": 1})
+    with pytest.raises(ValueError, match=r"rollout.mode='streaming' needs an engine that streams .* rollout.engine="
+                                         r"'vllm_lora' does not"):
+        apply_overrides(TrainerConfig(), {"rollout.engine": "vllm_lora", "lora.rank": 8, "rollout.mode": "streaming",
+                                          "rollout.separate.engine_ranks": 1, "rollout.separate.max_staleness": 1,
+                                          "loss.rollout_correction.mode": "tis"})
     assert apply_overrides(TrainerConfig(), {"rollout.engine": "vllm_lora", "lora.rank": 8}).lora.rank == 8
+    for mode, staleness in (("separate", 0), ("partial", 1)):  # the engine ranks load the adapters sent them
+        cfg = apply_overrides(TrainerConfig(), {"rollout.engine": "vllm_lora", "lora.rank": 8, "rollout.mode": mode,
+                                                "rollout.separate.engine_ranks": 1,
+                                                "rollout.separate.max_staleness": staleness,
+                                                "loss.rollout_correction.mode": "tis"})
+        assert cfg.rollout.mode == mode

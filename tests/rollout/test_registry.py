@@ -32,3 +32,13 @@ def test_each_engine_declares_its_capabilities_and_streaming_asks_them(monkeypat
     with pytest.raises(ValueError, match="rollout.engine='transformers' does not: use 'vllm' or 'auto'"):
         RolloutSampling(**streaming, engine="transformers")
     assert RolloutSampling(**streaming, engine="vllm").mode == "streaming"
+
+
+def test_the_adapter_serving_engine_is_asked_of_its_class():
+    """`registry.serves_adapters`: what the separate placement's `RemoteEngine` is told, from the
+    engine class's ``serves_adapters`` (the adapter-only sync goes to vllm_lora alone)."""
+    from stapo_megatron.rollout.registry import serves_adapters
+
+    assert serves_adapters("vllm_lora") is True
+    assert serves_adapters("vllm") is False and serves_adapters("hf") is False
+    assert serves_adapters("auto") is False

@@ -90,3 +90,40 @@ def test_a_streaming_step_takes_the_next_groups_of_the_admission_queue_from_any_
 def test_a_streaming_step_takes_the_first_groups_to_arrive_in_completion_order():
     # engine 2 posts only after the first step: the first step takes engine 1's two, in their order
     assert _streamed("completion", sequenced=True) == [([20, 0], 0.004), ([100], 0.001), ([30, 10], 0.006)]
+
+
+def test_an_adapter_travels_as_a_transfer_of_its_own_after_the_base():
+    """Adapter-only sync to the engine ranks (``rollout.engine=vllm_lora``): trainer 0 queues the
+    base as a ``weights`` transfer, then PEFT's tensors as an ``adapter`` transfer carrying the
+    adapter's config, both of the policy version the schedule set; the engine rank receives them
+    in that order, bucket by bucket, equal to what was sent (a thread per rank, the real transport)."""
+    from stapo_megatron.rollout.remote import RemoteEngine
+    from stapo_megatron.rollout.transport import broadcast_object, connect
+    from stapo_megatron.serve.weight_receive import receive_weights
+
+    base = {"model.embed_tokens.weight": torch.randn(8, 4), "model.norm.weight": torch.randn(4)}
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    adapter = {f"{prefix}.lora_A.weight": torch.randn(2, 4), f"{prefix}.lora_B.weight": torch.randn(4, 2)}
+    config = {"r": 2, "lora_alpha": 4.0}
+    store = dist.HashStore()
+
+    def rank_main(rank):
+        transport = connect(store, rank, 2, 1, 1, samples_timeout_s=60)
+        if rank == 0:
+            remote = RemoteEngine(transport, asks=True, timeout_s=60, bucket_mb=1, serves_adapters=True)
+            remote.policy_version = 3
+            remote.update_weights(base.items())
+            remote.load_adapter(adapter, config)
+            return remote.transfers
+        got = []
+        for _ in range(2):
+            command = broadcast_object(transport.control)
+            got.append((command, {name: t.clone() for name, t in receive_weights(transport, torch.device("cpu"))}))
+        return got
+
+    results = rank_threads(rank_main, 2, timeout=120)
+    (weights_command, got_base), (adapter_command, got_adapter) = results[1]
+    assert weights_command == ("weights", 3) and adapter_command == ("adapter", 3, config)
+    assert sorted(got_base) == sorted(base) and all(torch.equal(got_base[k], t) for k, t in base.items())
+    assert sorted(got_adapter) == sorted(adapter) and all(torch.equal(got_adapter[k], t) for k, t in adapter.items())
+    assert results[0] == 1, "the base and its adapter: one transfer of the policy"
