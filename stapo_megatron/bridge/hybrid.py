@@ -15,8 +15,7 @@ Kernels: on CUDA the delta rule runs in flash-linear-attention's (``fla``) Trito
 megatron-core calls them. On the CPU those refuse to run (fla 0.6.0: "0 active drivers", with or
 without ``TRITON_INTERPRET=1``; installed on the CPU, transformers would pick them too and fail
 the same way, so fla is a GPU-only requirement), and `stapo_megatron.mcore.cpu_compat` points the module at
-megatron-core's own torch reference (``torch_chunk_gated_delta_rule``, the deterministic-mode
-path) and a torch L2 norm: the same equations, chunked in fp32.
+`stapo_megatron.mcore.delta_rule` (the same equations in torch, chunked in fp32) and a torch L2 norm.
 
 Packed sequences: megatron-core 0.16.1's GatedDeltaNet refuses ``PackedSeqParams``; the layer
 here runs it on each sequence of ``cu_seqlens`` alone (`packed_delta_net`), so packed equals padded.

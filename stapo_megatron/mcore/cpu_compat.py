@@ -308,15 +308,17 @@ def _torch_delta_rule() -> None:
     (``l2norm``, ``chunk_gated_delta_rule``) and refuses to build a GatedDeltaNet without the
     package. fla 0.6.0 launches nothing without a GPU ("0 active drivers", also under
     ``TRITON_INTERPRET=1``), so on the CPU fla is not installed (installed, transformers'
-    Qwen3.5 picks its kernels too and fails the same way) and the module's own torch reference
-    ``torch_chunk_gated_delta_rule`` (its deterministic-mode path: the same chunked recurrence,
-    in fp32) and a torch L2 norm stand in for them."""
+    Qwen3.5 picks its kernels too and fails the same way) and `stapo_megatron.mcore.delta_rule`
+    (the same chunked recurrence in torch, within a chunk vectorised; the module's own
+    ``torch_chunk_gated_delta_rule`` stays for comparison) and a torch L2 norm stand in for them."""
     from megatron.core.ssm import gated_delta_net
+
+    from stapo_megatron.mcore import delta_rule
 
     # 0.19.2 made it a package whose forward reads these names in gated_delta_net/common.py
     module = getattr(gated_delta_net, "common", gated_delta_net)
     module.l2norm = _torch_l2norm
-    module.chunk_gated_delta_rule = module.torch_chunk_gated_delta_rule
+    module.chunk_gated_delta_rule = delta_rule.chunk_gated_delta_rule
     module.HAVE_FLA = True
 
 

@@ -22,9 +22,9 @@ def test_the_recurrence_by_hand():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path: the torch reference")
-def test_the_cpu_row_checks_the_torch_reference_the_model_runs():
+def test_the_cpu_row_checks_the_torch_kernel_the_model_runs():
     row = kernels.check_delta_net()
-    assert row.status == "pass" and row.values["kernel"].endswith("torch_chunk_gated_delta_rule")
+    assert row.status == "pass" and row.values["kernel"] == "stapo_megatron.mcore.delta_rule.chunk_gated_delta_rule"
     assert row.values["error"] <= kernels.DELTA_RULE_TOL
 
 
