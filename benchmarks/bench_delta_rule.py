@@ -15,7 +15,7 @@ relative to the reference's max is printed beside them (both fp32).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 \\
     MALLOC_CONF="retain:true,dirty_decay_ms:-1,muzzy_decay_ms:-1" \\
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_delta_rule.py --reps 5
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_delta_rule.py --reps 9
 """
 
 from __future__ import annotations
@@ -84,8 +84,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5, help="timed pairs a shape (after one warm-up pair)")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1: as each process of the 2-process demo, which torchrun starts with "
+                             "OMP_NUM_THREADS=1)")
     args = parser.parse_args()
     check_jemalloc()
+    torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     print("| shape | [B, T, H, D] | reference fwd+bwd (s) | ours (s) | reference tok/s | ours tok/s | "
           "speed-up (median of pairs) | max rel. diff |")
