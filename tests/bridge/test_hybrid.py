@@ -3,7 +3,7 @@ layers; routed experts and a gated shared expert) on the CPU: a converted checkp
 keys the model's sharded state dict has, loads, and gives transformers' logits at TP = 1 (this
 process) and TP = 2, PP = 2, and for the MoE EP = 2 (gloo ranks, `verify`).
 
-The delta rule runs in megatron-core's torch reference on the CPU (`mcore.cpu_compat`), transformers'
+The delta rule runs in `mcore.delta_rule` on the CPU (installed by `mcore.cpu_compat`), transformers'
 in its own torch path; both chunk the recurrence in fp32, so the logits differ by fp32 rounding only
 and the converter's FP32_LOGIT_TOL (a few ulps per op, relative to the logit scale) applies."""
 
