@@ -96,7 +96,8 @@ demo-moe: $(STAMP)
 
 # The tiny demo on a tiny Qwen3.5 (gated delta-net and gated full-attention layers; DP=2 over 2
 # processes, HF-engine rollouts; the delta rule in stapo_megatron/mcore/delta_rule.py on the CPU)
-# and docs/results.md's demo-qwen35 block from its metrics: writes runs/demo-qwen35.
+# and docs/results.md's demo-qwen35 block from its metrics: writes runs/demo-qwen35. About 8 minutes
+# on 2 cores with the warm-start (measured on a loaded machine: docs/results.md).
 demo-qwen35: $(STAMP)
 	$(PY) examples/demo_qwen35.py
 
