@@ -100,10 +100,11 @@ demo-moe: $(STAMP)
 	$(PY) examples/demo_moe.py
 
 # The tiny demo on a tiny Qwen3.5 (gated delta-net and gated full-attention layers; DP=2 over 2
-# processes, HF-engine rollouts): writes runs/demo-qwen35. Hours on a CPU, not minutes: the delta
-# rule runs megatron-core's torch reference there (docs/rollouts.md, "Qwen3.5"); not yet run to the end.
+# processes, HF-engine rollouts; the delta rule in stapo_megatron/mcore/delta_rule.py on the CPU)
+# and docs/results.md's demo-qwen35 block from its metrics: writes runs/demo-qwen35. About 8 minutes
+# on 2 cores with the warm-start (measured on a loaded machine: docs/results.md).
 demo-qwen35: $(STAMP)
-	$(VENV)/bin/nemo-run launch/stapo_tiny_qwen35.py $(ARGS) --yes
+	$(PY) examples/demo_qwen35.py
 
 # The method comparison (stapo / justrl / entropy20 / random x 5 seeds on the tiny task, each run
 # launched as `make demo` is): runs/compare/summary.md, curves.png and docs/results.md's compare block.

@@ -229,6 +229,7 @@ def test_the_launching_page_job_counts_are_the_estimates():
     ("docs/results.md", "demo-seeds"),         # examples/demo_seeds.py
     ("docs/results.md", "compare"),            # stapo_megatron.runlog.compare (make compare)
     ("docs/results.md", "demo-moe"),           # examples/demo_moe.py
+    ("docs/results.md", "demo-qwen35"),        # examples/demo_qwen35.py
     ("docs/recipes.md", "memory-table"),       # scripts/memory_table.py
     ("docs/launching.md", "cpu-paper-trial"),  # read by tests/launch/test_entry.py
 ])

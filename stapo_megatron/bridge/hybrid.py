@@ -15,8 +15,8 @@ Kernels: on CUDA the delta rule runs in flash-linear-attention's (``fla``) Trito
 megatron-core calls them. On the CPU those refuse to run (fla 0.6.0: "0 active drivers", with or
 without ``TRITON_INTERPRET=1``; installed on the CPU, transformers would pick them too and fail
 the same way, so fla is a GPU-only requirement), and `stapo_megatron.mcore.cpu_compat` points the module at
-megatron-core's own torch reference (``torch_chunk_gated_delta_rule``, the deterministic-mode
-path), a torch L2 norm and a torch causal convolution: the same equations, chunked in fp32.
+`stapo_megatron.mcore.delta_rule` (the same equations in torch, chunked in fp32), a torch L2 norm
+and a torch causal convolution.
 
 Versions: megatron-core 0.16 to 0.19 (`mcore_versions`: 0.18 added the packed path and binds the
 kernel at construction, 0.19 split the module into the ``ssm/gated_delta_net/`` package). The

@@ -70,7 +70,7 @@ def run_local(names: Sequence[str], moe: bool = False) -> List[Check]:
                 rows.append(report.run_check("logprob_op", kernels.check_logprob_op))
             if "attention" in names:
                 rows.append(report.run_check("attention", kernels.check_attention))
-            if "delta_net" in names:  # Qwen3.5's delta-net kernels (fla on CUDA, the torch reference on the CPU)
+            if "delta_net" in names:  # Qwen3.5's delta-net kernels (fla on CUDA, the torch kernel on the CPU)
                 rows.append(report.run_check("delta_net", kernels.check_delta_net))
             if "te_spec" in names:
                 for variant in ("qwen3", "qwen3-moe") if moe else ("qwen3",):

@@ -200,26 +200,32 @@ def check_te_spec(variant: str = "qwen3") -> Check:
     return (passed if ok else failed)(f"te_spec_{variant}", detail, max_abs_diff=diff, logit_scale=scale, top1=top1)
 
 
-def recurrent_delta_rule(q, k, v, g, beta):
-    """The gated delta rule token by token (fp32; [batch, tokens, heads, dim] inputs, ``g`` the
-    log decay and ``beta`` the write strength per token and head): S_t = a_t S_{t-1} +
-    beta_t k_t (v_t - a_t S_{t-1}^T k_t)^T with a_t = exp(g_t), o_t = S_t^T q_t / sqrt(dim_k)."""
-    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+def recurrent_delta_rule(q, k, v, g, beta, initial_state=None, return_state=False):
+    """The gated delta rule token by token (at least fp32, float64 stays; [batch, tokens, heads,
+    dim] inputs, ``g`` the log decay and ``beta`` the write strength per token and head): S_t =
+    a_t S_{t-1} + beta_t k_t (v_t - a_t S_{t-1}^T k_t)^T with a_t = exp(g_t), o_t = S_t^T q_t /
+    sqrt(dim_k), from ``initial_state`` S_0 ([batch, heads, dim_k, dim_v], default zeros). Returns
+    o, or (o, S_T) with ``return_state``."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
     q = q / q.shape[-1] ** 0.5
-    state = torch.zeros(q.shape[0], q.shape[2], k.shape[-1], v.shape[-1], dtype=torch.float32, device=q.device)
+    state = (torch.zeros(q.shape[0], q.shape[2], k.shape[-1], v.shape[-1], dtype=dtype, device=q.device)
+             if initial_state is None else initial_state.to(dtype))
     out = []
     for t in range(q.shape[1]):
         state = state * g[:, t].exp()[..., None, None]
         delta = (v[:, t] - torch.einsum("bhkv,bhk->bhv", state, k[:, t])) * beta[:, t][..., None]
         state = state + k[:, t][..., None] * delta[..., None, :]
         out.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
-    return torch.stack(out, dim=1)
+    out = torch.stack(out, dim=1)
+    return (out, state) if return_state else out
 
 
 def delta_rule_error(device: str) -> Tuple[str, float]:
     """(which kernel, max error / max reference) of the chunked gated delta rule megatron-core's
     GatedDeltaNet calls in this process (fla's Triton kernel on CUDA; on the CPU the torch chunked
-    reference `stapo_megatron.mcore.cpu_compat` installs) against `recurrent_delta_rule`, fp32, over
+    kernel `stapo_megatron.mcore.delta_rule` that `stapo_megatron.mcore.cpu_compat` installs)
+    against `recurrent_delta_rule`, fp32, over
     150 tokens (two whole chunks and a ragged one) of 4 heads of 32."""
     import torch.nn.functional as F
 
@@ -240,8 +246,9 @@ def delta_rule_error(device: str) -> Tuple[str, float]:
 
 def check_delta_net() -> Check:
     """Qwen3.5's delta-net kernels: on CUDA fla must import with a working Triton driver (its
-    chunked kernel is the fast path); on the CPU the torch reference the CPU shim installs runs
-    instead. Either is compared with the token-by-token gated delta rule."""
+    chunked kernel is the fast path); on the CPU the torch kernel the CPU shim installs
+    (`stapo_megatron.mcore.delta_rule`) runs instead. Either is compared with the token-by-token
+    gated delta rule; the row names the kernel that ran."""
     import importlib.util
 
     from stapo_megatron.mcore import cpu_compat
@@ -256,7 +263,7 @@ def check_delta_net() -> Check:
         except Exception as error:  # e.g. a triton fla does not support: the row names the error
             return failed("delta_net", f"fla does not import: {type(error).__name__}: {error}")
     else:
-        cpu_compat.apply()  # the torch reference megatron-core's GatedDeltaNet runs on the CPU
+        cpu_compat.apply()  # the torch kernel megatron-core's GatedDeltaNet runs on the CPU
     name, error = delta_rule_error("cuda" if cuda else "cpu")
     detail = (f"{'cuda' if cuda else 'cpu'} fp32, {name}: max error {error:.1e} of the recurrence's max "
               f"(bound {DELTA_RULE_TOL:.0e})")

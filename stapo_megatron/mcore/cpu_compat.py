@@ -309,21 +309,18 @@ def _torch_delta_rule() -> None:
     ``causal_conv1d``) and refuses to build a GatedDeltaNet without the package. fla 0.6.0
     launches nothing without a GPU ("0 active drivers", also under ``TRITON_INTERPRET=1``), so on
     the CPU fla is not installed (installed, transformers' Qwen3.5 picks its kernels too and fails
-    the same way) and the module's own torch reference ``torch_chunk_gated_delta_rule`` (its
-    deterministic-mode path: the same chunked recurrence, in fp32), a torch L2 norm and a torch
-    causal convolution stand in for them. Each is set in every module the layer reads it from
+    the same way) and `stapo_megatron.mcore.delta_rule` (the same chunked recurrence in torch,
+    vectorised within a chunk, taking fla's varlen ``cu_seqlens``; the module's own
+    ``torch_chunk_gated_delta_rule`` stays for comparison), a torch L2 norm and a torch causal
+    convolution stand in for them. Each is set in every module the layer reads it from
     (`mcore_versions.delta_net_modules`: 0.19.2's ``gdn.py`` binds the kernel by name at import and
-    picks it at construction, so the names must be set before a model is built); the delta rule
-    and the convolution take fla's varlen ``cu_seqlens`` (the packed path of 0.18 and later) and
-    run each sequence alone."""
-    from megatron.core.ssm import gated_delta_net
-
+    picks it at construction, so the names must be set before a model is built)."""
+    from stapo_megatron.mcore import delta_rule
     from stapo_megatron.mcore.mcore_versions import delta_net_modules, delta_net_takes_packed
 
-    rule = gated_delta_net.torch_chunk_gated_delta_rule  # the CPU's delta-rule kernel
     for module in delta_net_modules():
         module.l2norm = _torch_l2norm
-        module.chunk_gated_delta_rule = _per_sequence(rule)
+        module.chunk_gated_delta_rule = delta_rule.chunk_gated_delta_rule  # the CPU's delta-rule kernel
         module.HAVE_FLA = True
         if delta_net_takes_packed():  # 0.16 and 0.17 convolve with torch's nn.Conv1d without causal_conv1d_fn
             module.causal_conv1d = _torch_causal_conv1d
@@ -333,24 +330,6 @@ def _segments(cu_seqlens, total: int) -> list:
     """(start, end) of each non-empty sequence of fla's ``cu_seqlens`` (the whole axis without it)."""
     bounds = [0, total] if cu_seqlens is None else cu_seqlens.tolist()
     return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
-
-
-def _per_sequence(rule):
-    """fla's ``chunk_gated_delta_rule`` contract over ``rule``, a delta rule of whole sequences
-    ([B, T, H, D] inputs, no ``cu_seqlens``): with ``cu_seqlens`` (a packed row, B = 1) each
-    sequence runs alone from a zero state, as fla's varlen kernel runs it. Megatron-core passes no
-    initial state and asks for no final one."""
-
-    @functools.wraps(rule)
-    def varlen_rule(q, k, v, g, beta, *, cu_seqlens=None, **kwargs):
-        if cu_seqlens is None:
-            return rule(q, k, v, g, beta, **kwargs)
-        assert kwargs.get("initial_state") is None and not kwargs.get("output_final_state"), kwargs
-        outs = [rule(*(x[:, a:b] for x in (q, k, v, g, beta)), **kwargs)[0]
-                for a, b in _segments(cu_seqlens, q.shape[1])]
-        return torch.cat(outs, dim=1), None
-
-    return varlen_rule
 
 
 def _torch_causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, output_final_state=False,

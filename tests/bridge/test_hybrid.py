@@ -3,9 +3,9 @@ layers; routed experts and a gated shared expert) on the CPU: a converted checkp
 keys the model's sharded state dict has, loads, and gives transformers' logits at TP = 1 (this
 process) and TP = 2, PP = 2, and for the MoE EP = 2 (gloo ranks, `verify`).
 
-The delta rule runs in megatron-core's torch reference on the CPU (`mcore.cpu_compat`), transformers'
-in its own torch path; both chunk the recurrence in fp32, so the logits differ by fp32 rounding only
-and the converter's FP32_LOGIT_TOL (a few ulps per op, relative to the logit scale) applies."""
+The delta rule runs in `mcore.delta_rule` on the CPU (installed by `mcore.cpu_compat`), transformers'
+in its own torch path; both chunk the recurrence in fp32, so the logits differ by fp32 rounding only,
+within `HYBRID_LOGIT_TOL`."""
 
 import json
 import os
@@ -23,6 +23,14 @@ from stapo_megatron.conversion.verify import (FP32_LOGIT_TOL, _megatron_forward,
                                               verify)
 from tests.helpers.dist_utils import one_rank_parallel
 
+
+HYBRID_LOGIT_TOL = 3 * FP32_LOGIT_TOL
+"""Max |dlogit| relative to the logit scale for the delta-net models: the converter's FP32_LOGIT_TOL
+(a few ulps per op) plus the two chunked delta rules' own fp32 error. Each is within ~6e-6 of the
+float64 recurrence per token (measured on this file's models for both `mcore.delta_rule` and
+megatron-core's reference, which shares transformers' operation order; `tests/mcore/test_delta_rule.py`
+bounds it at 1e-5), so two different orders may differ by 2e-5 per token, which the gated output
+norm carries into the layer's output (measured 1.6e-5 at TP = 1)."""
 
 @pytest.fixture(scope="module", params=["qwen3.5", "qwen3.5-moe"])
 def converted(request, tmp_path_factory):
@@ -71,7 +79,7 @@ def test_converted_keys_are_the_models_and_logits_equal_transformers(converted):
         with torch.no_grad():
             got_BSV = _megatron_forward(model, tokens_BS)[..., :cfg["vocab_size"]]
     row = compare(ref_BSV, got_BSV, 1, 1)
-    assert row.ok(FP32_LOGIT_TOL), row
+    assert row.ok(HYBRID_LOGIT_TOL), row
     assert row.logit_scale > 1.0  # O(1) logits: the comparison is not of near-zero numbers
 
 
@@ -80,11 +88,11 @@ def test_tp2_and_pp2_logits_equal_transformers(converted):
     hf, ckpt = converted
     rows = verify(hf, ckpt, [(2, 1), (1, 2)], num_prompts=2, seq_len=24)
     assert [(r.tensor_model_parallel_size, r.pipeline_model_parallel_size) for r in rows] == [(2, 1), (1, 2)]
-    assert all(r.ok(FP32_LOGIT_TOL) for r in rows), rows
+    assert all(r.ok(HYBRID_LOGIT_TOL) for r in rows), rows
     with open(os.path.join(hf, "config.json")) as f:
         if "num_experts" in json.load(f):  # the MoE: its experts over 2 ranks
             row, = verify(hf, ckpt, [(1, 1)], num_prompts=2, seq_len=24, expert_model_parallel_size=2)
-            assert row.ok(FP32_LOGIT_TOL), row
+            assert row.ok(HYBRID_LOGIT_TOL), row
 
 
 def test_transformer_engine_spec_is_refused_for_delta_net_layers():

@@ -1,4 +1,4 @@
-"""Tier a: the doctor's delta-net row on the CPU (the torch reference the CPU shim installs for
+"""Tier a: the doctor's delta-net row on the CPU (the torch kernel the CPU shim installs for
 megatron-core's GatedDeltaNet) and its token-by-token reference by hand. The op, attention and
 TE rows run on a GPU (tests/gpu/test_gpu.py)."""
 
@@ -21,10 +21,10 @@ def test_the_recurrence_by_hand():
     assert out.flatten().tolist() == pytest.approx([s1 * 1.0, s2 * 2.0], abs=1e-7)  # fp32 rounding
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path: the torch reference")
-def test_the_cpu_row_checks_the_torch_reference_the_model_runs():
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path: the torch kernel")
+def test_the_cpu_row_checks_the_torch_kernel_the_model_runs():
     row = kernels.check_delta_net()
-    assert row.status == "pass" and row.values["kernel"].endswith("torch_chunk_gated_delta_rule")
+    assert row.status == "pass" and row.values["kernel"] == "stapo_megatron.mcore.delta_rule.chunk_gated_delta_rule"
     assert row.values["error"] <= kernels.DELTA_RULE_TOL
 
 

@@ -49,14 +49,13 @@ def _delta_rule_inputs(tokens: int):
 
 def test_delta_net_kernels_are_set_in_every_module_the_layer_reads():
     """megatron-core 0.19.2's gdn.py binds ``chunk_gated_delta_rule`` by name at import, next to
-    common.py's: each holds the torch reference (behind the varlen wrapper) and the torch L2 norm."""
+    common.py's: each holds the torch kernel `stapo_megatron.mcore.delta_rule` and the torch L2 norm."""
     cpu_compat.apply()
-    from megatron.core.ssm import gated_delta_net
-
+    from stapo_megatron.mcore import delta_rule
     from stapo_megatron.mcore.mcore_versions import delta_net_modules, delta_net_takes_packed
 
     for module in delta_net_modules():
-        assert module.chunk_gated_delta_rule.__wrapped__ is gated_delta_net.torch_chunk_gated_delta_rule
+        assert module.chunk_gated_delta_rule is delta_rule.chunk_gated_delta_rule
         assert module.l2norm is cpu_compat._torch_l2norm and module.HAVE_FLA
         assert (getattr(module, "causal_conv1d", None) is cpu_compat._torch_causal_conv1d) == delta_net_takes_packed()
 
@@ -65,9 +64,9 @@ def test_varlen_delta_rule_runs_each_sequence_alone():
     """With fla's ``cu_seqlens`` each packed sequence gets exactly what it gets alone (the same
     kernel on the same slice: bit for bit); the state would otherwise flow into the next one."""
     cpu_compat.apply()
-    from megatron.core.ssm import gated_delta_net
+    from stapo_megatron.mcore.mcore_versions import delta_net_modules
 
-    rule = cpu_compat._per_sequence(gated_delta_net.torch_chunk_gated_delta_rule)
+    rule = delta_net_modules()[0].chunk_gated_delta_rule
     x = _delta_rule_inputs(70 + 5)  # one sequence past a 64-token chunk, then a short one
     cu = torch.tensor([0, 70, 75], dtype=torch.int32)
     packed, state = rule(*x, initial_state=None, output_final_state=False, cu_seqlens=cu)

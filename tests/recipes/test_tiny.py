@@ -41,16 +41,19 @@ def test_the_lora_demo_is_the_demos_rl_on_its_warm_started_base():
 
 
 def test_tiny_qwen35_recipe_is_the_demo_on_a_hybrid_model():
-    """``tiny_qwen35_demo``: the demo's task with ``QWEN35_OVERRIDES`` (HF-engine rollouts), on a model
-    the bridge reads as Qwen3.5 (delta-net layers 0-2, gated full attention at 3, partial RoPE)."""
+    """``tiny_qwen35_demo``: the demo's task with ``QWEN35_OVERRIDES`` (HF-engine rollouts) and a
+    shorter warm-start, on a model the bridge reads as Qwen3.5 (delta-net layers 0-2, gated full
+    attention at 3, partial RoPE)."""
     import dataclasses
 
     from stapo_megatron.bridge import spec_from_hf_config
-    from stapo_megatron.recipes.tiny import QWEN35_OVERRIDES, tiny_qwen35_config, tiny_qwen35_demo
+    from stapo_megatron.recipes.tiny import (QWEN35_OVERRIDES, QWEN35_WARMSTART_STEPS, tiny_qwen35_config,
+                                             tiny_qwen35_demo)
 
     cfg, warmstart = tiny_qwen35_demo(run_dir="runs/q")
     demo, demo_warmstart = tiny_demo(run_dir="runs/q")
-    assert cfg.rollout.engine == "hf" and cfg.steps == QWEN35_OVERRIDES["steps"] and warmstart == demo_warmstart
+    assert cfg.rollout.engine == "hf" and cfg.steps == QWEN35_OVERRIDES["steps"]
+    assert warmstart == dataclasses.replace(demo_warmstart, steps=QWEN35_WARMSTART_STEPS)
     assert dataclasses.replace(cfg, steps=demo.steps, eval=demo.eval, save_every=demo.save_every,
                                rollout=demo.rollout) == demo
     config = tiny_qwen35_config(100, 1, 0)
