@@ -83,7 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--num-prompts", type=_positive(int), default=4, help="fixed random prompts")
     c.add_argument("--seq-len", type=_positive(int), default=32, help="tokens per prompt")
     c.add_argument("--tol", type=float, default=None,
-                   help="max |logit difference| relative to max(1, max |logit|) (default FP32_LOGIT_TOL = 1e-5)")
+                   help="max |logit difference| relative to max(1, max |logit|) (default FP32_LOGIT_TOL = 1e-5; "
+                        "HYBRID_LOGIT_TOL = 3e-5 for Qwen3.5's delta-net models)")
     c.add_argument("--min-top1", type=float, default=1.0, help="minimal top-1 agreement")
     c.add_argument("--no-memory-check", action="store_true",
                    help="start the TP x PP x EP processes even when their estimated memory exceeds the available")
@@ -128,9 +129,10 @@ def _run(args: argparse.Namespace) -> int:
                             overwrite=args.overwrite)
         print(f"wrote the PEFT adapter ({', '.join(os.path.basename(f) for f in files)}) to {args.out}")
         return 0
-    from stapo_megatron.conversion.verify import FP32_LOGIT_TOL, format_table, verify
+    from stapo_megatron.conversion.hf_to_mcore import load_spec
+    from stapo_megatron.conversion.verify import default_tolerance, format_table, verify
 
-    tol = FP32_LOGIT_TOL if args.tol is None else args.tol
+    tol = default_tolerance(load_spec(args.hf_dir)[1]) if args.tol is None else args.tol
     rows = verify(args.hf_dir, args.ckpt, [(args.tp, args.pp)],
                   num_prompts=args.num_prompts, seq_len=args.seq_len, expert_model_parallel_size=args.ep,
                   check_memory=not args.no_memory_check)

@@ -27,3 +27,13 @@ def test_te_spec_loads_the_same_checkpoint(converted):  # noqa: F811
     got = megatron_logits(ckpt, tiny_config("qwen3"), [(1, 1)], tokens_BS)[(1, 1)]
     row = compare(hf_logits(hf, tokens_BS), got, 1, 1)
     assert row.top1_agreement == 1.0 and row.max_abs_diff < 1e-3, row
+
+
+def test_a_delta_net_model_is_judged_by_the_hybrid_tolerance():
+    """`stapo-convert verify` without ``--tol``: Qwen3.5's delta-net models by HYBRID_LOGIT_TOL (the
+    two sides' chunked delta rules in different orders), every other model by FP32_LOGIT_TOL."""
+    from stapo_megatron.bridge.hf_config import spec_from_hf_config
+    from stapo_megatron.conversion.verify import FP32_LOGIT_TOL, HYBRID_LOGIT_TOL, default_tolerance
+
+    assert default_tolerance(spec_from_hf_config(tiny_config("qwen3.5"))) == HYBRID_LOGIT_TOL == 3 * FP32_LOGIT_TOL
+    assert default_tolerance(spec_from_hf_config(tiny_config("qwen3"))) == FP32_LOGIT_TOL
