@@ -1,8 +1,8 @@
 """LoRA with the engines on their own ranks: the real trainer and vLLM engine over gloo, the tiny
 recipe with the ``lora`` section (tests/helpers/lora_separate_script.py, which writes down every
-weight transfer on both sides). Merge-on-sync under ``rollout.mode=separate`` (k = 0) and
-``rollout.mode=streaming`` (eta = 2): the engine receives, transfer for transfer, the merged
-W0 + (alpha / r) B A computed apart from the sync (PEFT's per-projection adapters on the base's HF
+weight transfer on both sides). Merge-on-sync under ``rollout.mode=separate`` (k = 0),
+``partial`` (k = 1) and ``streaming`` (eta = 2): the engine receives, transfer for transfer, the
+merged W0 + (alpha / r) B A computed apart from the sync (PEFT's per-projection adapters on the base's HF
 tensors), the base stays frozen while the adapters train, and the samples drawn with fresh
 weights agree with the trainer's pi_old pass within the colocated LoRA tests' tolerance.
 Adapter-only sync (``rollout.engine=vllm_lora``) under ``rollout.mode`` separate and partial: the
@@ -126,6 +126,18 @@ def test_merge_on_sync_with_streaming_rollouts(tmp_path):
 PARTIAL = ("rollout.mode=partial", "rollout.separate.max_staleness=1", "rollout.partial.oversample=1.5",
            "rollout.partial.round_tokens=8", "loss.rollout_correction.mode=tis")
 """Partial rollouts as tests/integration/test_separate_placement.py runs them (k = 1, 8-token rounds)."""
+
+
+def test_merge_on_sync_with_partial_rollouts(tmp_path):
+    """Partial rollouts (k = 1) continue unfinished groups across syncs; the merged weights travel
+    as with separate placement, and the first step's tokens all come from fresh weights."""
+    run = _launch(tmp_path / "run", *PARTIAL, "steps=3")
+    assert run.returncode == 0, run.stderr[-4000:]
+    rows = _train_rows(tmp_path / "run")
+    assert rows[0]["staleness"] == 0
+    _assert_k0_rows(rows[:1])
+    assert all(r["skipped"] == 0 and r["grad_norm"] > 0 for r in rows)
+    _assert_merged_syncs(tmp_path / "run")
 
 
 @pytest.mark.parametrize("mode", ["separate", "partial"])
