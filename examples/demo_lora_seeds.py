@@ -24,27 +24,16 @@ the machine and the commit the runs were made at.
 import argparse
 import datetime
 import os
-import subprocess
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-from demo_seeds import _finished, _rows  # noqa: E402
+from demo_seeds import _finished, _rows, nemo_run  # noqa: E402
 
 DEFAULT_SEEDS = (1234, 1, 2)
 METHODS = {"full": "launch/stapo_tiny.py", "lora": "launch/stapo_tiny_lora.py"}
 """Each method's launch file (the seed and the output folder are added)."""
-
-
-def _nemo_run(args, label: str) -> float:
-    """``nemo-run ARGS --yes`` in the checkout; its wall time in seconds."""
-    cmd = [os.path.join(os.path.dirname(sys.executable), "nemo-run"), *args, "--yes"]
-    print(f"[demo-lora-seeds] {label}: {' '.join(cmd)}", flush=True)
-    start = time.time()
-    subprocess.run(cmd, cwd=ROOT, check=True)
-    return time.time() - start
 
 
 def write_base(out: str) -> None:
@@ -55,8 +44,8 @@ def write_base(out: str) -> None:
     base = os.path.join(out, LORA_BASE)
     if os.path.isdir(os.path.join(ROOT, base)):
         return
-    _nemo_run([METHODS["full"], "steps=0", f"output_dir={os.path.dirname(base)}", f"warmstart.save_to={base}"],
-              "base")
+    nemo_run([METHODS["full"], "steps=0", f"output_dir={os.path.dirname(base)}", f"warmstart.save_to={base}"],
+             "demo-lora-seeds base")
 
 
 def run(method: str, seed: int, run_dir: str, steps: int) -> None:
@@ -66,7 +55,8 @@ def run(method: str, seed: int, run_dir: str, steps: int) -> None:
 
     if _finished(os.path.join(ROOT, run_dir), steps):
         return
-    seconds = _nemo_run([METHODS[method], f"seed={seed}", f"output_dir={run_dir}"], f"{method} seed {seed}")
+    seconds = nemo_run([METHODS[method], f"seed={seed}", f"output_dir={run_dir}"],
+                       f"demo-lora-seeds {method} seed {seed}")
     if not _finished(os.path.join(ROOT, run_dir), steps):
         raise RuntimeError(f"{method} seed {seed}: {run_dir}/metrics.jsonl has no evaluation at step {steps}")
     with open(os.path.join(ROOT, run_dir, "demo_run.json"), "w") as f:

@@ -14,21 +14,18 @@ load average at the start and the end of the run), date, commit and wall time.
 import argparse
 import os
 import platform
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+
+from demo_seeds import nemo_run  # noqa: E402  (examples/: the one way the demo scripts launch)
 
 
 def run(run_dir):
     """The demo into ``run_dir``; returns its wall time in seconds."""
-    nemo_run = os.path.join(os.path.dirname(sys.executable), "nemo-run")
-    cmd = [nemo_run, "launch/stapo_tiny_qwen35.py", f"output_dir={run_dir}", "--yes"]
-    print(f"[demo-qwen35] {' '.join(cmd)}", flush=True)
-    t0 = time.time()
-    subprocess.run(cmd, cwd=ROOT, check=True)
-    return time.time() - t0
+    return nemo_run(["launch/stapo_tiny_qwen35.py", f"output_dir={run_dir}"], "demo-qwen35")
 
 
 def table(rows):

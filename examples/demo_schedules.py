@@ -21,7 +21,6 @@ machine and the commit the runs were made at.
 import argparse
 import datetime
 import os
-import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,7 +28,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import async_cpu  # noqa: E402  (benchmarks/: the runs' summary)
-from demo_seeds import _finished, _rows  # noqa: E402
+from demo_seeds import _finished, _rows, nemo_run  # noqa: E402
 
 MODES = {
     "colocated": ["launch/stapo_tiny.py"],
@@ -44,10 +43,7 @@ def run_mode(mode: str, run_dir: str, seed: int, steps: int) -> None:
     if _finished(os.path.join(ROOT, run_dir), steps):
         print(f"[demo-schedules] {mode}: {run_dir} finished, not run again", flush=True)
         return
-    nemo_run = os.path.join(os.path.dirname(sys.executable), "nemo-run")
-    cmd = [nemo_run, *MODES[mode], f"seed={seed}", f"output_dir={run_dir}", "--yes"]
-    print(f"[demo-schedules] {mode}: {' '.join(cmd)}", flush=True)
-    subprocess.run(cmd, cwd=ROOT, check=True)
+    nemo_run([*MODES[mode], f"seed={seed}", f"output_dir={run_dir}"], f"demo-schedules {mode}")
     if not _finished(os.path.join(ROOT, run_dir), steps):
         raise RuntimeError(f"{mode}: {run_dir}/metrics.jsonl has no evaluation at step {steps}")
 

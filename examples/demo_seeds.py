@@ -51,28 +51,34 @@ def _finished(run_dir, steps):
     return any(r.get("kind") == "eval" and r["step"] == steps for r in _rows(run_dir))
 
 
+def nemo_run(args, label: str) -> float:
+    """``nemo-run ARGS --yes`` in the checkout (the venv's nemo-run, as a make target runs it),
+    announced as ``label``; its wall time in seconds. The demo scripts' one way to launch a run."""
+    cmd = [os.path.join(os.path.dirname(sys.executable), "nemo-run"), *args, "--yes"]
+    print(f"[{label}] {' '.join(cmd)}", flush=True)
+    start = time.time()
+    subprocess.run(cmd, cwd=ROOT, check=True)
+    return time.time() - start
+
+
 def run_seed(seed, run_dir, steps, shared_warmstart=False):
     """``make demo`` with this seed and output folder; returns what ``demo_run.json`` keeps: the
     wall time, whether the warm-start was trained (as on a fresh clone) or loaded from the shared
     cache, and the load average before and after (the machine's other work)."""
     from stapo_megatron.recipes.tiny import warmstart_cache_dir
 
-    nemo_run = os.path.join(os.path.dirname(sys.executable), "nemo-run")
-    cmd = [nemo_run, "launch/stapo_tiny.py", f"seed={seed}", f"output_dir={run_dir}"]
+    args = ["launch/stapo_tiny.py", f"seed={seed}", f"output_dir={run_dir}"]
     if shared_warmstart:
         cache = warmstart_cache_dir(os.path.join(ROOT, run_dir))
     else:
         cache = os.path.join(ROOT, run_dir, ".warmstart-cache")
-        cmd.append(f"warmstart.cache_dir={cache}")
-    cmd.append("--yes")
-    print(f"[demo-seeds] seed {seed}: {' '.join(cmd)}", flush=True)
+        args.append(f"warmstart.cache_dir={cache}")
     cached = os.path.isdir(cache) and any(not n.startswith(".") for n in os.listdir(cache))
     load_before = os.getloadavg()[1]
-    t0 = time.time()
-    subprocess.run(cmd, cwd=ROOT, check=True)
+    seconds = nemo_run(args, f"demo-seeds seed {seed}")
     if not _finished(os.path.join(ROOT, run_dir), steps):
         raise RuntimeError(f"seed {seed}: {run_dir}/metrics.jsonl has no evaluation at step {steps}")
-    info = dict(seconds=time.time() - t0, warmstart="loaded" if cached else "trained",
+    info = dict(seconds=seconds, warmstart="loaded" if cached else "trained",
                 load=[round(load_before, 1), round(os.getloadavg()[1], 1)])
     with open(os.path.join(ROOT, run_dir, "demo_run.json"), "w") as f:  # kept for later summaries
         json.dump(info, f)
