@@ -1,4 +1,4 @@
-"""Small helpers every wing uses: the one dotted-path loader, the config field checks (an unknown
+"""Small helpers every wing uses: the one dotted-path loader and registry lookup, the config field checks (an unknown
 field refused with the closest names: `unknown_field_error`), the seed stride and the seed
 streams' hash (`stream_seed`), a function's name in messages (`qualname`), the one way sizes are
 written in messages (`format_bytes`) and the device of a collective.
@@ -12,7 +12,7 @@ import dataclasses
 import difflib
 import hashlib
 import importlib
-from typing import Any, Callable, List, Union
+from typing import Any, Callable, List, Mapping, Union
 
 SEED_STRIDE = 1_000_003
 """The prime that keeps seed streams apart: the rollout seeds (``seed x SEED_STRIDE``), the random
@@ -44,6 +44,21 @@ def load_dotted(path: str, field: str) -> Any:
         raise ValueError(f"{field} = {path!r} does not name an importable object: module {module_name!r} has no "
                          f"attribute {name!r}")
     return getattr(module, name)
+
+
+def lookup_registered(name: str, table: Mapping[str, Any], field: str, from_object: Callable[[Any, str], Any]) -> Any:
+    """The entry of a registry ``table`` (the methods, the objectives) called ``name``, or the one a
+    dotted path names (``from_object(load_dotted(name, field), name)``); a ValueError naming
+    ``field``, the valid names (and the closest) for an unknown name."""
+    if name in table:
+        return table[name]
+    if is_dotted_path(name):
+        return from_object(load_dotted(name, field), name)
+    close = difflib.get_close_matches(str(name), table, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    kind = field.rpartition(".")[2]
+    raise ValueError(f"{kind} must be one of {tuple(table)}, got {name!r}{hint} (a user {kind}: its dotted path "
+                     f"'pkg.module:fn')")
 
 
 def check_at_least(obj: Any, minimum: int, *names: str) -> None:

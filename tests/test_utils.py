@@ -6,7 +6,7 @@ import os.path
 
 import pytest
 
-from stapo_megatron.utils import check_at_least, format_bytes, is_dotted_path, load_dotted
+from stapo_megatron.utils import check_at_least, format_bytes, is_dotted_path, load_dotted, lookup_registered
 
 
 def test_dotted_path_form():
@@ -53,3 +53,15 @@ def test_check_at_least_names_the_class_and_field():
     (1 << 62, "4.00 EiB"), (1 << 70, "1024 EiB"), (2.5 * 2**30, "2.50 GiB")])
 def test_format_bytes_picks_the_unit_by_magnitude(nbytes, text):
     assert format_bytes(nbytes) == text
+
+
+def test_lookup_registered_takes_a_name_a_dotted_path_or_names_the_closest():
+    table = {"stapo": "S", "justrl": "J"}
+    assert lookup_registered("stapo", table, "loss.method", lambda obj, path: (obj, path)) == "S"
+    assert lookup_registered("os.path:join", table, "loss.method", lambda obj, path: (obj, path)) == (
+        os.path.join, "os.path:join")
+    with pytest.raises(ValueError, match=r"method must be one of \('stapo', 'justrl'\), got 'stap' "
+                                         r"\(did you mean 'stapo'\?\) \(a user method"):
+        lookup_registered("stap", table, "loss.method", lambda obj, path: obj)
+    with pytest.raises(ValueError, match="loss.objective = 'no_such_pkg.mod:fn' does not name an importable object"):
+        lookup_registered("no_such_pkg.mod:fn", table, "loss.objective", lambda obj, path: obj)

@@ -38,14 +38,13 @@ sequence mean does.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from typing import Any, Callable, Dict, Mapping, Optional
 
 import torch
 
 from stapo_megatron.method.objective import SequenceSum, TokenLoss, token_objective
 from stapo_megatron.method.rollout_correction import segments, sequence_log_ratio
-from stapo_megatron.utils import is_dotted_path, load_dotted, qualname
+from stapo_megatron.utils import lookup_registered, qualname
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,14 +242,7 @@ def get_objective(name: str) -> Objective:
     """The `Objective` called ``name`` (a name of `OBJECTIVES`), or named by a dotted path
     ``pkg.module:fn`` / ``pkg.module.fn`` (`objective_from_object`); a ValueError naming the valid
     names (and the closest) for an unknown name, or naming the path for one that does not import."""
-    if name in OBJECTIVES:
-        return OBJECTIVES[name]
-    if is_dotted_path(name):
-        return objective_from_object(load_dotted(name, "loss.objective"), name)
-    close = difflib.get_close_matches(str(name), OBJECTIVES, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise ValueError(f"objective must be one of {tuple(OBJECTIVES)}, got {name!r}{hint} (a user objective: its "
-                     f"dotted path 'pkg.module:fn')")
+    return lookup_registered(name, OBJECTIVES, "loss.objective", objective_from_object)
 
 
 @torch.no_grad()

@@ -29,15 +29,13 @@ a whole mini-batch (thresholds).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from typing import Any, Callable, Dict, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
 from stapo_megatron.method import masks
-from stapo_megatron.utils import SEED_STRIDE
-from stapo_megatron.utils import is_dotted_path, load_dotted, qualname
+from stapo_megatron.utils import SEED_STRIDE, lookup_registered, qualname
 
 LossConfigT = Any
 """The `stapo_megatron.method.config.LossConfig` a mask or threshold reads (that module imports
@@ -204,11 +202,4 @@ def get_method(name: str) -> Method:
     """The `Method` called ``name`` (a name of `METHODS`), or named by a dotted path
     ``pkg.module:fn`` / ``pkg.module.fn`` (`method_from_object`); a ValueError naming the valid
     names (and the closest) for an unknown name, or naming the path for one that does not import."""
-    if name in METHODS:
-        return METHODS[name]
-    if is_dotted_path(name):
-        return method_from_object(load_dotted(name, "loss.method"), name)
-    close = difflib.get_close_matches(str(name), METHODS, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise ValueError(f"method must be one of {tuple(METHODS)}, got {name!r}{hint} (a user method: its dotted "
-                     f"path 'pkg.module:fn')")
+    return lookup_registered(name, METHODS, "loss.method", method_from_object)
