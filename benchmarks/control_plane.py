@@ -71,7 +71,10 @@ class Setup:
     prompts_per_step: int = 8
     group: int = 8
     trainers: int = 2
-    """Trainer ranks (one data-parallel replica each, one GPU each)."""
+    """Trainer ranks (one data-parallel replica each)."""
+    trainer_gpus: int = 1
+    """GPUs each trainer rank stands for (a replica's TP x PP x CP: the streaming recipe's is 4):
+    its update sleeps the modelled time of that many GPUs."""
     engines: int = 1
     """Engine ranks of separate placement (TP=1 each; above ``trainers``: a replica sliced over several)."""
     scale: float = 100.0
@@ -97,9 +100,10 @@ class Setup:
     seed: int = 0
 
     def job(self, schedule: str) -> Job:
-        gpus = self.trainers + (0 if schedule == "colocated" else self.engines)
+        gpus = self.trainers * self.trainer_gpus + (0 if schedule == "colocated" else self.engines)
         return Job(QWEN3_8B, H100, num_gpus=gpus, engine_tp=1, prompts_per_step=self.prompts_per_step,
-                   group=self.group, lengths=self.lengths, forwards=self.forwards, recompute=self.recompute)
+                   group=self.group, lengths=self.lengths, forwards=self.forwards, recompute=self.recompute,
+                   trainer_replica_gpus=self.trainer_gpus)
 
     def mine(self, step: int, rank: int) -> List[Prompt]:
         """Trainer ``rank``'s prompts of ``step``: its contiguous share, as the trainer's are."""
@@ -232,7 +236,8 @@ def _trainer(setup: Setup, schedule: str, rank: int) -> dict:
         every: List[Optional[list]] = [None] * setup.trainers
         dist.all_gather_object(every, tokens)
         trained = [t for part in every for t in part]
-        train = sum(trainer_s(QWEN3_8B, H100, job.eff, trained, setup.trainers, setup.forwards, setup.recompute))
+        train = sum(trainer_s(QWEN3_8B, H100, job.eff, trained, setup.trainers * setup.trainer_gpus, setup.forwards,
+                              setup.recompute))
         time.sleep(train / setup.scale)
         end = time.perf_counter() - started
         syncing = time.perf_counter()
@@ -402,6 +407,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             ("steps", int, Setup.steps, None), ("warmup", int, Setup.warmup, None),
             ("prompts", int, Setup.prompts_per_step, "prompts a step"), ("group", int, Setup.group, None),
             ("trainers", int, Setup.trainers, "trainer ranks, a replica each"),
+            ("trainer-gpus", int, Setup.trainer_gpus, "GPUs a trainer rank stands for (a replica's TP x PP x CP)"),
             ("engines", int, Setup.engines, "engine ranks (above --trainers: a replica's prompts sliced over several)"),
             ("scale", float, Setup.scale, "simulated seconds per wall second"),
             ("partial-tokens", int, Setup.partial_tokens, None), ("eta", int, Setup.eta, "streaming's bound"),
@@ -419,11 +425,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                   forwards=step_model.recipe_forwards(stream),
                   recompute=stream.model.recompute_granularity == "full") if args.recipe else {}
     setup = Setup(**{**dict(steps=args.steps, warmup=args.warmup, prompts_per_step=args.prompts, group=args.group,
-                            trainers=args.trainers, engines=args.engines, scale=args.scale,
+                            trainers=args.trainers, trainer_gpus=args.trainer_gpus, engines=args.engines, scale=args.scale,
                             partial_tokens=args.partial_tokens, eta=args.eta, stream_iterations=args.stream_iterations,
                             reserve_tokens=args.reserve_tokens, sim_schedule=args.sim_schedule), **recipe})
     print(f"Qwen3-8B on H100s (stand-ins), {setup.prompts_per_step} prompts x {setup.group} a step at the paper's "
-          f"lengths, {setup.trainers} trainer ranks, {setup.engines} engine rank(s) (separate), {setup.steps} steps, "
+          f"lengths, {setup.trainers} trainer ranks ({setup.trainer_gpus} GPU(s) each), {setup.engines} engine rank(s) (separate), {setup.steps} steps, "
           f"steady state over the last {setup.steps - setup.warmup}, time scale 1/{setup.scale:g}; partial: oversample "
           f"{setup.oversample}, rounds of {setup.partial_tokens} tokens; streaming: eta {setup.eta}, "
           f"{setup.stream_iterations} decode iteration(s) a stand-in step, KV reserve "

@@ -98,6 +98,19 @@ def test_the_recipe_split_is_simulated_as_built():
     assert [p.index for p in cp.Setup(prompts_per_step=4).mine(1, 1)] == [6, 7]  # two trainers: contiguous halves
 
 
+def test_a_trainer_rank_stands_for_its_replicas_gpus():
+    """``trainer_gpus``: one trainer rank as the streaming recipe's TP = 4 replica beside its 12
+    engines: the simulator's job counts its 4 GPUs as one replica, the update their share."""
+    setup = cp.Setup(trainers=1, trainer_gpus=4, engines=12, prompts_per_step=8)
+    job = setup.job("streaming")
+    assert (job.num_gpus, job.trainer_replica_gpus) == (16, 4)
+    run = cp.streaming(job, setup.prompts(), setup.steps, 12, 2, engine_tp=1, kv_reserve=1.0, schedule="queue")
+    assert run["streams"] == 1  # one replica
+    tokens = [2000] * 16
+    one, four = (sum(cp.trainer_s(cp.QWEN3_8B, cp.H100, job.eff, tokens, g, 1, False)) for g in (1, 4))
+    assert four < one
+
+
 @pytest.mark.slow  # one launch of four processes
 def test_one_replica_over_three_engines_shares_its_admission_queue():
     """Streaming with one trainer replica and three engines (the recipe's split, scaled down): the
