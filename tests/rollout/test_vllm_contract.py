@@ -24,8 +24,9 @@ from its source, ``vllm-0.33.0`` of PyPI) for the contract's entries:
 - The same in both for Qwen3.5 (`vllm_qwen35`): ``_ModelRegistry.register_model`` (a class object
   becomes a ``_RegisteredModel`` inspected in this process, a "module:Class" string a
   ``_LazyRegisteredModel`` inspected in a subprocess), ``Qwen3_5ForCausalLM`` and
-  ``Qwen3_5MoeForCausalLM`` in ``qwen3_5.py`` (its mapper dropping ``mtp.*``), and ``qwen3_vl.py`` /
-  ``qwen2_vl.py`` importing only ``smart_resize`` from transformers' torchvision image processor.
+  ``Qwen3_5MoeForCausalLM`` in ``qwen3_5.py`` (its mapper dropping ``mtp.*``; the module importing
+  ``qwen3_vl.py`` at the top), and the model modules importing only ``smart_resize`` from
+  transformers' torchvision image processor (`vllm_qwen35.vllm_imports_from` on either tree).
 """
 
 import ast
