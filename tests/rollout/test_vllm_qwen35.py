@@ -1,9 +1,11 @@
 """Tier a: `rollout.vllm_qwen35`: the CPU Qwen3.5 engine's refusals, and vLLM's real Qwen3.5 class
 registered in this process without torchvision (the engine itself: tests/integration/test_qwen35_vllm.py)."""
 
+import json
 import sys
 
 import pytest
+import torch
 
 from stapo_megatron.bridge.tiny import tiny_config
 from stapo_megatron.rollout import vllm_qwen35
@@ -45,6 +47,16 @@ def test_delta_net_head_dims_the_cpu_kernel_refuses_are_refused_by_field(key, va
     with pytest.raises(ValueError, match=f"linear_key_head_dim {key} and linear_value_head_dim {value}"):
         check_cpu_qwen35_engine({**CPU_READY, "linear_key_head_dim": key, "linear_value_head_dim": value},
                                 "bfloat16")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's limits")
+def test_the_engine_refuses_before_vllm_starts(tmp_path):
+    from stapo_megatron.rollout.config import RolloutConfig
+    from stapo_megatron.rollout.vllm_engine import VLLMEngine
+
+    (tmp_path / "config.json").write_text(json.dumps(CPU_READY))  # no weights: vLLM would fail on them
+    with pytest.raises(ValueError, match="RolloutConfig.dtype 'float32'"):
+        VLLMEngine(str(tmp_path), RolloutConfig(dtype="float32"))
 
 
 def test_only_qwen35_engines_are_checked_and_only_on_the_cpu():
