@@ -40,7 +40,11 @@ def _float16_sharded_state_dict(opt, model_sharded_state_dict, is_loading: bool 
     if is_loading:
         opt.init_state_fn(opt.optimizer, opt.config)
     state_dict = opt.state_dict()
-    model_param_of = {id(p.main_param): p for group in opt.float16_groups for p in group}
+    # each master copy's 16-bit parameter by the optimizer's own pairing of its groups, not the
+    # parameter's ``main_param`` attribute: a second optimizer built over the same model (the
+    # warm-start's) sets that attribute to its own copies
+    model_param_of = {id(main): p for model_group, main_group in zip(opt.float16_groups, opt.fp32_from_float16_groups)
+                      for p, main in zip(model_group, main_group)}
     inner = [p for group in opt.optimizer.param_groups for p in group["params"]]
     id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, [model_param_of.get(id(p), p) for p in inner])
     state_ids = [pid for group in state_dict["optimizer"]["param_groups"] for pid in group["params"]]

@@ -5,7 +5,10 @@ the other corners of {distributed optimizer on/off} x {bf16, fp32} are what a us
 overriding one of the two. Each case trains the tiny Qwen3 (the trainer's `build_gpt_model`) one
 step at DP=2 on gloo, saves, builds a fresh model and optimizer from another seed, resumes, and
 checks that the weights, the optimizer's master weights and moments, the Adam step and the
-trainer step equal the saved ones exactly (the same bytes go out and come back).
+trainer step equal the saved ones exactly (the same bytes go out and come back). The last two cases
+build a second optimizer over the model after the first, as the warm-start does for its SFT (with
+bf16 it points each parameter's ``main_param`` at its own master copies); the first one's
+checkpoint must not follow them.
 """
 
 import pytest
@@ -16,19 +19,24 @@ from tests.helpers.dist_utils import run_distributed
 pytestmark = pytest.mark.slow
 
 PROMPT, RESPONSE = 4, 12
-CASES = [(True, True), (True, False), (False, True), (False, False)]  # (use_distributed_optimizer, bf16)
+CASES = [(True, True, False), (True, False, False), (False, True, False), (False, False, False),
+         (False, True, True), (True, True, True)]  # (use_distributed_optimizer, bf16, a second optimizer)
 
 
-def _build(bf16: bool, distributed: bool, seed: int):
+def _build(bf16: bool, distributed: bool, seed: int, second: bool = False):
     from stapo_megatron.bridge.model import build_gpt_model
     from stapo_megatron.bridge.tiny import tiny_config
     from stapo_megatron.mcore.config import OptimConfig
-    from stapo_megatron.mcore.step import wrap_model_and_optimizer
+    from stapo_megatron.mcore.step import build_optimizer, wrap_model_and_optimizer
 
     torch.manual_seed(seed)
     model = build_gpt_model(tiny_config("qwen3"), params_dtype=torch.bfloat16 if bf16 else torch.float32,
                             calculate_per_token_loss=True, bf16=bf16, core_attention="local")
-    return (model,) + wrap_model_and_optimizer(model, OptimConfig(lr=1e-2, use_distributed_optimizer=distributed))
+    config = OptimConfig(lr=1e-2, use_distributed_optimizer=distributed)
+    ddp_model, optimizer = wrap_model_and_optimizer(model, config)
+    if second:  # the warm-start's SFT optimizer, built after the RL one (`trainer.warmstart.WarmStart.train`)
+        build_optimizer(ddp_model, config)
+    return model, ddp_model, optimizer
 
 
 def _optimizer_state(optimizer):
@@ -43,7 +51,7 @@ def _optimizer_state(optimizer):
     return out
 
 
-def _case_worker(run_dir: str, distributed: bool, bf16: bool):
+def _case_worker(run_dir: str, distributed: bool, bf16: bool, second: bool):
     from stapo_megatron.method.config import LossConfig
     from stapo_megatron.mcore import checkpoint as ckpt
     from stapo_megatron.mcore.parallel import destroy_parallel, init_parallel
@@ -53,7 +61,7 @@ def _case_worker(run_dir: str, distributed: bool, bf16: bool):
 
     groups = init_parallel(1, 1, backend="gloo")
     try:
-        inner, model, optimizer = _build(bf16, distributed, seed=1)
+        inner, model, optimizer = _build(bf16, distributed, seed=1, second=second)
         vocab = inner.qwen_spec.vocab_size
         dp_rank, dp = torch.distributed.get_rank(groups.dp), torch.distributed.get_world_size(groups.dp)
         mbs, _ = synthetic_rollouts(4, 4, PROMPT, RESPONSE, vocab, seed=0, micro_batch_size=2)
@@ -81,14 +89,14 @@ def _case_worker(run_dir: str, distributed: bool, bf16: bool):
         destroy_parallel()
 
 
-@pytest.mark.parametrize("distributed,bf16", CASES)
-def test_save_and_resume_with_recipe_optimizer(tmp_path, distributed, bf16):
+@pytest.mark.parametrize("distributed,bf16,second", CASES)
+def test_save_and_resume_with_recipe_optimizer(tmp_path, distributed, bf16, second):
     from stapo_megatron.recipes.paper import qwen3_1p7b
 
     recipe = qwen3_1p7b()
-    if (distributed, bf16) == CASES[0]:  # the recipes' own settings come first
+    if (distributed, bf16, second) == CASES[0]:  # the recipes' own settings come first
         assert (recipe.optim.use_distributed_optimizer, recipe.model.bf16) == (True, True)
-    results = run_distributed(2, _case_worker, str(tmp_path), distributed, bf16)
+    results = run_distributed(2, _case_worker, str(tmp_path), distributed, bf16, second)
     for rank, r in enumerate(results):
         assert r["step"] == 1, (rank, r)
         assert r["differs_before"], "the fresh model must start from other weights, or the test proves nothing"
