@@ -157,5 +157,9 @@ VLLM_DEFAULTS = (
                 "(num_gpu_blocks - 1) x block_size"),
     VLLMDefault("vllm.entrypoints.llm.LLM.sleep", "abort",
                 "sleep's mode aborts running requests: the trainer sleeps only with nothing running"),
+    VLLMDefault("vllm.model_executor.model_loader.reload.layerwise.finalize_layerwise_processing",
+                "%s: Failed to load weights",
+                "a reload that got no weights for a layer keeps its old ones and only logs this on the module's "
+                "logger (`vllm_engine.LAYERWISE_LOGGER`): `vllm_engine.UnloadedLayers` makes it fail the sync"),
 )
 """Defaults and behaviours whose change would silently change the project's results."""

