@@ -27,11 +27,12 @@ import argparse
 import dataclasses
 import json
 import os
-import socket
 import statistics
 
 import torch
 import torch.multiprocessing as mp
+
+from stapo_megatron.utils import free_port, local_rank_env
 
 VOCAB = 2048
 
@@ -61,8 +62,7 @@ def _saved_bytes(fn, exclude) -> int:
 
 
 def _memory_rank(rank: int, cp: int, tokens: int, port: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(cp))
+    os.environ.update(local_rank_env(rank, cp, port))
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -102,9 +102,7 @@ def _memory_rank(rank: int, cp: int, tokens: int, port: int, queue) -> None:
 def memory(tokens: int, sizes) -> list:
     rows, base = [], None
     for cp in sizes:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
         procs = [ctx.Process(target=_memory_rank, args=(r, cp, tokens, port, queue)) for r in range(cp)]

@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 
 import torch
+
+from stapo_megatron.utils import free_port, local_rank_env
 
 QWEN3_CONFIGS = {
     # https://huggingface.co/Qwen/Qwen3-0.6B/blob/main/config.json (architecture fields)
@@ -213,8 +214,7 @@ def main():
     passed = [a for a in sys.argv[1:] if a not in ("--tiny",)]
     for model_name in models:
         for seq_len in seq_lens:
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
-                       LOCAL_RANK="0", WORLD_SIZE="1")
+            env = dict(os.environ, **local_rank_env(0, 1, free_port()))
             cmd = [sys.executable, os.path.abspath(__file__), *passed, "--one", model_name, str(seq_len),
                    "--rate", str(rate)]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -237,12 +237,6 @@ def worker(args, model_name: str, seq_len: str, device, dtype) -> None:
     except torch.OutOfMemoryError:
         print(f"{model_name:>11} {seq_len:>6} out of memory", flush=True)
     destroy_parallel()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 if __name__ == "__main__":

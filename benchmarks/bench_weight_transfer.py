@@ -149,11 +149,11 @@ def main() -> None:
         _staging(args.buckets_kib)
         return
     check_jemalloc()  # the CPU copies into and out of the buckets
-    from tests.helpers.dist_utils import _free_port
+    from stapo_megatron.utils import free_port
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    world, port = 1 + args.engines, _free_port()
+    world, port = 1 + args.engines, free_port()
     procs = [ctx.Process(target=_rank, args=(r, world, port, args, results)) for r in range(world)]
     for p in procs:
         p.start()

@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import socket
 import sys
 import time
 import types
@@ -57,6 +56,8 @@ from sim_model import H100, PAPER_LENGTHS, QWEN3_8B, Lengths, Prompt, sample_pro
 from sim_schedules import Engine, Job, colocated, partial, separate, steady
 from sim_streaming import streaming
 from sleeping_vllm import SleepingVLLM
+
+from stapo_megatron.utils import free_port
 
 SCHEDULES = ("colocated", "k=0", "k=1", "partial", "streaming")
 
@@ -302,9 +303,7 @@ def run_harness(setup: Setup, schedule: str, timeout_s: float = 900.0) -> Dict[i
     import multiprocessing
 
     world = setup.trainers + (0 if schedule == "colocated" else setup.engines)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, setup, schedule, results)) for r in range(world)]

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import socket
 import weakref
 
 import torch
@@ -164,12 +163,9 @@ def _split_at_optimizer(prepare_grads, live: LiveTensorBytes, peaks: dict):
 def one_rank_parallel():
     """This process as a one-rank gloo job: Megatron's parallel state, its `Groups`."""
     from stapo_megatron.mcore.parallel import init_parallel
+    from stapo_megatron.utils import free_port, local_rank_env
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
-                      WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    os.environ.update(local_rank_env(0, 1, free_port()))
     return init_parallel(1, 1)
 
 

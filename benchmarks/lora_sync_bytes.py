@@ -20,18 +20,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import socket
 import tempfile
 
 import torch
 
 PAPER_SIZES = ("qwen3_1p7b", "qwen3_8b", "qwen3_14b", "qwen3_30b_a3b")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def modelled(spec, rank: int, dtype_bytes: int, experts: bool = False) -> tuple:
@@ -67,8 +60,9 @@ def measured(ranks) -> dict:
     from stapo_megatron.rollout.vllm_lora import VLLMLoraEngine, sync_adapters
     from stapo_megatron.rollout.weight_sync import sync_weights
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
-                      WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    from stapo_megatron.utils import free_port, local_rank_env
+
+    os.environ.update(local_rank_env(0, 1, free_port()))
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = os.path.join(tmp, "hf")

@@ -1,7 +1,8 @@
-"""Small helpers every wing uses: the one dotted-path loader and registry lookup, the config field checks (an unknown
-field refused with the closest names: `unknown_field_error`), the seed stride and the seed
+"""Small helpers every wing uses: the one dotted-path loader and registry lookup, the config
+field checks (an unknown field refused with the closest names: `unknown_field_error`), the seed stride and the seed
 streams' hash (`stream_seed`), a function's name in messages (`qualname`), the one way sizes are
-written in messages (`format_bytes`) and the device of a collective.
+written in messages (`format_bytes`), the device of a collective, and a local job's free port
+and rank environment (`free_port`, `local_rank_env`).
 
 Imports nothing of the package (a leaf), so any module may use it without an import circle.
 """
@@ -12,7 +13,8 @@ import dataclasses
 import difflib
 import hashlib
 import importlib
-from typing import Any, Callable, List, Mapping, Union
+import socket
+from typing import Any, Callable, Dict, List, Mapping, Union
 
 SEED_STRIDE = 1_000_003
 """The prime that keeps seed streams apart: the rollout seeds (``seed x SEED_STRIDE``), the random
@@ -44,6 +46,20 @@ def load_dotted(path: str, field: str) -> Any:
         raise ValueError(f"{field} = {path!r} does not name an importable object: module {module_name!r} has no "
                          f"attribute {name!r}")
     return getattr(module, name)
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (the OS picks it), for a job of local processes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def local_rank_env(rank: int, world_size: int, port: int) -> Dict[str, str]:
+    """torch.distributed's environment of rank ``rank`` of a ``world_size``-process job on this
+    machine (its rendezvous at 127.0.0.1:``port``), as torchrun would set it."""
+    return dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
 
 
 def lookup_registered(name: str, table: Mapping[str, Any], field: str, from_object: Callable[[Any, str], Any]) -> Any:

@@ -6,7 +6,8 @@ import os.path
 
 import pytest
 
-from stapo_megatron.utils import check_at_least, format_bytes, is_dotted_path, load_dotted, lookup_registered
+from stapo_megatron.utils import (check_at_least, format_bytes, free_port, is_dotted_path, load_dotted, local_rank_env,
+                                  lookup_registered)
 
 
 def test_dotted_path_form():
@@ -65,3 +66,13 @@ def test_lookup_registered_takes_a_name_a_dotted_path_or_names_the_closest():
         lookup_registered("stap", table, "loss.method", lambda obj, path: obj)
     with pytest.raises(ValueError, match="loss.objective = 'no_such_pkg.mod:fn' does not name an importable object"):
         lookup_registered("no_such_pkg.mod:fn", table, "loss.objective", lambda obj, path: obj)
+
+
+def test_local_rank_env_is_torchruns_and_the_port_is_free():
+    import socket
+
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # nobody holds it
+    assert local_rank_env(1, 2, port) == dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="1", LOCAL_RANK="1",
+                                              WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")

@@ -17,7 +17,6 @@ import math
 import os
 import queue as queue_lib
 import signal
-import socket
 import traceback
 import warnings
 from typing import Optional, Sequence
@@ -25,7 +24,7 @@ from typing import Optional, Sequence
 import torch
 
 from stapo_megatron.bridge.hf_config import num_params
-from stapo_megatron.utils import format_bytes
+from stapo_megatron.utils import format_bytes, free_port, local_rank_env
 
 FP32_LOGIT_TOL = 1e-5
 """Accepted max |logit_megatron - logit_hf| in fp32, relative to the logit scale
@@ -203,15 +202,8 @@ def megatron_worker(ckpt_dir: str, hf_config: dict, layouts: Sequence[tuple[int,
     return results
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawned(rank: int, world: int, port: int, args: tuple, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(local_rank_env(rank, world, port))
     torch.set_num_threads(1)  # ranks share the machine's cores
     # Every rank would repeat megatron-core's and DCP's deprecation and "Apex/TE not installed"
     # warnings; the verify table is the output that matters.
@@ -237,7 +229,7 @@ def megatron_logits(ckpt_dir: str, hf_config: dict, layouts: Sequence[tuple[int,
     # EP is carved out of DP: every layout needs tp x pp x ep ranks (expert TP = TP)
     world = math.lcm(*(tp * pp * expert_model_parallel_size for tp, pp in layouts))
     ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), _free_port()
+    queue, port = ctx.Queue(), free_port()
     worker_args = (ckpt_dir, hf_config, list(layouts), tokens_BS, expert_model_parallel_size)
     procs = [ctx.Process(target=_spawned, args=(r, world, port, worker_args, queue)) for r in range(world)]
     for p in procs:

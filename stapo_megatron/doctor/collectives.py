@@ -15,7 +15,6 @@ rank per local GPU (two gloo ranks on a CPU machine).
 from __future__ import annotations
 
 import os
-import socket
 import time
 from typing import Dict, Optional
 
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from stapo_megatron.doctor.report import Check, failed, passed, skipped
+from stapo_megatron.utils import free_port
 
 NOMINAL_NVLINK_GBPS = {"H100": 450.0, "H200": 450.0, "H20": 450.0, "B200": 900.0, "GB200": 900.0, "A100": 300.0}
 """Per-GPU NVLink bandwidth in one direction, GB/s (NVIDIA's data sheets: NVLink 4 900 GB/s and
@@ -116,9 +116,7 @@ def measure_local(num_ranks: int, backend: str, timeout_s: float = 300.0) -> Dic
     """`measure` over ``num_ranks`` processes spawned on this machine."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_spawned, args=(r, num_ranks, port, backend, queue)) for r in range(num_ranks)]

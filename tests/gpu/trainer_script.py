@@ -91,9 +91,9 @@ def launch(run_dir, model_dir, steps: int, cache_dir: str, deadline: float, cpu:
     """This script in a fresh process (one rank; ``cpu``: no GPU visible); its output, each line
     prefixed with the seconds since the launch at which it arrived. Killed at ``deadline``
     (`time.monotonic`); a failure or a kill names the exit, the phases' times and the tail."""
-    from tests.helpers.dist_utils import _free_port
+    from tests.helpers.dist_utils import free_port
 
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
                WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([REPO] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     if cpu:

@@ -22,9 +22,9 @@ def _run(run_dir, kill_at=""):
     keeps the rank's stderr open and never exits): every process of the launch carries a marker
     in its environment, and whatever is left of it afterwards is killed.
     """
-    from tests.helpers.dist_utils import _free_port, kill_marked
+    from tests.helpers.dist_utils import free_port, kill_marked
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
            SCRIPT, str(run_dir), str(STEPS)] + ([kill_at] if kill_at else [])
     marker = f"{os.getpid()}-{uuid.uuid4().hex}"
     env = dict(os.environ, OMP_NUM_THREADS="1", STAPO_TEST_LAUNCH=marker)

@@ -6,23 +6,18 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import socket
 import threading
 import traceback
 
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from stapo_megatron.utils import free_port, local_rank_env
 
 
 @contextlib.contextmanager
 def single_process_env():
     """torch.distributed's environment for a one-rank group in this process; restored on exit."""
-    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    env = local_rank_env(0, 1, free_port())
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -92,7 +87,7 @@ def run_distributed(world_size: int, fn, *args, timeout: float = 600.0) -> list:
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue))
         for r in range(world_size)

@@ -11,7 +11,7 @@ import uuid
 
 from stapo_megatron.trainer import faults
 from tests.helpers import HELPERS_DIR
-from tests.helpers.dist_utils import _free_port, kill_marked
+from tests.helpers.dist_utils import free_port, kill_marked
 
 SCRIPT = os.path.join(HELPERS_DIR, "fault_script.py")
 
@@ -31,7 +31,7 @@ def _two_nodes(output_dir, fault, *overrides, script=SCRIPT):
     other agent would lose the store and end at once with torchrun's own
     RendezvousConnectionError, stopping its rank before it could name the failed one.)
     """
-    port, marker = _free_port(), f"{os.getpid()}-{uuid.uuid4().hex}"
+    port, marker = free_port(), f"{os.getpid()}-{uuid.uuid4().hex}"
     logs = [tempfile.TemporaryFile() for _ in range(2)]
     agents = []
     for node, log in enumerate(logs):

@@ -120,13 +120,13 @@ def test_trainer_runs_at_cp2(tmp_path):
     import sys
 
     from stapo_megatron.mcore import checkpoint as ckpt
-    from tests.helpers.dist_utils import _free_port
+    from tests.helpers.dist_utils import free_port
 
     here = TESTS_DIR
     model_dir, run_dir = tmp_path / "model", tmp_path / "run"
     subprocess.run([sys.executable, os.path.join(here, "..", "examples", "prepare_tiny_model.py"), str(model_dir)],
                    check=True, capture_output=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
            os.path.join(HELPERS_DIR, "cp_trainer_script.py"), str(run_dir), str(model_dir), "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-4000:]

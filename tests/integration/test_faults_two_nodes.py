@@ -7,7 +7,7 @@ import os
 import subprocess
 import pytest
 from stapo_megatron.mcore import checkpoint as ckpt
-from tests.helpers.dist_utils import _free_port
+from tests.helpers.dist_utils import free_port
 from tests.helpers.two_node_faults import SCRIPT, _record, _root_causes, _torchrun, _two_nodes  # noqa: F401
 
 
@@ -68,7 +68,7 @@ def test_node_never_joining_ends_the_rendezvous(tmp_path):
     from stapo_megatron.launch import executors
 
     assert executors.CLUSTER_ENV["PET_RDZV_CONF"] == f"join_timeout={executors.RDZV_JOIN_TIMEOUT_S}"
-    cmd = _torchrun("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+    cmd = _torchrun("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
                     "--rdzv-id", "lonely", SCRIPT, str(tmp_path / "run"), "none")
     env = dict(os.environ, PET_RDZV_CONF="join_timeout=3")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.helpers import HELPERS_DIR, REPO_DIR
-from tests.helpers.dist_utils import _free_port
+from tests.helpers.dist_utils import free_port
 from tests.helpers.engine_parity import LOGPROB_ATOL
 from tests.helpers.repo_scripts import compare_metrics
 
@@ -38,7 +38,7 @@ rewards in every group, so that a few steps train the adapters); two trainers an
 
 def _launch(run_dir, *overrides: str):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--max-restarts", "0",
-           "--master-port", str(_free_port()), SCRIPT, str(run_dir), *LORA, *overrides]
+           "--master-port", str(free_port()), SCRIPT, str(run_dir), *LORA, *overrides]
     # the script imports tests.helpers and the reward is named by dotted path: the checkout on the path
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=REPO_DIR)
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)

@@ -20,10 +20,10 @@ WAIT_LIMIT_S = 300.0
 @pytest.mark.slow
 def test_warning_signal_to_torchrun_saves_the_next_step_and_resume_continues(tmp_path):
     """~40 s: two torchrun launches of the 2-rank checkpoint script."""
-    from tests.helpers.dist_utils import _free_port
+    from tests.helpers.dist_utils import free_port
 
     run_dir, K = tmp_path / "run", 2
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
            SCRIPT, str(run_dir), str(STEPS), f"signal:{K}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", **torchrun_env(WAIT_LIMIT_S))
     with tempfile.TemporaryFile() as err:

@@ -17,7 +17,7 @@ import pytest
 
 from stapo_megatron.mcore import checkpoint as ckpt
 from tests.helpers import HELPERS_DIR, REPO_DIR
-from tests.helpers.dist_utils import _free_port
+from tests.helpers.dist_utils import free_port
 
 
 pytestmark = pytest.mark.slow
@@ -71,7 +71,7 @@ def test_stapo_steps_on_a_tiny_qwen35(tmp_path, engine):
         _write_h128_model(model_dir)
     with open(model_dir / "config.json") as f:
         assert json.load(f)["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", f"--master-port={_free_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", f"--master-port={free_port()}",
            os.path.join(HELPERS_DIR, "qwen35_trainer_script.py"), str(run_dir), str(model_dir), str(STEPS),
            str(WARMSTART_STEPS), *overrides]
     # the script names the test reward by its dotted path: the checkout on the children's path

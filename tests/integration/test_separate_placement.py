@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.helpers.dist_utils import _free_port
+from tests.helpers.dist_utils import free_port
 from tests.helpers.two_node_faults import _root_causes, _two_nodes
 from tests.helpers import HELPERS_DIR
 from tests.helpers.reference_metrics import reference_differences
@@ -28,7 +28,7 @@ SEPARATE = ("rollout.mode=separate", "rollout.separate.engine_ranks=1")
 
 def _launch(nproc: int, run_dir, fault: str = "none", *overrides: str, timeout: int = 900):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--max-restarts", "0",
-           "--master-port", str(_free_port()), SCRIPT, str(run_dir), fault, *overrides]
+           "--master-port", str(free_port()), SCRIPT, str(run_dir), fault, *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
@@ -105,7 +105,7 @@ def test_warning_signal_saves_and_the_engines_stop_cleanly(tmp_path):
     run_dir = tmp_path / "run"
     args = [*SEPARATE, "rollout.separate.max_staleness=1", "steps=5", "eval.every=0"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--max-restarts", "0",
-           "--master-port", str(_free_port()), SCRIPT, str(run_dir), "signal:1", *args]
+           "--master-port", str(free_port()), SCRIPT, str(run_dir), "signal:1", *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", **torchrun_env(120))
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True)
     try:

@@ -18,7 +18,7 @@ import uuid
 import pytest
 
 from tests.helpers import HELPERS_DIR
-from tests.helpers.dist_utils import _free_port, kill_marked
+from tests.helpers.dist_utils import free_port, kill_marked
 
 SCRIPT = os.path.join(HELPERS_DIR, "separate_script.py")
 P = 4  # prompts a step: the least that keeps a step's groups in flight beside the next steps'
@@ -38,7 +38,7 @@ def _launch(run_dir, fault: str, *overrides: str):
     is killed (the outputs go to files, so the launch's end is not its orphans' end).
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "0",
-           "--master-port", str(_free_port()), SCRIPT, str(run_dir), fault, *STREAMING, *overrides]
+           "--master-port", str(free_port()), SCRIPT, str(run_dir), fault, *STREAMING, *overrides]
     marker = f"{os.getpid()}-{uuid.uuid4().hex}"
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", STAPO_TEST_LAUNCH=marker)
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from tests.helpers import HELPERS_DIR
-from tests.helpers.dist_utils import _free_port
+from tests.helpers.dist_utils import free_port
 from tests.helpers.repo_scripts import compare_metrics
 from tests.helpers.two_node_faults import _root_causes, _two_nodes
 
@@ -26,7 +26,7 @@ P = 16  # prompts a step (tests/helpers/separate_script.py's recipe)
 
 def _launch(run_dir, *overrides: str):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--max-restarts", "0",
-           "--master-port", str(_free_port()), SCRIPT, str(run_dir), "none", *overrides]
+           "--master-port", str(free_port()), SCRIPT, str(run_dir), "none", *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
 

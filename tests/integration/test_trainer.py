@@ -10,7 +10,7 @@ import pytest
 
 from stapo_megatron.mcore import checkpoint as ckpt
 from stapo_megatron.runlog.progress import WALL_CLOCK_FIELDS
-from tests.helpers.dist_utils import _free_port
+from tests.helpers.dist_utils import free_port
 from tests.helpers import TESTS_DIR, HELPERS_DIR
 
 pytestmark = pytest.mark.slow
@@ -26,7 +26,7 @@ REQUIRED = (
 
 
 def _train(model_dir, run_dir, cache_dir):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
            os.path.join(HELPERS_DIR, "trainer_script.py"), str(run_dir), str(model_dir), "2", str(cache_dir)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -84,9 +84,9 @@ def _transfer(port: int) -> dict:
 
 
 def test_a_streamed_transfer_holds_at_most_two_buckets_and_delivers_the_tensors_sent():
-    from tests.helpers.dist_utils import _free_port
+    from tests.helpers.dist_utils import free_port
 
-    _, engine = run_distributed(2, _transfer, _free_port(), timeout=300)
+    _, engine = run_distributed(2, _transfer, free_port(), timeout=300)
     assert engine["streamed_equal"] and engine["whole_equal"]
     # Exact: streamed, the engine loads from one bucket at a time (the next one travelling: two
     # resident); received whole, it holds all twelve.
