@@ -94,7 +94,9 @@ def packed_delta_net():
     import torch
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
-    from stapo_megatron.mcore.mcore_versions import delta_net_takes_packed
+    from megatron.core import __version__ as megatron_version
+
+    from stapo_megatron.mcore.mcore_versions import delta_net_has_context_parallel, delta_net_takes_packed
 
     class PackedGatedDeltaNet(GatedDeltaNet):
         """GatedDeltaNet that keeps packed sequences apart (`packed_delta_net`)."""
@@ -105,9 +107,12 @@ def packed_delta_net():
             if packed_seq_params.qkv_format != "thd" or self.config.sequence_parallel:
                 raise ValueError(f"packed delta-net layers need qkv_format 'thd' without sequence parallelism, got "
                                  f"{packed_seq_params.qkv_format!r}, sequence_parallel={self.config.sequence_parallel}")
-            if self.config.context_parallel_size > 1:
-                raise ValueError("packed delta-net layers do not support context parallelism")
-            if delta_net_takes_packed() and not self.config.deterministic_mode:
+            if self.config.context_parallel_size > 1 and not delta_net_has_context_parallel():
+                raise ValueError(f"packed delta-net layers have no context parallelism on megatron-core "
+                                 f"{megatron_version} (model.context_parallel_size "
+                                 f"{self.config.context_parallel_size}): it needs megatron-core 0.19 or later")
+            if self.config.context_parallel_size > 1 or (delta_net_takes_packed()
+                                                         and not self.config.deterministic_mode):
                 return super().forward(hidden_states, attention_mask, *args, packed_seq_params=packed_seq_params,
                                        **kwargs)
             bounds = packed_seq_params.cu_seqlens_q.tolist()
@@ -152,7 +157,8 @@ def hybrid_block_spec(spec: QwenSpec, full_attention_layer, config, vp_stage: Op
     from stapo_megatron.bridge.norm import final_norm
 
     check_delta_net_version()
-    problems = delta_net_layout_problems(spec, config.context_parallel_size)
+    problems = delta_net_layout_problems(spec, config.context_parallel_size,
+                                         tensor_model_parallel_size=config.tensor_model_parallel_size)
     if problems:
         raise ValueError(problems[0])
     linear = delta_net_layer(full_attention_layer)

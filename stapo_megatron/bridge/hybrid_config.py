@@ -115,24 +115,42 @@ def check_hybrid_parallel(spec, tensor_model_parallel_size: int) -> list[tuple]:
 
 
 def delta_net_layout_problems(spec, context_parallel_size: int, sequence_parallel: bool = False,
-                              packed: bool = False) -> list[str]:
+                              packed: bool = False, tensor_model_parallel_size: int = 1) -> list[str]:
     """What the delta-net layers of ``spec`` refuse of a parallel layout (empty for a model
-    without them): context parallelism (megatron-core 0.16 and 0.17's gated delta net has none; the
-    bridge does not build on 0.18's), and sequence parallelism with packed micro-batches (the
-    packed delta-net layer of 0.16 and 0.17 runs each sequence on its own,
+    without them): context parallelism before megatron-core 0.19 (0.16 and 0.17's gated delta net
+    has none, the bridge does not build on 0.18's; `mcore_versions.delta_net_has_context_parallel`),
+    and from 0.19 a CP size that does not divide each TP rank's key and value heads (the
+    all-to-all gives every CP rank 1 / CP of them); sequence parallelism with packed micro-batches
+    (the packed delta-net layer of 0.16 and 0.17 runs each sequence on its own,
     `bridge.hybrid.packed_delta_net`, so a TP rank needs whole sequences; refused on every release
     alike, so a layout means the same on all)."""
     if not spec.is_hybrid:
         return []
     problems = []
     if context_parallel_size > 1:
-        problems.append(f"model.context_parallel_size {context_parallel_size} is not supported for {spec.architecture}: "
-                        f"the delta-net layers have no context parallelism here (layer_types has "
-                        f"{len(spec.layers_of_type(LINEAR_ATTENTION))} linear_attention layers); use "
-                        f"model.context_parallel_size=1")
+        problems += _delta_net_cp_problems(spec, context_parallel_size, tensor_model_parallel_size)
     if packed and sequence_parallel:
         problems.append(f"model.sequence_parallel=True with packed micro-batches is not supported for "
                         f"{spec.architecture}: the packed delta-net layer is built without it (on megatron-core 0.16 "
                         f"and 0.17 it runs each sequence on its own, whole on every TP rank); set "
                         f"model.sequence_parallel=False or packing='padded'")
     return problems
+
+
+def _delta_net_cp_problems(spec, cp: int, tp: int) -> list[str]:
+    """`delta_net_layout_problems`' context-parallel part (``cp`` > 1): the installed
+    megatron-core's release, then the heads per TP rank over CP."""
+    from megatron.core import __version__  # here: the config tree imports this module without megatron
+
+    from stapo_megatron.mcore.mcore_versions import DELTA_NET_CP_SINCE, delta_net_has_context_parallel
+
+    if not delta_net_has_context_parallel():
+        return [f"model.context_parallel_size {cp} is not supported for {spec.architecture} on megatron-core "
+                f"{__version__}: its delta-net layers (layer_types has {len(spec.layers_of_type(LINEAR_ATTENTION))} "
+                f"linear_attention layers) have context parallelism from megatron-core "
+                f"{'.'.join(map(str, DELTA_NET_CP_SINCE))}; use model.context_parallel_size=1 or a newer megatron-core"]
+    return [f"{field} {count} per tensor_model_parallel_size {tp} rank ({count // tp}) is not divisible by "
+            f"model.context_parallel_size {cp} (the delta-net layers give each CP rank 1 / CP of a TP rank's heads)"
+            for field, count in (("linear_num_key_heads", spec.linear_num_key_heads),
+                                 ("linear_num_value_heads", spec.linear_num_value_heads))
+            if count % tp == 0 and (count // tp) % cp]

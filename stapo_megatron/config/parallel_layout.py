@@ -178,8 +178,10 @@ def model_problems(spec: Any, cfg: Any) -> List[str]:
                         f"{m.pipeline_model_parallel_size}")
     if m.sequence_parallel and tp == 1:
         problems.append("sequence_parallel needs tensor_model_parallel_size > 1")
-    # Qwen3.5's delta-net layers: no CP, no sequence parallelism with packing (the bridge's check)
-    problems += delta_net_layout_problems(spec, cp, m.sequence_parallel, packed=cfg.packing != "padded")
+    # Qwen3.5's delta-net layers: CP from megatron-core 0.19 (heads per TP rank over CP), no sequence
+    # parallelism with packing (the bridge's check)
+    problems += delta_net_layout_problems(spec, cp, m.sequence_parallel, packed=cfg.packing != "padded",
+                                          tensor_model_parallel_size=tp)
     problems += [f"{field} {value} is not divisible by {name} {size}"
                  for size, name, field, value in check_hybrid_parallel(spec, tp) if value % size]
     return problems + _expert_problems(spec, cfg)

@@ -17,6 +17,9 @@ never a test of upstream source text, with the release that changed it:
   base class, ``l2norm``, ``HAVE_FLA``; ``gdn.py``: ``GatedDeltaNet`` and the kernels it binds),
   each module holding its own references to fla's kernels. Read from the classes' ``__module__``
   (where their methods look names up), not from the version.
+- ``delta_net_has_context_parallel``: 0.19.0's ``gated_delta_net/gdn.py`` runs context parallelism
+  on packed (THD) input, with the load-balanced split of every sequence (all-to-all to head
+  shards, one permutation folding the undoing of the split, conv weights sliced per CP rank).
 
 Also the one use of a private torch call, `in_backward`: torch 2.13 has no public API that tells a
 forward run inside a backward pass (activation recomputation) from an ordinary forward.
@@ -37,6 +40,9 @@ TE_MOE_NAMES_BOUND_SINCE = (0, 17)
 
 DELTA_NET_PACKED_SINCE = (0, 18)
 """First megatron-core release whose GatedDeltaNet takes packed (THD) input and binds its kernel at construction."""
+
+DELTA_NET_CP_SINCE = (0, 19)
+"""First megatron-core release whose GatedDeltaNet the Qwen3.5 model here runs with context parallelism."""
 
 _TE_MOE_NAMES = ("te_general_gemm", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
                  "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
@@ -85,6 +91,18 @@ def delta_net_takes_packed() -> bool:
     call over the row, the convolution and the recurrence restarting at each ``cu_seqlens``
     boundary); before 0.18 its forward raises NotImplementedError for ``packed_seq_params``."""
     return mcore_release() >= DELTA_NET_PACKED_SINCE
+
+
+def delta_net_has_context_parallel() -> bool:
+    """Whether Qwen3.5's delta-net layers run with context parallelism here (megatron-core 0.19.0
+    and later, `bridge.hybrid.packed_delta_net`): 0.19's GatedDeltaNet takes a packed row split
+    over the CP ranks as `batch.context_parallel` splits it (chunks r and 2 CP - 1 - r of every
+    sequence, the global ``cu_seqlens``), exchanges it all-to-all for whole sequences of 1 / CP of
+    this TP rank's heads (``_build_thd_cp_a2a_perm`` undoes the split in the same permutation),
+    convolves them with its CP rank's slice of the conv weights (``get_parameter_local_cp``) and
+    runs the delta rule per sequence, then exchanges back. 0.16 and 0.17 have no context
+    parallelism; 0.18's is not built on here."""
+    return mcore_release() >= DELTA_NET_CP_SINCE
 
 
 def delta_net_modules() -> tuple:
