@@ -129,7 +129,8 @@ test: $(STAMP)
 MCORE019 := .mcore019
 MCORE019_TESTS := $(addprefix tests/integration/,test_parallel.py test_sft_tp2.py test_checkpoint_sigkill_resume.py \
 	test_checkpoint_recipes.py test_conversion_parity.py test_paper_fidelity_megatron.py test_rollout_weight_sync.py \
-	test_lora_parallel.py test_qwen35_rollouts.py test_qwen35_trainer.py) tests/bridge/test_hybrid.py
+	test_lora_parallel.py test_qwen35_rollouts.py test_qwen35_trainer.py test_delta_net_context_parallel.py) \
+	tests/bridge/test_hybrid.py
 $(MCORE019)/megatron/core/__init__.py:
 	rm -rf $(MCORE019) && mkdir -p $(MCORE019)/wheel
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -29,8 +29,15 @@ itself, the convolution and the recurrence restarting at every sequence of ``cu_
 varlen kernels on CUDA; on the CPU the shim's kernels run each sequence alone); 0.16 and 0.17
 refuse ``PackedSeqParams``, and the layer here runs their GatedDeltaNet on each sequence alone.
 Either way packed equals padded.
-Not supported: context parallelism (ValueError here: 0.16 and 0.17 have none; 0.18's is not
-built on here), sequence parallelism with packed delta-net layers, the transformer-engine spec
+Context parallelism (from megatron-core 0.19, `mcore_versions.delta_net_has_context_parallel`):
+the packed row split over the CP ranks as `batch.context_parallel` splits it goes through 0.19's
+own forward, which exchanges it all-to-all for whole sequences on 1 / CP of this TP rank's heads,
+convolves them with its CP rank's slice of the conv weights and exchanges the output back; the
+parameters stay whole on every CP rank, so checkpoints are the same at every CP size. Refused
+(`check_delta_net_layout`, ValueError naming the release) on 0.16 to 0.18 (0.16 and 0.17 have
+none; 0.18's is not built on here), and from 0.19 when CP does not divide a TP rank's key and
+value heads.
+Not supported: sequence parallelism with packed delta-net layers, the transformer-engine spec
 (`model.build_gpt_model`).
 """
 
@@ -66,6 +73,15 @@ def check_delta_net_version() -> None:
         raise ValueError(gap)
 
 
+def check_delta_net_layout(spec: QwenSpec, context_parallel_size: int, tensor_model_parallel_size: int) -> None:
+    """ValueError with the first of `hybrid_config.delta_net_layout_problems` for this CP and TP
+    size (context parallelism before megatron-core 0.19, CP not dividing a TP rank's delta-net heads)."""
+    problems = delta_net_layout_problems(spec, context_parallel_size,
+                                         tensor_model_parallel_size=tensor_model_parallel_size)
+    if problems:
+        raise ValueError(problems[0])
+
+
 def hybrid_settings(spec: QwenSpec) -> dict:
     """TransformerConfig's fields for a Qwen3.5 spec (`hybrid_config` documents each)."""
     if not spec.is_hybrid and not spec.attention_output_gate:
@@ -90,7 +106,9 @@ def packed_delta_net():
     forward does it in one call over the row (`mcore_versions.delta_net_takes_packed`; not in its
     deterministic mode, which refuses packed input); 0.16 and 0.17 raise NotImplementedError for
     packed input, and this one runs their forward on each sequence alone (what the padded batch
-    computed for it: its right padding comes after it in a causal recurrence)."""
+    computed for it: its right padding comes after it in a causal recurrence). With context
+    parallelism (0.19 and later) the row always goes to megatron-core's forward: its CP exchange
+    needs the row whole (it refuses deterministic mode for packed input); before 0.19 CP raises.""
     import torch
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
@@ -157,10 +175,7 @@ def hybrid_block_spec(spec: QwenSpec, full_attention_layer, config, vp_stage: Op
     from stapo_megatron.bridge.norm import final_norm
 
     check_delta_net_version()
-    problems = delta_net_layout_problems(spec, config.context_parallel_size,
-                                         tensor_model_parallel_size=config.tensor_model_parallel_size)
-    if problems:
-        raise ValueError(problems[0])
+    check_delta_net_layout(spec, config.context_parallel_size, config.tensor_model_parallel_size)
     linear = delta_net_layer(full_attention_layer)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage,
                                           pp_rank=ps.get_pipeline_model_parallel_rank())

@@ -150,6 +150,10 @@ def build_gpt_model(
                          "the fused router ignores the replayed routes; turn one of them off")
     if spec.is_moe and cp > 1:
         _check_moe_context_parallel(cp, config_overrides)
+    if spec.is_hybrid:  # before TransformerConfig, whose own check (0.16) names no field or version
+        from stapo_megatron.bridge.hybrid import check_delta_net_layout
+
+        check_delta_net_layout(spec, config_overrides.get("context_parallel_size", 1), tp)
     if spec.is_moe:
         # The expert layout is the one the parallel state was built with (init_parallel).
         config_overrides = {"expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),

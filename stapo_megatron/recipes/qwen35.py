@@ -6,9 +6,9 @@ count what ``stapo-convert`` builds. The STAPO settings are the Qwen3 recipes' (
 JustRL + S2T, 3000 steps, lr 1e-6, 256 x 8 rollouts, 16k-token sequences); only the layout differs,
 chosen with the memory model (`recipes.memory`, with the delta-net layers of `recipes.delta_net`):
 
-- Qwen3.5 has no context parallelism here (megatron-core 0.16 and 0.17's gated delta net has
-  none, the bridge does not build on 0.18's; the layout check refuses
-  ``model.context_parallel_size`` > 1), so a 16k sequence is whole on a rank;
+- the layouts have no context parallelism, so a 16k sequence is whole on a rank (Qwen3.5 runs
+  with CP from megatron-core 0.19, `bridge.hybrid`; the layout check refuses
+  ``model.context_parallel_size`` > 1 on 0.16 to 0.18);
 - the packed delta-net layer is built without sequence parallelism (on 0.16 and 0.17 it runs each
   sequence on its own, whole on every TP rank), so packing (``packing="budget"``) goes without
   sequence parallelism, and sequence parallelism with ``packing="padded"`` (which pipeline

@@ -19,6 +19,7 @@ from stapo_megatron.bridge.tiny import save_tiny_hf_model, tiny_config
 from stapo_megatron.conversion.cli import main
 from stapo_megatron.conversion.dcp_io import CheckpointReader
 from stapo_megatron.conversion.hf_to_mcore import extra_state_objects
+from stapo_megatron.mcore.mcore_versions import delta_net_has_context_parallel
 from stapo_megatron.conversion.verify import (HYBRID_LOGIT_TOL, _megatron_forward, compare, fixed_prompts, hf_logits,
                                               verify)
 from tests.helpers.dist_utils import one_rank_parallel
@@ -91,6 +92,19 @@ def test_transformer_engine_spec_is_refused_for_delta_net_layers():
     with one_rank_parallel():
         with pytest.raises(ValueError, match="Qwen3_5ForCausalLM .delta-net layers. is built on the local spec only"):
             build_gpt_model(tiny_config("qwen3.5"), use_te=True)
+
+
+@pytest.mark.skipif(delta_net_has_context_parallel(), reason="megatron-core 0.19 builds Qwen3.5 with context "
+                    "parallelism (tests/integration/test_delta_net_context_parallel.py)")
+def test_context_parallelism_is_refused_at_build_before_megatron_core_0_19():
+    """The bridge refuses CP for the delta-net layers before megatron-core's TransformerConfig
+    does (0.16's assert names neither the field nor the release)."""
+    from megatron.core import __version__
+
+    with one_rank_parallel(), pytest.raises(ValueError) as refused:
+        build_gpt_model(tiny_config("qwen3.5"), core_attention="sdpa", context_parallel_size=2)
+    assert str(refused.value).startswith(f"model.context_parallel_size 2 is not supported for Qwen3_5ForCausalLM on "
+                                         f"megatron-core {__version__}")
 
 
 def test_weight_stream_of_the_loaded_model_is_the_hf_checkpoint(converted):

@@ -112,15 +112,32 @@ def test_qwen35_moe_fields():
         spec_from_hf_config({**cfg, "mlp_only_layers": [0]})
 
 
-def test_delta_net_layouts_refuse_cp_and_packed_sequence_parallelism_naming_the_fields():
-    """One check for the bridge (the block spec refuses CP) and the layout validator (which also
-    refuses sequence parallelism with packed micro-batches)."""
+def test_delta_net_layouts_refuse_cp_by_release_and_packed_sequence_parallelism_naming_the_fields():
+    """One check for the bridge (the block spec) and the layout validator (which also refuses
+    sequence parallelism with packed micro-batches): context parallelism before megatron-core
+    0.19, naming the installed version; from 0.19 a CP size that does not divide a TP rank's
+    delta-net key or value heads (the tiny has 2 key and 4 value heads)."""
+    from megatron.core import __version__
+
     from stapo_megatron.bridge.hybrid_config import delta_net_layout_problems
+    from stapo_megatron.mcore.mcore_versions import delta_net_has_context_parallel
 
     hybrid, dense = spec_from_hf_config(tiny_config("qwen3.5")), spec_from_hf_config(tiny_config("qwen3"))
     assert delta_net_layout_problems(hybrid, 1, sequence_parallel=True, packed=False) == []
     assert delta_net_layout_problems(hybrid, 1, sequence_parallel=False, packed=True) == []
     assert delta_net_layout_problems(dense, 4, sequence_parallel=True, packed=True) == []
-    cp, sp = delta_net_layout_problems(hybrid, 2, sequence_parallel=True, packed=True)
-    assert cp.startswith("model.context_parallel_size 2 is not supported for Qwen3_5ForCausalLM") and "3 linear" in cp
+    (sp,) = delta_net_layout_problems(hybrid, 1, sequence_parallel=True, packed=True)
     assert sp.startswith("model.sequence_parallel=True with packed micro-batches is not supported")
+    if not delta_net_has_context_parallel():
+        cp, sp2 = delta_net_layout_problems(hybrid, 2, sequence_parallel=True, packed=True)
+        assert cp.startswith(f"model.context_parallel_size 2 is not supported for Qwen3_5ForCausalLM on "
+                             f"megatron-core {__version__}") and "3 linear" in cp and "from megatron-core 0.19" in cp
+        assert sp2 == sp
+        return
+    assert delta_net_layout_problems(hybrid, 2, packed=True) == []
+    (key,) = delta_net_layout_problems(hybrid, 4, packed=True)
+    assert key.startswith("linear_num_key_heads 2 per tensor_model_parallel_size 1 rank (2) is not divisible by "
+                          "model.context_parallel_size 4")
+    (key,) = delta_net_layout_problems(hybrid, 2, packed=True, tensor_model_parallel_size=2)
+    assert key.startswith("linear_num_key_heads 2 per tensor_model_parallel_size 2 rank (1) is not divisible")
+    assert len(delta_net_layout_problems(hybrid, 8, packed=True)) == 2  # key and value heads

@@ -1,8 +1,10 @@
 """Tier a: the Qwen3.5 recipes (stapo_megatron/recipes/qwen35.py): their architectures as the
 converter reads the released text configs, the parameter counts against the model cards, the
-paper's STAPO settings, layouts without context parallelism, and the refusals naming the field."""
+paper's STAPO settings, layouts without context parallelism, and the refusals naming the field
+(context parallelism: before megatron-core 0.19, or not dividing the delta-net heads)."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -60,9 +62,27 @@ def test_the_kv_cache_counts_full_attention_layers_and_states_per_sequence():
     ("qwen35_27b", dict(model={"context_parallel_size": 2, "pipeline_model_parallel_size": 1},
                         packing="budget", max_tokens_per_microbatch=8192)),
 ])
-def test_context_parallelism_is_refused_naming_the_field(size, overrides):
-    with pytest.raises(ValueError, match=r"model.context_parallel_size 2 is not supported for Qwen3_5"):
+def test_context_parallelism_is_refused_before_megatron_core_0_19_naming_the_field(size, overrides):
+    """Before megatron-core 0.19 the dry run refuses CP naming the field and the installed release;
+    from 0.19 it refuses only a CP size that does not divide a TP rank's delta-net heads."""
+    from megatron.core import __version__
+
+    from stapo_megatron.mcore.mcore_versions import delta_net_has_context_parallel
+
+    if not delta_net_has_context_parallel():
+        with pytest.raises(ValueError, match=rf"model.context_parallel_size 2 is not supported for Qwen3_5\w+ on "
+                                             rf"megatron-core {re.escape(__version__)}"):
+            build_config(size, check_paths=False, **overrides)
+        return
+    try:
         build_config(size, check_paths=False, **overrides)
+    except ValueError as refused:  # the 27B at CP = 2 is refused for other reasons (memory, sequence parallelism)
+        assert "context_parallel_size 2 is not supported" not in str(refused)
+    tp = paper.LAYOUTS[size].tensor_model_parallel_size
+    cp = 16  # more CP ranks than the 16 key heads leave per TP rank (8 and 4)
+    with pytest.raises(ValueError, match=rf"linear_num_key_heads 16 per tensor_model_parallel_size {tp} rank "
+                                         rf"\({16 // tp}\) is not divisible by model.context_parallel_size {cp}"):
+        build_config(size, check_paths=False, **{**overrides, "model": {**overrides["model"], "context_parallel_size": cp}})
 
 
 def test_sequence_parallelism_with_packing_is_refused_naming_the_fields():
