@@ -108,7 +108,7 @@ def packed_delta_net():
     packed input, and this one runs their forward on each sequence alone (what the padded batch
     computed for it: its right padding comes after it in a causal recurrence). With context
     parallelism (0.19 and later) the row always goes to megatron-core's forward: its CP exchange
-    needs the row whole (it refuses deterministic mode for packed input); before 0.19 CP raises.""
+    needs the row whole (it refuses deterministic mode for packed input); before 0.19 CP raises."""
     import torch
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 

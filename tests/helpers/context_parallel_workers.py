@@ -1,5 +1,6 @@
 """Context parallelism's gloo workers and their shared data: 16 uneven rollouts, the CP attention
-worker, the training worker (CP=1 and CP=2 in the same processes), the checkpoint worker (CP=2
+worker, the training worker (CP=1 and CP=2 in the same processes; the tiny GPT or, for
+``tests/integration/test_delta_net_context_parallel.py``, the bridge's tiny Qwen3.5), the checkpoint worker (CP=2
 to CP=1 and back), the evaluation worker, and `_check_same`, which compares a CP layout's updates
 with CP=1's. Used by ``tests/batch/test_context_parallel.py`` (the rollouts) and by the
 multi-process tests in ``tests/integration/``.
@@ -96,13 +97,16 @@ def _attention_worker(cp):
 
 
 def _loss_config(method):
-    """"stapo" (S2T exercised), or "grpo_seq_mask": GRPO (sequence mean, k3 KL 0.04 to a
-    reference model) with the ``seq_mask`` correction, bounds exp(+-0.1) (`_sequence_inputs`)."""
+    """"stapo" (S2T exercised at the 512-token vocabulary; "stapo_300" at 300 tokens), or
+    "grpo_seq_mask": GRPO (sequence mean, k3 KL 0.04 to a reference model) with the ``seq_mask``
+    correction, bounds exp(+-0.1) (`_sequence_inputs`)."""
     from stapo_megatron.method.config import LossConfig, method_loss_config
     from stapo_megatron.method.rollout_correction import RolloutCorrectionConfig
 
     if method == "stapo":
         return LossConfig(method="stapo", tau_p=0.0015)
+    if method == "stapo_300":  # the tiny Qwen3.5's 300-token vocabulary: tau_p above 1 / 300, so S2T silences
+        return LossConfig(method="stapo", tau_p=0.005)
     if method == "stapo_gspo":  # S2T on GSPO: a sequence-level ratio, its mean summed over CP
         return method_loss_config("stapo", objective="gspo", tau_p=0.0015)
     correction = RolloutCorrectionConfig(mode="seq_mask", seq_lower=0.9, seq_upper=1.1)
@@ -127,10 +131,11 @@ def _sequence_inputs(config, model, groups, mbs):
     return max(float((mb.ref_logprob - mb.old_logprob)[mb.response_mask.bool()].abs().max()) for mb in mbs)
 
 
-def _train_worker(tp, layouts, budgets, method="stapo"):
+def _train_worker(tp, layouts, budgets, method="stapo", architecture=None):
     """For each CP size of ``layouts`` (same processes, parallel state rebuilt): two SGD updates
     on the same mini-batch with the token budget per rank of ``budgets`` and the loss of
-    `_loss_config` (``method``)."""
+    `_loss_config` (``method``); the model is the tiny GPT, or with ``architecture`` (a
+    `bridge.tiny` variant, e.g. "qwen3.5") that tiny model through the bridge."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -140,14 +145,25 @@ def _train_worker(tp, layouts, budgets, method="stapo"):
     from stapo_megatron.mcore.step import policy_update, wrap_model_and_optimizer
     from stapo_megatron.recipes.synthetic import build_tiny_gpt, tiny_gpt_config
 
-    prompts, responses, adv, lps = _rollouts()
+    spec = None
+    if architecture is not None:
+        from stapo_megatron.bridge.tiny import tiny_config
+
+        spec = tiny_config(architecture)
+    prompts, responses, adv, lps = _rollouts(vocab=spec["vocab_size"] if spec else VOCAB)
     loss_config = _loss_config(method)
     out = {}
     for cp, budget in zip(layouts, budgets):
         groups = init_parallel(tp, 1, context_parallel_size=cp)
         dp_size, dp_rank = dist.get_world_size(groups.dp), dist.get_rank(groups.dp)
         config = dataclasses.replace(tiny_gpt_config(tp), context_parallel_size=cp)
-        model = build_tiny_gpt(config, VOCAB, 64, core_attention="sdpa")
+        if spec is None:
+            model = build_tiny_gpt(config, VOCAB, 64, core_attention="sdpa")
+        else:
+            from stapo_megatron.bridge import build_gpt_model
+
+            model = build_gpt_model(spec, params_dtype=torch.float32, calculate_per_token_loss=True,
+                                    core_attention="sdpa")
         model, optimizer = wrap_model_and_optimizer(
             model, OptimConfig(optimizer="sgd", lr=0.5, weight_decay=0.0, clip_grad=0.0))
         mbs = _rank_microbatches((prompts, responses, adv, lps), groups, seed=3, layout=MicroBatchLayout(

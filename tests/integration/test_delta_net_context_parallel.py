@@ -1,7 +1,9 @@
 """Context parallelism of Qwen3.5's delta-net layers on gloo (tier b, megatron-core 0.19 and later,
 `mcore_versions.delta_net_has_context_parallel`; ``make test-mcore019`` runs it against 0.19.2):
 the tiny Qwen3.5 (2 key and 4 value delta-net heads, so CP = 2 splits them) on one packed row of
-three sequences at CP = 2 against CP = 1 with the same weights (`helpers.delta_net_cp_workers`).
+three sequences at CP = 2 against CP = 1 with the same weights (`helpers.delta_net_cp_workers`),
+and two STAPO updates at CP = 2 against CP = 1 (the dense model's training test on the tiny
+Qwen3.5, `helpers.context_parallel_workers`).
 
 Tolerances (fp32, CPU). CP = 2 computes the same per-token terms: the delta-net layers exchange
 the row all-to-all and run each whole sequence on half of the heads (the same recurrence per
@@ -48,3 +50,17 @@ def test_cp2_logits_and_gradients_equal_cp1():
             torch.testing.assert_close(got["grads"][name], want, atol=GRAD_RTOL * scale, rtol=0, msg=name)
         assert got["checkpoint"] == ref["checkpoint"]
         assert any(".conv1d.weight" in key for key in ref["checkpoint"])
+
+
+@pytest.mark.slow
+def test_cp2_trains_qwen35_as_cp1():
+    """The dense model's CP test (`test_context_parallel_training.test_cp2_trains_as_cp1`) on the
+    tiny Qwen3.5: CP=1 (DP=2) then CP=2 (DP=1) in the same processes, two STAPO updates on the
+    same mini-batch, the CP=2 budget per rank (24 tokens) below the longest sequence; loss,
+    counts, S2T mask, metrics and weights as CP=1 (`context_parallel_workers._check_same`'s
+    tolerances)."""
+    from tests.helpers.context_parallel_workers import _check_same, _train_worker
+
+    results = run_distributed(2, _train_worker, 1, (1, 2), (48, 24), "stapo_300", "qwen3.5")
+    assert max(res[2]["tokens"] for res in results) <= 24
+    _check_same(results, 2)

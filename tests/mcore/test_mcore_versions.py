@@ -59,6 +59,13 @@ def test_delta_net_takes_packed_input_from_0_18(monkeypatch, release, packed):
     assert mcore_versions.delta_net_takes_packed() is packed
 
 
+@pytest.mark.parametrize("release, cp", [((0, 16, 1), False), ((0, 18, 0), False), ((0, 19, 0), True),
+                                         ((0, 19, 2), True)])
+def test_delta_net_has_context_parallel_from_0_19(monkeypatch, release, cp):
+    monkeypatch.setattr(mcore_versions, "mcore_release", lambda: release)
+    assert mcore_versions.delta_net_has_context_parallel() is cp
+
+
 def test_delta_net_modules_are_where_the_layer_reads_fla_names():
     """0.16.1: the one module; 0.19.2: gdn.py (GatedDeltaNet) and common.py (its base class)."""
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet

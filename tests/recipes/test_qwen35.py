@@ -82,7 +82,8 @@ def test_context_parallelism_is_refused_before_megatron_core_0_19_naming_the_fie
     cp = 16  # more CP ranks than the 16 key heads leave per TP rank (8 and 4)
     with pytest.raises(ValueError, match=rf"linear_num_key_heads 16 per tensor_model_parallel_size {tp} rank "
                                          rf"\({16 // tp}\) is not divisible by model.context_parallel_size {cp}"):
-        build_config(size, check_paths=False, **{**overrides, "model": {**overrides["model"], "context_parallel_size": cp}})
+        build_config(size, check_paths=False,
+                     **{**overrides, "model": {**overrides["model"], "context_parallel_size": cp}})
 
 
 def test_sequence_parallelism_with_packing_is_refused_naming_the_fields():
