@@ -103,7 +103,9 @@ def torchvision_importable() -> bool:
     """Whether ``import torchvision`` works here."""
     try:
         import torchvision  # noqa: F401
-    except (ImportError, OSError):  # OSError: a CUDA-built wheel beside the CPU torch (libc10_cuda.so)
+    # OSError: a CUDA-built wheel beside the CPU torch (libc10_cuda.so); RuntimeError: its operator
+    # registrations without its library ("operator torchvision::nms does not exist")
+    except (ImportError, OSError, RuntimeError):
         return False
     return True
 
